@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point for the two set-up commands of the README:
+#   bash scripts/dev.sh serve [loraplex serve flags...]   -> starts the server (embedded demo model by default)
+#   bash scripts/dev.sh test  [pytest args...]            -> runs the whole test suite
+# Creates .venv at the repo root on first use and installs what is needed: CPU torch==2.13.0 when no
+# NVIDIA GPU is present, the normal CUDA build otherwise. Later runs reuse the venv (seconds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP="$VENV/.loraplex-installed"
+want="$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  else
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  echo "$want" > "$STAMP"
+fi
+
+cmd=${1:-test}
+shift || true
+case "$cmd" in
+  serve) exec "$VENV/bin/loraplex" serve "$@" ;;
+  test)  exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: bash scripts/dev.sh serve|test [args...]" >&2; exit 2 ;;
+esac
