@@ -1,0 +1,71 @@
+"""Reference attention backend in plain torch (the CPU path). Reads K/V only through block tables."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.attention.backend import AttentionBackend
+from core.attention.metadata import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [num_slots, Hkv, D]
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    blocks = cache.index_select(0, block_table)               # [nb, bs, Hkv, D]
+    return blocks.reshape(-1, num_kv_heads, head_dim)[:context_len]  # [L, Hkv, D]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta, scale)
+        for i in range(meta.num_prefills):
+            start, n = meta.prefill_query_starts[i], meta.prefill_query_lens[i]
+            out[start:start + n] = self._prefill(
+                q[start:start + n], k_cache, v_cache, meta.prefill_block_tables[i],
+                meta.prefill_context_lens[i], scale)
+        return out
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_len: int, scale: float) -> torch.Tensor:
+        num_new = q.shape[0]
+        k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)  # [Hkv, L, D]
+        qh = q.transpose(0, 1)                                            # [H, n, D]
+        num_cached = context_len - num_new
+        if num_cached == 0:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(num_cached, context_len, device=q.device)
+            k_pos = torch.arange(context_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]                        # [n, L]
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)                                           # [n, H, D]
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        tables = meta.decode_block_tables                                  # [B, nb]
+        num_seqs, num_blocks = tables.shape
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        flat = tables.reshape(-1)                                          # [B*nb]
+        k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        max_len = k.shape[1]
+        mask = torch.arange(max_len, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),                        # [B, H, 1, D]
+            k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return o.squeeze(2)                        # [B, H, D]

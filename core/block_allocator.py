@@ -1,0 +1,44 @@
+"""Free-list allocator of KV cache blocks. A block is free or handed out; it never is both."""
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks > 0, "the KV pool needs at least one block"
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        assert self.can_allocate(num_blocks), f"allocate({num_blocks}) with {len(self._free)} free"
+        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            assert not self._is_free[b], f"double free of block {b}"
+            self._is_free[b] = True
+            self._free.append(b)
+
+    def is_free(self, block: int) -> bool:
+        return self._is_free[block]
+
+    def check_integrity(self) -> None:
+        assert len(set(self._free)) == len(self._free), "duplicate block in the free list"
+        assert sum(self._is_free) == len(self._free), "free flags disagree with the free list"
+        assert all(self._is_free[b] for b in self._free), "a listed free block is marked used"

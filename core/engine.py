@@ -1,0 +1,127 @@
+"""The engine: owns the model, the KV pool, the scheduler; `step()` runs one iteration."""
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+from core.config import EngineConfig
+from core.detokenizer import IncrementalDetokenizer
+from core.engine_setup import EngineParts, build_engine_parts
+from core.errors import RequestRejected
+from core.outputs import RequestDelta
+from core.request import Request, RequestStatus
+from core.runner import build_model_input
+from core.sampler import SamplingBatch, compute_logprobs, logprob_entries, sample
+from core.sampling import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        self.config = config
+        p = parts or build_engine_parts(config)
+        self.parts = p
+        self.model, self.tokenizer, self.kv_caches = p.model, p.tokenizer, p.kv_caches
+        self.device, self.model_config = p.device, p.model_config
+        self.scheduler, self.kv = p.scheduler, p.kv
+        self.max_model_len, self.eos_token_ids = p.max_model_len, p.eos_token_ids
+        self.block_size = config.cache.block_size
+        self._rng = random.Random(config.seed)
+        self.stats = p.stats
+
+    # ---- admission ------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Validates a request against the context and the pool; returns its resolved max_tokens."""
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty", "invalid_prompt", "prompt")
+        remaining = self.max_model_len - num_prompt_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else remaining
+        if remaining < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+                f"the completion). Please reduce the length of the prompt or completion.",
+                "context_length_exceeded", "prompt")
+        num_blocks = -(-(num_prompt_tokens + max_tokens) // self.block_size)
+        if num_blocks > self.kv.num_blocks:
+            raise RequestRejected(
+                f"the request needs {num_blocks} KV blocks but the whole cache has {self.kv.num_blocks}; "
+                f"reduce the prompt or max_tokens", "context_length_exceeded", "max_tokens")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    namespace: str = "base", lora_slot_key: Any = None, grammar: Any = None) -> Request:
+        max_tokens = self.check_request(len(prompt_token_ids), params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                      max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids, namespace=namespace,
+                      lora_slot_key=lora_slot_key, grammar=grammar)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        self.scheduler.add_request(req)
+        self.stats.num_prompt_tokens += req.num_prompt_tokens
+        return req
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        return self._delta(req, [], [], finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one iteration --------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        batch = build_model_input(sched.scheduled, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
+        self.scheduler.update_after_step(sched)
+        self.stats.record_step(sched.num_batched_tokens, len(batch.requests))
+        if not batch.sample_requests:
+            return []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])                  # [N, vocab]
+        reqs = batch.sample_requests
+        sbatch = SamplingBatch.from_requests(reqs, logits.shape[-1], logits.device)
+        tokens_t = sample(logits, sbatch)
+        tokens = tokens_t.tolist()
+        lps: list = [None] * len(reqs)
+        if sbatch.max_logprobs >= 0:
+            chosen, tops = compute_logprobs(logits, tokens_t, sbatch.max_logprobs)
+            lps = logprob_entries(reqs, tokens, chosen, tops)
+        return [self._append_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+
+    def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.observe_ttft(now - req.arrival_time)
+        req.append_token(token)
+        self.stats.num_generation_tokens += 1
+        params = req.sampling_params
+        status = None
+        hit_stop_string = req.detokenizer.add_token(token)
+        if token in req.eos_token_ids and not params.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids or hit_stop_string:
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self.stats.observe_e2e(now - req.arrival_time)
+        return self._delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
+
+    def _delta(self, req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:
+        return RequestDelta(
+            request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
+            finished=finished, finish_reason=req.status.value if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

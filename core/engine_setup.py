@@ -1,0 +1,114 @@
+"""Builds what the engine owns: model, tokenizer, KV pool (sized from memory), scheduler."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.attention.backend import get_attention_backend
+from core.config import EngineConfig, ModelConfig
+from core.kv_cache_manager import KVCacheManager
+from core.metrics import EngineStats
+from core.models.llama import LlamaForCausalLM
+from core.models.loader import load_model, resolve_model_path
+from core.scheduler import Scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass
+class EngineParts:
+    model_dir: Path
+    model_config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: KVCacheManager
+    scheduler: Scheduler
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    stats: EngineStats
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(cfg.torch_dtype), torch.bfloat16) if cfg.torch_dtype in ("bfloat16", "float16") \
+        else torch.bfloat16
+
+
+def load_eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_bytes_per_block(cfg, cache.block_size, dtype)
+    if cache.kv_cache_memory is not None:
+        return max(1, cache.kv_cache_memory // per_block)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cache.gpu_memory_utilization) - (total - free)
+        return max(1, budget // per_block)
+    needed = -(-max_model_len // cache.block_size) * config.scheduler.max_num_seqs
+    return max(1, min(CPU_DEFAULT_KV_BYTES // per_block, needed))
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_path(config.model)
+    cfg = ModelConfig.from_path(model_dir)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, cfg, device)
+    max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
+    if cfg.sliding_window:
+        max_model_len = min(max_model_len, cfg.sliding_window)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
+    model = load_model(model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device)
+    num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
+    shape = (num_blocks, config.cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                 for _ in range(cfg.num_layers)]
+    kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+    scheduler = Scheduler(config.scheduler, kv, max_model_len)
+    torch.manual_seed(config.seed)
+    return EngineParts(model_dir=model_dir, model_config=cfg, model=model, tokenizer=tokenizer, device=device,
+                       dtype=dtype, kv_caches=kv_caches, kv=kv, scheduler=scheduler, max_model_len=max_model_len,
+                       eos_token_ids=load_eos_ids(model_dir, tokenizer), stats=EngineStats())

@@ -1,0 +1,101 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the style of vLLM."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from core.config import CacheConfig, EngineConfig, SchedulerConfig
+from core.engine import LLMEngine
+from core.outputs import CompletionOutput, RequestOutput
+from core.sampling import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: one sequence each, seeds derived so the n differ yet stay reproducible."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", seed: int = 0,
+                 lora_modules: dict[str, str] | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
+                 max_cpu_loras: int = 64, max_lora_rank: int = 64) -> None:
+        config = EngineConfig(
+            model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+            lora_modules=tuple((lora_modules or {}).items()))
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        return None, list(prompt)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | None | Sequence[str | None] = None,
+                 response_format: dict[str, Any] | None | Sequence[dict[str, Any] | None] = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        num = len(prompts)
+        params = self._per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
+        loras = self._per_prompt(lora, num, "lora")
+        formats = self._per_prompt(response_format, num, "response_format")
+        if any(l is not None for l in loras):
+            raise NotImplementedError("LoRA adapters are not available in this build yet")
+        if any(f not in (None, {"type": "text"}) for f in formats):
+            raise NotImplementedError("response_format is not available in this build yet")
+
+        engine = self.engine
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[int, int]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = self._encode(prompt)
+            results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
+                                         outputs=[], finished=False))
+            for j in range(p.n):
+                rid = f"{results[-1].request_id}-{j}"
+                engine.add_request(rid, ids, child_params(p, j))
+                children[rid] = (i, j)
+                results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
+                                                            logprobs=[] if p.logprobs is not None else None))
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                i, j = children[delta.request_id]
+                out = results[i].outputs[j]
+                out.text += delta.new_text
+                out.token_ids.extend(delta.new_token_ids)
+                if out.logprobs is not None:
+                    out.logprobs.extend(delta.new_logprobs)
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    results[i].num_cached_tokens = delta.num_cached_tokens
+        for r in results:
+            r.finished = True
+        return results
+
+    @staticmethod
+    def _per_prompt(value: Any, num: int, name: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != num:
+                raise ValueError(f"{name} has {len(value)} entries for {num} prompts")
+            return list(value)
+        return [value] * num

@@ -1,0 +1,55 @@
+"""What the engine hands back: per-step deltas for streaming, and whole outputs for the offline API."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# (token_id, logprob, [(alt_token_id, alt_logprob), ...] best first)
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step produced for one request (the unit streamed to the gateway)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None            # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    # convenience for n == 1 (the common case in tests and examples)
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

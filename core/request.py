@@ -1,0 +1,66 @@
+"""Per-request engine state: tokens, progress, KV block table and status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int                       # resolved (never None)
+    seed: int                             # effective sampling seed (drawn when the client gave none)
+    eos_token_ids: frozenset[int]
+    namespace: str = "base"               # prefix-cache namespace: "base" or an adapter generation id
+    lora_slot_key: Any = None             # adapter identity for the LoRA slot pool (None = base)
+    grammar: Any = None                   # per-request grammar matcher (None = unconstrained)
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_step: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    detokenizer: Any = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

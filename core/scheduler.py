@@ -1,0 +1,148 @@
+"""Iteration-level scheduler: one token budget over running requests first, then waiting ones.
+
+Running requests (decodes and unfinished chunked prefills) are served first, so prefills can never
+starve decode. Waiting requests are admitted in priority order (longest cached prefix first, with an
+aging bound so cold requests never starve) while the token budget, `max_num_seqs` and KV blocks allow.
+When blocks run out, the newest running request is preempted (recompute: it keeps its tokens, drops
+its KV, and goes back to the front of the queue).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from core.config import SchedulerConfig
+from core.kv_cache_manager import KVCacheManager
+from core.request import Request, RequestStatus
+from core.waiting_queue import WaitingQueue
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num new tokens)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(kv)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- queue management -----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        req.arrival_step = self.num_steps
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Ends a request in any state and releases everything it holds."""
+        assert status.finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.kv.cache_computed_blocks(req)
+            self.kv.free(req)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    # ---- one step -------------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, "a running request with nothing to compute"
+            while not self.kv.can_allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            self.kv.allocate(req, num_new)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            index += 1
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        self.num_steps += 1
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.prepare(self.num_steps)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting.peek()
+            if not req.block_ids:
+                num_cached = self.kv.match_prefix(req)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = num_cached
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_allocate(req, num_new):
+                self.kv.free(req)       # give back the matched prefix while it waits
+                req.num_computed_tokens = 0
+                break
+            self.kv.allocate(req, num_new)
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advances progress of the scheduled requests (called before new tokens are appended)."""
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(req)
+
+    def check_integrity(self) -> None:
+        live = list(self.running) + list(self.waiting)
+        assert len(live) == len(self.requests), "request bookkeeping mismatch"
+        for req in self.waiting:
+            assert req.status == RequestStatus.WAITING and not req.block_ids
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+        self.kv.check_integrity(live)
