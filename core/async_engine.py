@@ -1,0 +1,164 @@
+"""The engine loop in one background thread, with thread-safe submission and per-request streams.
+
+The asyncio server never touches tensors: it submits requests and aborts through locked lists, and
+receives `RequestDelta`s on a per-request asyncio.Queue, handed over in one batch per step with
+`call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from core.engine import LLMEngine
+from core.outputs import RequestDelta
+from core.sampling import SamplingParams
+
+log = logging.getLogger("loraplex.engine")
+
+
+@dataclass
+class _Submission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kwargs: dict[str, Any]
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._adds: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestDelta]]] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self.hooks: list[Callable[[], None]] = []   # run on the engine thread before each step
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- submission (event-loop side) -----------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               **kwargs: Any) -> asyncio.Queue[RequestDelta]:
+        """Validates synchronously (raises RequestRejected) and queues the request for the engine thread."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        self.engine.check_request(len(prompt_token_ids), params)
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        with self._lock:
+            assert request_id not in self._streams, f"duplicate request id {request_id}"
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._adds.append(_Submission(request_id, list(prompt_token_ids), params, kwargs))
+        self._wakeup.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wakeup.set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       **kwargs: Any) -> AsyncIterator[RequestDelta]:
+        """Streams the request's deltas; leaving early (client gone, cancelled) aborts it."""
+        queue = self.submit(request_id, prompt_token_ids, params, **kwargs)
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                if delta.error is not None:
+                    raise EngineDeadError(delta.error)
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]] = {}
+        with self._lock:
+            for d in deltas:
+                entry = self._streams.get(d.request_id)
+                if entry is None:
+                    continue
+                if d.finished:
+                    del self._streams[d.request_id]
+                by_loop.setdefault(entry[0], []).append((entry[1], d))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _drain_submissions(self) -> list[RequestDelta]:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        out: list[RequestDelta] = []
+        for s in adds:
+            try:
+                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, **s.kwargs)
+            except Exception as exc:  # rejected late: tell the waiting client
+                out.append(_error_delta(s.request_id, str(exc)))
+        for rid in aborts:
+            delta = self.engine.abort_request(rid)
+            if delta is not None:
+                out.append(delta)
+        return out
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                deltas = self._drain_submissions()
+                for hook in self.hooks:
+                    hook()
+                if self.engine.has_unfinished_requests():
+                    deltas.extend(self.engine.step())
+                elif not deltas:
+                    self._wakeup.wait(self._idle_wait_s)
+                    self._wakeup.clear()
+                if deltas:
+                    self._deliver(deltas)
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
+            self.error = exc
+            log.error("engine loop crashed: %s", traceback.format_exc())
+            with self._lock:
+                ids = list(self._streams)
+            self._deliver([_error_delta(rid, f"engine failure: {exc}") for rid in ids])
+
+
+def _put_all(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+
+
+def _error_delta(request_id: str, message: str) -> RequestDelta:
+    return RequestDelta(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason=None,
+                        num_prompt_tokens=0, num_output_tokens=0, error=message)
