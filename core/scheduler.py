@@ -8,7 +8,6 @@ its KV, and goes back to the front of the queue).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from core.config import SchedulerConfig
@@ -114,23 +113,44 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.prepare(self.num_steps)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting.peek()
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
             if not req.block_ids:
                 num_cached = self.kv.match_prefix(req)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_cached
+                if self._shares_uncached_prefix(req, prefilling):
+                    self.kv.free(req)   # in-batch dedup: compute the shared prefix once, match it next step
+                    req.num_computed_tokens = 0
+                    continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_allocate(req, num_new):
                 self.kv.free(req)       # give back the matched prefix while it waits
                 req.num_computed_tokens = 0
                 break
             self.kv.allocate(req, num_new)
-            self.waiting.pop()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))
+            prefilling.append(req)
             budget -= num_new
+
+    def _shares_uncached_prefix(self, req: Request, prefilling: list[Request]) -> bool:
+        """True if a request computing its prompt now covers at least one more full block of req's prompt."""
+        if self.kv.prefix_cache is None or self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
+            return False
+        bs = self.kv.block_size
+        start = req.num_computed_tokens
+        end = start + bs
+        if end >= req.num_prompt_tokens:
+            return False
+        mine = req.all_token_ids[start:end]
+        return any(other.namespace == req.namespace and other.num_prompt_tokens > end
+                   and other.all_token_ids[start:end] == mine and other.all_token_ids[:start] == req.all_token_ids[:start]
+                   for other in prefilling)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances progress of the scheduled requests (called before new tokens are appended)."""

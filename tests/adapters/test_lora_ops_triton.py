@@ -100,3 +100,33 @@ def test_triton_strided_input_rows():
     add_lora(y_ref[:, 10:26], x, stack, meta, backend="torch")
     add_lora(y_tri[:, 10:26], x, stack, meta, backend="triton")
     torch.testing.assert_close(y_tri, y_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_through_slot_pool_and_wrappers(dtype):
+    """The pool's stacked views driven through every fused group, Triton vs torch."""
+    from adapters.adapter import LoRAAdapter, LoRAModule
+    from adapters.dims import TARGET_MODULES, BaseModelDims, fused_groups
+    from adapters.slots import LoRASlotPool
+
+    dims = BaseModelDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                         head_dim=8, num_layers=1, vocab_size=16)
+    pool = LoRASlotPool(num_slots=4, max_rank=16, dims=dims, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    for slot_rank, targets in [(4, ["q_proj", "v_proj"]), (16, list(TARGET_MODULES)), (8, ["gate_proj", "down_proj"])]:
+        mods = {}
+        for name in targets:
+            in_f, out_f = dims.module_shape(name)
+            mods[(0, name)] = LoRAModule(torch.randn(slot_rank, in_f, generator=g) * 0.3,
+                                         torch.randn(out_f, slot_rank, generator=g) * 0.3, 1.5)
+        pool.load(f"r{slot_rank}", LoRAAdapter("x", "x", mods))
+    # slot 3 stays empty (zero tokens); r16 lives in slot 1.
+    meta = LoRABatchMeta.build([1, 1, -1, 0, 2, 2, 2, 1, -1, 0, 1], num_slots=4)
+    for gname, grp in fused_groups(dims).items():
+        x = torch.randn(meta.num_tokens, grp.in_features, generator=g).to(dtype)
+        y_ref = torch.randn(meta.num_tokens, grp.out_features, generator=g).to(dtype)
+        y_tri = y_ref.clone()
+        add_lora(y_ref, x, pool.stack(0, gname), meta, backend="torch")
+        add_lora(y_tri, x, pool.stack(0, gname), meta, backend="triton")
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+        torch.testing.assert_close(y_tri.float(), y_ref.float(), **tol)

@@ -1,0 +1,89 @@
+"""Backend choice for the LoRA ops: Triton kernels on CUDA, the torch reference elsewhere.
+
+`LORAPLEX_LORA_BACKEND=torch|triton` overrides the automatic choice (e.g. to debug a
+kernel against the reference on the same GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal, Optional
+
+import torch
+
+from adapters.lora_ops.metadata import LoRABatchMeta
+from adapters.lora_ops.stack import LoRAStack
+from adapters.lora_ops.torch_ops import torch_expand, torch_shrink
+
+Backend = Literal["torch", "triton"]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
+
+
+def select_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
+    choice = backend or os.environ.get("LORAPLEX_LORA_BACKEND") or "auto"
+    if choice == "auto":
+        return "triton" if t.is_cuda and triton_available() else "torch"
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"unknown LoRA backend {choice!r} (expected auto, torch or triton)")
+    if choice == "triton" and not triton_available():
+        raise RuntimeError("LoRA backend 'triton' requested but triton cannot be imported")
+    return choice  # type: ignore[return-value]
+
+
+def shrink(
+    x: torch.Tensor,  # [T, in]
+    stack: LoRAStack,
+    meta: LoRABatchMeta,
+    out: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """[T, in] x A^T -> [S, T_lora, R] float32 (rows in the meta's grouped token order;
+    only the first `rank` columns of each (slice, slot) are meaningful)."""
+    if select_backend(x, backend) == "triton":
+        from adapters.lora_ops.triton_ops import triton_shrink
+        return triton_shrink(x, stack, meta, out)
+    return torch_shrink(x, stack, meta, out)
+
+
+def expand(
+    y: torch.Tensor,  # [T, out_total]
+    h: torch.Tensor,  # [S, T_lora, R]
+    stack: LoRAStack,
+    meta: LoRABatchMeta,
+    y_offset: int = 0,
+    backend: Optional[str] = None,
+) -> None:
+    """In place: y[t, y_offset + off_s : ... + size_s] += scale * h[s] @ B_s^T per LoRA token."""
+    if select_backend(y, backend) == "triton":
+        from adapters.lora_ops.triton_ops import triton_expand
+        triton_expand(y, h, stack, meta, y_offset)
+        return
+    torch_expand(y, h, stack, meta, y_offset)
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, out_total]
+    x: torch.Tensor,  # [T, in]
+    stack: LoRAStack,
+    meta: LoRABatchMeta,
+    y_offset: int = 0,
+    backend: Optional[str] = None,
+) -> None:
+    """y += LoRA(x) for all slices of `stack`; no-op when the step has no LoRA token."""
+    if not meta.has_lora:
+        return
+    meta.check_num_tokens(x.shape[0])
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
+    chosen = select_backend(x, backend)
+    h = shrink(x, stack, meta, backend=chosen)  # [S, T_lora, R]
+    expand(y, h, stack, meta, y_offset, backend=chosen)

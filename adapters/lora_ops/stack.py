@@ -1,0 +1,103 @@
+"""Stacked LoRA weights of one (possibly fused) linear, as the shrink/expand ops take them.
+
+A fused linear (qkv, gate_up) has S slices; every slice has its own A per slot and its own
+rows of B. B rows of slice s are `slice_offsets[s] : slice_offsets[s] + slice_sizes[s]`,
+which are also the output columns (plus `y_offset`) the slice's delta is added to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRAStack:
+    lora_a: torch.Tensor  # [S, slots, R, in]
+    lora_b: torch.Tensor  # [slots, N, R], N >= max(slice_offsets[s] + slice_sizes[s])
+    ranks: torch.Tensor  # [S, slots] int32, real rank per (slice, slot); 0 = no LoRA
+    scalings: torch.Tensor  # [S, slots] float32
+    slice_offsets: tuple[int, ...]
+    slice_sizes: tuple[int, ...]
+    # Optional CPU mirrors (the slot pool keeps them) so the torch path never syncs.
+    ranks_host: Optional[torch.Tensor] = None  # [S, slots] int32, CPU
+    scalings_host: Optional[torch.Tensor] = None  # [S, slots] float32, CPU
+    slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
+
+    def __post_init__(self) -> None:
+        if self.lora_a.dim() != 4 or self.lora_b.dim() != 3:
+            raise ValueError("lora_a must be [S, slots, R, in] and lora_b [slots, N, R]")
+        s, slots, r, _ = self.lora_a.shape
+        if self.lora_b.shape[0] != slots or self.lora_b.shape[2] != r:
+            raise ValueError(
+                f"lora_b {tuple(self.lora_b.shape)} does not match lora_a {tuple(self.lora_a.shape)}")
+        if len(self.slice_offsets) != s or len(self.slice_sizes) != s:
+            raise ValueError("need one (offset, size) per slice")
+        if any(o < 0 or n <= 0 or o + n > self.lora_b.shape[1]
+               for o, n in zip(self.slice_offsets, self.slice_sizes)):
+            raise ValueError("slice rows out of range of lora_b")
+        spans = sorted(zip(self.slice_offsets, self.slice_sizes))
+        if any(o1 + n1 > o2 for (o1, n1), (o2, _) in zip(spans, spans[1:])):
+            raise ValueError("slices overlap (the expand kernel writes them concurrently)")
+        if tuple(self.ranks.shape) != (s, slots) or tuple(self.scalings.shape) != (s, slots):
+            raise ValueError("ranks and scalings must be [S, slots]")
+        if self.ranks.dtype != torch.int32 or self.scalings.dtype != torch.float32:
+            raise ValueError("ranks must be int32 and scalings float32")
+        if self.ranks.stride(-1) != 1 or self.scalings.stride(-1) != 1:
+            raise ValueError("ranks and scalings need a unit stride over slots (kernels index them)")
+        devices = {self.lora_a.device, self.lora_b.device, self.ranks.device, self.scalings.device}
+        if len(devices) != 1:
+            raise ValueError(f"LoRA stack tensors on several devices: {devices}")
+        if self.ranks.device.type == "cpu" and self.ranks.numel() and \
+                not 0 <= int(self.ranks.min()) <= int(self.ranks.max()) <= r:
+            raise ValueError(f"ranks must be in [0, {r}]")  # (not checked on GPU: no device sync)
+        meta = torch.tensor([list(self.slice_offsets), list(self.slice_sizes)], dtype=torch.int32)
+        object.__setattr__(self, "slice_meta", meta.to(self.lora_b.device))  # [2, S]
+
+    @property
+    def num_slices(self) -> int:
+        return self.lora_a.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.lora_a.shape[1]
+
+    @property
+    def max_rank(self) -> int:
+        return self.lora_a.shape[2]
+
+    @property
+    def in_features(self) -> int:
+        return self.lora_a.shape[3]
+
+    def host_ranks(self) -> list[list[int]]:
+        src = self.ranks_host if self.ranks_host is not None else self.ranks
+        return src.tolist()
+
+    def host_scalings(self) -> list[list[float]]:
+        src = self.scalings_host if self.scalings_host is not None else self.scalings
+        return src.tolist()
+
+    @classmethod
+    def from_slices(
+        cls,
+        a_list: Sequence[torch.Tensor],
+        b_list: Sequence[torch.Tensor],
+        ranks: Sequence[Sequence[int]],
+        scalings: Sequence[Sequence[float]],
+    ) -> "LoRAStack":
+        """Stack per-slice tensors (A_s `[slots, R, in]`, B_s `[slots, out_s, R]`) into one
+        stack whose B rows are the slices concatenated in order. Copies; for tests/tools."""
+        a = torch.stack(list(a_list))  # [S, slots, R, in]
+        b = torch.cat(list(b_list), dim=1)  # [slots, sum(out_s), R]
+        sizes = tuple(int(t.shape[1]) for t in b_list)
+        offsets = tuple(int(sum(sizes[:i])) for i in range(len(sizes)))
+        dev = a.device
+        return cls(
+            lora_a=a, lora_b=b,
+            ranks=torch.tensor(ranks, dtype=torch.int32, device=dev),
+            scalings=torch.tensor(scalings, dtype=torch.float32, device=dev),
+            slice_offsets=offsets, slice_sizes=sizes,
+        )

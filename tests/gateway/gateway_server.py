@@ -1,0 +1,87 @@
+"""Helper for the server tests: run `loraplex serve` as a real subprocess on a free port."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from core.tiny_models import TinyModelSpec, tiny_model_dir
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_model(root: Path) -> Path:
+    return tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=1024), root=root)
+
+
+def loraplex_command() -> list[str]:
+    script = Path(sys.executable).parent / "loraplex"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("loraplex")
+    return [found] if found else [sys.executable, "-m", "gateway"]
+
+
+class ServerProcess:
+    """Starts the server, waits for /health, and kills it (with its output shown on failure)."""
+
+    def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        self._log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="loraplex_server_", suffix=".log")
+        cmd = [*loraplex_command(), "serve", "--model", self.model, "--port", str(self.port), "--device", "cpu",
+               "--dtype", "float32", *extra]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(startup_timeout_s)
+
+    def output(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout_s}s:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of an unlabelled sample `name` in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)

@@ -1,0 +1,184 @@
+"""Bad requests, /health, /v1/models, /metrics and client disconnects against a real server (httpx)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from gateway_server import ServerProcess, metric_value, tiny_model
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_model(tmp_path_factory.mktemp("models")), "--max-model-len", str(MAX_MODEL_LEN),
+                         "--served-model-name", "tiny")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_health_and_models(http: httpx.Client, server: ServerProcess) -> None:
+    assert http.get("/health").status_code == 200
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    card = body["data"][0]
+    assert set(card) >= {"id", "object", "created", "owned_by", "root", "parent"}
+    assert card["id"] == "tiny" and card["object"] == "model" and card["owned_by"] == "loraplex"
+    assert card["root"] == server.model and card["parent"] is None and isinstance(card["created"], int)
+
+
+BAD_COMPLETIONS: list[tuple[str, Any, int, str | None, str | None]] = [
+    ("unknown field", {"prompt": "x", "frobnicate": 1}, 400, None, "frobnicate"),
+    ("negative max_tokens", {"prompt": "x", "max_tokens": -5}, 400, None, "max_tokens"),
+    ("zero max_tokens", {"prompt": "x", "max_tokens": 0}, 400, None, "max_tokens"),
+    ("max_tokens wrong type", {"prompt": "x", "max_tokens": "many"}, 400, None, "max_tokens"),
+    ("temperature wrong type", {"prompt": "x", "temperature": "hot"}, 400, None, "temperature"),
+    ("temperature out of range", {"prompt": "x", "temperature": -1}, 400, None, "temperature"),
+    ("prompt wrong type", {"prompt": {"text": "x"}}, 400, None, "prompt"),
+    ("prompt missing", {"max_tokens": 3}, 400, None, "prompt"),
+    ("empty prompt list", {"prompt": []}, 400, None, "prompt"),
+    ("token id out of vocab", {"prompt": [1, 10 ** 7]}, 400, None, "prompt"),
+    ("stream wrong type", {"prompt": "x", "stream": "yes"}, 400, None, "stream"),
+    ("echo", {"prompt": "x", "echo": True}, 400, None, "echo"),
+    ("penalty", {"prompt": "x", "presence_penalty": 0.5}, 400, None, "presence_penalty"),
+    ("logit_bias", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, None, "logit_bias"),
+    ("best_of", {"prompt": "x", "best_of": 3}, 400, None, "best_of"),
+    ("logprobs too many", {"prompt": "x", "logprobs": 6}, 400, None, "logprobs"),
+    ("json_object", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     "unsupported_response_format", "response_format"),
+    ("prompt longer than context", {"prompt": "word " * 400}, 400, "context_length_exceeded", None),
+    ("prompt + max_tokens over context", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400,
+     "context_length_exceeded", None),
+    ("unknown model", {"model": "nope", "prompt": "x"}, 404, "model_not_found", "model"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
+def test_bad_completion_requests(http: httpx.Client, case: tuple[str, Any, int, str | None, str | None]) -> None:
+    _, body, status, code, param = case
+    err = assert_error(http.post("/v1/completions", json={"model": "tiny", **body} if "model" not in body else body),
+                       status, code, param)
+    if param == "frobnicate":
+        assert "frobnicate" in err["message"]
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    assert_still_serving(http)
+
+
+BAD_CHATS: list[tuple[str, Any, str | None]] = [
+    ("bad role", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ("messages not a list", {"messages": "hello"}, "messages"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("unknown message field", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, None),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("json_schema", {"messages": [{"role": "user", "content": "x"}],
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CHATS, ids=[c[0] for c in BAD_CHATS])
+def test_bad_chat_requests(http: httpx.Client, case: tuple[str, Any, str | None]) -> None:
+    _, body, param = case
+    assert_error(http.post("/v1/chat/completions", json={"model": "tiny", **body}), 400, None, param)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe", b'"prompt"'])
+def test_malformed_json(http: httpx.Client, raw: bytes) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert assert_error(resp, 400)["type"] == "invalid_request_error"
+    assert_still_serving(http)
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+    assert_still_serving(http)
+
+
+def test_metrics_names(http: httpx.Client) -> None:
+    http.post("/v1/completions", json={"model": "tiny", "prompt": "metrics", "max_tokens": 3})
+    text = http.get("/metrics").text
+    for name in ("loraplex:num_requests_running", "loraplex:num_requests_waiting", "loraplex:kv_cache_usage_perc",
+                 "loraplex:cache_config_info{", "loraplex:lora_requests_info{", "loraplex:prompt_tokens_total",
+                 "loraplex:generation_tokens_total", "loraplex:prefix_cache_queries_total",
+                 "loraplex:prefix_cache_hits_total", "loraplex:time_to_first_token_seconds_bucket",
+                 "loraplex:e2e_request_latency_seconds_bucket", "loraplex:inter_token_latency_seconds_bucket"):
+        assert name in text, name
+    assert 'block_size="16"' in text
+    assert metric_value(text, "loraplex:generation_tokens_total") >= 1
+
+
+def _wait_idle(http: httpx.Client, timeout_s: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = http.get("/metrics").text
+        idle = (metric_value(text, "loraplex:num_requests_running") == 0
+                and metric_value(text, "loraplex:num_requests_waiting") == 0
+                and metric_value(text, "loraplex:kv_cache_usage_perc") == 0)
+        if idle or time.monotonic() > deadline:
+            assert idle, text
+            return text
+        time.sleep(0.05)
+
+
+def test_disconnect_mid_stream_aborts(http: httpx.Client, server: ServerProcess) -> None:
+    before = metric_value(_wait_idle(http), "loraplex:generation_tokens_total")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 8, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as own:
+        with own.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    json.loads(line[len("data: "):])
+                    seen += 1
+                if seen >= 3:
+                    break
+    generated = metric_value(_wait_idle(http), "loraplex:generation_tokens_total") - before
+    assert generated < 8 * 120, "the stream ran to the end: the disconnect did not abort it"
+    assert_still_serving(http)
+
+
+def test_disconnect_non_streaming_aborts(http: httpx.Client, server: ServerProcess) -> None:
+    before = metric_value(_wait_idle(http), "loraplex:generation_tokens_total")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 16}
+    with httpx.Client(base_url=server.url, timeout=0.15) as own:
+        with pytest.raises(httpx.TimeoutException):
+            own.post("/v1/completions", json=body)
+    generated = metric_value(_wait_idle(http), "loraplex:generation_tokens_total") - before
+    assert generated < 16 * 120, "the request ran to the end: the disconnect did not abort it"
+    assert_still_serving(http)
