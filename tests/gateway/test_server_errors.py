@@ -15,8 +15,8 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_model(tmp_path_factory.mktemp("models")), "--max-model-len", str(MAX_MODEL_LEN),
-                         "--served-model-name", "tiny")
+    model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
+    proc = ServerProcess(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny")
     yield proc
     proc.stop()
 
@@ -67,6 +67,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, int, str | None, str | None]] = [
     ("prompt missing", {"max_tokens": 3}, 400, None, "prompt"),
     ("empty prompt list", {"prompt": []}, 400, None, "prompt"),
     ("token id out of vocab", {"prompt": [1, 10 ** 7]}, 400, None, "prompt"),
+    ("seed beyond int64", {"prompt": "x", "seed": 2 ** 64, "temperature": 1.0}, 400, None, "seed"),
+    ("huge top_k", {"prompt": "x", "top_k": 2 ** 63, "temperature": 1.0}, 400, None, "top_k"),
     ("stream wrong type", {"prompt": "x", "stream": "yes"}, 400, None, "stream"),
     ("echo", {"prompt": "x", "echo": True}, 400, None, "echo"),
     ("penalty", {"prompt": "x", "presence_penalty": 0.5}, 400, None, "presence_penalty"),
@@ -85,8 +87,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, int, str | None, str | None]] = [
 @pytest.mark.parametrize("case", BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
 def test_bad_completion_requests(http: httpx.Client, case: tuple[str, Any, int, str | None, str | None]) -> None:
     _, body, status, code, param = case
-    err = assert_error(http.post("/v1/completions", json={"model": "tiny", **body} if "model" not in body else body),
-                       status, code, param)
+    err = assert_error(http.post("/v1/completions", json={"model": "tiny", **body}), status, code, param)
     if param == "frobnicate":
         assert "frobnicate" in err["message"]
     if status == 400:

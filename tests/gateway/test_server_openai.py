@@ -13,7 +13,7 @@ from gateway_server import ServerProcess, tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_model(tmp_path_factory.mktemp("models")), "--max-model-len", "256")
+    proc = ServerProcess(tiny_model(tmp_path_factory.getbasetemp() / "gateway_models"), "--max-model-len", "256")
     yield proc
     proc.stop()
 

@@ -1,0 +1,105 @@
+"""`loraplex serve ...`: the command line of DESIGN.md, parsed into a frozen `ServerConfig`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from gateway.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_module
+
+
+def _typed(kind: Callable[[str], object], check: Callable[[object], bool], what: str) -> Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) or f"invalid value {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    convert.__name__ = what
+    return convert
+
+
+_POS_INT = _typed(int, lambda v: v > 0, "a positive integer")          # type: ignore[operator]
+_PORT = _typed(int, lambda v: 0 <= v <= 65535, "a TCP port")           # type: ignore[operator]
+_FRACTION = _typed(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")      # type: ignore[operator]
+_BYTES = _typed(parse_bytes, lambda v: True, "a byte size")
+_LORA = _typed(parse_lora_module, lambda v: True, "NAME=PATH")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA LLM serving engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    s = sub.add_parser("serve", help="serve a base model (and its LoRA adapters) over an OpenAI-compatible API")
+    s.add_argument("--model", default=None, help="local HF model dir or hub id (default: the embedded demo model)")
+    s.add_argument("--served-model-name", default=None, help="name of the base model in the API (default: --model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=_PORT, default=8000)
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--lora-modules", type=_LORA, nargs="+", action="extend", default=[], metavar="NAME=PATH")
+    s.add_argument("--max-loras", type=_POS_INT, default=8)
+    s.add_argument("--max-cpu-loras", type=_POS_INT, default=64)
+    s.add_argument("--max-lora-rank", type=_POS_INT, default=64)
+    s.add_argument("--block-size", type=_POS_INT, default=16)
+    pool = s.add_mutually_exclusive_group()
+    pool.add_argument("--kv-cache-memory", type=_BYTES, default=None, metavar="BYTES")
+    pool.add_argument("--gpu-memory-utilization", type=_FRACTION, default=0.9)
+    s.add_argument("--max-num-seqs", type=_POS_INT, default=256)
+    s.add_argument("--max-num-batched-tokens", type=_POS_INT, default=2048)
+    s.add_argument("--max-model-len", type=_POS_INT, default=None, metavar="N")
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--api-key", default=None, metavar="KEY")
+    s.add_argument("--tenant-keys", type=Path, default=None, metavar="FILE")
+    s.add_argument("--admin-token", default=None, metavar="TOKEN")
+    s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
+    if args.model is None:
+        from core.llm import DEMO_MODEL_DIR
+
+        model, default_name = str(DEMO_MODEL_DIR), DEMO_SERVED_NAME
+    else:
+        model = default_name = args.model
+    if args.lora_modules:
+        parser.error("--lora-modules: LoRA adapters are not supported yet in this build")
+    names = [name for name, _ in args.lora_modules]
+    if len(set(names)) != len(names):
+        parser.error("--lora-modules: duplicate adapter name")
+    if args.tenant_keys is not None and not args.tenant_keys.is_file():
+        parser.error(f"--tenant-keys: no such file: {args.tenant_keys}")
+    if args.api_key is not None and not args.api_key:
+        parser.error("--api-key must not be empty")
+    return ServerConfig(
+        model=model, served_model_name=args.served_model_name or default_name, host=args.host, port=args.port,
+        device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key, tenant_keys=args.tenant_keys,
+        admin_token=args.admin_token)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help(sys.stderr)
+        return 2
+    config = config_from_args(args, parser)
+    from gateway.server import serve
+
+    try:
+        return serve(config, log_level=args.log_level)
+    except KeyboardInterrupt:  # interrupted while loading the model
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

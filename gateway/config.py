@@ -1,0 +1,78 @@
+"""The server's frozen configuration (what `loraplex serve` parsed) and its mapping to the engine config."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # core pulls in torch: keep `loraplex --help` fast
+    from core.config import EngineConfig
+
+DEMO_SERVED_NAME = "loraplex-demo"
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """`1073741824`, `512MiB`, `2GB`, `1.5g` -> bytes (decimal units for K/M/G, binary for KiB/MiB/GiB)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"not a byte size: {text!r} (use e.g. 2147483648, 512MiB, 2GB)")
+    value = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"byte size must be positive, got {text!r}")
+    return value
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`NAME=PATH` -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str                      # what the engine loads (a local dir or a hub id)
+    served_model_name: str          # the base model's name in the `model` field and /v1/models
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 8
+    max_cpu_loras: int = 64
+    max_lora_rank: int = 64
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    api_key: str | None = None
+    tenant_keys: Path | None = None
+    admin_token: str | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def engine_config(self) -> "EngineConfig":
+        from core.config import CacheConfig, EngineConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+            served_model_name=self.served_model_name,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=self.max_model_len),
+            max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
+            lora_modules=self.lora_modules)

@@ -1,0 +1,118 @@
+"""Runs the engine requests behind one API request (prompts x n children) concurrently, streaming or collected."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from core.async_engine import AsyncEngine, EngineDeadError
+from core.llm import child_params
+from core.outputs import RequestDelta, TokenLogprob
+from core.sampling import SamplingParams
+from gateway.metrics import GatewayMetrics, RequestTimer
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Child:
+    """One engine request: choice `index` of the API response."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def make_children(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Child]:
+    """Choice index = prompt index * n + sample index (the OpenAI order for a list of prompts)."""
+    n = params.n
+    children: list[Child] = []
+    for p, ids in enumerate(prompts):
+        base = request_id if len(prompts) == 1 else f"{request_id}-p{p}"
+        for i in range(n):
+            children.append(Child(p * n + i, p, f"{base}-{i}", ids, child_params(params, i)))
+    return children
+
+
+def admit(aeng: AsyncEngine, children: list[Child]) -> None:
+    """Synchronous admission before anything is streamed: 503 if the loop is dead, 400 if a child can never fit."""
+    if not aeng.alive:
+        raise EngineDeadError("the engine loop is not running")
+    for child in children:
+        aeng.engine.check_request(len(child.prompt_token_ids), child.params)
+
+
+async def _pump(aeng: AsyncEngine, child: Child, kwargs: dict[str, Any],
+                queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]]) -> None:
+    try:
+        async for delta in aeng.generate(child.request_id, child.prompt_token_ids, child.params, **kwargs):
+            queue.put_nowait((child.index, delta, None))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        queue.put_nowait((child.index, None, exc))
+
+
+async def merge_children(aeng: AsyncEngine, children: list[Child], kwargs: dict[str, Any],
+                         metrics: GatewayMetrics | None = None) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Yields (choice index, delta) from all children as they arrive; closing it aborts every unfinished child."""
+    queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
+    timers = {c.index: RequestTimer(metrics) for c in children}
+    tasks = [asyncio.create_task(_pump(aeng, c, kwargs, queue)) for c in children]
+    remaining = len(children)
+    try:
+        while remaining:
+            index, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            assert delta is not None
+            timers[index].on_tokens(len(delta.new_token_ids))
+            if delta.finished:
+                remaining -= 1
+                timers[index].on_finish(delta.finish_reason)
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+async def collect(aeng: AsyncEngine, children: list[Child], kwargs: dict[str, Any],
+                  metrics: GatewayMetrics | None = None) -> list[ChoiceResult]:
+    results = {c.index: ChoiceResult(c.index, num_prompt_tokens=len(c.prompt_token_ids)) for c in children}
+    stream = merge_children(aeng, children, kwargs, metrics)
+    try:
+        async for index, delta in stream:
+            r = results[index]
+            r.text += delta.new_text
+            r.token_ids.extend(delta.new_token_ids)
+            r.logprobs.extend(delta.new_logprobs)
+            if delta.finished:
+                r.finish_reason = delta.finish_reason
+                r.num_cached_tokens = delta.num_cached_tokens
+    finally:
+        await stream.aclose()
+    return [results[i] for i in sorted(results)]
+
+
+def usage(children: list[Child], num_completion_tokens: int) -> dict[str, int]:
+    """Prompt tokens count once per prompt (not once per sample); completions sum over all choices."""
+    prompt_tokens = sum({c.prompt_index: len(c.prompt_token_ids) for c in children}.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": prompt_tokens + num_completion_tokens}

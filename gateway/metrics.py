@@ -1,0 +1,115 @@
+"""Prometheus metrics: engine state read at scrape time, plus request latency histograms observed by the gateway."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("loraplex.gateway")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0)
+
+
+def _snapshot(items: Iterable[Any]) -> list[Any]:
+    """A copy of a queue the engine thread may be mutating (retried if it changed under us)."""
+    for _ in range(5):
+        try:
+            return list(items)
+        except RuntimeError:
+            continue
+    return []
+
+
+def _adapter_names(requests: Iterable[Any]) -> str:
+    keys = {str(r.lora_slot_key) for r in requests if getattr(r, "lora_slot_key", None) is not None}
+    return ",".join(sorted(keys))
+
+
+class EngineCollector(Collector):
+    """Reads the engine's scheduler, KV pool and counters when Prometheus scrapes (plain int reads)."""
+
+    def __init__(self, engine: Any, max_loras: int) -> None:
+        self.engine = engine
+        self.max_loras = max_loras
+
+    def collect(self) -> Iterator[Metric]:
+        eng = self.engine
+        sched, kv, stats = eng.scheduler, eng.kv, eng.stats
+        running, waiting = _snapshot(sched.running), _snapshot(sched.waiting)
+        yield GaugeMetricFamily("loraplex:num_requests_running", "Requests in the running batch.", value=len(running))
+        yield GaugeMetricFamily("loraplex:num_requests_waiting", "Requests waiting to be scheduled.",
+                                value=len(waiting))
+        yield GaugeMetricFamily("loraplex:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
+                                value=kv.usage())
+        info = GaugeMetricFamily("loraplex:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(kv.block_size), str(kv.num_blocks)], 1.0)
+        yield info
+        lora = GaugeMetricFamily("loraplex:lora_requests_info", "Running and waiting LoRA adapters.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric([str(self.max_loras), _adapter_names(running), _adapter_names(waiting)], time.time())
+        yield lora
+        counters = (
+            ("loraplex:prompt_tokens", "Prompt tokens admitted.", stats.num_prompt_tokens),
+            ("loraplex:generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            ("loraplex:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             kv.num_prefix_queries_tokens),
+            ("loraplex:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.num_prefix_hit_tokens),
+            ("loraplex:num_preemptions", "Requests preempted (recomputed).", sched.num_preemptions),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class GatewayMetrics:
+    """One registry per app (no global state): engine gauges and counters, request latency histograms."""
+
+    def __init__(self, engine: Any, max_loras: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine, max_loras))
+        self.ttft = Histogram("loraplex:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("loraplex:inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("loraplex:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.requests = Counter("loraplex:request_success", "Finished requests by finish reason.",
+                                labelnames=["finished_reason"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency of one engine request as the gateway sees it."""
+
+    def __init__(self, metrics: GatewayMetrics | None) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if self.metrics is None or num_tokens == 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe((now - self.last) / num_tokens)
+        self.last = now
+
+    def on_finish(self, finish_reason: str | None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.requests.labels(finished_reason=finish_reason or "error").inc()

@@ -1,0 +1,67 @@
+"""From a validated request body to engine inputs: `SamplingParams` and the response-format (grammar) hook."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from core.sampling import SamplingParams
+from gateway.errors import invalid
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _SamplingFields
+
+
+def resolve_response_format(response_format: Optional[ResponseFormat]) -> Any:
+    """The grammar hook: returns what the engine gets as `grammar=` (None: unconstrained).
+
+    `json_object` / `json_schema` are rejected until the grammar package is wired in here.
+    """
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_schema" and response_format.json_schema is None:
+        raise invalid("response_format.json_schema is required when type is 'json_schema'",
+                      param="response_format.json_schema")
+    raise invalid(f"response_format type {response_format.type!r} is not supported yet",
+                  param="response_format", code="unsupported_response_format")
+
+
+def _check_common(body: _SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options can only be set when stream is true", param="stream_options")
+    if (body.max_tokens is not None and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens):
+        raise invalid("max_tokens and max_completion_tokens disagree; set only one", param="max_tokens")
+    max_tokens = body.effective_max_tokens()
+    if max_tokens is not None and max_tokens < 1:
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise invalid(f"{name} must be at least 1, got {max_tokens}", param=name)
+    if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
+        raise invalid("stop_token_ids must be non-negative", param="stop_token_ids")
+
+
+def _params(body: _SamplingFields, logprobs: Optional[int]) -> SamplingParams:
+    _check_common(body)
+    stop = body.stop if body.stop is not None else ()
+    return SamplingParams(
+        n=body.num_choices,
+        max_tokens=body.effective_max_tokens(),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=body.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
+    )
+
+
+def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+    """Raises APIError / SamplingParamsError (both 400) for values the engine cannot serve."""
+    if body.best_of is not None and body.best_of != body.num_choices:
+        raise invalid("best_of is only supported when equal to n", param="best_of")
+    return _params(body, body.logprobs)
+
+
+def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    return _params(body, (body.top_logprobs or 0) if body.logprobs else None)

@@ -1,0 +1,151 @@
+"""Request bodies of the OpenAI-compatible API (pydantic v2, strict, unknown fields forbidden)."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+INT64_MAX = 2**63 - 1
+MAX_N = 128
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
+    seed: Optional[int] = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX - MAX_N)  # children use seed + i
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
+    n: Optional[int] = Field(default=None, ge=1, le=MAX_N)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: Optional[bool] = None
+    response_format: Optional[ResponseFormat] = None
+    user: Optional[str] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    skip_special_tokens: Optional[bool] = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _zero_penalty(cls, v: Optional[float]) -> Optional[float]:
+        if v not in (None, 0, 0.0):
+            raise ValueError("only 0 is supported (penalties are not implemented)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def effective_max_tokens(self) -> Optional[int]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: Optional[bool]) -> Optional[bool]:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: Optional[Union[str, dict[str, Any]]]) -> Optional[Union[str, dict[str, Any]]]:
+        if v not in (None, "none"):
+            raise ValueError("tool_choice is not supported")
+        return v
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _no_parallel_tools(cls, v: Optional[bool]) -> Optional[bool]:
+        if v is not None:
+            raise ValueError("parallel_tool_calls is not supported")
+        return v

@@ -1,0 +1,111 @@
+"""Server-sent events: `data: {json}\\n\\n` chunks, `data: [DONE]`, and aborting everything on client disconnect."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from core.outputs import RequestDelta
+from gateway.cancel import ClientDisconnected, run_until_disconnect
+from gateway.errors import from_exception
+from gateway.generation import Child, usage
+from gateway.responses import TokenTexts, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs
+
+log = logging.getLogger("loraplex.gateway")
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    request_id: str
+    created: int
+    model: str
+    children: list[Child]
+    include_usage: bool
+    texts: TokenTexts | None     # set when logprobs were requested
+
+
+async def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    outputs: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    try:
+        async for index, d in deltas:
+            outputs[index] = d.num_output_tokens
+            if not (d.new_text or d.finished or d.new_logprobs):
+                continue
+            logprobs = None
+            if info.texts is not None:
+                logprobs = completion_logprobs(d.new_logprobs, info.texts, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": index, "text": d.new_text, "logprobs": logprobs,
+                      "finish_reason": d.finish_reason if d.finished else None}
+            yield sse(completion_chunk(info.request_id, info.created, info.model, [choice]))
+        if info.include_usage:
+            yield sse(completion_chunk(info.request_id, info.created, info.model, [],
+                                       usage(info.children, sum(outputs.values()))))
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        yield sse(from_exception(exc).body())
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+async def chat_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    outputs: dict[int, int] = {}
+    try:
+        for child in info.children:
+            role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            yield sse(chat_chunk(info.request_id, info.created, info.model, [role]))
+        async for index, d in deltas:
+            outputs[index] = d.num_output_tokens
+            if not (d.new_text or d.finished or d.new_logprobs):
+                continue
+            choice = {"index": index, "delta": {"content": d.new_text} if d.new_text else {},
+                      "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
+                      "finish_reason": d.finish_reason if d.finished else None}
+            yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
+        if info.include_usage:
+            yield sse(chat_chunk(info.request_id, info.created, info.model, [],
+                                 usage(info.children, sum(outputs.values()))))
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        yield sse(from_exception(exc).body())
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+class SSEResponse(Response):
+    """Streams `events`; if the client disconnects, stops and closes `events` (which aborts the engine requests)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        # no super().__init__: it would declare `content-length: 0`
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self.events = events
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await run_until_disconnect(receive, self._stream(send))
+        except (ClientDisconnected, OSError):
+            log.debug("client disconnected during a stream; its requests were aborted")
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]

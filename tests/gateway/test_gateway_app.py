@@ -1,0 +1,104 @@
+"""The app in-process with a stand-in engine: API keys, a dead engine, metrics text, chat prompt encoding."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.app import build_app
+from gateway.config import ServerConfig
+from gateway.metrics import GatewayMetrics
+from gateway.models import ServedModels
+from gateway.prompts import PromptEncoder
+from gateway.protocol import ChatMessage
+from gateway.responses import TokenTexts
+from gateway.state import GatewayState
+
+
+class FakeTokenizer:
+    chat_template = None
+    bos_token = "<s>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + [ord(c) % 90 + 5 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def __len__(self) -> int:
+        return 100
+
+
+def fake_engine() -> Any:
+    scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
+    kv = SimpleNamespace(usage=lambda: 0.25, block_size=16, num_blocks=64, num_prefix_queries_tokens=10,
+                         num_prefix_hit_tokens=4)
+    stats = SimpleNamespace(num_prompt_tokens=7, num_generation_tokens=3)
+    return SimpleNamespace(scheduler=scheduler, kv=kv, stats=stats, tokenizer=FakeTokenizer(),
+                           check_request=lambda n, p: None)
+
+
+def client(alive: bool = True, api_key: str | None = None) -> TestClient:
+    engine = fake_engine()
+    config = ServerConfig(model="/models/base", served_model_name="base", api_key=api_key)
+    state = GatewayState(config=config, aeng=SimpleNamespace(alive=alive, engine=engine),  # type: ignore[arg-type]
+                         models=ServedModels("base", "/models/base"), encoder=PromptEncoder(engine.tokenizer, 100),
+                         texts=TokenTexts(engine.tokenizer), metrics=GatewayMetrics(engine, max_loras=8))
+    return TestClient(build_app(state))
+
+
+def test_api_key() -> None:
+    c = client(api_key="sk-test")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}):
+        resp = c.get("/v1/models", headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        post = c.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert post.status_code == 401
+    assert c.get("/v1/models", headers={"Authorization": "Bearer sk-test"}).status_code == 200
+    assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_dead_engine_is_503() -> None:
+    c = client(alive=False)
+    health = c.get("/health")
+    assert health.status_code == 503 and set(health.json()["error"]) == {"message", "type", "param", "code"}
+    resp = c.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable"
+    assert c.post("/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_metrics_text() -> None:
+    text = client().get("/metrics").text
+    assert "loraplex:kv_cache_usage_perc 0.25" in text
+    assert 'loraplex:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0' in text
+    assert 'max_lora="8"' in text and "loraplex:prompt_tokens_total 7.0" in text
+    assert "loraplex:prefix_cache_hits_total 4.0" in text
+
+
+def test_no_chat_template_is_400() -> None:
+    resp = client().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    from core.tiny_models import build_tokenizer
+
+    path: Path = build_tokenizer(tmp_path_factory.mktemp("tok"))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_chat_prompt_has_one_bos(tiny_tokenizer: Any) -> None:
+    enc = PromptEncoder(tiny_tokenizer, len(tiny_tokenizer))
+    ids = enc.chat_prompt([ChatMessage(role="system", content="s"), ChatMessage(role="user", content="hello")])
+    bos = tiny_tokenizer.bos_token_id
+    assert ids[0] == bos and ids.count(bos) == 1
+    text = tiny_tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|assistant|>\n") and "<|user|>\nhello<|end|>" in text
+    assert enc.completion_prompts("hello")[0][0] == bos          # plain prompts get the BOS from the tokenizer
+    assert enc.completion_prompts([[3, 4], [5]]) == [[3, 4], [5]]
