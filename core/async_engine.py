@@ -29,7 +29,11 @@ class _Submission:
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop is gone (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside a healthy engine (HTTP 500)."""
 
 
 class AsyncEngine:
@@ -93,7 +97,8 @@ class AsyncEngine:
             while not finished:
                 delta = await queue.get()
                 if delta.error is not None:
-                    raise EngineDeadError(delta.error)
+                    finished = True
+                    raise (RequestFailedError if self.alive else EngineDeadError)(delta.error)
                 finished = delta.finished
                 yield delta
         finally:

@@ -54,7 +54,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     namespace: str = "base", lora_slot_key: Any = None, grammar: Any = None) -> Request:
         max_tokens = self.check_request(len(prompt_token_ids), params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids, namespace=namespace,
                       lora_slot_key=lora_slot_key, grammar=grammar)

@@ -49,7 +49,7 @@ class SamplingBatch:
     @staticmethod
     def from_requests(reqs: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
         ps = [r.sampling_params for r in reqs]
-        top_ks = [p.effective_top_k or vocab_size for p in ps]
+        top_ks = [min(p.effective_top_k or vocab_size, vocab_size) for p in ps]
         return SamplingBatch(
             temperatures=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
             top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
@@ -91,7 +91,7 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -
     chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
     if num_top <= 0:
         return chosen, [[] for _ in chosen]
-    vals, ids = logp.topk(num_top, dim=-1)
+    vals, ids = logp.topk(min(num_top, logp.shape[-1]), dim=-1)
     tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
     return chosen, tops
 
