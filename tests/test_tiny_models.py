@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ SPECS: dict[str, TinyModelSpec] = {
     "mistral": TinyModelSpec(arch="mistral", seed=1),
     "qwen2": TinyModelSpec(arch="qwen2", tie_word_embeddings=True, seed=2),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread() -> Iterator[None]:
+    """Tiny models are overhead-bound; 1 thread is much faster when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -40,9 +40,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_len: int, scale: float) -> torch.Tensor:
         num_new = q.shape[0]
-        k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)  # [Hkv, L, D]
-        v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)  # [Hkv, L, D]
-        qh = q.transpose(0, 1)                                            # [H, n, D]
+        # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the slow math path
+        k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        qh = q.transpose(0, 1)[None]                                            # [1, H, n, D]
         num_cached = context_len - num_new
         if num_cached == 0:
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -51,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(context_len, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]                        # [n, L]
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)                                           # [n, H, D]
+        return o[0].transpose(0, 1)                                        # [n, H, D]
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
