@@ -5,8 +5,10 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
+from adapters.registry import LoadedAdapter
 from core.config import EngineConfig
 from core.detokenizer import IncrementalDetokenizer
 from core.engine_setup import EngineParts, build_engine_parts
@@ -30,6 +32,8 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         self._rng = random.Random(config.seed)
         self.stats = p.stats
+        self.lora_pool, self.registry = p.lora_pool, p.registry
+        self.scheduler.on_finish = self._on_finish
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -52,12 +56,16 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    namespace: str = "base", lora_slot_key: Any = None, grammar: Any = None) -> Request:
+                    lora: LoadedAdapter | None = None, grammar: Any = None) -> Request:
+        """Queues a request; `lora` is a registry entry (None = the base model)."""
         max_tokens = self.check_request(len(prompt_token_ids), params)
+        namespace = lora.namespace if lora is not None else "base"
         seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids, namespace=namespace,
-                      lora_slot_key=lora_slot_key, grammar=grammar)
+                      lora_slot_key=lora, grammar=grammar)
+        if lora is not None:
+            self.registry.acquire(lora)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         self.scheduler.add_request(req)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
@@ -72,14 +80,64 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- adapters -------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        """Reads, validates and registers an adapter (thread-safe; blocking file I/O)."""
+        return self.registry.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.registry.unload(name)
+
+    def resolve_lora(self, name: str | None) -> LoadedAdapter | None:
+        if name is None:
+            return None
+        entry = self.registry.get(name)
+        if entry is None:
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+        return entry
+
+    def _on_finish(self, req: Request) -> None:
+        if req.lora_slot_key is not None:
+            self.registry.release(req.lora_slot_key)
+
+    def _release_unloaded_adapters(self) -> None:
+        for entry in self.registry.take_released():
+            self.lora_pool.unload_adapter(entry.generation_id)
+            if self.kv.prefix_cache is not None:
+                self.kv.prefix_cache.clear_namespace(entry.namespace)
+
+    def _set_lora_batch(self, reqs: list[Request], num_new_tokens: list[int]) -> None:
+        if all(r.lora_slot_key is None for r in reqs):
+            self.lora_pool.context.clear()
+            return
+        slots: dict[int, int] = {}
+        per_req = []
+        for r in reqs:
+            entry = r.lora_slot_key
+            if entry is None:
+                per_req.append(-1)
+                continue
+            slot = slots.get(id(entry))
+            if slot is None:
+                slot = slots[id(entry)] = self.lora_pool.load(entry.generation_id, self.registry.host_weights(entry),
+                                                              pin=True)
+            per_req.append(slot)
+        self.lora_pool.context.set_batch(np.repeat(np.asarray(per_req, dtype=np.int64), num_new_tokens))
+
     # ---- one iteration --------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
+        self._release_unloaded_adapters()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
         batch = build_model_input(sched.scheduled, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
+        self._set_lora_batch(batch.requests, batch.num_new_tokens)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
+        finally:
+            self.lora_pool.unpin_all()
+            self.lora_pool.context.clear()
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(batch.requests))
         if not batch.sample_requests:
@@ -125,3 +183,5 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.registry.check_integrity()
+        self.lora_pool.check_integrity(deep=False)

@@ -35,6 +35,8 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: frozenset[int]
     stats: EngineStats
+    lora_pool: Any
+    registry: Any
 
 
 def resolve_device(device: str) -> torch.device:
@@ -102,13 +104,32 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
     model = load_model(model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device)
+    lora_pool, registry = build_lora(config, cfg, model, device, dtype)
     num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
     shape = (num_blocks, config.cache.block_size, cfg.num_kv_heads, cfg.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                  for _ in range(cfg.num_layers)]
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler, kv, max_model_len)
+    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.max_loras)
     torch.manual_seed(config.seed)
     return EngineParts(model_dir=model_dir, model_config=cfg, model=model, tokenizer=tokenizer, device=device,
                        dtype=dtype, kv_caches=kv_caches, kv=kv, scheduler=scheduler, max_model_len=max_model_len,
-                       eos_token_ids=load_eos_ids(model_dir, tokenizer), stats=EngineStats())
+                       eos_token_ids=load_eos_ids(model_dir, tokenizer), stats=EngineStats(),
+                       lora_pool=lora_pool, registry=registry)
+
+
+def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM, device: torch.device,
+               dtype: torch.dtype) -> tuple[Any, Any]:
+    """Device slot pool + wrappers on the fused linears + the registry with the start-up adapters."""
+    from adapters.dims import BaseModelDims
+    from adapters.layers import apply_lora_wrappers
+    from adapters.registry import AdapterRegistry
+    from adapters.slots import LoRASlotPool
+
+    dims = BaseModelDims.from_model_config(cfg)
+    pool = LoRASlotPool(config.max_loras, config.max_lora_rank, dims, device=device, dtype=dtype)
+    apply_lora_wrappers(model, pool)
+    registry = AdapterRegistry(dims, config.max_lora_rank, config.max_cpu_loras)
+    for name, path in config.lora_modules:
+        registry.load(name, path)
+    return pool, registry

@@ -59,21 +59,20 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
         loras = self._per_prompt(lora, num, "lora")
         formats = self._per_prompt(response_format, num, "response_format")
-        if any(l is not None for l in loras):
-            raise NotImplementedError("LoRA adapters are not available in this build yet")
+        entries = [self.engine.resolve_lora(name) for name in loras]
         if any(f not in (None, {"type": "text"}) for f in formats):
             raise NotImplementedError("response_format is not available in this build yet")
 
         engine = self.engine
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, entry) in enumerate(zip(prompts, params, entries)):
             text, ids = self._encode(prompt)
             results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
                                          outputs=[], finished=False))
             for j in range(p.n):
                 rid = f"{results[-1].request_id}-{j}"
-                engine.add_request(rid, ids, child_params(p, j))
+                engine.add_request(rid, ids, child_params(p, j), lora=entry)
                 children[rid] = (i, j)
                 results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
                                                             logprobs=[] if p.logprobs is not None else None))

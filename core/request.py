@@ -35,6 +35,7 @@ class Request:
     grammar: Any = None                   # per-request grammar matcher (None = unconstrained)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_step: int = 0
+    last_scheduled_step: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

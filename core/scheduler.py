@@ -9,6 +9,7 @@ its KV, and goes back to the front of the queue).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from core.config import SchedulerConfig
 from core.kv_cache_manager import KVCacheManager
@@ -21,6 +22,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num new tokens)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    adapters: set[Any] = field(default_factory=set)
 
     @property
     def empty(self) -> bool:
@@ -28,8 +30,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 8) -> None:
         self.cfg = cfg
+        self.max_loras = max_loras
+        self.on_finish: Callable[[Request], None] | None = None
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(kv)
@@ -68,6 +72,8 @@ class Scheduler:
             self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -84,12 +90,32 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push_front(req)
 
+    def _select_adapters(self) -> set[Any]:
+        """Adapters of running requests (admission keeps them at most `max_loras`)."""
+        adapters = {r.lora_slot_key for r in self.running if r.lora_slot_key is not None}
+        assert len(adapters) <= self.max_loras, "more adapters running than LoRA slots"
+        return adapters
+
+    def _adapter_allowed(self, req: Request, adapters: set[Any]) -> bool:
+        key = req.lora_slot_key
+        if key is None or key in adapters:
+            return True
+        if len(adapters) < self.max_loras:
+            adapters.add(key)
+            return True
+        return False
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        adapters = self._select_adapters()
+        out.adapters = adapters
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
+            if not self._adapter_allowed(req, adapters):
+                index += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, "a running request with nothing to compute"
             while not self.kv.can_allocate(req, num_new):
@@ -102,21 +128,26 @@ class Scheduler:
                 break
             self.kv.allocate(req, num_new)
             out.scheduled.append((req, num_new))
+            req.last_scheduled_step = self.num_steps
             budget -= num_new
             index += 1
 
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, adapters)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         self.num_steps += 1
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[Any]) -> None:
         self.waiting.prepare(self.num_steps)
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if not self._adapter_allowed(req, adapters):
+                if self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
+                    break   # an aged request waits for a slot: stop admitting others so running adapters drain
+                continue
             if not req.block_ids:
                 num_cached = self.kv.match_prefix(req)
                 if req.num_preemptions == 0:
@@ -135,6 +166,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, num_new))
+            req.last_scheduled_step = self.num_steps
             prefilling.append(req)
             budget -= num_new
 
