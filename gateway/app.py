@@ -124,6 +124,10 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if state.config.admin_token:
+        from gateway.admin import admin_routes
+
+        routes += admin_routes()
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception_handler,
                                                        Exception: unhandled_exception_handler})
     app.state.gateway = state

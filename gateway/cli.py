@@ -66,8 +66,6 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         model, default_name = str(DEMO_MODEL_DIR), DEMO_SERVED_NAME
     else:
         model = default_name = args.model
-    if args.lora_modules:
-        parser.error("--lora-modules: LoRA adapters are not supported yet in this build")
     names = [name for name, _ in args.lora_modules]
     if len(set(names)) != len(names):
         parser.error("--lora-modules: duplicate adapter name")

@@ -31,7 +31,7 @@ def _snapshot(items: Iterable[Any]) -> list[Any]:
 
 
 def _adapter_names(requests: Iterable[Any]) -> str:
-    keys = {str(r.lora_slot_key) for r in requests if getattr(r, "lora_slot_key", None) is not None}
+    keys = {r.lora_slot_key.name for r in requests if getattr(r, "lora_slot_key", None) is not None}
     return ",".join(sorted(keys))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import uvicorn
 
+from adapters.errors import AdapterError
 from gateway.app import build_app
 from gateway.config import ServerConfig
 from gateway.state import GatewayState
@@ -44,8 +45,8 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
     t0 = time.monotonic()
     try:
         aeng = _start_engine(config)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        print(f"loraplex: cannot load model {config.model!r}: {exc}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
+        print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
         return 1
     try:
         engine = aeng.engine

@@ -27,7 +27,7 @@ class GatewayState:
         engine = aeng.engine
         return GatewayState(
             config=config, aeng=aeng,
-            models=ServedModels(config.served_model_name, root=config.model),
+            models=ServedModels(config.served_model_name, root=config.model, registry=engine.registry),
             encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size),
             texts=TokenTexts(engine.tokenizer),
             metrics=GatewayMetrics(engine, config.max_loras))

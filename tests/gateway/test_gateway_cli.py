@@ -53,7 +53,6 @@ def test_defaults() -> None:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--lora-modules", "a=/tmp/a"], "not supported yet"),
     (["--kv-cache-memory", "1G", "--gpu-memory-utilization", "0.5"], "not allowed with"),
     (["--device", "tpu"], "invalid choice"),
     (["--port", "70000"], "--port"),
