@@ -26,9 +26,23 @@ class ModelInput:
     token_starts: list[int]               # first flat index of each request
 
 
+def decode_groups(context_lens: np.ndarray, block_size: int, max_ratio: float = 1.5,
+                  min_size: int = 8) -> list[tuple[int, int, int]]:
+    """Splits decodes (sorted by context length) into runs of similar length: (start, end, num_blocks)."""
+    groups: list[tuple[int, int, int]] = []
+    start = 0
+    num = len(context_lens)
+    for i in range(1, num + 1):
+        if i == num or (i - start >= min_size and context_lens[i] > max_ratio * context_lens[start]):
+            groups.append((start, i, int(-(-int(context_lens[i - 1]) // block_size))))
+            start = i
+    return groups
+
+
 def build_model_input(scheduled: list[tuple[Request, int]], block_size: int,
                       device: torch.device) -> ModelInput:
-    decodes = [(r, n) for r, n in scheduled if n == 1]
+    # decodes sorted by context length so the attention backend can group similar lengths (less padding)
+    decodes = sorted(((r, n) for r, n in scheduled if n == 1), key=lambda e: e[0].num_computed_tokens)
     prefills = [(r, n) for r, n in scheduled if n > 1]
     ordered = decodes + prefills
     reqs = [r for r, _ in ordered]
@@ -62,6 +76,7 @@ def build_model_input(scheduled: list[tuple[Request, int]], block_size: int,
         num_decode_tokens=num_decode,
         decode_block_tables=torch.from_numpy(tables[:num_decode, :decode_blocks].copy()).to(device),
         decode_context_lens=torch.from_numpy(context_lens[:num_decode].copy()).to(device),
+        decode_groups=decode_groups(context_lens[:num_decode], block_size),
         prefill_query_starts=cu[num_decode:-1].tolist(),
         prefill_query_lens=num_new[num_decode:].tolist(),
         prefill_context_lens=context_lens[num_decode:].tolist(),

@@ -23,6 +23,7 @@ class AttentionMetadata:
     prefill_context_lens: list[int]       # per prefill seq: cached + new tokens
     prefill_block_tables: list[torch.Tensor]  # per prefill seq: [num_blocks] int64
     block_size: int
+    decode_groups: list[tuple[int, int, int]] = None  # type: ignore[assignment]  # (start, end, num_blocks)
 
     @property
     def num_prefills(self) -> int:

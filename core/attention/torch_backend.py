@@ -27,8 +27,10 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens
-        if num_decode:
-            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta, scale)
+        for start, end, num_blocks in (meta.decode_groups or ([(0, num_decode, meta.decode_block_tables.shape[1])]
+                                                              if num_decode else [])):
+            out[start:end] = self._decode(q[start:end], k_cache, v_cache, meta.decode_block_tables[start:end, :num_blocks],
+                                          meta.decode_context_lens[start:end], scale)
         for i in range(meta.num_prefills):
             start, n = meta.prefill_query_starts[i], meta.prefill_query_lens[i]
             out[start:start + n] = self._prefill(
@@ -55,16 +57,16 @@ class TorchAttentionBackend(AttentionBackend):
         return o[0].transpose(0, 1)                                        # [n, H, D]
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        tables = meta.decode_block_tables                                  # [B, nb]
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, H, D]; tables [B, nb]; context_lens [B]."""
         num_seqs, num_blocks = tables.shape
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         flat = tables.reshape(-1)                                          # [B*nb]
         k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
         v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
         max_len = k.shape[1]
-        mask = torch.arange(max_len, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+        mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),                        # [B, H, 1, D]
             k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]

@@ -48,6 +48,7 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)                  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,8 +57,13 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)      # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)      # [T, 1, D]
+        last = self._last  # every layer of a step passes the same positions tensor: look up once
+        if last is not None and last[0] is positions and last[1] == q.dtype:
+            cos, sin = last[2], last[3]
+        else:
+            cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+            sin = self.sin[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+            self._last = (positions, q.dtype, cos, sin)
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k
