@@ -1,7 +1,9 @@
 """The engine: owns the model, the KV pool, the scheduler; `step()` runs one iteration."""
 from __future__ import annotations
 
+import dataclasses
 import random
+import threading
 import time
 from typing import Any
 
@@ -18,6 +20,7 @@ from core.request import Request, RequestStatus
 from core.runner import build_model_input
 from core.sampler import SamplingBatch, compute_logprobs, logprob_entries, sample
 from core.sampling import SamplingParams
+from core.structured import advance_grammar, apply_grammar_masks
 
 
 class LLMEngine:
@@ -34,6 +37,8 @@ class LLMEngine:
         self.stats = p.stats
         self.lora_pool, self.registry = p.lora_pool, p.registry
         self.scheduler.on_finish = self._on_finish
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -66,7 +71,9 @@ class LLMEngine:
                       lora_slot_key=lora, grammar=grammar)
         if lora is not None:
             self.registry.acquire(lora)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        # constrained requests never cut their text at stop strings (the grammar ends them)
+        detok_params = params if grammar is None else dataclasses.replace(params, stop=())
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params)
         self.scheduler.add_request(req)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
@@ -79,6 +86,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- structured generation ------------------------------------------------------------
+    @property
+    def grammar_compiler(self) -> Any:
+        """The grammar compiler over this tokenizer (built on first use; thread-safe afterwards)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from grammar.compiler import GrammarCompiler
+
+                self._compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 sorted(self.eos_token_ids))
+            return self._compiler
 
     # ---- adapters -------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> LoadedAdapter:
@@ -144,6 +163,7 @@ class LLMEngine:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices])                  # [N, vocab]
         reqs = batch.sample_requests
+        apply_grammar_masks(logits, reqs)
         sbatch = SamplingBatch.from_requests(reqs, logits.shape[-1], logits.device)
         tokens_t = sample(logits, sbatch)
         tokens = tokens_t.tolist()
@@ -163,7 +183,14 @@ class LLMEngine:
         params = req.sampling_params
         status = None
         hit_stop_string = req.detokenizer.add_token(token)
-        if token in req.eos_token_ids and not params.ignore_eos:
+        if req.grammar is not None:
+            # the grammar decides: EOS and stop tokens only count in final states; stop strings are not
+            # applied (they could cut the JSON); "only EOS left" ends the request without another forward
+            if advance_grammar(req, token):
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        elif token in req.eos_token_ids and not params.ignore_eos:
             status = RequestStatus.FINISHED_STOPPED
         elif token in params.stop_token_ids or hit_stop_string:
             status = RequestStatus.FINISHED_STOPPED

@@ -10,6 +10,7 @@ from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling import SamplingParams
+from grammar.matcher import GrammarMatcher
 
 PromptType = Union[str, list[int], dict[str, Any]]
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
@@ -60,19 +61,19 @@ class LLM:
         loras = self._per_prompt(lora, num, "lora")
         formats = self._per_prompt(response_format, num, "response_format")
         entries = [self.engine.resolve_lora(name) for name in loras]
-        if any(f not in (None, {"type": "text"}) for f in formats):
-            raise NotImplementedError("response_format is not available in this build yet")
+        compiled = [self._compile(f) for f in formats]
 
         engine = self.engine
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p, entry) in enumerate(zip(prompts, params, entries)):
+        for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
             text, ids = self._encode(prompt)
             results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
                                          outputs=[], finished=False))
             for j in range(p.n):
                 rid = f"{results[-1].request_id}-{j}"
-                engine.add_request(rid, ids, child_params(p, j), lora=entry)
+                matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
+                engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
                 children[rid] = (i, j)
                 results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
                                                             logprobs=[] if p.logprobs is not None else None))
@@ -90,6 +91,13 @@ class LLM:
         for r in results:
             r.finished = True
         return results
+
+    def _compile(self, response_format: dict[str, Any] | None) -> Any:
+        """None for free text, else the compiled grammar (raises grammar.GrammarError if unsupported)."""
+        from grammar import parse_response_format
+
+        spec = parse_response_format(response_format)
+        return None if spec is None else self.engine.grammar_compiler.compile(spec)
 
     @staticmethod
     def _per_prompt(value: Any, num: int, name: str) -> list[Any]:

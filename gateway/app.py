@@ -48,7 +48,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
 def _engine_kwargs(model: ResolvedModel, grammar: Any) -> dict[str, Any]:
     kwargs = model.engine_kwargs()
     if grammar is not None:
-        kwargs["grammar"] = grammar
+        kwargs["compiled_grammar"] = grammar   # each child gets its own matcher (gateway/generation.py)
     return kwargs
 
 
@@ -63,7 +63,7 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     model = state.models.resolve(body.model)
     params = completion_sampling_params(body)
-    kwargs = _engine_kwargs(model, resolve_response_format(body.response_format))
+    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine))
     request_id = new_request_id("cmpl")
     children = make_children(request_id, state.encoder.completion_prompts(body.prompt), params)
     admit(state.aeng, children)
@@ -84,7 +84,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = state.models.resolve(body.model)
     params = chat_sampling_params(body)
-    kwargs = _engine_kwargs(model, resolve_response_format(body.response_format))
+    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine))
     request_id = new_request_id("chatcmpl")
     children = make_children(request_id, [state.encoder.chat_prompt(body.messages)], params)
     admit(state.aeng, children)

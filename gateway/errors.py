@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from core.async_engine import EngineDeadError
+from grammar.errors import GrammarError
 from core.errors import RequestRejected
 from core.sampling import SamplingParamsError
 from gateway.cancel import ClientDisconnected
@@ -82,6 +83,8 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
     if isinstance(exc, RequestRejected):
+        return invalid(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, GrammarError):
         return invalid(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, SamplingParamsError):
         return invalid(str(exc), param=exc.param)

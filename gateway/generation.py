@@ -47,8 +47,21 @@ def admit(aeng: AsyncEngine, children: list[Child]) -> None:
         aeng.engine.check_request(len(child.prompt_token_ids), child.params)
 
 
+def engine_kwargs_for(child: Child, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Per-child engine arguments: a fresh grammar matcher for constrained requests."""
+    if "compiled_grammar" not in kwargs:
+        return kwargs
+    from grammar.matcher import GrammarMatcher
+
+    kwargs = dict(kwargs)
+    compiled = kwargs.pop("compiled_grammar")
+    kwargs["grammar"] = GrammarMatcher(compiled, stop_token_ids=child.params.stop_token_ids)
+    return kwargs
+
+
 async def _pump(aeng: AsyncEngine, child: Child, kwargs: dict[str, Any],
                 queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]]) -> None:
+    kwargs = engine_kwargs_for(child, kwargs)
     try:
         async for delta in aeng.generate(child.request_id, child.prompt_token_ids, child.params, **kwargs):
             queue.put_nowait((child.index, delta, None))

@@ -1,6 +1,7 @@
 """From a validated request body to engine inputs: `SamplingParams` and the response-format (grammar) hook."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional
 
 from core.sampling import SamplingParams
@@ -8,18 +9,23 @@ from gateway.errors import invalid
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _SamplingFields
 
 
-def resolve_response_format(response_format: Optional[ResponseFormat]) -> Any:
-    """The grammar hook: returns what the engine gets as `grammar=` (None: unconstrained).
+async def resolve_response_format(response_format: Optional[ResponseFormat], engine: Any) -> Any:
+    """The grammar hook: None (unconstrained) or the compiled grammar every child gets a matcher of.
 
-    `json_object` / `json_schema` are rejected until the grammar package is wired in here.
-    """
+    Admission is cheap and synchronous (schema checks -> 400 `unsupported_json_schema` naming the keyword);
+    compilation runs on the compiler's workers, de-duplicated and cached, with a timeout (-> 400)."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_schema" and response_format.json_schema is None:
         raise invalid("response_format.json_schema is required when type is 'json_schema'",
                       param="response_format.json_schema")
-    raise invalid(f"response_format type {response_format.type!r} is not supported yet",
-                  param="response_format", code="unsupported_response_format")
+    from grammar import parse_response_format
+
+    spec = parse_response_format(response_format.model_dump(by_alias=True, exclude_none=True))
+    if spec is None:
+        return None
+    compiler = engine.grammar_compiler
+    return await asyncio.wrap_future(compiler.submit(spec))
 
 
 def _check_common(body: _SamplingFields) -> None:

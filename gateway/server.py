@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,9 @@ def _start_engine(config: ServerConfig) -> Any:
     engine = LLMEngine(config.engine_config())
     aeng = AsyncEngine(engine)
     aeng.start()
+    # the grammar vocabulary and the json_object grammar are built in the background at start-up
+    threading.Thread(target=lambda: engine.grammar_compiler.warmup_json_object(), name="grammar-warmup",
+                     daemon=True).start()
     return aeng
 
 

@@ -1,0 +1,37 @@
+"""The engine's side of structured generation: mask the logits of constrained rows, advance matchers.
+
+The model never sees the grammar; this module only touches the logits of rows whose request carries
+a `grammar.GrammarMatcher`, with one batched bitmask apply per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from core.request import Request
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the grammar did not allow (a bug: masks make this impossible)."""
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """logits [N, V] of the sampled rows, masked in place where the request is constrained."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return
+    from grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
+
+    bitmask = allocate_token_bitmask(len(reqs), logits.shape[-1])          # [N, ceil(V/32)] all ones
+    for i in rows:
+        reqs[i].grammar.fill_bitmask(bitmask, i)
+    apply_token_bitmask_(logits, bitmask.to(logits.device, non_blocking=True),
+                         torch.tensor(rows, dtype=torch.int64, device=logits.device))
+
+
+def advance_grammar(req: Request, token: int) -> bool:
+    """Feeds the sampled token to the request's matcher; True when the output is complete
+    (EOS/stop accepted in a final state, or a state where only EOS remains)."""
+    matcher = req.grammar
+    if not matcher.accept_token(token):
+        raise GrammarViolation(f"request {req.request_id}: token {token} is not allowed by its grammar")
+    return matcher.is_terminated()
