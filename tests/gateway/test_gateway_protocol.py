@@ -111,11 +111,15 @@ def test_chat_rejections(kw: dict[str, Any], param: str | None) -> None:
 
 
 def test_response_format_hook() -> None:
-    assert resolve_response_format(completion(response_format={"type": "text"}).response_format) is None
-    assert resolve_response_format(None) is None
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-        err = api_error(lambda: resolve_response_format(completion(response_format=fmt).response_format))
-        assert err.status == 400 and err.code == "unsupported_response_format"
+    import asyncio
+
+    def run(fmt):
+        return asyncio.run(resolve_response_format(fmt, engine=None))  # text never touches the engine
+
+    assert run(completion(response_format={"type": "text"}).response_format) is None
+    assert run(None) is None
+    err = api_error(lambda: run(completion(response_format={"type": "json_schema"}).response_format))
+    assert err.status == 400 and err.param == "response_format.json_schema"
     bad = api_error(lambda: completion(response_format={"type": "xml"}))
     assert bad.param == "response_format.type"
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},

@@ -75,8 +75,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, int, str | None, str | None]] = [
     ("logit_bias", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, None, "logit_bias"),
     ("best_of", {"prompt": "x", "best_of": 3}, 400, None, "best_of"),
     ("logprobs too many", {"prompt": "x", "logprobs": 6}, 400, None, "logprobs"),
-    ("json_object", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
-     "unsupported_response_format", "response_format"),
+    ("unsupported_schema", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"not": {"type": "string"}}}}}, 400,
+     "unsupported_json_schema", "response_format.json_schema.schema"),
     ("prompt longer than context", {"prompt": "word " * 400}, 400, "context_length_exceeded", None),
     ("prompt + max_tokens over context", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400,
      "context_length_exceeded", None),
