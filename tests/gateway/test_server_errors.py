@@ -104,9 +104,13 @@ BAD_CHATS: list[tuple[str, Any, str | None]] = [
     ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs"),
     ("tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ("json_schema", {"messages": [{"role": "user", "content": "x"}],
-                     "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
-     "response_format"),
+    ("json_schema without schema object", {"messages": [{"role": "user", "content": "x"}],
+                                           "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ("json_schema with unsupported keyword", {"messages": [{"role": "user", "content": "x"}],
+                                              "response_format": {"type": "json_schema", "json_schema": {
+                                                  "name": "a", "schema": {"not": {"type": "string"}}}}},
+     "response_format.json_schema.schema"),
 ]
 
 
