@@ -61,14 +61,14 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    lora: LoadedAdapter | None = None, grammar: Any = None) -> Request:
-        """Queues a request; `lora` is a registry entry (None = the base model)."""
+                    lora: LoadedAdapter | None = None, grammar: Any = None, tenant: str | None = None) -> Request:
+        """Queues a request; `lora` is a registry entry (None = the base model); `tenant` feeds fair scheduling."""
         max_tokens = self.check_request(len(prompt_token_ids), params)
         namespace = lora.namespace if lora is not None else "base"
         seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                       max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids, namespace=namespace,
-                      lora_slot_key=lora, grammar=grammar)
+                      lora_slot_key=lora, grammar=grammar, tenant=tenant)
         if lora is not None:
             self.registry.acquire(lora)
         # constrained requests never cut their text at stop strings (the grammar ends them)

@@ -33,6 +33,7 @@ class Request:
     namespace: str = "base"               # prefix-cache namespace: "base" or an adapter generation id
     lora_slot_key: Any = None             # adapter identity for the LoRA slot pool (None = base)
     grammar: Any = None                   # per-request grammar matcher (None = unconstrained)
+    tenant: str | None = None             # who pays for it (fair scheduling, per-tenant metrics)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_step: int = 0
     last_scheduled_step: int = 0
