@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from core.config import SchedulerConfig
 from core.kv_cache_manager import KVCacheManager
+from core.fairness import VirtualTokenCounter
 from core.request import Request, RequestStatus
 from core.waiting_queue import WaitingQueue
 
@@ -36,7 +37,10 @@ class Scheduler:
         self.on_finish: Callable[[Request], None] | None = None
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting = WaitingQueue(kv)
+        if cfg.policy not in ("fcfs", "fair"):
+            raise ValueError(f"unknown scheduling policy {cfg.policy!r} (fcfs | fair)")
+        self.fairness = VirtualTokenCounter() if cfg.policy == "fair" else None
+        self.waiting = WaitingQueue(kv, fairness=self.fairness)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -47,6 +51,8 @@ class Scheduler:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.arrival_step = self.num_steps
         self.requests[req.request_id] = req
+        if self.fairness is not None:
+            self.fairness.on_arrival(req)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -72,6 +78,8 @@ class Scheduler:
             self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
+        if self.fairness is not None:
+            self.fairness.on_finish(req)
         if self.on_finish is not None:
             self.on_finish(req)
 
@@ -187,6 +195,8 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances progress of the scheduled requests (called before new tokens are appended)."""
         for req, num_new in out.scheduled:
+            if self.fairness is not None:
+                self.fairness.charge(req, num_new)
             req.num_computed_tokens += num_new
             self.kv.cache_computed_blocks(req)
 

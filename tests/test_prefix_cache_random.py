@@ -19,9 +19,9 @@ from core.scheduler import Scheduler
 BS = 4
 
 
-def make_request(rid: str, tokens: list[int], ns: str, max_tokens: int) -> Request:
+def make_request(rid: str, tokens: list[int], ns: str, max_tokens: int, tenant: str | None = None) -> Request:
     return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=max_tokens),
-                   max_tokens=max_tokens, seed=0, eos_token_ids=frozenset(), namespace=ns)
+                   max_tokens=max_tokens, seed=0, eos_token_ids=frozenset(), namespace=ns, tenant=tenant)
 
 
 def random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
@@ -51,7 +51,8 @@ def test_scheduler_random_ops(seed: int) -> None:
     num_blocks = rng.choice([12, 24, 48])
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=seed % 3 != 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]),
-                                      max_num_batched_tokens=rng.choice([3, 8, 32])), kv, max_model_len=40)
+                                      max_num_batched_tokens=rng.choice([3, 8, 32]),
+                                      policy="fair" if seed % 2 else "fcfs"), kv, max_model_len=40)
     prefixes = [[rng.randrange(50) for _ in range(24)] for _ in range(3)]
     namespaces = ["base", "gen-1", "gen-2"]
     shadow = Shadow()
@@ -63,7 +64,8 @@ def test_scheduler_random_ops(seed: int) -> None:
             tokens = random_prompt(rng, prefixes)
             max_tokens = rng.randint(1, 8)
             if -(-(len(tokens) + max_tokens) // BS) <= num_blocks:
-                sched.add_request(make_request(str(next_id), tokens, rng.choice(namespaces), max_tokens))
+                sched.add_request(make_request(str(next_id), tokens, rng.choice(namespaces), max_tokens,
+                                               tenant=rng.choice(["t1", "t2", None])))
                 next_id += 1
         elif op < 0.3 and sched.requests:
             sched.abort(rng.choice(list(sched.requests)))
