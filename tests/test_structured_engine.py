@@ -1,0 +1,103 @@
+"""Structured generation in the engine: constrained and free requests (and adapters) in one batch."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from conftest import model_dir
+from core import LLM, SamplingParams
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age"], "additionalProperties": False}
+CHOICE = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def rf(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=512)
+
+
+def validate(text: str, schema: dict | None) -> None:
+    value = json.loads(text)
+    if schema is not None:
+        jsonschema.Draft202012Validator(schema).validate(value)
+
+
+def test_mixed_batch_constrained_and_free(llm: LLM) -> None:
+    prompts = ["def f(x):", "import os", "class A:", "x = 1", "for i in", "while True:"]
+    free = SamplingParams(max_tokens=24, temperature=0.0)
+    alone = [o.token_ids for o in llm.generate(prompts[:2], free)]
+    formats = [None, rf(PERSON), None, rf(CHOICE), {"type": "json_object"}, rf(PERSON)]
+    params = [free, SamplingParams(max_tokens=120, temperature=0.8, seed=1), free,
+              SamplingParams(max_tokens=40, temperature=0.0), SamplingParams(max_tokens=60, temperature=0.0),
+              SamplingParams(max_tokens=120, temperature=1.0, seed=2)]
+    reordered = [prompts[0], prompts[1], prompts[0], prompts[1], prompts[4], prompts[5]]
+    outs = llm.generate(reordered, params, response_format=formats)
+    assert outs[0].token_ids == alone[0] and outs[2].token_ids == alone[0]  # free requests unaffected
+    schemas = [None, PERSON, None, CHOICE, None, PERSON]
+    for out, fmt, schema in zip(outs, formats, schemas):
+        if fmt is not None and out.finish_reason == "stop":
+            validate(out.text, schema)
+    assert outs[3].finish_reason == "stop"
+    llm.engine.check_integrity()
+
+
+def test_stop_only_in_final_states_across_seeds(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=150, temperature=1.0, seed=s) for s in range(24)]
+    outs = llm.generate(["data = "] * 24, params, response_format=rf(PERSON))
+    num_stop = 0
+    for out in outs:
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":
+            validate(out.text, PERSON)
+            num_stop += 1
+    assert num_stop >= 12
+
+
+def test_only_eos_left_ends_even_with_ignore_eos(llm: LLM) -> None:
+    out = llm.generate("q", SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+                       response_format=rf(CHOICE))[0]
+    assert out.finish_reason == "stop"
+    validate(out.text, CHOICE)
+    assert len(out.token_ids) < 64
+
+
+def test_max_tokens_truncation_is_length(llm: LLM) -> None:
+    out = llm.generate("q", SamplingParams(max_tokens=3, temperature=0.0), response_format=rf(PERSON))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_stop_strings_do_not_cut_json(llm: LLM) -> None:
+    out = llm.generate("q", SamplingParams(max_tokens=64, temperature=0.0, stop=['"', ":"]),
+                       response_format=rf(CHOICE))[0]
+    assert out.finish_reason == "stop"
+    validate(out.text, CHOICE)
+
+
+def test_whitespace_cannot_loop(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=s) for s in range(8)]
+    for out in llm.generate(["{"] * 8, params, response_format={"type": "json_object"}):
+        structure = re.sub(r'"(?:[^"\\]|\\.)*"?', '""', out.text)   # whitespace inside strings is data
+        assert not re.search(r"\s{3,}", structure), repr(out.text)
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+
+
+def test_unsupported_schema_is_rejected(llm: LLM) -> None:
+    from grammar import GrammarError
+
+    with pytest.raises(GrammarError) as err:
+        llm.generate("q", SamplingParams(max_tokens=8), response_format=rf({"not": {"type": "string"}}))
+    assert err.value.code == "unsupported_json_schema" and "not" in err.value.message
+    assert not llm.engine.has_unfinished_requests()
