@@ -9,6 +9,8 @@ at random, see grammar/sim.py), each finished output validated with jsonschema D
   declared coverage = accepted / total
   compliance        = schemas whose finished outputs all validate / accepted schemas with a finished output
   compile time      = admission (schema -> regex) + index build, per accepted schema
+  mask fill time    = GrammarMatcher.fill_bitmask per constrained row per step (cold and cached
+                      masks mixed, as in serving), plus the json_object start-up compile time
 
 Usage: python benchmarks/grammar_coverage.py [--limit N] [--walks 3] [--folders Glaiveai2K ...]
 Writes benchmarks/results/grammar_coverage.{json,md}.
@@ -33,7 +35,8 @@ from jsonschema import Draft202012Validator  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from core.tiny_models import build_tokenizer  # noqa: E402
-from grammar import GrammarCompiler, GrammarError, parse_response_format  # noqa: E402
+from grammar import GrammarCompiler, GrammarError, GrammarMatcher, allocate_token_bitmask  # noqa: E402
+from grammar import json_object_spec, parse_response_format  # noqa: E402
 from grammar.sim import distances_to_final, random_walk  # noqa: E402
 
 FOLDERS = ("Glaiveai2K", "Github_trivial", "Github_easy", "Kubernetes")
@@ -47,7 +50,20 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_schema(compiler: GrammarCompiler, schema: object, walks: int, rng: random.Random, timeout: float) -> dict:
+def time_mask_fills(compiler: GrammarCompiler, compiled, token_ids: tuple[int, ...], out: list[float]) -> None:  # noqa: ANN001
+    """Replay a generation and time fill_bitmask at every step (seconds appended to `out`)."""
+    bitmask = allocate_token_bitmask(1, compiler.vocab_size)
+    matcher = GrammarMatcher(compiled)
+    for token in token_ids:
+        start = time.perf_counter()
+        matcher.fill_bitmask(bitmask, 0)
+        out.append(time.perf_counter() - start)
+        matcher.accept_token(token)
+
+
+def run_schema(
+    compiler: GrammarCompiler, schema: object, walks: int, rng: random.Random, timeout: float, fills: list[float]
+) -> dict:
     out: dict = {"accepted": False}
     start = time.perf_counter()
     try:
@@ -66,6 +82,7 @@ def run_schema(compiler: GrammarCompiler, schema: object, walks: int, rng: rando
     failures = []
     for _ in range(walks):
         walk = random_walk(compiled, token_bytes, rng, max_tokens=3000, dist=dist)
+        time_mask_fills(compiler, compiled, walk.token_ids, fills)
         if not walk.finished:
             continue
         finished += 1
@@ -89,9 +106,10 @@ def run_folder(compiler: GrammarCompiler, folder: str, limit: int | None, walks:
     compile_times: list[float] = []
     reasons: Counter[str] = Counter()
     failures: dict[str, list[str]] = {}
+    fills: list[float] = []
     for name in files:
         schema = json.loads((DATA / folder / name).read_text())
-        r = run_schema(compiler, schema, walks, rng, timeout)
+        r = run_schema(compiler, schema, walks, rng, timeout, fills)
         if not r["accepted"]:
             reasons[r["reason"].split(" at ")[0][:100]] += 1
             continue
@@ -118,6 +136,8 @@ def run_folder(compiler: GrammarCompiler, folder: str, limit: int | None, walks:
         "compile_s_p50": pct(compile_times, 0.5),
         "compile_s_p90": pct(compile_times, 0.9),
         "compile_s_max": max(compile_times, default=0.0),
+        "mask_fill_us_p50": pct(fills, 0.5) * 1e6,
+        "mask_fill_us_p99": pct(fills, 0.99) * 1e6,
         "rejections": dict(reasons.most_common(12)),
         "failures": failures,
     }
@@ -130,15 +150,19 @@ def to_markdown(report: dict) -> str:
         f"Tokenizer: tiny byte-level BPE ({report['vocab_size']} tokens); {report['walks']} random constrained "
         f"generations per schema; compile timeout {report['timeout_s']} s; {report['cpu_count']} CPU cores.",
         "",
-        "| folder | schemas | declared coverage | compliance | empirical coverage | compile p50 | compile p90 | compile max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| folder | schemas | declared coverage | compliance | empirical coverage | compile p50 | compile p90 "
+        "| compile max | mask fill p50 / p99 per row per step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for folder, r in report["folders"].items():
         lines.append(
             f"| {folder} | {r['schemas']} | {r['declared_coverage']:.1%} | {r['compliance']:.1%} "
             f"({r['compliant_schemas']}/{r['schemas_with_finished_output']}) | {r['empirical_coverage']:.1%} | "
-            f"{r['compile_s_p50'] * 1000:.1f} ms | {r['compile_s_p90'] * 1000:.1f} ms | {r['compile_s_max']:.2f} s |"
+            f"{r['compile_s_p50'] * 1000:.1f} ms | {r['compile_s_p90'] * 1000:.1f} ms | {r['compile_s_max']:.2f} s | "
+            f"{r['mask_fill_us_p50']:.0f} us / {r['mask_fill_us_p99']:.0f} us |"
         )
+    lines += ["", f"json_object grammar compile at start-up: {report['json_object_compile_s'] * 1000:.0f} ms "
+              f"(index build in the worker; {report['json_object_states_note']})."]
     lines += ["", "## Rejections (top reasons)", ""]
     for folder, r in report["folders"].items():
         lines.append(f"- {folder}: " + ("; ".join(f"{v}x {k}" for k, v in r["rejections"].items()) or "none"))
@@ -163,6 +187,11 @@ def main() -> int:
     report = {"vocab_size": len(tokenizer), "walks": args.walks, "timeout_s": args.timeout,
               "cpu_count": os.cpu_count(), "limit": args.limit, "folders": {}}
     try:
+        start = time.perf_counter()
+        compiled = compiler.compile(json_object_spec())
+        report["json_object_compile_s"] = compiled.compile_seconds
+        report["json_object_wall_s"] = time.perf_counter() - start  # includes the worker start
+        report["json_object_states_note"] = f"serialized index {compiled.nbytes / 1e6:.1f} MB"
         for folder in args.folders:
             start = time.perf_counter()
             r = run_folder(compiler, folder, args.limit, args.walks, args.seed, args.timeout)

@@ -1,0 +1,79 @@
+"""Grammar compile worker: a child process that builds outlines-core indexes.
+
+Run as a script (`python grammar/_worker.py`), so it imports only the standard library
+and outlines_core (no torch, no package __init__).  The parent can kill it at any time
+(compile timeout); when the parent goes away its stdin closes and the worker exits.
+
+Protocol on stdin/stdout: frames of an 8-byte little-endian length + a pickle.
+  parent -> worker: ("init", eos_token_id, {token_bytes: [ids]}), then ("compile", regex)...
+  worker -> parent: ("ready",) after init; ("ok", index_pickle, seconds) or ("err", message)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from typing import Any, BinaryIO
+
+HEADER = 8
+
+
+def write_frame(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(len(data).to_bytes(HEADER, "little") + data)
+    stream.flush()
+
+
+def read_exact(stream: BinaryIO, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = stream.read(n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(stream: BinaryIO) -> Any:
+    header = read_exact(stream, HEADER)
+    if header is None:
+        return None
+    body = read_exact(stream, int.from_bytes(header, "little"))
+    return None if body is None else pickle.loads(body)
+
+
+def main() -> int:
+    import outlines_core
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames on the real stdout
+    vocabulary = None
+    while True:
+        message = read_frame(stdin)
+        if message is None:
+            return 0
+        if message[0] == "init":
+            _, eos_token_id, token_map = message
+            vocabulary = outlines_core.Vocabulary(eos_token_id, token_map)
+            write_frame(stdout, ("ready",))
+        elif message[0] == "compile":
+            start = time.perf_counter()
+            try:
+                index = outlines_core.Index(message[1], vocabulary)
+                blob = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+                write_frame(stdout, ("ok", blob, time.perf_counter() - start))
+            except Exception as e:  # bad regex, vocabulary cannot match, size limits
+                write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
+        else:
+            write_frame(stdout, ("err", f"unknown message {message[0]!r}"))
+
+
+if __name__ == "__main__":
+    try:
+        os.nice(5)  # compiles must not starve the engine thread's process
+    except OSError:
+        pass
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Per-request grammar state, owned by the engine thread."""
+
+from __future__ import annotations
+
+import torch
+
+from grammar.compiled import CompiledGrammar
+
+
+class GrammarMatcher:
+    """Tracks one request's position in a compiled grammar.
+
+    EOS ids (and optional extra stop token ids) are allowed only in final states.  A
+    state whose only continuation is EOS means the output is complete: `only_eos_allowed`
+    lets the engine finish the request without another forward pass.
+    """
+
+    def __init__(self, compiled: CompiledGrammar, stop_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+        self.compiled = compiled
+        self.state = compiled.initial_state
+        self.num_accepted = 0
+        self._terminated = False
+        self._stop = frozenset(compiled.eos_token_ids) | frozenset(
+            t for t in stop_token_ids if 0 <= t < compiled.vocab_size
+        )
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) if it was not allowed."""
+        if self._terminated:
+            return False
+        compiled = self.compiled
+        if token_id in self._stop:
+            info = compiled.state_info(self.state)
+            if info.is_final:
+                nxt = None if token_id in compiled.eos_token_ids else compiled.next_state(self.state, token_id)
+                if nxt is None:  # EOS, or a stop token that is not also grammar text
+                    self._terminated = True
+                    self.num_accepted += 1
+                    return True
+            elif token_id in compiled.eos_token_ids:
+                return False
+        nxt = compiled.next_state(self.state, token_id)
+        if nxt is None:
+            return False
+        self.state = nxt
+        self.num_accepted += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        """Accepted EOS / a stop token, or reached a state where only EOS is allowed."""
+        return self._terminated or self.compiled.state_info(self.state).only_eos
+
+    def only_eos_allowed(self) -> bool:
+        """The output is complete: the request can finish without another forward."""
+        return not self._terminated and self.compiled.state_info(self.state).only_eos
+
+    def is_final(self) -> bool:
+        """The text so far is a complete instance (EOS would be accepted now)."""
+        return self.compiled.state_info(self.state).is_final
+
+    def allowed_token_ids(self) -> list[int]:
+        if self._terminated:
+            return []
+        allowed = set(self.compiled.allowed_token_ids(self.state))
+        if self.compiled.state_info(self.state).is_final:
+            allowed |= self._stop
+        return sorted(allowed)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write this request's allowed-token mask into `bitmask[row]` (int32 words)."""
+        compiled = self.compiled
+        if self._terminated:
+            mask = compiled._build_mask(sorted(compiled.eos_token_ids))
+        else:
+            mask = compiled.state_mask(self.state)
+            extra = self._stop.difference(compiled.eos_token_ids)
+            if extra and compiled.state_info(self.state).is_final:
+                mask = mask.clone()
+                for t in extra:
+                    mask[t >> 5] |= _bit(t & 31)
+        n = min(mask.shape[0], bitmask.shape[1])
+        bitmask[row, :n].copy_(mask[:n], non_blocking=True)
+        if bitmask.shape[1] > n:
+            bitmask[row, n:] = 0
+
+    def reset(self) -> None:
+        self.state = self.compiled.initial_state
+        self.num_accepted = 0
+        self._terminated = False
+
+
+def _bit(i: int) -> int:
+    """int32 value with bit i set (bit 31 is the sign bit)."""
+    return -(1 << 31) if i == 31 else 1 << i
