@@ -56,7 +56,7 @@ class AdapterRegistry:
     def load(self, name: str, path: str) -> LoadedAdapter:
         """Reads and validates the adapter (blocking: call off the engine thread) and registers it."""
         if not name:
-            raise AdapterError("lora_name must be a non-empty string", code="invalid_adapter")
+            raise AdapterError("lora_name must be a non-empty string", code="invalid_adapter_name")
         with self._lock:
             if name in self._by_name:
                 raise AdapterError(f"an adapter named {name!r} is already loaded", code="duplicate_adapter")

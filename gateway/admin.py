@@ -59,7 +59,8 @@ async def load_lora_adapter(request: Request) -> Response:
     try:
         entry = await asyncio.to_thread(state.aeng.engine.load_lora, name, data["lora_path"])
     except AdapterError as exc:
-        raise _adapter_error(exc, "lora_path" if exc.status == 404 else "lora_name") from None
+        raise _adapter_error(exc, "lora_name" if exc.code in ("duplicate_adapter", "invalid_adapter_name")
+                             else "lora_path") from None
     return JSONResponse({"status": "ok", "lora_name": entry.name, "lora_path": entry.path,
                          "generation_id": entry.generation_id})
 

@@ -74,14 +74,14 @@ def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
                            "--max-loras", "2", "--max-lora-rank", "16", "--max-model-len", "256")
         plain = pool.submit(ServerProcess, model_dir(MODEL), "--lora-modules", f"a={adapter_dir(MODEL, 'qv_r4')}",
                             "--max-model-len", "256")
-        procs = []
-        try:
-            for fut in (main, plain):
-                procs.append(fut.result())
-        finally:
-            if len(procs) < 2:
-                for p in procs:
-                    p.stop()
+        futures = (main, plain)
+        errors = [f.exception() for f in futures]
+    if any(errors):  # stop whichever one did start, then fail with the first error (it carries the log)
+        for f, err in zip(futures, errors):
+            if err is None:
+                f.result().stop()
+        raise next(e for e in errors if e is not None)
+    procs = [f.result() for f in futures]
     yield procs[0], procs[1]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(ServerProcess.stop, procs))
