@@ -14,7 +14,11 @@ import torch
 
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
-from adapters.lora_ops.torch_ops import torch_expand, torch_shrink
+from adapters.lora_ops.torch_ops import torch_add_lora_gathered, torch_expand, torch_shrink
+
+# CPU: many small groups (a decode batch spread over many adapters) take the gathered BGMV path
+GATHER_MIN_GROUPS = 4
+GATHER_MAX_TOKENS_PER_GROUP = 8
 
 Backend = Literal["torch", "triton"]
 
@@ -85,5 +89,9 @@ def add_lora(
     if y.shape[0] != x.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
     chosen = select_backend(x, backend)
+    if chosen == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
+            meta.num_lora_tokens <= GATHER_MAX_TOKENS_PER_GROUP * meta.num_groups:
+        torch_add_lora_gathered(y, x, stack, meta, y_offset)
+        return
     h = shrink(x, stack, meta, backend=chosen)  # [S, T_lora, R]
     expand(y, h, stack, meta, y_offset, backend=chosen)

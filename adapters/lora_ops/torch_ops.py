@@ -34,16 +34,10 @@ def torch_shrink(
                           dtype=torch.float32, device=x.device)  # [S, T_lora, R]
     ranks = stack.host_ranks()
     cdt = _compute_dtype(x)
+    x_lora = x.index_select(0, meta.token_ids.long()).to(cdt)  # [T_lora, in], one gather for all groups
     for g, slot in enumerate(meta.group_slots_host):
         start, size = meta.group_starts_host[g], meta.group_sizes_host[g]
-        if all(ranks[s][slot] == 0 for s in range(stack.num_slices)):
-            continue
-        if meta.group_contiguous[g]:
-            first = meta.group_first_token[g]
-            xs = x[first:first + size]  # [n, in]
-        else:
-            xs = x.index_select(0, meta.token_ids[start:start + size])  # [n, in]
-        xs = xs.to(cdt)
+        xs = x_lora[start:start + size]  # [n, in]
         for s in range(stack.num_slices):
             r = ranks[s][slot]
             if r == 0:
@@ -60,38 +54,34 @@ def torch_expand(
     meta: LoRABatchMeta,
     y_offset: int = 0,
 ) -> None:
-    """y[token_ids[p], y_offset + off_s + n] += scale * h[s, p, :r] @ B[slot, off_s + n, :r]."""
+    """y[token_ids[p], y_offset + off_s + n] += scale * h[s, p, :r] @ B[slot, off_s + n, :r].
+
+    All groups' deltas go into one contiguous fp32 buffer, added to the output rows with a single
+    gather/scatter (index ops on column-slice views are slow on the CPU)."""
     ranks = stack.host_ranks()
     scalings = stack.host_scalings()
     cdt = _compute_dtype(y)
+    num_cols = stack.lora_b.shape[1]
+    delta: Optional[torch.Tensor] = None
     for g, slot in enumerate(meta.group_slots_host):
         start, size = meta.group_starts_host[g], meta.group_sizes_host[g]
         for s in range(stack.num_slices):
             r = ranks[s][slot]
             if r == 0:
                 continue
+            if delta is None:
+                delta = torch.zeros(meta.num_lora_tokens, num_cols, dtype=torch.float32, device=y.device)
             off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
             hs = h[s, start:start + size, :r].to(cdt)  # [n, r]
             b = stack.lora_b[slot, off:off + n_out, :r].to(cdt)  # [out_s, r]
-            delta = (hs @ b.t()).float() * scalings[s][slot]  # [n, out_s]
-            cols = y[:, y_offset + off:y_offset + off + n_out]  # [T, out_s] view
-            _add_rows(cols, delta, meta, g, start, size)
-
-
-def _add_rows(cols: torch.Tensor, delta: torch.Tensor, meta: LoRABatchMeta,
-              g: int, start: int, size: int) -> None:
-    """cols[rows of group g] += delta, accumulating in fp32 and rounding once."""
-    if meta.group_contiguous[g]:
-        first = meta.group_first_token[g]
-        rows = cols[first:first + size]  # [n, out_s] view
-        rows.copy_(rows.float() + delta)
+            delta[start:start + size, off:off + n_out] = (hs @ b.t()).float() * scalings[s][slot]  # [n, out_s]
+    if delta is None:
         return
-    idx = meta.token_ids[start:start + size].long()  # [n]
-    if cols.dtype == torch.float32:
-        cols.index_add_(0, idx, delta)
-    else:
-        cur = cols.index_select(0, idx).float() + delta  # [n, out_s]
-        cols.index_copy_(0, idx, cur.to(cols.dtype))
+    idx = meta.token_ids.long()  # [T_lora]
+    rows = y.index_select(0, idx)  # [T_lora, out_total] (contiguous copy)
+    cols = rows[:, y_offset:y_offset + num_cols]
+    cols.copy_(cols.float() + delta)  # accumulate in fp32, round once
+    y.index_copy_(0, idx, rows)
 
 
 def torch_add_lora(
@@ -100,3 +90,31 @@ def torch_add_lora(
     """y += LoRA(x) for every LoRA token (shrink then expand)."""
     h = torch_shrink(x, stack, meta)  # [S, T_lora, R]
     torch_expand(y, h, stack, meta, y_offset)
+
+
+def torch_add_lora_gathered(
+    y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta, y_offset: int = 0,
+) -> None:
+    """BGMV-style path for many small groups (decode across many adapters): every LoRA token gathers
+    its slot's A and B and one batched matmul per slice replaces a Python loop over groups.
+    Computes at the stack's max rank (rows past a slot's rank are masked to exact zeros), so it is used only when
+    groups are small and many, where per-group dispatch costs more than the padding."""
+    cdt = _compute_dtype(x)
+    idx = meta.token_ids.long()                                                       # [T_lora]
+    slots = torch.repeat_interleave(torch.tensor(meta.group_slots_host, device=x.device),
+                                    torch.tensor(meta.group_sizes_host, device=x.device))  # [T_lora]
+    xs = x.index_select(0, idx).to(cdt)                                               # [T_lora, in]
+    rows = y.index_select(0, idx)                                                     # [T_lora, out_total]
+    scalings = stack.scalings.to(torch.float32)                                       # [S, slots]
+    b_tok = stack.lora_b.index_select(0, slots).to(cdt)                               # [T_lora, N, R]
+    for s in range(stack.num_slices):
+        a_tok = stack.lora_a[s].index_select(0, slots).to(cdt)                        # [T_lora, R, in]
+        h = torch.bmm(a_tok, xs.unsqueeze(2))                                         # [T_lora, R, 1]
+        rank_tok = stack.ranks[s].index_select(0, slots)                              # [T_lora]
+        h *= (torch.arange(h.shape[1], device=h.device)[None, :] < rank_tok[:, None]).unsqueeze(2)  # rows >= rank
+        off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
+        delta = torch.bmm(b_tok[:, off:off + n_out], h).squeeze(2).float()           # [T_lora, out_s]
+        delta *= scalings[s].index_select(0, slots)[:, None]
+        cols = rows[:, y_offset + off:y_offset + off + n_out]
+        cols.copy_(cols.float() + delta)
+    y.index_copy_(0, idx, rows)
