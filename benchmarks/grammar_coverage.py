@@ -36,7 +36,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from core.tiny_models import build_tokenizer  # noqa: E402
 from grammar import GrammarCompiler, GrammarError, GrammarMatcher, allocate_token_bitmask  # noqa: E402
-from grammar import json_object_spec, parse_response_format  # noqa: E402
+from grammar import CompiledGrammar, SchemaOptions, json_object_spec, parse_response_format  # noqa: E402
 from grammar.sim import distances_to_final, random_walk  # noqa: E402
 
 FOLDERS = ("Glaiveai2K", "Github_trivial", "Github_easy", "Kubernetes")
@@ -50,7 +50,9 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def time_mask_fills(compiler: GrammarCompiler, compiled, token_ids: tuple[int, ...], out: list[float]) -> None:  # noqa: ANN001
+def time_mask_fills(
+    compiler: GrammarCompiler, compiled: CompiledGrammar, token_ids: tuple[int, ...], out: list[float]
+) -> None:
     """Replay a generation and time fill_bitmask at every step (seconds appended to `out`)."""
     bitmask = allocate_token_bitmask(1, compiler.vocab_size)
     matcher = GrammarMatcher(compiled)
@@ -61,13 +63,17 @@ def time_mask_fills(compiler: GrammarCompiler, compiled, token_ids: tuple[int, .
         matcher.accept_token(token)
 
 
+OPTIONS = SchemaOptions()
+
+
 def run_schema(
     compiler: GrammarCompiler, schema: object, walks: int, rng: random.Random, timeout: float, fills: list[float]
 ) -> dict:
     out: dict = {"accepted": False}
     start = time.perf_counter()
     try:
-        spec = parse_response_format({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}})
+        rf = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+        spec = parse_response_format(rf, OPTIONS)
         assert spec is not None
         admit = time.perf_counter() - start
         compiled = compiler.compile(spec, timeout=timeout)
@@ -77,7 +83,7 @@ def run_schema(
     out.update(accepted=True, compile_s=admit + compiled.compile_seconds, states=None)
     validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
     token_bytes = dict(compiler.vocab.tokens)
-    dist = distances_to_final(compiled)
+    dist = distances_to_final(compiled) if walks else {}
     finished = valid = 0
     failures = []
     for _ in range(walks):
@@ -97,7 +103,9 @@ def run_schema(
     return out
 
 
-def run_folder(compiler: GrammarCompiler, folder: str, limit: int | None, walks: int, seed: int, timeout: float) -> dict:
+def run_folder(
+    compiler: GrammarCompiler, folder: str, limit: int | None, walks: int, seed: int, timeout: float
+) -> dict:
     files = sorted(os.listdir(DATA / folder))
     if limit is not None and limit < len(files):
         files = random.Random(seed).sample(files, limit)
@@ -147,7 +155,7 @@ def to_markdown(report: dict) -> str:
     lines = [
         "# Grammar coverage on JSONSchemaBench",
         "",
-        f"Tokenizer: tiny byte-level BPE ({report['vocab_size']} tokens); {report['walks']} random constrained "
+        f"Tokenizer: {report['tokenizer']} ({report['vocab_size']} tokens); {report['walks']} random constrained "
         f"generations per schema; compile timeout {report['timeout_s']} s; {report['cpu_count']} CPU cores.",
         "",
         "| folder | schemas | declared coverage | compliance | empirical coverage | compile p50 | compile p90 "
@@ -177,14 +185,25 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="HF tokenizer dir (default: tiny BPE)")
+    parser.add_argument("--vocab-size", type=int, default=512, help="vocab of the stdlib-trained BPE tokenizer")
+    parser.add_argument("--scale-options", action="store_true", help="SchemaOptions.for_vocab_size(len(tokenizer))")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "grammar_coverage")
     args = parser.parse_args()
-    tok_dir = build_tokenizer(Path(tempfile.mkdtemp(prefix="grammar_cov_")) / "tok", vocab_size=512)
+    tok_dir = args.tokenizer or build_tokenizer(
+        Path(tempfile.mkdtemp(prefix="grammar_cov_")) / "tok", vocab_size=args.vocab_size,
+        seed_text_files=40 if args.vocab_size <= 512 else 400,
+    )
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    global OPTIONS
+    if args.scale_options:
+        OPTIONS = SchemaOptions.for_vocab_size(len(tokenizer))
     compiler = GrammarCompiler(
         tokenizer, len(tokenizer), [tokenizer.eos_token_id], compile_timeout_s=args.timeout, num_workers=args.workers
     )
-    report = {"vocab_size": len(tokenizer), "walks": args.walks, "timeout_s": args.timeout,
+    report = {"tokenizer": "byte-level BPE trained on stdlib text (core.tiny_models)" if args.tokenizer is None
+              else str(args.tokenizer),
+              "options": repr(OPTIONS), "vocab_size": len(tokenizer), "walks": args.walks, "timeout_s": args.timeout,
               "cpu_count": os.cpu_count(), "limit": args.limit, "folders": {}}
     try:
         start = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -9,6 +10,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+_UIDS = itertools.count()
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -30,10 +34,10 @@ class MaskCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[str, int]) -> torch.Tensor | None:
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
         with self._lock:
             mask = self._entries.get(key)
             if mask is None:
@@ -43,7 +47,7 @@ class MaskCache:
             self._entries.move_to_end(key)
             return mask
 
-    def put(self, key: tuple[str, int], mask: torch.Tensor) -> None:
+    def put(self, key: tuple[int, int], mask: torch.Tensor) -> None:
         size = mask.numel() * mask.element_size()
         with self._lock:
             if key in self._entries:
@@ -88,6 +92,8 @@ class CompiledGrammar:
             start = int(nxt)
         self.initial_state = start
         self._eos = set(self.eos_token_ids)
+        self._eos_array = np.array(sorted(t for t in self._eos if t >= 0), dtype=np.int64)
+        self.uid = next(_UIDS)  # mask cache key: unique even if the same regex is recompiled
 
     @property
     def num_words(self) -> int:
@@ -104,34 +110,80 @@ class CompiledGrammar:
         """Allowed tokens in `state`, EOS ids included in final states, sorted."""
         tokens = {int(t) for t in self.index.get_allowed_tokens(state) if t < self.vocab_size} - self._eos
         if self.is_final(state):
-            tokens |= self._eos
+            tokens |= {t for t in self._eos if 0 <= t < self.vocab_size}
         return sorted(tokens)
 
     def is_final(self, state: int) -> bool:
         return bool(self.index.is_final_state(state))
 
+    def _grammar_tokens(self, state: int) -> np.ndarray:
+        """int64 ids of the allowed non-EOS tokens in `state` (numpy: ~4x faster than sets)."""
+        ids = np.array(self.index.get_allowed_tokens(state), dtype=np.int64)
+        ids = ids[ids < self.vocab_size]
+        if self._eos_array.size:
+            ids = ids[~np.isin(ids, self._eos_array)]
+        return ids
+
     def state_info(self, state: int) -> StateInfo:
         info = self._info.get(state)
         if info is None:
             final = self.is_final(state)
-            allowed = [t for t in self.index.get_allowed_tokens(state) if t < self.vocab_size and t not in self._eos]
-            info = StateInfo(final, final and not allowed, len(allowed))
+            n_allowed = int(self._grammar_tokens(state).size)
+            info = StateInfo(final, final and n_allowed == 0, n_allowed)
             with self._lock:
                 self._info[state] = info
         return info
 
-    def state_mask(self, state: int) -> torch.Tensor:
-        """int32 [num_words] bitmask of the allowed tokens in `state` (cached)."""
-        key = (self.key, state)
+    def state_mask(self, state: int, guide: Any = None) -> torch.Tensor:
+        """int32 [num_words] bitmask of the allowed tokens in `state` (cached).
+
+        `guide`: an outlines_core.Guide positioned at `state`; on a cache miss it writes
+        the mask natively (~20x faster than listing the allowed tokens)."""
+        key = (self.uid, state)
         mask = self.mask_cache.get(key)
         if mask is None:
-            mask = self._build_mask(self.allowed_token_ids(state))
+            mask = self._mask_from_guide(guide) if guide is not None else None
+            if mask is None:
+                ids = self._grammar_tokens(state)
+                if self.is_final(state):
+                    ids = np.concatenate([ids, self._eos_array[self._eos_array < self.vocab_size]])
+                mask = self._build_mask(ids)
             self.mask_cache.put(key, mask)
         return mask
 
-    def _build_mask(self, token_ids: list[int]) -> torch.Tensor:
+    def new_guide(self) -> Any:
+        """An outlines_core.Guide at the initial state (None if unavailable)."""
+        try:
+            import outlines_core
+
+            guide = outlines_core.Guide(self.index)
+            if self.start_token_id is not None:
+                guide.advance(self.start_token_id, return_tokens=False)
+            return guide
+        except Exception:  # noqa: BLE001 - the numpy path works without it
+            return None
+
+    def _mask_from_guide(self, guide: Any) -> torch.Tensor | None:
+        # the index's token ids reach vocab_size + 1 (the sentinel): write into a wider buffer
+        scratch = np.zeros(bitmask_words(self.vocab_size + 2), dtype=np.uint32)
+        try:
+            guide.write_mask_into(scratch.ctypes.data, scratch.size, scratch.itemsize)
+        except Exception:  # noqa: BLE001
+            return None
+        words = scratch[: self.num_words].copy()  # uint32 [num_words]
+        if self.vocab_size % 32:  # ids >= vocab_size are never allowed
+            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        eos = self._eos_array[self._eos_array < self.vocab_size]
+        bits = np.left_shift(np.uint32(1), (eos & 31).astype(np.uint32))
+        if self.is_final(int(guide.get_state())):
+            np.bitwise_or.at(words, eos >> 5, bits)
+        else:
+            np.bitwise_and.at(words, eos >> 5, ~bits)
+        return torch.from_numpy(words.view(np.int32))
+
+    def _build_mask(self, token_ids: "list[int] | np.ndarray") -> torch.Tensor:
         bits = np.zeros(self.num_words * 32, dtype=np.uint8)
-        if token_ids:
+        if len(token_ids):
             bits[np.asarray(token_ids, dtype=np.int64)] = 1
         packed = np.packbits(bits, bitorder="little")  # uint8 [num_words * 4]
         words = packed.view("<i4").astype(np.int32, copy=False)  # int32 [num_words]

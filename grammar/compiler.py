@@ -22,6 +22,7 @@ from grammar.spec import GrammarSpec, json_object_spec
 from grammar.vocab import TokenVocab, build_token_vocab
 
 NEGATIVE_CACHE_SIZE = 1024
+NEGATIVE_CACHE_TTL_S = 300.0
 SENTINEL_REGEX = r"\x{1}"
 
 
@@ -34,16 +35,19 @@ def index_regex(regex: str) -> str:
     character that R never contains (U+0001: JSON text has no raw control characters)
     limits unanchored match starts to the position after the last sentinel, so the build
     costs what the anchored DFA costs: 100-1000x faster on JSON grammars.  The sentinel
-    is a fake token (id vocab_size + 1, never in a mask) that the compiler
-    consumes once; its target state is the grammar's initial state.
+    is a fake token (id vocab_size + 1, never in a mask) that CompiledGrammar consumes
+    once; its target state is the grammar's initial state.
     """
     return f"{SENTINEL_REGEX}(?:{regex})"
 
 
-NEGATIVE_CACHE_TTL_S = 300.0
-
-
 class GrammarCompiler:
+    """Compiles GrammarSpecs for one tokenizer / model vocabulary.
+
+    Thread-safe: `submit` may be called from the gateway (wrap the Future with
+    asyncio.wrap_future) while the engine thread uses finished CompiledGrammars.
+    """
+
     def __init__(
         self,
         tokenizer: Any,

@@ -20,6 +20,7 @@ class GrammarMatcher:
         self.state = compiled.initial_state
         self.num_accepted = 0
         self._terminated = False
+        self._guide = compiled.new_guide()  # mirrors `state`; writes masks on cache misses
         self._stop = frozenset(compiled.eos_token_ids) | frozenset(
             t for t in stop_token_ids if 0 <= t < compiled.vocab_size
         )
@@ -44,6 +45,11 @@ class GrammarMatcher:
             return False
         self.state = nxt
         self.num_accepted += 1
+        if self._guide is not None:
+            try:
+                self._guide.advance(token_id, return_tokens=False)
+            except Exception:  # noqa: BLE001 - fall back to the numpy mask path
+                self._guide = None
         return True
 
     def is_terminated(self) -> bool:
@@ -70,9 +76,12 @@ class GrammarMatcher:
         """Write this request's allowed-token mask into `bitmask[row]` (int32 words)."""
         compiled = self.compiled
         if self._terminated:
-            mask = compiled._build_mask(sorted(compiled.eos_token_ids))
+            mask = compiled._build_mask(sorted(t for t in compiled.eos_token_ids if 0 <= t < compiled.vocab_size))
         else:
-            mask = compiled.state_mask(self.state)
+            guide = self._guide
+            if guide is not None and guide.get_state() != self.state:
+                guide = None  # `state` was set from outside
+            mask = compiled.state_mask(self.state, guide)
             extra = self._stop.difference(compiled.eos_token_ids)
             if extra and compiled.state_info(self.state).is_final:
                 mask = mask.clone()
@@ -87,6 +96,7 @@ class GrammarMatcher:
         self.state = self.compiled.initial_state
         self.num_accepted = 0
         self._terminated = False
+        self._guide = self.compiled.new_guide()
 
 
 def _bit(i: int) -> int:

@@ -21,9 +21,11 @@ from grammar.regex_numeric import NUMBER_ANY, int_range_regex, number_range_rege
 from grammar.schema_types import canonical_json
 
 STRING_ANY = f'"{STRING_CHAR}*"'
-# Objects with more optional members than this and no required one get their first
-# member made required: the "ordered subset" regex is quadratic in the member count.
-MAX_ALL_OPTIONAL = 6
+# Objects whose members are all optional: the exact "ordered subset" regex repeats every
+# member once per possible first member (quadratic; regex-automata does not minimize, so
+# the copies are DFA states).  Above this blow-up factor we emit a subset instead: the
+# empty object, or objects that start with the first member.
+MAX_OPTIONAL_BLOWUP = 2.0
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,12 @@ class RegexBuilder:
         members = [(self._member(p.name, self.build(p.value)), p.required) for p in node.props]
         if not members:
             return self._braced("\\{", "", "\\}", True)
-        if not any(req for _, req in members) and len(members) > MAX_ALL_OPTIONAL:
-            members[0] = (members[0][0], True)  # a subset: keeps the regex linear in size
+        if not any(req for _, req in members):
+            linear = sum(len(m) for m, _ in members)
+            quadratic = sum((i + 1) * len(m) for i, (m, _) in enumerate(members))
+            if quadratic > MAX_OPTIONAL_BLOWUP * linear:
+                rest = "".join(f"(?:{self.comma}{m})?" for m, _ in members[1:])
+                return self._braced("\\{", members[0][0] + rest, "\\}", optional=True)
         if any(req for _, req in members):
             first = next(i for i, (_, req) in enumerate(members) if req)
             parts = []

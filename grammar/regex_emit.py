@@ -109,11 +109,16 @@ def bound_pattern(node: PNode, lo: int, hi: int | None) -> PNode | None:
         return None
     if min_len(node) < lo:
         node = _raise_min(node, lo)
-    if hi is not None and (cur_max is None or max_len(node) is None or max_len(node) > hi):  # type: ignore[operator]
+    if hi is not None and _longer_than(node, hi):
         node = _cap_max(node, hi)
-    if min_len(node) < lo or (hi is not None and (max_len(node) is None or max_len(node) > hi)):  # type: ignore[operator]
+    if min_len(node) < lo or (hi is not None and _longer_than(node, hi)):
         raise PatternError("cannot combine this pattern with minLength/maxLength")
     return node
+
+
+def _longer_than(node: PNode, hi: int) -> bool:
+    longest = max_len(node)
+    return longest is None or longest > hi
 
 
 def _raise_min(node: PNode, lo: int) -> PNode:

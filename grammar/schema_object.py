@@ -102,6 +102,8 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
     opts = lw.options
     lo = max((int(s.schema["minProperties"]) for s in subs if s.has("minProperties")), default=0)
     hi = min((int(s.schema["maxProperties"]) for s in subs if s.has("maxProperties")), default=None)
+    if hi is not None and lo > hi:
+        return None
     required, forbidden = _required_closure(subs)
     names: list[str] = []
     for sub in subs:

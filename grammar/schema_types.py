@@ -12,6 +12,7 @@ from grammar.errors import GrammarError, pointer_str
 from grammar.formats import DEFINED_FORMATS, format_pattern
 from grammar.ir import JSON_TYPES, AnyJson, ArrayNode, IntegerRange, Literals, Node, NumberRange, StringNode, make_union
 from grammar.regex_emit import STRING_CHAR, bound_pattern, max_len, pattern_regex
+from grammar.regex_numeric import FRACTION_DIGITS, number_range_regex
 from grammar.regex_pattern import PatternError, parse_pattern
 
 if TYPE_CHECKING:
@@ -136,8 +137,9 @@ def lower_number(lw: "Lowerer", subs: list["Sub"], integer_only: bool) -> Node |
     if multiples:
         return _enumerate_multiples(lw, subs, lo, hi, multiples)
     if not integer_only:
-        if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_excl or hi_excl))):
-            return None
+        if number_range_regex(lo, lo_excl, hi, hi_excl) is None:  # also empty after rounding inward
+            ptr = next((s.pointer for s in subs if s.has("minimum") or s.has("exclusiveMinimum")), subs[0].pointer)
+            return lw.fail("minimum", ptr, f"no number with at most {FRACTION_DIGITS} decimals in the range")
         return NumberRange(lo, lo_excl, hi, hi_excl)
     ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl else math.ceil(lo))
     ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl else math.floor(hi))

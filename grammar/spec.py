@@ -162,5 +162,10 @@ def _lower(schema: Any, options: SchemaOptions) -> str:
     try:
         node = Lowerer(schema, options).lower_root()
         return RegexBuilder(options.whitespace).build(node)
+    except GrammarError:
+        raise
     except RecursionError as e:
         raise GrammarError("the schema is too deeply nested", "unsupported_json_schema") from e
+    except Exception as e:  # a bug must cost coverage (400), never a 500 or a wrong grammar
+        raise GrammarError(f"the schema could not be lowered: {type(e).__name__}: {e}"[:500],
+                           "unsupported_json_schema") from e

@@ -21,7 +21,9 @@ SPIECE_SPACE = "\u2581"
 def unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode table."""
     printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
     )
     bs = printable[:]
     cs = printable[:]
@@ -74,7 +76,8 @@ def _contains_type(obj: Any, names: set[str]) -> bool:
 def detect_kind(tokenizer: Any, vocab: dict[str, int]) -> str:
     spec = _backend_json(tokenizer)
     if spec:
-        if _contains_type(spec.get("decoder"), {"ByteLevel"}) or _contains_type(spec.get("pre_tokenizer"), {"ByteLevel"}):
+        byte_level = {"ByteLevel"}
+        if _contains_type(spec.get("decoder"), byte_level) or _contains_type(spec.get("pre_tokenizer"), byte_level):
             return "byte_level"
         model = spec.get("model") or {}
         if model.get("byte_fallback") or _contains_type(spec.get("decoder"), {"Metaspace", "ByteFallback"}):

@@ -176,3 +176,20 @@ def test_json_object_mode_outputs_objects(compiler: GrammarCompiler, token_bytes
             finished += 1
             assert isinstance(json.loads(walk.text), dict)
     assert finished >= 5
+
+
+def test_guide_and_numpy_masks_agree(compiler: GrammarCompiler, token_bytes: dict[int, bytes]) -> None:
+    """Masks written natively by the outlines-core Guide equal the numpy-built ones."""
+    compiled = compile_schema(compiler, {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "number"}, "b": {"type": "boolean"}}, "required": ["s"]})
+    rng = random.Random(5)
+    for _ in range(5):
+        matcher = GrammarMatcher(compiled)
+        for _ in range(40):
+            if matcher.is_terminated():
+                break
+            state = matcher.state
+            via_guide = compiled._mask_from_guide(matcher._guide)
+            ids = compiled.allowed_token_ids(state)
+            assert via_guide is not None and torch.equal(via_guide, compiled._build_mask(ids)), state
+            matcher.accept_token(rng.choice(ids))

@@ -274,3 +274,49 @@ def test_ids_and_anchors() -> None:
     nested = {"type": "object", "required": ["sub"], "properties": {
         "sub": {"$id": "http://example.com/sub", "$defs": {"y": {"type": "null"}}, "$ref": "#/$defs/y"}}}
     assert accepts(nested, '{"sub": null}')
+
+
+def test_pruning_keeps_required_members_when_over_budget() -> None:
+    from grammar import SchemaOptions
+
+    leaf = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(8)}, "required": ["p0"]}
+    schema = {"type": "object", "properties": {f"k{i}": leaf for i in range(6)}, "required": ["k0"]}
+    full = parse_response_format(json_schema_format(schema))
+    small = parse_response_format(json_schema_format(schema), SchemaOptions(target_regex_chars=300))
+    assert full is not None and small is not None and len(small.regex) < len(full.regex)
+    assert matches(small.regex, '{"k0": {"p0": "x"}}')
+    assert matches(full.regex, '{"k0": {"p0": "x", "p3": "y"}}')
+
+
+def test_options_scale_with_vocabulary() -> None:
+    from grammar import SchemaOptions
+
+    tiny, big = SchemaOptions.for_vocab_size(512), SchemaOptions.for_vocab_size(128_256)
+    assert big.target_regex_chars < tiny.target_regex_chars
+    assert big.max_string_length < tiny.max_string_length
+    schema = {"type": "string", "maxLength": 1000}
+    regex = parse_response_format(json_schema_format(schema), big).regex  # type: ignore[union-attr]
+    assert matches(regex, '"' + "a" * big.max_string_length + '"')
+    assert not matches(regex, '"' + "a" * (big.max_string_length + 1) + '"')
+
+
+def test_all_optional_objects_stay_linear() -> None:
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 9} for i in range(8)}}
+    regex = regex_of(schema)
+    assert regex.count('"p7"') <= 2
+    assert matches(regex, "{}") and matches(regex, '{"p0": "a", "p5": "b"}')
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "number", "exclusiveMinimum": 0.1, "exclusiveMaximum": 0.1000001},  # empty on the 1e-6 grid
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 0},
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},  # keys may repeat
+        {"type": "string", "format": "date", "maxLength": 5},
+    ],
+)
+def test_unsatisfiable_or_unenforceable_is_rejected_cleanly(schema: object) -> None:
+    with pytest.raises(GrammarError) as info:
+        parse_response_format(json_schema_format(schema))
+    assert info.value.code == "unsupported_json_schema"
