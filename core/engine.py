@@ -38,6 +38,7 @@ class LLMEngine:
         self.lora_pool, self.registry = p.lora_pool, p.registry
         self.scheduler.on_finish = self._on_finish
         self._compiler: Any = None
+        self._schema_options: Any = None
         self._compiler_lock = threading.Lock()
 
     # ---- admission ------------------------------------------------------------------------
@@ -98,6 +99,15 @@ class LLMEngine:
                 self._compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                  sorted(self.eos_token_ids))
             return self._compiler
+
+    @property
+    def schema_options(self) -> Any:
+        """Limits of the schema -> regex lowering, scaled to this vocabulary (keeps compiles ~2 s)."""
+        if self._schema_options is None:
+            from grammar.schema import SchemaOptions
+
+            self._schema_options = SchemaOptions.for_vocab_size(self.model_config.vocab_size)
+        return self._schema_options
 
     # ---- adapters -------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> LoadedAdapter:

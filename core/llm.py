@@ -96,7 +96,7 @@ class LLM:
         """None for free text, else the compiled grammar (raises grammar.GrammarError if unsupported)."""
         from grammar import parse_response_format
 
-        spec = parse_response_format(response_format)
+        spec = parse_response_format(response_format, self.engine.schema_options)
         return None if spec is None else self.engine.grammar_compiler.compile(spec)
 
     @staticmethod

@@ -21,7 +21,7 @@ async def resolve_response_format(response_format: Optional[ResponseFormat], eng
                       param="response_format.json_schema")
     from grammar import parse_response_format
 
-    spec = parse_response_format(response_format.model_dump(by_alias=True, exclude_none=True))
+    spec = parse_response_format(response_format.model_dump(by_alias=True, exclude_none=True), engine.schema_options)
     if spec is None:
         return None
     compiler = engine.grammar_compiler

@@ -26,6 +26,29 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Triton on CUDA when triton imports, torch otherwise; LORAPLEX_ATTENTION_BACKEND=torch|triton overrides.
+
+    Forcing triton off CUDA needs TRITON_INTERPRET=1 (the kernels then run in the CPU interpreter: tests only).
+    """
+    import os
+
     from core.attention.torch_backend import TorchAttentionBackend
 
+    choice = os.environ.get("LORAPLEX_ATTENTION_BACKEND", "").strip().lower()
+    if choice not in ("", "auto", "torch", "triton"):
+        raise ValueError(f"LORAPLEX_ATTENTION_BACKEND must be torch or triton, not {choice!r}")
+    if choice == "torch":
+        return TorchAttentionBackend()
+    if choice == "triton":
+        from core.attention.triton_backend import TritonAttentionBackend, interpreting
+
+        if torch.device(device).type != "cuda" and not interpreting():
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+        return TritonAttentionBackend()
+    if torch.device(device).type == "cuda":
+        try:
+            from core.attention.triton_backend import TritonAttentionBackend
+        except ImportError:
+            return TorchAttentionBackend()
+        return TritonAttentionBackend()
     return TorchAttentionBackend()
