@@ -92,11 +92,24 @@ class _WorkerProcess:
         size = int.from_bytes(self._read(HEADER, deadline), "little")
         return pickle.loads(self._read(size, deadline))
 
+    def _wait_reply(self, timeout_s: float) -> float:
+        """Waits until the worker answers. The timeout counts the worker's CPU time, so a busy engine
+        starving the (niced) worker never turns a fast schema into a timeout; a wall-clock backstop of
+        WALL_FACTOR x the timeout still bounds a worker that makes no progress at all."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd, pid = self.proc.stdout.fileno(), self.proc.pid
+        start_cpu = _cpu_seconds(pid)
+        deadline = time.monotonic() + WALL_FACTOR * timeout_s
+        while not select.select([fd], [], [], POLL_S)[0]:
+            if time.monotonic() > deadline or _cpu_seconds(pid) - start_cpu > timeout_s:
+                raise CompileTimeout()
+        return deadline
+
     def compile(self, regex: str, timeout_s: float) -> CompileResult:
         self.ensure_started()
         try:
             self._send(("compile", regex))
-            reply = self._recv(time.monotonic() + timeout_s)
+            reply = self._recv(self._wait_reply(timeout_s))
         except (CompileTimeout, CompileFailed, OSError):
             self.kill()
             self.restarts += 1
@@ -117,6 +130,21 @@ class _WorkerProcess:
             except OSError:
                 pass
         self.proc = None
+
+
+WALL_FACTOR = 4.0
+POLL_S = 0.05
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc); wall-clock fallback elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS   # utime, stime (fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return time.monotonic()
 
 
 class CompilePool:

@@ -215,7 +215,10 @@ class Lowerer:
     def lower(self, conj: list[Sub], stack: tuple[int, ...]) -> Node | None:
         self._steps += 1
         if self._steps > self.options.max_lowering_steps:
-            raise GrammarError("the schema is too complex (too many combinations)", "unsupported_json_schema")
+            where = conj[0].pointer if conj else "#"
+            raise GrammarError(f"the schema is too complex: lowering it needs more than "
+                               f"{self.options.max_lowering_steps} steps (combinations of anyOf/oneOf/allOf/$ref); "
+                               f"stopped at {where!r}", "unsupported_json_schema", pointer=where)
         expanded = self.expand(conj, stack)
         if expanded is None:
             return None

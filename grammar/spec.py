@@ -152,8 +152,8 @@ def schema_to_regex(schema: Any, options: SchemaOptions = DEFAULT_OPTIONS) -> st
                 break
     if len(regex) > options.max_regex_chars:
         raise GrammarError(
-            f"the schema is too complex (regex of {len(regex)} chars > {options.max_regex_chars})",
-            "unsupported_json_schema",
+            f"the schema at '#' is too complex: its regex has {len(regex)} chars > {options.max_regex_chars} "
+            f"even with optional members pruned", "unsupported_json_schema", pointer="#",
         )
     return regex
 
