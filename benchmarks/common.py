@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,46 @@ CPU_BENCH_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, inte
                                weight_scale=4.0, seed=11)
 
 
+LLAMA3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def llama3_8b_dir() -> str:
+    """A Llama-3-8B-shaped model directory: config + a small BPE tokenizer, no weights (load with
+    `load_format="dummy"`: random bf16 weights built on the device)."""
+    from core.tiny_models import build_tokenizer
+
+    out = Path(tempfile.mkdtemp(prefix="loraplex_llama3_8b_"))
+    build_tokenizer(out, vocab_size=2048)
+    (out / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return str(out)
+
+
 def bench_model_dir(model: str | None) -> str:
+    if model == "llama3-8b-dummy":
+        return llama3_8b_dir()
     return model or str(tiny_model_dir(CPU_BENCH_SPEC))
+
+
+def load_format_of(model: str | None) -> str:
+    return "dummy" if model == "llama3-8b-dummy" else "auto"
+
+
+def hf_model(model_dir: str, dummy: bool, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The HF transformers reference on the same weights shape (random weights built on the device for dummy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not dummy:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
 
 
 def now() -> float:

@@ -8,6 +8,7 @@ Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--d
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from safetensors.torch import save_file
 
-from common import bench_model_dir, now, write_results
+from common import bench_model_dir, load_format_of, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 
@@ -33,7 +34,7 @@ def module_shape(cfg: ModelConfig, name: str) -> tuple[int, int]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[name]
 
 
-def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
+def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int, dtype: torch.dtype = torch.float32) -> Path:
     """A PEFT-format LoRA adapter with random weights (what `save_pretrained` would write)."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -41,8 +42,8 @@ def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
         for name, parent in TARGETS.items():
             fan_in, fan_out = module_shape(cfg, name)
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.01).to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
@@ -76,13 +77,15 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
-    rows, data = [], {"model": model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+    rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rank": args.rank, "device": args.device, "dtype": args.dtype}
     num_out = args.num_requests * args.max_tokens
     for num_adapters in (8, 32):
-        modules = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, args.rank, i)) for i in range(num_adapters)}
+        adapter_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+        modules = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, args.rank, i, adapter_dtype))
+                   for i in range(num_adapters)}
         llm = LLM(model, device=args.device, dtype=args.dtype, lora_modules=modules, max_loras=num_adapters,
-                  max_lora_rank=args.rank, enable_prefix_caching=False)
+                  max_lora_rank=args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model))
         loras = [f"t{i % num_adapters}" for i in range(len(prompts))]
         # alternate and keep the best of two: the first pass also pays the KV pool's first-touch page faults
         t_base = t_lora = float("inf")
@@ -95,6 +98,9 @@ def main() -> None:
         rows.append((f"{num_adapters} adapters: base / LoRA output tok/s",
                      f"{num_out / t_base:.1f} / {num_out / t_lora:.1f} (overhead {100 * overhead:.1f}%)"))
         del llm
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()
     write_results(f"lora_overhead_{args.device}", data, rows)
 
 

@@ -7,6 +7,7 @@ Usage: python benchmarks/offline_throughput.py [--model DIR] [--device cpu|cuda]
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import bench_model_dir, now, write_results
+from common import bench_model_dir, hf_model, load_format_of, now, write_results
 from core import LLM, SamplingParams
 
 
@@ -25,21 +26,25 @@ def workload(vocab: int, num: int, seed: int, max_prompt: int, max_output: int) 
             for _ in range(num)]
 
 
-def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dtype: str) -> float:
-    llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False)
+def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dtype: str,
+                 load_format: str = "auto") -> float:
+    llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, load_format=load_format)
     llm.generate([work[0][0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
     start = now()
     outs = llm.generate([p for p, _ in work], params)
     elapsed = now() - start
     assert all(len(o.token_ids) == n for o, (_, n) in zip(outs, work))
+    del llm
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
     return elapsed
 
 
-def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: str, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: str, batch_size: int,
+           dummy: bool = False) -> float:
+    hf = hf_model(model, dummy, getattr(torch, dtype), device)
     start = now()
     for i in range(0, len(work), batch_size):
         chunk = work[i:i + batch_size]
@@ -68,15 +73,16 @@ def main() -> None:
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     model = bench_model_dir(args.model)
+    load_format = load_format_of(args.model)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     work = workload(vocab, args.num_requests, 0, args.max_prompt, args.max_output)
     num_out = sum(n for _, n in work)
     num_in = sum(len(p) for p, _ in work)
-    t_ours = run_loraplex(model, work, args.device, args.dtype)
-    t_hf = run_hf(model, work, args.device, args.dtype, args.hf_batch_size)
-    data = {"model": model, "num_requests": len(work), "prompt_tokens": num_in, "output_tokens": num_out,
+    t_ours = run_loraplex(model, work, args.device, args.dtype, load_format)
+    t_hf = run_hf(model, work, args.device, args.dtype, args.hf_batch_size, dummy=load_format == "dummy")
+    data = {"model": args.model or model, "num_requests": len(work), "prompt_tokens": num_in, "output_tokens": num_out,
             "loraplex_s": t_ours, "hf_s": t_hf, "loraplex_out_tok_s": num_out / t_ours, "hf_out_tok_s": num_out / t_hf,
             "speedup_vs_hf": t_hf / t_ours, "hf_batch_size": args.hf_batch_size, "device": args.device,
             "dtype": args.dtype}

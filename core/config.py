@@ -115,3 +115,4 @@ class EngineConfig:
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     lora_modules: tuple[tuple[str, str], ...] = ()
+    load_format: str = "auto"          # "dummy": random weights of the config's shape (benchmarks)

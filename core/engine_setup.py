@@ -103,7 +103,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
-    model = load_model(model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device)
+    model = load_model(model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device,
+                       load_format=config.load_format)
     lora_pool, registry = build_lora(config, cfg, model, device, dtype)
     num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
     shape = (num_blocks, config.cache.block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -27,15 +27,16 @@ class LLM:
                  lora_modules: dict[str, str] | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
-                 max_cpu_loras: int = 64, max_lora_rank: int = 64) -> None:
+                 max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
+                 scheduling_policy: str = "fcfs") -> None:
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, policy=scheduling_policy),
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-            lora_modules=tuple((lora_modules or {}).items()))
+            lora_modules=tuple((lora_modules or {}).items()), load_format=load_format)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -1,111 +1,142 @@
-"""The starlette app: OpenAI-compatible routes, /health and /metrics."""
+"""The starlette app: OpenAI-compatible routes, /health, /metrics and /openapi.json.
+
+A completions or chat request goes: authenticate (401) -> tenant limits (429) -> parse (400) -> resolve the
+model among the caller's models (404) -> sampling params and grammar (400) -> admission (400 too long,
+503 engine down) -> queue bound (429 `queue_full`) -> run, streamed or collected, within the request timeout.
+While the server drains, the middleware answers 503 `shutting_down` before any of this.
+"""
 from __future__ import annotations
 
-import json
 import time
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.auth import check_api_key
+from core.outputs import RequestDelta
+from core.sampling import SamplingParams
+from gateway.auth import Principal
+from gateway.body import parse_body as parse_json_body
+from gateway.body import read_body
 from gateway.cancel import run_until_disconnect
-from gateway.errors import api_endpoint, http_exception_handler, invalid, unhandled_exception_handler
-from gateway.generation import Child, admit, collect, make_children, merge_children, new_request_id, usage
+from gateway.context import metered, request_context
+from gateway.deadline import Deadline
+from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
+from gateway.generation import admit, collect, make_children, merge_children, new_request_id, usage
 from gateway.metrics import CONTENT_TYPE
+from gateway.middleware import GatewayMiddleware
 from gateway.models import ResolvedModel
+from gateway.openapi import openapi_document
 from gateway.params import chat_sampling_params, completion_sampling_params, resolve_response_format
+from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
 from gateway.state import GatewayState
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
 
 M = TypeVar("M", bound=BaseModel)
+Events = Callable[[StreamInfo, AsyncIterator[tuple[int, RequestDelta]]], AsyncIterator[bytes]]
 
 
 def _state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
+def _principal(request: Request, state: GatewayState) -> Principal:
+    assert state.auth is not None
+    principal = state.auth.authenticate(request)
+    request_context(request).tenant = principal.label
+    return principal
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except UnicodeDecodeError:
-        raise invalid("the request body is not valid UTF-8", code="invalid_json") from None
-    except json.JSONDecodeError as exc:
-        raise invalid(f"malformed JSON body: {exc.msg} (line {exc.lineno} column {exc.colno})",
-                      code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("the request body must be a JSON object", code="invalid_json")
-    return model.model_validate(data)
+    return parse_json_body(await read_body(request), model)
 
 
-def _engine_kwargs(model: ResolvedModel, grammar: Any) -> dict[str, Any]:
+def _engine_kwargs(model: ResolvedModel, grammar: Any, principal: Principal) -> dict[str, Any]:
     kwargs = model.engine_kwargs()
     if grammar is not None:
         kwargs["compiled_grammar"] = grammar   # each child gets its own matcher (gateway/generation.py)
+    if principal.tenant is not None:
+        kwargs["tenant"] = principal.tenant.name   # the scheduler's fair policy shares throughput by tenant
     return kwargs
 
 
-async def _run(request: Request, state: GatewayState, children: list[Child], kwargs: dict[str, Any]) -> Any:
-    return await run_until_disconnect(request.receive, collect(state.aeng, children, kwargs, state.metrics))
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    body: type[Any]
+    prefix: str
+    params: Callable[[Any], SamplingParams]
+    prompts: Callable[[PromptEncoder, Any], list[list[int]]]
+    events: Events
+    response: Callable[..., dict[str, Any]]
+
+
+COMPLETION = _Kind(CompletionRequest, "cmpl", completion_sampling_params,
+                   lambda enc, body: enc.completion_prompts(body.prompt), completion_events, completion_body)
+CHAT = _Kind(ChatCompletionRequest, "chatcmpl", chat_sampling_params,
+             lambda enc, body: [enc.chat_prompt(body.messages)], chat_events, chat_body)
+
+
+async def _generate(request: Request, kind: _Kind) -> Response:
+    state, ctx = _state(request), request_context(request)
+    ctx.generation = True
+    deadline = Deadline(state.config.request_timeout, start=ctx.start)
+    principal = _principal(request, state)
+    release = state.limits.acquire(principal)
+    if release is not None:
+        ctx.cleanups.append(release)
+    body = await parse_body(request, kind.body)
+    ctx.stream = bool(body.stream)
+    model = state.models.resolve(body.model, principal.models)
+    ctx.model = model.name
+    params = kind.params(body)
+    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine), principal)
+    request_id = ctx.request_id = new_request_id(kind.prefix)
+    children = make_children(request_id, kind.prompts(state.encoder, body), params)
+    admit(state.aeng, children)
+    assert state.queue is not None
+    ctx.cleanups.append(state.queue.reserve(len(children)))
+    ctx.admitted = True
+    ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
+    created = int(time.time())
+    texts = state.texts if params.logprobs is not None else None
+    merged = merge_children(state.aeng, children, kwargs, state.metrics)
+    if body.stream:
+        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts)
+        return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
+    results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx))))
+    num_tokens = sum(len(r.token_ids) for r in results)
+    return JSONResponse(kind.response(request_id, created, model.name, results, usage(children, num_tokens), texts))
 
 
 @api_endpoint
 async def create_completion(request: Request) -> Response:
-    state = _state(request)
-    check_api_key(request, state.config.api_key)
-    body = await parse_body(request, CompletionRequest)
-    model = state.models.resolve(body.model)
-    params = completion_sampling_params(body)
-    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine))
-    request_id = new_request_id("cmpl")
-    children = make_children(request_id, state.encoder.completion_prompts(body.prompt), params)
-    admit(state.aeng, children)
-    created = int(time.time())
-    texts = state.texts if params.logprobs is not None else None
-    if body.stream:
-        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts)
-        return SSEResponse(completion_events(info, merge_children(state.aeng, children, kwargs, state.metrics)))
-    results = await _run(request, state, children, kwargs)
-    num_tokens = sum(len(r.token_ids) for r in results)
-    return JSONResponse(completion_body(request_id, created, model.name, results, usage(children, num_tokens), texts))
+    return await _generate(request, COMPLETION)
 
 
 @api_endpoint
 async def create_chat_completion(request: Request) -> Response:
-    state = _state(request)
-    check_api_key(request, state.config.api_key)
-    body = await parse_body(request, ChatCompletionRequest)
-    model = state.models.resolve(body.model)
-    params = chat_sampling_params(body)
-    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine))
-    request_id = new_request_id("chatcmpl")
-    children = make_children(request_id, [state.encoder.chat_prompt(body.messages)], params)
-    admit(state.aeng, children)
-    created = int(time.time())
-    texts = state.texts if params.logprobs is not None else None
-    if body.stream:
-        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts)
-        return SSEResponse(chat_events(info, merge_children(state.aeng, children, kwargs, state.metrics)))
-    results = await _run(request, state, children, kwargs)
-    num_tokens = sum(len(r.token_ids) for r in results)
-    return JSONResponse(chat_body(request_id, created, model.name, results, usage(children, num_tokens), texts))
+    return await _generate(request, CHAT)
 
 
 @api_endpoint
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    check_api_key(request, state.config.api_key)
-    return JSONResponse({"object": "list", "data": state.models.cards()})
+    principal = _principal(request, state)
+    return JSONResponse({"object": "list", "data": state.models.cards(principal.models)})
 
 
 async def health(request: Request) -> Response:
+    """Never touches the engine lock or the event loop's queues: a thread-liveness check."""
     if _state(request).aeng.alive:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"error": {"message": "the engine loop is not running", "type": "service_unavailable",
@@ -116,6 +147,15 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def openapi(request: Request) -> Response:
+    state = _state(request)
+    document = state.extra.get("openapi")
+    if document is None:
+        assert state.auth is not None
+        document = state.extra["openapi"] = openapi_document(bool(state.config.admin_token), not state.auth.open)
+    return JSONResponse(document)
+
+
 def build_app(state: GatewayState) -> Starlette:
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
@@ -123,12 +163,13 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if state.config.admin_token:
         from gateway.admin import admin_routes
 
         routes += admin_routes()
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception_handler,
-                                                       Exception: unhandled_exception_handler})
+    app = Starlette(routes=routes, middleware=[Middleware(GatewayMiddleware, state=state)],
+                    exception_handlers={HTTPException: http_exception_handler, Exception: unhandled_exception_handler})
     app.state.gateway = state
     return app

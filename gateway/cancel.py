@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Awaitable, TypeVar
+
+from starlette.types import Receive
 
 T = TypeVar("T")
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 class ClientDisconnected(Exception):

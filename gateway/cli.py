@@ -27,6 +27,8 @@ _PORT = _typed(int, lambda v: 0 <= v <= 65535, "a TCP port")           # type: i
 _FRACTION = _typed(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")      # type: ignore[operator]
 _BYTES = _typed(parse_bytes, lambda v: True, "a byte size")
 _LORA = _typed(parse_lora_module, lambda v: True, "NAME=PATH")
+_NONNEG_INT = _typed(int, lambda v: v >= 0, "a non-negative integer")        # type: ignore[operator]
+_SECONDS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of seconds >= 0")  # type: ignore[operator]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, metavar="KEY")
     s.add_argument("--tenant-keys", type=Path, default=None, metavar="FILE")
     s.add_argument("--admin-token", default=None, metavar="TOKEN")
+    s.add_argument("--scheduling-policy", choices=("fcfs", "fair"), default="fcfs",
+                   help="fair: share throughput between tenants (virtual token counter)")
+    s.add_argument("--max-queue-len", type=_NONNEG_INT, default=1024, metavar="N",
+                   help="engine requests waiting + running before new ones get 429 queue_full (0: no bound)")
+    s.add_argument("--request-timeout", type=_SECONDS, default=0.0, metavar="SECONDS",
+                   help="abort a request this long after it arrived: 408, or an in-band error when streaming "
+                        "(0: off)")
+    s.add_argument("--shutdown-timeout", type=_SECONDS, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, let in-flight requests finish for this long, then exit")
+    s.add_argument("--no-access-log", action="store_true", help="no JSON access-log lines on stdout")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     return parser
 
@@ -73,6 +85,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"--tenant-keys: no such file: {args.tenant_keys}")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
+    if args.tenant_keys is not None:
+        _check_tenant_file(args, parser)
+    elif args.admin_token is not None and args.admin_token == args.api_key:
+        parser.error("--admin-token must differ from --api-key (the admin token is never an API key)")
     return ServerConfig(
         model=model, served_model_name=args.served_model_name or default_name, host=args.host, port=args.port,
         device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=tuple(args.lora_modules),
@@ -81,7 +97,23 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key, tenant_keys=args.tenant_keys,
-        admin_token=args.admin_token)
+        admin_token=args.admin_token, scheduling_policy=args.scheduling_policy,
+        max_queue_len=args.max_queue_len or None, request_timeout=args.request_timeout or None,
+        shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log)
+
+
+def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Validates --tenant-keys at start-up; keys never appear in the messages."""
+    from gateway.tenants import TenantFileError, load_tenant_file
+
+    try:
+        keys = load_tenant_file(args.tenant_keys)
+    except TenantFileError as exc:
+        parser.error(f"--tenant-keys: {exc}")
+    if args.api_key is not None and keys.has_key(args.api_key):
+        parser.error("--api-key is also a tenant key in --tenant-keys; the superuser key must be distinct")
+    if args.admin_token is not None and (keys.has_key(args.admin_token) or args.admin_token == args.api_key):
+        parser.error("--admin-token must differ from --api-key and every tenant key")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,6 +56,11 @@ class ServerConfig:
     api_key: str | None = None
     tenant_keys: Path | None = None
     admin_token: str | None = None
+    scheduling_policy: str = "fcfs"          # fcfs | fair (per-tenant virtual token counter)
+    max_queue_len: int | None = 1024         # engine requests waiting + running; past it 429 (None: no bound)
+    request_timeout: float | None = None     # seconds from arrival; None: no timeout
+    shutdown_timeout: float = 30.0           # SIGTERM: seconds to let in-flight requests finish
+    access_log: bool = True                  # one JSON line per request on the `loraplex.access` logger
 
     @property
     def url(self) -> str:
@@ -73,6 +78,6 @@ class ServerConfig:
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=self.max_model_len),
+                                      max_model_len=self.max_model_len, policy=self.scheduling_policy),
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=self.lora_modules)

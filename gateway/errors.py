@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -19,33 +20,50 @@ from gateway.cancel import ClientDisconnected
 log = logging.getLogger("loraplex.gateway")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
+CTX_SCOPE_KEY = "loraplex.ctx"   # the RequestContext in the ASGI scope (gateway/context.py)
 
 
 class APIError(Exception):
     """An error the client sees as an OpenAI error object with an HTTP status."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return _ErrorResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+class _ErrorResponse(JSONResponse):
+    """ASCII-escaped JSON: a message quoting client input can always be encoded (even a lone surrogate)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def too_many_requests(message: str, code: str, retry_after_s: float) -> APIError:
+    """429 with `Retry-After` (whole seconds, at least 1)."""
+    seconds = max(1, int(-(-retry_after_s // 1)))
+    return APIError(429, message, code=code, headers={"Retry-After": str(seconds)})
 
 
 def model_not_found(name: str) -> APIError:
@@ -107,7 +125,11 @@ def api_endpoint(fn: Endpoint) -> Endpoint:
         try:
             return await fn(request)
         except Exception as exc:  # noqa: BLE001 - mapped, logged when unexpected
-            return from_exception(exc).response()
+            error = from_exception(exc)
+            ctx = request.scope.get(CTX_SCOPE_KEY)
+            if ctx is not None:
+                ctx.error_code = error.code or error.type
+            return error.response()
     return wrapper
 
 
@@ -116,7 +138,8 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     message = {404: f"Not found: {request.method} {request.url.path}",
                405: f"Method {request.method} not allowed for {request.url.path}"}.get(status, "HTTP error")
-    return APIError(status, message, code="not_found" if status == 404 else None).response()
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}   # 405 carries `Allow`
+    return APIError(status, message, code="not_found" if status == 404 else None, headers=headers).response()
 
 
 async def unhandled_exception_handler(request: Request, exc: Exception) -> Response:

@@ -106,12 +106,12 @@ class ChoiceResult:
     num_cached_tokens: int = 0
 
 
-async def collect(aeng: AsyncEngine, children: list[Child], kwargs: dict[str, Any],
-                  metrics: GatewayMetrics | None = None) -> list[ChoiceResult]:
+async def collect(children: list[Child],
+                  deltas: AsyncIterator[tuple[int, RequestDelta]]) -> list[ChoiceResult]:
+    """Gathers the (choice index, delta) stream of `merge_children` into one result per choice."""
     results = {c.index: ChoiceResult(c.index, num_prompt_tokens=len(c.prompt_token_ids)) for c in children}
-    stream = merge_children(aeng, children, kwargs, metrics)
     try:
-        async for index, delta in stream:
+        async for index, delta in deltas:
             r = results[index]
             r.text += delta.new_text
             r.token_ids.extend(delta.new_token_ids)
@@ -120,7 +120,7 @@ async def collect(aeng: AsyncEngine, children: list[Child], kwargs: dict[str, An
                 r.finish_reason = delta.finish_reason
                 r.num_cached_tokens = delta.num_cached_tokens
     finally:
-        await stream.aclose()
+        await deltas.aclose()  # type: ignore[attr-defined]
     return [results[i] for i in sorted(results)]
 
 

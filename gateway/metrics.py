@@ -85,6 +85,22 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.requests = Counter("loraplex:request_success", "Finished requests by finish reason.",
                                 labelnames=["finished_reason"], registry=self.registry)
+        self.tenant_requests = Counter("loraplex:tenant_requests", "API requests by tenant, model and HTTP status.",
+                                       labelnames=["tenant", "model", "status"], registry=self.registry)
+        self.tenant_prompt_tokens = Counter("loraplex:tenant_prompt_tokens", "Prompt tokens admitted, by tenant.",
+                                            labelnames=["tenant"], registry=self.registry)
+        self.tenant_generation_tokens = Counter("loraplex:tenant_generation_tokens", "Tokens generated, by tenant.",
+                                                labelnames=["tenant"], registry=self.registry)
+
+    def observe_tenant_request(self, ctx: Any) -> None:
+        """One finished API request (a `gateway.context.RequestContext` whose caller was authenticated).
+        `model` is the served name it resolved to, else "unknown" (client-chosen names never become labels)."""
+        tenant = ctx.tenant
+        self.tenant_requests.labels(tenant=tenant, model=ctx.model or "unknown",
+                                    status=str(ctx.effective_status)).inc()
+        if ctx.admitted:
+            self.tenant_prompt_tokens.labels(tenant=tenant).inc(ctx.prompt_tokens)
+            self.tenant_generation_tokens.labels(tenant=tenant).inc(ctx.completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import model_not_found
+from gateway.errors import invalid, model_not_found
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class ServedModels:
     def resolve(self, name: str | None, allowed: frozenset[str] | None = None) -> ResolvedModel:
         """`None` means the base model (as vLLM). Exact served names first: the base, then adapters.
         A name outside `allowed` (a tenant's models) is as unknown as a missing one: 404."""
+        if allowed is not None and name is None and self.base_name not in allowed:
+            raise invalid("you must provide a model parameter", param="model")   # no default: base not allowed
         if allowed is not None and name is not None and name not in allowed:
             raise model_not_found(name)
         if name is None or name == self.base_name:

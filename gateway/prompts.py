@@ -35,7 +35,7 @@ class PromptEncoder:
             return [self._check_ids(self.encode_text(p)) for p in prompt]  # type: ignore[arg-type]
         if isinstance(first, int):
             return [self._check_ids(list(prompt))]  # type: ignore[arg-type]
-        return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr]
+        return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
 
     def render_chat(self, messages: list[ChatMessage]) -> str:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]

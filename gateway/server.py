@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import threading
 import time
@@ -13,22 +12,11 @@ import uvicorn
 from adapters.errors import AdapterError
 from gateway.app import build_app
 from gateway.config import ServerConfig
+from gateway.lifecycle import GatewayServer
 from gateway.state import GatewayState
+from gateway.tenants import TenantFileError
 
 log = logging.getLogger("loraplex.gateway")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, plus one line on stdout once the sockets listen (tests and humans wait for it)."""
-
-    def __init__(self, config: uvicorn.Config, banner: str) -> None:
-        super().__init__(config)
-        self.banner = banner
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            print(self.banner, flush=True)
 
 
 def _start_engine(config: ServerConfig) -> Any:
@@ -44,8 +32,20 @@ def _start_engine(config: ServerConfig) -> Any:
     return aeng
 
 
+def configure_access_log(enabled: bool) -> None:
+    """`loraplex.access`: one JSON object per line on stdout, whatever the --log-level (off: --no-access-log)."""
+    access = logging.getLogger("loraplex.access")
+    access.propagate = False
+    access.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
+    if enabled and not access.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+
+
 def serve(config: ServerConfig, log_level: str = "warning") -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_access_log(config.access_log)
     t0 = time.monotonic()
     try:
         aeng = _start_engine(config)
@@ -54,13 +54,19 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         return 1
     try:
         engine = aeng.engine
-        app = build_app(GatewayState.build(config, aeng))
+        try:
+            state = GatewayState.build(config, aeng)
+        except TenantFileError as exc:
+            print(f"loraplex: --tenant-keys: {exc}", file=sys.stderr)
+            return 1
+        app = build_app(state)
         banner = (f"loraplex: serving {config.served_model_name!r} on {config.url} "
                   f"(device {engine.device}, max_model_len {engine.max_model_len}, "
                   f"{engine.kv.num_blocks} KV blocks of {engine.block_size}; loaded in {time.monotonic() - t0:.1f}s)")
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                   access_log=log_level in ("info", "debug"), timeout_graceful_shutdown=5)
-        server = _Server(uv_config, banner)
+                                   access_log=log_level in ("info", "debug"))
+        assert state.lifecycle is not None
+        server = GatewayServer(uv_config, banner, state.lifecycle)
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully

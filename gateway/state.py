@@ -1,15 +1,20 @@
-"""Everything the routes share: the config, the engine loop, served models, prompt encoder and metrics."""
+"""Everything the routes share: the config, the engine loop, served models, prompt encoder and metrics,
+who may call (keys, tenants), the admission limits and the server's lifecycle (draining)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.async_engine import AsyncEngine
+from gateway.auth import Authenticator
 from gateway.config import ServerConfig
+from gateway.lifecycle import Lifecycle
+from gateway.limits import QueueGate, TenantLimits
 from gateway.metrics import GatewayMetrics
 from gateway.models import ServedModels
 from gateway.prompts import PromptEncoder
 from gateway.responses import TokenTexts
+from gateway.tenants import load_tenant_file
 
 
 @dataclass
@@ -21,6 +26,19 @@ class GatewayState:
     texts: TokenTexts
     metrics: GatewayMetrics
     extra: dict[str, Any] = field(default_factory=dict)   # room for auth / admin / grammar state
+    auth: Authenticator | None = None                      # None: built from the config (keys, tenant file)
+    limits: TenantLimits = field(default_factory=TenantLimits)
+    queue: QueueGate | None = None                         # None: built from config.max_queue_len
+    lifecycle: Lifecycle | None = None                     # None: built from config.shutdown_timeout
+
+    def __post_init__(self) -> None:
+        if self.auth is None:
+            tenants = load_tenant_file(self.config.tenant_keys) if self.config.tenant_keys is not None else None
+            self.auth = Authenticator(self.config.api_key, tenants)
+        if self.queue is None:
+            self.queue = QueueGate(self.config.max_queue_len)
+        if self.lifecycle is None:
+            self.lifecycle = Lifecycle(self.config.shutdown_timeout)
 
     @staticmethod
     def build(config: ServerConfig, aeng: AsyncEngine) -> "GatewayState":

@@ -86,8 +86,19 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
         raise ValueError(f"checkpoint {model_dir} is missing weights: {sorted(missing)[:5]}")
 
 
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights of the right shape (vLLM's `--load-format dummy`): benchmarks without checkpoints."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-               dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+               dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
     """Builds the module tree on the meta device (no random init), then fills it from the checkpoint."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
@@ -97,5 +108,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
         layer.self_attn.rotary = rotary
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, model_dir)
     return model.eval()

@@ -1,0 +1,87 @@
+"""Request bodies: bytes -> a validated pydantic model, every failure a 400 (never a 500).
+
+Strict UTF-8, JSON (Python's parser also takes NaN/Infinity; the fields' own checks reject them where they
+matter), a JSON object at the top, and no lone UTF-16 surrogates (`"\\ud800"`): they cannot be encoded
+again, so the tokenizer, the grammar compiler and the response writer would all fail on them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from gateway.errors import APIError, invalid
+
+M = TypeVar("M", bound=BaseModel)
+MAX_BODY_BYTES = 32 << 20   # far above any prompt that fits a context window
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB.", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int | None = None) -> bytes:
+    """The body, refused with 413 past `limit` bytes (without reading the rest into memory)."""
+    limit = MAX_BODY_BYTES if limit is None else limit
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _strings(value: Any) -> Any:
+    """Every string in a parsed JSON value, keys included (iterative: no recursion limit)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            for key, val in item.items():
+                yield key
+                stack.append(val)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    for s in _strings(value):
+        if not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
+
+
+def load_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid("the request body is not valid UTF-8", code="invalid_json") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid(f"malformed JSON body: {exc.msg} (line {exc.lineno} column {exc.colno})",
+                      code="invalid_json") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object", code="invalid_json")
+    if "\\u" in text and _has_lone_surrogate(data):
+        raise invalid("the request body contains a lone UTF-16 surrogate escape (\\ud800-\\udfff)",
+                      code="invalid_json")
+    return data
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    return model.model_validate(load_json_object(raw))

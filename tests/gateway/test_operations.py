@@ -1,0 +1,142 @@
+"""Operations against a real server: the queue bound (429 `queue_full`), request timeouts (408, or an in-band
+error on a stream) that abort the engine work, /health under load, and access-log lines for both."""
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from gateway_server import ServerProcess, metric_value, tiny_model
+
+TIMEOUT_S = 2.0
+QUEUE = 4
+LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
+    proc = ServerProcess(model_dir, "--served-model-name", "tiny", "--max-queue-len", str(QUEUE),
+                         "--request-timeout", str(TIMEOUT_S), "--shutdown-timeout", "5")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def error_of(resp: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+    return err
+
+
+def short(**kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 10.0) -> None:
+    """Every engine request aborted or finished: nothing running or waiting, every KV block free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = http.get("/metrics").text
+        idle = (metric_value(text, "loraplex:num_requests_running") == 0
+                and metric_value(text, "loraplex:num_requests_waiting") == 0
+                and metric_value(text, "loraplex:kv_cache_usage_perc") == 0)
+        if idle:
+            return
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+
+
+def access_records(server: ServerProcess) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in server.output().splitlines() if line.startswith("{")]
+
+
+def test_queue_full_is_429_with_retry_after(http: httpx.Client) -> None:
+    # one request with n = QUEUE fills the queue
+    with http.stream("POST", "/v1/completions", json={**LONG, "n": QUEUE, "stream": True}) as flood:
+        assert flood.status_code == 200
+        lines = flood.iter_lines()   # keep a reference: a collected iterator closes the connection
+        assert next(line for line in lines if line.startswith("data: {"))
+        for path, body in (("/v1/completions", short()), ("/v1/completions", short(stream=True)),
+                           ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "x"}]})):
+            resp = http.post(path, json=body)
+            err = error_of(resp, 429, "queue_full")
+            assert err["type"] == "rate_limit_error" and int(resp.headers["retry-after"]) >= 1
+        assert http.get("/health").status_code == 200 and http.get("/v1/models").status_code == 200
+    deadline = time.monotonic() + 10     # the client left: its requests are aborted and the queue frees up
+    while (resp := http.post("/v1/completions", json=short())).status_code == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert resp.status_code == 200, resp.text
+    wait_idle(http)
+
+
+def test_request_timeout_is_408_and_aborts(http: httpx.Client, server: ServerProcess) -> None:
+    t0 = time.monotonic()
+    resp = http.post("/v1/completions", json={**LONG, "n": 4})
+    elapsed = time.monotonic() - t0
+    err = error_of(resp, 408, "request_timeout")
+    assert err["type"] == "timeout_error" and TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 3
+    wait_idle(http)
+    rid = resp.headers["x-request-id"]
+    rec = next(r for r in access_records(server) if r["request_id"] == rid)
+    assert rec["status"] == 408 and rec["error"] == "request_timeout" and rec["completion_tokens"] > 0
+    assert http.post("/v1/completions", json=short()).status_code == 200
+
+
+def test_streamed_timeout_ends_with_an_error_event(http: httpx.Client, server: ServerProcess) -> None:
+    body = {**LONG, "n": 4, "stream": True}
+    resp = http.post("/v1/chat/completions", json={**{k: v for k, v in body.items() if k != "prompt"},
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200
+    events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert payloads[-1]["error"]["code"] == "request_timeout"
+    assert set(payloads[-1]["error"]) == {"message", "type", "param", "code"}
+    chunks = payloads[:-1]
+    assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks if c["choices"])
+    wait_idle(http)
+    rid = chunks[0]["id"]
+    rec = next(r for r in access_records(server) if r["request_id"] == rid)
+    assert rec["status"] == 408 and rec["stream"] is True and rec["ttft_s"] is not None
+
+
+def test_health_stays_fast_under_load(http: httpx.Client) -> None:
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            with httpx.Client(base_url=http.base_url, timeout=60) as own:
+                resp = own.post("/v1/completions", json={**LONG, "max_tokens": 300, "stream": True})
+                assert resp.status_code == 200 and resp.text.rstrip().endswith("[DONE]")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(QUEUE)]
+    for t in threads:
+        t.start()
+    latencies: list[float] = []
+    while any(t.is_alive() for t in threads) and len(latencies) < 40:
+        t0 = time.monotonic()
+        assert http.get("/health").status_code == 200
+        latencies.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(latencies) >= 5
+    assert statistics.median(latencies) < 0.25 and max(latencies) < 2.0, latencies
+    wait_idle(http)

@@ -1,0 +1,85 @@
+"""Graceful shutdown of a real server: on SIGTERM an in-flight stream completes, new requests get 503
+`shutting_down`, GETs still answer, and the process exits 0; past `--shutdown-timeout` the rest is cut."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from gateway_server import ServerProcess, tiny_model
+
+LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A server with a long drain deadline and one with a 1 s deadline, started side by side."""
+    model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(ServerProcess, model_dir, "--served-model-name", "tiny", "--shutdown-timeout", t,
+                               "--max-num-seqs", seqs) for t, seqs in (("30", "256"), ("1", "1"))]
+        procs = [f.result() for f in futures]
+    yield procs[0], procs[1]
+    for proc in procs:
+        proc.stop()
+
+
+def first_event(lines: Iterator[str]) -> dict[str, Any]:
+    return json.loads(next(line for line in lines if line.startswith("data: {"))[len("data: "):])
+
+
+def test_sigterm_drains_in_flight_then_exits_0(servers: tuple[ServerProcess, ServerProcess]) -> None:
+    server = servers[0]
+    body = {**LONG, "max_tokens": 600, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=server.url, timeout=60) as http, httpx.Client(base_url=server.url, timeout=60) as other:
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first_event(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while (resp := other.post("/v1/completions", json={**LONG, "max_tokens": 2})).status_code != 503:
+                assert time.monotonic() < deadline, "new requests are still admitted after SIGTERM"
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == "shutting_down"
+            assert err["type"] == "service_unavailable"
+            chat = other.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            assert chat.status_code == 503
+            assert other.get("/health").status_code == 200       # probes and GETs still answer while draining
+            assert other.get("/metrics").status_code == 200
+            assert server.proc.poll() is None
+            events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in p for p in payloads)
+    assert [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]] == ["length"]
+    assert payloads[-1]["usage"]["completion_tokens"] == 600
+    assert server.proc.wait(timeout=15) == 0
+    assert "draining" in server.output()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{server.url}/health", timeout=2)
+
+
+def test_shutdown_timeout_cuts_what_is_left_and_exits_0(servers: tuple[ServerProcess, ServerProcess]) -> None:
+    server = servers[1]
+    body = {**LONG, "max_tokens": 1000, "n": 8}     # one at a time (--max-num-seqs 1): far past the 1 s deadline
+    received: list[str] = []
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first_event(lines)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            try:
+                received.extend(lines)
+            except httpx.HTTPError:
+                pass    # the connection was closed mid-stream
+    assert server.proc.wait(timeout=15) == 0
+    assert time.monotonic() - t0 < 10
+    finished = [line for line in received if '"finish_reason":"length"' in line]
+    assert len(finished) < 8 and "data: [DONE]" not in received, (len(received), received[-3:])
+    assert "shutdown timeout" in server.output()

@@ -1,0 +1,398 @@
+"""Soak test: a few thousand random requests against an in-process server, then nothing may have leaked.
+
+The server runs in this process (engine thread + uvicorn on a free 127.0.0.1 port in a background thread) so
+the test can read the engine afterwards: the tiny Llama with two LoRA adapters loaded at start-up and a third
+hot-loaded / unloaded (with other weights and target modules on each reload) through the admin API while
+requests for it are in flight; a small KV pool (preemption by recompute), a small token budget (chunked
+prefill) and `max_loras` 2 (adapter admission limits). `soak_client.run_soak` sends the workload
+(tests/gateway/soak_client.py): random endpoints, models, streaming, n, sampling, stop strings,
+response formats, logprobs, bad bodies, mid-stream disconnects and cancellations.
+
+Afterwards: no 5xx and no contract violation; once the engine is idle no request is left anywhere, the KV
+pool is empty (`kv.usage() == 0`, `kv_cache_usage_perc` 0 on /metrics), `check_integrity()` is clean (also
+checked on the engine thread every few steps during the run), unloaded adapters hold no cached KV, and the
+thread count and RSS did not grow beyond a bound.
+
+Bounded in count and time (required in CI): `LORAPLEX_SOAK_REQUESTS` (default 2000), `LORAPLEX_SOAK_SECONDS`
+(default 75: no new request after that) and `LORAPLEX_SOAK_SEED` (default 0) override the defaults.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
+
+import httpx
+import pytest
+
+pytest.importorskip("peft")
+psutil = pytest.importorskip("psutil")
+pytest.importorskip("jsonschema")
+
+from conftest import model_dir  # noqa: E402
+from gateway_server import free_port, metric_value  # noqa: E402
+from lora_fixtures import adapter_dir  # noqa: E402
+from soak_client import PROMPTS, SoakConfig, SoakStats, run_soak  # noqa: E402
+
+MODEL = "llama_gqa"
+SERVED = "tiny-soak"
+ADMIN_TOKEN = "soak-admin-token"
+ADAPTERS = {"a": "qv_r4", "b": "all7_r8"}
+HOT = "hot"
+HOT_ADAPTERS = ("rs_kod_r16", "all7_r8_v2")   # reloads change rank and target modules
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 64                            # ~ 30 requests of ~2 blocks: the workload preempts
+MAX_BATCHED_TOKENS = 64                       # longer prompts are prefilled in chunks
+
+NUM_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
+MAX_SECONDS = float(os.environ.get("LORAPLEX_SOAK_SECONDS", "75"))
+SEED = int(os.environ.get("LORAPLEX_SOAK_SEED", "0"))
+CONCURRENCY = 24
+MAX_THREAD_GROWTH = 4
+MAX_RSS_GROWTH = 300 * 2**20
+INTEGRITY_EVERY_STEPS = 25
+
+T = TypeVar("T")
+
+
+def on_engine_thread(aeng: Any, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
+    """Runs `fn` on the engine thread between two steps (its hooks), where the engine state is consistent."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def hook() -> None:
+        if future.done():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+    aeng.hooks.append(hook)
+    try:
+        return future.result(timeout_s)
+    finally:
+        aeng.hooks.remove(hook)
+
+
+class IntegrityWatch:
+    """An engine hook: `check_integrity()` every few loop iterations while the soak runs; keeps the failures."""
+
+    def __init__(self, engine: Any, every: int) -> None:
+        self.engine = engine
+        self.every = every
+        self.calls = 0
+        self.checks = 0
+        self.failures: list[str] = []
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        self.checks += 1
+        try:
+            self.engine.check_integrity()
+        except Exception:  # noqa: BLE001 - recorded, asserted on by the test
+            if len(self.failures) < 5:
+                self.failures.append(f"step {self.engine.scheduler.num_steps}: {traceback.format_exc()}")
+
+
+class InProcessServer:
+    """`loraplex serve` assembled in this process: LLMEngine + AsyncEngine + the starlette app under uvicorn
+    on a free loopback port in a background thread (as gateway/server.py assembles them)."""
+
+    def __init__(self, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int = NUM_KV_BLOCKS,
+                 max_num_batched_tokens: int = MAX_BATCHED_TOKENS, **overrides: Any) -> None:
+        import uvicorn
+
+        from core.async_engine import AsyncEngine
+        from core.engine import LLMEngine
+        from gateway.app import build_app
+        from gateway.config import ServerConfig
+        from gateway.state import GatewayState
+
+        import torch
+
+        from core.config import ModelConfig
+        from core.engine_setup import kv_bytes_per_block
+
+        port = free_port()
+        per_block = kv_bytes_per_block(ModelConfig.from_path(model_dir(MODEL)), BLOCK_SIZE, torch.float32)
+        settings: dict[str, Any] = dict(
+            model=str(model_dir(MODEL)), served_model_name=SERVED, host="127.0.0.1", port=port, device="cpu",
+            dtype="float32", lora_modules=lora_modules, max_loras=2, max_lora_rank=64, block_size=BLOCK_SIZE,
+            kv_cache_memory=num_kv_blocks * per_block, max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
+            admin_token=ADMIN_TOKEN, access_log=False)
+        settings.update(overrides)
+        config = ServerConfig(**settings)
+        self.config = config
+        self.engine = LLMEngine(config.engine_config())
+        assert self.engine.kv.num_blocks == num_kv_blocks
+        self.aeng = AsyncEngine(self.engine)
+        self.aeng.start()
+        self.state = GatewayState.build(config, self.aeng)
+        app = build_app(self.state)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self.url = f"http://127.0.0.1:{port}"
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="soak-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
+    def pending_tasks(self) -> list[str]:
+        """The server loop's tasks other than uvicorn's own main loop, with their stacks (for diagnosis)."""
+        async def dump() -> list[str]:
+            out = []
+            for task in asyncio.all_tasks():
+                if task is asyncio.current_task():
+                    continue
+                frames = task.get_stack(limit=30)
+                where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
+                                    for f in frames)
+                if "main_loop" in where or "serve" == task.get_coro().__name__:
+                    continue
+                out.append(f"{task.get_name()} {task.get_coro().__qualname__}: {where}")
+            return out
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(dump(), self.loop).result(10)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine has no request and no stream is left (the event loop delivered every delta)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.engine.scheduler.requests and self.aeng.num_in_flight == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle after {timeout_s}s: {len(self.engine.scheduler.requests)} "
+                             f"requests in the scheduler, {self.aeng.num_in_flight} streams open, "
+                             f"running {self.engine.scheduler.num_running}, "
+                             f"waiting {self.engine.scheduler.num_waiting}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.aeng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[InProcessServer]:
+    access = logging.getLogger("loraplex.access")
+    old_level, old_propagate = access.level, access.propagate
+    access.setLevel(logging.CRITICAL + 1)   # no access log lines for thousands of requests
+    mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
+    srv = InProcessServer(mods)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        access.setLevel(old_level)
+        access.propagate = old_propagate
+
+
+def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:
+    tok = srv.engine.tokenizer
+    token_prompts = tuple(tuple(tok.encode(p)) for p in PROMPTS)
+    kwargs: dict[str, Any] = dict(
+        token_prompts=token_prompts, base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=NUM_REQUESTS,
+        concurrency=CONCURRENCY, seed=SEED, max_duration_s=MAX_SECONDS, request_timeout_s=60.0,
+        admin_token=ADMIN_TOKEN, hot_adapter=HOT, hot_paths=tuple(str(adapter_dir(MODEL, a)) for a in HOT_ADAPTERS),
+        hot_cycles=4)
+    kwargs.update(overrides)
+    return SoakConfig(**kwargs)
+
+
+def scrape(url: str) -> str:
+    resp = httpx.get(f"{url}/metrics", timeout=10, trust_env=False)
+    assert resp.status_code == 200
+    return resp.text
+
+
+def settled_thread_count(limit: int, timeout_s: float = 15.0) -> int:
+    """Idle pool workers (anyio, the default executor) exit after a while: wait up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    count = threading.active_count()
+    while count > limit and time.monotonic() < deadline:
+        time.sleep(0.25)
+        count = threading.active_count()
+    return count
+
+
+def engine_leftovers(srv: InProcessServer) -> dict[str, Any]:
+    """Read on the engine thread: what the engine still holds once idle."""
+    eng = srv.engine
+    eng.check_integrity()
+    live = {e.generation_id for e in eng.registry.entries()}
+    stale: dict[str, int] = {}
+    cache = eng.kv.prefix_cache
+    if cache is not None:
+        for ns, root in cache.roots.items():
+            if ns != "base" and ns not in live:
+                stack, blocks = list(root.children.values()), 0
+                while stack:
+                    node = stack.pop()
+                    blocks += len(node.blocks)
+                    stack.extend(node.children.values())
+                if blocks:
+                    stale[ns] = blocks
+    return {
+        "usage": eng.kv.usage(),
+        "requests": len(eng.scheduler.requests),
+        "running": eng.scheduler.num_running,
+        "waiting": eng.scheduler.num_waiting,
+        "adapters_in_flight": {e.name: e.num_in_flight for e in eng.registry.entries() if e.num_in_flight},
+        "slots": [s for s in eng.lora_pool.loaded_ids if s not in live],
+        "stale_namespaces": stale,
+        "preemptions": eng.scheduler.num_preemptions,
+        "steps": eng.scheduler.num_steps,
+    }
+
+
+@dataclass
+class SoakReport:
+    stats: SoakStats
+    left: dict[str, Any]                  # engine_leftovers() once idle
+    metrics: str                          # /metrics text once idle
+    integrity_failures: list[str]
+    integrity_checks: int
+    preemptions: int
+    threads: tuple[int, int]              # before, after
+    rss: tuple[int, int]
+    queue_in_flight: int
+    http_in_flight: int
+    streams_open: int
+    after_status: int                     # a request after the soak
+    hot_status: int                       # a request for the hot adapter after the soak (unloaded: 404)
+    idle_error: str | None = None
+    pending: list[str] = dataclasses.field(default_factory=list)   # server tasks left once idle
+
+    def summary(self) -> str:
+        return (self.stats.summary() + f"\n  engine: {self.left.get('steps')} steps, {self.preemptions} preemptions "
+                f"during the soak, {self.integrity_checks} mid-run integrity checks; threads {self.threads[0]} -> "
+                f"{self.threads[1]}; RSS {self.rss[0] / 2**20:.0f} -> {self.rss[1] / 2**20:.0f} MiB")
+
+    def problems(self, min_requests: int) -> list[str]:
+        """Every breach of the soak's contract, empty when it passed."""
+        out: list[str] = []
+        st, left = self.stats, self.left
+        if self.idle_error:
+            out.append(self.idle_error)
+        if st.num_sent < min_requests:
+            out.append(f"only {st.num_sent} requests sent (want >= {min_requests})")
+        if st.num_5xx:
+            out.append(f"{st.num_5xx} 5xx answers: {dict(st.statuses)}")
+        out += [f"violation: {v}" for v in st.violations[:40]]
+        out += [f"check_integrity failed during the soak: {f}" for f in self.integrity_failures]
+        if not st.outcomes["complete"] or not st.outcomes["stream complete"]:
+            out.append(f"no successful request of some kind: {dict(st.outcomes)}")
+        if any(s != 200 for _, s in st.admin):
+            out.append(f"admin calls failed: {st.admin}")
+        if left.get("error"):
+            out.append(f"engine state after the soak: {left['error']}")
+        for key in ("requests", "running", "waiting"):
+            if left.get(key):
+                out.append(f"{left[key]} requests {key} in the scheduler once idle: {left}")
+        if left.get("usage") != 0.0:
+            out.append(f"KV usage {left.get('usage')} once idle (blocks leaked): {left}")
+        if left.get("adapters_in_flight"):
+            out.append(f"adapter refcounts leaked: {left['adapters_in_flight']}")
+        if left.get("stale_namespaces"):
+            out.append(f"unloaded adapters still hold cached KV: {left['stale_namespaces']}")
+        if left.get("slots"):
+            out.append(f"unloaded adapters still hold LoRA slots: {left['slots']}")
+        if self.streams_open:
+            out.append(f"{self.streams_open} engine streams left open (AsyncEngine.num_in_flight)")
+        if self.queue_in_flight:
+            out.append(f"{self.queue_in_flight} queue slots leaked (QueueGate.in_flight)")
+        if self.http_in_flight:
+            out.append(f"{self.http_in_flight} HTTP requests still counted in flight (Lifecycle.in_flight); "
+                       f"server tasks: {self.pending}")
+        for name in ("loraplex:kv_cache_usage_perc", "loraplex:num_requests_running",
+                     "loraplex:num_requests_waiting"):
+            try:
+                value = metric_value(self.metrics, name)
+            except KeyError:
+                out.append(f"/metrics has no {name}")
+                continue
+            if value != 0.0:
+                out.append(f"/metrics {name} = {value} once idle")
+        if self.threads[1] > self.threads[0] + MAX_THREAD_GROWTH:
+            out.append(f"threads grew {self.threads[0]} -> {self.threads[1]}: "
+                       f"{sorted(t.name for t in threading.enumerate())}")
+        if self.rss[1] - self.rss[0] >= MAX_RSS_GROWTH:
+            out.append(f"RSS grew {self.rss[0] / 2**20:.0f} -> {self.rss[1] / 2**20:.0f} MiB")
+        if self.after_status != 200:
+            out.append(f"a request after the soak got {self.after_status}")
+        if self.hot_status != 404:
+            out.append(f"the hot adapter answered {self.hot_status} after its last unload (want 404)")
+        return out
+
+
+def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakReport:
+    """Warm-up (every code path once, so pools and connections exist before the baselines), the soak with
+    integrity checks on the engine thread, then the engine's state once idle."""
+    proc = psutil.Process()
+    if warmup:
+        warm_cfg = dataclasses.replace(cfg, num_requests=80, concurrency=8, seed=cfg.seed + 10_000,
+                                       max_duration_s=60, hot_cycles=1, p_schema=0.4)
+        warm = asyncio.run(run_soak(warm_cfg))
+        print("\n" + warm.summary().replace("soak:", "warm-up:", 1))
+        srv.wait_idle()
+    threads_before = threading.active_count()
+    rss_before = proc.memory_info().rss
+    preempt_before = srv.engine.scheduler.num_preemptions
+    watch = IntegrityWatch(srv.engine, INTEGRITY_EVERY_STEPS)
+    srv.aeng.hooks.append(watch)
+    idle_error = None
+    try:
+        stats = asyncio.run(run_soak(cfg))
+        try:
+            srv.wait_idle()
+        except AssertionError as exc:
+            idle_error = str(exc)
+    finally:
+        srv.aeng.hooks.remove(watch)
+    try:
+        left = on_engine_thread(srv.aeng, lambda: engine_leftovers(srv))
+    except Exception:  # noqa: BLE001 - reported as a problem
+        left = {"error": traceback.format_exc()}
+    metrics = scrape(srv.url)
+    threads_after = settled_thread_count(threads_before + MAX_THREAD_GROWTH)
+    rss_after = proc.memory_info().rss
+    after = httpx.post(f"{srv.url}/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2},
+                       timeout=30, trust_env=False)
+    hot = httpx.post(f"{srv.url}/v1/completions", json={"model": cfg.hot_adapter or HOT, "prompt": "x",
+                                                        "max_tokens": 1}, timeout=30, trust_env=False)
+    assert srv.state.queue is not None and srv.state.lifecycle is not None
+    # the middleware releases a request's slots just after its last byte: the client may read it first
+    deadline = time.monotonic() + 5
+    while (srv.state.queue.in_flight or srv.state.lifecycle.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return SoakReport(stats=stats, left=left, metrics=metrics, integrity_failures=watch.failures,
+                      integrity_checks=watch.checks, preemptions=srv.engine.scheduler.num_preemptions - preempt_before,
+                      threads=(threads_before, threads_after), rss=(rss_before, rss_after),
+                      queue_in_flight=srv.state.queue.in_flight, http_in_flight=srv.state.lifecycle.in_flight,
+                      streams_open=srv.aeng.num_in_flight, after_status=after.status_code,
+                      hot_status=hot.status_code, idle_error=idle_error, pending=srv.pending_tasks())
+
+
+def test_soak(server: InProcessServer) -> None:
+    report = soak(server, soak_config(server))
+    print(report.summary())
+    problems = report.problems(min_requests=min(NUM_REQUESTS, 200))
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+    assert server.aeng.alive
