@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +16,7 @@ from starlette.routing import Route
 
 from adapters.errors import AdapterError
 from gateway.auth import bearer_token
+from gateway.body import load_json_object, read_body
 from gateway.errors import APIError, api_endpoint, invalid
 
 
@@ -29,12 +29,7 @@ def _check_admin(request: Request) -> None:
 
 
 async def _body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise invalid("malformed JSON body", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("the request body must be a JSON object", code="invalid_json")
+    data = load_json_object(await read_body(request))   # 400 on bad JSON / lone surrogates, 413 if huge
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise invalid(f"unknown field {unknown[0]!r}", param=unknown[0])
