@@ -101,3 +101,28 @@ def test_unsupported_schema_is_rejected(llm: LLM) -> None:
         llm.generate("q", SamplingParams(max_tokens=8), response_format=rf({"not": {"type": "string"}}))
     assert err.value.code == "unsupported_json_schema" and "not" in err.value.message
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_schemas_and_adapters_in_one_batch() -> None:
+    """Constrained and free requests on different adapters share batches; free outputs equal PEFT."""
+    from conftest import encode
+    from lora_fixtures import adapter_dir, peft_greedy
+
+    path = model_dir("llama_gqa")
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=512, max_loras=2,
+              lora_modules={"a": str(adapter_dir("llama_gqa", "qv_r4")),
+                            "b": str(adapter_dir("llama_gqa", "all7_r8"))})
+    prompts = ["def f(x):", "import os", "class A:", "x = 1", "for i in", "while True:"]
+    loras = ["a", "b", "a", None, "b", "a"]
+    formats = [None, rf(PERSON), rf(CHOICE), {"type": "json_object"}, None, rf(PERSON)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0) if f is None else
+              SamplingParams(max_tokens=120, temperature=0.9, seed=i) for i, f in enumerate(formats)]
+    outs = llm.generate(prompts, params, lora=loras, response_format=formats)
+    for prompt, lora, fmt, out in zip(prompts, loras, formats, outs):
+        if fmt is None:
+            assert out.token_ids == peft_greedy("llama_gqa", {"a": "qv_r4", "b": "all7_r8"}[lora],
+                                                encode(path, prompt), 16)
+        elif out.finish_reason == "stop":
+            validate(out.text, fmt.get("json_schema", {}).get("schema"))
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0
