@@ -18,8 +18,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  else
+  elif "$VENV/bin/python" -c "import socket; socket.getaddrinfo('download.pytorch.org', 443)" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+  else  # no route to the CPU wheel index: a local wheel cache (find-links) or PyPI's build
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   fi
   "$VENV/bin/python" -m pip install -q -e ".[test]"
   echo "$want" > "$STAMP"
