@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from conftest import _hf_model, model_dir
+from testlib import _hf_model, model_dir
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

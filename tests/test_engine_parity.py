@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, SPECS, encode, hf_greedy, model_dir
+from testlib import PROMPTS, SPECS, encode, hf_greedy, model_dir
 from core import LLM, SamplingParams
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine

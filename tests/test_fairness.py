@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from conftest import model_dir
+from testlib import model_dir
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine
 from core.fairness import VirtualTokenCounter

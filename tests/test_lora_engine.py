@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from adapters.errors import (  # noqa: E402
     CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, AdapterError, AdapterNotFoundError,
 )
-from conftest import PROMPTS, encode, model_dir  # noqa: E402
+from testlib import PROMPTS, encode, model_dir  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from lora_fixtures import (  # noqa: E402
     adapter_dir, corrupt_adapter_dir, peft_greedy, peft_greedy_margin, torch_threads, wrong_base_adapter_dir,

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import encode, hf_greedy, model_dir, _hf_model
+from testlib import encode, hf_greedy, model_dir, _hf_model
 from core import LLM, SamplingParams
 from core.sampler import SamplingBatch, hashed_uniform, sample
 from core.sampling import SamplingParamsError

@@ -7,7 +7,7 @@ import re
 import jsonschema
 import pytest
 
-from conftest import model_dir
+from testlib import model_dir
 from core import LLM, SamplingParams
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -105,7 +105,7 @@ def test_unsupported_schema_is_rejected(llm: LLM) -> None:
 
 def test_schemas_and_adapters_in_one_batch() -> None:
     """Constrained and free requests on different adapters share batches; free outputs equal PEFT."""
-    from conftest import encode
+    from testlib import encode
     from lora_fixtures import adapter_dir, peft_greedy
 
     path = model_dir("llama_gqa")

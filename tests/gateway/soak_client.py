@@ -6,21 +6,27 @@
     stats.violations         # every contract breach seen (5xx, malformed bodies, schema failures, hangs)
 
 Each request picks at random: endpoint (completions / chat), model (base, an adapter, the hot-loaded adapter,
-an unknown name -> 404), streaming or not, n 1-2, temperature / top_p / seed, stop strings, response_format
-(text / json_object / small json_schemas), logprobs, `stream_options.include_usage`; now and then a bad body
-(-> 4xx in the OpenAI error shape), a stream closed after k chunks (client disconnect), or a non-streaming
-request cancelled after a random delay. An optional admin task hot-loads and unloads an adapter while
-requests for it are in flight (they must finish or get 404, never 5xx).
+an unknown name -> 404), prompt (text, unicode, a shared prefix, token ids, a list of prompts; chat content
+parts and multi-turn), streaming or not, n 1-3, temperature / top_p / top_k / seed, stop strings and stop
+token ids, ignore_eos, response_format (text / json_object / small json_schemas), logprobs,
+`stream_options.include_usage`; now and then a bad body (-> 4xx in the OpenAI error shape), a stream closed
+after k chunks (client disconnect), a request cancelled after a random delay, a probe (/health, /metrics,
+/v1/models), or a repeat of an earlier greedy / seeded request (its choices must be the same, whatever the
+batch, preemptions, chunked prefill, prefix-cache hits or stream mode). An optional admin task hot-loads and
+unloads an adapter (from alternating paths) while requests for it are in flight: they must finish or get
+404, never 5xx.
 
 Every answer is checked: no 5xx, errors in the `{"error": {message, type, param, code}}` shape, successful
 bodies well-formed (usage present and consistent, `finish_reason` in stop/length, `n` choices, token counts
 within `max_tokens`, stop strings cut, `json_schema` / `json_object` outputs that end in `stop` valid JSON
 that satisfies the schema). Streams must end with `data: [DONE]`, carry one finish_reason per choice and no
 in-band error. A request the server does not answer within `request_timeout_s` is a violation (a hang).
+Deterministic-repeat mismatches are listed in `stats.mismatches`.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -44,10 +50,12 @@ PROMPTS = [
     "return {k: v for k, v in items}",
     "Hello",
     "The quick brown fox",
+    "héllo wörld ✓ naïve café 日本語 ",
+    "emoji 🙂🚀 and ümlauts: ",
 ]
 # a shared, block-sized-and-longer prefix so the radix cache gets hits (and evictions under pressure)
 SHARED_PREFIX = "# Licensed under the Apache License, Version 2.0 (the \"License\");\n# you may not use this file\n"
-STOPS = ["\n", " ", "e", "):", "import", "\n\n", "the"]
+STOPS = ["\n", " ", "e", "):", "import", "\n\n", "the", "é", "ö ", "\ufffd"]
 
 SCHEMAS: list[dict[str, Any]] = [
     {"enum": ["red", "green", "blue"]},
@@ -154,18 +162,31 @@ class SoakConfig:
     p_token_prompt: float = 0.05                # completions: a prompt of token ids (from `token_prompts`)
     token_prompts: tuple[tuple[int, ...], ...] = ()   # encoded texts: they end on a whole character
     # completions: random token ids, which may end inside a UTF-8 character. Off by default: the incremental
-    # detokenizer then starts the output with U+FFFD from the prompt's tail (core/detokenizer.py feeds the
-    # last prompt tokens to DecodeStream), so a `stop` json_schema output is no longer JSON.
+    # detokenizer (core/detokenizer.py primes DecodeStream with the last 4 prompt tokens) then puts the text of
+    # those prompt tokens and U+FFFD in front of the output ('import sys' + byte 0xD0 -> ' sys\ufffdfalse'),
+    # so a `stop` json_schema output is no longer JSON.
     p_raw_token_prompt: float = 0.0
     vocab_size: int = 256                       # random ids are drawn from [3, vocab_size)
+    # `stop_token_ids` on json_schema / json_object requests too. Off by default: the engine accepts an ordinary
+    # (non-special) stop token in a final grammar state and appends its text to the output, so a `stop`
+    # output is no longer JSON (e.g. '39456\x08').
+    grammar_stop_token_ids: bool = False
     p_big: float = 0.0                          # max_tokens from big_max_tokens (KV pressure, long streams)
     big_max_tokens: tuple[int, int] = (100, 300)
     p_no_max_tokens: float = 0.0                # no max_tokens at all (the rest of the context)
+    # statuses any request may get on top of its own (e.g. 408 with --request-timeout, 429 with tenant limits
+    # or --max-queue-len), and in-band stream error codes that may end a stream (e.g. "request_timeout")
+    extra_statuses: frozenset[int] = frozenset()
+    inband_ok_codes: frozenset[str] = frozenset()
+    p_repeat: float = 0.15                      # re-send an earlier greedy / seeded request (stream mode flipped
+                                                # at random): its choices must be the same
 
 
 @dataclass
 class SoakStats:
     statuses: Counter = field(default_factory=Counter)          # HTTP status -> count (probes excluded)
+    inband_ok_codes: frozenset[str] = frozenset()
+    extra_statuses: frozenset[int] = frozenset()
     by_label: Counter = field(default_factory=Counter)          # "label status" -> count
     outcomes: Counter = field(default_factory=Counter)          # what happened, by label
     finish_reasons: Counter = field(default_factory=Counter)
@@ -173,6 +194,13 @@ class SoakStats:
     admin: list[tuple[str, int]] = field(default_factory=list)  # (action, status)
     hot_in_flight_at_unload: list[int] = field(default_factory=list)   # client-side count at each unload
     hot_in_flight: int = 0
+    # hot adapter epochs: +1 before and after each admin call; hot_paths[epoch] = the path surely loaded then
+    hot_epoch: int = 0
+    hot_paths: dict[int, str] = field(default_factory=dict)
+    # determinism: greedy / seeded requests with the same inputs must give the same choices
+    outputs: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    num_repeats: Counter = field(default_factory=Counter)        # greedy / seeded -> repeats compared
+    mismatches: list[str] = field(default_factory=list)
     num_sent: int = 0
     num_disconnects: int = 0
     num_cancels: int = 0
@@ -201,9 +229,11 @@ class SoakStats:
             f"  admin: {dict(Counter(f'{a}={s}' for a, s in self.admin))}, hot-adapter requests in flight at "
             f"each unload: {self.hot_in_flight_at_unload}",
             "  by kind: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.by_label.items())),
+            f"  determinism: {dict(self.num_repeats)} repeated requests compared, {len(self.mismatches)} mismatches",
             f"  violations: {len(self.violations)}",
         ]
         lines += [f"    - {v}" for v in self.violations[:25]]
+        lines += [f"    ~ {m}" for m in self.mismatches[:10]]
         return "\n".join(lines)
 
 
@@ -226,7 +256,8 @@ class Plan:
     logprobs: bool = False
     include_usage: bool = False
     disconnect_after: int | None = None         # streams: close after this many chunks
-    cancel_after_s: float | None = None         # non-streaming: cancel after this delay
+    cancel_after_s: float | None = None         # cancel the request (streamed or not) after this delay
+    epoch: int = -1                             # the hot adapter epoch when sent
 
 
 def _fill(value: Any, base: str) -> Any:
@@ -260,7 +291,14 @@ def make_plan(rng: random.Random, cfg: SoakConfig, hot_enabled: bool) -> Plan:
         prompt = SHARED_PREFIX + prompt
     body: dict[str, Any] = {"model": model}
     if kind == "chat":
-        messages = [{"role": "user", "content": prompt}]
+        content: Any = prompt
+        if rng.random() < 0.15:   # content parts
+            cut = rng.randint(0, len(prompt))
+            content = [{"type": "text", "text": prompt[:cut]}, {"type": "text", "text": prompt[cut:]}]
+        messages = [{"role": "user", "content": content}]
+        if rng.random() < 0.15:   # a multi-turn conversation
+            messages = [{"role": "user", "content": rng.choice(PROMPTS)},
+                        {"role": "assistant", "content": rng.choice(PROMPTS)}] + messages
         if rng.random() < 0.2:
             messages.insert(0, {"role": "system", "content": "You are terse."})
         body["messages"] = messages
@@ -272,8 +310,9 @@ def make_plan(rng: random.Random, cfg: SoakConfig, hot_enabled: bool) -> Plan:
         if p < cfg.p_multi_prompt:
             plan.num_prompts = 2
             body["prompt"] = [prompt, rng.choice(PROMPTS)]
-        elif p < cfg.p_multi_prompt + cfg.p_token_prompt and cfg.token_prompts:
-            body["prompt"] = list(rng.choice(cfg.token_prompts))
+        elif p < cfg.p_multi_prompt + cfg.p_token_prompt:
+            if cfg.token_prompts:
+                body["prompt"] = list(rng.choice(cfg.token_prompts))
         elif p < cfg.p_multi_prompt + cfg.p_token_prompt + cfg.p_raw_token_prompt:
             body["prompt"] = [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(1, 40))]
     rf = rng.random()
@@ -293,13 +332,15 @@ def make_plan(rng: random.Random, cfg: SoakConfig, hot_enabled: bool) -> Plan:
         if rng.random() < cfg.p_big:
             plan.max_tokens = rng.randint(*cfg.big_max_tokens)
             plan.label += " big"
+            plan.expect |= {400}      # a small KV pool may not hold it: 400 context_length_exceeded
     if rng.random() < cfg.p_no_max_tokens:
         plan.max_tokens = None
         plan.label += " unbounded"
+        plan.expect |= {400}
     else:
         body["max_completion_tokens" if kind == "chat" and rng.random() < 0.3 else "max_tokens"] = plan.max_tokens
     if rng.random() < cfg.p_n2:
-        plan.n = body["n"] = 2
+        plan.n = body["n"] = rng.choice((2, 2, 3))
     t = rng.random()
     if t < 0.3:
         body["temperature"] = 0.0
@@ -316,6 +357,9 @@ def make_plan(rng: random.Random, cfg: SoakConfig, hot_enabled: bool) -> Plan:
         body["stop"] = plan.stops[0] if len(plan.stops) == 1 and rng.random() < 0.5 else list(plan.stops)
     if rng.random() < 0.05:
         body["ignore_eos"] = True
+    constrained = plan.schema is not None or plan.json_object
+    if rng.random() < 0.05 and (cfg.grammar_stop_token_ids or not constrained):
+        body["stop_token_ids"] = [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(1, 4))]
     if rng.random() < cfg.p_logprobs:
         plan.logprobs = True
         if kind == "chat":
@@ -331,9 +375,33 @@ def make_plan(rng: random.Random, cfg: SoakConfig, hot_enabled: bool) -> Plan:
             body["stream_options"] = {"include_usage": True}
         if rng.random() < cfg.p_disconnect:
             plan.disconnect_after = rng.randint(0, 4)
+        elif rng.random() < cfg.p_cancel / 2:   # gone at a random time: before the headers, or mid-stream
+            plan.cancel_after_s = rng.uniform(0.0, 0.4)
     elif rng.random() < cfg.p_cancel:
         plan.cancel_after_s = rng.uniform(0.0, 0.4)
     return plan
+
+
+def repeat_plan(rng: random.Random, plan: Plan) -> Plan:
+    """The same request again (a copy), streamed or not, never disconnected or cancelled."""
+    body = json.loads(json.dumps(plan.body))
+    stream = rng.random() < 0.5
+    body.pop("stream", None)
+    body.pop("stream_options", None)
+    include_usage = False
+    if stream:
+        body["stream"] = True
+        if rng.random() < 0.5:
+            include_usage = True
+            body["stream_options"] = {"include_usage": True}
+    return dataclasses.replace(plan, body=body, stream=stream, include_usage=include_usage, disconnect_after=None,
+                               cancel_after_s=None, label=plan.label + " repeat")
+
+
+def _deterministic(plan: Plan) -> bool:
+    body = plan.body
+    return (isinstance(body, dict) and plan.label in ("ok", "hot adapter")
+            and (body.get("temperature") == 0.0 or body.get("seed") is not None))
 
 
 def _path(kind: str) -> str:
@@ -354,6 +422,8 @@ def check_error_shape(status: int, data: Any, plan: Plan, stats: SoakStats) -> N
         stats.violation(f"{status} with an empty error message: {err} for {_desc(plan)}")
     if status == 404 and plan.label in ("unknown model", "hot adapter") and err["code"] != "model_not_found":
         stats.violation(f"404 with code {err['code']!r} (want model_not_found) for {_desc(plan)}")
+    if status == 400 and not plan.label.startswith("bad body") and err["code"] != "context_length_exceeded":
+        stats.violation(f"400 {err} for {_desc(plan)}")
 
 
 def _validate_json_text(text: str, plan: Plan, stats: SoakStats) -> None:
@@ -445,6 +515,42 @@ def check_response(data: Any, plan: Plan, stats: SoakStats) -> None:
         check_choice_text(text, c.get("finish_reason"), ntokens, plan, stats)
     if plan.logprobs and counted != completion:
         stats.violation(f"{counted} logprob entries != {completion} completion tokens for {_desc(plan)}")
+    texts = {c.get("index"): ((c.get("message") or {}).get("content") if plan.kind == "chat" else c.get("text"),
+                              c.get("finish_reason")) for c in choices}
+    record_output(plan, texts, stats)
+
+
+def record_output(plan: Plan, choices: dict[Any, tuple[Any, Any]], stats: SoakStats) -> None:
+    """Greedy (temperature 0) and seeded requests are deterministic: the same inputs, the same choices, whatever
+    the batch, preemptions, chunking, prefix-cache hits or stream mode. The hot adapter counts only when the
+    request ran entirely within one epoch in which a known path was loaded."""
+    body = plan.body
+    if not isinstance(body, dict):
+        return
+    greedy = body.get("temperature") == 0.0
+    if not greedy and body.get("seed") is None:
+        return
+    model: Any = body.get("model")
+    if plan.label.startswith("hot adapter"):
+        path = stats.hot_paths.get(plan.epoch)
+        if path is None or stats.hot_epoch != plan.epoch:
+            return
+        model = ["hot", path]
+    ignored = {"model", "stream", "stream_options", "logprobs", "top_logprobs"}
+    if greedy:
+        ignored |= {"seed", "top_p", "top_k", "n"}   # n greedy samples are all the same
+    inputs = {k: v for k, v in body.items() if k not in ignored}
+    key = json.dumps([plan.kind, model, inputs], sort_keys=True)
+    value = sorted(choices.items()) if not greedy else sorted({v for v in choices.values()})
+    kind = "greedy" if greedy else "seeded"
+    seen = stats.outputs.get(key)
+    if seen is None:
+        stats.outputs[key] = (value, "stream" if plan.stream else "plain")
+        return
+    stats.num_repeats[kind] += 1
+    if seen[0] != value and len(stats.mismatches) < 200:
+        stats.mismatches.append(f"{kind}: {seen[0]!r} ({seen[1]}) then {value!r} "
+                                f"({'stream' if plan.stream else 'plain'}) for {_desc(plan)}")
 
 
 async def _stream(client: httpx.AsyncClient, plan: Plan, stats: SoakStats) -> int:
@@ -459,6 +565,7 @@ async def _stream(client: httpx.AsyncClient, plan: Plan, stats: SoakStats) -> in
         usage: Any = None
         chunks = 0
         done = False
+        inband: str | None = None
         async for line in resp.aiter_lines():
             if not line:
                 continue
@@ -482,10 +589,16 @@ async def _stream(client: httpx.AsyncClient, plan: Plan, stats: SoakStats) -> in
                 stats.violation(f"unparsable stream chunk {payload[:200]!r} for {_desc(plan)}")
                 continue
             if "error" in chunk:
-                status = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
-                stats.violation(f"in-band stream error {payload[:300]} for {_desc(plan)}")
-                stats.outcomes[f"stream error {status}"] += 1
+                code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
+                if code not in stats.inband_ok_codes:
+                    stats.violation(f"in-band stream error {payload[:300]} for {_desc(plan)}")
+                elif inband is not None:
+                    stats.violation(f"two in-band errors in one stream for {_desc(plan)}")
+                inband = str(code)
+                stats.outcomes[f"stream error {code}"] += 1
                 continue
+            if inband is not None:
+                stats.violation(f"stream data after an in-band error: {payload[:200]} for {_desc(plan)}")
             if chunk.get("usage") is not None:
                 usage = chunk["usage"]
                 if chunk.get("choices"):
@@ -506,6 +619,8 @@ async def _stream(client: httpx.AsyncClient, plan: Plan, stats: SoakStats) -> in
                     finishes[i] = c["finish_reason"]
         if not done:
             stats.violation(f"stream ended without [DONE] for {_desc(plan)}")
+        if inband is not None:
+            return 200
         if sorted(finishes) != list(range(plan.n * plan.num_prompts)):
             stats.violation(f"stream finish_reasons for choices {sorted(finishes)} (n={plan.n}) for {_desc(plan)}")
         for i, finish in finishes.items():
@@ -518,6 +633,7 @@ async def _stream(client: httpx.AsyncClient, plan: Plan, stats: SoakStats) -> in
                                 f"for {_desc(plan)}")
         elif usage is not None:
             stats.violation(f"usage chunk without include_usage for {_desc(plan)}")
+        record_output(plan, {i: (texts.get(i, ""), f) for i, f in finishes.items()}, stats)
         stats.outcomes["stream complete"] += 1
         return 200
 
@@ -550,6 +666,7 @@ async def _plain(client: httpx.AsyncClient, plan: Plan, stats: SoakStats) -> int
 
 async def run_one(client: httpx.AsyncClient, plan: Plan, stats: SoakStats, timeout_s: float) -> None:
     stats.num_sent += 1
+    plan.epoch = stats.hot_epoch
     hot = plan.label.startswith("hot adapter")
     stats.hot_in_flight += hot
     try:
@@ -585,7 +702,7 @@ async def _run_one(client: httpx.AsyncClient, plan: Plan, stats: SoakStats, time
     stats.by_label[f"{plan.label.split(':')[0]} {status}"] += 1
     if status >= 500:
         stats.violation(f"HTTP {status} for {_desc(plan)}")
-    elif status not in plan.expect:
+    elif status not in plan.expect and status not in stats.extra_statuses:
         stats.violation(f"HTTP {status}, expected {sorted(plan.expect)} for {_desc(plan)}")
 
 
@@ -599,6 +716,16 @@ async def _probe(client: httpx.AsyncClient, rng: random.Random, stats: SoakStats
     stats.outcomes[f"probe {path} {resp.status_code}"] += 1
     if resp.status_code != 200:
         stats.violation(f"GET {path} -> {resp.status_code}: {resp.text[:200]}")
+    elif path == "/metrics":
+        values = {}
+        for line in resp.text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("loraplex:kv_cache_usage_perc", "loraplex:num_requests_running",
+                        "loraplex:num_requests_waiting"):
+                values[name] = float(value)
+        usage = values.get("loraplex:kv_cache_usage_perc", -1.0)
+        if len(values) != 3 or not 0.0 <= usage <= 1.0 or min(values.values()) < 0:
+            stats.violation(f"/metrics gauges out of range during the soak: {values}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -619,14 +746,18 @@ async def _hot_task(client: httpx.AsyncClient, cfg: SoakConfig, stats: SoakStats
                 await asyncio.sleep(0.05)
             if stop.is_set() and action == "load":
                 return
+            stats.hot_epoch += 1
+            path = cfg.hot_paths[cycle % len(cfg.hot_paths)]
             if action == "load":
-                path = cfg.hot_paths[cycle % len(cfg.hot_paths)]
                 resp = await admin_call(client, cfg.admin_token, "load_lora_adapter",
                                         {"lora_name": cfg.hot_adapter, "lora_path": path})
             else:
                 stats.hot_in_flight_at_unload.append(stats.hot_in_flight)
                 resp = await admin_call(client, cfg.admin_token, "unload_lora_adapter",
                                         {"lora_name": cfg.hot_adapter})
+            stats.hot_epoch += 1
+            if action == "load" and resp.status_code == 200:
+                stats.hot_paths[stats.hot_epoch] = path
             stats.admin.append((action, resp.status_code))
             if resp.status_code != 200:
                 stats.violation(f"admin {action} of {cfg.hot_adapter} -> {resp.status_code}: {resp.text[:300]}")
@@ -636,7 +767,7 @@ async def _hot_task(client: httpx.AsyncClient, cfg: SoakConfig, stats: SoakStats
 # the run
 
 async def run_soak(cfg: SoakConfig) -> SoakStats:
-    stats = SoakStats()
+    stats = SoakStats(inband_ok_codes=cfg.inband_ok_codes, extra_statuses=cfg.extra_statuses)
     hot_enabled = bool(cfg.admin_token and cfg.hot_adapter and cfg.hot_paths)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
@@ -645,6 +776,7 @@ async def run_soak(cfg: SoakConfig) -> SoakStats:
     deadline = start + cfg.max_duration_s
     issued = 0
     stop = asyncio.Event()
+    repeatable: list[Plan] = []
 
     def progress() -> float:
         by_count = issued / max(1, cfg.num_requests)
@@ -660,7 +792,12 @@ async def run_soak(cfg: SoakConfig) -> SoakStats:
                 issued += 1
                 if wrng.random() < cfg.p_probe:
                     await _probe(client, wrng, stats)
-                plan = make_plan(wrng, cfg, hot_enabled)
+                if repeatable and wrng.random() < cfg.p_repeat:
+                    plan = repeat_plan(wrng, wrng.choice(repeatable))
+                else:
+                    plan = make_plan(wrng, cfg, hot_enabled)
+                    if _deterministic(plan) and len(repeatable) < 300:
+                        repeatable.append(plan)
                 await run_one(client, plan, stats, cfg.request_timeout_s)
 
         admin = asyncio.ensure_future(_hot_task(client, cfg, stats, progress, stop)) if hot_enabled else None

@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
 
-from conftest import _tokenizer, model_dir  # noqa: E402
+from testlib import _tokenizer, model_dir  # noqa: E402
 from gateway_server import ServerProcess, metric_value  # noqa: E402
 from lora_fixtures import (  # noqa: E402
     _fill_lora, _fresh_base, adapter_dir, corrupt_adapter_dir, peft_greedy, wrong_base_adapter_dir,

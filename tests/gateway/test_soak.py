@@ -6,12 +6,14 @@ hot-loaded / unloaded (with other weights and target modules on each reload) thr
 requests for it are in flight; a small KV pool (preemption by recompute), a small token budget (chunked
 prefill) and `max_loras` 2 (adapter admission limits). `soak_client.run_soak` sends the workload
 (tests/gateway/soak_client.py): random endpoints, models, streaming, n, sampling, stop strings,
-response formats, logprobs, bad bodies, mid-stream disconnects and cancellations.
+response formats, logprobs, bad bodies, mid-stream disconnects, cancellations, and repeats of greedy /
+seeded requests (which must give the same choices whatever the batch, preemptions or prefix-cache hits).
 
 Afterwards: no 5xx and no contract violation; once the engine is idle no request is left anywhere, the KV
 pool is empty (`kv.usage() == 0`, `kv_cache_usage_perc` 0 on /metrics), `check_integrity()` is clean (also
-checked on the engine thread every few steps during the run), unloaded adapters hold no cached KV, and the
-thread count and RSS did not grow beyond a bound.
+checked on the engine thread every few steps during the run), unloaded adapters hold no cached KV nor LoRA
+slot, no adapter refcount, queue slot or in-flight count is left, and the thread count and RSS did not grow
+beyond a bound. Summary numbers (requests/s, status histogram, disconnects, preemptions) are printed (-s).
 
 Bounded in count and time (required in CI): `LORAPLEX_SOAK_REQUESTS` (default 2000), `LORAPLEX_SOAK_SECONDS`
 (default 75: no new request after that) and `LORAPLEX_SOAK_SEED` (default 0) override the defaults.
@@ -36,7 +38,7 @@ pytest.importorskip("peft")
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("jsonschema")
 
-from conftest import model_dir  # noqa: E402
+from testlib import model_dir  # noqa: E402
 from gateway_server import free_port, metric_value  # noqa: E402
 from lora_fixtures import adapter_dir  # noqa: E402
 from soak_client import PROMPTS, SoakConfig, SoakStats, run_soak  # noqa: E402
@@ -48,8 +50,8 @@ ADAPTERS = {"a": "qv_r4", "b": "all7_r8"}
 HOT = "hot"
 HOT_ADAPTERS = ("rs_kod_r16", "all7_r8_v2")   # reloads change rank and target modules
 BLOCK_SIZE = 16
-NUM_KV_BLOCKS = 64                            # ~ 30 requests of ~2 blocks: the workload preempts
-MAX_BATCHED_TOKENS = 64                       # longer prompts are prefilled in chunks
+NUM_KV_BLOCKS = 32                            # ~ 16 requests of ~2 blocks: the workload preempts
+MAX_BATCHED_TOKENS = 32                       # longer prompts are prefilled in chunks
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_SOAK_SECONDS", "75"))
@@ -109,18 +111,16 @@ class InProcessServer:
 
     def __init__(self, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int = NUM_KV_BLOCKS,
                  max_num_batched_tokens: int = MAX_BATCHED_TOKENS, **overrides: Any) -> None:
+        import torch
         import uvicorn
 
         from core.async_engine import AsyncEngine
+        from core.config import ModelConfig
         from core.engine import LLMEngine
+        from core.engine_setup import kv_bytes_per_block
         from gateway.app import build_app
         from gateway.config import ServerConfig
         from gateway.state import GatewayState
-
-        import torch
-
-        from core.config import ModelConfig
-        from core.engine_setup import kv_bytes_per_block
 
         port = free_port()
         per_block = kv_bytes_per_block(ModelConfig.from_path(model_dir(MODEL)), BLOCK_SIZE, torch.float32)
@@ -192,7 +192,7 @@ class InProcessServer:
 @pytest.fixture(scope="module")
 def server() -> Iterator[InProcessServer]:
     access = logging.getLogger("loraplex.access")
-    old_level, old_propagate = access.level, access.propagate
+    old_level = access.level
     access.setLevel(logging.CRITICAL + 1)   # no access log lines for thousands of requests
     mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
     srv = InProcessServer(mods)
@@ -201,17 +201,16 @@ def server() -> Iterator[InProcessServer]:
     finally:
         srv.stop()
         access.setLevel(old_level)
-        access.propagate = old_propagate
 
 
 def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:
     tok = srv.engine.tokenizer
     token_prompts = tuple(tuple(tok.encode(p)) for p in PROMPTS)
     kwargs: dict[str, Any] = dict(
-        token_prompts=token_prompts, base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=NUM_REQUESTS,
+        base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=NUM_REQUESTS,
         concurrency=CONCURRENCY, seed=SEED, max_duration_s=MAX_SECONDS, request_timeout_s=60.0,
         admin_token=ADMIN_TOKEN, hot_adapter=HOT, hot_paths=tuple(str(adapter_dir(MODEL, a)) for a in HOT_ADAPTERS),
-        hot_cycles=4)
+        hot_cycles=4, token_prompts=token_prompts, vocab_size=len(tok))
     kwargs.update(overrides)
     return SoakConfig(**kwargs)
 
@@ -296,6 +295,7 @@ class SoakReport:
         if st.num_5xx:
             out.append(f"{st.num_5xx} 5xx answers: {dict(st.statuses)}")
         out += [f"violation: {v}" for v in st.violations[:40]]
+        out += [f"nondeterministic: {m}" for m in st.mismatches[:20]]
         out += [f"check_integrity failed during the soak: {f}" for f in self.integrity_failures]
         if not st.outcomes["complete"] or not st.outcomes["stream complete"]:
             out.append(f"no successful request of some kind: {dict(st.outcomes)}")
@@ -373,10 +373,11 @@ def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakRepo
     metrics = scrape(srv.url)
     threads_after = settled_thread_count(threads_before + MAX_THREAD_GROWTH)
     rss_after = proc.memory_info().rss
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     after = httpx.post(f"{srv.url}/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2},
-                       timeout=30, trust_env=False)
+                       headers=headers, timeout=30, trust_env=False)
     hot = httpx.post(f"{srv.url}/v1/completions", json={"model": cfg.hot_adapter or HOT, "prompt": "x",
-                                                        "max_tokens": 1}, timeout=30, trust_env=False)
+                                                        "max_tokens": 1}, headers=headers, timeout=30, trust_env=False)
     assert srv.state.queue is not None and srv.state.lifecycle is not None
     # the middleware releases a request's slots just after its last byte: the client may read it first
     deadline = time.monotonic() + 5

@@ -17,7 +17,7 @@ import yaml
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
 
-from conftest import model_dir  # noqa: E402
+from testlib import model_dir  # noqa: E402
 from gateway_server import ServerProcess  # noqa: E402
 from lora_fixtures import adapter_dir  # noqa: E402
 
