@@ -11,10 +11,15 @@ _PROMPT_CONTEXT = 4  # prompt tokens fed first so leading spaces decode as in th
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 use_prompt_context: bool = True) -> None:
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(prompt_token_ids[-_PROMPT_CONTEXT:],
-                                    skip_special_tokens=params.skip_special_tokens)
+        context = prompt_token_ids[-_PROMPT_CONTEXT:] if use_prompt_context else []
+        # a prompt that ends inside a UTF-8 character would release its pending bytes with the first
+        # output token: then decode the output on its own (the output text never holds prompt bytes)
+        if context and tokenizer.decode(context, skip_special_tokens=params.skip_special_tokens).endswith("\ufffd"):
+            context = []
+        self._stream = DecodeStream(context, skip_special_tokens=params.skip_special_tokens)
         self.text = ""
         self._num_sent = 0
         self._stops = params.stop

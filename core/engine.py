@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import threading
 import time
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from adapters.errors import AdapterError
 from adapters.registry import LoadedAdapter
 from core.config import EngineConfig
 from core.detokenizer import IncrementalDetokenizer
@@ -21,6 +23,8 @@ from core.runner import build_model_input
 from core.sampler import SamplingBatch, compute_logprobs, logprob_entries, sample
 from core.sampling import SamplingParams
 from core.structured import advance_grammar, apply_grammar_masks
+
+log = logging.getLogger("loraplex.engine")
 
 
 class LLMEngine:
@@ -74,7 +78,8 @@ class LLMEngine:
             self.registry.acquire(lora)
         # constrained requests never cut their text at stop strings (the grammar ends them)
         detok_params = params if grammar is None else dataclasses.replace(params, stop=())
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params,
+                                                 use_prompt_context=grammar is None)
         self.scheduler.add_request(req)
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
@@ -135,11 +140,14 @@ class LLMEngine:
             if self.kv.prefix_cache is not None:
                 self.kv.prefix_cache.clear_namespace(entry.namespace)
 
-    def _set_lora_batch(self, reqs: list[Request], num_new_tokens: list[int]) -> None:
+    def _set_lora_batch(self, reqs: list[Request], num_new_tokens: list[int]) -> list[LoadedAdapter]:
+        """Loads the step's adapters into device slots and sets per-token slots. Returns the adapters whose
+        weights could not be read (their host copy was dropped and the files are gone): nothing is set then."""
         if all(r.lora_slot_key is None for r in reqs):
             self.lora_pool.context.clear()
-            return
+            return []
         slots: dict[int, int] = {}
+        failed: list[LoadedAdapter] = []
         per_req = []
         for r in reqs:
             entry = r.lora_slot_key
@@ -148,10 +156,29 @@ class LLMEngine:
                 continue
             slot = slots.get(id(entry))
             if slot is None:
-                slot = slots[id(entry)] = self.lora_pool.load(entry.generation_id, self.registry.host_weights(entry),
-                                                              pin=True)
+                try:
+                    weights = self.registry.host_weights(entry)
+                except AdapterError as exc:
+                    log.error("adapter %r cannot be read again: %s", entry.name, exc)
+                    failed.append(entry)
+                    slots[id(entry)] = slot = -1
+                else:
+                    slot = slots[id(entry)] = self.lora_pool.load(entry.generation_id, weights, pin=True)
             per_req.append(slot)
+        if failed:
+            self.lora_pool.unpin_all()
+            return failed
         self.lora_pool.context.set_batch(np.repeat(np.asarray(per_req, dtype=np.int64), num_new_tokens))
+        return []
+
+    def _fail_requests(self, reqs: list[Request], message: str) -> list[RequestDelta]:
+        deltas = []
+        for req in reqs:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            delta = self._delta(req, [], [], finished=True)
+            delta.error = message
+            deltas.append(delta)
+        return deltas
 
     # ---- one iteration --------------------------------------------------------------------
     @torch.inference_mode()
@@ -161,7 +188,11 @@ class LLMEngine:
         if sched.empty:
             return []
         batch = build_model_input(sched.scheduled, self.block_size, self.device)
-        self._set_lora_batch(batch.requests, batch.num_new_tokens)
+        failed = self._set_lora_batch(batch.requests, batch.num_new_tokens)
+        if failed:  # skip this forward: fail the requests of unreadable adapters, the rest run next step
+            names = ", ".join(sorted({e.name for e in failed}))
+            return self._fail_requests([r for r in batch.requests if r.lora_slot_key in failed],
+                                       f"the weights of adapter(s) {names} could not be read")
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
         finally:
@@ -192,17 +223,21 @@ class LLMEngine:
         self.stats.num_generation_tokens += 1
         params = req.sampling_params
         status = None
-        hit_stop_string = req.detokenizer.add_token(token)
         if req.grammar is not None:
             # the grammar decides: EOS and stop tokens only count in final states; stop strings are not
-            # applied (they could cut the JSON); "only EOS left" ends the request without another forward
-            if advance_grammar(req, token):
+            # applied (they could cut the JSON); "only EOS left" ends the request without another forward.
+            # A terminating stop token is not JSON text: it never reaches the output text.
+            done = advance_grammar(req, token)
+            if not req.grammar.ended_by_stop_token():
+                req.detokenizer.add_token(token)
+            if done:
                 status = RequestStatus.FINISHED_STOPPED
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         elif token in req.eos_token_ids and not params.ignore_eos:
+            req.detokenizer.add_token(token)
             status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids or hit_stop_string:
+        elif req.detokenizer.add_token(token) or token in params.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

@@ -78,8 +78,11 @@ class LLM:
                 children[rid] = (i, j)
                 results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
                                                             logprobs=[] if p.logprobs is not None else None))
+        errors: list[str] = []
         while engine.has_unfinished_requests():
             for delta in engine.step():
+                if delta.error is not None:
+                    errors.append(f"request {delta.request_id}: {delta.error}")
                 i, j = children[delta.request_id]
                 out = results[i].outputs[j]
                 out.text += delta.new_text
@@ -91,6 +94,8 @@ class LLM:
                     results[i].num_cached_tokens = delta.num_cached_tokens
         for r in results:
             r.finished = True
+        if errors:  # every request has ended (the engine is clean); report what failed
+            raise RuntimeError("; ".join(errors))
         return results
 
     def _compile(self, response_format: dict[str, Any] | None) -> Any:

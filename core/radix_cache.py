@@ -153,23 +153,27 @@ class RadixCache:
         return num_freed
 
     def clear_namespace(self, namespace: str) -> None:
-        """Evicts what a namespace holds that no request uses (e.g. after an adapter unload)."""
-        if namespace not in self.roots:
+        """Evicts what a namespace holds that no request uses (e.g. after an adapter unload); drops its
+        root once empty."""
+        root = self.roots.get(namespace)
+        if root is None:
             return
         while True:
-            leaves = [n for n in self._nodes() if n.parent is not None and not n.children and n.lock_ref == 0
-                      and self._namespace_of(n) == namespace]
+            stack, leaves = [root], []
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node is not root and not node.children and node.lock_ref == 0:
+                    leaves.append(node)
             if not leaves:
                 break
             for leaf in leaves:
                 self.allocator.free(leaf.blocks)
                 self._num_evictable -= len(leaf.blocks)
+                assert leaf.parent is not None
                 del leaf.parent.children[self._key(leaf.tokens, 0)]
-
-    def _namespace_of(self, node: RadixNode) -> str:
-        while node.parent is not None:
-            node = node.parent
-        return next(ns for ns, r in self.roots.items() if r is node)
+        if not root.children:
+            del self.roots[namespace]
 
     # ---- invariants -----------------------------------------------------------------------
     def all_blocks(self) -> set[int]:

@@ -56,6 +56,10 @@ class GrammarMatcher:
         """Accepted EOS / a stop token, or reached a state where only EOS is allowed."""
         return self._terminated or self.compiled.state_info(self.state).only_eos
 
+    def ended_by_stop_token(self) -> bool:
+        """The last accepted token was EOS / a stop token taken as the end (not as grammar text)."""
+        return self._terminated
+
     def only_eos_allowed(self) -> bool:
         """The output is complete: the request can finish without another forward."""
         return not self._terminated and self.compiled.state_info(self.state).only_eos

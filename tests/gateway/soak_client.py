@@ -161,16 +161,13 @@ class SoakConfig:
     p_multi_prompt: float = 0.08                # completions: a list of 2 prompts
     p_token_prompt: float = 0.05                # completions: a prompt of token ids (from `token_prompts`)
     token_prompts: tuple[tuple[int, ...], ...] = ()   # encoded texts: they end on a whole character
-    # completions: random token ids, which may end inside a UTF-8 character. Off by default: the incremental
-    # detokenizer (core/detokenizer.py primes DecodeStream with the last 4 prompt tokens) then puts the text of
-    # those prompt tokens and U+FFFD in front of the output ('import sys' + byte 0xD0 -> ' sys\ufffdfalse'),
-    # so a `stop` json_schema output is no longer JSON.
-    p_raw_token_prompt: float = 0.0
+    # completions: random token ids, which may end inside a UTF-8 character (once leaked prompt bytes into
+    # the output: tests/test_engine_regressions.py)
+    p_raw_token_prompt: float = 0.05
     vocab_size: int = 256                       # random ids are drawn from [3, vocab_size)
-    # `stop_token_ids` on json_schema / json_object requests too. Off by default: the engine accepts an ordinary
-    # (non-special) stop token in a final grammar state and appends its text to the output, so a `stop`
-    # output is no longer JSON (e.g. '39456\x08').
-    grammar_stop_token_ids: bool = False
+    # `stop_token_ids` on json_schema / json_object requests too (a terminating stop token's text once stayed in
+    # the output: tests/test_engine_regressions.py)
+    grammar_stop_token_ids: bool = True
     p_big: float = 0.0                          # max_tokens from big_max_tokens (KV pressure, long streams)
     big_max_tokens: tuple[int, int] = (100, 300)
     p_no_max_tokens: float = 0.0                # no max_tokens at all (the rest of the context)

@@ -11,16 +11,20 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from core.tiny_models import TinyModelSpec, tiny_model_dir
+
 from gateway_server import ServerProcess, metric_value, tiny_model
 
 TIMEOUT_S = 2.0
 QUEUE = 4
-LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+# long enough that no machine finishes it before TIMEOUT_S (a tiny model decodes ~1000 tokens/s per sequence)
+LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": 7000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
+    model_dir = tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=8192),
+                               root=tmp_path_factory.getbasetemp() / "gateway_models")
     proc = ServerProcess(model_dir, "--served-model-name", "tiny", "--max-queue-len", str(QUEUE),
                          "--request-timeout", str(TIMEOUT_S), "--shutdown-timeout", "5")
     yield proc

@@ -155,11 +155,11 @@ class InProcessServer:
         await self.server.serve()
 
     def pending_tasks(self) -> list[str]:
-        """The server loop's tasks other than uvicorn's own main loop, with their stacks (for diagnosis)."""
+        """The server loop's tasks but the server itself, with their stacks (request handlers, pumps, ...)."""
         async def dump() -> list[str]:
             out = []
             for task in asyncio.all_tasks():
-                if task is asyncio.current_task():
+                if task is asyncio.current_task() or task.get_coro().__qualname__ == "InProcessServer._serve":
                     continue
                 frames = task.get_stack(limit=30)
                 where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
@@ -321,6 +321,8 @@ class SoakReport:
         if self.http_in_flight:
             out.append(f"{self.http_in_flight} HTTP requests still counted in flight (Lifecycle.in_flight); "
                        f"server tasks: {self.pending}")
+        elif self.pending:
+            out.append(f"server tasks left once idle: {self.pending}")
         for name in ("loraplex:kv_cache_usage_perc", "loraplex:num_requests_running",
                      "loraplex:num_requests_waiting"):
             try:
