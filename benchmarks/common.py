@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: the benchmark model, timing, and writing results."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import tempfile
@@ -46,6 +47,12 @@ def bench_model_dir(model: str | None) -> str:
     if model == "llama3-8b-dummy":
         return llama3_8b_dir()
     return model or str(tiny_model_dir(CPU_BENCH_SPEC))
+
+
+def add_model_args(ap: "argparse.ArgumentParser") -> None:
+    ap.add_argument("--model", default=None, help="model dir; 'llama3-8b-dummy' = Llama-3-8B shape, random weights")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
 
 
 def load_format_of(model: str | None) -> str:

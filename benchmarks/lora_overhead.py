@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from safetensors.torch import save_file
 
-from common import bench_model_dir, load_format_of, now, write_results
+from common import add_model_args, bench_model_dir, load_format_of, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 
@@ -64,9 +64,7 @@ def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], max_tokens:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)

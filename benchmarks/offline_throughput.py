@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import bench_model_dir, hf_model, load_format_of, now, write_results
+from common import add_model_args, bench_model_dir, hf_model, load_format_of, now, write_results
 from core import LLM, SamplingParams
 
 
@@ -63,9 +63,7 @@ def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=256)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench_model_dir, now, write_results
+from common import add_model_args, bench_model_dir, now, write_results
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine
 from core.sampling import SamplingParams
@@ -72,9 +72,7 @@ def ttft_once(engine: LLMEngine, prompt: list[int]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     args = ap.parse_args()
     model = bench_model_dir(args.model)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -33,54 +33,63 @@ class StreamInfo:
     texts: TokenTexts | None     # set when logprobs were requested
 
 
-async def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+async def _framed(chunks: AsyncIterator[bytes], deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    """The stream's frame: chunks, an in-band error if one happens (the headers are already sent), and
+    `data: [DONE]`; closing the deltas aborts every unfinished engine request."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        yield sse(from_exception(exc).body())
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
     outputs: dict[int, int] = {}
     offsets: dict[int, int] = {}
-    try:
-        async for index, d in deltas:
-            outputs[index] = d.num_output_tokens
-            if not (d.new_text or d.finished or d.new_logprobs):
-                continue
-            logprobs = None
-            if info.texts is not None:
-                logprobs = completion_logprobs(d.new_logprobs, info.texts, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": index, "text": d.new_text, "logprobs": logprobs,
-                      "finish_reason": d.finish_reason if d.finished else None}
-            yield sse(completion_chunk(info.request_id, info.created, info.model, [choice]))
-        if info.include_usage:
-            yield sse(completion_chunk(info.request_id, info.created, info.model, [],
-                                       usage(info.children, sum(outputs.values()))))
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-        yield sse(from_exception(exc).body())
-    finally:
-        await deltas.aclose()  # type: ignore[attr-defined]
-    yield DONE
+    async for index, d in deltas:
+        outputs[index] = d.num_output_tokens
+        if not (d.new_text or d.finished or d.new_logprobs):
+            continue
+        logprobs = None
+        if info.texts is not None:
+            logprobs = completion_logprobs(d.new_logprobs, info.texts, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": d.new_text, "logprobs": logprobs,
+                  "finish_reason": d.finish_reason if d.finished else None}
+        yield sse(completion_chunk(info.request_id, info.created, info.model, [choice]))
+    if info.include_usage:
+        yield sse(completion_chunk(info.request_id, info.created, info.model, [],
+                                   usage(info.children, sum(outputs.values()))))
 
 
-async def chat_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
     outputs: dict[int, int] = {}
-    try:
-        for child in info.children:
-            role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}
-            yield sse(chat_chunk(info.request_id, info.created, info.model, [role]))
-        async for index, d in deltas:
-            outputs[index] = d.num_output_tokens
-            if not (d.new_text or d.finished or d.new_logprobs):
-                continue
-            choice = {"index": index, "delta": {"content": d.new_text} if d.new_text else {},
-                      "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
-                      "finish_reason": d.finish_reason if d.finished else None}
-            yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
-        if info.include_usage:
-            yield sse(chat_chunk(info.request_id, info.created, info.model, [],
-                                 usage(info.children, sum(outputs.values()))))
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-        yield sse(from_exception(exc).body())
-    finally:
-        await deltas.aclose()  # type: ignore[attr-defined]
-    yield DONE
+    for child in info.children:
+        role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [role]))
+    async for index, d in deltas:
+        outputs[index] = d.num_output_tokens
+        if not (d.new_text or d.finished or d.new_logprobs):
+            continue
+        choice = {"index": index, "delta": {"content": d.new_text} if d.new_text else {},
+                  "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
+                  "finish_reason": d.finish_reason if d.finished else None}
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
+    if info.include_usage:
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [],
+                             usage(info.children, sum(outputs.values()))))
+
+
+def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    return _framed(_completion_chunks(info, deltas), deltas)
+
+
+def chat_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    return _framed(_chat_chunks(info, deltas), deltas)
 
 
 class SSEResponse(Response):
