@@ -2,6 +2,7 @@
 
 Prompts of 16-512 tokens, outputs of 16-256 tokens (ignore EOS, exact lengths). HF runs static
 batches of 8 (left padded, each batch runs to its longest output), as a user of `generate` would.
+Each side runs the workload twice and keeps its best time.
 Usage: python benchmarks/offline_throughput.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ from common import add_model_args, bench_model_dir, hf_model, load_format_of, no
 from core import LLM, SamplingParams
 
 
+REPEATS = 2
+
+
 def workload(vocab: int, num: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(10, vocab) for _ in range(rng.randint(16, max_prompt))], rng.randint(16, max_output))
@@ -31,9 +35,11 @@ def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dty
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, load_format=load_format)
     llm.generate([work[0][0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
-    start = now()
-    outs = llm.generate([p for p, _ in work], params)
-    elapsed = now() - start
+    elapsed = float("inf")
+    for _ in range(REPEATS):  # best of REPEATS: the first pass also pays first-touch faults of the KV pool
+        start = now()
+        outs = llm.generate([p for p, _ in work], params)
+        elapsed = min(elapsed, now() - start)
     assert all(len(o.token_ids) == n for o, (_, n) in zip(outs, work))
     del llm
     if torch.cuda.is_available():
@@ -45,7 +51,15 @@ def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dty
 def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: str, batch_size: int,
            dummy: bool = False) -> float:
     hf = hf_model(model, dummy, getattr(torch, dtype), device)
-    start = now()
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = now()
+        hf_pass(hf, work, device, batch_size)
+        best = min(best, now() - start)
+    return best
+
+
+def hf_pass(hf: torch.nn.Module, work: list[tuple[list[int], int]], device: str, batch_size: int) -> None:
     for i in range(0, len(work), batch_size):
         chunk = work[i:i + batch_size]
         width = max(len(p) for p, _ in chunk)
@@ -58,7 +72,6 @@ def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: st
             hf.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, pad_token_id=0,
                         eos_token_id=None, max_new_tokens=max(n for _, n in chunk),
                         min_new_tokens=max(n for _, n in chunk))
-    return now() - start
 
 
 def main() -> None:
