@@ -18,5 +18,7 @@ if [ "$what" = offline ] || [ "$what" = all ]; then
   python3 benchmarks/offline_throughput.py --model llama3-8b-dummy --device cuda --dtype bfloat16 \
     --num-requests 64 --name offline_throughput_h100_llama3_8b 2>&1 | tail -8
 fi
-mkdir -p "$OUT" && cp benchmarks/results/*.json benchmarks/results/*.md "$OUT"/ 2>/dev/null
+# at most 8 files come back from $OUT: only this session's results
+mkdir -p "$OUT" && cp benchmarks/results/gpu_kernels.* benchmarks/results/lora_overhead_cuda.* \
+  benchmarks/results/offline_throughput_h100_llama3_8b.* "$OUT"/ 2>/dev/null
 ls "$OUT"

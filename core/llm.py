@@ -25,13 +25,15 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", seed: int = 0,
                  lora_modules: dict[str, str] | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs") -> None:
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=scheduling_policy),
