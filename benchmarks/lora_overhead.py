@@ -34,12 +34,17 @@ def module_shape(cfg: ModelConfig, name: str) -> tuple[int, int]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[name]
 
 
-def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int, dtype: torch.dtype = torch.float32) -> Path:
+TARGET_SETS = {"all": tuple(TARGETS), "attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "qv": ("q_proj", "v_proj")}
+
+
+def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int, dtype: torch.dtype = torch.float32,
+                  targets: tuple[str, ...] = tuple(TARGETS)) -> Path:
     """A PEFT-format LoRA adapter with random weights (what `save_pretrained` would write)."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for name, parent in TARGETS.items():
+        for name in targets:
+            parent = TARGETS[name]
             fan_in, fan_out = module_shape(cfg, name)
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5).to(dtype)
@@ -48,7 +53,7 @@ def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int, dtype: torc
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-        "target_modules": list(TARGETS), "lora_dropout": 0.0, "base_model_name_or_path": None}))
+        "target_modules": list(targets), "lora_dropout": 0.0, "base_model_name_or_path": None}))
     return out
 
 
@@ -69,6 +74,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", choices=sorted(TARGET_SETS), default="all",
+                    help="target modules: all seven, attention (q,k,v,o) or q,v")
+    ap.add_argument("--name", default=None)
     args = ap.parse_args()
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
@@ -76,11 +84,12 @@ def main() -> None:
     prompts = [[rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
     rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                      "max_tokens": args.max_tokens, "rank": args.rank, "device": args.device, "dtype": args.dtype}
+                      "max_tokens": args.max_tokens, "rank": args.rank, "targets": args.targets, "device": args.device, "dtype": args.dtype}
     num_out = args.num_requests * args.max_tokens
     for num_adapters in (8, 32):
         adapter_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-        modules = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, args.rank, i, adapter_dtype))
+        modules = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, args.rank, i, adapter_dtype,
+                                                  TARGET_SETS[args.targets]))
                    for i in range(num_adapters)}
         llm = LLM(model, device=args.device, dtype=args.dtype, lora_modules=modules, max_loras=num_adapters,
                   max_lora_rank=args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model))
@@ -99,7 +108,7 @@ def main() -> None:
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()
-    write_results(f"lora_overhead_{args.device}", data, rows)
+    write_results(args.name or f"lora_overhead_{args.device}", data, rows)
 
 
 if __name__ == "__main__":

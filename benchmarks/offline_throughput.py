@@ -21,7 +21,6 @@ from common import add_model_args, bench_model_dir, hf_model, load_format_of, no
 from core import LLM, SamplingParams
 
 
-REPEATS = 2
 
 
 def workload(vocab: int, num: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
@@ -31,12 +30,13 @@ def workload(vocab: int, num: int, seed: int, max_prompt: int, max_output: int) 
 
 
 def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dtype: str,
-                 load_format: str = "auto") -> float:
-    llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, load_format=load_format)
+                 load_format: str = "auto", repeats: int = 2, enforce_eager: bool = False) -> float:
+    llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, load_format=load_format,
+              enforce_eager=enforce_eager)
     llm.generate([work[0][0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
     elapsed = float("inf")
-    for _ in range(REPEATS):  # best of REPEATS: the first pass also pays first-touch faults of the KV pool
+    for _ in range(repeats):  # best of `repeats`: the first pass also pays first-touch faults of the KV pool
         start = now()
         outs = llm.generate([p for p, _ in work], params)
         elapsed = min(elapsed, now() - start)
@@ -49,10 +49,11 @@ def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dty
 
 
 def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: str, batch_size: int,
-           dummy: bool = False) -> float:
+           dummy: bool = False, repeats: int = 2) -> float:
     hf = hf_model(model, dummy, getattr(torch, dtype), device)
+    hf_pass(hf, [(p, 4) for p, _ in work[:2]], device, batch_size)  # warm-up: CUDA context, cuBLAS handles
     best = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = now()
         hf_pass(hf, work, device, batch_size)
         best = min(best, now() - start)
@@ -82,6 +83,9 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="passes per engine (best kept)")
+    ap.add_argument("--hf-repeats", type=int, default=None, help="passes for HF (default: --repeats)")
+    ap.add_argument("--enforce-eager", action="store_true", help="ours without decode CUDA graphs")
     ap.add_argument("--attention-backends", default="auto",
                     help="comma list of LORAPLEX_ATTENTION_BACKEND values to run ours with (one HF run)")
     args = ap.parse_args()
@@ -98,18 +102,21 @@ def main() -> None:
     ours: dict[str, float] = {}
     for backend in args.attention_backends.split(","):
         os.environ["LORAPLEX_ATTENTION_BACKEND"] = backend
-        ours[backend] = run_loraplex(model, work, args.device, args.dtype, load_format)
+        ours[backend] = run_loraplex(model, work, args.device, args.dtype, load_format, args.repeats,
+                                     args.enforce_eager)
     best = min(ours, key=ours.get)
     t_ours = ours[best]
-    t_hf = run_hf(model, work, args.device, args.dtype, args.hf_batch_size, dummy=load_format == "dummy")
+    t_hf = run_hf(model, work, args.device, args.dtype, args.hf_batch_size, dummy=load_format == "dummy",
+                  repeats=args.hf_repeats or args.repeats)
     data = {"model": args.model or model, "num_requests": len(work), "prompt_tokens": num_in, "output_tokens": num_out,
             "loraplex_s": t_ours, "hf_s": t_hf, "loraplex_out_tok_s": num_out / t_ours, "hf_out_tok_s": num_out / t_hf,
             "speedup_vs_hf": t_hf / t_ours, "hf_batch_size": args.hf_batch_size, "device": args.device,
-            "dtype": args.dtype, "loraplex_s_by_attention_backend": ours}
+            "dtype": args.dtype, "loraplex_s_by_attention_backend": ours,
+            "enforce_eager": args.enforce_eager}
     write_results(args.name or f"offline_throughput_{args.device}", data, [
         ("requests / prompt tokens / output tokens", f"{len(work)} / {num_in} / {num_out}"),
         *[(f"loraplex output tok/s (attention: {b})", f"{num_out / t:.1f}") for b, t in ours.items()],
-        ("HF generate (static batch 8) output tok/s", f"{num_out / t_hf:.1f}"),
+        (f"HF generate (static batch {args.hf_batch_size}) output tok/s", f"{num_out / t_hf:.1f}"),
         ("speedup vs HF", f"{t_hf / t_ours:.2f}x"),
     ])
 

@@ -116,3 +116,4 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_modules: tuple[tuple[str, str], ...] = ()
     load_format: str = "auto"          # "dummy": random weights of the config's shape (benchmarks)
+    enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)

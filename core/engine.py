@@ -19,10 +19,11 @@ from core.engine_setup import EngineParts, build_engine_parts
 from core.errors import RequestRejected
 from core.outputs import RequestDelta
 from core.request import Request, RequestStatus
-from core.runner import build_model_input
+from core.cuda_graphs import build_decode_graphs
+from core.runner import host_to_device, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, logprob_entries, sample
 from core.sampling import SamplingParams
-from core.structured import advance_grammar, apply_grammar_masks
+from core.structured import advance_grammar, apply_token_masks, fill_token_masks
 
 log = logging.getLogger("loraplex.engine")
 
@@ -44,6 +45,7 @@ class LLMEngine:
         self._compiler: Any = None
         self._schema_options: Any = None
         self._compiler_lock = threading.Lock()
+        self.graphs = build_decode_graphs(config, p)   # None off CUDA or with enforce_eager
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -140,12 +142,14 @@ class LLMEngine:
             if self.kv.prefix_cache is not None:
                 self.kv.prefix_cache.clear_namespace(entry.namespace)
 
-    def _set_lora_batch(self, reqs: list[Request], num_new_tokens: list[int]) -> list[LoadedAdapter]:
-        """Loads the step's adapters into device slots and sets per-token slots. Returns the adapters whose
-        weights could not be read (their host copy was dropped and the files are gone): nothing is set then."""
+    def _lora_token_slots(self, reqs: list[Request],
+                          num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:
+        """Loads the step's adapters into (pinned) device slots; returns the slot of every token (-1: base;
+        None: no adapter in the step) and the adapters whose weights could not be read (their host copy was
+        dropped and the files are gone): the slots are then unpinned and nothing should run."""
+        self.lora_pool.context.clear()
         if all(r.lora_slot_key is None for r in reqs):
-            self.lora_pool.context.clear()
-            return []
+            return None, []
         slots: dict[int, int] = {}
         failed: list[LoadedAdapter] = []
         per_req = []
@@ -167,9 +171,8 @@ class LLMEngine:
             per_req.append(slot)
         if failed:
             self.lora_pool.unpin_all()
-            return failed
-        self.lora_pool.context.set_batch(np.repeat(np.asarray(per_req, dtype=np.int64), num_new_tokens))
-        return []
+            return None, failed
+        return np.repeat(np.asarray(per_req, dtype=np.int64), num_new_tokens), []
 
     def _fail_requests(self, reqs: list[Request], message: str) -> list[RequestDelta]:
         deltas = []
@@ -187,27 +190,40 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        batch = build_model_input(sched.scheduled, self.block_size, self.device)
-        failed = self._set_lora_batch(batch.requests, batch.num_new_tokens)
+        host = prepare_batch(sched.scheduled, self.block_size)
+        token_slots, failed = self._lora_token_slots(host.requests, host.num_new)
         if failed:  # skip this forward: fail the requests of unreadable adapters, the rest run next step
             names = ", ".join(sorted({e.name for e in failed}))
-            return self._fail_requests([r for r in batch.requests if r.lora_slot_key in failed],
+            return self._fail_requests([r for r in host.requests if r.lora_slot_key in failed],
                                        f"the weights of adapter(s) {names} could not be read")
+        # Everything up to `tolist()` below is queued on the GPU without waiting for it: the CPU fills the
+        # grammar masks and the sampling parameters while the forward runs.
         try:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
+            if self.graphs is not None and self.graphs.can_run(host):
+                hidden = self.graphs.run(host, token_slots)                               # [B, hidden]
+                rows = None if len(host.samples) == len(host.requests) else host.samples
+            else:
+                batch = to_device(host, self.block_size, self.device)
+                if token_slots is not None:
+                    self.lora_pool.context.set_batch(token_slots)
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+                rows = batch.logits_indices
         finally:
             self.lora_pool.unpin_all()
             self.lora_pool.context.clear()
         self.scheduler.update_after_step(sched)
-        self.stats.record_step(sched.num_batched_tokens, len(batch.requests))
-        if not batch.sample_requests:
+        self.stats.record_step(sched.num_batched_tokens, len(host.requests))
+        if not host.samples:
             return []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])                  # [N, vocab]
-        reqs = batch.sample_requests
-        apply_grammar_masks(logits, reqs)
-        sbatch = SamplingBatch.from_requests(reqs, logits.shape[-1], logits.device)
+        reqs = [host.requests[i] for i in host.samples]
+        masks = fill_token_masks(reqs, self.model_config.vocab_size)
+        sbatch = SamplingBatch.from_requests(reqs, self.model_config.vocab_size, self.device)
+        if isinstance(rows, list):
+            rows = host_to_device(np.asarray(rows, dtype=np.int64), self.device)
+        logits = self.model.compute_logits(hidden if rows is None else hidden[rows])       # [N, vocab]
+        apply_token_masks(logits, masks)
         tokens_t = sample(logits, sbatch)
-        tokens = tokens_t.tolist()
+        tokens = tokens_t.tolist()   # the step's one device sync
         lps: list = [None] * len(reqs)
         if sbatch.max_logprobs >= 0:
             chosen, tops = compute_logprobs(logits, tokens_t, sbatch.max_logprobs)

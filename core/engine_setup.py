@@ -19,6 +19,10 @@ from core.scheduler import Scheduler
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
 CPU_DEFAULT_KV_BYTES = 2 << 30
+# CUDA: memory kept out of the KV pool for the decode graphs' shared pool (activations of the largest
+# captured batch and split-KV partials; measured ~100 MiB for the 8B shape at batch 256) and the eager
+# prefill activations
+CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 
 
 @dataclass
@@ -85,6 +89,8 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, de
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * cache.gpu_memory_utilization) - (total - free)
+        if not config.enforce_eager:
+            budget -= CUDA_GRAPH_RESERVE_BYTES
         return max(1, budget // per_block)
     needed = -(-max_model_len // cache.block_size) * config.scheduler.max_num_seqs
     return max(1, min(CPU_DEFAULT_KV_BYTES // per_block, needed))

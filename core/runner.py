@@ -1,7 +1,9 @@
 """Builds the flat batch of one step (input ids, positions, slot mapping, block tables) and runs the model.
 
 Layout: requests with one new token (decodes) first, then prefill chunks, each contiguous.
-Everything per token is computed with numpy/torch vector ops; Python loops run per request only.
+Everything per token is computed with numpy vector ops on the host (`prepare_batch`); `to_device`
+then moves it with pinned, non-blocking copies, so building a batch never waits for the GPU.
+The CUDA-graph decode path (`core/cuda_graphs.py`) takes the host batch directly.
 """
 from __future__ import annotations
 
@@ -12,6 +14,29 @@ import torch
 
 from core.attention.metadata import AttentionMetadata
 from core.request import Request
+
+
+@dataclass
+class HostBatch:
+    """One step's flat batch on the host (numpy)."""
+    requests: list[Request]               # batch order: decodes (by context length), then prefills
+    num_new: np.ndarray                   # [B] int64
+    cu: np.ndarray                        # [B + 1] int64: flat token offsets
+    token_ids: np.ndarray                 # [T] int64
+    positions: np.ndarray                 # [T] int64
+    slot_mapping: np.ndarray              # [T] int64
+    tables: np.ndarray                    # [B, max_blocks] int64 (padded with 0)
+    context_lens: np.ndarray              # [B] int64: cached + new tokens
+    num_decode: int
+    samples: list[int]                    # batch rows that sample a token this step
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu[-1])
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decode == len(self.requests)
 
 
 @dataclass
@@ -39,8 +64,7 @@ def decode_groups(context_lens: np.ndarray, block_size: int, max_ratio: float = 
     return groups
 
 
-def build_model_input(scheduled: list[tuple[Request, int]], block_size: int,
-                      device: torch.device) -> ModelInput:
+def prepare_batch(scheduled: list[tuple[Request, int]], block_size: int) -> HostBatch:
     # decodes sorted by context length so the attention backend can group similar lengths (less padding)
     decodes = sorted(((r, n) for r, n in scheduled if n == 1), key=lambda e: e[0].num_computed_tokens)
     prefills = [(r, n) for r, n in scheduled if n > 1]
@@ -67,31 +91,55 @@ def build_model_input(scheduled: list[tuple[Request, int]], block_size: int,
     for i, r in enumerate(reqs):
         tables[i, :len(r.block_ids)] = r.block_ids
     slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    samples = [i for i, r in enumerate(reqs) if r.num_computed_tokens + int(num_new[i]) == r.num_tokens]
+    return HostBatch(requests=reqs, num_new=num_new, cu=cu, token_ids=np.asarray(token_ids, dtype=np.int64),
+                     positions=positions, slot_mapping=slot_mapping, tables=tables, context_lens=starts + num_new,
+                     num_decode=len(decodes), samples=samples)
 
-    num_decode = len(decodes)
-    context_lens = starts + num_new
-    decode_blocks = int(-(-context_lens[:num_decode].max() // block_size)) if num_decode else 0
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor; pinned + non_blocking on CUDA (a pageable copy would sync the stream)."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelInput:
+    num_decode, reqs = host.num_decode, host.requests
+    ctx, tables = host.context_lens, host.tables
+    decode_blocks = int(-(-ctx[:num_decode].max() // block_size)) if num_decode else 0
+    pre_blocks = [-(-int(c) // block_size) for c in ctx[num_decode:]]
+    # one copy for all per-token int64 data: ids | positions | slots | logits rows | decode lens
+    logits_rows = host.cu[1:][host.samples] - 1
+    packed = host_to_device(np.concatenate([host.token_ids, host.positions, host.slot_mapping, logits_rows,
+                                 ctx[:num_decode]]), device)
+    t, n = host.num_tokens, len(host.samples)
+    dtables = host_to_device(tables[:num_decode, :decode_blocks], device)
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        slot_mapping=packed[2 * t:3 * t],
         num_decode_tokens=num_decode,
-        decode_block_tables=torch.from_numpy(tables[:num_decode, :decode_blocks].copy()).to(device),
-        decode_context_lens=torch.from_numpy(context_lens[:num_decode].copy()).to(device),
-        decode_groups=decode_groups(context_lens[:num_decode], block_size),
-        prefill_query_starts=cu[num_decode:-1].tolist(),
-        prefill_query_lens=num_new[num_decode:].tolist(),
-        prefill_context_lens=context_lens[num_decode:].tolist(),
-        prefill_block_tables=[torch.tensor(r.block_ids[:-(-int(c) // block_size)], dtype=torch.int64, device=device)
-                              for r, c in zip(reqs[num_decode:], context_lens[num_decode:])],
+        decode_block_tables=dtables,
+        decode_context_lens=packed[3 * t + n:],
+        decode_groups=decode_groups(ctx[:num_decode], block_size),
+        prefill_query_starts=host.cu[num_decode:-1].tolist(),
+        prefill_query_lens=host.num_new[num_decode:].tolist(),
+        prefill_context_lens=ctx[num_decode:].tolist(),
+        prefill_block_tables=[host_to_device(tables[num_decode + i, :nb], device) for i, nb in enumerate(pre_blocks)],
         block_size=block_size,
     )
-    samples = [i for i, r in enumerate(reqs) if r.num_computed_tokens + int(num_new[i]) == r.num_tokens]
     return ModelInput(
-        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-        positions=torch.from_numpy(positions).to(device),
+        input_ids=packed[:t],
+        positions=packed[t:2 * t],
         meta=meta,
-        logits_indices=torch.from_numpy(cu[1:][samples] - 1).to(device),
+        logits_indices=packed[3 * t:3 * t + n],
         requests=reqs,
-        num_new_tokens=num_new.tolist(),
-        sample_requests=[reqs[i] for i in samples],
-        token_starts=cu[:-1].tolist(),
+        num_new_tokens=host.num_new.tolist(),
+        sample_requests=[reqs[i] for i in host.samples],
+        token_starts=host.cu[:-1].tolist(),
     )
+
+
+def build_model_input(scheduled: list[tuple[Request, int]], block_size: int,
+                      device: torch.device) -> ModelInput:
+    return to_device(prepare_batch(scheduled, block_size), block_size, device)

@@ -49,13 +49,17 @@ class SamplingBatch:
     @staticmethod
     def from_requests(reqs: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
         ps = [r.sampling_params for r in reqs]
+        n = len(reqs)
         top_ks = [min(p.effective_top_k or vocab_size, vocab_size) for p in ps]
+        floats = torch.tensor([p.temperature for p in ps] + [p.top_p for p in ps], dtype=torch.float32)  # [2N]
+        ints = torch.tensor(top_ks + [r.seed for r in reqs] + [r.num_output_tokens for r in reqs],
+                            dtype=torch.int64)                                                          # [3N]
+        if device.type == "cuda":  # pinned + non_blocking: a pageable copy would wait for the forward
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
         return SamplingBatch(
-            temperatures=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
-            top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
-            steps=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64, device=device),
+            temperatures=floats[:n], top_ps=floats[n:], top_ks=ints[:n], seeds=ints[n:2 * n],
+            steps=ints[2 * n:],
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(k < vocab_size for k in top_ks),
             need_top_p=any(p.top_p < 1.0 for p in ps),

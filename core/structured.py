@@ -14,18 +14,35 @@ class GrammarViolation(RuntimeError):
     """A sampled token the grammar did not allow (a bug: masks make this impossible)."""
 
 
-def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """logits [N, V] of the sampled rows, masked in place where the request is constrained."""
+TokenMasks = tuple[torch.Tensor, torch.Tensor]   # bitmask [N, ceil(V/32)] int32, constrained rows [R] int64
+
+
+def fill_token_masks(reqs: list[Request], vocab_size: int) -> TokenMasks | None:
+    """Host side (runs while the forward is on the GPU): the bitmask of the sampled rows; None if no row is
+    constrained."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if not rows:
-        return
-    from grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
+        return None
+    from grammar.bitmask import allocate_token_bitmask
 
-    bitmask = allocate_token_bitmask(len(reqs), logits.shape[-1])          # [N, ceil(V/32)] all ones
+    bitmask = allocate_token_bitmask(len(reqs), vocab_size)               # [N, ceil(V/32)] all ones
     for i in rows:
         reqs[i].grammar.fill_bitmask(bitmask, i)
+    return bitmask, torch.tensor(rows, dtype=torch.int64)
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None) -> None:
+    """logits [N, V] of the sampled rows, masked in place where the request is constrained."""
+    if masks is None:
+        return
+    from grammar.bitmask import apply_token_bitmask_
+
+    bitmask, rows = masks
+    if logits.is_cuda:
+        bitmask, rows = bitmask.pin_memory(), rows.pin_memory()
     apply_token_bitmask_(logits, bitmask.to(logits.device, non_blocking=True),
-                         torch.tensor(rows, dtype=torch.int64, device=logits.device))
+                         rows.to(logits.device, non_blocking=True))
+
 
 
 def advance_grammar(req: Request, token: int) -> bool:

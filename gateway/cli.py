@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=_SECONDS, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, let in-flight requests finish for this long, then exit")
     s.add_argument("--no-access-log", action="store_true", help="no JSON access-log lines on stdout")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (no decode CUDA graphs; faster start-up, slower decode)")
+    s.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of the model config's shape (benchmarks)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     return parser
 
@@ -99,7 +103,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key, tenant_keys=args.tenant_keys,
         admin_token=args.admin_token, scheduling_policy=args.scheduling_policy,
         max_queue_len=args.max_queue_len or None, request_timeout=args.request_timeout or None,
-        shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log)
+        shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
+        enforce_eager=args.enforce_eager, load_format=args.load_format)
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

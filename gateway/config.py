@@ -61,6 +61,8 @@ class ServerConfig:
     request_timeout: float | None = None     # seconds from arrival; None: no timeout
     shutdown_timeout: float = 30.0           # SIGTERM: seconds to let in-flight requests finish
     access_log: bool = True                  # one JSON line per request on the `loraplex.access` logger
+    enforce_eager: bool = False              # CUDA: no decode graphs
+    load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
 
     @property
     def url(self) -> str:
@@ -80,4 +82,4 @@ class ServerConfig:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, policy=self.scheduling_policy),
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
-            lora_modules=self.lora_modules)
+            lora_modules=self.lora_modules, enforce_eager=self.enforce_eager, load_format=self.load_format)

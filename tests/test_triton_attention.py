@@ -209,3 +209,43 @@ def test_engine_greedy_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) ->
     got = generate("triton")
     assert got == generate("torch")
     assert all(len(ids) == 10 for ids in got.values())
+
+
+@pytest.mark.parametrize("cap,heads,kv_heads", [(1, 8, 2), (8, 8, 2), (4, 6, 2)])
+def test_padded_graph_decode(cap: int, heads: int, kv_heads: int) -> None:
+    """The CUDA-graph decode layout: a batch padded to 8 rows (slot -1, context 1, table row 0) over
+    persistent-buffer metadata whose work list holds every (seq, split < cap); items past a sequence's
+    split count must exit without writing. Real rows equal the torch reference; the padding stores nothing."""
+    seqs = [(3, 1), (40, 1), (200, 1), (255, 1), (300, 1)]
+    size, head_dim = 8, 32
+    (q, k, v, kc, vc), meta = make_batch(seqs, heads, kv_heads, head_dim, torch.float32, seed=cap + heads)
+    backend = TritonAttentionBackend(min_partition=32, target_programs=10**6, max_splits=cap)
+    n = len(seqs)
+    ctx = meta.decode_context_lens.cpu().numpy()
+    splits = backend.graph_decode_splits(ctx, decode_groups(ctx, BS, min_size=2), size, kv_heads, cap, BS, DEVICE)
+    assert (splits <= cap).all() and (cap == 1 or splits.max() > 1)
+    splits[0] = 1  # a one-split row under a cap > 1: its items 1.. must not overwrite its output
+    seq_lens = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    seq_lens[:n] = meta.decode_context_lens.to(torch.int32)
+    num_splits = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    num_splits[:n] = torch.from_numpy(splits).to(torch.int32)
+    width = meta.decode_block_tables.shape[1] + 3
+    tables = torch.zeros(size, width, dtype=torch.int32, device=DEVICE)
+    tables[:n, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    slots = torch.full((size,), -1, dtype=torch.int64, device=DEVICE)
+    slots[:n] = meta.slot_mapping
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(size - n, *x.shape[1:], device=DEVICE)])
+
+    graph_meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=size, decode_block_tables=tables, decode_context_lens=seq_lens,
+        prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+        block_size=BS, kernel_meta=backend.graph_kernel_meta(size, cap, seq_lens, tables, num_splits))
+    kc_t, vc_t = kc.clone(), vc.clone()
+    out = backend.forward(pad(q), pad(k), pad(v), kc_t, vc_t, graph_meta, head_dim ** -0.5)
+    kc_r, vc_r = kc.clone(), vc.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, kc_r, vc_r, meta, head_dim ** -0.5)
+    assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r), "padded rows wrote KV"
+    err = ((out[:n] - ref).norm() / ref.norm()).item()
+    assert err < TOL[torch.float32], f"relative error {err:.2e}"

@@ -88,7 +88,7 @@ def add_lora(
     meta.check_num_tokens(x.shape[0])
     if y.shape[0] != x.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
-    chosen = select_backend(x, backend)
+    chosen = "triton" if meta.padded else select_backend(x, backend)  # padded metadata: device-only groups
     if chosen == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
             meta.num_lora_tokens <= GATHER_MAX_TOKENS_PER_GROUP * meta.num_groups:
         torch_add_lora_gathered(y, x, stack, meta, y_offset)

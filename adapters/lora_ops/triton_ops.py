@@ -31,7 +31,7 @@ def _pow2_clamp(n: int, lo: int, hi: int) -> int:
 def _active_max_rank(stack: LoRAStack, meta: LoRABatchMeta) -> int:
     """Largest real rank among the step's slots, from the host mirror when there is one
     (no device sync); else the pool's max rank."""
-    if stack.ranks_host is None:
+    if stack.ranks_host is None or meta.padded:  # padded: the slots are only known on the device
         return stack.max_rank
     slots = list(meta.group_slots_host)
     return int(stack.ranks_host[:, slots].max()) if slots else 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,8 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # per prefill seq: [num_blocks] int64
     block_size: int
     decode_groups: list[tuple[int, int, int]] = None  # type: ignore[assignment]  # (start, end, num_blocks)
+    # precomputed backend metadata in persistent buffers (the CUDA-graph decode path); None: built per step
+    kernel_meta: Any = None
 
     @property
     def num_prefills(self) -> int:

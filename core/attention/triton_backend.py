@@ -93,6 +93,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def kernel_meta(self, meta: AttentionMetadata, num_kv_heads: int, g_p2: int,
                     device: torch.device) -> KernelMeta:
+        if meta.kernel_meta is not None:
+            return meta.kernel_meta
         key = (num_kv_heads, g_p2, device)
         if self._cached is not None and self._cached[0] is meta and self._cached[1] == key:
             return self._cached[2]
@@ -152,6 +154,39 @@ class TritonAttentionBackend(AttentionBackend):
             num_split_tokens=num_decode - split_offset)
         self._cached = (meta, key, km)
         return km
+
+    # ---------------------------------------------------------------- CUDA-graph decode
+    def graph_max_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+        """Split cap (power of two) of a decode graph captured for `batch_size` sequences: the most any
+        step of that size can ask for under the split policy."""
+        base = batch_size * num_kv_heads
+        target = self._target(device)
+        if self.max_splits <= 1 or base >= target:
+            return 1
+        return triton.next_power_of_2(min(self.max_splits, _ceil_div(target, base)))
+
+    def graph_decode_splits(self, context_lens: np.ndarray, groups: list[tuple[int, int, int]], batch_size: int,
+                            num_kv_heads: int, cap: int, block_size: int, device: torch.device) -> np.ndarray:
+        """Per-sequence split counts of a padded decode batch (same policy as `kernel_meta`), <= cap."""
+        splits = np.ones(len(context_lens), np.int64)
+        if cap > 1:
+            want = _ceil_div(self._target(device), batch_size * num_kv_heads)
+            for start, end, nblocks in groups:
+                splits[start:end] = max(1, min(cap, want, _ceil_div(nblocks * block_size, self.min_partition)))
+        return splits
+
+    @staticmethod
+    def graph_kernel_meta(batch_size: int, cap: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                          num_splits: torch.Tensor) -> KernelMeta:
+        """Kernel metadata over persistent buffers for a decode batch of `batch_size` (padded) sequences:
+        the work list holds every (seq, split < cap); items past a sequence's split count exit at once."""
+        device = seq_lens.device
+        ar = torch.arange(batch_size * cap, dtype=torch.int32, device=device)
+        work = torch.stack([ar // cap, torch.zeros_like(ar), ar % cap])      # [3, B * cap]
+        seqs = torch.arange(batch_size, dtype=torch.int32, device=device)
+        return KernelMeta(q_starts=seqs, q_lens=torch.ones_like(seqs), seq_lens=seq_lens, block_tables=block_tables,
+                          num_splits=num_splits, work=work, num_items=batch_size * cap, block_q=1, max_splits=cap,
+                          split_token_offset=0, num_split_tokens=batch_size if cap > 1 else 0)
 
     # ---------------------------------------------------------------- kernels
     @staticmethod

@@ -135,6 +135,9 @@ def paged_attention_kernel(
     num_splits = 1
     if HAS_SPLITS:
         num_splits = tl.load(num_splits_ptr + seq)
+    if split >= num_splits:  # padded work lists (CUDA graphs) hold items past a sequence's split count
+        return
+    if HAS_SPLITS:
         per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
         kv_lo = tl.minimum(split * per_split, kv_end)
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)

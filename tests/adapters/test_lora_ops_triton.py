@@ -1,16 +1,19 @@
-"""Triton shrink/expand kernels (run by the CPU interpreter) against the torch reference."""
+"""Triton shrink/expand kernels against the torch reference: compiled on a GPU when there is one, else in the
+CPU interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
 
 import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported and the kernels decorated
-
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported and the kernels decorated
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 triton = pytest.importorskip("triton")
-if "adapters.lora_ops.triton_kernels" in sys.modules:  # decorated earlier without the interpreter
+if not torch.cuda.is_available() and "adapters.lora_ops.triton_kernels" in sys.modules:  # decorated without it
     importlib.reload(sys.modules["adapters.lora_ops.triton_kernels"])
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora, expand, shrink  # noqa: E402
@@ -34,7 +37,7 @@ def make_stack(slots, r_max, in_f, outs, ranks, dtype, seed=0, host_mirror=True)
     offsets = tuple(sum(outs[:s]) for s in range(S))
     rt = torch.tensor(ranks, dtype=torch.int32)
     return LoRAStack(
-        lora_a=a.to(dtype), lora_b=b.to(dtype), ranks=rt, scalings=scal,
+        lora_a=a.to(dtype).to(DEVICE), lora_b=b.to(dtype).to(DEVICE), ranks=rt.to(DEVICE), scalings=scal.to(DEVICE),
         slice_offsets=offsets, slice_sizes=tuple(outs),
         ranks_host=rt.clone() if host_mirror else None,
         scalings_host=scal.clone() if host_mirror else None,
@@ -57,17 +60,17 @@ CASES = [
 def test_triton_matches_torch(token_slots, ranks, outs, dtype):
     slots = len(ranks[0])
     stack = make_stack(slots, 16, 48, outs, ranks, dtype)
-    meta = LoRABatchMeta.build(token_slots, num_slots=slots)
+    meta = LoRABatchMeta.build(token_slots, DEVICE, num_slots=slots)
     T = len(token_slots)
-    x = (torch.randn(T, 48, generator=torch.Generator().manual_seed(1))).to(dtype)
-    y0 = torch.randn(T, sum(outs) + 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = (torch.randn(T, 48, generator=torch.Generator().manual_seed(1))).to(dtype).to(DEVICE)
+    y0 = torch.randn(T, sum(outs) + 8, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     y_ref, y_tri = y0.clone(), y0.clone()
     add_lora(y_ref, x, stack, meta, y_offset=4, backend="torch")
     add_lora(y_tri, x, stack, meta, y_offset=4, backend="triton")
     assert torch.isfinite(y_tri.float()).all()
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **tol)
-    base = torch.tensor(token_slots) < 0
+    base = torch.tensor(token_slots, device=DEVICE) < 0
     assert torch.equal(y_tri[base], y0[base])  # base tokens untouched
     assert torch.equal(y_tri[:, :4], y0[:, :4]) and torch.equal(y_tri[:, 4 + sum(outs):], y0[:, 4 + sum(outs):])
 
@@ -76,15 +79,15 @@ def test_triton_matches_torch(token_slots, ranks, outs, dtype):
 def test_triton_shrink_split_k_and_no_host_mirror(split_k):
     ranks = [[4, 0, 16], [8, 12, 16]]
     stack = make_stack(3, 16, 96, [16, 16], ranks, torch.float32, host_mirror=False)
-    meta = LoRABatchMeta.build([2, 0, -1, 2, 1, 0, 2, 1], num_slots=3)
-    x = torch.randn(8, 96)
+    meta = LoRABatchMeta.build([2, 0, -1, 2, 1, 0, 2, 1], DEVICE, num_slots=3)
+    x = torch.randn(8, 96).to(DEVICE)
     h_ref = shrink(x, stack, meta, backend="torch")
     h_tri = triton_shrink(x, stack, meta, split_k=split_k)
     for s in range(2):
         for g, slot in enumerate(meta.group_slots_host):
             r, st, n = ranks[s][slot], meta.group_starts_host[g], meta.group_sizes_host[g]
             torch.testing.assert_close(h_tri[s, st:st + n, :r], h_ref[s, st:st + n, :r], atol=1e-4, rtol=1e-4)
-    y_ref, y_tri = torch.zeros(8, 32), torch.zeros(8, 32)
+    y_ref, y_tri = torch.zeros(8, 32, device=DEVICE), torch.zeros(8, 32, device=DEVICE)
     expand(y_ref, h_ref, stack, meta, backend="torch")
     expand(y_tri, h_tri, stack, meta, backend="triton")
     torch.testing.assert_close(y_tri, y_ref, atol=1e-4, rtol=1e-4)
@@ -93,10 +96,10 @@ def test_triton_shrink_split_k_and_no_host_mirror(split_k):
 def test_triton_strided_input_rows():
     """x and y may be views with a row stride (e.g. a slice of a bigger buffer)."""
     stack = make_stack(2, 16, 32, [16], [[8, 16]], torch.float32)
-    meta = LoRABatchMeta.build([1, 0, 1, -1, 0], num_slots=2)
-    big_x = torch.randn(5, 64)
+    meta = LoRABatchMeta.build([1, 0, 1, -1, 0], DEVICE, num_slots=2)
+    big_x = torch.randn(5, 64).to(DEVICE)
     x = big_x[:, 8:40]  # [5, 32] non-contiguous
-    y_ref, y_tri = torch.zeros(5, 40), torch.zeros(5, 40)
+    y_ref, y_tri = torch.zeros(5, 40, device=DEVICE), torch.zeros(5, 40, device=DEVICE)
     add_lora(y_ref[:, 10:26], x, stack, meta, backend="torch")
     add_lora(y_tri[:, 10:26], x, stack, meta, backend="triton")
     torch.testing.assert_close(y_tri, y_ref, atol=1e-4, rtol=1e-4)
@@ -111,7 +114,7 @@ def test_triton_through_slot_pool_and_wrappers(dtype):
 
     dims = BaseModelDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
                          head_dim=8, num_layers=1, vocab_size=16)
-    pool = LoRASlotPool(num_slots=4, max_rank=16, dims=dims, dtype=dtype)
+    pool = LoRASlotPool(num_slots=4, max_rank=16, dims=dims, device=DEVICE, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     for slot_rank, targets in [(4, ["q_proj", "v_proj"]), (16, list(TARGET_MODULES)), (8, ["gate_proj", "down_proj"])]:
         mods = {}
@@ -121,10 +124,10 @@ def test_triton_through_slot_pool_and_wrappers(dtype):
                                          torch.randn(out_f, slot_rank, generator=g) * 0.3, 1.5)
         pool.load(f"r{slot_rank}", LoRAAdapter("x", "x", mods))
     # slot 3 stays empty (zero tokens); r16 lives in slot 1.
-    meta = LoRABatchMeta.build([1, 1, -1, 0, 2, 2, 2, 1, -1, 0, 1], num_slots=4)
+    meta = LoRABatchMeta.build([1, 1, -1, 0, 2, 2, 2, 1, -1, 0, 1], DEVICE, num_slots=4)
     for gname, grp in fused_groups(dims).items():
-        x = torch.randn(meta.num_tokens, grp.in_features, generator=g).to(dtype)
-        y_ref = torch.randn(meta.num_tokens, grp.out_features, generator=g).to(dtype)
+        x = torch.randn(meta.num_tokens, grp.in_features, generator=g).to(dtype).to(DEVICE)
+        y_ref = torch.randn(meta.num_tokens, grp.out_features, generator=g).to(dtype).to(DEVICE)
         y_tri = y_ref.clone()
         add_lora(y_ref, x, pool.stack(0, gname), meta, backend="torch")
         add_lora(y_tri, x, pool.stack(0, gname), meta, backend="triton")

@@ -1,0 +1,179 @@
+"""CUDA graphs for decode steps: one graph per (padded batch size, LoRA on/off), replayed over persistent buffers.
+
+A decode-only step of n requests runs the graph of the smallest captured size B >= n. Its inputs (ids,
+positions, slot mapping, context lengths, split counts, block tables; LoRA tiles when adapters are in the
+batch) are written on the host into pinned staging buffers and reach the device with one non-blocking copy
+per buffer, then the graph replays every kernel of the forward with no Python in between. Padded rows have
+slot -1 (the KV store skips them), context length 1 and block table row 0; their outputs are dropped.
+Steps with prefill chunks, or more decodes than the largest size, run eagerly.
+
+`use_graphs=False` runs the same padded path without capturing (tests on the CPU, under TRITON_INTERPRET).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.attention.metadata import AttentionMetadata
+from core.runner import HostBatch, decode_groups
+
+log = logging.getLogger("loraplex.cuda_graphs")
+
+
+def default_capture_sizes(max_num_seqs: int, limit: int = 256) -> tuple[int, ...]:
+    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+    top = min(max_num_seqs, limit)
+    sizes = [b for b in ladder if b < top] + [top]
+    return tuple(sorted(set(sizes)))
+
+
+class DecodeGraphRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any,
+                 block_size: int, max_model_len: int, capture_sizes: tuple[int, ...], lora: Any = None,
+                 lora_context: Any = None, use_graphs: bool = True) -> None:
+        """`backend`: the model's TritonAttentionBackend; `lora`: GraphLoRABuffers (None: no adapters)."""
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.block_size = block_size
+        self.sizes = tuple(sorted(capture_sizes))
+        self.max_batch_size = self.sizes[-1]
+        self.lora, self.lora_context = lora, lora_context
+        self.use_graphs = use_graphs
+        k_cache = kv_caches[0][0]
+        self.device = k_cache.device
+        self.num_kv_heads = k_cache.shape[2]
+        self.width = -(-max_model_len // block_size)                    # block table columns
+        b, w = self.max_batch_size, self.width
+        pin = self.device.type == "cuda"
+        # int64: ids | positions | slots;  int32: seq lens | split counts | block tables [B, W]
+        self.host64 = torch.zeros(3 * b, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros_like(self.host64, device=self.device)
+        self.dev32 = torch.zeros_like(self.host32, device=self.device)
+        self.caps = {s: backend.graph_max_splits(s, self.num_kv_heads, self.device) for s in self.sizes}
+        self.kernel_metas = {s: backend.graph_kernel_meta(
+            s, self.caps[s], self.dev32[:s], self.dev32[2 * b:2 * b + s * w].view(s, w), self.dev32[b:b + s])
+            for s in self.sizes}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0      # graph replays
+        self.num_runs = 0         # steps through this runner (replayed or, without graphs, eager)
+
+    # ---------------------------------------------------------------- selection
+    def padded_size(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def can_run(self, host: HostBatch) -> bool:
+        return host.decode_only and len(host.requests) <= self.max_batch_size
+
+    # ---------------------------------------------------------------- inputs
+    def _meta(self, size: int) -> AttentionMetadata:
+        b = self.max_batch_size
+        km = self.kernel_metas[size]
+        return AttentionMetadata(
+            slot_mapping=self.dev64[2 * b:2 * b + size], num_decode_tokens=size,
+            decode_block_tables=km.block_tables, decode_context_lens=km.seq_lens, prefill_query_starts=[],
+            prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[], block_size=self.block_size,
+            decode_groups=[(0, size, self.width)], kernel_meta=km)
+
+    def _fill(self, host: HostBatch | None, size: int) -> None:
+        """Writes a step's inputs (None: the padding of a capture) into the staging buffers; copies them."""
+        b, w = self.max_batch_size, self.width
+        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        n = 0 if host is None else len(host.requests)
+        h64[:b], h64[b:2 * b], h64[2 * b:] = 0, 0, -1
+        h32[:b], h32[b:2 * b] = 1, 1
+        if n:
+            ctx = host.context_lens
+            h64[:n], h64[b:b + n], h64[2 * b:2 * b + n] = host.token_ids, host.positions, host.slot_mapping
+            h32[:n] = ctx
+            h32[b:b + n] = self.backend.graph_decode_splits(
+                ctx, decode_groups(ctx, self.block_size), size, self.num_kv_heads, self.caps[size], self.block_size,
+                self.device)
+            tables = h32[2 * b:2 * b + size * w].reshape(size, w)                # [B, W]
+            cols = min(w, host.tables.shape[1])
+            tables[:n, :cols] = host.tables[:, :cols]
+        non_blocking = self.device.type == "cuda"
+        self.dev64.copy_(self.host64, non_blocking=non_blocking)
+        count = 2 * b + (max(n, 1) if host is not None else size) * w
+        self.dev32[:count].copy_(self.host32[:count], non_blocking=non_blocking)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.max_batch_size
+        # fresh views every call: the rotary table lookup is memoized per positions tensor object
+        return self.model(self.dev64[:size], self.dev64[b:b + size], self.kv_caches, self._meta(size))
+
+    def _set_lora(self, token_slots: np.ndarray | None, size: int) -> bool:
+        if self.lora is None or token_slots is None or not (token_slots >= 0).any():
+            self.lora_context is not None and self.lora_context.clear()
+            return False
+        self.lora.fill(token_slots, size)
+        self.lora_context.set_meta(self.lora.meta(size))
+        return True
+
+    # ---------------------------------------------------------------- capture / run
+    def capture(self) -> None:
+        """Captures every size (largest first, one shared memory pool), with and without LoRA."""
+        if not self.use_graphs:
+            return
+        start, free_before = time.monotonic(), torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            for with_lora in (False, True) if self.lora is not None else (False,):
+                self._fill(None, size)
+                self._set_lora(np.zeros(size, np.int64) - 1 + (1 if with_lora else 0), size)
+                self._forward(size)                                   # warm-up: compiles the Triton kernels
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(size)
+                self.graphs[(size, with_lora)] = (graph, out)
+                if self.lora_context is not None:
+                    self.lora_context.clear()
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("captured %d decode graphs (sizes %s) in %.1f s, %.0f MiB", len(self.graphs), list(self.sizes),
+                 time.monotonic() - start, used / 2 ** 20)
+
+    def run(self, host: HostBatch, token_slots: np.ndarray | None) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step (`token_slots`: per-request LoRA slot, -1 = base)."""
+        n = len(host.requests)
+        size = self.padded_size(n)
+        assert size is not None and host.decode_only
+        self._fill(host, size)
+        with_lora = self._set_lora(token_slots, size)
+        self.num_runs += 1
+        try:
+            if not self.use_graphs:
+                return self._forward(size)[:n]
+            graph, out = self.graphs[(size, with_lora)]
+            graph.replay()
+            self.num_replays += 1
+            return out[:n]
+        finally:
+            if self.lora_context is not None:
+                self.lora_context.clear()
+
+
+def build_decode_graphs(config: Any, parts: Any) -> DecodeGraphRunner | None:
+    """Captures decode graphs on CUDA with the Triton attention backend (None: eager steps only)."""
+    if parts.device.type != "cuda" or config.enforce_eager:
+        return None
+    from core.attention.triton_backend import TritonAttentionBackend
+
+    backend = parts.model.model.layers[0].self_attn.backend
+    if not isinstance(backend, TritonAttentionBackend):
+        log.warning("decode CUDA graphs need the Triton attention backend; running eagerly")
+        return None
+    sizes = default_capture_sizes(config.scheduler.max_num_seqs)
+    lora = None
+    if parts.lora_pool is not None:
+        from adapters.lora_ops.graph_meta import GraphLoRABuffers
+
+        lora = GraphLoRABuffers(sizes[-1], parts.lora_pool.num_slots, parts.device)
+    runner = DecodeGraphRunner(parts.model, parts.kv_caches, backend, config.cache.block_size, parts.max_model_len,
+                               sizes, lora=lora, lora_context=parts.lora_pool.context if lora else None)
+    runner.capture()
+    return runner

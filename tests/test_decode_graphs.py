@@ -1,0 +1,134 @@
+"""The CUDA-graph decode path against the eager engine and the references.
+
+On a GPU the engine captures real graphs. Without one, the same padded path (persistent buffers, padded
+rows, split-KV work lists, LoRA tiles) runs eagerly on the CPU: `DecodeGraphRunner(use_graphs=False)`
+with the Triton attention and LoRA kernels in the interpreter. Either way, greedy outputs must equal HF
+transformers / PEFT token for token, with mixed adapters, with decode batches above the largest graph size
+(eager fallback) and with chunked prefill steps in between.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+from adapters.lora_ops import LoRABatchMeta, LoRAStack  # noqa: E402
+from adapters.lora_ops.graph_meta import TILE, GraphLoRABuffers  # noqa: E402
+from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
+from core import LLM, SamplingParams  # noqa: E402
+from core.cuda_graphs import DecodeGraphRunner, default_capture_sizes  # noqa: E402
+from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
+from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+SIZES = (1, 2, 4, 8)
+NAMES = {"tenant-a": "qv_r4", "tenant-b": "all7_r8"}
+MAX_TOKENS = 10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def graph_llm(model: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> LLM:
+    monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(model_dir(model)), dtype="float32", device=DEVICE, max_num_seqs=8, **kwargs)
+    engine = llm.engine
+    if CUDA:
+        assert engine.graphs is not None and engine.graphs.sizes == SIZES
+    else:
+        backend = engine.model.model.layers[0].self_attn.backend
+        pool = engine.lora_pool
+        engine.graphs = DecodeGraphRunner(
+            engine.model, engine.kv_caches, backend, engine.block_size, engine.max_model_len, SIZES,
+            lora=GraphLoRABuffers(SIZES[-1], pool.num_slots, engine.device), lora_context=pool.context,
+            use_graphs=False)
+    return llm
+
+
+def test_capture_sizes() -> None:
+    assert default_capture_sizes(256)[:4] == (1, 2, 4, 8) and default_capture_sizes(256)[-1] == 256
+    assert default_capture_sizes(8) == SIZES and default_capture_sizes(5) == (1, 2, 4, 5)
+    assert default_capture_sizes(1000)[-1] == 256
+
+
+def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """11 requests: the first steps decode more rows than the largest graph (eager), the tail runs padded
+    graphs of 8/4/2/1; a chunked prefill budget mixes prefill steps in."""
+    model = "llama_gqa"
+    path = model_dir(model)
+    prompts = [encode(path, p) for p in PROMPTS[:11]]
+    llm = graph_llm(model, monkeypatch, max_num_batched_tokens=24)
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.0) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for out, ids, sp in zip(outs, prompts, params):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, sp.max_tokens), out.request_id
+    runner = llm.engine.graphs
+    assert (runner.num_replays if CUDA else runner.num_runs) > 0
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+
+
+def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Base and two adapters in every decode step: the padded LoRA tiles give PEFT's tokens."""
+    model = "llama_gqa"
+    mods = {name: str(adapter_dir(model, a)) for name, a in NAMES.items()}
+    llm = graph_llm(model, monkeypatch, lora_modules=mods, max_loras=2, max_lora_rank=8)
+    texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    reqs = [(encode(model_dir(model), t), lora) for t in texts for lora in (None, *NAMES)]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=[lo for _, lo in reqs])
+    for out, (ids, lora) in zip(outs, reqs):
+        adapter = None if lora is None else NAMES[lora]
+        assert peft_greedy_margin(model, adapter, ids, MAX_TOKENS) > 1e-3, "test setup: reference near a tie"
+        assert out.outputs[0].token_ids == peft_greedy(model, adapter, ids, MAX_TOKENS), (lora, out.request_id)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lora_tiles_cover_tokens(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bufs = GraphLoRABuffers(64, 5, "cpu")
+    for _ in range(20):
+        size = int(rng.choice([1, 2, 8, 33, 64]))
+        n = int(rng.integers(1, size + 1))
+        slots = rng.integers(-1, 5, n)
+        bufs.fill(slots, size)
+        bufs.check_integrity(size)
+        token_ids, tile_slots, starts, sizes = (t.numpy() for t in bufs._views(size))
+        used = sizes > 0
+        for s, st, sz in zip(tile_slots[used], starts[used], sizes[used]):
+            assert (slots[token_ids[st:st + sz]] == s).all()
+        assert sizes.sum() == (slots >= 0).sum() and used.sum() <= bufs.num_tiles(size)
+
+
+def test_padded_lora_kernels_equal_torch() -> None:
+    """Triton shrink/expand over padded tile metadata (rows past n are padding) == torch over the plain meta."""
+    gen = torch.Generator().manual_seed(0)
+    num_slots, rank, k, sizes = 3, 8, 32, (16, 8)
+    a = [torch.randn(num_slots, rank, k, generator=gen) for _ in sizes]
+    b = [torch.randn(num_slots, n, rank, generator=gen) for n in sizes]
+    ranks = [[8, 4, 0], [8, 8, 2]]
+    stack = LoRAStack.from_slices(a, b, ranks, [[0.5, 1.0, 2.0], [1.0, 0.25, 1.0]])
+    n, size = 2 * TILE + 5, 48
+    slots = np.random.default_rng(1).integers(-1, num_slots, n)
+    x = torch.randn(size, k, generator=gen)
+    y0 = torch.randn(size, sum(sizes), generator=gen)
+    plain = LoRABatchMeta.build(np.concatenate([slots, -np.ones(size - n, np.int64)]))
+    ref = y0.clone()
+    torch_expand(ref, torch_shrink(x, stack, plain), stack, plain)
+    bufs = GraphLoRABuffers(64, num_slots, "cpu")
+    bufs.fill(slots, size)
+    from adapters.lora_ops.triton_ops import triton_expand, triton_shrink
+
+    out = y0.clone()
+    meta = bufs.meta(size)
+    triton_expand(out, triton_shrink(x, stack, meta), stack, meta)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
