@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 7: GPU tests of the graph path, decode roofline, offline throughput vs HF.
-# Usage on the device machine: bash benchmarks/gpu_session3.sh [tests|roofline|offline|lora|all]...
+# Usage on the device machine: bash benchmarks/gpu_session3.sh [tests|roofline|offline|lora|serving|plots]...
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -22,6 +22,9 @@ for what in "${@:-all}"; do
               --name lora_overhead_h100_$t 2>&1 | tail -4
             cp benchmarks/results/lora_overhead_h100_$t.* "$OUT"/
           done ;;
+    serving) python3 benchmarks/serving.py $M --name serving_h100 2>&1 | grep -v "^{" | tail -10
+             cp benchmarks/results/serving_h100.* "$OUT"/ ;;
+    plots) python3 benchmarks/plot_results.py && cp benchmarks/results/*.png "$OUT"/ ;;
   esac
 done
 ls "$OUT"
