@@ -118,7 +118,9 @@ def main() -> None:
                                f"{point['tok_s']:.0f} tok/s"))
     data = {"model": args.model or model, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_per_token,
-            "enforce_eager": args.enforce_eager, "points": points}
+            "enforce_eager": args.enforce_eager, "points": points,
+            "graph_memory_mib": graphs.memory_bytes / 2 ** 20 if (graphs := llm.engine.graphs) else None,
+            "graph_capture_s": graphs.capture_s if graphs else None}
     write_results(args.name or f"decode_roofline_{args.device}", data,
                   [("copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s"),
                    ("weight bytes per step", f"{w_bytes / 1e9:.2f} GB")] + rows)

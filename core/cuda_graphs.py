@@ -60,6 +60,8 @@ class DecodeGraphRunner:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0      # graph replays
         self.num_runs = 0         # steps through this runner (replayed or, without graphs, eager)
+        self.memory_bytes = 0     # device memory the captures took (graph pool + buffers), measured
+        self.capture_s = 0.0
 
     # ---------------------------------------------------------------- selection
     def padded_size(self, num_seqs: int) -> int | None:
@@ -133,9 +135,10 @@ class DecodeGraphRunner:
                 if self.lora_context is not None:
                     self.lora_context.clear()
         torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_s = time.monotonic() - start
         log.info("captured %d decode graphs (sizes %s) in %.1f s, %.0f MiB", len(self.graphs), list(self.sizes),
-                 time.monotonic() - start, used / 2 ** 20)
+                 self.capture_s, self.memory_bytes / 2 ** 20)
 
     def run(self, host: HostBatch, token_slots: np.ndarray | None) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step (`token_slots`: per-request LoRA slot, -1 = base)."""

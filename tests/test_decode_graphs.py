@@ -39,7 +39,7 @@ def _one_thread():
 
 def graph_llm(model: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> LLM:
     monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", "triton")
-    llm = LLM(str(model_dir(model)), dtype="float32", device=DEVICE, max_num_seqs=8, **kwargs)
+    llm = LLM(str(model_dir(model)), dtype="float32", device=DEVICE, max_num_seqs=8, num_kv_blocks=256, **kwargs)
     engine = llm.engine
     if CUDA:
         assert engine.graphs is not None and engine.graphs.sizes == SIZES
@@ -116,15 +116,16 @@ def test_padded_lora_kernels_equal_torch() -> None:
     a = [torch.randn(num_slots, rank, k, generator=gen) for _ in sizes]
     b = [torch.randn(num_slots, n, rank, generator=gen) for n in sizes]
     ranks = [[8, 4, 0], [8, 8, 2]]
-    stack = LoRAStack.from_slices(a, b, ranks, [[0.5, 1.0, 2.0], [1.0, 0.25, 1.0]])
+    stack = LoRAStack.from_slices([t.to(DEVICE) for t in a], [t.to(DEVICE) for t in b], ranks,
+                                  [[0.5, 1.0, 2.0], [1.0, 0.25, 1.0]])
     n, size = 2 * TILE + 5, 48
     slots = np.random.default_rng(1).integers(-1, num_slots, n)
-    x = torch.randn(size, k, generator=gen)
-    y0 = torch.randn(size, sum(sizes), generator=gen)
-    plain = LoRABatchMeta.build(np.concatenate([slots, -np.ones(size - n, np.int64)]))
+    x = torch.randn(size, k, generator=gen).to(DEVICE)
+    y0 = torch.randn(size, sum(sizes), generator=gen).to(DEVICE)
+    plain = LoRABatchMeta.build(np.concatenate([slots, -np.ones(size - n, np.int64)]), DEVICE)
     ref = y0.clone()
     torch_expand(ref, torch_shrink(x, stack, plain), stack, plain)
-    bufs = GraphLoRABuffers(64, num_slots, "cpu")
+    bufs = GraphLoRABuffers(64, num_slots, DEVICE)
     bufs.fill(slots, size)
     from adapters.lora_ops.triton_ops import triton_expand, triton_shrink
 

@@ -6,12 +6,12 @@ The model knows nothing of LoRA or grammar: adapters wrap the fused linears
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 from core.config import ModelConfig
+from core.models import fused_ops
 from core.models.rope import RotaryEmbedding
 
 
@@ -21,11 +21,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: s = residual + x, returns (norm(s), s) (one fused kernel on CUDA)."""
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -59,8 +58,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -71,10 +69,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, not yet added to `residual` (first layer: the embeddings,
+        residual None). Each residual add is fused into the norm after it. Returns (MLP output, residual)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, kv, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -87,10 +91,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                              # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None              # [T, hidden]
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv, meta)
+        return self.norm(x, residual)[0]                               # the last add, fused with the norm
 
 
 class LlamaForCausalLM(nn.Module):

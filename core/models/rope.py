@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from core.models import fused_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
@@ -50,13 +52,10 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
+        if fused_ops.use_triton(q):  # one kernel, gathering the table rows by position
+            return fused_ops.rotary(q, k, self.cos, self.sin, positions)
         last = self._last  # every layer of a step passes the same positions tensor: look up once
         if last is not None and last[0] is positions and last[1] == q.dtype:
             cos, sin = last[2], last[3]
@@ -64,6 +63,4 @@ class RotaryEmbedding(torch.nn.Module):
             cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
             self._last = (positions, q.dtype, cos, sin)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        return fused_ops.rotary(q, k, cos, sin)

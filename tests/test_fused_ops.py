@@ -1,0 +1,167 @@
+"""Fused RMSNorm / rotary / SiLU-and-mul: the Triton kernels against the torch path (the reference).
+
+With CUDA the kernels run compiled on the GPU (inputs built on the CPU, then moved). Without it they
+run in the Triton interpreter on CPU tensors (LORAPLEX_FUSED_OPS=triton): TRITON_INTERPRET=1 is set
+before triton is imported, and core.models.fused_ops is re-imported if it was decorated earlier.
+Shapes are tiny: the interpreter runs every program in Python. The interpreter truncates fp32 -> bf16
+casts (the GPU rounds to nearest, and then matches the torch path bit for bit in nearly every element), so
+bf16 compares within a couple of bf16 ulps.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and type(triton.language.zeros).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module): "
+                "the interpreter cannot run; run this file on its own", allow_module_level=True)
+if "core.models.fused_ops" in sys.modules:  # decorated earlier under other settings
+    importlib.reload(sys.modules["core.models.fused_ops"])
+
+from core.models import fused_ops  # noqa: E402
+from core.models.rope import RotaryEmbedding  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def run(mode: str, fn, *args, **kwargs):
+    """Runs `fn` with LORAPLEX_FUSED_OPS=mode on DEVICE (the torch reference runs on the CPU)."""
+    device = torch.device("cpu") if mode == "torch" else DEVICE
+    moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    old = os.environ.get("LORAPLEX_FUSED_OPS")
+    os.environ["LORAPLEX_FUSED_OPS"] = mode
+    try:
+        out = fn(*moved, **kwargs)
+    finally:
+        if old is None:
+            os.environ.pop("LORAPLEX_FUSED_OPS")
+        else:
+            os.environ["LORAPLEX_FUSED_OPS"] = old
+    return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
+
+
+def strided(x: torch.Tensor, pad: int = 5) -> torch.Tensor:
+    """The same values as a view with a padded row stride."""
+    buf = torch.full((x.shape[0], x.shape[1] + pad), float("nan"), dtype=x.dtype)
+    buf[:, :x.shape[1]] = x
+    return buf[:, :x.shape[1]]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [32, 48])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(num_tokens * hidden)
+    x = (torch.randn(num_tokens, hidden, generator=g) * 3).to(dtype)
+    res = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    eps = 1e-6
+    close(run("triton", fused_ops.rms_norm, strided(x), w, eps), run("torch", fused_ops.rms_norm, x, w, eps), dtype)
+    out, s = run("triton", fused_ops.rms_norm, x, w, eps, strided(res))
+    ref_out, ref_s = run("torch", fused_ops.rms_norm, x, w, eps, res)
+    close(s, ref_s, dtype)
+    close(out, ref_out, dtype)
+    # the reference is the formula RMSNorm.forward always used, on s = residual + x
+    h = (res + x).float()
+    torch.testing.assert_close(ref_out, w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype))
+
+
+def test_rms_norm_promotes_to_weight_dtype() -> None:
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    w = torch.rand(32) + 0.5  # fp32 weight: the product is fp32, like `weight * h.to(dtype)`
+    out = run("triton", fused_ops.rms_norm, x, w, 1e-5)
+    assert out.dtype == torch.float32
+    close(out, run("torch", fused_ops.rms_norm, x, w, 1e-5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_kv_heads", [(16, 4), (32, 1)])  # GQA 1 and 4 (4 query heads)
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_rotary(num_tokens: int, head_dim: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    num_heads, max_pos = 4, 64
+    g = torch.Generator().manual_seed(num_tokens * head_dim + num_kv_heads)
+    rope = RotaryEmbedding(head_dim, max_pos, 10000.0, None)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=g)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=g).to(dtype)  # the model's projection output
+
+    def views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)  # strided rows
+
+    def gathered(qkv, positions, cos, sin):
+        return fused_ops.rotary(*views(qkv), cos, sin, positions)
+
+    def per_token(qkv, cos, sin):
+        return fused_ops.rotary(*views(qkv), cos, sin)
+
+    ref_q, ref_k = run("torch", gathered, qkv, positions, rope.cos, rope.sin)
+    for q, ref in zip(run("triton", gathered, qkv, positions, rope.cos, rope.sin), (ref_q, ref_k)):
+        close(q, ref, dtype)
+    cos, sin = rope.cos[positions].to(dtype), rope.sin[positions].to(dtype)  # [T, D]
+    for q, ref in zip(run("triton", per_token, qkv, cos, sin), (ref_q, ref_k)):
+        close(q, ref, dtype)
+    # the module: torch path (tables looked up once per positions tensor) and the kernel
+    q, k = views(qkv)
+    half = head_dim // 2
+    rot = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    assert torch.equal(rope(positions, q, k)[0], q * cos[:, None] + rot * sin[:, None])
+    assert torch.equal(rope(positions, q, k)[1], ref_k)
+    out = run("triton", lambda qkv, p: rope.to(p.device)(p, *views(qkv)), qkv, positions)
+    close(out[0], ref_q, dtype)
+    close(out[1], ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [32, 48])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_silu_and_mul(num_tokens: int, inter: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(num_tokens * inter)
+    x = (torch.randn(num_tokens, 2 * inter, generator=g) * 4).to(dtype)
+    ref = run("torch", fused_ops.silu_and_mul, x)
+    torch.testing.assert_close(ref, torch.nn.functional.silu(x[:, :inter]) * x[:, inter:])
+    close(run("triton", fused_ops.silu_and_mul, strided(x)), ref, dtype)
+
+
+def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.zeros(2)
+    monkeypatch.delenv("LORAPLEX_FUSED_OPS", raising=False)
+    assert not fused_ops.use_triton(cpu)
+    if CUDA:
+        assert fused_ops.use_triton(cpu.cuda())
+    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "torch")
+    assert not fused_ops.use_triton(cpu.to(DEVICE))
+    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "triton")
+    assert fused_ops.use_triton(cpu.to(DEVICE))
+    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "fast")
+    with pytest.raises(ValueError):
+        fused_ops.use_triton(cpu)
+
+
+def test_engine_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole decoder on the kernels (residual carried between layers): HF's greedy tokens in fp32."""
+    from core import LLM, SamplingParams
+    from testlib import PROMPTS, encode, hf_greedy, model_dir
+
+    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "triton")
+    path = model_dir("llama_gqa")
+    llm = LLM(str(path), dtype="float32", device=str(DEVICE), num_kv_blocks=32, max_num_seqs=2)
+    prompts = [encode(path, p) for p in PROMPTS[:2]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0.0))
+    for out, ids in zip(outs, prompts):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
