@@ -92,12 +92,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--num-steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     model = bench_model_dir(args.model)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
-              load_format=load_format_of(args.model), max_num_seqs=max(sizes), enforce_eager=args.enforce_eager)
+              load_format=load_format_of(args.model), max_num_seqs=max(sizes), enforce_eager=args.enforce_eager,
+              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     device = llm.engine.device
     cfg = llm.engine.model_config
     bw = copy_bandwidth(device)
@@ -118,7 +120,7 @@ def main() -> None:
                                f"{point['tok_s']:.0f} tok/s"))
     data = {"model": args.model or model, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_per_token,
-            "enforce_eager": args.enforce_eager, "points": points,
+            "enforce_eager": args.enforce_eager, "async_scheduling": llm.engine.async_scheduling, "points": points,
             "graph_memory_mib": graphs.memory_bytes / 2 ** 20 if (graphs := llm.engine.graphs) else None,
             "graph_capture_s": graphs.capture_s if graphs else None}
     write_results(args.name or f"decode_roofline_{args.device}", data,

@@ -14,7 +14,7 @@ for what in "${@:-all}"; do
              tests/adapters > "$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log" ;;
     roofline) python3 benchmarks/decode_roofline.py $M --name decode_roofline_h100 2>&1 | grep -v "^{" | tail -16
               cp benchmarks/results/decode_roofline_h100.* "$OUT"/ ;;
-    offline) python3 benchmarks/offline_throughput.py $M --num-requests 64 --hf-batch-size 64 --hf-repeats 1 \
+    offline) python3 benchmarks/offline_throughput.py $M --num-requests 64 --hf-batch-size 64 --hf-repeats 1 --async-scheduling on,off \
                --name offline_throughput_h100_llama3_8b 2>&1 | tail -8
              cp benchmarks/results/offline_throughput_h100_llama3_8b.* "$OUT"/ ;;
     lora) for t in all attn; do

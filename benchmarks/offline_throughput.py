@@ -30,9 +30,10 @@ def workload(vocab: int, num: int, seed: int, max_prompt: int, max_output: int) 
 
 
 def run_loraplex(model: str, work: list[tuple[list[int], int]], device: str, dtype: str,
-                 load_format: str = "auto", repeats: int = 2, enforce_eager: bool = False) -> float:
+                 load_format: str = "auto", repeats: int = 2, enforce_eager: bool = False,
+                 async_scheduling: bool | None = None) -> float:
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, load_format=load_format,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     llm.generate([work[0][0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
     elapsed = float("inf")
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="passes per engine (best kept)")
     ap.add_argument("--hf-repeats", type=int, default=None, help="passes for HF (default: --repeats)")
     ap.add_argument("--enforce-eager", action="store_true", help="ours without decode CUDA graphs")
+    ap.add_argument("--async-scheduling", default="auto",
+                    help="comma list of auto|on|off to run ours with (e.g. on,off for an A/B in one run)")
     ap.add_argument("--attention-backends", default="auto",
                     help="comma list of LORAPLEX_ATTENTION_BACKEND values to run ours with (one HF run)")
     args = ap.parse_args()
@@ -100,10 +103,13 @@ def main() -> None:
     import os
 
     ours: dict[str, float] = {}
+    modes = {"auto": None, "on": True, "off": False}
     for backend in args.attention_backends.split(","):
         os.environ["LORAPLEX_ATTENTION_BACKEND"] = backend
-        ours[backend] = run_loraplex(model, work, args.device, args.dtype, load_format, args.repeats,
-                                     args.enforce_eager)
+        for mode in args.async_scheduling.split(","):
+            key = backend if args.async_scheduling == "auto" else f"{backend}, async scheduling {mode}"
+            ours[key] = run_loraplex(model, work, args.device, args.dtype, load_format, args.repeats,
+                                     args.enforce_eager, modes[mode])
     best = min(ours, key=ours.get)
     t_ours = ours[best]
     t_hf = run_hf(model, work, args.device, args.dtype, args.hf_batch_size, dummy=load_format == "dummy",

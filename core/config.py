@@ -117,3 +117,4 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     load_format: str = "auto"          # "dummy": random weights of the config's shape (benchmarks)
     enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)
+    async_scheduling: bool | None = None   # launch step t+1 before reading step t's tokens (None: on CUDA)

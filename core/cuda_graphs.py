@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,11 +48,14 @@ class DecodeGraphRunner:
         self.width = -(-max_model_len // block_size)                    # block table columns
         b, w = self.max_batch_size, self.width
         pin = self.device.type == "cuda"
-        # int64: ids | positions | slots;  int32: seq lens | split counts | block tables [B, W]
-        self.host64 = torch.zeros(3 * b, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=pin)
-        self.dev64 = torch.zeros_like(self.host64, device=self.device)
-        self.dev32 = torch.zeros_like(self.host32, device=self.device)
+        # int64: ids | positions | slots;  int32: seq lens | split counts | block tables [B, W].
+        # Two staging sets, used in turn: with async scheduling step t+1 is filled while step t's copy may
+        # still be queued; the copy of step t-1 (same set) is done, since its tokens were read.
+        self.staging = [(torch.zeros(3 * b, dtype=torch.int64, pin_memory=pin),
+                         torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self.num_fills = 0
+        self.dev64 = torch.zeros(3 * b, dtype=torch.int64, device=self.device)
+        self.dev32 = torch.zeros(2 * b + b * w, dtype=torch.int32, device=self.device)
         self.caps = {s: backend.graph_max_splits(s, self.num_kv_heads, self.device) for s in self.sizes}
         self.kernel_metas = {s: backend.graph_kernel_meta(
             s, self.caps[s], self.dev32[:s], self.dev32[2 * b:2 * b + s * w].view(s, w), self.dev32[b:b + s])
@@ -83,7 +86,9 @@ class DecodeGraphRunner:
     def _fill(self, host: HostBatch | None, size: int) -> None:
         """Writes a step's inputs (None: the padding of a capture) into the staging buffers; copies them."""
         b, w = self.max_batch_size, self.width
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        host64, host32 = self.staging[self.num_fills % 2]
+        self.num_fills += 1
+        h64, h32 = host64.numpy(), host32.numpy()
         n = 0 if host is None else len(host.requests)
         h64[:b], h64[b:2 * b], h64[2 * b:] = 0, 0, -1
         h32[:b], h32[b:2 * b] = 1, 1
@@ -98,9 +103,9 @@ class DecodeGraphRunner:
             cols = min(w, host.tables.shape[1])
             tables[:n, :cols] = host.tables[:, :cols]
         non_blocking = self.device.type == "cuda"
-        self.dev64.copy_(self.host64, non_blocking=non_blocking)
+        self.dev64.copy_(host64, non_blocking=non_blocking)
         count = 2 * b + (max(n, 1) if host is not None else size) * w
-        self.dev32[:count].copy_(self.host32[:count], non_blocking=non_blocking)
+        self.dev32[:count].copy_(host32[:count], non_blocking=non_blocking)
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.max_batch_size
@@ -140,12 +145,16 @@ class DecodeGraphRunner:
         log.info("captured %d decode graphs (sizes %s) in %.1f s, %.0f MiB", len(self.graphs), list(self.sizes),
                  self.capture_s, self.memory_bytes / 2 ** 20)
 
-    def run(self, host: HostBatch, token_slots: np.ndarray | None) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only step (`token_slots`: per-request LoRA slot, -1 = base)."""
+    def run(self, host: HostBatch, token_slots: np.ndarray | None,
+            on_inputs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step (`token_slots`: per-request LoRA slot, -1 = base).
+        `on_inputs(input_ids)` may rewrite the device input ids (tokens still in flight) before the replay."""
         n = len(host.requests)
         size = self.padded_size(n)
         assert size is not None and host.decode_only
         self._fill(host, size)
+        if on_inputs is not None:
+            on_inputs(self.dev64[:n])
         with_lora = self._set_lora(token_slots, size)
         self.num_runs += 1
         try:

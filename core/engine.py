@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import threading
 import time
@@ -20,8 +21,10 @@ from core.errors import RequestRejected
 from core.outputs import RequestDelta
 from core.request import Request, RequestStatus
 from core.cuda_graphs import build_decode_graphs
-from core.runner import host_to_device, prepare_batch, to_device
-from core.sampler import SamplingBatch, compute_logprobs, logprob_entries, sample
+from core.lora_step import lora_token_slots
+from core.pending import PendingStep
+from core.runner import HostBatch, host_to_device, prepare_batch, to_device
+from core.sampler import SamplingBatch, compute_logprobs, sample
 from core.sampling import SamplingParams
 from core.structured import advance_grammar, apply_token_masks, fill_token_masks
 
@@ -46,6 +49,10 @@ class LLMEngine:
         self._schema_options: Any = None
         self._compiler_lock = threading.Lock()
         self.graphs = build_decode_graphs(config, p)   # None off CUDA or with enforce_eager
+        # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
+        auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
+        self._pending: PendingStep | None = None       # the last step's tokens, still on the device
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -144,35 +151,7 @@ class LLMEngine:
 
     def _lora_token_slots(self, reqs: list[Request],
                           num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:
-        """Loads the step's adapters into (pinned) device slots; returns the slot of every token (-1: base;
-        None: no adapter in the step) and the adapters whose weights could not be read (their host copy was
-        dropped and the files are gone): the slots are then unpinned and nothing should run."""
-        self.lora_pool.context.clear()
-        if all(r.lora_slot_key is None for r in reqs):
-            return None, []
-        slots: dict[int, int] = {}
-        failed: list[LoadedAdapter] = []
-        per_req = []
-        for r in reqs:
-            entry = r.lora_slot_key
-            if entry is None:
-                per_req.append(-1)
-                continue
-            slot = slots.get(id(entry))
-            if slot is None:
-                try:
-                    weights = self.registry.host_weights(entry)
-                except AdapterError as exc:
-                    log.error("adapter %r cannot be read again: %s", entry.name, exc)
-                    failed.append(entry)
-                    slots[id(entry)] = slot = -1
-                else:
-                    slot = slots[id(entry)] = self.lora_pool.load(entry.generation_id, weights, pin=True)
-            per_req.append(slot)
-        if failed:
-            self.lora_pool.unpin_all()
-            return None, failed
-        return np.repeat(np.asarray(per_req, dtype=np.int64), num_new_tokens), []
+        return lora_token_slots(self.lora_pool, self.registry, reqs, num_new_tokens)
 
     def _fail_requests(self, reqs: list[Request], message: str) -> list[RequestDelta]:
         deltas = []
@@ -186,49 +165,73 @@ class LLMEngine:
     # ---- one iteration --------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
+        """Runs one iteration. With async scheduling it returns the tokens of the step before (see
+        `core/pending.py`); otherwise those of this one."""
         self._release_unloaded_adapters()
+        pending, self._pending = self._pending, None
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return self._process(pending)
         host = prepare_batch(sched.scheduled, self.block_size)
         token_slots, failed = self._lora_token_slots(host.requests, host.num_new)
         if failed:  # skip this forward: fail the requests of unreadable adapters, the rest run next step
+            deltas = self._process(pending)
             names = ", ".join(sorted({e.name for e in failed}))
-            return self._fail_requests([r for r in host.requests if r.lora_slot_key in failed],
-                                       f"the weights of adapter(s) {names} could not be read")
-        # Everything up to `tolist()` below is queued on the GPU without waiting for it: the CPU fills the
-        # grammar masks and the sampling parameters while the forward runs.
+            return deltas + self._fail_requests(
+                [r for r in host.requests if r.lora_slot_key in failed and not r.status.finished],
+                f"the weights of adapter(s) {names} could not be read")
+        # Everything up to `pending.read()` is queued on the GPU without waiting for it.
+        hidden, rows = self._forward(host, token_slots, pending)
+        deltas = self._process(pending)     # the previous step's tokens, while this forward runs
+        self.scheduler.update_after_step(sched)
+        self.stats.record_step(sched.num_batched_tokens, len(host.requests))
+        if host.samples:
+            # rows of requests that the previous step's tokens just ended are sampled and dropped when read
+            self._pending = self._sample([host.requests[i] for i in host.samples], hidden, rows)
+            if not self.async_scheduling:
+                deltas += self._process(self._pending)
+                self._pending = None
+        return deltas
+
+    def _forward(self, host: HostBatch, token_slots: np.ndarray | None,
+                 pending: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queues the forward; returns hidden states and the rows to sample (None: every row)."""
+        fixup = pending.input_fixup(host, self.device) if pending is not None else None
         try:
             if self.graphs is not None and self.graphs.can_run(host):
-                hidden = self.graphs.run(host, token_slots)                               # [B, hidden]
-                rows = None if len(host.samples) == len(host.requests) else host.samples
-            else:
-                batch = to_device(host, self.block_size, self.device)
-                if token_slots is not None:
-                    self.lora_pool.context.set_batch(token_slots)
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
-                rows = batch.logits_indices
+                on_inputs = (lambda ids: pending.apply_fixup(ids, fixup)) if fixup is not None else None
+                hidden = self.graphs.run(host, token_slots, on_inputs)                    # [B, hidden]
+                rows = None if len(host.samples) == len(host.requests) else host_to_device(
+                    np.asarray(host.samples, dtype=np.int64), self.device)
+                return hidden, rows
+            batch = to_device(host, self.block_size, self.device)
+            if fixup is not None:
+                pending.apply_fixup(batch.input_ids, fixup)
+            if token_slots is not None:
+                self.lora_pool.context.set_batch(token_slots)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+            return hidden, batch.logits_indices
         finally:
             self.lora_pool.unpin_all()
             self.lora_pool.context.clear()
-        self.scheduler.update_after_step(sched)
-        self.stats.record_step(sched.num_batched_tokens, len(host.requests))
-        if not host.samples:
-            return []
-        reqs = [host.requests[i] for i in host.samples]
+
+    def _sample(self, reqs: list[Request], hidden: torch.Tensor, rows: torch.Tensor | None) -> PendingStep:
+        """Masks (filled on the CPU while the forward runs), samples, and starts the copy of the tokens."""
         masks = fill_token_masks(reqs, self.model_config.vocab_size)
         sbatch = SamplingBatch.from_requests(reqs, self.model_config.vocab_size, self.device)
-        if isinstance(rows, list):
-            rows = host_to_device(np.asarray(rows, dtype=np.int64), self.device)
         logits = self.model.compute_logits(hidden if rows is None else hidden[rows])       # [N, vocab]
         apply_token_masks(logits, masks)
-        tokens_t = sample(logits, sbatch)
-        tokens = tokens_t.tolist()   # the step's one device sync
-        lps: list = [None] * len(reqs)
-        if sbatch.max_logprobs >= 0:
-            chosen, tops = compute_logprobs(logits, tokens_t, sbatch.max_logprobs)
-            lps = logprob_entries(reqs, tokens, chosen, tops)
-        return [self._append_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+        tokens = sample(logits, sbatch)
+        lps = compute_logprobs(logits, tokens, sbatch.max_logprobs) if sbatch.max_logprobs >= 0 else None
+        return PendingStep.launch(reqs, tokens, lps)
+
+    def _process(self, pending: PendingStep | None) -> list[RequestDelta]:
+        """Reads a step's tokens and appends them (stops, detokenization, grammar); skips ended requests."""
+        if pending is None:
+            return []
+        tokens, lps = pending.read()
+        return [self._append_token(r, t, lp) for r, t, lp in zip(pending.requests, tokens, lps)
+                if not r.status.finished]
 
     def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
         now = time.monotonic()
@@ -270,6 +273,11 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs)
 
     def check_integrity(self) -> None:
+        if self._pending is None:
+            assert all(not r.num_pending_tokens for r in self.scheduler.requests.values()), "a lost token"
+        else:
+            live = {id(r) for r in self._pending.requests if not r.status.finished}
+            assert all(bool(r.num_pending_tokens) == (id(r) in live) for r in self.scheduler.requests.values())
         self.scheduler.check_integrity()
         self.registry.check_integrity()
         self.lora_pool.check_integrity(deep=False)

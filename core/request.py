@@ -8,6 +8,8 @@ from typing import Any
 
 from core.sampling import SamplingParams
 
+PENDING_TOKEN = -1   # all_token_ids placeholder: a token sampled on the device and not read back yet
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -46,6 +48,7 @@ class Request:
     num_preemptions: int = 0
     detokenizer: Any = None
     first_token_time: float | None = None
+    num_pending_tokens: int = 0           # trailing PENDING_TOKEN placeholders (async scheduling: 0 or 1)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -63,6 +66,24 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def append_pending_token(self) -> None:
+        """Async scheduling: the next step may compute this token's KV before its value is read back
+        (the runner feeds it from the device), so it counts in `num_tokens` from now on."""
+        assert self.num_pending_tokens == 0, "a request has at most one token in flight"
+        self.all_token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens = 1
+
     def append_token(self, token_id: int) -> None:
+        """Appends a sampled token, or fills the placeholder of the token in flight."""
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        if self.num_pending_tokens:
+            assert self.all_token_ids[-1] == PENDING_TOKEN
+            self.all_token_ids[-1] = token_id
+            self.num_pending_tokens = 0
+        else:
+            self.all_token_ids.append(token_id)
+
+    def ends_by_length_once_resolved(self, max_model_len: int) -> bool:
+        """True when the token in flight will end the request by length whatever its value."""
+        return self.num_pending_tokens > 0 and (self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
+                                                or self.num_tokens >= max_model_len)

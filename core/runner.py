@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from core.attention.metadata import AttentionMetadata
+from core.packing import pack_aligned
 from core.request import Request
 
 
@@ -110,17 +111,18 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelIn
     ctx, tables = host.context_lens, host.tables
     decode_blocks = int(-(-ctx[:num_decode].max() // block_size)) if num_decode else 0
     pre_blocks = [-(-int(c) // block_size) for c in ctx[num_decode:]]
-    # one copy for all per-token int64 data: ids | positions | slots | logits rows | decode lens
+    # one copy for all per-token int64 data: ids | positions | slots | logits rows | decode lens (aligned)
     logits_rows = host.cu[1:][host.samples] - 1
-    packed = host_to_device(np.concatenate([host.token_ids, host.positions, host.slot_mapping, logits_rows,
-                                 ctx[:num_decode]]), device)
+    packed_host, offs = pack_aligned([host.token_ids, host.positions, host.slot_mapping, logits_rows,
+                                      ctx[:num_decode]], np.int64)
+    packed = host_to_device(packed_host, device)
     t, n = host.num_tokens, len(host.samples)
     dtables = host_to_device(tables[:num_decode, :decode_blocks], device)
     meta = AttentionMetadata(
-        slot_mapping=packed[2 * t:3 * t],
+        slot_mapping=packed[offs[2]:offs[2] + t],
         num_decode_tokens=num_decode,
         decode_block_tables=dtables,
-        decode_context_lens=packed[3 * t + n:],
+        decode_context_lens=packed[offs[4]:offs[4] + num_decode],
         decode_groups=decode_groups(ctx[:num_decode], block_size),
         prefill_query_starts=host.cu[num_decode:-1].tolist(),
         prefill_query_lens=host.num_new[num_decode:].tolist(),
@@ -130,9 +132,9 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelIn
     )
     return ModelInput(
         input_ids=packed[:t],
-        positions=packed[t:2 * t],
+        positions=packed[offs[1]:offs[1] + t],
         meta=meta,
-        logits_indices=packed[3 * t:3 * t + n],
+        logits_indices=packed[offs[3]:offs[3] + n],
         requests=reqs,
         num_new_tokens=host.num_new.tolist(),
         sample_requests=[reqs[i] for i in host.samples],

@@ -89,15 +89,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Log-probabilities of the model's raw distribution: of the chosen tokens and the top `num_top`."""
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                     num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's raw distribution, on the device: of the chosen tokens [N], and the
+    top `num_top` values and ids [N, k] (k may be 0)."""
     logp = logits.log_softmax(dim=-1)                                                 # [N, V]
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-    if num_top <= 0:
-        return chosen, [[] for _ in chosen]
-    vals, ids = logp.topk(min(num_top, logp.shape[-1]), dim=-1)
-    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return chosen, tops
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)                                # [N]
+    vals, ids = logp.topk(min(max(num_top, 0), logp.shape[-1]), dim=-1)                # [N, k]
+    return chosen, vals, ids
 
 
 def logprob_entries(reqs: list[Request], tokens: list[int], chosen: list[float],

@@ -121,7 +121,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            if not self._adapter_allowed(req, adapters):
+            if req.ends_by_length_once_resolved(self.max_model_len) or not self._adapter_allowed(req, adapters):
                 index += 1
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -156,6 +156,7 @@ class Scheduler:
                 if self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
                     break   # an aged request waits for a slot: stop admitting others so running adapters drain
                 continue
+            assert not req.num_pending_tokens, "a waiting request with a token in flight"
             if not req.block_ids:
                 num_cached = self.kv.match_prefix(req)
                 if req.num_preemptions == 0:
@@ -193,8 +194,11 @@ class Scheduler:
                    for other in prefilling)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advances progress of the scheduled requests (called before new tokens are appended)."""
+        """Advances progress of the scheduled requests (called before new tokens are appended; with async
+        scheduling, after the previous step's tokens are read, so a request that they ended is skipped)."""
         for req, num_new in out.scheduled:
+            if req.status.finished:
+                continue
             if self.fairness is not None:
                 self.fairness.charge(req, num_new)
             req.num_computed_tokens += num_new
@@ -207,4 +211,5 @@ class Scheduler:
             assert req.status == RequestStatus.WAITING and not req.block_ids
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
+            assert req.num_computed_tokens <= req.num_tokens - req.num_pending_tokens, "computed a token in flight"
         self.kv.check_integrity(live)

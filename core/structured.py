@@ -20,7 +20,7 @@ TokenMasks = tuple[torch.Tensor, torch.Tensor]   # bitmask [N, ceil(V/32)] int32
 def fill_token_masks(reqs: list[Request], vocab_size: int) -> TokenMasks | None:
     """Host side (runs while the forward is on the GPU): the bitmask of the sampled rows; None if no row is
     constrained."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.status.finished]
     if not rows:
         return None
     from grammar.bitmask import allocate_token_bitmask

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-access-log", action="store_true", help="no JSON access-log lines on stdout")
     s.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no decode CUDA graphs; faster start-up, slower decode)")
+    s.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="launch step t+1 before reading step t's tokens, so the CPU's scheduling, "
+                        "detokenization and grammar work overlaps the GPU (auto: on with CUDA)")
     s.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the model config's shape (benchmarks)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
@@ -104,7 +107,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         admin_token=args.admin_token, scheduling_policy=args.scheduling_policy,
         max_queue_len=args.max_queue_len or None, request_timeout=args.request_timeout or None,
         shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
-        enforce_eager=args.enforce_eager, load_format=args.load_format)
+        enforce_eager=args.enforce_eager, load_format=args.load_format,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

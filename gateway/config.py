@@ -62,6 +62,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0           # SIGTERM: seconds to let in-flight requests finish
     access_log: bool = True                  # one JSON line per request on the `loraplex.access` logger
     enforce_eager: bool = False              # CUDA: no decode graphs
+    async_scheduling: bool | None = None     # overlap step t+1's CPU work with step t (None: on CUDA)
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
 
     @property
@@ -82,4 +83,5 @@ class ServerConfig:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, policy=self.scheduling_policy),
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
-            lora_modules=self.lora_modules, enforce_eager=self.enforce_eager, load_format=self.load_format)
+            lora_modules=self.lora_modules, enforce_eager=self.enforce_eager, load_format=self.load_format,
+            async_scheduling=self.async_scheduling)

@@ -59,13 +59,15 @@ def test_capture_sizes() -> None:
     assert default_capture_sizes(1000)[-1] == 256
 
 
-def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool) -> None:
     """11 requests: the first steps decode more rows than the largest graph (eager), the tail runs padded
-    graphs of 8/4/2/1; a chunked prefill budget mixes prefill steps in."""
+    graphs of 8/4/2/1; a chunked prefill budget mixes prefill steps in. With async scheduling the input
+    ids of the graph's rows come from the previous step's token tensor on the device."""
     model = "llama_gqa"
     path = model_dir(model)
     prompts = [encode(path, p) for p in PROMPTS[:11]]
-    llm = graph_llm(model, monkeypatch, max_num_batched_tokens=24)
+    llm = graph_llm(model, monkeypatch, max_num_batched_tokens=24, async_scheduling=async_scheduling)
     params = [SamplingParams(max_tokens=4 + i, temperature=0.0) for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for out, ids, sp in zip(outs, prompts, params):
@@ -76,11 +78,13 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch) -> None:
     llm.engine.check_integrity()
 
 
-def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool) -> None:
     """Base and two adapters in every decode step: the padded LoRA tiles give PEFT's tokens."""
     model = "llama_gqa"
     mods = {name: str(adapter_dir(model, a)) for name, a in NAMES.items()}
-    llm = graph_llm(model, monkeypatch, lora_modules=mods, max_loras=2, max_lora_rank=8)
+    llm = graph_llm(model, monkeypatch, lora_modules=mods, max_loras=2, max_lora_rank=8,
+                    async_scheduling=async_scheduling)
     texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     reqs = [(encode(model_dir(model), t), lora) for t in texts for lora in (None, *NAMES)]
     outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],

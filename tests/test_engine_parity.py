@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from testlib import PROMPTS, SPECS, encode, hf_greedy, model_dir
+from testlib import PROMPTS, SPECS, encode, hf_greedy, model_dir, run_staggered
 from core import LLM, SamplingParams
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine
@@ -20,25 +20,6 @@ def make_engine(path: Path, num_blocks: int = 256, budget: int = 2048, prefix: b
         model=str(path), dtype="float32", device="cpu",
         cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)))
-
-
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, seed: int = 0,
-                  check: bool = False) -> dict[str, list[int]]:
-    """Adds requests at random steps while the engine runs; returns token ids per request id."""
-    rng = random.Random(seed)
-    pending = list(enumerate(prompts))
-    outputs: dict[str, list[int]] = {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                i, ids = pending.pop(0)
-                engine.add_request(str(i), ids, params)
-                outputs[str(i)] = []
-        for delta in engine.step():
-            outputs[delta.request_id].extend(delta.new_token_ids)
-        if check:
-            engine.check_integrity()
-    return outputs
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -75,3 +75,32 @@ def _hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, stop
 def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
     """HF transformers `generate` greedy continuation (fp32, CPU), EOS included when it stops there."""
     return list(_hf_greedy(str(path), tuple(prompt_ids), max_new_tokens, stop_at_eos))
+
+
+def run_staggered(engine, prompts: list[list[int]], params, seed: int = 0, check: bool = False,
+                  abort_rate: float = 0.0, aborted: set[str] | None = None) -> dict[str, list[int]]:
+    """Adds requests at random steps while the engine runs (and, with `abort_rate`, aborts live ones at
+    random, recording their ids in `aborted`); returns token ids per request id."""
+    import random
+
+    rng = random.Random(seed)
+    waiting = list(enumerate(prompts))
+    outputs: dict[str, list[int]] = {}
+    aborted = set() if aborted is None else aborted
+    while waiting or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if waiting:
+                i, ids = waiting.pop(0)
+                engine.add_request(str(i), ids, params)
+                outputs[str(i)] = []
+        for delta in engine.step():
+            assert delta.request_id not in aborted, "a delta after the abort"
+            outputs[delta.request_id].extend(delta.new_token_ids)
+        live = [rid for rid in outputs if rid not in aborted and rid in engine.scheduler.requests]
+        if abort_rate and live and rng.random() < abort_rate:
+            rid = rng.choice(live)
+            engine.abort_request(rid)
+            aborted.add(rid)
+        if check:
+            engine.check_integrity()
+    return outputs

@@ -29,8 +29,11 @@ class GraphLoRABuffers:
         self.max_tiles = self.num_tiles(max_batch_size)
         size = max_batch_size + 3 * self.max_tiles   # token_ids | tile slots | tile starts | tile sizes
         self.dev = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self._host_np = self.host.numpy()
+        # two pinned staging buffers used in turn (async scheduling fills step t+1 while step t's copy may
+        # still be queued)
+        self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+                        for _ in range(2)]
+        self.num_fills = 0
         self._metas: dict[int, LoRABatchMeta] = {}
 
     def num_tiles(self, batch_size: int) -> int:
@@ -75,13 +78,15 @@ class GraphLoRABuffers:
         token_ids, slots, starts, sizes = self.tiles(np.asarray(token_slots, dtype=np.int64))
         b, m, n = self.max_batch_size, self.max_tiles, self.num_tiles(batch_size)
         assert len(slots) <= n, "more tiles than the graph's grid covers"
-        h = self._host_np
+        staging = self.staging[self.num_fills % 2]
+        self.num_fills += 1
+        h = staging.numpy()
         h[:len(token_ids)] = token_ids
         for i, arr in enumerate((slots, starts, sizes)):
             off = b + i * m
             h[off:off + len(arr)] = arr
             h[off + len(arr):off + n] = 0
-        self.dev.copy_(self.host, non_blocking=self.device.type == "cuda")
+        self.dev.copy_(staging, non_blocking=self.device.type == "cuda")
 
     def check_integrity(self, batch_size: int) -> None:
         """Tiles cover every LoRA token once, each tile within one slot and at most TILE tokens."""

@@ -91,22 +91,28 @@ class LoRABatchMeta:
         last = token_ids[starts + sizes - 1]  # [G]
         contiguous = (last - first + 1) == sizes  # [G]
 
-        # One host->device copy for all index tensors.
-        packed = torch.cat([token_ids, group_slots, starts, sizes]).to(torch.int32)  # [T_lora + 3G]
+        # One host->device copy for all index tensors, each segment 16-byte aligned (4 int32): Triton
+        # specializes pointers on alignment, and unaligned offsets that vary per step would compile new
+        # kernel variants mid-serving.
+        t_lora, g = int(token_ids.numel()), int(group_slots.numel())
+        t_pad, g_pad = -(-t_lora // 4) * 4, -(-g // 4) * 4
+        packed = torch.zeros(t_pad + 3 * g_pad, dtype=torch.int32)  # [T_lora + 3G, padded]
+        for i, part in enumerate((group_slots, starts, sizes)):
+            packed[t_pad + i * g_pad:t_pad + i * g_pad + g] = part
+        packed[:t_lora] = token_ids
         target = torch.device(device)
         if target.type == "cuda":
             packed = packed.pin_memory().to(target, non_blocking=True)
         else:
             packed = packed.to(target)
-        t_lora, g = int(token_ids.numel()), int(group_slots.numel())
         return cls(
             num_tokens=num_tokens,
             num_lora_tokens=t_lora,
             max_group_size=int(sizes.max()) if g else 0,
             token_ids=packed[:t_lora],
-            group_slots=packed[t_lora:t_lora + g],
-            group_starts=packed[t_lora + g:t_lora + 2 * g],
-            group_sizes=packed[t_lora + 2 * g:],
+            group_slots=packed[t_pad:t_pad + g],
+            group_starts=packed[t_pad + g_pad:t_pad + g_pad + g],
+            group_sizes=packed[t_pad + 2 * g_pad:t_pad + 2 * g_pad + g],
             group_slots_host=tuple(group_slots.tolist()),
             group_starts_host=tuple(starts.tolist()),
             group_sizes_host=tuple(sizes.tolist()),

@@ -23,6 +23,7 @@ import triton
 from core.attention import triton_kernels as K
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
+from core.packing import pack_aligned
 
 LOG2E = 1.4426950408889634
 # block_m = query rows per tile (BLOCK_Q tokens x the padded GQA group), tile_n = keys per KV tile (for
@@ -63,6 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
                  block_m: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None) -> None:
         self.max_splits = max_splits
+        self.splits_p2 = triton.next_power_of_2(max(1, max_splits))   # the reduce kernel's one split block
         self.min_partition = min_partition
         self.target_programs = target_programs
         self.overrides = {"block_m": block_m, "tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages}
@@ -88,8 +90,13 @@ class TritonAttentionBackend(AttentionBackend):
         return 0  # interpreter: never split unless asked
 
     def _block_q(self, max_q_len: int, g_p2: int) -> int:
-        block_m = max(self.config(max_q_len > 1, interpreting())["block_m"], 16, g_p2)
-        return max(1, min(block_m // g_p2, triton.next_power_of_2(max_q_len)))
+        """Queries per program: 1 for decode-only steps, else the full tile. Two values only (not one per
+        power of two of the longest chunk), so serving never waits on the compile of a new variant; a short
+        chunk only leaves rows of its tile masked."""
+        if max_q_len <= 1:
+            return 1
+        block_m = max(self.config(True, interpreting())["block_m"], 16, g_p2)
+        return max(1, block_m // g_p2)
 
     def kernel_meta(self, meta: AttentionMetadata, num_kv_heads: int, g_p2: int,
                     device: torch.device) -> KernelMeta:
@@ -130,14 +137,15 @@ class TritonAttentionBackend(AttentionBackend):
         work = np.stack([seq_of, local // splits[seq_of], local % splits[seq_of]])
 
         num_pre = len(pre_lens)
-        host = np.concatenate([q_starts, q_lens, splits, np.asarray(meta.prefill_context_lens, np.int64),
-                               work.reshape(-1)]).astype(np.int32)
+        host, offs = pack_aligned([q_starts, q_lens, splits, np.asarray(meta.prefill_context_lens, np.int64),
+                                   work.reshape(-1)], np.int32)
         staged = torch.from_numpy(host)
         if device.type == "cuda":  # pinned + non_blocking: no stream sync in the middle of the forward
             staged = staged.pin_memory()
         dev = staged.to(device, non_blocking=True)
         s = num_seqs
-        seq_lens = torch.cat([meta.decode_context_lens.to(device=device, dtype=torch.int32), dev[3 * s:3 * s + num_pre]])
+        seq_lens = torch.cat([meta.decode_context_lens.to(device=device, dtype=torch.int32),
+                              dev[offs[3]:offs[3] + num_pre]])
         width = max([int(meta.decode_block_tables.shape[1]) if num_decode else 0]
                     + [int(t.shape[0]) for t in meta.prefill_block_tables]) or 1
         tables = torch.zeros((num_seqs, width), dtype=torch.int32, device=device)
@@ -148,8 +156,8 @@ class TritonAttentionBackend(AttentionBackend):
             padded = torch.nn.utils.rnn.pad_sequence(list(meta.prefill_block_tables), batch_first=True)
             tables[num_decode:, :padded.shape[1]] = padded
         km = KernelMeta(
-            q_starts=dev[:s], q_lens=dev[s:2 * s], num_splits=dev[2 * s:3 * s], seq_lens=seq_lens,
-            block_tables=tables, work=dev[3 * s + num_pre:].view(3, num_items), num_items=num_items,
+            q_starts=dev[:s], q_lens=dev[offs[1]:offs[1] + s], num_splits=dev[offs[2]:offs[2] + s], seq_lens=seq_lens,
+            block_tables=tables, work=dev[offs[4]:offs[4] + 3 * num_items].view(3, num_items), num_items=num_items,
             block_q=block_q, max_splits=triton.next_power_of_2(max_split), split_token_offset=split_offset,
             num_split_tokens=num_decode - split_offset)
         self._cached = (meta, key, km)
@@ -231,16 +239,16 @@ class TritonAttentionBackend(AttentionBackend):
         cfg = self.config(meta.num_prefills > 0, interp, head_dim)
         K.paged_attention_kernel[(km.num_items, num_kv_heads)](
             out, q, k_cache, v_cache, km.block_tables, km.seq_lens, km.q_starts, km.q_lens, km.num_splits,
-            km.work, part_out, part_m, part_l, km.num_items, km.split_token_offset, scale * LOG2E,
+            km.work, part_out, part_m, part_l, km.num_items, km.split_token_offset, km.max_splits, scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), km.block_tables.stride(0),
             NUM_HEADS=num_heads, G=g, G_P2=g_p2, BLOCK_Q=km.block_q, BLOCK_M=block_m, TILE_N=cfg["tile_n"],
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, MAX_SPLITS=km.max_splits, HAS_SPLITS=has_splits,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HAS_SPLITS=has_splits,
             UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if has_splits and km.num_split_tokens:
             K.reduce_splits_kernel[(km.num_split_tokens, num_heads)](
-                out, part_out, part_m, part_l, km.num_splits, km.split_token_offset,
+                out, part_out, part_m, part_l, km.num_splits, km.split_token_offset, km.max_splits,
                 out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, MAX_SPLITS=km.max_splits, num_warps=4)
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_P2=max(km.max_splits, self.splits_p2), num_warps=4)
         return out
 

@@ -83,7 +83,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, st
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# Per-step integers are not specialized (Triton would compile a variant for values == 1 or divisible by 16),
+# so one compiled kernel serves every batch of a shape class: no JIT stalls while serving.
+@triton.jit(do_not_specialize=["num_items", "split_token_offset", "max_splits"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr,            # [S, W] int32, padded
@@ -92,7 +94,7 @@ def paged_attention_kernel(
     num_splits_ptr,              # [S] int32 (read only when HAS_SPLITS)
     work_ptr,                    # [3, num_items] int32: seq, query block, split
     part_out_ptr, part_m_ptr, part_l_ptr,  # [Ts, H, MAX_SPLITS, D], [Ts, H, MAX_SPLITS] fp32
-    num_items, split_token_offset,
+    num_items, split_token_offset, max_splits,
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
@@ -100,7 +102,7 @@ def paged_attention_kernel(
     NUM_HEADS: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, HAS_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,7 +164,7 @@ def paged_attention_kernel(
 
     if num_splits > 1:
         prow = (tok - split_token_offset) * NUM_HEADS + head     # [BLOCK_M]
-        pidx = prow * MAX_SPLITS + split
+        pidx = prow * max_splits + split
         tl.store(part_out_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
         tl.store(part_m_ptr + pidx, m_i, mask=row_valid)
         tl.store(part_l_ptr + pidx, l_i, mask=row_valid)
@@ -172,11 +174,11 @@ def paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_token_offset", "max_splits"])
 def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, num_splits_ptr,
-    split_token_offset, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    split_token_offset, max_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     """Grid (split decode tokens, heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 
@@ -186,10 +188,10 @@ def reduce_splits_kernel(
     tok = split_token_offset + i
     num_splits = tl.load(num_splits_ptr + tok)
     if num_splits > 1:
-        offs_s = tl.arange(0, MAX_SPLITS)
+        offs_s = tl.arange(0, SPLITS_P2)                        # SPLITS_P2 >= max_splits: one variant
         offs_d = tl.arange(0, HEAD_DIM)
         smask = offs_s < num_splits
-        base = (i.to(tl.int64) * NUM_HEADS + head) * MAX_SPLITS
+        base = (i.to(tl.int64) * NUM_HEADS + head) * max_splits
         m = tl.load(part_m_ptr + base + offs_s, mask=smask, other=float("-inf"))
         l = tl.load(part_l_ptr + base + offs_s, mask=smask, other=0.0)
         m_max = tl.max(m, axis=0)
