@@ -189,13 +189,16 @@ class InProcessServer:
         self.aeng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[InProcessServer]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
+    """Once with the synchronous step, once with async scheduling (a token in flight per request across
+    aborts, disconnects, preemptions and adapter reloads)."""
     access = logging.getLogger("loraplex.access")
     old_level = access.level
     access.setLevel(logging.CRITICAL + 1)   # no access log lines for thousands of requests
     mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = InProcessServer(mods)
+    srv = InProcessServer(mods, async_scheduling=request.param)
+    assert srv.engine.async_scheduling is request.param
     try:
         yield srv
     finally:
