@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from core.attention.metadata import AttentionMetadata
+from core.engine_setup import CUDA_GRAPH_RESERVE_BYTES
 from core.runner import HostBatch, decode_groups
 
 log = logging.getLogger("loraplex.cuda_graphs")
@@ -125,7 +126,10 @@ class DecodeGraphRunner:
         """Captures every size (largest first, one shared memory pool), with and without LoRA."""
         if not self.use_graphs:
             return
-        start, free_before = time.monotonic(), torch.cuda.mem_get_info(self.device)[0]
+        start = time.monotonic()
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             for with_lora in (False, True) if self.lora is not None else (False,):
@@ -140,10 +144,17 @@ class DecodeGraphRunner:
                 if self.lora_context is not None:
                     self.lora_context.clear()
         torch.cuda.synchronize(self.device)
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        # the graphs' private pool is part of the caching allocator's reserved memory; device-wide free memory
+        # also sees cuBLAS workspaces and the like (and can grow when the allocator releases cached blocks)
+        self.memory_bytes = max(torch.cuda.memory_reserved(self.device) - reserved_before,
+                                free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         self.capture_s = time.monotonic() - start
         log.info("captured %d decode graphs (sizes %s) in %.1f s, %.0f MiB", len(self.graphs), list(self.sizes),
                  self.capture_s, self.memory_bytes / 2 ** 20)
+        if self.memory_bytes > CUDA_GRAPH_RESERVE_BYTES:
+            log.warning("decode graphs took %.0f MiB, more than the %.0f MiB kept out of the KV pool for them; "
+                        "lower --gpu-memory-utilization if the device runs out of memory",
+                        self.memory_bytes / 2 ** 20, CUDA_GRAPH_RESERVE_BYTES / 2 ** 20)
 
     def run(self, host: HostBatch, token_slots: np.ndarray | None,
             on_inputs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
