@@ -55,6 +55,7 @@ class DecodeGraphRunner:
         self.staging = [(torch.zeros(3 * b, dtype=torch.int64, pin_memory=pin),
                          torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
         self.num_fills = 0
+        self.copied: list[torch.cuda.Event | None] = [None, None]   # last copy out of each staging set
         self.dev64 = torch.zeros(3 * b, dtype=torch.int64, device=self.device)
         self.dev32 = torch.zeros(2 * b + b * w, dtype=torch.int32, device=self.device)
         self.caps = {s: backend.graph_max_splits(s, self.num_kv_heads, self.device) for s in self.sizes}
@@ -87,8 +88,11 @@ class DecodeGraphRunner:
     def _fill(self, host: HostBatch | None, size: int) -> None:
         """Writes a step's inputs (None: the padding of a capture) into the staging buffers; copies them."""
         b, w = self.max_batch_size, self.width
-        host64, host32 = self.staging[self.num_fills % 2]
+        turn = self.num_fills % 2
+        host64, host32 = self.staging[turn]
         self.num_fills += 1
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()   # its last copy is done (already, when tokens are read each step)
         h64, h32 = host64.numpy(), host32.numpy()
         n = 0 if host is None else len(host.requests)
         h64[:b], h64[b:2 * b], h64[2 * b:] = 0, 0, -1
@@ -107,6 +111,9 @@ class DecodeGraphRunner:
         self.dev64.copy_(host64, non_blocking=non_blocking)
         count = 2 * b + (max(n, 1) if host is not None else size) * w
         self.dev32[:count].copy_(host32[:count], non_blocking=non_blocking)
+        if non_blocking:
+            self.copied[turn] = torch.cuda.Event()
+            self.copied[turn].record(torch.cuda.current_stream(self.device))
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.max_batch_size

@@ -19,7 +19,7 @@ from core.detokenizer import IncrementalDetokenizer
 from core.engine_setup import EngineParts, build_engine_parts
 from core.errors import RequestRejected
 from core.outputs import RequestDelta
-from core.request import Request, RequestStatus
+from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import build_decode_graphs
 from core.lora_step import lora_token_slots
 from core.pending import PendingStep
@@ -169,6 +169,18 @@ class LLMEngine:
         `core/pending.py`); otherwise those of this one."""
         self._release_unloaded_adapters()
         pending, self._pending = self._pending, None
+        try:
+            return self._step(pending)
+        except BaseException:
+            # leave no placeholder behind: an unread token is dropped (its request samples it again, with the
+            # same seed and step), and the step's progress was never recorded, so its KV is recomputed
+            for r in list(self.scheduler.requests.values()):
+                if r.num_pending_tokens:
+                    r.drop_pending_token()
+            self._pending = None
+            raise
+
+    def _step(self, pending: PendingStep | None) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         if sched.empty:
             return self._process(pending)
@@ -197,6 +209,7 @@ class LLMEngine:
                  pending: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queues the forward; returns hidden states and the rows to sample (None: every row)."""
         fixup = pending.input_fixup(host, self.device) if pending is not None else None
+        assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
         try:
             if self.graphs is not None and self.graphs.can_run(host):
                 on_inputs = (lambda ids: pending.apply_fixup(ids, fixup)) if fixup is not None else None

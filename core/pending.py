@@ -53,7 +53,7 @@ class PendingStep:
                               event=None, row_of={id(r): i for i, r in enumerate(reqs)})
         if tokens.is_cuda:
             pending.event = torch.cuda.Event()
-            pending.event.record()
+            pending.event.record(torch.cuda.current_stream(tokens.device))
         for r in reqs:
             if not r.status.finished:
                 r.append_pending_token()

@@ -83,6 +83,13 @@ class Request:
         else:
             self.all_token_ids.append(token_id)
 
+    def drop_pending_token(self) -> None:
+        """Forgets the token in flight (error recovery): the request samples it again."""
+        assert self.num_pending_tokens == 1 and self.all_token_ids[-1] == PENDING_TOKEN
+        self.all_token_ids.pop()
+        self.num_pending_tokens = 0
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+
     def ends_by_length_once_resolved(self, max_model_len: int) -> bool:
         """True when the token in flight will end the request by length whatever its value."""
         return self.num_pending_tokens > 0 and (self.num_output_tokens + self.num_pending_tokens >= self.max_tokens

@@ -126,6 +126,9 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, "a running request with nothing to compute"
+            if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
+                index += 1      # its token may end it: wait for it rather than preempt or evict for it
+                continue
             while not self.kv.can_allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -142,3 +142,38 @@ def test_mixed_workload_equals_sync() -> None:
             value = json.loads(text)
             if fmt is rf:
                 jsonschema.Draft202012Validator(PERSON).validate(value)
+
+
+def test_failed_step_leaves_no_token_in_flight() -> None:
+    """A step that raises (here: the forward, once) drops the unread tokens; stepping on gives HF's tokens."""
+    path = model_dir("llama_gqa")
+    prompts = prompts_for(path, 4, seed=11)
+    engine = make_engine(path, True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, GREEDY)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    forward, calls = engine.model.forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    engine.model.forward = flaky
+    failures = 0
+    while engine.has_unfinished_requests():
+        try:
+            deltas = engine.step()
+        except RuntimeError:
+            failures += 1
+            assert all(not r.num_pending_tokens for r in engine.scheduler.requests.values())
+            continue
+        finally:
+            engine.check_integrity()
+        for d in deltas:
+            outputs[d.request_id].extend(d.new_token_ids)
+    assert failures == 1
+    for i, ids in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(path, ids, 24), f"request {i}"
+    assert engine.kv.usage() == 0.0

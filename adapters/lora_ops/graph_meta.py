@@ -34,6 +34,7 @@ class GraphLoRABuffers:
         self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
                         for _ in range(2)]
         self.num_fills = 0
+        self.copied: list[torch.cuda.Event | None] = [None, None]   # last copy out of each staging buffer
         self._metas: dict[int, LoRABatchMeta] = {}
 
     def num_tiles(self, batch_size: int) -> int:
@@ -78,8 +79,11 @@ class GraphLoRABuffers:
         token_ids, slots, starts, sizes = self.tiles(np.asarray(token_slots, dtype=np.int64))
         b, m, n = self.max_batch_size, self.max_tiles, self.num_tiles(batch_size)
         assert len(slots) <= n, "more tiles than the graph's grid covers"
-        staging = self.staging[self.num_fills % 2]
+        turn = self.num_fills % 2
+        staging = self.staging[turn]
         self.num_fills += 1
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()   # its last copy is done
         h = staging.numpy()
         h[:len(token_ids)] = token_ids
         for i, arr in enumerate((slots, starts, sizes)):
@@ -87,6 +91,9 @@ class GraphLoRABuffers:
             h[off:off + len(arr)] = arr
             h[off + len(arr):off + n] = 0
         self.dev.copy_(staging, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            self.copied[turn] = torch.cuda.Event()
+            self.copied[turn].record(torch.cuda.current_stream(self.device))
 
     def check_integrity(self, batch_size: int) -> None:
         """Tiles cover every LoRA token once, each tile within one slot and at most TILE tokens."""

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# strides of the [S, T_lora, R] intermediate vary with the step's LoRA tokens: not specialized (one variant)
+@triton.jit(do_not_specialize=["stride_os"])
 def lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr,
     token_ids_ptr, group_slots_ptr, group_starts_ptr, group_sizes_ptr, ranks_ptr,
@@ -80,7 +81,7 @@ def lora_shrink_kernel(
         tl.atomic_add(out_ptrs, acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_hs"])
 def lora_expand_kernel(
     h_ptr, b_ptr, y_ptr,
     token_ids_ptr, group_slots_ptr, group_starts_ptr, group_sizes_ptr,

@@ -23,7 +23,7 @@ import triton
 from core.attention import triton_kernels as K
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
-from core.packing import pack_aligned
+from core.packing import aligned_offsets, pack_aligned
 
 LOG2E = 1.4426950408889634
 # block_m = query rows per tile (BLOCK_Q tokens x the padded GQA group), tile_n = keys per KV tile (for
@@ -230,8 +230,9 @@ class TritonAttentionBackend(AttentionBackend):
         has_splits = km.max_splits > 1
         if has_splits:
             rows = km.num_split_tokens * num_heads * km.max_splits    # one allocation: acc | max | sum
-            buf = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=q.device)
-            part_out, part_m, part_l = buf[:rows * head_dim], buf[rows * head_dim:-rows], buf[-rows:]
+            offs = aligned_offsets([rows * head_dim, rows, rows], 4)  # 16-byte aligned: one kernel variant
+            buf = torch.empty(offs[-1], dtype=torch.float32, device=q.device)
+            part_out, part_m, part_l = (buf[offs[i]:offs[i] + n] for i, n in enumerate((rows * head_dim, rows, rows)))
         else:
             part_m = part_l = part_out = out  # never touched
         interp = interpreting()

@@ -85,7 +85,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, st
 
 # Per-step integers are not specialized (Triton would compile a variant for values == 1 or divisible by 16),
 # so one compiled kernel serves every batch of a shape class: no JIT stalls while serving.
-@triton.jit(do_not_specialize=["num_items", "split_token_offset", "max_splits"])
+@triton.jit(do_not_specialize=["num_items", "split_token_offset", "max_splits", "stride_bt"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr,            # [S, W] int32, padded
