@@ -1,7 +1,7 @@
 """The CUDA-graph decode path against the eager engine and the references.
 
 On a GPU the engine captures real graphs. Without one, the same padded path (persistent buffers, padded
-rows, split-KV work lists, LoRA tiles) runs eagerly on the CPU: `DecodeGraphRunner(use_graphs=False)`
+rows, split-KV work lists, per-row LoRA slots for the BGMV kernels) runs eagerly on the CPU: `DecodeGraphRunner(use_graphs=False)`
 with the Triton attention and LoRA kernels in the interpreter. Either way, greedy outputs must equal HF
 transformers / PEFT token for token, with mixed adapters, with decode batches above the largest graph size
 (eager fallback) and with chunked prefill steps in between.
@@ -17,7 +17,8 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack  # noqa: E402
-from adapters.lora_ops.graph_meta import TILE, GraphLoRABuffers  # noqa: E402
+from adapters.lora_ops.bgmv import triton_bgmv_add_lora  # noqa: E402
+from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.cuda_graphs import DecodeGraphRunner, default_capture_sizes  # noqa: E402
@@ -80,7 +81,7 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool) -> None:
-    """Base and two adapters in every decode step: the padded LoRA tiles give PEFT's tokens."""
+    """Base and two adapters in every decode step: the fused BGMV decode kernels give PEFT's tokens."""
     model = "llama_gqa"
     mods = {name: str(adapter_dir(model, a)) for name, a in NAMES.items()}
     llm = graph_llm(model, monkeypatch, lora_modules=mods, max_loras=2, max_lora_rank=8,
@@ -97,7 +98,8 @@ def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_schedu
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_lora_tiles_cover_tokens(seed: int) -> None:
+def test_lora_rows_sorted_by_slot(seed: int) -> None:
+    """Every fill: the row order is a permutation sorted by slot with base and padding rows last."""
     rng = np.random.default_rng(seed)
     bufs = GraphLoRABuffers(64, 5, "cpu")
     for _ in range(20):
@@ -106,15 +108,12 @@ def test_lora_tiles_cover_tokens(seed: int) -> None:
         slots = rng.integers(-1, 5, n)
         bufs.fill(slots, size)
         bufs.check_integrity(size)
-        token_ids, tile_slots, starts, sizes = (t.numpy() for t in bufs._views(size))
-        used = sizes > 0
-        for s, st, sz in zip(tile_slots[used], starts[used], sizes[used]):
-            assert (slots[token_ids[st:st + sz]] == s).all()
-        assert sizes.sum() == (slots >= 0).sum() and used.sum() <= bufs.num_tiles(size)
+        meta = bufs.meta(size)
+        assert meta.row_slots[:n].tolist() == slots.tolist() and (meta.row_slots[n:] == -1).all()
 
 
 def test_padded_lora_kernels_equal_torch() -> None:
-    """Triton shrink/expand over padded tile metadata (rows past n are padding) == torch over the plain meta."""
+    """The BGMV kernels over the graph buffers (rows past n are padding) == torch over the plain meta."""
     gen = torch.Generator().manual_seed(0)
     num_slots, rank, k, sizes = 3, 8, 32, (16, 8)
     a = [torch.randn(num_slots, rank, k, generator=gen) for _ in sizes]
@@ -122,7 +121,7 @@ def test_padded_lora_kernels_equal_torch() -> None:
     ranks = [[8, 4, 0], [8, 8, 2]]
     stack = LoRAStack.from_slices([t.to(DEVICE) for t in a], [t.to(DEVICE) for t in b], ranks,
                                   [[0.5, 1.0, 2.0], [1.0, 0.25, 1.0]])
-    n, size = 2 * TILE + 5, 48
+    n, size = 37, 48
     slots = np.random.default_rng(1).integers(-1, num_slots, n)
     x = torch.randn(size, k, generator=gen).to(DEVICE)
     y0 = torch.randn(size, sum(sizes), generator=gen).to(DEVICE)
@@ -131,9 +130,6 @@ def test_padded_lora_kernels_equal_torch() -> None:
     torch_expand(ref, torch_shrink(x, stack, plain), stack, plain)
     bufs = GraphLoRABuffers(64, num_slots, DEVICE)
     bufs.fill(slots, size)
-    from adapters.lora_ops.triton_ops import triton_expand, triton_shrink
-
     out = y0.clone()
-    meta = bufs.meta(size)
-    triton_expand(out, triton_shrink(x, stack, meta), stack, meta)
+    triton_bgmv_add_lora(out, x, stack, bufs.meta(size))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ from typing import Literal, Optional
 
 import torch
 
+from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_bgmv_add_lora
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import torch_add_lora_gathered, torch_expand, torch_shrink
@@ -30,6 +31,15 @@ def triton_available() -> bool:
     except Exception:  # pragma: no cover - depends on the install
         return False
     return True
+
+
+def _auto_choice() -> bool:
+    return (os.environ.get("LORAPLEX_LORA_BACKEND") or "auto") == "auto"
+
+
+def _interpreting() -> bool:
+    """Under TRITON_INTERPRET the decode (CUDA-graph) path runs its Triton kernels on the CPU (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def select_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
@@ -78,17 +88,25 @@ def add_lora(
     y: torch.Tensor,  # [T, out_total]
     x: torch.Tensor,  # [T, in]
     stack: LoRAStack,
-    meta: LoRABatchMeta,
+    meta: LoRABatchMeta | DecodeLoRAMeta,
     y_offset: int = 0,
     backend: Optional[str] = None,
 ) -> None:
-    """y += LoRA(x) for all slices of `stack`; no-op when the step has no LoRA token."""
+    """y += LoRA(x) for all slices of `stack`; no-op when the step has no LoRA token.
+    Decode metadata (one row per token, per-row slots) takes the fused BGMV kernels; the grouped
+    metadata of prefill and mixed steps takes the segmented shrink/expand."""
     if not meta.has_lora:
         return
     meta.check_num_tokens(x.shape[0])
     if y.shape[0] != x.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
-    chosen = "triton" if meta.padded else select_backend(x, backend)  # padded metadata: device-only groups
+    chosen = select_backend(x, backend)
+    if isinstance(meta, DecodeLoRAMeta):
+        if chosen == "triton" or (backend is None and _auto_choice() and _interpreting() and triton_available()):
+            triton_bgmv_add_lora(y, x, stack, meta, y_offset)
+        else:
+            torch_bgmv_add_lora(y, x, stack, meta, y_offset)
+        return
     if chosen == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
             meta.num_lora_tokens <= GATHER_MAX_TOKENS_PER_GROUP * meta.num_groups:
         torch_add_lora_gathered(y, x, stack, meta, y_offset)

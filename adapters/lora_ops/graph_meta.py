@@ -1,11 +1,8 @@
-"""Persistent LoRA metadata for CUDA-graph decode batches.
+"""Persistent LoRA metadata for CUDA-graph decode batches (the BGMV kernels of `bgmv.py`).
 
-A captured graph replays fixed kernel grids, so the per-step grouping (tokens sorted by slot)
-cannot change the grid. Here the LoRA tokens of a padded batch of B rows are grouped by slot and
-cut into tiles of at most `TILE` tokens; the Triton shrink/expand kernels treat every tile as a
-group. A batch of B tokens over at most G = min(num_slots, B) slots needs at most
-`floor((B + G * (TILE - 1)) / TILE)` tiles (and never more than B), so a graph's grid covers that
-many; tiles past the step's count have size 0 and their programs exit at once.
+A captured graph replays fixed kernel grids, so the per-step adapter mix lives in device buffers that
+are refilled before every replay: each row's slot (-1 = base; padded rows too) and the rows sorted by
+slot. The BGMV grids span the padded batch size only, so one graph per size serves any mix.
 
     bufs = GraphLoRABuffers(max_batch_size, num_slots, device)
     meta = bufs.meta(B)                  # once per captured size (views of the persistent buffers)
@@ -16,89 +13,66 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adapters.lora_ops.metadata import LoRABatchMeta
+from adapters.lora_ops.bgmv import DecodeLoRAMeta
 
-TILE = 16
+
+def row_order(slots: np.ndarray) -> np.ndarray:
+    """Rows sorted by slot (stable), base rows (-1) last: programs of one adapter run side by side."""
+    key = np.where(slots >= 0, slots, np.iinfo(np.int64).max)
+    return np.argsort(key, kind="stable")
 
 
 class GraphLoRABuffers:
-    def __init__(self, max_batch_size: int, num_slots: int, device: torch.device) -> None:
+    def __init__(self, max_batch_size: int, num_slots: int, device: torch.device | str) -> None:
         self.max_batch_size = max_batch_size
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self.max_tiles = self.num_tiles(max_batch_size)
-        size = max_batch_size + 3 * self.max_tiles   # token_ids | tile slots | tile starts | tile sizes
-        self.dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        b = max_batch_size
+        self.dev = torch.full((2 * b,), -1, dtype=torch.int32, device=self.device)   # row slots | row order
         # two pinned staging buffers used in turn (async scheduling fills step t+1 while step t's copy may
         # still be queued)
-        self.staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.staging = [torch.zeros(2 * b, dtype=torch.int32, pin_memory=self.device.type == "cuda")
                         for _ in range(2)]
         self.num_fills = 0
         self.copied: list[torch.cuda.Event | None] = [None, None]   # last copy out of each staging buffer
-        self._metas: dict[int, LoRABatchMeta] = {}
+        self._metas: dict[int, DecodeLoRAMeta] = {}
 
-    def num_tiles(self, batch_size: int) -> int:
-        """Upper bound on the tiles of a batch of `batch_size` LoRA tokens."""
-        groups = min(self.num_slots, batch_size)
-        return max(1, min(batch_size, (batch_size + groups * (TILE - 1)) // TILE))
+    def _views(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.max_batch_size
+        return self.dev[:batch_size], self.dev[b:b + batch_size]
 
-    def _views(self, batch_size: int) -> tuple[torch.Tensor, ...]:
-        b, m, n = self.max_batch_size, self.max_tiles, self.num_tiles(batch_size)
-        d = self.dev
-        return d[:batch_size], d[b:b + n], d[b + m:b + m + n], d[b + 2 * m:b + 2 * m + n]
-
-    def meta(self, batch_size: int) -> LoRABatchMeta:
-        """The padded metadata of a graph of `batch_size` rows (views of the persistent buffers)."""
+    def meta(self, batch_size: int) -> DecodeLoRAMeta:
+        """The metadata of a graph of `batch_size` rows (views of the persistent buffers)."""
         if batch_size not in self._metas:
             assert 0 < batch_size <= self.max_batch_size
-            token_ids, slots, starts, sizes = self._views(batch_size)
-            self._metas[batch_size] = LoRABatchMeta(
-                num_tokens=batch_size, num_lora_tokens=batch_size, max_group_size=TILE, token_ids=token_ids,
-                group_slots=slots, group_starts=starts, group_sizes=sizes, group_slots_host=(),
-                group_starts_host=(), group_sizes_host=(), group_first_token=(), group_contiguous=(),
-                padded=True)
+            slots, order = self._views(batch_size)
+            self._metas[batch_size] = DecodeLoRAMeta(num_tokens=batch_size, row_slots=slots, row_order=order)
         return self._metas[batch_size]
 
-    def tiles(self, token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(token ids grouped by slot, tile slots, tile starts, tile sizes) of per-token slots (-1 = base)."""
-        pos = np.nonzero(token_slots >= 0)[0]
-        order = np.argsort(token_slots[pos], kind="stable")
-        token_ids = pos[order]                                              # [T_lora]
-        slots, starts, counts = np.unique(token_slots[token_ids], return_index=True, return_counts=True)
-        per_group = -(-counts // TILE)                                      # tiles per slot group
-        tile_group = np.repeat(np.arange(len(slots)), per_group)            # [num_tiles]
-        first_tile = np.cumsum(per_group) - per_group
-        local = np.arange(len(tile_group)) - first_tile[tile_group]         # tile index inside its group
-        tile_starts = starts[tile_group] + local * TILE
-        tile_sizes = np.minimum(TILE, counts[tile_group] - local * TILE)
-        return token_ids, slots[tile_group], tile_starts, tile_sizes
-
     def fill(self, token_slots: np.ndarray, batch_size: int) -> None:
-        """Writes a step's grouping (per-token slots of its real rows) into the buffers of size `batch_size`."""
-        assert len(token_slots) <= batch_size <= self.max_batch_size
-        token_ids, slots, starts, sizes = self.tiles(np.asarray(token_slots, dtype=np.int64))
-        b, m, n = self.max_batch_size, self.max_tiles, self.num_tiles(batch_size)
-        assert len(slots) <= n, "more tiles than the graph's grid covers"
+        """Writes a step's per-row slots (its real rows; the padding gets -1) into the buffers of `batch_size`."""
+        n = len(token_slots)
+        assert n <= batch_size <= self.max_batch_size
+        slots = np.full(batch_size, -1, dtype=np.int64)
+        slots[:n] = token_slots
+        assert (slots < self.num_slots).all(), "slot index out of the pool"
         turn = self.num_fills % 2
         staging = self.staging[turn]
         self.num_fills += 1
         if self.copied[turn] is not None:
             self.copied[turn].synchronize()   # its last copy is done
         h = staging.numpy()
-        h[:len(token_ids)] = token_ids
-        for i, arr in enumerate((slots, starts, sizes)):
-            off = b + i * m
-            h[off:off + len(arr)] = arr
-            h[off + len(arr):off + n] = 0
+        b = self.max_batch_size
+        h[:batch_size] = slots
+        h[b:b + batch_size] = row_order(slots)
         self.dev.copy_(staging, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self.copied[turn] = torch.cuda.Event()
             self.copied[turn].record(torch.cuda.current_stream(self.device))
 
     def check_integrity(self, batch_size: int) -> None:
-        """Tiles cover every LoRA token once, each tile within one slot and at most TILE tokens."""
-        token_ids, slots, starts, sizes = (t.cpu().numpy() for t in self._views(batch_size))
-        used = sizes > 0
-        assert (sizes[used] <= TILE).all() and (sizes[~used] == 0).all()
-        covered = np.concatenate([token_ids[s:s + n] for s, n in zip(starts[used], sizes[used])] or [np.zeros(0)])
-        assert len(np.unique(covered)) == len(covered) and (slots[used] < self.num_slots).all()
+        """The order is a permutation of the rows, sorted by slot with base rows last."""
+        slots, order = (t.cpu().numpy() for t in self._views(batch_size))
+        assert sorted(order.tolist()) == list(range(batch_size))
+        key = np.where(slots[order] >= 0, slots[order], self.num_slots)
+        assert (np.diff(key) >= 0).all() and (slots < self.num_slots).all() and (slots >= -1).all()

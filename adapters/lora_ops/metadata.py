@@ -39,14 +39,10 @@ class LoRABatchMeta:
     # flat batch (a prefill chunk): the torch path then slices instead of gathering.
     group_first_token: tuple[int, ...]
     group_contiguous: tuple[bool, ...]
-    # padded (CUDA-graph) metadata: the device tensors live in persistent buffers refilled every step, the
-    # host tuples are empty, groups are tiles of <= max_group_size tokens and unused tiles have size 0
-    # (their kernel programs exit at once). Only the Triton kernels take it.
-    padded: bool = False
 
     @property
     def num_groups(self) -> int:
-        return int(self.group_slots.shape[0]) if self.padded else len(self.group_slots_host)
+        return len(self.group_slots_host)
 
     @property
     def has_lora(self) -> bool:

@@ -99,21 +99,30 @@ def torch_add_lora_gathered(
     its slot's A and B and one batched matmul per slice replaces a Python loop over groups.
     Computes at the stack's max rank (rows past a slot's rank are masked to exact zeros), so it is used only when
     groups are small and many, where per-group dispatch costs more than the padding."""
-    cdt = _compute_dtype(x)
-    idx = meta.token_ids.long()                                                       # [T_lora]
     slots = torch.repeat_interleave(torch.tensor(meta.group_slots_host, device=x.device),
                                     torch.tensor(meta.group_sizes_host, device=x.device))  # [T_lora]
-    xs = x.index_select(0, idx).to(cdt)                                               # [T_lora, in]
-    rows = y.index_select(0, idx)                                                     # [T_lora, out_total]
+    torch_add_lora_rows(y, x, stack, meta.token_ids.long(), slots, y_offset)
+
+
+def torch_add_lora_rows(
+    y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, idx: torch.Tensor, slots: torch.Tensor, y_offset: int = 0,
+) -> None:
+    """y[idx[i]] += LoRA of slot slots[i] applied to x[idx[i]], one batched matmul per slice."""
+    cdt = _compute_dtype(x)
+    slots = slots.long()
+    xs = x.index_select(0, idx).to(cdt)                                               # [n, in]
+    rows = y.index_select(0, idx)                                                     # [n, out_total]
     scalings = stack.scalings.to(torch.float32)                                       # [S, slots]
-    b_tok = stack.lora_b.index_select(0, slots).to(cdt)                               # [T_lora, N, R]
+    b_tok = stack.lora_b.index_select(0, slots).to(cdt)                               # [n, N, R]
     for s in range(stack.num_slices):
-        a_tok = stack.lora_a[s].index_select(0, slots).to(cdt)                        # [T_lora, R, in]
-        h = torch.bmm(a_tok, xs.unsqueeze(2))                                         # [T_lora, R, 1]
-        rank_tok = stack.ranks[s].index_select(0, slots)                              # [T_lora]
-        h *= (torch.arange(h.shape[1], device=h.device)[None, :] < rank_tok[:, None]).unsqueeze(2)  # rows >= rank
+        a_tok = stack.lora_a[s].index_select(0, slots).to(cdt)                        # [n, R, in]
+        rank_tok = stack.ranks[s].index_select(0, slots)                              # [n]
+        in_rank = torch.arange(a_tok.shape[1], device=x.device)[None, :] < rank_tok[:, None]  # [n, R]
+        a_tok = torch.where(in_rank[:, :, None], a_tok, 0)                            # rows >= rank: exact zeros
+        h = torch.bmm(a_tok, xs.unsqueeze(2))                                         # [n, R, 1]
         off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
-        delta = torch.bmm(b_tok[:, off:off + n_out], h).squeeze(2).float()           # [T_lora, out_s]
+        b_s = torch.where(in_rank[:, None, :], b_tok[:, off:off + n_out], 0)          # [n, out_s, R]
+        delta = torch.bmm(b_s, h).squeeze(2).float()                                  # [n, out_s]
         delta *= scalings[s].index_select(0, slots)[:, None]
         cols = rows[:, y_offset + off:y_offset + off + n_out]
         cols.copy_(cols.float() + delta)

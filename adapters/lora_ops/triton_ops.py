@@ -1,11 +1,16 @@
-"""Launchers for the Triton shrink/expand kernels (the GPU backend).
+"""Launchers for the segmented Triton shrink/expand kernels (prefill and mixed steps on the GPU).
 
-One launch per op covers every slot group and every slice of a fused linear.
+One launch per op covers every slot group and every slice of a fused linear. Tile configs come from a
+small closed table (`SEGMENT_CONFIGS`), never from a step's exact shape: a new constexpr would make
+Triton compile a new variant in the middle of serving. BLOCK_R is fixed per stack (the pool's max rank),
+BLOCK_M and the K split each take one of two values, so a stack has 4 shrink and 2 expand variants,
+all compiled at start-up (`core/warmup.py`). The kernels' loops stop at each slot's real rank.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,23 +20,51 @@ from adapters.lora_ops import triton_kernels as K
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 
+BLOCK_M_SMALL, BLOCK_M_LARGE = 16, 64    # groups of <= 16 tokens (decode rows in mixed steps) / longer chunks
+SPLIT_K_OPTIONS = (1, 4)                 # 4 when the grid is small and K is long
+EXPAND_BLOCK_K = 16                      # rank loop step of expand (stops at the slot's rank)
+MIN_PROGRAMS = 128
+
+
+@dataclass(frozen=True)
+class SegmentConfig:
+    block_m: int
+    split_k: int
+
+
+SEGMENT_CONFIGS = tuple(SegmentConfig(m, k) for m in (BLOCK_M_SMALL, BLOCK_M_LARGE) for k in SPLIT_K_OPTIONS)
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _block_m(max_group: int) -> int:
-    return 16 if max_group <= 16 else 32 if max_group <= 32 else 64
+def block_r(stack: LoRAStack) -> int:
+    """Rank tile of shrink: the pool's max rank as a power of two in [16, 64] (larger ranks loop)."""
+    return max(16, min(64, triton.next_power_of_2(stack.max_rank)))
 
 
-def _pow2_clamp(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+def _block_k() -> int:
+    return 32 if _interpreting() else 64
+
+
+def _block_n() -> int:
+    return 32 if _interpreting() else 64
+
+
+def choose_config(stack: LoRAStack, meta: LoRABatchMeta) -> SegmentConfig:
+    """The table entry for a step: tile rows by the largest group, split K when few programs would run."""
+    block_m = BLOCK_M_SMALL if meta.max_group_size <= BLOCK_M_SMALL else BLOCK_M_LARGE
+    m_blocks = triton.cdiv(meta.max_group_size, block_m)
+    programs = m_blocks * triton.cdiv(stack.max_rank, block_r(stack)) * meta.num_groups * stack.num_slices
+    long_k = stack.in_features >= 4 * SPLIT_K_OPTIONS[-1] * _block_k()
+    split_k = SPLIT_K_OPTIONS[-1] if programs < MIN_PROGRAMS and long_k else SPLIT_K_OPTIONS[0]
+    return SegmentConfig(block_m, split_k)
 
 
 def _active_max_rank(stack: LoRAStack, meta: LoRABatchMeta) -> int:
-    """Largest real rank among the step's slots, from the host mirror when there is one
-    (no device sync); else the pool's max rank."""
-    if stack.ranks_host is None or meta.padded:  # padded: the slots are only known on the device
+    """Largest real rank among the step's slots, from the host mirror when there is one (no device sync)."""
+    if stack.ranks_host is None:
         return stack.max_rank
     slots = list(meta.group_slots_host)
     return int(stack.ranks_host[:, slots].max()) if slots else 0
@@ -46,30 +79,24 @@ def triton_shrink(
     stack: LoRAStack,
     meta: LoRABatchMeta,
     out: Optional[torch.Tensor] = None,  # [S, T_lora, R] float32
-    split_k: Optional[int] = None,
+    config: Optional[SegmentConfig] = None,
 ) -> torch.Tensor:
     S, R, in_features = stack.num_slices, stack.max_rank, stack.in_features
     if x.shape[1] != in_features:
         raise ValueError(f"x has {x.shape[1]} features, LoRA A expects {in_features}")
-    block_m = _block_m(meta.max_group_size)
-    block_r = _pow2_clamp(_active_max_rank(stack, meta), 16, 64)
-    block_k = 32 if _interpreting() else 64
-    m_blocks = triton.cdiv(meta.max_group_size, block_m)
-    r_blocks = triton.cdiv(R, block_r)
-    if split_k is None:
-        # Decode batches launch few programs over a long K: split K to fill the GPU.
-        programs = m_blocks * r_blocks * meta.num_groups * S
-        split_k = 1
-        while programs * split_k < 256 and in_features // (block_k * split_k * 2) >= 4 and split_k < 16:
-            split_k *= 2
-    alloc = torch.zeros if split_k > 1 else torch.empty
+    cfg = config or choose_config(stack, meta)
+    assert cfg in SEGMENT_CONFIGS, f"{cfg} is not in the warm-up table"
+    br = block_r(stack)
+    alloc = torch.zeros if cfg.split_k > 1 else torch.empty
     if out is None:
         out = alloc(S, meta.num_lora_tokens, R, dtype=torch.float32, device=x.device)  # [S, T_lora, R]
-    elif split_k > 1:
+    elif cfg.split_k > 1:
         out.zero_()
     if meta.num_lora_tokens == 0 or _active_max_rank(stack, meta) == 0:
         return out
-    grid = (m_blocks * r_blocks * split_k, meta.num_groups, S)
+    m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)
+    r_blocks = triton.cdiv(R, br)
+    grid = (m_blocks * r_blocks * cfg.split_k, meta.num_groups, S)
     K.lora_shrink_kernel[grid](
         x, stack.lora_a, out,
         meta.token_ids, meta.group_slots, meta.group_starts, meta.group_sizes, stack.ranks,
@@ -78,8 +105,8 @@ def triton_shrink(
         *stack.lora_a.stride(),
         *out.stride(),
         stack.ranks.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        SPLIT_K=split_k, DOT_FP32=_dot_fp32(x),
+        BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=_block_k(),
+        SPLIT_K=cfg.split_k, DOT_FP32=_dot_fp32(x),
     )
     return out
 
@@ -90,16 +117,17 @@ def triton_expand(
     stack: LoRAStack,
     meta: LoRABatchMeta,
     y_offset: int = 0,
+    config: Optional[SegmentConfig] = None,
 ) -> None:
     if meta.num_lora_tokens == 0 or _active_max_rank(stack, meta) == 0:
         return
     S = stack.num_slices
     if y_offset + max(o + n for o, n in zip(stack.slice_offsets, stack.slice_sizes)) > y.shape[1]:
         raise ValueError("LoRA slices exceed the output width")
-    block_m = _block_m(meta.max_group_size)
-    block_n = 32 if _interpreting() else 64
-    block_k = _pow2_clamp(_active_max_rank(stack, meta), 16, 64)
-    m_blocks = triton.cdiv(meta.max_group_size, block_m)
+    cfg = config or choose_config(stack, meta)
+    assert cfg in SEGMENT_CONFIGS, f"{cfg} is not in the warm-up table"
+    block_n = _block_n()
+    m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)
     n_blocks = triton.cdiv(max(stack.slice_sizes), block_n)
     grid = (m_blocks * n_blocks, meta.num_groups, S)
     K.lora_expand_kernel[grid](
@@ -111,13 +139,15 @@ def triton_expand(
         *stack.lora_b.stride(),
         y.stride(0), y.stride(1),
         stack.ranks.stride(0), stack.scalings.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=EXPAND_BLOCK_K,
         DOT_FP32=_dot_fp32(stack.lora_b),
     )
 
 
 def triton_add_lora(
     y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta, y_offset: int = 0,
+    config: Optional[SegmentConfig] = None,
 ) -> None:
-    h = triton_shrink(x, stack, meta)  # [S, T_lora, R]
-    triton_expand(y, h, stack, meta, y_offset)
+    cfg = config or choose_config(stack, meta)
+    h = triton_shrink(x, stack, meta, config=cfg)  # [S, T_lora, R]
+    triton_expand(y, h, stack, meta, y_offset, config=cfg)
