@@ -36,9 +36,18 @@ class RequestFailedError(RuntimeError):
     """One request failed inside a healthy engine (HTTP 500)."""
 
 
+class EngineWarmingError(RuntimeError):
+    """The engine is still compiling its kernels at start-up (HTTP 503, retry later)."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
+                 on_warmup_progress: Callable[[int, int, float], None] | None = None,
+                 on_ready: Callable[[Any], None] | None = None) -> None:
         self.engine = engine
+        self.on_warmup_progress = on_warmup_progress
+        self.on_ready = on_ready                 # called with the engine's WarmupReport once it serves
+        self.warmup_progress: tuple[int, int, float] = (0, 0, 0.0)   # variants done, total, seconds
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -65,6 +74,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def ready(self) -> bool:
+        """Alive and past the start-up kernel warm-up (what /health reports as 200)."""
+        return self.alive and self.engine.ready
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -74,6 +88,8 @@ class AsyncEngine:
         """Validates synchronously (raises RequestRejected) and queues the request for the engine thread."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
+        if not self.engine.ready:
+            raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.engine.check_request(len(prompt_token_ids), params)
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         with self._lock:
@@ -106,6 +122,11 @@ class AsyncEngine:
                 self.abort(request_id)
 
     # ---- engine thread --------------------------------------------------------------------
+    def _warmup_progress(self, done: int, total: int, seconds: float) -> None:
+        self.warmup_progress = (done, total, seconds)
+        if self.on_warmup_progress is not None:
+            self.on_warmup_progress(done, total, seconds)
+
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]] = {}
         with self._lock:
@@ -140,6 +161,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if not self.engine.ready:
+                report = self.engine.warmup(self._warmup_progress)
+                if self.on_ready is not None:
+                    self.on_ready(report)
             while not self._stop:
                 deltas = self._drain_submissions()
                 for hook in self.hooks:

@@ -129,10 +129,11 @@ class DecodeGraphRunner:
         return True
 
     # ---------------------------------------------------------------- capture / run
-    def capture(self) -> None:
-        """Captures every size (largest first, one shared memory pool), with and without LoRA."""
+    def capture(self) -> int:
+        """Captures every size (largest first, one shared memory pool), with and without LoRA; returns the
+        number of graphs. Without graphs (CPU tests) it runs each of those forwards once (the kernel warm-up)."""
         if not self.use_graphs:
-            return
+            return self._warm_forwards()
         start = time.monotonic()
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
@@ -162,6 +163,19 @@ class DecodeGraphRunner:
             log.warning("decode graphs took %.0f MiB, more than the %.0f MiB kept out of the KV pool for them; "
                         "lower --gpu-memory-utilization if the device runs out of memory",
                         self.memory_bytes / 2 ** 20, CUDA_GRAPH_RESERVE_BYTES / 2 ** 20)
+        return len(self.graphs)
+
+    def _warm_forwards(self) -> int:
+        num = 0
+        for size in reversed(self.sizes):
+            for with_lora in (False, True) if self.lora is not None else (False,):
+                self._fill(None, size)
+                self._set_lora(np.zeros(size, np.int64) - 1 + (1 if with_lora else 0), size)
+                self._forward(size)
+                num += 1
+                if self.lora_context is not None:
+                    self.lora_context.clear()
+        return num
 
     def run(self, host: HostBatch, token_slots: np.ndarray | None,
             on_inputs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -188,7 +202,8 @@ class DecodeGraphRunner:
 
 
 def build_decode_graphs(config: Any, parts: Any) -> DecodeGraphRunner | None:
-    """Captures decode graphs on CUDA with the Triton attention backend (None: eager steps only)."""
+    """The decode graph runner on CUDA with the Triton attention backend (None: eager steps only); its
+    `capture()` runs in the start-up warm-up."""
     if parts.device.type != "cuda" or config.enforce_eager:
         return None
     from core.attention.triton_backend import TritonAttentionBackend
@@ -203,7 +218,5 @@ def build_decode_graphs(config: Any, parts: Any) -> DecodeGraphRunner | None:
         from adapters.lora_ops.graph_meta import GraphLoRABuffers
 
         lora = GraphLoRABuffers(sizes[-1], parts.lora_pool.num_slots, parts.device)
-    runner = DecodeGraphRunner(parts.model, parts.kv_caches, backend, config.cache.block_size, parts.max_model_len,
-                               sizes, lora=lora, lora_context=parts.lora_pool.context if lora else None)
-    runner.capture()
-    return runner
+    return DecodeGraphRunner(parts.model, parts.kv_caches, backend, config.cache.block_size, parts.max_model_len,
+                             sizes, lora=lora, lora_context=parts.lora_pool.context if lora else None)

@@ -20,13 +20,14 @@ from core.engine_setup import EngineParts, build_engine_parts
 from core.errors import RequestRejected
 from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
-from core.cuda_graphs import build_decode_graphs
+from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots
 from core.pending import PendingStep
 from core.runner import HostBatch, host_to_device, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, sample
 from core.sampling import SamplingParams
 from core.structured import advance_grammar, apply_token_masks, fill_token_masks
+from core.warmup import ProgressFn, WarmupReport, run_warmup
 
 log = logging.getLogger("loraplex.engine")
 
@@ -48,11 +49,39 @@ class LLMEngine:
         self._compiler: Any = None
         self._schema_options: Any = None
         self._compiler_lock = threading.Lock()
-        self.graphs = build_decode_graphs(config, p)   # None off CUDA or with enforce_eager
+        self.graphs: DecodeGraphRunner | None = None   # captured by `warmup()` (CUDA, unless enforce_eager)
+        self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
+
+    # ---- start-up -------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.warmup_report is not None
+
+    def warmup(self, progress: ProgressFn | None = None) -> WarmupReport:
+        """Compiles every Triton kernel variant and captures the decode graphs (`core/warmup.py`); call once
+        before serving (the offline `LLM` and the server's engine thread do). Later Triton compiles are counted
+        as stalls (`core/kernel_compiles.py`)."""
+        from core.kernel_compiles import COMPILES
+
+        if self.device.type == "cuda":
+            COMPILES.install()
+        report = run_warmup(self, progress)
+        COMPILES.mark_warmup_end()
+        log.info("warm-up: %d kernel variants, %d decode graphs, %d JIT compiles in %.1f s", report.num_variants,
+                 report.num_graphs, report.num_jit_compiles, report.seconds)
+        self.warmup_report = report
+        return report
+
+    def capture_decode_graphs(self) -> int:
+        """Builds (CUDA) and captures the decode graphs; with a padded runner installed without graphs (CPU
+        tests) it runs each captured size once. Returns the number of graphs or warm-up forwards."""
+        if self.graphs is None:
+            self.graphs = build_decode_graphs(self.config, self.parts)
+        return self.graphs.capture() if self.graphs is not None else 0
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:

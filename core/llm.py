@@ -30,7 +30,9 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, warmup: bool = True) -> None:
+        """`warmup=False` skips the start-up kernel warm-up (`LLMEngine.warmup`): the first steps then compile
+        Triton kernels as they meet them."""
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -42,6 +44,8 @@ class LLM:
             lora_modules=tuple((lora_modules or {}).items()), load_format=load_format,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling)
         self.engine = LLMEngine(config)
+        if warmup:
+            self.engine.warmup()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -136,9 +136,18 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """Never touches the engine lock or the event loop's queues: a thread-liveness check."""
-    if _state(request).aeng.alive:
+    """Never touches the engine lock or the event loop's queues: a thread-liveness check. 503 while the
+    start-up warm-up compiles kernels (a readiness probe waits), then 200 while the loop is alive."""
+    aeng = _state(request).aeng
+    if aeng.ready:
         return JSONResponse({"status": "ok"})
+    if aeng.alive:
+        done, total, seconds = aeng.warmup_progress
+        return JSONResponse({"status": "warming_up", "warmup": {"variants_compiled": done, "variants_total": total,
+                                                                "seconds": round(seconds, 1)},
+                             "error": {"message": "the server is compiling its kernels at start-up",
+                                       "type": "service_unavailable", "param": None, "code": "warming_up"}},
+                            status_code=503, headers={"Retry-After": "5"})
     return JSONResponse({"error": {"message": "the engine loop is not running", "type": "service_unavailable",
                                    "param": None, "code": "engine_unavailable"}}, status_code=503)
 

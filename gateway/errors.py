@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from core.async_engine import EngineDeadError
+from core.async_engine import EngineDeadError, EngineWarmingError
 from grammar.errors import GrammarError
 from core.errors import RequestRejected
 from core.sampling import SamplingParamsError
@@ -108,6 +108,9 @@ def from_exception(exc: BaseException) -> APIError:
         return invalid(str(exc), param=exc.param)
     if isinstance(exc, ClientDisconnected):   # nobody reads this; the engine requests were aborted
         return APIError(499, "The client closed the request.", code="client_closed_request")
+    if isinstance(exc, EngineWarmingError):
+        return APIError(503, "The server is still warming up (compiling its kernels); retry shortly.",
+                        code="warming_up", headers={"Retry-After": "5"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine is not running; the server is shutting down or failed.",
                         code="engine_unavailable")

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from core.async_engine import AsyncEngine, EngineDeadError
+from core.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
 from core.llm import child_params
 from core.outputs import RequestDelta, TokenLogprob
 from core.sampling import SamplingParams
@@ -43,6 +43,8 @@ def admit(aeng: AsyncEngine, children: list[Child]) -> None:
     """Synchronous admission before anything is streamed: 503 if the loop is dead, 400 if a child can never fit."""
     if not aeng.alive:
         raise EngineDeadError("the engine loop is not running")
+    if not aeng.ready:
+        raise EngineWarmingError("the engine is warming up")
     for child in children:
         aeng.engine.check_request(len(child.prompt_token_ids), child.params)
 

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from core.kernel_compiles import COMPILES
+
 log = logging.getLogger("loraplex.gateway")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -66,6 +68,8 @@ class EngineCollector(Collector):
              kv.num_prefix_queries_tokens),
             ("loraplex:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.num_prefix_hit_tokens),
             ("loraplex:num_preemptions", "Requests preempted (recomputed).", sched.num_preemptions),
+            ("loraplex:kernel_compiles_after_warmup", "Triton JIT compiles after the start-up warm-up (stalls).",
+             COMPILES.after_warmup),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -24,12 +24,29 @@ def _start_engine(config: ServerConfig) -> Any:
     from core.engine import LLMEngine
 
     engine = LLMEngine(config.engine_config())
-    aeng = AsyncEngine(engine)
-    aeng.start()
+    aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)
+    aeng.start()   # the engine thread warms up first: /health answers 503 until it is done
     # the grammar vocabulary and the json_object grammar are built in the background at start-up
     threading.Thread(target=lambda: engine.grammar_compiler.warmup_json_object(), name="grammar-warmup",
                      daemon=True).start()
     return aeng
+
+
+class WarmupPrinter:
+    """Start-up progress on stdout: kernel variants compiled / total and seconds, at most one line a second."""
+
+    def __init__(self) -> None:
+        self._last = -1.0
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        if done == total or seconds - self._last >= 1.0:
+            self._last = seconds
+            print(f"loraplex: warm-up: {done}/{total} kernel variants compiled ({seconds:.1f} s)", flush=True)
+
+
+def print_ready(report: Any) -> None:
+    print(f"loraplex: warm-up done: {report.num_variants} kernel variants and {report.num_graphs} decode graphs in "
+          f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles); ready", flush=True)
 
 
 def configure_access_log(enabled: bool) -> None:

@@ -6,6 +6,8 @@ logits in place in one batched op: a Triton kernel on CUDA, torch ops elsewhere.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -98,7 +100,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     `bitmask` rows align with `logits` rows; `rows` (1-D indices) restricts the apply to
     the constrained rows.  Tokens at or beyond 32 * bitmask.shape[1] are disallowed.
     """
-    if logits.is_cuda:
+    if logits.is_cuda or os.environ.get("LORAPLEX_BITMASK_BACKEND") == "triton":   # forced: TRITON_INTERPRET tests
         from grammar.bitmask_triton import apply_token_bitmask_triton_, triton_available
 
         if triton_available():

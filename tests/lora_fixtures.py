@@ -36,6 +36,9 @@ ADAPTERS: dict[str, tuple[dict[str, Any], float, int]] = {
                    0.5, 13),
     # the same shape as all7_r8, other weights: "reload under the same name with different weights"
     "all7_r8_v2": (dict(r=8, lora_alpha=16, target_modules=ALL7), 0.5, 22),
+    # the largest rank the tests' pools take (max_lora_rank 64), on the attention and MLP projections
+    "qkvo_gu_r64": (dict(r=64, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj"]), 0.5, 15),
     # rank 96 > max_lora_rank 64 used by the tests
     "big_r96": (dict(r=96, lora_alpha=96, target_modules=["q_proj", "v_proj"]), 0.5, 14),
 }

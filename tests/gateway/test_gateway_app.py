@@ -44,7 +44,7 @@ def fake_engine() -> Any:
 def client(alive: bool = True, api_key: str | None = None) -> TestClient:
     engine = fake_engine()
     config = ServerConfig(model="/models/base", served_model_name="base", api_key=api_key)
-    state = GatewayState(config=config, aeng=SimpleNamespace(alive=alive, engine=engine),  # type: ignore[arg-type]
+    state = GatewayState(config=config, aeng=SimpleNamespace(alive=alive, ready=alive, warmup_progress=(0, 0, 0.0), engine=engine),  # type: ignore[arg-type]
                          models=ServedModels("base", "/models/base"), encoder=PromptEncoder(engine.tokenizer, 100),
                          texts=TokenTexts(engine.tokenizer), metrics=GatewayMetrics(engine, max_loras=8))
     return TestClient(build_app(state))
