@@ -3,9 +3,14 @@
 For each batch size B: B requests with P-token prompts are prefilled, then the engine runs decode steps
 and we time them (full `engine.step()`: scheduling, inputs, forward, sampling, output processing), and
 the forward alone (the captured graph's replay, CUDA events). The roofline is the time to read every
-weight once plus each sequence's KV cache at the measured device-to-device copy bandwidth:
+weight once plus each sequence's KV cache at the measured read bandwidth (a read-only reduction kernel;
+a decode step reads, it writes almost nothing):
 
-    t_min(B) = (weight bytes + B * context * kv bytes per token) / bandwidth
+    t_min(B) = (weight bytes + sum over the batch of each sequence's real context * kv bytes per token) / read bw
+
+The context of every running sequence is read from the engine before each timed step (not assumed from the
+prompt length). The device-to-device copy bandwidth (read + write), which earlier versions used, is reported
+beside it: copies run below the read ceiling, which put the large-batch points under that older roofline.
 
 Writes benchmarks/results/<name>.json and .md; `benchmarks/plot_results.py` draws the PNG.
 Usage: python benchmarks/decode_roofline.py --model llama3-8b-dummy --device cuda --dtype bfloat16
@@ -42,6 +47,20 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / best
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a read-only kernel (a full reduction of a bf16 buffer, fp32 accumulation), best of 10."""
+    if device.type != "cuda":
+        nbytes = 256 << 20
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(10):
+        start = now()
+        torch.sum(src, dtype=torch.float32)
+        best = min(best, now() - start)
+    del src
+    return nbytes / best
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every parameter except the embedding table (only B rows are gathered)."""
     embed = model.model.embed_tokens.weight
@@ -62,8 +81,9 @@ def measure(llm: LLM, batch: int, prompt_len: int, num_steps: int, vocab: int) -
         engine.step()
     for _ in range(3):  # warm-up decode steps
         engine.step()
-    step_times = []
+    step_times, kv_tokens = [], []
     for _ in range(num_steps):
+        kv_tokens.append(sum(r.num_tokens for r in engine.scheduler.running))   # each sequence's real context
         start = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - start)
@@ -82,7 +102,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, num_steps: int, vocab: int) -
         replay = statistics.median(times)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"step_s": statistics.median(step_times), "forward_s": replay}
+    return {"step_s": statistics.median(step_times), "forward_s": replay, "kv_tokens": statistics.fmean(kv_tokens)}
 
 
 def main() -> None:
@@ -102,15 +122,16 @@ def main() -> None:
               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     device = llm.engine.device
     cfg = llm.engine.model_config
-    bw = copy_bandwidth(device)
+    bw = read_bandwidth(device)
+    copy_bw = copy_bandwidth(device)
     w_bytes = weight_bytes(llm.engine.model)
     elem = llm.engine.kv_caches[0][0].element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
     rows, points = [], []
     for b in sizes:
         m = measure(llm, b, args.prompt_len, args.num_steps, cfg.vocab_size)
-        ctx = args.prompt_len + 3 + args.num_steps // 2          # mean context over the timed steps
-        bound = (w_bytes + b * ctx * kv_per_token) / bw
+        ctx = m["kv_tokens"] / b                                  # mean real context over the timed steps
+        bound = (w_bytes + m["kv_tokens"] * kv_per_token) / bw
         point = {"batch": b, "context": ctx, "roofline_s": bound, **m, "step_over_roofline": m["step_s"] / bound,
                  "forward_over_roofline": m["forward_s"] / bound, "tok_s": b / m["step_s"]}
         points.append(point)
@@ -119,12 +140,14 @@ def main() -> None:
                                f"{1e3 * bound:.2f} ms -> step/roofline {point['step_over_roofline']:.2f}x, "
                                f"{point['tok_s']:.0f} tok/s"))
     data = {"model": args.model or model, "dtype": args.dtype, "prompt_len": args.prompt_len,
-            "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": w_bytes, "kv_bytes_per_token": kv_per_token,
+            "read_bandwidth_gb_s": bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9, "weight_bytes": w_bytes,
+            "kv_bytes_per_token": kv_per_token,
             "enforce_eager": args.enforce_eager, "async_scheduling": llm.engine.async_scheduling, "points": points,
             "graph_memory_mib": graphs.memory_bytes / 2 ** 20 if (graphs := llm.engine.graphs) else None,
             "graph_capture_s": graphs.capture_s if graphs else None}
     write_results(args.name or f"decode_roofline_{args.device}", data,
-                  [("copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s"),
+                  [("read bandwidth (roofline)", f"{bw / 1e9:.0f} GB/s"),
+                   ("copy bandwidth (read+write)", f"{copy_bw / 1e9:.0f} GB/s"),
                    ("weight bytes per step", f"{w_bytes / 1e9:.2f} GB")] + rows)
 
 
