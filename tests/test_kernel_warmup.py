@@ -90,3 +90,23 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
     new = rec.keys - warm
     assert not new, "launch keys the warm-up did not compile:\n" + "\n".join(repr(k) for k in sorted(new, key=repr))
     engine.check_integrity()
+
+
+def test_compile_counter_counts_after_the_warmup_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counter behind loraplex:kernel_compiles_after_warmup_total, through Triton's own JIT cache hook."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from core.kernel_compiles import CompileCounter
+
+    seen: list[str] = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["fn"].name))
+    counter = CompileCounter()
+    assert counter.install() and counter.after_warmup == 0
+    knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="warm_kernel"))
+    counter.mark_warmup_end()
+    assert counter.total == 1 and counter.after_warmup == 0
+    knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="late_kernel"))
+    assert counter.after_warmup == 1 and counter.names == {"warm_kernel": 1, "late_kernel": 1}
+    assert seen == ["warm_kernel", "late_kernel"], "a hook installed before ours must still run"

@@ -41,10 +41,12 @@ def fake_engine() -> Any:
                            check_request=lambda n, p: None)
 
 
-def client(alive: bool = True, api_key: str | None = None) -> TestClient:
+def client(alive: bool = True, api_key: str | None = None, ready: bool | None = None) -> TestClient:
     engine = fake_engine()
     config = ServerConfig(model="/models/base", served_model_name="base", api_key=api_key)
-    state = GatewayState(config=config, aeng=SimpleNamespace(alive=alive, ready=alive, warmup_progress=(0, 0, 0.0), engine=engine),  # type: ignore[arg-type]
+    aeng = SimpleNamespace(alive=alive, ready=alive if ready is None else ready, warmup_progress=(7, 24, 3.14),
+                           engine=engine)
+    state = GatewayState(config=config, aeng=aeng,  # type: ignore[arg-type]
                          models=ServedModels("base", "/models/base"), encoder=PromptEncoder(engine.tokenizer, 100),
                          texts=TokenTexts(engine.tokenizer), metrics=GatewayMetrics(engine, max_loras=8))
     return TestClient(build_app(state))
@@ -70,12 +72,28 @@ def test_dead_engine_is_503() -> None:
     assert c.post("/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
 
 
+def test_warming_up_is_503_with_progress() -> None:
+    """While the start-up warm-up compiles kernels: /health 503 with its progress, requests 503 warming_up."""
+    c = client(ready=False)
+    health = c.get("/health")
+    body = health.json()
+    assert health.status_code == 503 and health.headers["retry-after"] == "5"
+    assert body["status"] == "warming_up" and body["error"]["code"] == "warming_up"
+    assert body["warmup"] == {"variants_compiled": 7, "variants_total": 24, "seconds": 3.1}
+    resp = c.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "warming_up"
+    assert resp.headers["retry-after"] == "5"
+    assert c.get("/metrics").status_code == 200 and c.get("/v1/models").status_code == 200
+    assert client(ready=True).get("/health").json() == {"status": "ok"}
+
+
 def test_metrics_text() -> None:
     text = client().get("/metrics").text
     assert "loraplex:kv_cache_usage_perc 0.25" in text
     assert 'loraplex:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0' in text
     assert 'max_lora="8"' in text and "loraplex:prompt_tokens_total 7.0" in text
     assert "loraplex:prefix_cache_hits_total 4.0" in text
+    assert "loraplex:kernel_compiles_after_warmup_total 0.0" in text
 
 
 def test_no_chat_template_is_400() -> None:
