@@ -98,6 +98,8 @@ class AsyncEngine:
                 delta = await queue.get()
                 if delta.error is not None:
                     finished = True
+                    if delta.exception is not None and self.alive:
+                        raise delta.exception
                     raise (RequestFailedError if self.alive else EngineDeadError)(delta.error)
                 finished = delta.finished
                 yield delta

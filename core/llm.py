@@ -30,7 +30,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, lora_dirs: Sequence[str] = ()) -> None:
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -39,7 +39,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=scheduling_policy),
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-            lora_modules=tuple((lora_modules or {}).items()), load_format=load_format,
+            lora_modules=tuple((lora_modules or {}).items()), lora_dirs=tuple(str(d) for d in lora_dirs),
+            load_format=load_format,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
