@@ -102,6 +102,13 @@ class LoraDirectory:
         fp = fingerprint(path)
         return None if fp is None else AdapterLocation(name, self.root, path, fp)
 
+    @staticmethod
+    def _plain_files(folder: str) -> bool:
+        try:
+            return all(stat.S_ISREG(os.lstat(os.path.join(folder, f)).st_mode) for f in (CONFIG_FILE, WEIGHTS_FILE))
+        except OSError:
+            return False
+
     def scan(self) -> list[str]:
         """Names of adapter folders (no symlinks followed; at most `max_scan_dirs` folders visited)."""
         with self._lock:
@@ -118,7 +125,7 @@ class LoraDirectory:
             dirnames.sort()
             if rel != "." and CONFIG_FILE in filenames and WEIGHTS_FILE in filenames:
                 name = rel.replace(os.sep, "/")
-                if valid_name(name):
+                if valid_name(name) and (self._plain_files(dirpath) or self.resolve(name) is not None):
                     names.append(name)
             if visited >= self.max_scan_dirs:
                 break
