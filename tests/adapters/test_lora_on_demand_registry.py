@@ -57,6 +57,7 @@ def test_randomized_operations_keep_invariants(tmp_path: Path) -> None:
     reg = _registry(root, 5, loader)
     held: list = []                                  # entries acquired by "requests"
     for step in range(1500):
+        ready_held = [e for e in held if e.ready]   # host copies that requests hold: must survive this op
         op = rng.random()
         if op < 0.3:
             try:
@@ -86,7 +87,6 @@ def test_randomized_operations_keep_invariants(tmp_path: Path) -> None:
             reg.take_released()
         else:
             reg.wait_for_loads(0.005)
-        ready_held = [e for e in held if e.ready]
         reg.check_integrity()
         assert reg.num_host <= 5
         assert all(e.ready for e in ready_held), "a held host copy was dropped"
