@@ -59,6 +59,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.registry.shutdown()     # queued adapter reads are cancelled
 
     @property
     def alive(self) -> bool:

@@ -74,7 +74,9 @@ class EngineCollector(Collector):
 
 def _adapter_metrics(eng: Any) -> Iterator[Metric]:
     """Adapter loads (by outcome), their latency, and how many adapters are resident on host and device."""
-    registry, pool = eng.registry, eng.lora_pool
+    registry, pool = getattr(eng, "registry", None), getattr(eng, "lora_pool", None)
+    if registry is None or pool is None:   # an engine without adapters
+        return
     by_outcome, buckets, total_s = registry.stats.snapshot()
     loads = CounterMetricFamily("loraplex:lora_adapter_loads", "Adapter weight loads (reads), by outcome.",
                                 labels=["outcome"])
