@@ -30,11 +30,13 @@ from adapters.dims import BaseModelDims
 from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.load_stats import LoadStats
 from adapters.loader_pool import LoaderPool, host_copy
+from adapters.entry_read import CODE_CHANGED, read_entry
 from adapters.lora_dirs import AdapterLocation, Fingerprint, LoraDirectories, fingerprint
 from adapters.peft_loader import load_peft_adapter
+from adapters.registry_integrity import check_registry_integrity
 
 Loader = Callable[[str, BaseModelDims, int], LoRAAdapter]
-CODE_CHANGED = "adapter_files_changed"
+__all__ = ["AdapterRegistry", "LoadedAdapter", "CODE_CHANGED"]
 
 
 @dataclass(eq=False)
@@ -250,29 +252,12 @@ class AdapterRegistry:
         t0 = time.monotonic()
         adapter, fp, error = None, None, None
         try:
-            adapter, fp = self._read_entry(entry)
+            adapter, fp = read_entry(entry, self.dirs, self._read)
         except AdapterError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - any failure of a read fails this adapter only
             error = AdapterError(f"cannot read adapter {entry.name!r}: {exc}")
         self._finish_load(entry, adapter, fp, error, time.monotonic() - t0)
-
-    def _read_entry(self, entry: LoadedAdapter) -> tuple[LoRAAdapter, Fingerprint | None]:
-        path = entry.files_dir or entry.path
-        if entry.location is not None:          # check the folder again: still inside its --lora-dir
-            loc = self.dirs.relocate(entry.location)
-            if loc is None:
-                raise AdapterNotFoundError(f"adapter {entry.name!r} is no longer in its --lora-dir")
-            path = loc.path
-        before = fingerprint(path)
-        if entry.fingerprint is not None and before != entry.fingerprint:
-            raise AdapterError(f"the files of adapter {entry.name!r} changed on disk since it was loaded; load it "
-                               "again (admin API, or unload it and request it) to serve the new weights",
-                               code=CODE_CHANGED)
-        adapter = self._read(path)
-        if fingerprint(path) != before:
-            raise AdapterError(f"the files of adapter {entry.name!r} changed while being read", code=CODE_CHANGED)
-        return adapter, before
 
     def _finish_load(self, entry: LoadedAdapter, adapter: LoRAAdapter | None, fp: Fingerprint | None,
                      error: AdapterError | None, seconds: float) -> None:
@@ -310,15 +295,4 @@ class AdapterRegistry:
 
     def check_integrity(self) -> None:
         with self._lock:
-            gens = [e.generation_id for e in self._by_name.values()]
-            assert len(set(gens)) == len(gens), "two live adapters share a generation id"
-            for name, entry in self._by_name.items():
-                assert entry.name == name and not entry.unloaded and entry.num_in_flight >= 0
-                assert (entry.adapter is not None) == (entry.generation_id in self._host_lru), entry.name
-                assert entry.loading == (entry.generation_id in self._loading), entry.name
-                assert not (entry.loading and entry.adapter is not None), entry.name
-            for gen_id, entry in self._host_lru.items():
-                assert entry.adapter is not None and entry.generation_id == gen_id
-            for gen_id, entry in self._loading.items():
-                assert entry.loading and entry.adapter is None and gen_id not in self._host_lru
-            assert len(self._host_lru) + len(self._loading) <= self.max_cpu_loras, "host LRU over its bound"
+            check_registry_integrity(self)
