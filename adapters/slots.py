@@ -137,8 +137,9 @@ class LoRASlotPool:
         return adapter_id in self._lru or self._victim(protected) is not None
 
     def load(self, adapter_id: Hashable, adapter: LoRAAdapter, *, pin: bool = False,
-             protected: Collection[int] = ()) -> int:
-        """Slot holding `adapter_id`, loading it (evicting the LRU unpinned slot) if needed."""
+             protected: Collection[int] = (), non_blocking: bool = False) -> int:
+        """Slot holding `adapter_id`, loading it (evicting the LRU unpinned slot) if needed.
+        `non_blocking`: the A/B copies may run asynchronously (pinned host copies; see slot_fill.py)."""
         slot = self._lru.get(adapter_id)
         if slot is None:
             self.check_compatible(adapter)
@@ -147,7 +148,7 @@ class LoRASlotPool:
                 raise SlotPoolFullError(f"all {self.num_slots} LoRA slots are pinned by the current step")
             if self._slot_ids[slot] is not None:
                 self._forget(slot)  # evict; _write_slot zeroes the whole slot anyway
-            self._write_slot(slot, adapter)
+            self._write_slot(slot, adapter, non_blocking)
             self._slot_ids[slot], self._slot_adapters[slot] = adapter_id, adapter
             self._lru[adapter_id] = slot
         self._lru.move_to_end(adapter_id)
@@ -182,15 +183,15 @@ class LoRASlotPool:
             for t in (buf.ranks, buf.scalings, buf.ranks_host, buf.scalings_host):
                 t[:, :, slot] = 0
 
-    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
         """Zero the whole slot (untargeted modules stay zero with rank 0), then copy."""
         self._clear_slot(slot)
         for (layer, name), mod in adapter.modules.items():
             gname, s = MODULE_TO_GROUP[name]
             buf = self.groups[gname]
             off, size, r = buf.group.slice_offsets[s], buf.group.slice_sizes[s], mod.rank
-            buf.a[layer, s, slot, :r].copy_(mod.lora_a)  # [r, in]
-            buf.b[layer, slot, off:off + size, :r].copy_(mod.lora_b)  # [out_s, r]
+            buf.a[layer, s, slot, :r].copy_(mod.lora_a, non_blocking=non_blocking)  # [r, in]
+            buf.b[layer, slot, off:off + size, :r].copy_(mod.lora_b, non_blocking=non_blocking)  # [out_s, r]
             buf.ranks_host[layer, s, slot] = r
             buf.scalings_host[layer, s, slot] = mod.scaling
         for buf in self.groups.values():

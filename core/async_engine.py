@@ -68,6 +68,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.registry.shutdown()     # queued adapter reads are cancelled
 
     @property
     def alive(self) -> bool:
@@ -114,6 +115,8 @@ class AsyncEngine:
                 delta = await queue.get()
                 if delta.error is not None:
                     finished = True
+                    if delta.exception is not None and self.alive:
+                        raise delta.exception
                     raise (RequestFailedError if self.alive else EngineDeadError)(delta.error)
                 finished = delta.finished
                 yield delta

@@ -115,6 +115,7 @@ class EngineConfig:
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_dirs: tuple[str, ...] = ()    # every adapter folder below these is served by its relative path
     load_format: str = "auto"          # "dummy": random weights of the config's shape (benchmarks)
     enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)
     async_scheduling: bool | None = None   # launch step t+1 before reading step t's tokens (None: on CUDA)

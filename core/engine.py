@@ -14,6 +14,7 @@ import torch
 
 from adapters.errors import AdapterError
 from adapters.registry import LoadedAdapter
+from adapters.slot_fill import SlotFiller
 from core.config import EngineConfig
 from core.detokenizer import IncrementalDetokenizer
 from core.engine_setup import EngineParts, build_engine_parts
@@ -21,7 +22,7 @@ from core.errors import RequestRejected
 from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
-from core.lora_step import lora_token_slots
+from core.lora_step import lora_token_slots, pump_adapter_loads
 from core.pending import PendingStep
 from core.runner import HostBatch, host_to_device, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, sample
@@ -46,6 +47,8 @@ class LLMEngine:
         self.stats = p.stats
         self.lora_pool, self.registry = p.lora_pool, p.registry
         self.scheduler.on_finish = self._on_finish
+        self.scheduler.adapter_ready = self.registry.is_ready   # a request waits while its adapter loads
+        self.slot_filler = SlotFiller(self.lora_pool)
         self._compiler: Any = None
         self._schema_options: Any = None
         self._compiler_lock = threading.Lock()
@@ -161,9 +164,10 @@ class LLMEngine:
         self.registry.unload(name)
 
     def resolve_lora(self, name: str | None) -> LoadedAdapter | None:
+        """A registered adapter, or a `--lora-dir` entry registered now (loaded on first use)."""
         if name is None:
             return None
-        entry = self.registry.get(name)
+        entry = self.registry.lookup(name)
         if entry is None:
             raise KeyError(f"no LoRA adapter named {name!r} is loaded")
         return entry
@@ -180,15 +184,24 @@ class LLMEngine:
 
     def _lora_token_slots(self, reqs: list[Request],
                           num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:
-        return lora_token_slots(self.lora_pool, self.registry, reqs, num_new_tokens)
+        return lora_token_slots(self.slot_filler, self.registry, reqs, num_new_tokens)
 
-    def _fail_requests(self, reqs: list[Request], message: str) -> list[RequestDelta]:
+    def _fail_requests(self, reqs: list[Request], message: str,
+                       exception: BaseException | None = None) -> list[RequestDelta]:
         deltas = []
         for req in reqs:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             delta = self._delta(req, [], [], finished=True)
-            delta.error = message
+            delta.error, delta.exception = message, exception
             deltas.append(delta)
+        return deltas
+
+    def _pump_adapter_loads(self) -> list[RequestDelta]:
+        """Starts the waiting requests' adapter loads (loader pool); fails those whose adapter cannot load."""
+        deltas = []
+        for req, exc in pump_adapter_loads(self.registry, self.scheduler.waiting):
+            msg = f"adapter {req.lora_slot_key.name!r} could not be read: {exc.message}"
+            deltas += self._fail_requests([req], msg, exc)
         return deltas
 
     # ---- one iteration --------------------------------------------------------------------
@@ -197,9 +210,10 @@ class LLMEngine:
         """Runs one iteration. With async scheduling it returns the tokens of the step before (see
         `core/pending.py`); otherwise those of this one."""
         self._release_unloaded_adapters()
+        failed = self._pump_adapter_loads()
         pending, self._pending = self._pending, None
         try:
-            return self._step(pending)
+            return failed + self._step(pending)
         except BaseException:
             # leave no placeholder behind: an unread token is dropped (its request samples it again, with the
             # same seed and step), and the step's progress was never recorded, so its KV is recomputed
@@ -212,6 +226,8 @@ class LLMEngine:
     def _step(self, pending: PendingStep | None) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         if sched.empty:
+            if pending is None:
+                self.registry.wait_for_loads(0.02)   # only adapter loads can make progress: do not spin
             return self._process(pending)
         host = prepare_batch(sched.scheduled, self.block_size)
         token_slots, failed = self._lora_token_slots(host.requests, host.num_new)

@@ -136,7 +136,8 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM, 
     dims = BaseModelDims.from_model_config(cfg)
     pool = LoRASlotPool(config.max_loras, config.max_lora_rank, dims, device=device, dtype=dtype)
     apply_lora_wrappers(model, pool)
-    registry = AdapterRegistry(dims, config.max_lora_rank, config.max_cpu_loras)
+    registry = AdapterRegistry(dims, config.max_lora_rank, config.max_cpu_loras, lora_dirs=config.lora_dirs,
+                               dtype=dtype, pin_memory=device.type == "cuda")
     for name, path in config.lora_modules:
         registry.load(name, path)
     return pool, registry

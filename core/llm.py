@@ -30,7 +30,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
-                 async_scheduling: bool | None = None, warmup: bool = True) -> None:
+                 async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), warmup: bool = True) -> None:
         """`warmup=False` skips the start-up kernel warm-up (`LLMEngine.warmup`): the first steps then compile
         Triton kernels as they meet them."""
         config = EngineConfig(
@@ -41,7 +41,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=scheduling_policy),
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-            lora_modules=tuple((lora_modules or {}).items()), load_format=load_format,
+            lora_modules=tuple((lora_modules or {}).items()), lora_dirs=tuple(str(d) for d in lora_dirs),
+            load_format=load_format,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling)
         self.engine = LLMEngine(config)
         if warmup:

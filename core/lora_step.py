@@ -1,12 +1,13 @@
-"""The engine's per-step adapter work: load the step's adapters into device slots, map tokens to slots.
+"""The engine's per-step adapter work: start host loads for waiting requests, load the step's adapters into
+device slots, map tokens to slots.
 
 The model never sees this: the slot of every token goes to the LoRA context (`adapters/`), which the
-wrapped linear layers read.
+wrapped linear layers read. No file is read here: host copies come from the registry's loader pool.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -15,13 +16,35 @@ from adapters.registry import LoadedAdapter
 from core.request import Request
 
 log = logging.getLogger("loraplex.engine")
+MAX_PUMPED = 4096   # waiting requests looked at per step for adapters to load
 
 
-def lora_token_slots(lora_pool: Any, registry: Any, reqs: list[Request],
+def pump_adapter_loads(registry: Any, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:
+    """Starts loader-pool reads for the adapters of waiting requests, in queue order, while the host LRU has
+    room; returns the waiting requests whose adapter failed to load (they fail; nothing else waits)."""
+    failed: list[tuple[Request, AdapterError]] = []
+    room = True
+    for i, req in enumerate(waiting):
+        entry = req.lora_slot_key
+        if i >= MAX_PUMPED:
+            break
+        if entry is None or entry.adapter is not None or entry.loading:
+            continue
+        if entry.error is not None:
+            failed.append((req, entry.error))
+        elif room and registry.can_start_load():
+            registry.start_load(entry)
+        else:
+            room = False
+    return failed
+
+
+def lora_token_slots(filler: Any, registry: Any, reqs: list[Request],
                      num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:
     """Loads the step's adapters into (pinned) device slots; returns the slot of every token (-1: base;
-    None: no adapter in the step) and the adapters whose weights could not be read (their host copy was
-    dropped and the files are gone): the slots are then unpinned and nothing should run."""
+    None: no adapter in the step) and the adapters without a host copy (never expected: the scheduler runs
+    only requests whose adapter is ready): the slots are then unpinned and nothing should run."""
+    lora_pool = filler.pool
     lora_pool.context.clear()
     if all(r.lora_slot_key is None for r in reqs):
         return None, []
@@ -38,11 +61,11 @@ def lora_token_slots(lora_pool: Any, registry: Any, reqs: list[Request],
             try:
                 weights = registry.host_weights(entry)
             except AdapterError as exc:
-                log.error("adapter %r cannot be read again: %s", entry.name, exc)
+                log.error("adapter %r has no host copy: %s", entry.name, exc)
                 failed.append(entry)
                 slots[id(entry)] = slot = -1
             else:
-                slot = slots[id(entry)] = lora_pool.load(entry.generation_id, weights, pin=True)
+                slot = slots[id(entry)] = filler.load(entry.generation_id, weights)
         per_req.append(slot)
     if failed:
         lora_pool.unpin_all()

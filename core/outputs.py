@@ -21,6 +21,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    exception: BaseException | None = None   # the domain error behind `error` (e.g. an AdapterError: 400)
 
 
 @dataclass

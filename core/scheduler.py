@@ -35,6 +35,7 @@ class Scheduler:
         self.cfg = cfg
         self.max_loras = max_loras
         self.on_finish: Callable[[Request], None] | None = None
+        self.adapter_ready: Callable[[Any], bool] | None = None   # False: the adapter is loading; skip it
         self.kv = kv
         self.max_model_len = max_model_len
         if cfg.policy not in ("fcfs", "fair"):
@@ -155,6 +156,9 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if req.lora_slot_key is not None and self.adapter_ready is not None \
+                    and not self.adapter_ready(req.lora_slot_key):
+                continue    # its adapter is being read (or waits for host room): it holds back no one
             if not self._adapter_allowed(req, adapters):
                 if self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
                     break   # an aged request waits for a slot: stop admitting others so running adapters drain

@@ -7,6 +7,7 @@ While the server drains, the middleware answers 503 `shutting_down` before any o
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -132,7 +133,8 @@ async def create_chat_completion(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state = _state(request)
     principal = _principal(request, state)
-    return JSONResponse({"object": "list", "data": state.models.cards(principal.models)})
+    cards = await asyncio.to_thread(state.models.cards, principal.models)   # may scan --lora-dir folders
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def health(request: Request) -> Response:

@@ -28,6 +28,7 @@ _FRACTION = _typed(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")      # type: ig
 _BYTES = _typed(parse_bytes, lambda v: True, "a byte size")
 _LORA = _typed(parse_lora_module, lambda v: True, "NAME=PATH")
 _NONNEG_INT = _typed(int, lambda v: v >= 0, "a non-negative integer")        # type: ignore[operator]
+_DIR = _typed(str, lambda v: Path(str(v)).is_dir(), "a directory")
 _SECONDS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of seconds >= 0")  # type: ignore[operator]
 
 
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--lora-modules", type=_LORA, nargs="+", action="extend", default=[], metavar="NAME=PATH")
+    s.add_argument("--lora-dir", type=_DIR, action="append", default=[], metavar="DIR",
+                   help="serve every PEFT adapter folder below DIR by its relative path (acme/support-v2), "
+                        "loaded on the first request that names it (repeatable)")
     s.add_argument("--max-loras", type=_POS_INT, default=8)
     s.add_argument("--max-cpu-loras", type=_POS_INT, default=64)
     s.add_argument("--max-lora-rank", type=_POS_INT, default=64)
@@ -99,6 +103,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return ServerConfig(
         model=model, served_model_name=args.served_model_name or default_name, host=args.host, port=args.port,
         device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=tuple(args.lora_modules),
+        lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,

@@ -43,6 +43,7 @@ class ServerConfig:
     dtype: str = "auto"
     seed: int = 0
     lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_dirs: tuple[str, ...] = ()          # --lora-dir: adapters served on first request
     max_loras: int = 8
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
@@ -83,5 +84,5 @@ class ServerConfig:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, policy=self.scheduling_policy),
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
-            lora_modules=self.lora_modules, enforce_eager=self.enforce_eager, load_format=self.load_format,
+            lora_modules=self.lora_modules, lora_dirs=self.lora_dirs, enforce_eager=self.enforce_eager, load_format=self.load_format,
             async_scheduling=self.async_scheduling)

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from adapters.errors import AdapterError
 from core.async_engine import EngineDeadError, EngineWarmingError
 from grammar.errors import GrammarError
 from core.errors import RequestRejected
@@ -102,6 +103,8 @@ def from_exception(exc: BaseException) -> APIError:
         return from_validation_error(exc)
     if isinstance(exc, RequestRejected):
         return invalid(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, AdapterError):   # an adapter read on first use failed: as the admin API reports it
+        return APIError(exc.status, exc.message, code=exc.code, param="model")
     if isinstance(exc, GrammarError):
         return invalid(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, SamplingParamsError):

@@ -6,7 +6,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from core.kernel_compiles import COMPILES
@@ -73,6 +73,28 @@ class EngineCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _adapter_metrics(eng)
+
+
+def _adapter_metrics(eng: Any) -> Iterator[Metric]:
+    """Adapter loads (by outcome), their latency, and how many adapters are resident on host and device."""
+    registry, pool = getattr(eng, "registry", None), getattr(eng, "lora_pool", None)
+    if registry is None or pool is None:   # an engine without adapters
+        return
+    by_outcome, buckets, total_s = registry.stats.snapshot()
+    loads = CounterMetricFamily("loraplex:lora_adapter_loads", "Adapter weight loads (reads), by outcome.",
+                                labels=["outcome"])
+    for outcome, n in by_outcome.items():
+        loads.add_metric([outcome], n)
+    yield loads
+    latency = HistogramMetricFamily("loraplex:lora_adapter_load_seconds", "Time to read and convert an adapter.",
+                                    labels=[])
+    latency.add_metric([], buckets, total_s)
+    yield latency
+    yield GaugeMetricFamily("loraplex:lora_adapters_host", "Adapters resident in host memory (or being read).",
+                            value=registry.num_host)
+    yield GaugeMetricFamily("loraplex:lora_adapters_device", "Adapters resident in device LoRA slots.",
+                            value=len(pool.loaded_ids))
 
 
 class GatewayMetrics:

@@ -1,11 +1,17 @@
-"""The names a client may put in `model`: the base model's served name, or a loaded LoRA adapter."""
+"""The names a client may put in `model`: the base model's served name, or an adapter (loaded, or found in a
+`--lora-dir` and loaded on first use)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import invalid, model_not_found
+from adapters.errors import AdapterError
+from gateway.errors import APIError, invalid, model_not_found
+from gateway.tenants import model_allowed
+
+AVAILABLE = "available"   # `lora_state` of a --lora-dir adapter no request has named yet
+LOADED = "loaded"         # `lora_state` of a registered adapter (its weights load on demand)
 
 
 @dataclass(frozen=True)
@@ -28,23 +34,34 @@ class ServedModels:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def resolve(self, name: str | None, allowed: frozenset[str] | None = None) -> ResolvedModel:
-        """`None` means the base model (as vLLM). Exact served names first: the base, then adapters.
-        A name outside `allowed` (a tenant's models) is as unknown as a missing one: 404."""
-        if allowed is not None and name is None and self.base_name not in allowed:
+        """`None` means the base model (as vLLM). Exact served names first: the base, then adapters (loaded,
+        then `--lora-dir` entries). A name outside `allowed` (a tenant's models and patterns) is as unknown as
+        a missing one: 404, without touching the filesystem."""
+        if allowed is not None and name is None and not model_allowed(self.base_name, allowed):
             raise invalid("you must provide a model parameter", param="model")   # no default: base not allowed
-        if allowed is not None and name is not None and name not in allowed:
+        if allowed is not None and name is not None and not model_allowed(name, allowed):
             raise model_not_found(name)
         if name is None or name == self.base_name:
             return ResolvedModel(self.base_name)
-        entry = self.registry.get(name) if self.registry is not None else None
+        try:
+            entry = self.registry.lookup(name) if self.registry is not None else None
+        except AdapterError as exc:   # a --lora-dir adapter whose files failed to load (until they change)
+            raise APIError(exc.status, exc.message, code=exc.code, param="model") from None
         if entry is None:
             raise model_not_found(name)
         return ResolvedModel(name, entry)
 
     def cards(self, allowed: frozenset[str] | None = None) -> list[dict[str, Any]]:
+        """The base, registered adapters (`lora_state: "loaded"`), then --lora-dir adapters not requested yet
+        (`lora_state: "available"`; from a bounded, cached scan)."""
         cards = [{"id": self.base_name, "object": "model", "created": self.created, "owned_by": "loraplex",
                   "root": self.root, "parent": None}]
-        for entry in (self.registry.entries() if self.registry is not None else []):
-            cards.append({"id": entry.name, "object": "model", "created": entry.created, "owned_by": "loraplex",
-                          "root": entry.path, "parent": self.base_name})
-        return [c for c in cards if allowed is None or c["id"] in allowed]
+        if self.registry is not None:
+            for entry in self.registry.entries():
+                cards.append({"id": entry.name, "object": "model", "created": entry.created,
+                              "owned_by": "loraplex", "root": entry.path, "parent": self.base_name,
+                              "lora_state": LOADED})
+            for name, path in self.registry.available():
+                cards.append({"id": name, "object": "model", "created": self.created, "owned_by": "loraplex",
+                              "root": path, "parent": self.base_name, "lora_state": AVAILABLE})
+        return [c for c in cards if allowed is None or model_allowed(c["id"], allowed)]

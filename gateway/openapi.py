@@ -48,7 +48,8 @@ _MODEL_LIST = {
     "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
         "type": "object", "required": ["id", "object", "created", "owned_by", "root", "parent"],
         "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                       "owned_by": {"type": "string"}, "root": {"type": "string"}, "parent": _NULLABLE_STR}}}},
+                       "owned_by": {"type": "string"}, "root": {"type": "string"}, "parent": _NULLABLE_STR,
+                       "lora_state": {"enum": ["loaded", "available"]}}}}},
 }
 # one server-sent event (as OpenAPI 3.2's `itemSchema` for text/event-stream; 3.1 tools read `schema` per event):
 # `data` holds a chunk's JSON, an in-band error object, or `[DONE]`

@@ -3,11 +3,13 @@
 The file (JSON or YAML) has exactly this form (the two limits are optional):
     {"tenants": {"acme": {"api_keys": ["sk-acme-1"], "models": ["<base name>", "tenant-a"],
                           "requests_per_minute": 600, "max_concurrent_requests": 16}}}
-Anything else (unknown keys, a key shared by two tenants, non-positive limits) is a `TenantFileError`
+A `models` entry may be a glob pattern (`acme/*`: fnmatch semantics, case-sensitive; `*` also matches `/`),
+so a tenant gets a whole `--lora-dir` folder. Anything else (unknown keys, a key shared by two tenants, non-positive limits) is a `TenantFileError`
 naming the offending entry, raised at start-up.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
 import json
@@ -30,6 +32,14 @@ class Tenant:
     models: frozenset[str]
     requests_per_minute: int | None = None
     max_concurrent_requests: int | None = None
+
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def model_allowed(name: str, allowed: frozenset[str]) -> bool:
+    """True if `name` is one of `allowed` or matches one of its glob patterns."""
+    return name in allowed or any(fnmatch.fnmatchcase(name, p) for p in allowed if not _GLOB_CHARS.isdisjoint(p))
 
 
 def key_digest(key: str) -> bytes:

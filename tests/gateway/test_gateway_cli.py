@@ -87,3 +87,15 @@ def test_console_entry_points() -> None:
         assert flag in out.stdout
     bare = subprocess.run([sys.executable, "-m", "gateway"], capture_output=True, text=True, timeout=120)
     assert bare.returncode == 2
+
+
+def test_lora_dir_is_repeatable_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg = parse("--lora-dir", str(tmp_path / "a"), "--lora-dir", str(tmp_path / "b"))
+    assert cfg.lora_dirs == (str(tmp_path / "a"), str(tmp_path / "b"))
+    assert cfg.engine_config().lora_dirs == cfg.lora_dirs
+    assert parse().lora_dirs == ()
+    with pytest.raises(SystemExit):
+        parse("--lora-dir", str(tmp_path / "missing"))
+    assert "--lora-dir" in capsys.readouterr().err
