@@ -33,7 +33,8 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GatewayMiddleware
 from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
-from gateway.params import chat_sampling_params, completion_sampling_params, resolve_response_format
+from gateway.constraints import resolve_constraint
+from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
@@ -99,7 +100,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body)
-    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine), principal)
+    kwargs = _engine_kwargs(model, await resolve_constraint(body, state.aeng.engine), principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
     children = make_children(request_id, kind.prompts(state.encoder, body), params)
     admit(state.aeng, children)

@@ -70,6 +70,12 @@ class _SamplingFields(_Strict):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     skip_special_tokens: Optional[bool] = None
+    # vLLM constraint spellings (validated in grammar/constraints.py; at most one per request)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_choice: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
