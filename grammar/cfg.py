@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grammar.compiled import copy_mask_row
 from grammar.errors import GrammarError
 
 _INFO_LOCK = threading.Lock()
@@ -125,10 +126,7 @@ class CfgMatcher:
         return unpack_bitmask(self._mask, self.compiled.vocab_size)[0].nonzero().flatten().tolist()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        n = min(self._mask.shape[1], bitmask.shape[1])
-        bitmask[row, :n].copy_(self._mask[0, :n])
-        if bitmask.shape[1] > n:
-            bitmask[row, n:] = 0
+        copy_mask_row(bitmask, row, self._mask[0])
 
     def reset(self) -> None:
         self._matcher.reset()

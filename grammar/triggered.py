@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grammar.compiled import bitmask_words
+from grammar.compiled import bitmask_words, copy_mask_row
 from grammar.matcher import GrammarMatcher
 
 
@@ -127,11 +127,7 @@ class TriggeredMatcher:
         if self.inner is not None:
             self.inner.fill_bitmask(bitmask, row)
             return
-        mask = self.free.mask(self.tail)
-        n = min(mask.shape[0], bitmask.shape[1])
-        bitmask[row, :n].copy_(mask[:n])
-        if bitmask.shape[1] > n:
-            bitmask[row, n:] = 0
+        copy_mask_row(bitmask, row, self.free.mask(self.tail))
 
     def reset(self) -> None:
         self.tail, self.inner, self.num_accepted, self._terminated = b"", None, 0, False
