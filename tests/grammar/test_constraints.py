@@ -130,3 +130,19 @@ def test_json_through_structured_outputs(decode_compiler: Any) -> None:
         text, ended = walk(decode_compiler, spec, seed, max_tokens=200)
         if ended:
             assert isinstance(json.loads(text)["a"], int)
+
+
+def test_grammar_compile_timeout_is_a_400_and_the_pool_keeps_serving(bpe_tokenizer: Any) -> None:
+    from grammar.compiler import GrammarCompiler
+
+    rules = "\n".join(f'r{i} ::= "w{i}" [a-z]{{0,40}} ("x" r{i + 1})?' for i in range(400))
+    slow = parse_constraints(None, {"guided_grammar": f"root ::= r0\n{rules}\nr400 ::= \"end\""}, None)
+    compiler = GrammarCompiler(bpe_tokenizer, len(bpe_tokenizer), [bpe_tokenizer.eos_token_id],
+                               compile_timeout_s=0.02, num_workers=1)
+    try:
+        with pytest.raises(GrammarError) as info:
+            compiler.compile(slow)
+        assert info.value.code == "grammar_compile_timeout" and info.value.param == "guided_grammar"
+        assert compiler.compile(parse_constraints(None, {"guided_grammar": 'root ::= "a"'}, None)) is not None
+    finally:
+        compiler.close()
