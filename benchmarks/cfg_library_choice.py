@@ -11,7 +11,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 EXPR_LARK = r"""
@@ -123,7 +122,6 @@ def main() -> None:
                     masks.extend(m)
                 print(f"| {vocab} | {name} | {lib} | {statistics.median(compiles) * 1e3:.2f} | "
                       f"{pct(masks, 0.5) * 1e6:.1f} | {pct(masks, 0.99) * 1e6:.1f} |", flush=True)
-    _ = np
 
 
 if __name__ == "__main__":
