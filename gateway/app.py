@@ -8,6 +8,7 @@ While the server drains, the middleware answers 503 `shutting_down` before any o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -34,12 +35,16 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GatewayMiddleware
 from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
-from gateway.params import chat_sampling_params, completion_sampling_params, resolve_response_format
+from gateway.constraints import resolve_tool_constraint
+from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
 from gateway.state import GatewayState
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
+from gateway.tool_output import tool_chat_body, tool_chat_events
+from gateway.tools import chat_prompt as tools_chat_prompt
+from gateway.tools import plan_tools, uses_tools
 
 M = TypeVar("M", bound=BaseModel)
 Events = Callable[[StreamInfo, AsyncIterator[tuple[int, RequestDelta]]], AsyncIterator[bytes]]
@@ -100,9 +105,14 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body)
-    kwargs = _engine_kwargs(model, await resolve_response_format(body.response_format, state.aeng.engine), principal)
+    tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
+    plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options) if tooled else None
+    kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
+    if plan is not None and plan.constrained:
+        kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
-    children = make_children(request_id, kind.prompts(state.encoder, body), params)
+    prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
+    children = make_children(request_id, prompts, params)
     admit(state.aeng, children)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))

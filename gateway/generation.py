@@ -53,11 +53,11 @@ def engine_kwargs_for(child: Child, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Per-child engine arguments: a fresh grammar matcher for constrained requests."""
     if "compiled_grammar" not in kwargs:
         return kwargs
-    from grammar.matcher import GrammarMatcher
+    from grammar.matchers import make_matcher
 
     kwargs = dict(kwargs)
     compiled = kwargs.pop("compiled_grammar")
-    kwargs["grammar"] = GrammarMatcher(compiled, stop_token_ids=child.params.stop_token_ids)
+    kwargs["grammar"] = make_matcher(compiled, child.params.stop_token_ids)
     return kwargs
 
 

@@ -71,10 +71,10 @@ _NULL = {"type": "null"}
 # what the field validators of gateway/protocol.py and gateway/params.py accept, where pydantic's schema is wider
 # (unsupported OpenAI fields exist only to be rejected with a clear 400)
 _NARROWER: dict[str, dict[str, Any]] = {
-    "suffix": _NULL, "parallel_tool_calls": _NULL, "best_of": _NULL,
+    "suffix": _NULL, "best_of": _NULL,
     "echo": {"enum": [False, None]},
-    "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
-    "tool_choice": {"enum": ["none", None]},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                              {"type": "object", "required": ["type", "function"]}, _NULL]},
     "presence_penalty": {"enum": [0, None]}, "frequency_penalty": {"enum": [0, None]},
     "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
     "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},

@@ -37,21 +37,27 @@ class PromptEncoder:
             return [self._check_ids(list(prompt))]  # type: ignore[arg-type]
         return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    def render_chat(self, messages: list[ChatMessage], conversation: list[dict[str, Any]] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """`conversation` / `tools`: already-converted messages and tools (gateway/tools.py)."""
+        if conversation is None:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise invalid("this model has no chat template; use /v1/completions", param="messages")
+        extra = {"tools": tools} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                      **extra)
         except Exception as exc:  # jinja raise_exception (role order, unsupported role), template errors
             raise invalid(f"the chat template rejected the messages: {exc}", param="messages") from None
         if not isinstance(text, str):
             raise invalid("the chat template did not render to text", param="messages")
         return text
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], conversation: list[dict[str, Any]] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The template usually writes the BOS itself: then the tokenizer must not add a second one."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, conversation, tools)
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
         return self._check_ids(self.tokenizer.encode(text, add_special_tokens=add_special))

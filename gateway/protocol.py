@@ -36,9 +36,11 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools.py)
+    tool_call_id: Optional[str] = None                  # tool turns
 
     def text(self) -> str:
         if self.content is None:
@@ -70,6 +72,12 @@ class _SamplingFields(_Strict):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     skip_special_tokens: Optional[bool] = None
+    # vLLM constraint spellings (validated in grammar/constraints.py; at most one per request)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_choice: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -128,24 +136,4 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: Optional[Union[str, dict[str, Any]]]) -> Optional[Union[str, dict[str, Any]]]:
-        if v not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
-        return v
-
-    @field_validator("parallel_tool_calls")
-    @classmethod
-    def _no_parallel_tools(cls, v: Optional[bool]) -> Optional[bool]:
-        if v is not None:
-            raise ValueError("parallel_tool_calls is not supported")
-        return v
+    # tools / tool_choice / parallel_tool_calls: validated in gateway/tools.py

@@ -5,7 +5,8 @@ and outlines_core (no torch, no package __init__).  The parent can kill it at an
 (compile timeout); when the parent goes away its stdin closes and the worker exits.
 
 Protocol on stdin/stdout: frames of an 8-byte little-endian length + a pickle.
-  parent -> worker: ("init", eos_token_id, {token_bytes: [ids]}), then ("compile", regex)...
+  parent -> worker: ("init", eos_token_id, {token_bytes: [ids]}, vocab_size, [eos ids]), then
+                    ("compile", regex) or ("cfg_init",) once, then ("cfg", gbnf_text) (xgrammar, grammar/cfg_compile.py)...
   worker -> parent: ("ready",) after init; ("ok", index_pickle, seconds) or ("err", message)
 """
 
@@ -51,12 +52,16 @@ def main() -> int:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the real stdout
     vocabulary = None
+    token_map: dict = {}
+    cfg_info = None
+    init: tuple = ()
     while True:
         message = read_frame(stdin)
         if message is None:
             return 0
         if message[0] == "init":
-            _, eos_token_id, token_map = message
+            init = message
+            eos_token_id, token_map = message[1], message[2]
             vocabulary = outlines_core.Vocabulary(eos_token_id, token_map)
             write_frame(stdout, ("ready",))
         elif message[0] == "compile":
@@ -66,6 +71,19 @@ def main() -> int:
                 blob = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
                 write_frame(stdout, ("ok", blob, time.perf_counter() - start))
             except Exception as e:  # bad regex, vocabulary cannot match, size limits
+                write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
+        elif message[0] == "cfg_init":  # importing xgrammar costs seconds: not counted in a compile's timeout
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from grammar.cfg_compile import compile_in_worker, tokenizer_info
+
+            cfg_info = tokenizer_info(token_map, init[3], init[4])
+            write_frame(stdout, ("ready",))
+        elif message[0] == "cfg":
+            start = time.perf_counter()
+            try:
+                blob = pickle.dumps(compile_in_worker(cfg_info, message[1]), protocol=pickle.HIGHEST_PROTOCOL)
+                write_frame(stdout, ("ok", blob, time.perf_counter() - start))
+            except Exception as e:  # noqa: BLE001 - a grammar xgrammar rejects
                 write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
         else:
             write_frame(stdout, ("err", f"unknown message {message[0]!r}"))

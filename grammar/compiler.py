@@ -71,6 +71,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._inflight: dict[tuple[str, str], Future] = {}
+        self._cfg_info: Any = None  # xgrammar TokenizerInfo, built on the first grammar
         self._failed: OrderedDict[tuple[str, str], tuple[float, GrammarError]] = OrderedDict()
         self.stats = {"hits": 0, "misses": 0, "dedup": 0, "timeouts": 0, "failures": 0, "evictions": 0}
 
@@ -96,7 +97,10 @@ class GrammarCompiler:
             future: Future = Future()
             future.set_running_or_notify_cancel()
             self._inflight[key] = future
-        job = self._pool.submit(index_regex(spec.regex))
+        if spec.kind == "grammar":
+            job = self._pool.submit(spec.ebnf or "", kind="cfg")
+        else:
+            job = self._pool.submit(index_regex(spec.regex))
         job.add_done_callback(lambda j: self._finish(key, spec, j, future))
         return future
 
@@ -136,7 +140,7 @@ class GrammarCompiler:
         compiled: CompiledGrammar | None = None
         try:
             result: CompileResult = job.result()
-            compiled = CompiledGrammar(
+            compiled = self._cfg(spec, result) if spec.kind == "grammar" else CompiledGrammar(
                 key=spec.key,
                 kind=spec.kind,
                 index=result.index,
@@ -148,9 +152,9 @@ class GrammarCompiler:
                 start_token_id=self._pool.sentinel_token_id,
             )
         except CompileTimeout:
-            error = _timeout_error(self.compile_timeout_s)
+            error = _timeout_error(self.compile_timeout_s, spec.param)
         except CompileFailed as e:
-            error = GrammarError(f"the schema cannot be compiled into a grammar: {e}", "unsupported_json_schema")
+            error = _compile_failed(spec, str(e))
         except Exception as e:  # noqa: BLE001 - never leave a waiter hanging
             error = GrammarError(f"grammar compilation failed: {type(e).__name__}: {e}", "unsupported_json_schema")
         with self._lock:
@@ -167,6 +171,16 @@ class GrammarCompiler:
         else:
             future.set_exception(error)  # type: ignore[arg-type]
 
+    def _cfg(self, spec: GrammarSpec, result: CompileResult) -> Any:
+        from grammar.cfg import CfgGrammar
+        from grammar.cfg_compile import tokenizer_info
+
+        with self._lock:
+            if self._cfg_info is None:
+                self._cfg_info = tokenizer_info(self.vocab.to_map(), self.vocab_size, list(self.eos_token_ids))
+        return CfgGrammar.from_worker(spec.key, result.index, self._cfg_info, self.vocab_size,
+                                      self.eos_token_ids, result.seconds)
+
     def _insert(self, key: tuple[str, str], compiled: CompiledGrammar) -> None:
         self._cache[key] = compiled
         self._cache_bytes += compiled.nbytes
@@ -176,10 +190,24 @@ class GrammarCompiler:
             self.stats["evictions"] += 1
 
 
-def _timeout_error(seconds: float) -> GrammarError:
-    return GrammarError(
-        f"compiling the grammar for this schema took longer than {seconds:g} s", "grammar_compile_timeout"
-    )
+def _timeout_error(seconds: float, param: str | None = None) -> GrammarError:
+    error = GrammarError(f"compiling the grammar for this schema took longer than {seconds:g} s",
+                         "grammar_compile_timeout")
+    if param is not None:
+        error.param = param
+    return error
+
+
+def _compile_failed(spec: GrammarSpec, message: str) -> GrammarError:
+    """A spec the compile worker rejected: a regex outlines-core cannot build, a grammar xgrammar refuses."""
+    if spec.kind == "regex":
+        return GrammarError(f"the regex cannot be compiled: {message}", "invalid_regex", spec.param)
+    if spec.kind == "grammar":
+        return GrammarError(f"the grammar cannot be compiled: {message}", "invalid_grammar", spec.param)
+    error = GrammarError(f"the schema cannot be compiled into a grammar: {message}", "unsupported_json_schema")
+    if spec.param is not None:
+        error.param = spec.param
+    return error
 
 
 def _done(value: CompiledGrammar) -> Future:

@@ -9,6 +9,10 @@ ErrorCode = Literal[
     "invalid_json_schema",
     "invalid_response_format",
     "grammar_compile_timeout",
+    "invalid_regex",
+    "invalid_grammar",
+    "invalid_structured_outputs",
+    "invalid_tools",
 ]
 
 SCHEMA_PARAM = "response_format.json_schema.schema"

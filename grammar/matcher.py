@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grammar.compiled import CompiledGrammar
+from grammar.compiled import CompiledGrammar, copy_mask_row
 
 
 class GrammarMatcher:
@@ -24,6 +24,7 @@ class GrammarMatcher:
         self._stop = frozenset(compiled.eos_token_ids) | frozenset(
             t for t in stop_token_ids if 0 <= t < compiled.vocab_size
         )
+        self._extra_stops = self._stop.difference(compiled.eos_token_ids)  # stop tokens that are not EOS
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) if it was not allowed."""
@@ -86,15 +87,12 @@ class GrammarMatcher:
             if guide is not None and guide.get_state() != self.state:
                 guide = None  # `state` was set from outside
             mask = compiled.state_mask(self.state, guide)
-            extra = self._stop.difference(compiled.eos_token_ids)
+            extra = self._extra_stops
             if extra and compiled.state_info(self.state).is_final:
                 mask = mask.clone()
                 for t in extra:
                     mask[t >> 5] |= _bit(t & 31)
-        n = min(mask.shape[0], bitmask.shape[1])
-        bitmask[row, :n].copy_(mask[:n], non_blocking=True)
-        if bitmask.shape[1] > n:
-            bitmask[row, n:] = 0
+        copy_mask_row(bitmask, row, mask)
 
     def reset(self) -> None:
         self.state = self.compiled.initial_state

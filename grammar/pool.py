@@ -47,6 +47,7 @@ class _WorkerProcess:
         self._init = init_message
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self.cfg_ready = False  # the worker imported xgrammar (grammar/cfg_compile.py)
 
     def ensure_started(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -58,6 +59,7 @@ class _WorkerProcess:
             stderr=subprocess.DEVNULL,
             close_fds=True,
         )
+        self.cfg_ready = False
         self._send(self._init)
         reply = self._recv(time.monotonic() + START_TIMEOUT_S)
         if reply != ("ready",):
@@ -105,10 +107,16 @@ class _WorkerProcess:
                 raise CompileTimeout()
         return deadline
 
-    def compile(self, regex: str, timeout_s: float) -> CompileResult:
+    def compile(self, regex: str, timeout_s: float, kind: str = "compile") -> CompileResult:
         self.ensure_started()
+        if kind == "cfg" and not self.cfg_ready:
+            self._send(("cfg_init",))
+            if self._recv(time.monotonic() + START_TIMEOUT_S) != ("ready",):
+                self.kill()
+                raise CompileFailed("the grammar library failed to load in the compile worker")
+            self.cfg_ready = True
         try:
-            self._send(("compile", regex))
+            self._send((kind, regex))
             reply = self._recv(self._wait_reply(timeout_s))
         except (CompileTimeout, CompileFailed, OSError):
             self.kill()
@@ -155,9 +163,9 @@ class CompilePool:
         self.sentinel_token_id = vocab.vocab_size + 1  # never a real token (ids < vocab_size)
         token_map = vocab.to_map()
         token_map.setdefault(SENTINEL_BYTES, []).append(self.sentinel_token_id)
-        self._init = ("init", eos, token_map)
+        self._init = ("init", eos, token_map, vocab.vocab_size, list(vocab.eos_token_ids))
         self.timeout_s = timeout_s
-        self._jobs: queue.Queue[tuple[str, Future] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, Future, str] | None] = queue.Queue()
         self._workers = [_WorkerProcess(self._init) for _ in range(max(1, num_workers))]
         self._threads = [
             threading.Thread(target=self._loop, args=(w,), name=f"grammar-compile-{i}", daemon=True)
@@ -171,11 +179,12 @@ class CompilePool:
     def restarts(self) -> int:
         return sum(w.restarts for w in self._workers)
 
-    def submit(self, regex: str) -> Future:
+    def submit(self, regex: str, kind: str = "compile") -> Future:
+        """kind "compile": an outlines-core Index of `regex`; "cfg": a GBNF grammar's xgrammar JSON."""
         if self._closed:
             raise RuntimeError("compile pool is closed")
         future: Future = Future()
-        self._jobs.put((regex, future))
+        self._jobs.put((regex, future, kind))
         return future
 
     def _loop(self, worker: _WorkerProcess) -> None:
@@ -188,11 +197,11 @@ class CompilePool:
             if job is None:
                 worker.kill()
                 return
-            regex, future = job
+            regex, future, kind = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(worker.compile(regex, self.timeout_s))
+                future.set_result(worker.compile(regex, self.timeout_s, kind))
             except BaseException as e:  # noqa: BLE001 - delivered to the waiter
                 future.set_exception(e)
 

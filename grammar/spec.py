@@ -15,7 +15,7 @@ from grammar.errors import GrammarError
 from grammar.regex_builder import RegexBuilder
 from grammar.schema import Lowerer, SchemaOptions, check_metaschema
 
-GrammarKind = Literal["json_object", "json_schema"]
+GrammarKind = Literal["json_object", "json_schema", "choice", "regex", "grammar", "tool_calls"]
 MAX_SCHEMA_BYTES = 256 << 10  # metaschema validation costs ~2 us per byte
 MAX_SCHEMA_DEPTH = 64
 JSON_OBJECT_DEPTH = 2  # container depth of member values in json_object mode
@@ -35,9 +35,18 @@ class GrammarSpec:
     name: str | None = None
     strict: bool | None = None
     schema_json: str | None = None  # canonical schema text (json_schema kind)
+    param: str | None = None  # the request field it came from (compile errors name it)
+    choices: tuple[str, ...] | None = None  # choice kind
+    ebnf: str | None = None  # grammar kind: the GBNF text (compiled by xgrammar, see grammar/cfg.py)
 
     def validate_output(self, text: str) -> bool:
         """Safety net for the engine: does a finished output satisfy the format?"""
+        if self.kind == "choice":
+            return text in (self.choices or ())
+        if self.kind in ("regex", "grammar", "tool_calls"):
+            from grammar.constraints import validate_text
+
+            return validate_text(self, text)
         try:
             value = json.loads(text)
         except ValueError:

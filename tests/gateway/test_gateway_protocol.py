@@ -97,12 +97,10 @@ def test_chat_parsing_and_mapping() -> None:
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
     ({"top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-])
+])   # tools / tool_choice / parallel_tool_calls: gateway/tools.py (tests/gateway/test_server_tools.py)
 def test_chat_rejections(kw: dict[str, Any], param: str | None) -> None:
     err = api_error(lambda: chat_sampling_params(chat(**kw)))
     assert err.status == 400

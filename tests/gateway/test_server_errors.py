@@ -97,13 +97,13 @@ def test_bad_completion_requests(http: httpx.Client, case: tuple[str, Any, int, 
 
 
 BAD_CHATS: list[tuple[str, Any, str | None]] = [
-    ("bad role", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ("bad role", {"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
     ("messages not a list", {"messages": "hello"}, "messages"),
     ("empty messages", {"messages": []}, "messages"),
     ("unknown message field", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, None),
     ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs"),
-    ("tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ("json_schema without schema object", {"messages": [{"role": "user", "content": "x"}],
                                            "response_format": {"type": "json_schema"}},
      "response_format.json_schema"),

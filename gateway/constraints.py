@@ -1,0 +1,58 @@
+"""The request's output constraint (response_format, structured_outputs, guided_*, tools) -> a compiled grammar."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.protocol import _SamplingFields
+
+
+def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
+    """Admission (synchronous, cheap): the one GrammarSpec of the body, or None; GrammarError -> 400."""
+    from grammar.constraints import GUIDED_FIELDS, parse_constraints
+
+    rf = body.response_format
+    if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+        raise invalid("response_format.json_schema is required when type is 'json_schema'",
+                      param="response_format.json_schema")
+    rf_dict = None if rf is None else rf.model_dump(by_alias=True, exclude_none=True)
+    guided = {name: getattr(body, name) for name in GUIDED_FIELDS}
+    if (rf is None or rf.type == "text") and body.structured_outputs is None and all(v is None for v in guided.values()):
+        return None   # free text: never touches the engine
+    return parse_constraints(body.structured_outputs, guided, rf_dict, engine.schema_options)
+
+
+async def compile_spec(spec: Any, engine: Any) -> Any:
+    """Off the event loop: the compiler's workers (timeout, de-dup, cache); a failure is a GrammarError (400)."""
+    if spec is None:
+        return None
+    return await asyncio.wrap_future(engine.grammar_compiler.submit(spec))
+
+
+async def resolve_constraint(body: _SamplingFields, engine: Any) -> Any:
+    """None (free text) or the compiled grammar every child of the request gets a matcher of."""
+    return await compile_spec(constraint_spec(body, engine), engine)
+
+
+async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any) -> Any:
+    """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
+    or the request's other constraint; a tool constraint together with another one -> 400."""
+    other = constraint_spec(body, engine)
+    if plan is None or not plan.constrained:
+        return await compile_spec(other, engine)
+    if other is not None:
+        raise invalid(f"a request may carry only one output constraint: tool_choice {plan.choice!r} with "
+                      f"{other.param or 'response_format'}", param=other.param or "response_format")
+    from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
+
+    auto = plan.choice == "auto"
+    compiled = await compile_spec(tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto),
+                                  engine)
+    if not auto:
+        return compiled
+    from grammar.triggered import free_text_masks
+
+    compiler = engine.grammar_compiler
+    free = await asyncio.to_thread(free_text_masks, compiler.vocab, plan.fmt.trigger)
+    return AutoToolGrammar(compiled, plan.fmt.trigger.encode(), free)

@@ -1,0 +1,83 @@
+"""Model text -> OpenAI tool calls, whole or while streaming.
+
+Constrained decoding writes calls in the exact layout of grammar/tool_calls.py, so parsing is a scan:
+content up to the trigger, then `open name mid ARGS close` repeated with the separator.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from grammar.tool_calls import ToolCallFormat
+
+_DECODER = json.JSONDecoder()
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass
+class ParsedCall:
+    name: str | None          # None until the whole name is written
+    arguments: str            # the arguments JSON text written so far (all of it once complete)
+    complete: bool
+
+
+@dataclass
+class Parsed:
+    content: str              # free text before the first call (what is safe to send so far)
+    calls: list[ParsedCall]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _safe_content(text: str, trigger: str) -> str:
+    """Content that can be sent now: withhold a suffix that may be the start of the trigger."""
+    for k in range(min(len(text), len(trigger) - 1), 0, -1):
+        if text.endswith(trigger[:k]):
+            return text[:-k]
+    return text
+
+
+def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
+    """Scans `text`; with `finished` False the last call may be partial (its arguments are withheld by
+    len(close) characters until the call closes, so no byte of `close` is ever sent as arguments)."""
+    text = text.replace(PYTHON_TAG, "")
+    start = text.find(fmt.trigger)
+    if start < 0:
+        return Parsed(text if finished else _safe_content(text, fmt.trigger), [])
+    content, pos, calls = text[:start], start, []
+    while pos < len(text):
+        if not text.startswith(fmt.open, pos):
+            break
+        name_at = pos + len(fmt.open)
+        mid_at = text.find(fmt.mid, name_at)
+        if mid_at < 0:
+            calls.append(ParsedCall(None, "", False))
+            break
+        name, args_at = text[name_at:mid_at], mid_at + len(fmt.mid)
+        try:
+            _, end = _DECODER.raw_decode(text, args_at)
+        except ValueError:
+            end = -1
+        if end < 0 or not text.startswith(fmt.close, end):
+            partial = text[args_at:max(args_at, len(text) - len(fmt.close))]
+            calls.append(ParsedCall(name, partial, False))
+            break
+        calls.append(ParsedCall(name, text[args_at:end], True))
+        pos = end + len(fmt.close)
+        if text.startswith(fmt.separator, pos):
+            pos += len(fmt.separator)
+    return Parsed(content, calls)
+
+
+def final_calls(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[dict]]:
+    """(content or None, OpenAI tool_calls) of a finished output; incomplete calls are dropped."""
+    parsed = parse_calls(text, fmt, finished=True)
+    calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in parsed.calls if c.complete]
+    if not calls:
+        return text, []
+    content = parsed.content.strip()
+    return (content or None), calls

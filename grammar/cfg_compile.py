@@ -1,0 +1,26 @@
+"""The worker side of context-free grammar compiles (imported by grammar/_worker.py: no torch here)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def tokenizer_info(token_map: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """An xgrammar TokenizerInfo over exactly the token bytes the outlines-core vocabulary uses
+    (ids without bytes - special tokens - decode to b"" and are never allowed)."""
+    import xgrammar as xgr
+
+    encoded: list[bytes] = [b""] * vocab_size
+    for data, ids in token_map.items():
+        for i in ids:
+            if 0 <= i < vocab_size:
+                encoded[i] = data
+    return xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=[t for t in eos_token_ids if 0 <= t < vocab_size])
+
+
+def compile_in_worker(info: Any, text: str) -> bytes:
+    """Worker side: compile the GBNF for `info`; the result crosses the pipe as JSON bytes."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return compiler.compile_grammar(text).serialize_json().encode()
