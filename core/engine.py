@@ -23,6 +23,7 @@ from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import build_decode_graphs
 from core.lora_step import lora_token_slots
 from core.penalties import PenaltyState
+from core.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from core.pending import PendingStep
 from core.runner import HostBatch, host_to_device, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, sample
@@ -69,6 +70,9 @@ class LLMEngine:
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
                 f"the completion). Please reduce the length of the prompt or completion.",
                 "context_length_exceeded", "prompt")
+        if params.min_tokens > max_tokens:
+            raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                                  "invalid_value", "min_tokens")
         bad = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
         if bad:
             raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
@@ -201,6 +205,8 @@ class LLMEngine:
                 f"the weights of adapter(s) {names} could not be read")
         # Everything up to `pending.read()` is queued on the GPU without waiting for it.
         hidden, rows = self._forward(host, token_slots, pending)
+        if hidden.shape[0] == host.num_tokens and any(map(wants_prompt_logprobs, host.requests[host.num_decode:])):
+            record_prompt_logprobs(self.model, host, hidden)
         deltas = self._process(pending)     # the previous step's tokens, while this forward runs
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(host.requests))
@@ -295,7 +301,9 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
             finished=finished, finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs)
+            num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs if req.num_output_tokens == len(tokens) and
+            wants_prompt_logprobs(req) else None)
 
     def check_integrity(self) -> None:
         if self._pending is None:

@@ -21,6 +21,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token, when asked for
 
 
 @dataclass

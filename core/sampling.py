@@ -32,6 +32,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias) pairs
     min_p: float = 0.0                   # drop tokens below min_p x the top token's probability
     min_tokens: int = 0                  # EOS and stop_token_ids are masked before this many output tokens
+    prompt_logprobs: int | None = None   # top alternatives per prompt token (echo + logprobs); skips the prefix cache
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -37,12 +37,13 @@ class PromptEncoder:
             return [self._check_ids(list(prompt))]  # type: ignore[arg-type]
         return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise invalid("this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja raise_exception (role order, unsupported role), template errors
             raise invalid(f"the chat template rejected the messages: {exc}", param="messages") from None
         if not isinstance(text, str):
