@@ -162,3 +162,36 @@ def test_bad_values_name_the_field(kwargs: dict, param: str) -> None:
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+def test_apply_equals_hf_logits_processors_on_both_signs() -> None:
+    """The device rows against HF's RepetitionPenaltyLogitsProcessor (prompt + output ids) and the OpenAI
+    formula, on random logits of both signs, for a batch whose rows differ."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from core.penalties import PenaltyState
+    from core.request import Request
+
+    vocab, gen = 50, torch.Generator().manual_seed(0)
+    rows = [dict(repetition_penalty=1.5), dict(repetition_penalty=0.6, frequency_penalty=0.7, presence_penalty=-0.4),
+            dict(), dict(logit_bias={3: -2.0, 4: 7.5})]
+    reqs = []
+    for i, kw in enumerate(rows):
+        r = Request(request_id=f"r{i}", prompt_token_ids=torch.randint(0, vocab, (6,), generator=gen).tolist(),
+                    sampling_params=SamplingParams(**kw), max_tokens=16, seed=0, eos_token_ids=frozenset({0}))
+        for t in torch.randint(0, vocab, (5,), generator=gen).tolist():
+            r.append_token(t)
+        reqs.append(r)
+    state = PenaltyState(vocab, torch.device("cpu"), initial_slots=2)   # grows while filling
+    logits = torch.randn(len(reqs), vocab, generator=gen) * 3
+    out = state.apply(logits, state.prepare(reqs))
+    for i, (r, kw) in enumerate(zip(reqs, rows)):
+        ref = logits[i:i + 1].clone()
+        for t, b in r.sampling_params.logit_bias:
+            ref[0, t] += b
+        ref = RepetitionPenaltyLogitsProcessor(kw.get("repetition_penalty", 1.0))(
+            torch.tensor([r.all_token_ids]), ref)
+        for t, c in Counter(r.output_token_ids).items():
+            ref[0, t] -= kw.get("frequency_penalty", 0.0) * c + kw.get("presence_penalty", 0.0)
+        assert torch.allclose(out[i], ref[0], atol=1e-6, rtol=0), i
+    state.check_integrity()
