@@ -41,6 +41,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # SamplingParams.prompt_logprobs (entry 0 None)
 
     # convenience for n == 1 (the common case in tests and examples)
     @property

@@ -195,3 +195,24 @@ def test_apply_equals_hf_logits_processors_on_both_signs() -> None:
             ref[0, t] -= kw.get("frequency_penalty", 0.0) * c + kw.get("presence_penalty", 0.0)
         assert torch.allclose(out[i], ref[0], atol=1e-6, rtol=0), i
     state.check_integrity()
+
+
+def test_prompt_logprobs_over_chunked_prefill_and_a_cached_prefix() -> None:
+    """echo + logprobs: every prompt position's log-prob equals HF's, with the prompt split over prefill chunks,
+    and again for a repeated prompt (such requests skip the prefix cache)."""
+    small = LLM(str(PATH), dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=32)
+    ids = encode(PATH, PROMPTS[4] + PROMPTS[2])
+    assert len(ids) > 64
+    with torch.no_grad():
+        ref = _hf_model(str(PATH))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    p = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    for _ in range(2):
+        out = small.generate([ids], p)[0]
+        entries = out.prompt_logprobs
+        assert entries is not None and len(entries) == len(ids) and entries[0] is None
+        for pos in range(1, len(ids)):
+            tok, lp, top = entries[pos]
+            assert tok == ids[pos] and abs(lp - ref[pos - 1, tok].item()) < 1e-4
+            assert [t for t, _ in top] == ref[pos - 1].topk(2).indices.tolist()
+        assert out.num_cached_tokens == 0
+    small.engine.check_integrity()
