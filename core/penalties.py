@@ -145,18 +145,19 @@ class PenaltyState:
     def apply(self, logits: torch.Tensor, batch: PenaltyBatch) -> torch.Tensor:
         """logits [N, V] float32 -> a new tensor: bias, then repetition, then frequency/presence (vLLM's order),
         then the min_tokens bans. The input (the model's distribution, for logprobs) is left as it was."""
-        x = logits
+        x = logits.clone()
         if batch.bias_width:
-            x = logits.clone()
             x.scatter_add_(1, self.bias_ids.index_select(0, batch.slots)[:, :batch.bias_width],      # [N, B]
                            self.bias_vals.index_select(0, batch.slots)[:, :batch.bias_width])
         if batch.need_counts or batch.need_repetition:
             counts = self.counts.index_select(0, batch.slots)                                     # [N, V]
+            in_output = counts > 0
             if batch.need_repetition:
-                seen = (counts > 0) | self.in_prompt.index_select(0, batch.slots)                  # [N, V]
-                x = torch.where(seen, torch.where(x > 0, x / batch.repetition, x * batch.repetition), x)
+                seen = in_output | self.in_prompt.index_select(0, batch.slots)                    # [N, V]
+                penalized = torch.where(x > 0, x / batch.repetition, x * batch.repetition)
+                x = torch.where(seen, penalized, x, out=x)
             if batch.need_counts:
-                x = x - batch.frequency * counts - batch.presence * (counts > 0)
+                x.sub_(counts * batch.frequency).sub_(in_output * batch.presence)
         if batch.ban_rows.numel():
             banned = x.index_put((batch.ban_rows, batch.ban_tokens), torch.tensor(float("-inf"), device=x.device))
             # never leave a row with nothing to sample (a grammar state where only EOS or stop tokens fit)
