@@ -302,8 +302,8 @@ class LLMEngine:
             finished=finished, finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs if req.num_output_tokens == len(tokens) and
-            wants_prompt_logprobs(req) else None)
+            prompt_logprobs=(req.prompt_logprobs or [None] * req.num_prompt_tokens)
+            if req.num_output_tokens == len(tokens) and wants_prompt_logprobs(req) else None)
 
     def check_integrity(self) -> None:
         if self._pending is None:

@@ -97,6 +97,8 @@ def test_echo_text_and_prompt_logprobs(http: httpx.Client, tokenizer: Any) -> No
     for pos in range(1, len(ids)):
         assert math.isclose(lp["token_logprobs"][pos], ref[pos - 1, ids[pos]].item(), abs_tol=1e-4)
         assert len(lp["top_logprobs"][pos]) >= 1
+    one = complete(http, prompt=ids[:1], echo=True, logprobs=1, max_tokens=1)["choices"][0]["logprobs"]
+    assert len(one["tokens"]) == 2 and one["token_logprobs"][0] is None and one["token_logprobs"][1] is not None
     # streamed: the first chunk carries the prompt
     with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 6,
                                                        "temperature": 0, "echo": True, "stream": True}) as resp:
