@@ -216,3 +216,18 @@ def test_prompt_logprobs_over_chunked_prefill_and_a_cached_prefix() -> None:
             assert [t for t, _ in top] == ref[pos - 1].topk(2).indices.tolist()
         assert out.num_cached_tokens == 0
     small.engine.check_integrity()
+
+
+def test_min_tokens_never_empties_a_row_a_grammar_narrowed_to_eos() -> None:
+    from core.penalties import PenaltyState
+    from core.request import Request
+
+    reqs = [Request(request_id=f"r{i}", prompt_token_ids=[1, 2], max_tokens=8, seed=0, eos_token_ids=frozenset({0}),
+                    sampling_params=SamplingParams(min_tokens=3, stop_token_ids=(4,))) for i in range(2)]
+    state = PenaltyState(6, torch.device("cpu"))
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5, 5.0, 0.0],                       # free row: EOS 0 and stop 4 banned
+                           [2.0, float("-inf"), float("-inf"), float("-inf"), 1.0, float("-inf")]])  # only EOS/stop
+    out = state.apply(logits, state.prepare(reqs))
+    assert torch.isneginf(out[0, [0, 4]]).all() and torch.equal(out[0, [1, 2, 3, 5]], logits[0, [1, 2, 3, 5]])
+    assert torch.equal(out[1], logits[1])
+    state.check_integrity()
