@@ -148,7 +148,8 @@ def test_fuzzed_bodies_never_5xx(path: str, http: httpx.Client,
                                  validators: dict[str, jsonschema.protocols.Validator]) -> None:
     t0 = time.monotonic()
 
-    @settings(max_examples=EXAMPLES if path in GENERATION else EXAMPLES_TOKENIZE, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=EXAMPLES if path in GENERATION else EXAMPLES_TOKENIZE, deadline=None, database=None,
+              derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(raw=bodies(path))
     def run(raw: bytes) -> None:

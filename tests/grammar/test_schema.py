@@ -246,8 +246,9 @@ def test_unsupported_keyword_is_named_with_pointer(schema: object, keyword: str,
 
 def test_unsupported_optional_member_is_rejected_like_a_required_one() -> None:
     """Never silently left out of what can be generated: the keyword and its pointer are named."""
-    for member, keyword, pointer in [({"type": "array", "contains": {"type": "integer"}}, "contains", "#/properties/b"),
-                                     ({"type": "number", "multipleOf": 0.01}, "multipleOf", "#/properties/b/multipleOf")]:
+    cases = [({"type": "array", "contains": {"type": "integer"}}, "contains", "#/properties/b"),
+             ({"type": "number", "multipleOf": 0.01}, "multipleOf", "#/properties/b/multipleOf")]
+    for member, keyword, pointer in cases:
         schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": member}, "required": ["a"]}
         with pytest.raises(GrammarError) as info:
             parse_response_format(json_schema_format(schema))
