@@ -23,6 +23,8 @@ from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots, pump_adapter_loads
+from core.penalties import PenaltyState
+from core.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from core.pending import PendingStep
 from core.runner import HostBatch, host_to_device, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, sample
@@ -58,6 +60,7 @@ class LLMEngine:
         auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
+        self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
 
     # ---- start-up -------------------------------------------------------------------------
     @property
@@ -99,6 +102,13 @@ class LLMEngine:
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
                 f"the completion). Please reduce the length of the prompt or completion.",
                 "context_length_exceeded", "prompt")
+        if params.min_tokens > max_tokens:
+            raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                                  "invalid_value", "min_tokens")
+        bad = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
+        if bad:
+            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.model_config.vocab_size})", "invalid_value", "logit_bias")
         num_blocks = -(-(num_prompt_tokens + max_tokens) // self.block_size)
         if num_blocks > self.kv.num_blocks:
             raise RequestRejected(
@@ -173,6 +183,7 @@ class LLMEngine:
         return entry
 
     def _on_finish(self, req: Request) -> None:
+        self.penalties.release(req.request_id)
         if req.lora_slot_key is not None:
             self.registry.release(req.lora_slot_key)
 
@@ -239,6 +250,8 @@ class LLMEngine:
                 f"the weights of adapter(s) {names} could not be read")
         # Everything up to `pending.read()` is queued on the GPU without waiting for it.
         hidden, rows = self._forward(host, token_slots, pending)
+        if hidden.shape[0] == host.num_tokens and any(map(wants_prompt_logprobs, host.requests[host.num_decode:])):
+            record_prompt_logprobs(self.model, host, hidden)
         deltas = self._process(pending)     # the previous step's tokens, while this forward runs
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(host.requests))
@@ -279,7 +292,12 @@ class LLMEngine:
         sbatch = SamplingBatch.from_requests(reqs, self.model_config.vocab_size, self.device)
         logits = self.model.compute_logits(hidden if rows is None else hidden[rows])       # [N, vocab]
         apply_token_masks(logits, masks)
-        tokens = sample(logits, sbatch)
+        # penalties, bias and min_tokens on a copy (-inf stays -inf: the grammar mask keeps the last word);
+        # logprobs report `logits`, the model's distribution before penalties and temperature
+        penalties = self.penalties.prepare(reqs)
+        tokens = sample(logits if penalties is None else self.penalties.apply(logits, penalties), sbatch)
+        if penalties is not None:
+            self.penalties.record(penalties, tokens)
         lps = compute_logprobs(logits, tokens, sbatch.max_logprobs) if sbatch.max_logprobs >= 0 else None
         return PendingStep.launch(reqs, tokens, lps)
 
@@ -328,7 +346,9 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
             finished=finished, finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs)
+            num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
+            prompt_logprobs=(req.prompt_logprobs or [None] * req.num_prompt_tokens)
+            if req.num_output_tokens == len(tokens) and wants_prompt_logprobs(req) else None)
 
     def check_integrity(self) -> None:
         if self._pending is None:
@@ -337,5 +357,6 @@ class LLMEngine:
             live = {id(r) for r in self._pending.requests if not r.status.finished}
             assert all(bool(r.num_pending_tokens) == (id(r) in live) for r in self.scheduler.requests.values())
         self.scheduler.check_integrity()
+        self.penalties.check_integrity()
         self.registry.check_integrity()
         self.lora_pool.check_integrity(deep=False)

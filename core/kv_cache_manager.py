@@ -60,8 +60,8 @@ class KVCacheManager:
     def match_prefix(self, req: Request) -> int:
         """For a request with no blocks yet: take its longest cached prefix. Returns cached tokens."""
         assert not req.block_ids and req.num_computed_tokens == 0
-        if self.prefix_cache is None:
-            return 0
+        if self.prefix_cache is None or req.sampling_params.prompt_logprobs is not None:
+            return 0            # prompt logprobs need the hidden states of every prompt token
         # never the last token: its logits must be computed
         tokens = req.all_token_ids[:-1]
         node, blocks = self.prefix_cache.match_prefix(req.namespace, tokens)

@@ -98,6 +98,8 @@ class LLM:
                 out.token_ids.extend(delta.new_token_ids)
                 if out.logprobs is not None:
                     out.logprobs.extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None:
+                    results[i].prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
                     results[i].num_cached_tokens = delta.num_cached_tokens

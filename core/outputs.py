@@ -22,6 +22,7 @@ class RequestDelta:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     exception: BaseException | None = None   # the domain error behind `error` (e.g. an AdapterError: 400)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token, when asked for
 
 
 @dataclass
@@ -41,6 +42,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # SamplingParams.prompt_logprobs (entry 0 None)
 
     # convenience for n == 1 (the common case in tests and examples)
     @property

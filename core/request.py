@@ -49,6 +49,7 @@ class Request:
     detokenizer: Any = None
     first_token_time: float | None = None
     num_pending_tokens: int = 0           # trailing PENDING_TOKEN placeholders (async scheduling: 0 or 1)
+    prompt_logprobs: list[Any] | None = None   # per prompt position (entry 0 None); see core/prompt_logprobs.py
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -1,4 +1,4 @@
-"""Vectorized sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Vectorized sampling: greedy, temperature, min-p, top-k, top-p, with per-request seeds.
 
 Random rows use the Gumbel-max trick with noise from a counter-based hash of (seed, step, token id),
 so a request's samples depend only on its seed and its own logits, never on the batch it ran in.
@@ -45,13 +45,16 @@ class SamplingBatch:
     need_top_k: bool
     need_top_p: bool
     max_logprobs: int            # -1 = nobody asked
+    min_ps: torch.Tensor | None = None   # [N, 1] float32; None when no row sets min_p
 
     @staticmethod
     def from_requests(reqs: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
         ps = [r.sampling_params for r in reqs]
         n = len(reqs)
         top_ks = [min(p.effective_top_k or vocab_size, vocab_size) for p in ps]
-        floats = torch.tensor([p.temperature for p in ps] + [p.top_p for p in ps], dtype=torch.float32)  # [2N]
+        need_min_p = any(p.min_p > 0.0 for p in ps)
+        floats = torch.tensor([p.temperature for p in ps] + [p.top_p for p in ps]
+                              + ([p.min_p for p in ps] if need_min_p else []), dtype=torch.float32)    # [2N or 3N]
         ints = torch.tensor(top_ks + [r.seed for r in reqs] + [r.num_output_tokens for r in reqs],
                             dtype=torch.int64)                                                          # [3N]
         if device.type == "cuda":  # pinned + non_blocking: a pageable copy would wait for the forward
@@ -64,6 +67,7 @@ class SamplingBatch:
             need_top_k=any(k < vocab_size for k in top_ks),
             need_top_p=any(p.top_p < 1.0 for p in ps),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+            min_ps=floats[2 * n:, None] if need_min_p else None,
         )
 
 
@@ -74,6 +78,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return greedy_tokens
     is_greedy = batch.temperatures == 0
     x = logits / torch.where(is_greedy, 1.0, batch.temperatures)[:, None]
+    if batch.min_ps is not None:   # vLLM's order: after temperature, before top-k/top-p
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < batch.min_ps * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if batch.need_top_k or batch.need_top_p:
         sorted_x, order = x.sort(dim=-1, descending=True)                               # [N, V]
         ranks = torch.arange(x.shape[-1], device=x.device)[None, :]

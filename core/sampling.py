@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_LOGIT_BIAS = 300
+
+
 class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -23,12 +26,21 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None          # number of top alternatives to return per token (0 = only the sampled)
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0        # OpenAI: minus this once for every token already in the output
+    frequency_penalty: float = 0.0       # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0      # HF/vLLM: prompt and output tokens' logits / (> 0) or * (<= 0) this
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias) pairs
+    min_p: float = 0.0                   # drop tokens below min_p x the top token's probability
+    min_tokens: int = 0                  # EOS and stop_token_ids are masked before this many output tokens
+    prompt_logprobs: int | None = None   # top alternatives per prompt token (echo + logprobs); skips the prefix cache
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if self.n < 1:
             raise SamplingParamsError(f"n must be at least 1, got {self.n}", "n")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -41,10 +53,42 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        self._check_penalties()
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty", "stop")
         if len(self.stop) > 16:
             raise SamplingParamsError("at most 16 stop strings are supported", "stop")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
+                                      "repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} "
+                                      f"are allowed", "logit_bias")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise SamplingParamsError("logit_bias names a token id twice", "logit_bias")
+        for t, b in self.logit_bias:
+            if t < 0:
+                raise SamplingParamsError(f"logit_bias token id {t} is negative", "logit_bias")
+            if not -100.0 <= b <= 100.0:
+                raise SamplingParamsError(f"logit_bias of token {t} must be in [-100, 100], got {b}", "logit_bias")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.min_tokens < 0:
+            raise SamplingParamsError(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                                      f"({self.max_tokens})", "min_tokens")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the sampler must touch this request's logits before temperature (penalties, bias)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ from gateway.body import read_body
 from gateway.cancel import run_until_disconnect
 from gateway.context import metered, request_context
 from gateway.deadline import Deadline
+from gateway.echo import apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.generation import admit, collect, make_children, merge_children, new_request_id, usage
 from gateway.metrics import CONTENT_TYPE
@@ -41,6 +42,7 @@ from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
 from gateway.state import GatewayState
+from gateway.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
 from gateway.tool_output import tool_chat_body, tool_chat_events
 from gateway.tools import chat_prompt as tools_chat_prompt
@@ -113,6 +115,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     request_id = ctx.request_id = new_request_id(kind.prefix)
     prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
     children = make_children(request_id, prompts, params)
+    echo = echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     admit(state.aeng, children)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
@@ -122,11 +125,15 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     texts = state.texts if params.logprobs is not None else None
     merged = merge_children(state.aeng, children, kwargs, state.metrics)
     if body.stream:
-        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts)
+        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
     results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx))))
     num_tokens = sum(len(r.token_ids) for r in results)
-    return JSONResponse(kind.response(request_id, created, model.name, results, usage(children, num_tokens), texts))
+    if echo is not None:
+        apply_echo(results, children, echo)
+    cached = {r.index: r.num_cached_tokens for r in results}
+    return JSONResponse(kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached),
+                                      texts))
 
 
 @api_endpoint
@@ -145,6 +152,13 @@ async def list_models(request: Request) -> Response:
     principal = _principal(request, state)
     cards = await asyncio.to_thread(state.models.cards, principal.models)   # may scan --lora-dir folders
     return JSONResponse({"object": "list", "data": cards})
+
+
+@api_endpoint
+async def retrieve_model(request: Request) -> Response:
+    state = _state(request)
+    principal = _principal(request, state)
+    return JSONResponse(state.models.card(request.path_params["model_id"], principal.models))
 
 
 async def health(request: Request) -> Response:
@@ -182,6 +196,8 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+        *tokenize_routes(),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

@@ -106,6 +106,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None     # completions echo + logprobs (gateway/echo.py)
 
 
 async def collect(children: list[Child],
@@ -118,6 +119,8 @@ async def collect(children: list[Child],
             r.text += delta.new_text
             r.token_ids.extend(delta.new_token_ids)
             r.logprobs.extend(delta.new_logprobs)
+            if delta.prompt_logprobs is not None:
+                r.prompt_logprobs = delta.prompt_logprobs
             if delta.finished:
                 r.finish_reason = delta.finish_reason
                 r.num_cached_tokens = delta.num_cached_tokens
@@ -126,8 +129,16 @@ async def collect(children: list[Child],
     return [results[i] for i in sorted(results)]
 
 
-def usage(children: list[Child], num_completion_tokens: int) -> dict[str, int]:
-    """Prompt tokens count once per prompt (not once per sample); completions sum over all choices."""
-    prompt_tokens = sum({c.prompt_index: len(c.prompt_token_ids) for c in children}.values())
+def usage(children: list[Child], num_completion_tokens: int,
+          cached: dict[int, int] | None = None) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not once per sample); completions sum over all choices.
+    `cached` (choice index -> prompt tokens served from the prefix cache) counts the first sample of each
+    prompt, as the prompt itself."""
+    first = {}
+    for c in children:
+        first.setdefault(c.prompt_index, c)
+    prompt_tokens = sum(len(c.prompt_token_ids) for c in first.values())
+    num_cached = sum((cached or {}).get(c.index, 0) for c in first.values())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": prompt_tokens + num_completion_tokens}
+            "total_tokens": prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}

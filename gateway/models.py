@@ -51,6 +51,13 @@ class ServedModels:
             raise model_not_found(name)
         return ResolvedModel(name, entry)
 
+    def card(self, name: str, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+        """`GET /v1/models/{id}`: 404 `model_not_found` for an unknown id or one the caller cannot see."""
+        for card in self.cards(allowed):
+            if card["id"] == name:
+                return card
+        raise model_not_found(name)
+
     def cards(self, allowed: frozenset[str] | None = None) -> list[dict[str, Any]]:
         """The base, registered adapters (`lora_state: "loaded"`), then --lora-dir adapters not requested yet
         (`lora_state: "available"`; from a bounded, cached scan)."""

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
 _NULLABLE_STR = {"type": ["string", "null"]}
@@ -21,9 +22,11 @@ _ERROR = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STR,
                        "code": _NULLABLE_STR}}},
 }
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+          "properties": {**{k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
+                             "cached_tokens": {"type": "integer", "minimum": 0}}}}}
 _FINISH = {"enum": ["stop", "length", None]}
 _COMPLETION = {
     "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
@@ -51,6 +54,10 @@ _MODEL_LIST = {
                        "owned_by": {"type": "string"}, "root": {"type": "string"}, "parent": _NULLABLE_STR,
                        "lora_state": {"enum": ["loaded", "available"]}}}}},
 }
+_TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens"],
+              "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                             "tokens": {"type": "array", "items": {"type": "integer"}}}}
+_DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
 # one server-sent event (as OpenAPI 3.2's `itemSchema` for text/event-stream; 3.1 tools read `schema` per event):
 # `data` holds a chunk's JSON, an in-band error object, or `[DONE]`
 _SSE_EVENT = {"type": "object", "required": ["data"],
@@ -72,11 +79,15 @@ _NULL = {"type": "null"}
 # (unsupported OpenAI fields exist only to be rejected with a clear 400)
 _NARROWER: dict[str, dict[str, Any]] = {
     "suffix": _NULL, "best_of": _NULL,
-    "echo": {"enum": [False, None]},
     "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
                               {"type": "object", "required": ["type", "function"]}, _NULL]},
-    "presence_penalty": {"enum": [0, None]}, "frequency_penalty": {"enum": [0, None]},
-    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
+    "presence_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
+    "frequency_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
+    "repetition_penalty": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 100}, _NULL]},
+    "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, _NULL]},
+    "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]},
+    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+                              "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
     "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},
     "max_completion_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},
     "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0}}, _NULL]},
@@ -127,6 +138,14 @@ def _generation(summary: str, body: str, result: str, secured: bool) -> dict[str
                      "responses": {"200": ok, **_errors(*statuses)}}}
 
 
+def _tokenizer_route(summary: str, body: str, result: str, secured: bool) -> dict[str, Any]:
+    ok = {"description": "OK", "content": {"application/json": {"schema": _ref(result)}}}
+    statuses = (400, 401, 404, 413) if secured else (400, 404, 413)
+    return {"post": {"summary": summary, "operationId": summary.lower(),
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
+                     "responses": {"200": ok, **_errors(*statuses)}}}
+
+
 def _get(summary: str, content: dict[str, Any], errors: tuple[int, ...] = ()) -> dict[str, Any]:
     return {"get": {"summary": summary, "operationId": summary.replace(" ", "_").lower(),
                     "responses": {"200": {"description": "OK", "content": content}, **_errors(*errors)}}}
@@ -141,8 +160,9 @@ def _admin(summary: str, body: str) -> dict[str, Any]:
 
 
 def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, Any]:
-    _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
-                                 ref_template=REF)
+    _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+                                  (TokenizeCompletionRequest, "validation"), (TokenizeChatRequest, "validation"),
+                                  (DetokenizeRequest, "validation")], ref_template=REF)
     schemas: dict[str, Any] = dict(defs["$defs"])
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name] = _narrow(schemas[name])
@@ -152,16 +172,24 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
     schemas["ResponseFormat"]["allOf"] = [{"if": {"properties": {"type": {"const": "json_schema"}}},
                                           "then": {"required": ["json_schema"],
                                                    "properties": {"json_schema": json_schema}}}]
-    schemas.update(Error=_ERROR, Usage=_USAGE, Completion=_COMPLETION, ChatCompletion=_CHAT, ModelList=_MODEL_LIST)
+    schemas.update(Error=_ERROR, Usage=_USAGE, Completion=_COMPLETION, ChatCompletion=_CHAT, ModelList=_MODEL_LIST,
+                   Model=_MODEL_LIST["properties"]["data"]["items"], Tokenized=_TOKENIZED, Detokenized=_DETOKENIZED,
+                   TokenizeRequest={"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]})
     paths: dict[str, Any] = {
         "/v1/completions": _generation("Create completion", "CompletionRequest", "Completion", secured),
         "/v1/chat/completions": _generation("Create chat completion", "ChatCompletionRequest", "ChatCompletion",
                                             secured),
         "/v1/models": _get("List models", {"application/json": {"schema": _ref("ModelList")}},
                            (401,) if secured else ()),
+        "/v1/models/{model_id}": _get("Retrieve model", {"application/json": {"schema": _ref("Model")}},
+                                      (401, 404) if secured else (404,)),
+        "/tokenize": _tokenizer_route("Tokenize", "TokenizeRequest", "Tokenized", secured),
+        "/detokenize": _tokenizer_route("Detokenize", "DetokenizeRequest", "Detokenized", secured),
         "/health": _get("Health", {"application/json": {"schema": {"type": "object"}}}, (503,)),
         "/metrics": _get("Metrics", {"text/plain": {"schema": {"type": "string"}}}),
     }
+    paths["/v1/models/{model_id}"]["get"]["parameters"] = [
+        {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     for path in ("/health", "/metrics"):
         paths[path]["get"]["security"] = []
     security_schemes: dict[str, Any] = {"apiKey": {"type": "http", "scheme": "bearer"}}
@@ -173,7 +201,7 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "loraplex", "version": "0.1.0",
-                 "description": "OpenAI-compatible multi-LoRA serving (completions, chat, models)."},
+                 "description": "OpenAI-compatible multi-LoRA serving (completions, chat, models, tokenize)."},
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
         "paths": paths,
         "components": {"schemas": schemas, "securitySchemes": security_schemes},

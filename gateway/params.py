@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Optional
 
 from core.sampling import SamplingParams
 from gateway.errors import invalid
+from gateway.penalties import penalty_fields
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _SamplingFields
 
 
@@ -57,6 +59,7 @@ def _params(body: _SamplingFields, logprobs: Optional[int]) -> SamplingParams:
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
+        **penalty_fields(body),
     )
 
 
@@ -64,7 +67,10 @@ def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
     """Raises APIError / SamplingParamsError (both 400) for values the engine cannot serve."""
     if body.best_of is not None and body.best_of != body.num_choices:
         raise invalid("best_of is only supported when equal to n", param="best_of")
-    return _params(body, body.logprobs)
+    params = _params(body, body.logprobs)
+    if body.echo and body.logprobs is not None:   # the prompt's logprobs too (gateway/echo.py)
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    return params
 
 
 def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:

@@ -38,16 +38,18 @@ class PromptEncoder:
         return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
 
     def render_chat(self, messages: list[ChatMessage], conversation: list[dict[str, Any]] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """`conversation` / `tools`: already-converted messages and tools (gateway/tools.py)."""
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+        """`conversation` / `tools`: already-converted messages and tools (gateway/tools.py). The `developer`
+        role (OpenAI's newer name for `system`) reaches the template as `system`."""
         if conversation is None:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [{**c, "role": "system"} if c.get("role") == "developer" else c for c in conversation]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise invalid("this model has no chat template; use /v1/completions", param="messages")
         extra = {"tools": tools} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                      **extra)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # jinja raise_exception (role order, unsupported role), template errors
             raise invalid(f"the chat template rejected the messages: {exc}", param="messages") from None
         if not isinstance(text, str):

@@ -36,7 +36,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "user", "assistant", "tool", "developer"]   # developer = system (OpenAI's newer name)
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools.py)
@@ -78,20 +78,9 @@ class _SamplingFields(_Strict):
     guided_regex: Optional[Any] = None
     guided_json: Optional[Any] = None
     guided_grammar: Optional[Any] = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _zero_penalty(cls, v: Optional[float]) -> Optional[float]:
-        if v not in (None, 0, 0.0):
-            raise ValueError("only 0 is supported (penalties are not implemented)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
 
     @property
     def include_usage(self) -> bool:
@@ -113,13 +102,6 @@ class CompletionRequest(_SamplingFields):
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: Optional[bool]) -> Optional[bool]:
-        if v:
-            raise ValueError("echo=true is not supported")
-        return v
 
     @field_validator("suffix")
     @classmethod

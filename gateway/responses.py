@@ -26,17 +26,24 @@ class TokenTexts:
 
 def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0) -> dict[str, Any]:
     """`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; `offset` continues a stream's offsets."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     for token_id, logprob, alternatives in entries:
         text = texts.text(token_id)
         tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if logprob is None:                    # an echoed prompt's first token: nothing predicts it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(finite(logprob))
         top = {text: finite(logprob)}          # distinct ids may share a text: the first (best) one wins
         for alt, alt_lp in alternatives:
             top.setdefault(texts.text(alt), finite(alt_lp))
         top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 

@@ -12,6 +12,7 @@ from starlette.types import Receive, Scope, Send
 from core.outputs import RequestDelta
 from gateway.cancel import ClientDisconnected, run_until_disconnect
 from gateway.errors import from_exception
+from gateway.echo import prompt_entries
 from gateway.generation import Child, usage
 from gateway.responses import TokenTexts, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs
 
@@ -31,6 +32,7 @@ class StreamInfo:
     children: list[Child]
     include_usage: bool
     texts: TokenTexts | None     # set when logprobs were requested
+    echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/echo.py)
 
 
 async def _framed(chunks: AsyncIterator[bytes], deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
@@ -48,21 +50,27 @@ async def _framed(chunks: AsyncIterator[bytes], deltas: AsyncIterator[tuple[int,
 
 async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
     outputs: dict[int, int] = {}
+    cached: dict[int, int] = {}
     offsets: dict[int, int] = {}
+    children = {c.index: c for c in info.children}
     async for index, d in deltas:
-        outputs[index] = d.num_output_tokens
-        if not (d.new_text or d.finished or d.new_logprobs):
+        text, entries = d.new_text, d.new_logprobs
+        if info.echo is not None and index not in outputs:   # the first chunk of a choice carries the prompt
+            child = children[index]
+            text, entries = info.echo[child.prompt_index] + text, prompt_entries(child, d.prompt_logprobs) + entries
+        outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
+        if not (text or d.finished or entries):
             continue
         logprobs = None
         if info.texts is not None:
-            logprobs = completion_logprobs(d.new_logprobs, info.texts, offsets.get(index, 0))
+            logprobs = completion_logprobs(entries, info.texts, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-        choice = {"index": index, "text": d.new_text, "logprobs": logprobs,
+        choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": d.finish_reason if d.finished else None}
         yield sse(completion_chunk(info.request_id, info.created, info.model, [choice]))
     if info.include_usage:
         yield sse(completion_chunk(info.request_id, info.created, info.model, [],
-                                   usage(info.children, sum(outputs.values()))))
+                                   usage(info.children, sum(outputs.values()), cached)))
 
 
 async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
@@ -71,8 +79,9 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
         role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
         yield sse(chat_chunk(info.request_id, info.created, info.model, [role]))
+    cached: dict[int, int] = {}
     async for index, d in deltas:
-        outputs[index] = d.num_output_tokens
+        outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
         if not (d.new_text or d.finished or d.new_logprobs):
             continue
         choice = {"index": index, "delta": {"content": d.new_text} if d.new_text else {},
@@ -81,7 +90,7 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
         yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
     if info.include_usage:
         yield sse(chat_chunk(info.request_id, info.created, info.model, [],
-                             usage(info.children, sum(outputs.values()))))
+                             usage(info.children, sum(outputs.values()), cached)))
 
 
 def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:

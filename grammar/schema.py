@@ -124,6 +124,7 @@ class Lowerer:
             self.registry = Registry().with_resource(uri, DRAFT202012.create_resource(root))
         self.root = Sub(root, self.registry.resolver(base_uri=uri), "")
         self.reasons: list[GrammarError] = []
+        self.unenforced: list[GrammarError] = []   # the reasons that mean "a keyword could not be enforced"
         self.depth = 0  # container nesting of the subschema being lowered
         self._steps = 0
         self._validators: dict[tuple[int, int], Draft202012Validator] = {}
@@ -150,9 +151,12 @@ class Lowerer:
         finally:
             self.depth -= 1
 
-    def fail(self, keyword: str, pointer: str, detail: str = "") -> None:
-        """Record why a subtree became empty; returns None for `return self.fail(...)`."""
+    def fail(self, keyword: str, pointer: str, detail: str = "", exact: bool = False) -> None:
+        """Record why a subtree became empty; returns None for `return self.fail(...)`. `exact`: the subtree
+        provably admits no value, or is cut by the documented recursion bound (not a keyword left unenforced)."""
         self.reasons.append(unsupported(keyword, pointer, detail))
+        if not exact:
+            self.unenforced.append(self.reasons[-1])
         return None
 
     # -- validation helpers ------------------------------------------------------------
@@ -203,7 +207,7 @@ class Lowerer:
                 except Unresolvable:
                     return self.fail("$ref", sub.pointer, f"cannot resolve {ref!r} (only local references)")
                 if stack.count(id(target.contents)) >= self.options.max_ref_depth:
-                    return self.fail("$ref", sub.pointer, f"recursion through {ref!r} is too deep")
+                    return self.fail("$ref", sub.pointer, f"recursion through {ref!r} is too deep", exact=True)
                 stack = stack + (id(target.contents),)
                 ptr = ref[1:] if ref.startswith("#") else ref
                 work.append(Sub(target.contents, target.resolver, ptr, owners=sub.owners + (id(schema),)))

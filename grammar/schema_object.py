@@ -118,12 +118,17 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
         is_required = name in required
         if lw.pruning and not is_required and len(props) >= lo:
             continue
+        num_unenforced = len(lw.unenforced)
         conj = None if name in forbidden else _member_conj(lw, subs, name)
         value = None if conj is None else lw.lower_nested(conj, stack)
         if value is None:
             if is_required:
                 return None
-            continue
+            if len(lw.unenforced) > num_unenforced:
+                # an optional member with a keyword the compiler cannot enforce is rejected as a required one
+                # would be, never silently left out of what can be generated
+                raise lw.unenforced[num_unenforced]
+            continue   # no value satisfies it (false, forbidden, an empty enum) or the recursion bound: exact
         props.append(Prop(name, value, is_required))
     n_required = sum(p.required for p in props)
     if hi is not None:

@@ -42,7 +42,8 @@ def lower_leaf(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Node
     if literals is not None:
         values = tuple(v for v in literals if lw.valid(v, subs))
         if not values:
-            return lw.fail("enum", subs[0].pointer, "no listed value satisfies the other constraints")
+            return lw.fail("enum", subs[0].pointer, "no listed value satisfies the other constraints",
+                           exact=True)
         return Literals(values)
     types = allowed_types(subs, infer=True)
     if types is None:

@@ -5,9 +5,11 @@
 # Creates .venv at the repo root on first use and installs what is needed: CPU torch==2.13.0 when no
 # NVIDIA GPU is present, the normal CUDA build otherwise. Later runs reuse the venv (seconds).
 set -euo pipefail
+USER_DIR="$PWD"   # relative paths in serve flags (--tenant-keys FILE, --lora-modules ...) resolve from here
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
 PY=${PYTHON:-python3}
-VENV=.venv
+VENV="$ROOT/.venv"
 STAMP="$VENV/.loraplex-installed"
 want="$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)"
 
@@ -30,7 +32,7 @@ fi
 cmd=${1:-test}
 shift || true
 case "$cmd" in
-  serve) exec "$VENV/bin/loraplex" serve "$@" ;;
+  serve) cd "$USER_DIR" && exec "$VENV/bin/loraplex" serve "$@" ;;
   test)  exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash scripts/dev.sh serve|test [args...]" >&2; exit 2 ;;
 esac

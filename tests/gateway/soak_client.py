@@ -114,7 +114,8 @@ BAD_BODIES: list[tuple[str, str, Any, frozenset[int]]] = [
     ("logprobs too many", "completions", {"model": "{base}", "prompt": "x", "logprobs": 99}, frozenset({400})),
     ("top_logprobs without logprobs", "chat", {"model": "{base}", "messages": [{"role": "user", "content": "x"}],
                                                "top_logprobs": 2}, frozenset({400})),
-    ("echo", "completions", {"model": "{base}", "prompt": "x", "echo": True}, frozenset({400})),
+    ("logit_bias outside the vocabulary", "completions", {"model": "{base}", "prompt": "x",
+                                                          "logit_bias": {"1000000": 1}}, frozenset({400})),
     ("tools", "chat", {"model": "{base}", "messages": [{"role": "user", "content": "x"}],
                        "tools": [{"type": "function"}]}, frozenset({400})),
     ("unknown model in bad body", "completions", {"model": UNKNOWN_MODEL, "prompt": "x", "max_tokens": 1},
@@ -357,6 +358,10 @@ def make_plan(rng: random.Random, cfg: SoakConfig, hot_enabled: bool) -> Plan:
     constrained = plan.schema is not None or plan.json_object
     if rng.random() < 0.05 and (cfg.grammar_stop_token_ids or not constrained):
         body["stop_token_ids"] = [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(1, 4))]
+    if rng.random() < 0.15:   # penalty rows: their device slots are taken and freed under preemption and aborts
+        body["frequency_penalty"] = round(rng.uniform(-1, 1), 2)
+        body["repetition_penalty"] = round(rng.uniform(0.8, 1.3), 2)
+        body["logit_bias"] = {str(rng.randrange(3, cfg.vocab_size)): rng.choice((-100, -2, 3)) for _ in range(3)}
     if rng.random() < cfg.p_logprobs:
         plan.logprobs = True
         if kind == "chat":

@@ -69,8 +69,12 @@ def test_completion_sampling_mapping() -> None:
 @pytest.mark.parametrize("kw,param", [
     ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"),
-    ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"logit_bias": {"1": 200.0}}, "logit_bias"), ({"logit_bias": {"+1": 2.0}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -2.1}, "presence_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"logprobs": 9}, "logprobs"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
 ])
@@ -81,6 +85,16 @@ def test_completion_rejections(kw: dict[str, Any], param: str) -> None:
 
 def test_zero_penalties_and_empty_logit_bias_are_accepted() -> None:
     completion_sampling_params(completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="u"))
+
+
+def test_penalty_fields_map_to_sampling_params() -> None:
+    p = completion_sampling_params(completion(presence_penalty=1, frequency_penalty=-0.5, repetition_penalty=1.1,
+                                              logit_bias={"7": 5, "9": -100}, min_p=0.05, min_tokens=2, echo=True,
+                                              logprobs=1))
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1.0, -0.5, 1.1)
+    assert p.logit_bias == ((7, 5.0), (9, -100.0)) and p.min_p == 0.05 and p.min_tokens == 2
+    assert p.prompt_logprobs == 1 and completion_sampling_params(completion(echo=True)).prompt_logprobs is None
+    assert chat(messages=[{"role": "developer", "content": "x"}]).messages[0].role == "developer"
 
 
 def test_chat_parsing_and_mapping() -> None:

@@ -70,9 +70,10 @@ BAD_COMPLETIONS: list[tuple[str, Any, int, str | None, str | None]] = [
     ("seed beyond int64", {"prompt": "x", "seed": 2 ** 64, "temperature": 1.0}, 400, None, "seed"),
     ("huge top_k", {"prompt": "x", "top_k": 2 ** 63, "temperature": 1.0}, 400, None, "top_k"),
     ("stream wrong type", {"prompt": "x", "stream": "yes"}, 400, None, "stream"),
-    ("echo", {"prompt": "x", "echo": True}, 400, None, "echo"),
-    ("penalty", {"prompt": "x", "presence_penalty": 0.5}, 400, None, "presence_penalty"),
-    ("logit_bias", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, None, "logit_bias"),
+    ("penalty out of range", {"prompt": "x", "presence_penalty": 2.5}, 400, None, "presence_penalty"),
+    ("logit_bias outside the vocabulary", {"prompt": "x", "logit_bias": {"10000000": 1.0}}, 400, "invalid_value",
+     "logit_bias"),
+    ("min_tokens over max_tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, None, "min_tokens"),
     ("best_of", {"prompt": "x", "best_of": 3}, 400, None, "best_of"),
     ("logprobs too many", {"prompt": "x", "logprobs": 6}, 400, None, "logprobs"),
     ("unsupported_schema", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {

@@ -249,3 +249,24 @@ def test_access_log_lines_are_json_and_never_show_a_key(server: ServerProcess) -
     assert any(r["status"] == 404 and r["error"] == "model_not_found" and r["model"] is None for r in records)
     for key in ALL_KEYS + ["sk-wrong-key-1"]:
         assert key not in output
+
+
+def test_tokenize_and_model_card_follow_the_tenant_keys(server: ServerProcess) -> None:
+    """/tokenize, /detokenize and GET /v1/models/{id} answer 401 and 404 exactly as /v1/completions."""
+    routes = [("/tokenize", {"prompt": "def f(x):"}), ("/detokenize", {"tokens": [5, 6]}),
+              ("/tokenize", {"messages": CHAT})]
+    for path, body in routes:
+        for key in (None, "sk-nope", ADMIN):
+            error_of(post(server, path, {"model": BASE, **body}, key), 401, "invalid_api_key")
+        # another tenant's adapter, an unknown name: 404 as if absent (and the same answer as for generation)
+        for model in ("tenant-b", "nope"):
+            err = error_of(post(server, path, {"model": model, **body}, "sk-acme-1"), 404, "model_not_found")
+            assert err == error_of(post(server, "/v1/completions", completion(model), "sk-acme-1"), 404)
+        assert post(server, path, {"model": "tenant-a", **body}, "sk-acme-1").status_code == 200
+        assert post(server, path, {"model": "tenant-b", **body}, "sk-globex-1").status_code == 200
+    for key, model, status in [("sk-acme-1", "tenant-a", 200), ("sk-acme-1", "tenant-b", 404),
+                               ("sk-globex-1", BASE, 404), ("sk-nope", BASE, 401), (SUPER, "tenant-b", 200)]:
+        resp = httpx.get(f"{server.url}/v1/models/{model}", headers=auth(key), timeout=30)
+        assert resp.status_code == status, resp.text
+        if status == 200:
+            assert resp.json()["id"] == model

@@ -244,11 +244,23 @@ def test_unsupported_keyword_is_named_with_pointer(schema: object, keyword: str,
     assert err.param == "response_format.json_schema.schema"
 
 
-def test_unsupported_optional_member_is_dropped_not_violated() -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"},
-                                               "b": {"type": "array", "contains": {"type": "integer"}}},
-              "required": ["a"]}
-    assert accepts(schema, '{"a": 1}') and not accepts(schema, '{"a": 1, "b": [1]}')
+def test_unsupported_optional_member_is_rejected_like_a_required_one() -> None:
+    """Never silently left out of what can be generated: the keyword and its pointer are named."""
+    cases = [({"type": "array", "contains": {"type": "integer"}}, "contains", "#/properties/b"),
+             ({"type": "number", "multipleOf": 0.01}, "multipleOf", "#/properties/b/multipleOf")]
+    for member, keyword, pointer in cases:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": member}, "required": ["a"]}
+        with pytest.raises(GrammarError) as info:
+            parse_response_format(json_schema_format(schema))
+        assert info.value.code == "unsupported_json_schema"
+        assert f"'{keyword}'" in info.value.message and f"'{pointer}'" in info.value.message, info.value.message
+
+
+def test_optional_member_no_value_satisfies_is_left_out_exactly() -> None:
+    schema = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "integer"}, "b": False, "c": {"enum": [1, 2], "type": "string"}}}
+    assert accepts(schema, '{"a": 1}')
+    assert not accepts(schema, '{"a": 1, "b": 1}') and not accepts(schema, '{"a": 1, "c": 1}')
 
 
 def test_invalid_python_regex_is_invalid_schema() -> None:
