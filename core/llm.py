@@ -30,7 +30,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, tensor_parallel_size: int = 1) -> None:
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -40,7 +40,8 @@ class LLM:
                                       max_model_len=max_model_len, policy=scheduling_policy),
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
             lora_modules=tuple((lora_modules or {}).items()), load_format=load_format,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
