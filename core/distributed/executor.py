@@ -58,6 +58,7 @@ class TPExecutor:
         log.info("tensor parallel: %d ranks; worker pids %s", self.world_size, [p.pid for p in self.procs])
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
+        self.liveness_checks: list[Callable[[], str | None]] = []   # more reasons to fail (the engine loop)
         self.lora_pool: ShardedSlotPool | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -136,7 +137,7 @@ class TPExecutor:
 
     def _watch(self) -> None:
         while not self._stop.wait(MONITOR_INTERVAL_S):
-            reason = self._dead_worker()
+            reason = self._dead_worker() or next((r for r in (c() for c in self.liveness_checks) if r), None)
             if reason is not None:
                 self.fail(reason)
                 return
