@@ -10,6 +10,7 @@ and run their shard in lock step; only rank 0 gets the gathered logits and sampl
     layers.py           column / row / vocabulary parallel modules swapped in when the model is built
     lora.py             sharded LoRA (S-LoRA): slot pool that mirrors its writes, row-parallel wrapper
     rank_state.py       what every rank builds: model shard, LoRA pool, KV pool of its KV heads
+    step_inputs.py      one step's inputs as the driver broadcasts them
     worker.py           the worker process loop
     executor.py         the driver side: spawn, step broadcast, liveness monitor, shutdown
     setup.py            the engine parts under TP (the driver's side of `build_engine_parts`)

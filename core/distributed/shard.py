@@ -121,7 +121,7 @@ def _fused_dest(shard: TPShard, fused: str, idx: int) -> int:
     return idx * shard.intermediate_size
 
 
-def _read_piece(sl: Any, shard: TPShard, target: str, hf_module: str | None, is_weight: bool) -> torch.Tensor:
+def _read_piece(sl: Any, shard: TPShard, target: str, hf_module: str | None) -> torch.Tensor:
     """Reads only this rank's part of one checkpoint tensor (`sl`: a safetensors slice)."""
     if hf_module is not None:                                     # column-parallel slice of a fused linear
         start, size = shard.out_range(hf_module)
@@ -158,7 +158,7 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
                         if target == "lm_head.weight" and shard.cfg.tie_word_embeddings:
                             continue
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                    piece = _read_piece(f.get_slice(name), shard, target, hf_module, name.endswith("weight"))
+                    piece = _read_piece(f.get_slice(name), shard, target, hf_module)
                     param = params[target]
                     dest = _fused_dest(shard, fused, idx) if fused is not None else 0
                     param.narrow(0, dest, piece.shape[0]).copy_(piece)
