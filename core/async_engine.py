@@ -83,6 +83,17 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def fail(self, reason: str) -> None:
+        """Marks the loop dead from outside (a lost tensor-parallel worker): /health fails, every open
+        stream gets the error, new requests get 503."""
+        if self.error is None:
+            self.error = RuntimeError(reason)
+        self._stop = True
+        self._wakeup.set()
+        with self._lock:
+            ids = list(self._streams)
+        self._deliver([_error_delta(rid, f"engine failure: {reason}") for rid in ids])
+
     # ---- submission (event-loop side) -----------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                **kwargs: Any) -> asyncio.Queue[RequestDelta]:

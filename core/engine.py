@@ -54,11 +54,16 @@ class LLMEngine:
         self._compiler: Any = None
         self._schema_options: Any = None
         self._compiler_lock = threading.Lock()
-        self.graphs: DecodeGraphRunner | None = None   # captured by `warmup()` (CUDA, unless enforce_eager)
+        self.tp = p.tp_executor                        # tensor parallel: sends each step to the workers
+        self.graphs: DecodeGraphRunner | None = None   # captured by `warmup()` (CUDA, unless enforce_eager or TP)
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
+        if self.tp is not None and (self.async_scheduling or (self.device.type == "cuda" and not config.enforce_eager)):
+            log.warning("tensor parallel: decode CUDA graphs and async scheduling are off (the workers replay "
+                        "each step's host inputs eagerly; on-device token patching is not mirrored to them)")
+            self.async_scheduling = False
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
 
@@ -85,7 +90,7 @@ class LLMEngine:
     def capture_decode_graphs(self) -> int:
         """Builds (CUDA) and captures the decode graphs; with a padded runner installed without graphs (CPU
         tests) it runs each captured size once. Returns the number of graphs or warm-up forwards."""
-        if self.graphs is None:
+        if self.graphs is None and self.tp is None:
             self.graphs = build_decode_graphs(self.config, self.parts)
         return self.graphs.capture() if self.graphs is not None else 0
 
@@ -280,6 +285,8 @@ class LLMEngine:
                 pending.apply_fixup(batch.input_ids, fixup)
             if token_slots is not None:
                 self.lora_pool.context.set_batch(token_slots)
+            if self.tp is not None:
+                self.tp.send_step(host, token_slots)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
             return hidden, batch.logits_indices
         finally:

@@ -41,6 +41,7 @@ class EngineParts:
     stats: EngineStats
     lora_pool: Any
     registry: Any
+    tp_executor: Any = None      # core.distributed.executor.TPExecutor when tensor_parallel_size > 1
 
 
 def resolve_device(device: str) -> torch.device:
@@ -99,6 +100,10 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, de
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     from transformers import AutoTokenizer
 
+    if config.tensor_parallel_size > 1:
+        from core.distributed.setup import build_tp_engine_parts
+
+        return build_tp_engine_parts(config)
     model_dir = resolve_model_path(config.model)
     cfg = ModelConfig.from_path(model_dir)
     device = resolve_device(config.device)

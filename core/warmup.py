@@ -153,7 +153,11 @@ def _bgmv(module: Any) -> None:
 
 
 def kernel_variants(engine: Any) -> list[KernelVariant]:
-    """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU)."""
+    """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU).
+    Under tensor parallelism the workers would have to replay the dummy steps too: not warmed up yet (each
+    rank then compiles on first use)."""
+    if getattr(engine, "tp", None) is not None:
+        return []
     return _forward_variants(engine) + _lora_variants(engine)
 
 

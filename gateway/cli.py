@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "detokenization and grammar work overlaps the GPU (auto: on with CUDA)")
     s.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the model config's shape (benchmarks)")
+    s.add_argument("--tensor-parallel-size", type=_POS_INT, default=1, metavar="N",
+                   help="shard the model over N ranks (one process each; N GPUs on CUDA, gloo on CPU)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     return parser
 
@@ -113,7 +115,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_queue_len=args.max_queue_len or None, request_timeout=args.request_timeout or None,
         shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
-        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -65,6 +65,7 @@ class ServerConfig:
     enforce_eager: bool = False              # CUDA: no decode graphs
     async_scheduling: bool | None = None     # overlap step t+1's CPU work with step t (None: on CUDA)
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
+    tensor_parallel_size: int = 1            # ranks the model is sharded over (one process each)
 
     @property
     def url(self) -> str:
@@ -84,5 +85,6 @@ class ServerConfig:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len, policy=self.scheduling_policy),
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
-            lora_modules=self.lora_modules, lora_dirs=self.lora_dirs, enforce_eager=self.enforce_eager, load_format=self.load_format,
-            async_scheduling=self.async_scheduling)
+            lora_modules=self.lora_modules, lora_dirs=self.lora_dirs, enforce_eager=self.enforce_eager,
+            load_format=self.load_format, async_scheduling=self.async_scheduling,
+            tensor_parallel_size=self.tensor_parallel_size)

@@ -15,6 +15,7 @@ from gateway.config import ServerConfig
 from gateway.lifecycle import GatewayServer
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
+from gateway.workers import watch_workers
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -84,10 +85,13 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
                                    access_log=log_level in ("info", "debug"))
         assert state.lifecycle is not None
         server = GatewayServer(uv_config, banner, state.lifecycle)
+        workers_failed = watch_workers(aeng, server)
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
             pass
-        return 0 if server.started else 1
+        return 1 if workers_failed() else (0 if server.started else 1)
     finally:
         aeng.shutdown()
+        if aeng.engine.tp is not None:
+            aeng.engine.tp.shutdown(graceful=aeng.error is None)

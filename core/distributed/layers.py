@@ -1,0 +1,88 @@
+"""Parallel modules swapped into a model built from a rank's local config (gpt-fast's `tp.py` idea).
+
+The model is constructed from `TPShard.local_config()` (heads, KV heads and MLP width divided), so its
+attention and MLP already compute on this rank's shard; `parallelize_model` then replaces
+- `o_proj`, `down_proj`      -> RowParallelLinear (one all-reduce each; bias added once, after it)
+- `qkv_proj`, `gate_up_proj` -> ColumnParallelLinear (no communication: the output stays sharded)
+- `embed_tokens`             -> VocabParallelEmbedding (rows of its vocabulary range; one all-reduce)
+- `lm_head`                  -> ParallelLMHead (its vocabulary range; logits gathered on rank 0 only)
+Every module stays an `nn.Linear` where it was one, so LoRA wrappers attach as they do at N=1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.distributed.parallel_state import TPGroup
+from core.distributed.shard import TPShard
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A plain linear over this rank's output rows (q/k/v of its heads, gate/up of its MLP slice)."""
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local @ W_local^T) + b: the input columns are this rank's; b is whole."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))         # [T, out], summed over ranks
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab_start, vocab_start + vocab_per_rank) of the table; other ids look up zeros here."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, hidden_size, device=device))
+        self.start, self.size, self.tp = shard.vocab_start, shard.vocab_per_rank, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(nn.Module):
+    """This rank's vocabulary rows of the LM head; rank 0 gets the full logits, the others None."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, hidden_size, device=device))
+        self.vocab_size, self.tp = shard.cfg.vocab_size, tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.gather_to_driver(F.linear(hidden, self.weight))  # [N, vocab_per_rank * world]
+        if logits is None:
+            return hidden.new_empty(0)       # workers: nothing to sample
+        return logits[:, :self.vocab_size]   # [N, vocab] (drop the padding rows)
+
+
+def _column(linear: nn.Linear) -> ColumnParallelLinear:
+    return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                device=linear.weight.device)
+
+
+def _row(linear: nn.Linear, tp: TPGroup) -> RowParallelLinear:
+    return RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp,
+                             device=linear.weight.device)
+
+
+def parallelize_model(model: nn.Module, shard: TPShard, tp: TPGroup) -> None:
+    """Swaps the linears and the embedding of a model built from `shard.local_config()` (on the meta device)."""
+    hidden = shard.cfg.hidden_size
+    device = model.lm_head.weight.device
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj, attn.o_proj = _column(attn.qkv_proj), _row(attn.o_proj, tp)
+        mlp.gate_up_proj, mlp.down_proj = _column(mlp.gate_up_proj), _row(mlp.down_proj, tp)
+    model.model.embed_tokens = VocabParallelEmbedding(shard, hidden, tp, device=device)
+    model.lm_head = ParallelLMHead(shard, hidden, tp, device=device)
