@@ -65,6 +65,7 @@ class DecodeGraphRunner:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0      # graph replays
         self.num_runs = 0         # steps through this runner (replayed or, without graphs, eager)
+        self.num_fallbacks = 0    # decode-only steps with more rows than the largest graph (run eagerly)
         self.memory_bytes = 0     # device memory the captures took (graph pool + buffers), measured
         self.capture_s = 0.0
 
@@ -73,7 +74,13 @@ class DecodeGraphRunner:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
     def can_run(self, host: HostBatch) -> bool:
-        return host.decode_only and len(host.requests) <= self.max_batch_size
+        """Called once per step: True when a graph of this runner serves it, else the step runs eagerly."""
+        if not host.decode_only:
+            return False
+        if len(host.requests) > self.max_batch_size:
+            self.num_fallbacks += 1
+            return False
+        return True
 
     # ---------------------------------------------------------------- inputs
     def _meta(self, size: int) -> AttentionMetadata:

@@ -28,6 +28,7 @@ from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 SIZES = (1, 2, 4, 8)
+FALLBACK_SIZES = (1, 2, 4)   # below max_num_seqs 8: decode steps of 5-8 rows run eagerly
 NAMES = {"tenant-a": "qv_r4", "tenant-b": "all7_r8"}
 MAX_TOKENS = 10
 
@@ -38,19 +39,23 @@ def _one_thread():
         yield
 
 
-def graph_llm(model: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> LLM:
+def graph_llm(model: str, monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...] = SIZES, **kwargs) -> LLM:
+    """`max_num_seqs` 8; decode graphs of `sizes` (smaller than the default set: steps above the largest size
+    fall back to the eager path)."""
     monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", "triton")
     llm = LLM(str(model_dir(model)), dtype="float32", device=DEVICE, max_num_seqs=8, num_kv_blocks=256, **kwargs)
     engine = llm.engine
     if CUDA:
         assert engine.graphs is not None and engine.graphs.sizes == SIZES
-    else:
+    if not CUDA or sizes != SIZES:
         backend = engine.model.model.layers[0].self_attn.backend
         pool = engine.lora_pool
         engine.graphs = DecodeGraphRunner(
-            engine.model, engine.kv_caches, backend, engine.block_size, engine.max_model_len, SIZES,
-            lora=GraphLoRABuffers(SIZES[-1], pool.num_slots, engine.device), lora_context=pool.context,
-            use_graphs=False)
+            engine.model, engine.kv_caches, backend, engine.block_size, engine.max_model_len, sizes,
+            lora=GraphLoRABuffers(sizes[-1], pool.num_slots, engine.device), lora_context=pool.context,
+            use_graphs=CUDA)
+        if CUDA:
+            engine.graphs.capture()
     return llm
 
 
@@ -62,19 +67,24 @@ def test_capture_sizes() -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool) -> None:
-    """11 requests: the first steps decode more rows than the largest graph (eager), the tail runs padded
-    graphs of 8/4/2/1; a chunked prefill budget mixes prefill steps in. With async scheduling the input
-    ids of the graph's rows come from the previous step's token tensor on the device."""
+    """8 requests on graphs of 1/2/4: the first steps decode more rows than the largest graph (the eager
+    fallback, counted), the tail runs padded graphs of 4/2/1; a chunked prefill budget mixes prefill steps
+    in. With async scheduling the input ids of the graph's rows come from the previous step's token tensor
+    on the device."""
     model = "llama_gqa"
     path = model_dir(model)
-    prompts = [encode(path, p) for p in PROMPTS[:11]]
-    llm = graph_llm(model, monkeypatch, max_num_batched_tokens=24, async_scheduling=async_scheduling)
-    params = [SamplingParams(max_tokens=4 + i, temperature=0.0) for i in range(len(prompts))]
+    # longest first (prefilled in 64-token chunks), so all 8 decode together once the short ones are in
+    prompts = sorted((encode(path, p) for p in PROMPTS), key=len, reverse=True)
+    assert len(prompts) == 8 and len(prompts[0]) > 64
+    llm = graph_llm(model, monkeypatch, sizes=FALLBACK_SIZES, max_num_batched_tokens=64,
+                    async_scheduling=async_scheduling)
+    params = [SamplingParams(max_tokens=11 - i, temperature=0.0) for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for out, ids, sp in zip(outs, prompts, params):
         assert out.outputs[0].token_ids == hf_greedy(path, ids, sp.max_tokens), out.request_id
     runner = llm.engine.graphs
     assert (runner.num_replays if CUDA else runner.num_runs) > 0
+    assert runner.num_fallbacks > 0, "no decode step above the largest graph: the eager fallback never ran"
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
 

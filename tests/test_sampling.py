@@ -87,15 +87,24 @@ def test_logprobs_match_hf(llm: LLM) -> None:
         assert top[0][0] == tok  # greedy picks the best
 
 
-def test_eos_stops_unless_ignored(llm: LLM) -> None:
-    path = model_dir("llama_gqa")
+def test_eos_stops_unless_ignored() -> None:
+    """On a model whose greedy continuation reaches EOS (tests/eos_model.py): the engine stops there with
+    `stop`, as HF does; with `ignore_eos` it runs on to `max_tokens` (`length`), token for token as HF."""
+    from eos_model import eos_model_dir, eos_token_id
+
+    path = eos_model_dir("llama_gqa", "x")
+    eos = eos_token_id(path)
     ids = encode(path, "x")
-    ref = hf_greedy(path, ids, 64)
-    out = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
-    assert out.token_ids == ref
-    eos = llm.engine.eos_token_ids
-    if ref[-1] in eos:
-        assert out.finish_reason == "stop"
+    ref = hf_greedy(path, ids, 32)
+    assert ref[-1] == eos and len(ref) < 32, ref          # the reference really reaches EOS, early
+    eng = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
+    assert eos in eng.engine.eos_token_ids
+    out = eng.generate([ids], SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref
+    ref_on = hf_greedy(path, ids, 32, stop_at_eos=False)
+    assert len(ref_on) == 32 and ref_on[:len(ref)] == ref
+    ignored = eng.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == ref_on
 
 
 @pytest.mark.parametrize("kwargs,param", [({"n": 0}, "n"), ({"max_tokens": -1}, "max_tokens"),

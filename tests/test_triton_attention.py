@@ -3,9 +3,10 @@
 With CUDA the kernels run compiled on the GPU. Without it they run in the Triton interpreter on
 CPU tensors: TRITON_INTERPRET=1 is set before triton is imported (the decorator reads it), and the
 kernel module is re-imported if something decorated it earlier. The interpreter computes bf16
-`tl.dot` wrongly, so the backend upcasts tiles to fp32 there (see core/attention/triton_kernels.py);
-bf16/fp16 tests then check the memory paths and casts, not the tensor-core arithmetic.
-Shapes are tiny: the interpreter runs every program in Python.
+`tl.dot` wrongly (Triton 3.9: relative error ~1e9 on a 16x32x16 dot; fp16 is exact), so the backend
+upcasts tiles to fp32 there (see core/attention/triton_kernels.py); the native low-precision `tl.dot`
+path (UPCAST off) is covered on CPU with fp16 (`upcast=False`), and the GPU tile configs and split-KV
+are forced through the backend's overrides. Shapes are tiny: the interpreter runs every program in Python.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ if "core.attention.triton_kernels" in sys.modules:  # decorated earlier under ot
 
 from core.attention.metadata import AttentionMetadata  # noqa: E402
 from core.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from core.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from core.attention.triton_backend import DECODE_CONFIG, PREFILL_CONFIG, TritonAttentionBackend  # noqa: E402
 from core.runner import decode_groups  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,6 +147,49 @@ def test_split_kv_decode() -> None:
     run_both(seqs, 8, 2, dtype=torch.bfloat16, seed=4, backend=backend)
     # more splits than tiles in a short context: empty partitions must not poison the reduce
     run_both([(2, 1), (30, 1)], 4, 1, seed=5, backend=TritonAttentionBackend(min_partition=1, target_programs=10**6))
+
+
+LONG_DECODE = [(3, 1), (130, 1), (200, 1), (300, 1)]   # contexts across several 128-key tiles
+
+
+def gpu_backend(kind: str, split: bool = False, upcast: bool | None = None) -> TritonAttentionBackend:
+    """The GPU's tile config for `kind` (decode-only or with prefill), forced under the interpreter too;
+    `split` forces split-KV on every decode (target_programs far above the work items)."""
+    cfg = DECODE_CONFIG if kind == "decode" else PREFILL_CONFIG
+    extra = dict(min_partition=64, target_programs=10**6, max_splits=4) if split else {}
+    backend = TritonAttentionBackend(**cfg, **extra, upcast=upcast)
+    assert backend.config(kind != "decode", interp=True) == cfg
+    return backend
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-kv"])
+def test_gpu_decode_tile_config(split: bool) -> None:
+    """Decode-only steps on the GPU's 16 x 128 tiles (masked tails, full tiles), with and without splits."""
+    backend = gpu_backend("decode", split)
+    (q, k, v, kc, vc), meta = make_batch(LONG_DECODE, 8, 2, 32, torch.float32, seed=21)
+    km = backend.kernel_meta(meta, 2, 4, DEVICE)
+    assert (km.max_splits > 1) == split and km.block_q == 1
+    if split:
+        assert km.num_split_tokens >= 2
+    run_both(LONG_DECODE, 8, 2, seed=21, backend=backend)
+
+
+def test_gpu_prefill_tile_config() -> None:
+    """Mixed batches on the GPU's 64 x 64 prefill tiles: block_q covers 16 tokens of a GQA-4 group."""
+    backend = gpu_backend("prefill")
+    seqs = DECODE[:3] + [(17, 16), (70, 40), (0, 33)]
+    (q, k, v, kc, vc), meta = make_batch(seqs, 8, 2, 32, torch.float32, seed=22)
+    assert backend.kernel_meta(meta, 2, 4, DEVICE).block_q == PREFILL_CONFIG["block_m"] // 4
+    run_both(seqs, 8, 2, seed=22, backend=backend)
+
+
+@pytest.mark.parametrize("kind,split", [("decode", False), ("decode", True), ("prefill", False)])
+def test_native_fp16_dot(kind: str, split: bool) -> None:
+    """UPCAST off: fp16 tiles straight into `tl.dot` with fp32 accumulation (the GPU's tensor-core path; the
+    interpreter computes fp16 dots exactly, bf16 ones not at all), on the GPU tile configs."""
+    backend = gpu_backend(kind, split, upcast=False)
+    seqs = LONG_DECODE if kind == "decode" else DECODE[:2] + [(17, 16), (0, 33)]
+    run_both(seqs, 8, 2, dtype=torch.float16, seed=23, backend=backend)
 
 
 def test_kernel_meta_reused_across_layers() -> None:

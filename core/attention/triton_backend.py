@@ -62,12 +62,13 @@ def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *, max_splits: int = 32, min_partition: int = 256, target_programs: int | None = None,
                  block_m: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> None:
+                 num_stages: int | None = None, upcast: bool | None = None) -> None:
         self.max_splits = max_splits
         self.splits_p2 = triton.next_power_of_2(max(1, max_splits))   # the reduce kernel's one split block
         self.min_partition = min_partition
         self.target_programs = target_programs
         self.overrides = {"block_m": block_m, "tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages}
+        self.upcast = upcast   # None: fp32 dots for fp32 inputs and under the interpreter; False forces native
         self._cached: tuple[AttentionMetadata, tuple, KernelMeta] | None = None
 
     def config(self, has_prefill: bool, interp: bool, head_dim: int = 128) -> dict[str, int]:
@@ -236,7 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             part_m = part_l = part_out = out  # never touched
         interp = interpreting()
-        upcast = interp or q.dtype == torch.float32
+        upcast = (interp or q.dtype == torch.float32) if self.upcast is None else self.upcast
         cfg = self.config(meta.num_prefills > 0, interp, head_dim)
         K.paged_attention_kernel[(km.num_items, num_kv_heads)](
             out, q, k_cache, v_cache, km.block_tables, km.seq_lens, km.q_starts, km.q_lens, km.num_splits,

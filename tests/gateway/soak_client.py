@@ -439,9 +439,10 @@ def _validate_json_text(text: str, plan: Plan, stats: SoakStats) -> None:
         return
     if plan.schema is not None:
         import jsonschema
+        from format_checks import strict_validate
 
         try:
-            jsonschema.validate(value, plan.schema)
+            strict_validate(value, plan.schema)
         except jsonschema.ValidationError as exc:
             stats.violation(f"output {text!r} fails its schema ({exc.message}) for {_desc(plan)}")
             return

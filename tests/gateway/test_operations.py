@@ -3,7 +3,6 @@ error on a stream) that abort the engine work, /health under load, and access-lo
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from typing import Any, Iterator
@@ -92,7 +91,8 @@ def test_request_timeout_is_408_and_aborts(http: httpx.Client, server: ServerPro
     resp = http.post("/v1/completions", json={**LONG, "n": 4})
     elapsed = time.monotonic() - t0
     err = error_of(resp, 408, "request_timeout")
-    assert err["type"] == "timeout_error" and TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 3
+    # never before the timeout; the upper bound only catches a hang (how close: benchmarks/gateway_latency.py)
+    assert err["type"] == "timeout_error" and TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 30
     wait_idle(http)
     rid = resp.headers["x-request-id"]
     rec = next(r for r in access_records(server) if r["request_id"] == rid)
@@ -118,29 +118,41 @@ def test_streamed_timeout_ends_with_an_error_event(http: httpx.Client, server: S
     assert rec["status"] == 408 and rec["stream"] is True and rec["ttft_s"] is not None
 
 
-def test_health_stays_fast_under_load(http: httpx.Client) -> None:
+def test_health_answers_under_load(http: httpx.Client) -> None:
+    """/health never waits for the engine: it answers between the streamed chunks of a full queue (counted by
+    events, not timed; its latency under load is a benchmark figure: benchmarks/gateway_latency.py)."""
     errors: list[BaseException] = []
+    chunks = [0] * QUEUE          # data chunks received per load stream
+    done = [False] * QUEUE
 
-    def load() -> None:
+    def load(i: int) -> None:
         try:
             with httpx.Client(base_url=http.base_url, timeout=60) as own:
-                resp = own.post("/v1/completions", json={**LONG, "max_tokens": 300, "stream": True})
-                assert resp.status_code == 200 and resp.text.rstrip().endswith("[DONE]")
+                with own.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 300, "stream": True}) as r:
+                    assert r.status_code == 200
+                    last = ""
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            chunks[i] += 1
+                        last = line or last
+                    assert last == "data: [DONE]", last
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+        finally:
+            done[i] = True
 
-    threads = [threading.Thread(target=load) for _ in range(QUEUE)]
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(QUEUE)]
     for t in threads:
         t.start()
-    latencies: list[float] = []
-    while any(t.is_alive() for t in threads) and len(latencies) < 40:
-        t0 = time.monotonic()
-        assert http.get("/health").status_code == 200
-        latencies.append(time.monotonic() - t0)
+    answered: list[int] = []   # chunks received so far, at each /health answer while every stream is open
+    while not any(done) and len(answered) < 20:
+        assert http.get("/health", timeout=30).status_code == 200
+        if not any(done) and sum(chunks) > 0:
+            answered.append(sum(chunks))
         time.sleep(0.02)
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert len(latencies) >= 5
-    assert statistics.median(latencies) < 0.25 and max(latencies) < 2.0, latencies
+    # answered again and again while the engine was generating (chunks kept arriving between the answers)
+    assert len(answered) >= 5 and answered[-1] > answered[0], answered
     wait_idle(http)

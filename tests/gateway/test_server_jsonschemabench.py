@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import pytest
 
+from format_checks import strict_validate
 from gateway_server import ServerProcess, tiny_model
 
 BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "jsonschemabench"
@@ -81,8 +82,7 @@ def test_jsonschemabench_through_the_server(server: ServerProcess) -> None:
         if choice["finish_reason"] == "stop":
             r["stop"] += 1
             try:
-                jsonschema.validate(json.loads(choice["text"]), schema, cls=jsonschema.Draft202012Validator,
-                                    format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+                strict_validate(json.loads(choice["text"]), schema)
                 r["valid"] += 1
             except (ValueError, jsonschema.ValidationError) as exc:
                 failures.append((folder, str(exc)[:200], choice["text"][:200]))

@@ -287,14 +287,21 @@ class SoakReport:
                 f"during the soak, {self.integrity_checks} mid-run integrity checks; threads {self.threads[0]} -> "
                 f"{self.threads[1]}; RSS {self.rss[0] / 2**20:.0f} -> {self.rss[1] / 2**20:.0f} MiB")
 
-    def problems(self, min_requests: int) -> list[str]:
-        """Every breach of the soak's contract, empty when it passed."""
+    def problems(self, min_requests: int, min_preemptions: int = 1, min_repeats: int = 1) -> list[str]:
+        """Every breach of the soak's contract, empty when it passed. What the soak claims to exercise must
+        have happened: preemptions (the small KV pool) and compared repeats of deterministic requests."""
         out: list[str] = []
         st, left = self.stats, self.left
         if self.idle_error:
             out.append(self.idle_error)
         if st.num_sent < min_requests:
             out.append(f"only {st.num_sent} requests sent (want >= {min_requests})")
+        if self.preemptions < min_preemptions:
+            out.append(f"only {self.preemptions} preemptions during the soak (want >= {min_preemptions})")
+        if sum(st.num_repeats.values()) < min_repeats:
+            out.append(f"only {dict(st.num_repeats)} repeats compared (want >= {min_repeats})")
+        if not st.num_schema_validated:
+            out.append("no constrained output was validated against its schema")
         if st.num_5xx:
             out.append(f"{st.num_5xx} 5xx answers: {dict(st.statuses)}")
         out += [f"violation: {v}" for v in st.violations[:40]]
@@ -399,6 +406,7 @@ def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakRepo
 def test_soak(server: InProcessServer) -> None:
     report = soak(server, soak_config(server))
     print(report.summary())
-    problems = report.problems(min_requests=min(NUM_REQUESTS, 200))
+    min_requests = min(NUM_REQUESTS, 200)
+    problems = report.problems(min_requests=min_requests, min_preemptions=1, min_repeats=min_requests // 20)
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
     assert server.aeng.alive

@@ -59,14 +59,14 @@ def walk_and_validate(compiler: Any, schema: Any, walks: int = 5, seed: int = 0,
     output validates (Draft 2020-12, formats asserted).  Returns the finished count."""
     import random
 
-    from jsonschema import Draft202012Validator
+    from format_checks import strict_validator
 
     from grammar import parse_response_format
     from grammar.sim import distances_to_final, random_walk
 
     spec = parse_response_format(json_schema_format(schema))
     compiled = compiler.compile(spec, timeout=60)
-    validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+    validator = strict_validator(schema)
     token_bytes = dict(compiler.vocab.tokens)
     dist = distances_to_final(compiled)
     rng = random.Random(seed)
