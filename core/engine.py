@@ -29,7 +29,8 @@ from core.pending import PendingStep
 from core.runner import HostBatch, host_to_device, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, sample
 from core.sampling import SamplingParams
-from core.structured import advance_grammar, apply_token_masks, fill_token_masks
+from core.stops import make_delta, stop_status
+from core.structured import apply_token_masks, fill_token_masks
 from core.warmup import ProgressFn, WarmupReport, run_warmup
 
 log = logging.getLogger("loraplex.engine")
@@ -323,39 +324,14 @@ class LLMEngine:
             self.stats.observe_ttft(now - req.arrival_time)
         req.append_token(token)
         self.stats.num_generation_tokens += 1
-        params = req.sampling_params
-        status = None
-        if req.grammar is not None:
-            # the grammar decides: EOS and stop tokens only count in final states; stop strings are not
-            # applied (they could cut the JSON); "only EOS left" ends the request without another forward.
-            # A terminating stop token is not JSON text: it never reaches the output text.
-            done = advance_grammar(req, token)
-            if not req.grammar.ended_by_stop_token():
-                req.detokenizer.add_token(token)
-            if done:
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-        elif token in req.eos_token_ids and not params.ignore_eos:
-            req.detokenizer.add_token(token)
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.detokenizer.add_token(token) or token in params.stop_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
+        status = stop_status(req, token, self.max_model_len)
         if status is not None:
             self.scheduler.finish(req, status)
             self.stats.observe_e2e(now - req.arrival_time)
         return self._delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
 
     def _delta(self, req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:
-        return RequestDelta(
-            request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
-            finished=finished, finish_reason=req.status.value if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
-            prompt_logprobs=(req.prompt_logprobs or [None] * req.num_prompt_tokens)
-            if req.num_output_tokens == len(tokens) and wants_prompt_logprobs(req) else None)
+        return make_delta(req, tokens, logprobs, finished)
 
     def check_integrity(self) -> None:
         if self._pending is None:

@@ -6,8 +6,8 @@ stalls the step that meets it (seconds, on the serving path). Each kernel family
 variants from a small closed set, and this module launches each member once, on dummy data shaped like
 real steps (same dtypes, strides and alignments), so serving meets no new variant:
 
-- attention + fused RMSNorm/rope/SiLU + grammar bitmask: dummy forwards (slot -1: nothing is written to
-  the KV cache) of a decode-only and a mixed batch, each with and without split-KV where the split
+- attention + fused RMSNorm/rope/SiLU + grammar bitmask: dummy forwards (reading and writing only block 0,
+  before any request holds it) of a decode-only and a mixed batch, each with and without split-KV where the split
   policy can split, then the logits and one masked row;
 - LoRA: every entry of the segmented table (`adapters/lora_ops/triton_ops.SEGMENT_CONFIGS`) and the BGMV
   decode kernels, for each fused linear, on scratch stacks shaped like the pool's;
@@ -47,8 +47,9 @@ class WarmupReport:
 
 
 def synthetic_batch(decode_lens: list[int], prefill_chunks: list[tuple[int, int]], block_size: int) -> HostBatch:
-    """A flat batch of decodes (context lengths) then prefill chunks (cached tokens, new tokens) whose KV slots
-    are all -1 and whose block tables point at block 0: it reads the cache but never writes it."""
+    """A flat batch of decodes (context lengths) then prefill chunks (cached tokens, new tokens) whose block
+    tables point at block 0 and whose new K/V go to block 0: the warm-up runs before any request holds a block,
+    and a block's positions are always written by its owner before they are read."""
     num_new = np.asarray([1] * len(decode_lens) + [n for _, n in prefill_chunks], dtype=np.int64)
     ctx = np.asarray(list(decode_lens) + [c + n for c, n in prefill_chunks], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int64)
@@ -57,7 +58,7 @@ def synthetic_batch(decode_lens: list[int], prefill_chunks: list[tuple[int, int]
     max_blocks = int(-(-ctx.max() // block_size))
     return HostBatch(requests=[None] * len(num_new), num_new=num_new, cu=cu,  # type: ignore[list-item]
                      token_ids=np.zeros(int(cu[-1]), np.int64), positions=positions.astype(np.int64),
-                     slot_mapping=np.full(int(cu[-1]), -1, np.int64),
+                     slot_mapping=np.arange(int(cu[-1]), dtype=np.int64) % block_size,
                      tables=np.zeros((len(num_new), max_blocks), np.int64), context_lens=ctx,
                      num_decode=len(decode_lens), samples=list(range(len(num_new))))
 

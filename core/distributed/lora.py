@@ -38,8 +38,8 @@ class ShardedSlotPool(LoRASlotPool):
     def check_compatible(self, adapter: LoRAAdapter) -> None:
         super().check_compatible(self.shard.shard_adapter(adapter))
 
-    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        super()._write_slot(slot, self.shard.shard_adapter(adapter))
+    def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
+        super()._write_slot(slot, self.shard.shard_adapter(adapter), non_blocking)
         if self._journal is not None:
             self._journal.append(("write", slot, (adapter.source, adapter.path, dict(adapter.modules))))
 
@@ -81,7 +81,7 @@ class RowParallelLoRALinear(LoRALinear):
         x2 = x.reshape(-1, x.shape[-1])                               # [T, in / N]
         y2 = y.view(-1, y.shape[-1])                                  # [T, out]
         meta.check_num_tokens(x2.shape[0])
-        backend = "triton" if meta.padded else select_backend(x2, self.context.backend)
+        backend = select_backend(x2, self.context.backend)   # grouped metadata: TP runs no decode graphs
         h = torch.zeros(self.stack.num_slices, meta.num_lora_tokens, self.stack.max_rank,
                         dtype=torch.float32, device=x2.device)        # [S, T_lora, R]
         shrink(x2, self.stack, meta, out=h, backend=backend)

@@ -1,0 +1,43 @@
+"""What one sampled token does to its request: grammar advance, detokenization, stop decision, the delta out.
+
+Order of the checks (first match wins): a grammar decides alone (EOS and stop tokens count only in its final
+states; stop strings are not applied, they could cut the JSON; "only EOS left" ends the request without
+another forward); else EOS (unless `ignore_eos`), a stop string or stop token id; else `max_tokens` or the
+context limit (`length`).
+"""
+from __future__ import annotations
+
+from core.outputs import RequestDelta
+from core.prompt_logprobs import wants_prompt_logprobs
+from core.request import Request, RequestStatus
+from core.structured import advance_grammar
+
+
+def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Feeds the appended `token` to the request's grammar and detokenizer; the finish status, if it ends."""
+    params = req.sampling_params
+    if req.grammar is not None:
+        done = advance_grammar(req, token)
+        if not req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
+            req.detokenizer.add_token(token)
+        if done:
+            return RequestStatus.FINISHED_STOPPED
+    elif token in req.eos_token_ids and not params.ignore_eos:
+        req.detokenizer.add_token(token)
+        return RequestStatus.FINISHED_STOPPED
+    elif req.detokenizer.add_token(token) or token in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def make_delta(req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:
+    """The output event of a request for this step (prompt log-probs ride on its first token)."""
+    return RequestDelta(
+        request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
+        finished=finished, finish_reason=req.status.value if finished else None,
+        num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
+        prompt_logprobs=(req.prompt_logprobs or [None] * req.num_prompt_tokens)
+        if req.num_output_tokens == len(tokens) and wants_prompt_logprobs(req) else None)
