@@ -33,6 +33,8 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   serve) cd "$USER_DIR" && exec "$VENV/bin/loraplex" serve "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest "$@" ;;
+  test)  # the whole suite runs on 2 workers (pytest-xdist); a run with arguments (one file, -k, -x) runs as given
+         if [ $# -eq 0 ]; then set -- -n "${LORAPLEX_TEST_WORKERS:-2}"; fi
+         exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash scripts/dev.sh serve|test [args...]" >&2; exit 2 ;;
 esac
