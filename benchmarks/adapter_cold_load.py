@@ -29,7 +29,8 @@ import torch
 from common import add_model_args, load_format_of, llama3_8b_dir, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
-from core.tiny_models import TinyModelSpec, tiny_model_dir
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+from tiny_models import TinyModelSpec, tiny_model_dir
 from lora_overhead import TARGET_SETS, write_adapter
 
 # big enough on a CPU that reading one all-modules r128 adapter (74 MB) takes >= 50 ms

@@ -1,6 +1,8 @@
 """Shared helpers for the benchmarks: the benchmark model, timing, and writing results."""
 from __future__ import annotations
 
+import sys
+
 import argparse
 import json
 import platform
@@ -11,7 +13,8 @@ from typing import Any
 
 import torch
 
-from core.tiny_models import TinyModelSpec, tiny_model_dir
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+from tiny_models import TinyModelSpec, tiny_model_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -34,7 +37,7 @@ LLAMA3_8B_CONFIG = {
 def llama3_8b_dir() -> str:
     """A Llama-3-8B-shaped model directory: config + a small BPE tokenizer, no weights (load with
     `load_format="dummy"`: random bf16 weights built on the device)."""
-    from core.tiny_models import build_tokenizer
+    from tiny_models import build_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix="loraplex_llama3_8b_"))
     build_tokenizer(out, vocab_size=2048)

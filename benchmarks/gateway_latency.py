@@ -35,7 +35,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import write_results  # noqa: E402
-from core.tiny_models import TinyModelSpec, build_tokenizer, tiny_model_dir  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+from tiny_models import TinyModelSpec, build_tokenizer, tiny_model_dir  # noqa: E402
 
 LONG = {"model": "tiny", "prompt": "hi", "max_tokens": 7000, "ignore_eos": True, "temperature": 0}
 BAD_BODIES = [b"", b"{", b"[]", b"null", b'{"model": "tiny"}', b'{"model": "tiny", "prompt": 3}',

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from jsonschema import Draft202012Validator  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from core.tiny_models import build_tokenizer  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+from tiny_models import build_tokenizer  # noqa: E402
 from grammar import GrammarCompiler, GrammarError, GrammarMatcher, allocate_token_bitmask  # noqa: E402
 from grammar import CompiledGrammar, SchemaOptions, json_object_spec, parse_response_format  # noqa: E402
 from grammar.sim import distances_to_final, random_walk  # noqa: E402
@@ -201,7 +202,7 @@ def main() -> int:
     compiler = GrammarCompiler(
         tokenizer, len(tokenizer), [tokenizer.eos_token_id], compile_timeout_s=args.timeout, num_workers=args.workers
     )
-    report = {"tokenizer": "byte-level BPE trained on stdlib text (core.tiny_models)" if args.tokenizer is None
+    report = {"tokenizer": "byte-level BPE trained on stdlib text (tiny_models)" if args.tokenizer is None
               else str(args.tokenizer),
               "options": repr(OPTIONS), "vocab_size": len(tokenizer), "walks": args.walks, "timeout_s": args.timeout,
               "cpu_count": os.cpu_count(), "limit": args.limit, "folders": {}}

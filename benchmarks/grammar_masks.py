@@ -1,7 +1,7 @@
 """Compile and per-row mask times of every constraint kind (JSON schema, regex, GBNF grammar) at 32k and 128k vocabularies.
 
 `PYTHONPATH=. python benchmarks/grammar_masks.py [--out benchmarks/results/grammar_masks_cpu]`
-Tokenizers are trained locally (core.tiny_models.build_tokenizer at 32k, benchmarks/large_vocab_tokenizer.py at 128k).
+Tokenizers are trained locally (tiny_models.build_tokenizer at 32k, benchmarks/large_vocab_tokenizer.py at 128k).
 Compile: the worker's build time of distinct variants of each workload (p50/p90).  Mask: `fill_bitmask` of one row
 along random constrained walks, first walk (cold: per-(grammar, state) mask cache misses) and the same walks again
 (warm: cache hits), p50/p99 in microseconds; and per row of an engine-like batch-64 fill (64 walks in lockstep,
@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
 
 from grammar.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.constraints import parse_constraints
@@ -143,7 +146,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     from benchmarks.large_vocab_tokenizer import build_large_tokenizer
-    from core.tiny_models import build_tokenizer
+    from tiny_models import build_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results/grammar_masks_cpu")

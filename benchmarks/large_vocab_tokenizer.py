@@ -11,7 +11,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from core.tiny_models import BOS, EOS, PAD, SPECIAL_TOKENS
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+from tiny_models import BOS, EOS, PAD, SPECIAL_TOKENS
 
 SUFFIXES = {".py", ".md", ".rst", ".txt", ".pyi", ".c", ".h", ".cpp"}
 

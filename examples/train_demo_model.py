@@ -24,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.tiny_models import BOS, EOS, PAD, build_tokenizer, iter_stdlib_text, special_token_ids  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+from tiny_models import BOS, EOS, PAD, build_tokenizer, iter_stdlib_text, special_token_ids  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ A tiny Llama ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}
 {size} bytes) trained from scratch on CPU by `examples/train_demo_model.py` for
 {cfg.minutes:g} minutes ({step} steps of {cfg.batch_size}x{cfg.seq_len} tokens) on Python
 standard library sources. The byte-level BPE tokenizer was trained on the same text
-(`core.tiny_models.build_tokenizer`). It only produces Python-looking text; it exists so the
+(`tiny_models.build_tokenizer`). It only produces Python-looking text; it exists so the
 gateway works fully offline.
 
 - final train loss (EMA): {ema:.3f}

@@ -1,4 +1,4 @@
-"""Tests for core.tiny_models: offline tokenizer + random Llama-family checkpoints."""
+"""Tests for tiny_models: offline tokenizer + random Llama-family checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.tiny_models import (
+from tiny_models import (
     BOS,
     CHAT_MARKERS,
     EOS,

@@ -227,7 +227,7 @@ def test_engine_greedy_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) ->
     from core.config import CacheConfig, EngineConfig, SchedulerConfig
     from core.engine import LLMEngine
     from core.sampling import SamplingParams
-    from core.tiny_models import TinyModelSpec, tiny_model_dir
+    from tiny_models import TinyModelSpec, tiny_model_dir
 
     path = tiny_model_dir(TinyModelSpec())
     prompts = [[5, 17, 99, 3, 42, 8, 61, 7] * 3, [5, 17, 99, 3, 42, 8, 61, 7] * 3 + [11, 12], [300, 301, 302],

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.tiny_models import LLAMA3_ROPE_SCALING, TinyModelSpec, tiny_model_dir
+from tiny_models import LLAMA3_ROPE_SCALING, TinyModelSpec, tiny_model_dir
 
 torch.set_num_threads(1)  # tiny models: one thread is faster, and CI shares 2 cores with the server subprocesses
 

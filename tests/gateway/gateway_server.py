@@ -14,7 +14,7 @@ from typing import IO
 
 import httpx
 
-from core.tiny_models import TinyModelSpec, tiny_model_dir
+from tiny_models import TinyModelSpec, tiny_model_dir
 
 
 def free_port() -> int:

@@ -105,7 +105,7 @@ def test_no_chat_template_is_400() -> None:
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoTokenizer
 
-    from core.tiny_models import build_tokenizer
+    from tiny_models import build_tokenizer
 
     path: Path = build_tokenizer(tmp_path_factory.mktemp("tok"))
     return AutoTokenizer.from_pretrained(str(path))

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from core.tiny_models import TinyModelSpec, tiny_model_dir
+from tiny_models import TinyModelSpec, tiny_model_dir
 
 from gateway_server import ServerProcess, metric_value, tiny_model
 

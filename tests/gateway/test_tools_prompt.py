@@ -31,7 +31,7 @@ def test_detect_format() -> None:
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoTokenizer
 
-    from core.tiny_models import build_tokenizer
+    from tiny_models import build_tokenizer
 
     return AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path_factory.mktemp("tok"))))
 

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoTokenizer
 
-    from core.tiny_models import build_tokenizer
+    from tiny_models import build_tokenizer
 
     path = build_tokenizer(tmp_path_factory.mktemp("bpe") / "tok", vocab_size=512)
     return AutoTokenizer.from_pretrained(path)

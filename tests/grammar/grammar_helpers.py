@@ -16,7 +16,7 @@ def build_sentencepiece_tokenizer(out_dir: Path, vocab_size: int = 400) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from core.tiny_models import iter_stdlib_text
+    from tiny_models import iter_stdlib_text
 
     texts = iter_stdlib_text(20, 10_000)
     base = Tokenizer(models.BPE())
