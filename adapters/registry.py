@@ -177,7 +177,12 @@ class AdapterRegistry:
 
     # ---- engine side ----------------------------------------------------------------------
     def acquire(self, entry: LoadedAdapter) -> None:
+        """Holds `entry` for one request. An entry unloaded since the gateway resolved its name is gone (404):
+        its slot and host copy may already be freed, so nothing may start on it."""
         with self._lock:
+            if entry.unloaded:
+                raise AdapterError(f"The model `{entry.name}` does not exist (it was unloaded).",
+                                   code="model_not_found", status=404)
             entry.num_in_flight += 1
 
     def release(self, entry: LoadedAdapter) -> None:
@@ -241,8 +246,9 @@ class AdapterRegistry:
     def start_load(self, entry: LoadedAdapter) -> None:
         """Reads `entry`'s weights in the loader pool (a no-op if resident, loading or failed)."""
         with self._lock:
-            if entry.adapter is not None or entry.loading or entry.error is not None or entry.unloaded:
-                return
+            if entry.adapter is not None or entry.loading or entry.error is not None or \
+                    (entry.unloaded and entry.num_in_flight == 0):
+                return   # an unloaded entry is still read for the requests that hold it (they finish)
             assert self._make_room_locked(), "start_load without can_start_load"
             entry.loading = True
             self._loading[entry.generation_id] = entry
@@ -273,7 +279,7 @@ class AdapterRegistry:
                         self._negative[entry.name] = (now, error)
                     self._retire_locked(entry)
                 outcome = "error"
-            elif entry.unloaded:
+            elif entry.unloaded and entry.num_in_flight == 0:
                 outcome = "discarded"
             else:
                 entry.adapter = adapter

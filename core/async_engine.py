@@ -165,8 +165,8 @@ class AsyncEngine:
         for s in adds:
             try:
                 self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, **s.kwargs)
-            except Exception as exc:  # rejected late: tell the waiting client
-                out.append(_error_delta(s.request_id, str(exc)))
+            except Exception as exc:  # rejected late (e.g. its adapter was unloaded meanwhile): tell the client
+                out.append(_error_delta(s.request_id, str(exc), exc))
         for rid in aborts:
             delta = self.engine.abort_request(rid)
             if delta is not None:
@@ -203,6 +203,6 @@ def _put_all(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> N
         queue.put_nowait(delta)
 
 
-def _error_delta(request_id: str, message: str) -> RequestDelta:
+def _error_delta(request_id: str, message: str, exc: BaseException | None = None) -> RequestDelta:
     return RequestDelta(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason=None,
-                        num_prompt_tokens=0, num_output_tokens=0, error=message)
+                        num_prompt_tokens=0, num_output_tokens=0, error=message, exception=exc)

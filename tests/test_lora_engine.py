@@ -263,6 +263,51 @@ def test_unload_while_in_flight() -> None:
     assert_idle_and_sound(llm)
 
 
+def test_unload_between_resolve_and_admission() -> None:
+    """The gateway resolves a name, then the engine thread admits the request: an unload in between is a 404
+    for that request (its slot and host copy may already be freed), never a request that waits forever."""
+    model = "llama_gqa"
+    llm = make_llm(model, names={"tenant-a": "qv_r4"})
+    engine = llm.engine
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
+    entry = engine.resolve_lora("tenant-c")
+    engine.unload_lora("tenant-c")
+    engine.step()                                   # the engine frees the unloaded adapter's slot and copy
+    with pytest.raises(AdapterError) as excinfo:
+        engine.add_request("late", prompt_ids(model)[0], GREEDY, lora=entry)
+    assert excinfo.value.status == 404 and excinfo.value.code == "model_not_found"
+    assert entry.num_in_flight == 0 and not engine.has_unfinished_requests()
+    assert_idle_and_sound(llm)
+
+
+@pytest.mark.parametrize("unload_after_steps", [0, 1])
+def test_unload_while_waiting_for_its_host_copy(unload_after_steps: int) -> None:
+    """A request admitted on an adapter whose host copy was evicted (host LRU of 1) waits for the re-read; an
+    unload before or during that read must not cancel it: the request finishes with the adapter's weights."""
+    model = "llama_gqa"
+    names = {"tenant-a": "qv_r4", "tenant-b": "all7_r8"}
+    llm = make_llm(model, names=names, max_cpu_loras=1)
+    engine = llm.engine
+    entry = engine.resolve_lora("tenant-a")
+    assert not entry.ready, "test setup: tenant-a's host copy should have been evicted by tenant-b's load"
+    ids = prompt_ids(model)[1]
+    engine.add_request("r", ids, GREEDY, lora=entry)
+    tokens: list[int] = []
+    for step in range(10_000):
+        if step == unload_after_steps:
+            engine.unload_lora("tenant-a")
+        if not engine.has_unfinished_requests():
+            break
+        for d in engine.step():
+            assert d.error is None, d.error
+            tokens += d.new_token_ids
+        engine.check_integrity()
+    assert not engine.has_unfinished_requests(), "the request never got its adapter back"
+    assert tokens == reference(model, "tenant-a", ids, names)
+    assert engine.resolve_lora("tenant-b") is not None and engine.registry.get("tenant-a") is None
+    assert_idle_and_sound(llm)
+
+
 def test_failed_generate_leaves_no_orphans() -> None:
     """One unknown adapter in a list rejects the call without leaving the valid ones queued."""
     model = "llama_gqa"

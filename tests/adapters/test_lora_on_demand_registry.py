@@ -64,7 +64,10 @@ def test_randomized_operations_keep_invariants(tmp_path: Path) -> None:
                 entry = reg.lookup(rng.choice(names))
             except AdapterError:
                 entry = None
-            if entry is not None and not entry.unloaded:
+            if entry is not None and entry.unloaded:  # unloaded since the lookup: a 404, nothing is held
+                with pytest.raises(AdapterError):
+                    reg.acquire(entry)
+            elif entry is not None:
                 reg.acquire(entry)
                 held.append(entry)
         elif op < 0.5 and held:
@@ -94,6 +97,46 @@ def test_randomized_operations_keep_invariants(tmp_path: Path) -> None:
         reg.wait_for_loads(0.05)
     reg.check_integrity()
     assert reg.stats.num_by_outcome["success"] > 20 and reg.stats.num_by_outcome["error"] >= 1
+    for _ in range(1000):                            # every held entry, unloaded or not, is served in the end
+        for entry in [e for e in held if e.ready or e.error is not None]:
+            held.remove(entry)                       # its request ran (or failed) and finished
+            reg.release(entry)
+        if not held:
+            break
+        for entry in held:
+            if not entry.loading and reg.can_start_load():
+                reg.start_load(entry)
+        reg.wait_for_loads(0.05)
+        reg.check_integrity()
+    assert not held, f"{len(held)} held adapter(s) never loaded"
+    reg.take_released()
+    reg.check_integrity()
+
+
+def test_unload_during_read_keeps_copy_for_holders(tmp_path: Path) -> None:
+    """An unload while a held entry's weights are being read: the read is kept (its requests finish), and the
+    copy goes once the last holder releases it. An unheld entry's read is discarded."""
+    root = tmp_path / "loras"
+    _touch_adapter(root / "acme" / "one")
+    _touch_adapter(root / "acme" / "two")
+    reg = _registry(root, 4, FakeLoader(delay_s=0.1))
+    held, unheld = reg.lookup("acme/one"), reg.lookup("acme/two")
+    reg.acquire(held)
+    reg.start_load(held)
+    reg.start_load(unheld)
+    reg.unload("acme/one")
+    reg.unload("acme/two")
+    while reg.num_loading:
+        reg.wait_for_loads(0.1)
+    assert held.ready and not unheld.ready
+    assert reg.stats.num_by_outcome["discarded"] == 1
+    with pytest.raises(AdapterError) as excinfo:   # a request resolved before the unload, admitted after it
+        reg.acquire(held)
+    assert excinfo.value.status == 404
+    assert [e.name for e in reg.take_released()] == ["acme/two"]
+    reg.release(held)
+    assert [e.name for e in reg.take_released()] == ["acme/one"] and not held.ready
+    reg.check_integrity()
 
 
 def test_concurrent_first_requests_share_one_load(tmp_path: Path) -> None:
