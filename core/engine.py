@@ -18,15 +18,15 @@ from adapters.slot_fill import SlotFiller
 from core.config import EngineConfig
 from core.detokenizer import IncrementalDetokenizer
 from core.engine_setup import EngineParts, build_engine_parts
-from core.errors import RequestRejected
 from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots, pump_adapter_loads
 from core.penalties import PenaltyState
-from core.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
-from core.pending import PendingStep
-from core.runner import HostBatch, host_to_device, prepare_batch, to_device
+from core.admission import check_request
+from core.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs, record_prompt_logprobs
+from core.pending import PendingStep, fixup_to_device
+from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
 from core.sampler import SamplingBatch, compute_logprobs, sample
 from core.sampling import SamplingParams
 from core.stops import make_delta, stop_status
@@ -61,10 +61,6 @@ class LLMEngine:
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
-        if self.tp is not None and (self.async_scheduling or (self.device.type == "cuda" and not config.enforce_eager)):
-            log.warning("tensor parallel: decode CUDA graphs and async scheduling are off (the workers replay "
-                        "each step's host inputs eagerly; on-device token patching is not mirrored to them)")
-            self.async_scheduling = False
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
 
@@ -90,37 +86,21 @@ class LLMEngine:
 
     def capture_decode_graphs(self) -> int:
         """Builds (CUDA) and captures the decode graphs; with a padded runner installed without graphs (CPU
-        tests) it runs each captured size once. Returns the number of graphs or warm-up forwards."""
-        if self.graphs is None and self.tp is None:
+        tests) it runs each captured size once. Under tensor parallelism every worker builds and captures the
+        same sizes in the same order. Returns the number of graphs or warm-up forwards."""
+        if self.graphs is None:
             self.graphs = build_decode_graphs(self.config, self.parts)
-        return self.graphs.capture() if self.graphs is not None else 0
+        if self.graphs is None:
+            return 0
+        if self.tp is not None:
+            self.tp.capture_graphs(self.graphs.sizes, self.graphs.use_graphs, self.graphs.lora is not None)
+        return self.graphs.capture()
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Validates a request against the context and the pool; returns its resolved max_tokens."""
-        if num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty", "invalid_prompt", "prompt")
-        remaining = self.max_model_len - num_prompt_tokens
-        max_tokens = params.max_tokens if params.max_tokens is not None else remaining
-        if remaining < 1 or num_prompt_tokens + max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
-                f"the completion). Please reduce the length of the prompt or completion.",
-                "context_length_exceeded", "prompt")
-        if params.min_tokens > max_tokens:
-            raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                                  "invalid_value", "min_tokens")
-        bad = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
-        if bad:
-            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self.model_config.vocab_size})", "invalid_value", "logit_bias")
-        num_blocks = -(-(num_prompt_tokens + max_tokens) // self.block_size)
-        if num_blocks > self.kv.num_blocks:
-            raise RequestRejected(
-                f"the request needs {num_blocks} KV blocks but the whole cache has {self.kv.num_blocks}; "
-                f"reduce the prompt or max_tokens", "context_length_exceeded", "max_tokens")
-        return max_tokens
+        return check_request(num_prompt_tokens, params, self.max_model_len, self.model_config.vocab_size,
+                             self.block_size, self.kv.num_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora: LoadedAdapter | None = None, grammar: Any = None, tenant: str | None = None) -> Request:
@@ -255,9 +235,10 @@ class LLMEngine:
                 [r for r in host.requests if r.lora_slot_key in failed and not r.status.finished],
                 f"the weights of adapter(s) {names} could not be read")
         # Everything up to `pending.read()` is queued on the GPU without waiting for it.
-        hidden, rows = self._forward(host, token_slots, pending)
-        if hidden.shape[0] == host.num_tokens and any(map(wants_prompt_logprobs, host.requests[host.num_decode:])):
-            record_prompt_logprobs(self.model, host, hidden)
+        plan = plan_prompt_logprobs(host)
+        hidden, rows = self._forward(host, token_slots, pending, plan)
+        if plan is not None:
+            record_prompt_logprobs(self.model, plan, hidden)
         deltas = self._process(pending)     # the previous step's tokens, while this forward runs
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(host.requests))
@@ -269,25 +250,26 @@ class LLMEngine:
                 self._pending = None
         return deltas
 
-    def _forward(self, host: HostBatch, token_slots: np.ndarray | None,
-                 pending: PendingStep | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, host: HostBatch, token_slots: np.ndarray | None, pending: PendingStep | None,
+                 plan: PromptLogprobPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queues the forward; returns hidden states and the rows to sample (None: every row)."""
-        fixup = pending.input_fixup(host, self.device) if pending is not None else None
+        fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
+        use_graph = self.graphs is not None and self.graphs.can_run(host)
+        if self.tp is not None:   # the workers run the same forward (and the same patch of in-flight tokens)
+            self.tp.send_step(host, token_slots, use_graph=use_graph, fixup=fixup,
+                              prompt_rows=plan.rows if plan is not None else None, share_tokens=self.async_scheduling)
+        dev_fixup = fixup_to_device(fixup, self.device)
         try:
-            if self.graphs is not None and self.graphs.can_run(host):
-                on_inputs = (lambda ids: pending.apply_fixup(ids, fixup)) if fixup is not None else None
+            if use_graph:
+                on_inputs = (lambda ids: pending.apply_fixup(ids, dev_fixup)) if dev_fixup is not None else None
                 hidden = self.graphs.run(host, token_slots, on_inputs)                    # [B, hidden]
-                rows = None if len(host.samples) == len(host.requests) else host_to_device(
-                    np.asarray(host.samples, dtype=np.int64), self.device)
-                return hidden, rows
+                return hidden, graph_sample_rows(host, self.device)
             batch = to_device(host, self.block_size, self.device)
-            if fixup is not None:
-                pending.apply_fixup(batch.input_ids, fixup)
+            if dev_fixup is not None:
+                pending.apply_fixup(batch.input_ids, dev_fixup)
             if token_slots is not None:
                 self.lora_pool.context.set_batch(token_slots)
-            if self.tp is not None:
-                self.tp.send_step(host, token_slots)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
             return hidden, batch.logits_indices
         finally:
@@ -304,6 +286,8 @@ class LLMEngine:
         # logprobs report `logits`, the model's distribution before penalties and temperature
         penalties = self.penalties.prepare(reqs)
         tokens = sample(logits if penalties is None else self.penalties.apply(logits, penalties), sbatch)
+        if self.tp is not None and self.async_scheduling:
+            self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs
         if penalties is not None:
             self.penalties.record(penalties, tokens)
         lps = compute_logprobs(logits, tokens, sbatch.max_logprobs) if sbatch.max_logprobs >= 0 else None

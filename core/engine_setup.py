@@ -97,13 +97,20 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, de
     return max(1, min(CPU_DEFAULT_KV_BYTES // per_block, needed))
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+@dataclass(frozen=True)
+class ModelFiles:
+    """What every engine (one rank or a tensor-parallel driver) resolves from the model folder first."""
+    model_dir: Path
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: Any
+
+
+def resolve_model_files(config: EngineConfig) -> ModelFiles:
     from transformers import AutoTokenizer
 
-    if config.tensor_parallel_size > 1:
-        from core.distributed.setup import build_tp_engine_parts
-
-        return build_tp_engine_parts(config)
     model_dir = resolve_model_path(config.model)
     cfg = ModelConfig.from_path(model_dir)
     device = resolve_device(config.device)
@@ -114,7 +121,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
-    model = load_model(model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device,
+    return ModelFiles(model_dir, cfg, device, dtype, max_model_len, tokenizer)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.tensor_parallel_size > 1:
+        from core.distributed.setup import build_tp_engine_parts
+
+        return build_tp_engine_parts(config)
+    f = resolve_model_files(config)
+    cfg, device, dtype, max_model_len = f.cfg, f.device, f.dtype, f.max_model_len
+    model = load_model(f.model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device,
                        load_format=config.load_format)
     lora_pool, registry = build_lora(config, cfg, model, device, dtype)
     num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
@@ -124,10 +141,22 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
     scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.max_loras)
     torch.manual_seed(config.seed)
-    return EngineParts(model_dir=model_dir, model_config=cfg, model=model, tokenizer=tokenizer, device=device,
+    return EngineParts(model_dir=f.model_dir, model_config=cfg, model=model, tokenizer=f.tokenizer, device=device,
                        dtype=dtype, kv_caches=kv_caches, kv=kv, scheduler=scheduler, max_model_len=max_model_len,
-                       eos_token_ids=load_eos_ids(model_dir, tokenizer), stats=EngineStats(),
+                       eos_token_ids=load_eos_ids(f.model_dir, f.tokenizer), stats=EngineStats(),
                        lora_pool=lora_pool, registry=registry)
+
+
+def build_registry(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Any:
+    """The adapter registry (`--lora-dir`s, host LRU, loader pool) with the start-up adapters read."""
+    from adapters.dims import BaseModelDims
+    from adapters.registry import AdapterRegistry
+
+    registry = AdapterRegistry(BaseModelDims.from_model_config(cfg), config.max_lora_rank, config.max_cpu_loras,
+                               lora_dirs=config.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda")
+    for name, path in config.lora_modules:
+        registry.load(name, path)
+    return registry
 
 
 def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM, device: torch.device,
@@ -135,14 +164,9 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM, 
     """Device slot pool + wrappers on the fused linears + the registry with the start-up adapters."""
     from adapters.dims import BaseModelDims
     from adapters.layers import apply_lora_wrappers
-    from adapters.registry import AdapterRegistry
     from adapters.slots import LoRASlotPool
 
-    dims = BaseModelDims.from_model_config(cfg)
-    pool = LoRASlotPool(config.max_loras, config.max_lora_rank, dims, device=device, dtype=dtype)
+    pool = LoRASlotPool(config.max_loras, config.max_lora_rank, BaseModelDims.from_model_config(cfg), device=device,
+                        dtype=dtype)
     apply_lora_wrappers(model, pool)
-    registry = AdapterRegistry(dims, config.max_lora_rank, config.max_cpu_loras, lora_dirs=config.lora_dirs,
-                               dtype=dtype, pin_memory=device.type == "cuda")
-    for name, path in config.lora_modules:
-        registry.load(name, path)
-    return pool, registry
+    return pool, build_registry(config, cfg, device, dtype)

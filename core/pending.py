@@ -25,6 +25,26 @@ from core.runner import HostBatch, host_to_device
 from core.sampler import logprob_entries
 
 
+Fixup = tuple[np.ndarray, np.ndarray]               # (rows of the new batch, rows of the sampled tokens)
+DeviceFixup = tuple[torch.Tensor, torch.Tensor]
+
+
+def fixup_to_device(fixup: Fixup | None, device: torch.device) -> DeviceFixup | None:
+    if fixup is None:
+        return None
+    rows, src = fixup
+    both = host_to_device(np.concatenate([rows, src]), device)                                  # [2R]
+    return both[:len(rows)], both[len(rows):]
+
+
+def patch_inputs(input_ids: torch.Tensor, tokens: torch.Tensor, fixup: DeviceFixup | None) -> None:
+    """Writes the in-flight tokens (sampled on the device, not read yet) into a step's input ids, in stream
+    order (the driver from its pending step; tensor-parallel workers from the tokens the driver shared)."""
+    if fixup is not None:
+        rows, src = fixup
+        input_ids.index_copy_(0, rows, tokens.index_select(0, src))
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """Starts a device -> host copy (pinned, non-blocking on CUDA); valid once the step's event fired."""
     if not t.is_cuda:
@@ -59,22 +79,18 @@ class PendingStep:
                 r.append_pending_token()
         return pending
 
-    def input_fixup(self, host: HostBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, sources) on the device: batch rows whose input token is in flight, and its row here.
+    def input_fixup(self, host: HostBatch) -> Fixup | None:
+        """(rows, sources) on the host: batch rows whose input token is in flight, and its row here.
         Only decodes can hold one (a request with a token in flight has exactly one token to compute)."""
         rows = np.nonzero(host.token_ids[:host.num_decode] == PENDING_TOKEN)[0]                 # [R]
         assert PENDING_TOKEN not in host.token_ids[host.num_decode:], "a prefill chunk reads a token in flight"
         if len(rows) == 0:
             return None
         src = np.fromiter((self.row_of[id(host.requests[i])] for i in rows), dtype=np.int64, count=len(rows))
-        both = host_to_device(np.concatenate([rows.astype(np.int64), src]), device)           # [2R]
-        return both[:len(rows)], both[len(rows):]
+        return rows.astype(np.int64), src
 
-    def apply_fixup(self, input_ids: torch.Tensor, fixup: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Writes the in-flight tokens into a step's (device) input ids, in stream order."""
-        if fixup is not None:
-            rows, src = fixup
-            input_ids.index_copy_(0, rows, self.tokens.index_select(0, src))
+    def apply_fixup(self, input_ids: torch.Tensor, fixup: DeviceFixup | None) -> None:
+        patch_inputs(input_ids, self.tokens, fixup)
 
     def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """Waits for this step's sampling (not for later work on the stream); tokens and log-prob entries."""

@@ -7,8 +7,10 @@ preempted and recomputed writes the same values again. Entry 0 is None (nothing 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.outputs import TokenLogprob
@@ -20,23 +22,44 @@ def wants_prompt_logprobs(req: Request) -> bool:
     return req.sampling_params.prompt_logprobs is not None
 
 
-def record_prompt_logprobs(model: Any, host: HostBatch, hidden: torch.Tensor) -> None:
-    """hidden [T, H] of the flat batch `host`: fills `req.prompt_logprobs` for the prompt tokens whose
-    predecessor was computed in this step."""
-    for i, req in enumerate(host.requests):
-        if not wants_prompt_logprobs(req) or i < host.num_decode:
+@dataclass(frozen=True)
+class PromptLogprobPlan:
+    """The prompt rows of one step that go through the LM head, planned before the forward (tensor-parallel
+    workers get `rows` with the step, so they join the same logits gather)."""
+    rows: np.ndarray                                 # [P] flat rows of the step's hidden states
+    spans: list[tuple[Request, int, int]]            # (request, first prompt position, rows) in `rows` order
+
+
+def plan_prompt_logprobs(host: HostBatch) -> PromptLogprobPlan | None:
+    """Which rows of the flat batch `host` predict a prompt token of a request that wants prompt log-probs:
+    position p predicts token p + 1; only targets inside the prompt count (the rest is sampled)."""
+    parts: list[np.ndarray] = []
+    spans: list[tuple[Request, int, int]] = []
+    for i in range(host.num_decode, len(host.requests)):
+        req = host.requests[i]
+        if not wants_prompt_logprobs(req):
             continue
         start, n = int(req.num_computed_tokens), int(host.num_new[i])
-        # position p predicts token p + 1; only targets inside the prompt (the rest is sampled)
         last = min(start + n, req.num_prompt_tokens - 1)
         if last <= start:
             continue
-        rows = hidden[int(host.cu[i]):int(host.cu[i]) + (last - start)]                     # [P, H]
-        logp = model.compute_logits(rows).log_softmax(dim=-1)                                # [P, V]
-        targets = torch.tensor(req.prompt_token_ids[start + 1:last + 1], device=logp.device)  # [P]
-        chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+        parts.append(np.arange(int(host.cu[i]), int(host.cu[i]) + (last - start), dtype=np.int64))
+        spans.append((req, start, last - start))
+    return PromptLogprobPlan(np.concatenate(parts), spans) if parts else None
+
+
+def record_prompt_logprobs(model: Any, plan: PromptLogprobPlan, hidden: torch.Tensor) -> None:
+    """hidden [T, H] of the step: fills `req.prompt_logprobs` for the planned positions (one LM-head call)."""
+    rows = torch.from_numpy(plan.rows).to(hidden.device)
+    logp = model.compute_logits(hidden.index_select(0, rows)).log_softmax(dim=-1)              # [P, V]
+    offset = 0
+    for req, start, num in plan.spans:
+        part = logp[offset:offset + num]                                                     # [p, V]
+        offset += num
+        targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + num], device=logp.device)  # [p]
+        chosen = part.gather(1, targets[:, None]).squeeze(1).tolist()
         k = req.sampling_params.prompt_logprobs or 0
-        vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)                                 # [P, k]
+        vals, ids = part.topk(min(k, part.shape[-1]), dim=-1)                                 # [p, k]
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None] * req.num_prompt_tokens
         for j, (c, top_ids, top_vals) in enumerate(zip(chosen, ids.tolist(), vals.tolist())):

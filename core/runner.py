@@ -106,6 +106,13 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
+def graph_sample_rows(host: HostBatch, device: torch.device) -> torch.Tensor | None:
+    """The rows of a decode graph's output that sample (None: all of them)."""
+    if len(host.samples) == len(host.requests):
+        return None
+    return host_to_device(np.asarray(host.samples, dtype=np.int64), device)
+
+
 def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelInput:
     num_decode, reqs = host.num_decode, host.requests
     ctx, tables = host.context_lens, host.tables

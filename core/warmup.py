@@ -63,7 +63,11 @@ def synthetic_batch(decode_lens: list[int], prefill_chunks: list[tuple[int, int]
                      num_decode=len(decode_lens), samples=list(range(len(num_new))))
 
 
-def _forward_variants(engine: Any) -> list[KernelVariant]:
+Shape = tuple[str, list[int], list[tuple[int, int]]]     # (label, decode context lengths, prefill chunks)
+
+
+def forward_shapes(engine: Any) -> list[Shape]:
+    """The dummy steps whose forwards launch every attention / fused-op variant (none without Triton)."""
     from core.attention.triton_backend import TritonAttentionBackend
     from core.models.fused_ops import use_triton
 
@@ -78,38 +82,45 @@ def _forward_variants(engine: Any) -> list[KernelVariant]:
     long = min(engine.max_model_len - 4, 4 * getattr(backend, "min_partition", 256))
     can_split = triton_attention and long > 2 * backend.min_partition and \
         backend.graph_max_splits(1, engine.model_config.num_kv_heads, engine.device) > 1
-    shapes = [("decode", [short], []), ("mixed", [short], [(0, 3)])]
+    shapes: list[Shape] = [("decode", [short], []), ("mixed", [short], [(0, 3)])]
     if can_split:
         shapes += [("decode+split", [long], []), ("mixed+split", [long], [(0, 3)])]
-    return [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p)) for name, d, p in shapes]
+    return shapes
+
+
+def dummy_forward(model: Any, kv_caches: Any, lora_pool: Any, block_size: int, device: torch.device,
+                  decode_lens: list[int], prefill_chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """One synthetic step through `model` (any rank's shard) and its LM head; returns the logits (rank 0)."""
+    host = synthetic_batch(decode_lens, prefill_chunks, block_size)
+    batch = to_device(host, block_size, device)
+    if lora_pool is not None:
+        lora_pool.context.clear()
+    hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)                  # [T, hidden]
+    return model.compute_logits(hidden[batch.logits_indices])                                # [N, vocab]
 
 
 def _dummy_step(engine: Any, decode_lens: list[int], prefill_chunks: list[tuple[int, int]]) -> None:
-    host = synthetic_batch(decode_lens, prefill_chunks, engine.block_size)
-    batch = to_device(host, engine.block_size, engine.device)
-    if engine.lora_pool is not None:
-        engine.lora_pool.context.clear()
-    hidden = engine.model(batch.input_ids, batch.positions, engine.kv_caches, batch.meta)    # [T, hidden]
-    logits = engine.model.compute_logits(hidden[batch.logits_indices])                       # [N, vocab]
+    logits = dummy_forward(engine.model, engine.kv_caches, engine.lora_pool, engine.block_size, engine.device,
+                           decode_lens, prefill_chunks)
     from grammar.bitmask import allocate_token_bitmask
 
     masks = (allocate_token_bitmask(logits.shape[0], engine.model_config.vocab_size), torch.zeros(1, dtype=torch.int64))
     apply_token_masks(logits, masks)
 
 
-def _lora_variants(engine: Any) -> list[KernelVariant]:
-    pool = engine.lora_pool
+def lora_variants(model: Any, pool: Any, device: torch.device) -> list[KernelVariant]:
+    """The LoRA kernel variants of one rank's fused linears, on scratch stacks (no collective)."""
     if pool is None:
         return []
     from adapters.layers import LoRALinear
     from adapters.lora_ops import select_backend
 
-    probe = torch.empty(1, device=engine.device)
+    probe = torch.empty(1, device=device)
     if select_backend(probe, pool.context.backend) != "triton":
         return []
     from adapters.lora_ops.triton_ops import SEGMENT_CONFIGS
 
-    layer0 = engine.model.model.layers[0]
+    layer0 = model.model.layers[0]
     variants: list[KernelVariant] = []
     for module in layer0.modules():
         if not isinstance(module, LoRALinear):
@@ -154,12 +165,10 @@ def _bgmv(module: Any) -> None:
 
 
 def kernel_variants(engine: Any) -> list[KernelVariant]:
-    """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU).
-    Under tensor parallelism the workers would have to replay the dummy steps too: not warmed up yet (each
-    rank then compiles on first use)."""
-    if getattr(engine, "tp", None) is not None:
-        return []
-    return _forward_variants(engine) + _lora_variants(engine)
+    """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU)."""
+    forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p))
+                for name, d, p in forward_shapes(engine)]
+    return forwards + lora_variants(engine.model, engine.lora_pool, engine.device)
 
 
 def run_warmup(engine: Any, progress: ProgressFn | None = None) -> WarmupReport:
@@ -169,6 +178,8 @@ def run_warmup(engine: Any, progress: ProgressFn | None = None) -> WarmupReport:
     start = time.monotonic()
     compiles_before = COMPILES.total
     variants = kernel_variants(engine)
+    if getattr(engine, "tp", None) is not None:   # the workers run the same dummy forwards (collectives pair up), then their LoRA
+        engine.tp.warmup_forwards([(d, p) for _, d, p in forward_shapes(engine)])
     with torch.inference_mode():
         for i, variant in enumerate(variants):
             variant.run()

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from core.config import EngineConfig
 from core.distributed.lora import ShardedSlotPool
 from core.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group, step_timeout_s
-from core.distributed.step_inputs import StepInputs
+from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.distributed.worker import worker_main
 from core.runner import HostBatch
 
@@ -121,12 +121,30 @@ class TPExecutor:
         self._monitor.start()
 
     # ---- steps --------------------------------------------------------------------------------
-    def send_step(self, host: HostBatch, token_slots: np.ndarray | None) -> None:
-        """Sends the step's inputs (and the LoRA slot writes since the last one) to every worker."""
+    def _send(self, message: Any) -> None:
         if self.failure is not None:
             raise WorkerFailure(self.failure)
+        self.tp.broadcast_object(message)
+
+    def send_step(self, host: HostBatch, token_slots: np.ndarray | None, **how: Any) -> None:
+        """Sends the step's inputs (and the LoRA slot writes since the last one) to every worker; `how`: the
+        `StepInputs` fields that say what the workers do around the forward (graph, fixup, logits, tokens)."""
         assert self.lora_pool is not None, "send_step before attach"
-        self.tp.broadcast_object(StepInputs.from_host(host, token_slots, self.lora_pool.take_journal()))
+        self._send(StepInputs.from_host(host, token_slots, self.lora_pool.take_journal(), **how))
+
+    def share_tokens(self, tokens: torch.Tensor) -> None:
+        """Broadcasts a step's sampled tokens [N] (int64, on the device) to the workers, without a host sync:
+        with async scheduling the next step's inputs take them before the driver has read them."""
+        assert tokens.dtype == torch.int64 and tokens.dim() == 1, "sampled tokens are one int64 per row"
+        self.tp.broadcast_tensor(tokens)
+
+    def warmup_forwards(self, shapes: list[tuple[list[int], list[tuple[int, int]]]]) -> None:
+        """Tells the workers to run the warm-up's dummy forwards (the driver runs the same ones next)."""
+        self._send(WarmupForwards(tuple((tuple(d), tuple(p)) for d, p in shapes)))
+
+    def capture_graphs(self, sizes: tuple[int, ...], use_graphs: bool, with_lora: bool) -> None:
+        """Tells the workers to build and capture their decode graphs (the driver captures the same next)."""
+        self._send(CaptureGraphs(tuple(sizes), use_graphs, with_lora))
 
     # ---- liveness -------------------------------------------------------------------------------
     def _dead_worker(self) -> str | None:

@@ -51,6 +51,11 @@ class TPGroup:
         dist.gather(t, gather_list=None, dst=0, group=self.device_group)
         return None
 
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype), on the device group; returns `t`."""
+        dist.broadcast(t, src=0, group=self.device_group)
+        return t
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends `obj` to every rank; the others receive it (blocks while the driver is idle)."""
         box = [obj]

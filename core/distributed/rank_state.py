@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,8 @@ class RankState:
     device: torch.device
     dtype: torch.dtype
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    graphs: Any = None                       # DecodeGraphRunner (workers), built by the capture command
+    last_tokens: torch.Tensor | None = None  # the last step's sampled tokens [N] (async scheduling)
 
 
 def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device,

@@ -1,4 +1,12 @@
-"""One step's inputs as the driver sends them to the workers (numpy arrays, no request objects)."""
+"""What the driver sends the workers, on the gloo group: one message per step, or a start-up command.
+
+- `StepInputs`: one step's inputs (numpy arrays, no request objects), and what the workers must do around the
+  forward in the driver's order: the decode graph or the eager path, the in-flight tokens to patch in (async
+  scheduling), the prompt log-prob rows and the sampled rows (each joins the logits gather), and whether the
+  sampled tokens come back to them (a device broadcast, for the next step's patch).
+- `WarmupForwards` / `CaptureGraphs`: the start-up warm-up's dummy forwards and the decode-graph capture,
+  which every rank runs in the same order (their collectives pair up).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.distributed.lora import SlotOp
+from core.pending import Fixup
 from core.runner import HostBatch
 
 
@@ -22,16 +31,39 @@ class StepInputs:
     samples: tuple[int, ...]     # rows that sample: the workers join the logits gather iff non-empty
     token_slots: np.ndarray | None   # [T] LoRA slot per token (-1 base); None: no adapter this step
     slot_ops: tuple[SlotOp, ...]     # LoRA slot writes / clears since the last step, in order
+    use_graph: bool = False          # the decode graph of the padded batch size (else the eager forward)
+    fixup: Fixup | None = None       # async scheduling: input tokens taken from the last step's sampled tokens
+    prompt_rows: np.ndarray | None = None   # [P] flat rows whose logits give prompt log-probs (before sampling)
+    share_tokens: bool = False       # the driver broadcasts this step's sampled tokens after sampling
 
     @staticmethod
-    def from_host(host: HostBatch, token_slots: np.ndarray | None, slot_ops: list[SlotOp]) -> "StepInputs":
+    def from_host(host: HostBatch, token_slots: np.ndarray | None, slot_ops: list[SlotOp], *,
+                  use_graph: bool = False, fixup: Fixup | None = None, prompt_rows: np.ndarray | None = None,
+                  share_tokens: bool = False) -> "StepInputs":
         return StepInputs(num_new=host.num_new, cu=host.cu, token_ids=host.token_ids, positions=host.positions,
                           slot_mapping=host.slot_mapping, tables=host.tables, context_lens=host.context_lens,
                           num_decode=host.num_decode, samples=tuple(host.samples), token_slots=token_slots,
-                          slot_ops=tuple(slot_ops))
+                          slot_ops=tuple(slot_ops), use_graph=use_graph, fixup=fixup, prompt_rows=prompt_rows,
+                          share_tokens=share_tokens and bool(host.samples))
 
     def to_host(self) -> HostBatch:
         return HostBatch(requests=[None] * len(self.num_new), num_new=self.num_new, cu=self.cu,  # type: ignore[list-item]
                          token_ids=self.token_ids, positions=self.positions, slot_mapping=self.slot_mapping,
                          tables=self.tables, context_lens=self.context_lens, num_decode=self.num_decode,
                          samples=list(self.samples))
+
+
+@dataclass(frozen=True)
+class WarmupForwards:
+    """The warm-up's dummy steps, as (decode context lengths, prefill (cached, new) chunks), in order; then each
+    rank launches its own LoRA kernel variants (no collective)."""
+    shapes: tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...]
+
+
+@dataclass(frozen=True)
+class CaptureGraphs:
+    """Build the decode graph runner for these padded sizes and capture it (or, `use_graphs` False, run its
+    forwards once: the CPU tests' padded path); `with_lora`: also the graphs with adapters."""
+    sizes: tuple[int, ...]
+    use_graphs: bool
+    with_lora: bool
