@@ -5,7 +5,6 @@ import dataclasses
 import logging
 import os
 import random
-import threading
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ from adapters.slot_fill import SlotFiller
 from core.config import EngineConfig
 from core.detokenizer import IncrementalDetokenizer
 from core.engine_setup import EngineParts, build_engine_parts
+from core.grammar_compilers import GrammarCompilers
 from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
@@ -52,11 +52,9 @@ class LLMEngine:
         self.scheduler.on_finish = self._on_finish
         self.scheduler.adapter_ready = self.registry.is_ready   # a request waits while its adapter loads
         self.slot_filler = SlotFiller(self.lora_pool)
-        self._compiler: Any = None
-        self._schema_options: Any = None
-        self._compiler_lock = threading.Lock()
+        self._grammars = GrammarCompilers(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.tp = p.tp_executor                        # tensor parallel: sends each step to the workers
-        self.graphs: DecodeGraphRunner | None = None   # captured by `warmup()` (CUDA, unless enforce_eager or TP)
+        self.graphs: DecodeGraphRunner | None = None   # captured by `warmup()` (CUDA, unless enforce_eager)
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
@@ -125,7 +123,7 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
-        return self._delta(req, [], [], finished=True)
+        return make_delta(req, [], [], finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -134,22 +132,12 @@ class LLMEngine:
     @property
     def grammar_compiler(self) -> Any:
         """The grammar compiler over this tokenizer (built on first use; thread-safe afterwards)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                from grammar.compiler import GrammarCompiler
-
-                self._compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                 sorted(self.eos_token_ids))
-            return self._compiler
+        return self._grammars.compiler
 
     @property
     def schema_options(self) -> Any:
         """Limits of the schema -> regex lowering, scaled to this vocabulary (keeps compiles ~2 s)."""
-        if self._schema_options is None:
-            from grammar.schema import SchemaOptions
-
-            self._schema_options = SchemaOptions.for_vocab_size(self.model_config.vocab_size)
-        return self._schema_options
+        return self._grammars.schema_options
 
     # ---- adapters -------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> LoadedAdapter:
@@ -188,7 +176,7 @@ class LLMEngine:
         deltas = []
         for req in reqs:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            delta = self._delta(req, [], [], finished=True)
+            delta = make_delta(req, [], [], finished=True)
             delta.error, delta.exception = message, exception
             deltas.append(delta)
         return deltas
@@ -312,10 +300,7 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(req, status)
             self.stats.observe_e2e(now - req.arrival_time)
-        return self._delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
-
-    def _delta(self, req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:
-        return make_delta(req, tokens, logprobs, finished)
+        return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
 
     def check_integrity(self) -> None:
         if self._pending is None:
