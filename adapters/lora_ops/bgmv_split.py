@@ -57,22 +57,23 @@ def _in_rank(stack: LoRAStack, s: int, safe: torch.Tensor, valid: torch.Tensor) 
 
 
 def torch_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta) -> torch.Tensor:
-    """h [1, S, B, max_rank] float32, exact zeros past each row's rank and on rows of slot -1."""
-    safe, valid = _row_slots(meta)
+    """h [1, S, B, max_rank] float32. Columns past a row's rank and rows of slot -1 (computed with slot 0)
+    hold garbage that `torch_bgmv_expand` masks out, as the Triton expand never reads them."""
+    safe, _ = _row_slots(meta)
     cdt = compute_dtype(x)
     xs = x.to(cdt).unsqueeze(2)                                                       # [B, in, 1]
     h = torch.empty(1, stack.num_slices, meta.num_tokens, stack.max_rank, dtype=torch.float32,
                     device=x.device)                                                  # [1, S, B, R]
     for s in range(stack.num_slices):
         a_tok = stack.lora_a[s].index_select(0, safe).to(cdt)                         # [B, R, in]
-        hs = torch.bmm(a_tok, xs).squeeze(2).float()                                  # [B, R]
-        h[0, s] = torch.where(_in_rank(stack, s, safe, valid), hs, 0.0)               # garbage past rank: 0
+        h[0, s] = torch.bmm(a_tok, xs).squeeze(2)                                     # [B, R]
     return h
 
 
 def torch_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
                       y_offset: int = 0) -> None:
-    """y += the deltas of `torch_bgmv_shrink`'s h (summed over its first dim); rows of slot -1 stay as they are."""
+    """y += the deltas of `torch_bgmv_shrink`'s h (summed over its first dim), reading h and B only up to each
+    row's rank; rows of slot -1 stay as they are."""
     assert h.dim() == 4 and tuple(h.shape[1:]) == (stack.num_slices, meta.num_tokens, stack.max_rank), \
         f"h {tuple(h.shape)} is not this stack's torch shrink output"
     safe, valid = _row_slots(meta)
