@@ -7,6 +7,9 @@ the segmented path (`metadata.LoRABatchMeta`, `triton_ops`).
 
     meta = DecodeLoRAMeta(num_tokens=B, row_slots=slots_dev, row_order=order_dev)
     bgmv_add_lora(y, x, stack, meta)          # y[T, out] += LoRA(x[T, in]) for every row with a slot
+
+`triton_bgmv_add_lora` is `triton_bgmv_shrink` then `triton_bgmv_expand`; the row-parallel LoRA of tensor
+parallelism all-reduces the shrink result between the two (`bgmv_split`).
 """
 from __future__ import annotations
 
@@ -69,17 +72,14 @@ def bgmv_config(stack: LoRAStack, k_split_cols: int = K_SPLIT_COLS) -> BGMVConfi
     return BGMVConfig(block_r, block_k, block_n, splits, k_per_split)
 
 
-def _check_layout(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack) -> None:
-    assert x.stride(1) == 1 and y.stride(1) == 1, "BGMV needs unit column strides"
-    assert stack.lora_a.stride(3) == 1 and stack.lora_b.stride(2) == 1, "LoRA A/B need unit K / rank strides"
-
-
-def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
-                         y_offset: int = 0, config: BGMVConfig | None = None) -> None:
-    """y[row] += LoRA_slot(row)(x[row]) for every row: one shrink and one expand launch for all slices."""
+def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
+                       config: BGMVConfig | None = None) -> torch.Tensor:
+    """h [num_k_splits, S, B, BLOCK_R] float32: per K split, x[row] @ A_slot(row)^T of every slice, in one
+    launch. Only the first `rank` columns of a LoRA row are written (expand reads no more); rows of slot -1
+    are not written. h is linear in x: partial results of A split by input columns add up (row-parallel TP)."""
     from adapters.lora_ops import bgmv_kernels as K
 
-    _check_layout(y, x, stack)
+    assert x.stride(1) == 1 and stack.lora_a.stride(3) == 1, "BGMV shrink needs unit x column / A K strides"
     cfg = config or bgmv_config(stack)
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     h = torch.empty((cfg.num_k_splits, num_slices, num_rows, cfg.block_r), dtype=torch.float32,
@@ -92,6 +92,19 @@ def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, met
         h.stride(0), h.stride(1), h.stride(2),
         stack.ranks.stride(0),
         BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k)
+    return h
+
+
+def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
+                       y_offset: int = 0, config: BGMVConfig | None = None) -> None:
+    """y[row, y_offset + slice columns] += scale * (sum over K splits of h[:, s, row]) @ B_slot(row)^T."""
+    from adapters.lora_ops import bgmv_kernels as K
+
+    assert y.stride(1) == 1 and stack.lora_b.stride(2) == 1, "BGMV expand needs unit y column / B rank strides"
+    cfg = config or bgmv_config(stack)
+    num_rows, num_slices = meta.num_tokens, stack.num_slices
+    assert tuple(h.shape) == (cfg.num_k_splits, num_slices, num_rows, cfg.block_r) and \
+        h.dtype == torch.float32 and h.stride(3) == 1, f"h {tuple(h.shape)} is not this stack's shrink output"
     num_n_blocks = -(-max(stack.slice_sizes) // cfg.block_n)
     K.bgmv_expand_kernel[(num_rows, num_n_blocks, num_slices)](
         h, stack.lora_b, y, meta.row_order, meta.row_slots, stack.ranks, stack.scalings, stack.slice_meta,
@@ -101,6 +114,14 @@ def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, met
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0),
         BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n)
+
+
+def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
+                         y_offset: int = 0, config: BGMVConfig | None = None) -> None:
+    """y[row] += LoRA_slot(row)(x[row]) for every row: one shrink and one expand launch for all slices."""
+    cfg = config or bgmv_config(stack)
+    h = triton_bgmv_shrink(x, stack, meta, cfg)                              # [splits, S, B, BLOCK_R]
+    triton_bgmv_expand(y, h, stack, meta, y_offset, cfg)
 
 
 def torch_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,

@@ -53,6 +53,15 @@ def select_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
     return choice  # type: ignore[return-value]
 
 
+def decode_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
+    """The backend of the fused decode (BGMV) ops: as `select_backend`, except that the automatic choice
+    also takes the Triton kernels under TRITON_INTERPRET (they run in the CPU interpreter)."""
+    chosen = select_backend(t, backend)
+    if chosen == "torch" and backend is None and _auto_choice() and _interpreting() and triton_available():
+        return "triton"
+    return chosen
+
+
 def shrink(
     x: torch.Tensor,  # [T, in]
     stack: LoRAStack,
@@ -100,13 +109,13 @@ def add_lora(
     meta.check_num_tokens(x.shape[0])
     if y.shape[0] != x.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
-    chosen = select_backend(x, backend)
     if isinstance(meta, DecodeLoRAMeta):
-        if chosen == "triton" or (backend is None and _auto_choice() and _interpreting() and triton_available()):
+        if decode_backend(x, backend) == "triton":
             triton_bgmv_add_lora(y, x, stack, meta, y_offset)
         else:
             torch_bgmv_add_lora(y, x, stack, meta, y_offset)
         return
+    chosen = select_backend(x, backend)
     if chosen == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
             meta.num_lora_tokens <= GATHER_MAX_TOKENS_PER_GROUP * meta.num_groups:
         torch_add_lora_gathered(y, x, stack, meta, y_offset)

@@ -16,7 +16,7 @@ from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     # CPU low-precision matmuls are slow and less accurate: use fp32 there.
     return torch.float32 if t.device.type == "cpu" else t.dtype
 
@@ -33,7 +33,7 @@ def torch_shrink(
         out = torch.empty(stack.num_slices, meta.num_lora_tokens, stack.max_rank,
                           dtype=torch.float32, device=x.device)  # [S, T_lora, R]
     ranks = stack.host_ranks()
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     x_lora = x.index_select(0, meta.token_ids.long()).to(cdt)  # [T_lora, in], one gather for all groups
     for g, slot in enumerate(meta.group_slots_host):
         start, size = meta.group_starts_host[g], meta.group_sizes_host[g]
@@ -60,7 +60,7 @@ def torch_expand(
     gather/scatter (index ops on column-slice views are slow on the CPU)."""
     ranks = stack.host_ranks()
     scalings = stack.host_scalings()
-    cdt = _compute_dtype(y)
+    cdt = compute_dtype(y)
     num_cols = stack.lora_b.shape[1]
     delta: Optional[torch.Tensor] = None
     for g, slot in enumerate(meta.group_slots_host):
@@ -108,7 +108,7 @@ def torch_add_lora_rows(
     y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, idx: torch.Tensor, slots: torch.Tensor, y_offset: int = 0,
 ) -> None:
     """y[idx[i]] += LoRA of slot slots[i] applied to x[idx[i]], one batched matmul per slice."""
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     slots = slots.long()
     xs = x.index_select(0, idx).to(cdt)                                               # [n, in]
     rows = y.index_select(0, idx)                                                     # [n, out_total]

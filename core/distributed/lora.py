@@ -3,7 +3,8 @@
 - Column-parallel linears (qkv, gate_up): A whole, B by output rows; the delta lands on this rank's
   output columns with no communication.
 - Row-parallel linears (o, down): A by input columns; the partial shrink result h = x_local A_local^T
-  ([S, T_lora, R], small) is all-reduced, then B (whole) is applied once to the replicated output.
+  ([S, T_lora, R], small) is all-reduced, then B (whole) is applied once to the replicated output. Decode
+  batches with per-row slots (`DecodeLoRAMeta`, the CUDA-graph path) do the same with the BGMV halves.
 
 `ShardedSlotPool` holds this rank's slices in the same slot layout as at N=1. On the driver it also
 journals every slot write and clear; the journal travels with the next step, and each worker applies
@@ -19,6 +20,8 @@ from torch import nn
 from adapters.adapter import LoRAAdapter
 from adapters.dims import BaseModelDims
 from adapters.layers import LoRALinear, apply_lora_wrappers
+from adapters.lora_ops.bgmv import DecodeLoRAMeta
+from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
 from adapters.lora_ops.dispatch import expand, select_backend, shrink
 from adapters.slots import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
@@ -81,7 +84,12 @@ class RowParallelLoRALinear(LoRALinear):
         x2 = x.reshape(-1, x.shape[-1])                               # [T, in / N]
         y2 = y.view(-1, y.shape[-1])                                  # [T, out]
         meta.check_num_tokens(x2.shape[0])
-        backend = select_backend(x2, self.context.backend)   # grouped metadata: TP runs no decode graphs
+        if isinstance(meta, DecodeLoRAMeta):                          # padded decode batch (CUDA graphs)
+            h = bgmv_shrink(x2, self.stack, meta, self.context.backend)   # partial sums, backend layout
+            self.tp.all_reduce(h)
+            bgmv_expand(y2, h, self.stack, meta, self.y_offset, self.context.backend)
+            return y
+        backend = select_backend(x2, self.context.backend)
         h = torch.zeros(self.stack.num_slices, meta.num_lora_tokens, self.stack.max_rank,
                         dtype=torch.float32, device=x2.device)        # [S, T_lora, R]
         shrink(x2, self.stack, meta, out=h, backend=backend)
