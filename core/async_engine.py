@@ -103,6 +103,10 @@ class AsyncEngine:
         if not self.engine.ready:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.engine.check_request(len(prompt_token_ids), params)
+        lora = kwargs.get("lora")
+        if lora is not None:   # held from now on: an unload before the engine thread admits it cannot 404 it
+            self.engine.registry.acquire(lora)     # (unloaded already: AdapterError 404, before any response)
+            kwargs = {**kwargs, "lora_held": True}
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         with self._lock:
             assert request_id not in self._streams, f"duplicate request id {request_id}"
@@ -165,7 +169,7 @@ class AsyncEngine:
         for s in adds:
             try:
                 self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, **s.kwargs)
-            except Exception as exc:  # rejected late (e.g. its adapter was unloaded meanwhile): tell the client
+            except Exception as exc:  # rejected late (its adapter hold was given back): tell the waiting client
                 out.append(_error_delta(s.request_id, str(exc), exc))
         for rid in aborts:
             delta = self.engine.abort_request(rid)

@@ -101,21 +101,30 @@ class LLMEngine:
                              self.block_size, self.kv.num_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    lora: LoadedAdapter | None = None, grammar: Any = None, tenant: str | None = None) -> Request:
-        """Queues a request; `lora` is a registry entry (None = the base model); `tenant` feeds fair scheduling."""
-        max_tokens = self.check_request(len(prompt_token_ids), params)
-        namespace = lora.namespace if lora is not None else "base"
-        seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                      max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids, namespace=namespace,
-                      lora_slot_key=lora, grammar=grammar, tenant=tenant)
-        if lora is not None:
-            self.registry.acquire(lora)
-        # constrained requests never cut their text at stop strings (the grammar ends them)
-        detok_params = params if grammar is None else dataclasses.replace(params, stop=())
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params,
-                                                 use_prompt_context=grammar is None)
-        self.scheduler.add_request(req)
+                    lora: LoadedAdapter | None = None, grammar: Any = None, tenant: str | None = None,
+                    lora_held: bool = False) -> Request:
+        """Queues a request; `lora` is a registry entry (None = the base model); `tenant` feeds fair scheduling.
+        `lora_held`: the caller already holds `lora` for this request (`registry.acquire`); the request takes
+        the hold over, and gives it back if it is rejected."""
+        try:
+            max_tokens = self.check_request(len(prompt_token_ids), params)
+            if lora is not None and not lora_held:
+                self.registry.acquire(lora)      # an adapter unloaded since its name was resolved: 404
+                lora_held = True
+            seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
+            req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                          max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids,
+                          namespace=lora.namespace if lora is not None else "base", lora_slot_key=lora,
+                          grammar=grammar, tenant=tenant)
+            # constrained requests never cut their text at stop strings (the grammar ends them)
+            detok_params = params if grammar is None else dataclasses.replace(params, stop=())
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params,
+                                                     use_prompt_context=grammar is None)
+            self.scheduler.add_request(req)
+        except BaseException:
+            if lora is not None and lora_held:
+                self.registry.release(lora)
+            raise
         self.stats.num_prompt_tokens += req.num_prompt_tokens
         return req
 

@@ -280,6 +280,59 @@ def test_unload_between_resolve_and_admission() -> None:
     assert_idle_and_sound(llm)
 
 
+def test_request_submitted_before_unload_finishes() -> None:
+    """Through the server's path (`AsyncEngine.submit` holds the adapter on the event loop): an unload after
+    the submission and before the engine thread admits it lets the request finish with the adapter's weights
+    (it is in flight), and a submission after the unload is a 404 raised before any response starts."""
+    import asyncio
+    import threading
+
+    from core.async_engine import AsyncEngine
+
+    model = "llama_gqa"
+    llm = make_llm(model, names={"tenant-a": "qv_r4"})
+    engine = llm.engine
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
+    entry = engine.resolve_lora("tenant-c")
+    ids = prompt_ids(model)[0]
+    aeng = AsyncEngine(engine)
+    gate, parked = threading.Event(), threading.Event()
+
+    def park() -> None:                                # holds the engine thread between two iterations
+        if not gate.is_set():
+            parked.set()
+            gate.wait(30)
+
+    aeng.hooks.append(park)
+    aeng.start()
+    assert parked.wait(30)
+
+    async def run() -> list[int]:
+        queue = aeng.submit("r", ids, GREEDY, lora=entry)
+        engine.unload_lora("tenant-c")
+        with pytest.raises(AdapterError) as excinfo:
+            aeng.submit("late", ids, GREEDY, lora=entry)
+        assert excinfo.value.status == 404
+        gate.set()
+        tokens: list[int] = []
+        while True:
+            delta = await asyncio.wait_for(queue.get(), 60)
+            assert delta.error is None, delta.error
+            tokens += delta.new_token_ids
+            if delta.finished:
+                return tokens
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        gate.set()
+        aeng.shutdown()
+    assert tokens == reference(model, "tenant-c", ids, {"tenant-c": "all7_r8"})
+    assert entry.num_in_flight == 0
+    engine.step()                                      # frees the unloaded adapter's slot
+    assert_idle_and_sound(llm)
+
+
 @pytest.mark.parametrize("unload_after_steps", [0, 1])
 def test_unload_while_waiting_for_its_host_copy(unload_after_steps: int) -> None:
     """A request admitted on an adapter whose host copy was evicted (host LRU of 1) waits for the re-read; an
