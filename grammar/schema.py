@@ -12,10 +12,10 @@ empties the whole schema.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jsonschema import Draft202012Validator
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
@@ -23,8 +23,19 @@ from referencing.jsonschema import DRAFT202012
 from grammar.errors import GrammarError, escape_pointer_token, pointer_str, unsupported
 from grammar.ir import Node, make_union
 
+if TYPE_CHECKING:
+    from jsonschema import Draft202012Validator
+
 ROOT_URI = "urn:loraplex:schema"
-_META = Draft202012Validator(Draft202012Validator.META_SCHEMA)
+
+
+@functools.lru_cache(maxsize=1)
+def _meta_validator() -> "Draft202012Validator":
+    """jsonschema is imported on first use: with its optional format packages installed, importing it costs
+    seconds (rfc3987-syntax builds a parser), which a server that never sees a schema should not pay."""
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(Draft202012Validator.META_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -101,7 +112,7 @@ def check_metaschema(schema: Any) -> None:
     """Raise invalid_json_schema unless `schema` is a valid Draft 2020-12 schema."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("the schema must be a JSON object or a boolean", "invalid_json_schema")
-    errors = sorted(_META.iter_errors(schema), key=lambda e: (len(e.absolute_path), str(e.message)))
+    errors = sorted(_meta_validator().iter_errors(schema), key=lambda e: (len(e.absolute_path), str(e.message)))
     if errors:
         e = errors[0]
         ptr = "".join("/" + escape_pointer_token(p) for p in e.absolute_path)
@@ -166,6 +177,8 @@ class Lowerer:
             key = (id(sub.schema), id(sub.resolver))
             validator = self._validators.get(key)
             if validator is None:
+                from jsonschema import Draft202012Validator
+
                 validator = Draft202012Validator(
                     sub.schema,
                     registry=self.registry,

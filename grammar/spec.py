@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
 
-from jsonschema import Draft202012Validator
 
 from grammar.errors import GrammarError
 from grammar.regex_builder import RegexBuilder
@@ -53,6 +52,8 @@ class GrammarSpec:
             return False
         if self.kind == "json_object":
             return isinstance(value, dict)
+        from jsonschema import Draft202012Validator
+
         schema = json.loads(self.schema_json or "true")
         validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
         try:

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.cuda_graphs import DecodeGraphRunner  # noqa: E402
-from lora_fixtures import torch_threads  # noqa: E402
-from test_lora_engine import GREEDY, LORAS, make_llm, prompt_ids, reference  # noqa: E402
+from lora_fixtures import peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
+from test_lora_engine import LORAS, NAMES, make_llm, prompt_ids  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa"
@@ -54,9 +54,9 @@ def test_staggered_batch_matches_hf(llm: LLM) -> None:
     path = model_dir(MODEL)
     prompts = [encode(path, p) + [10 + i, 20 + i] for i, p in enumerate(PROMPTS[:6])]
     runs_before = llm.engine.graphs.num_runs
-    outputs = run_staggered(llm.engine, prompts, SamplingParams(max_tokens=12, temperature=0.0), check=True)
+    outputs = run_staggered(llm.engine, prompts, SamplingParams(max_tokens=10, temperature=0.0), check=True)
     for i, ids in enumerate(prompts):
-        assert outputs[str(i)] == hf_greedy(path, ids, 12), f"request {i}"
+        assert outputs[str(i)] == hf_greedy(path, ids, 10), f"request {i}"
     assert llm.engine.graphs.num_runs > runs_before and llm.engine.graphs.num_fallbacks > 0
     assert llm.engine.kv.usage() == 0.0
 
@@ -69,8 +69,11 @@ def test_mixed_adapters_match_peft(llm: LLM) -> None:
     loras = LORAS * 2
     graphs = llm.engine.graphs
     runs_before, fallbacks_before = graphs.num_runs, graphs.num_fallbacks
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora=loras)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0.0),
+                        lora=loras)
     for ids, lora, out in zip(prompts, loras, outs):
-        assert list(out.token_ids) == reference(MODEL, lora, ids), f"lora={lora}"
+        adapter = None if lora is None else NAMES[lora]
+        assert peft_greedy_margin(MODEL, adapter, ids, 8) > 1e-3, "test setup: reference near a tie"
+        assert list(out.token_ids) == peft_greedy(MODEL, adapter, ids, 8), f"lora={lora}"
     assert graphs.num_runs > runs_before and graphs.num_fallbacks > fallbacks_before
     llm.engine.check_integrity()

@@ -37,7 +37,7 @@ def sample(folder: str) -> list[Path]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     if not BENCH.is_dir():
         pytest.skip(f"{BENCH} is not present")
-    proc = ServerProcess(tiny_model(tmp_path_factory.mktemp("bench_model")), "--max-num-seqs", "256")
+    proc = ServerProcess(tiny_model(tmp_path_factory.getbasetemp() / "gateway_models"), "--max-num-seqs", "256")
     yield proc
     proc.stop()
 
