@@ -23,7 +23,7 @@ from kernel_recorder import KernelRecorder  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
 from testlib import PROMPTS, encode, model_dir  # noqa: E402
 
-MODEL = "llama_gqa"
+MODEL = "llama_gqa_1layer"     # one layer: the launch keys of every layer are the same
 ADAPTERS = {"t-qv4": "qv_r4", "t-all8": "all7_r8", "t-kod16": "rs_kod_r16", "t-r64": "qkvo_gu_r64"}
 SIZES = (1, 2, 4, 8)
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
