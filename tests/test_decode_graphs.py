@@ -26,6 +26,9 @@ from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_th
 from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+# one layer on the CPU (the interpreter runs every kernel in Python; each layer takes the same path), the
+# two-layer model where real kernels run
+MODEL = "llama_gqa" if CUDA else "llama_gqa_1layer"
 DEVICE = "cuda" if CUDA else "cpu"
 SIZES = (1, 2, 4, 8)
 FALLBACK_SIZES = (1, 2, 4)   # below max_num_seqs 8: decode steps of 5-8 rows run eagerly
@@ -71,7 +74,7 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
     fallback, counted), the tail runs padded graphs of 4/2/1; a chunked prefill budget mixes prefill steps
     in. With async scheduling the input ids of the graph's rows come from the previous step's token tensor
     on the device."""
-    model = "llama_gqa"
+    model = MODEL
     path = model_dir(model)
     # longest first (prefilled in 64-token chunks), so all 8 decode together once the short ones are in
     prompts = sorted((encode(path, p) for p in PROMPTS), key=len, reverse=True)
@@ -81,6 +84,7 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
     params = [SamplingParams(max_tokens=11 - i, temperature=0.0) for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for out, ids, sp in zip(outs, prompts, params):
+        assert peft_greedy_margin(model, None, ids, sp.max_tokens) > 1e-3, "test setup: reference near a tie"
         assert out.outputs[0].token_ids == hf_greedy(path, ids, sp.max_tokens), out.request_id
     runner = llm.engine.graphs
     assert (runner.num_replays if CUDA else runner.num_runs) > 0
@@ -92,7 +96,7 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
 def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool = True) -> None:
     """Base and two adapters in every decode step: the fused BGMV decode kernels give PEFT's tokens (with async
     scheduling, the GPU default; the graph inputs without it are covered by `test_greedy_equals_hf[False]`)."""
-    model = "llama_gqa"
+    model = MODEL
     mods = {name: str(adapter_dir(model, a)) for name, a in NAMES.items()}
     llm = graph_llm(model, monkeypatch, lora_modules=mods, max_loras=2, max_lora_rank=8,
                     async_scheduling=async_scheduling)
