@@ -1,7 +1,7 @@
 """Tensor parallelism (gloo, CPU, fp32, N=2) with async scheduling: step t+1 is sent to the worker before the
 driver reads step t's tokens, so the worker patches its inputs from the tokens the driver broadcasts after
-sampling. Greedy outputs equal HF / PEFT token for token with mixed adapters (also one found in a `--lora-dir`)
-and chunked prefill; prompt log-probs (whose LM-head rows the worker joins) equal N=1."""
+sampling. Greedy outputs equal HF / PEFT token for token with mixed adapters (also one found in a `--lora-dir`),
+chunked prefill and preemption (a small KV pool); prompt log-probs (whose LM-head rows the worker joins) equal N=1."""
 from __future__ import annotations
 
 import math
@@ -27,7 +27,8 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     shutil.copytree(adapter_dir(MODEL, "all7_r8"), lora_dir / "acme" / "support")
     with torch_threads(1):
         engine = make_llm(MODEL, max_loras=2, tensor_parallel_size=2, async_scheduling=True,
-                          max_num_batched_tokens=48, lora_dirs=[str(lora_dir)])
+                          max_num_batched_tokens=48, lora_dirs=[str(lora_dir)],
+                          num_kv_blocks=24)        # ~5 of the mixed batch's 24 requests fit: preemption
         try:
             yield engine
         finally:
@@ -39,7 +40,10 @@ def test_async_is_on_under_tp(llm: LLM) -> None:
 
 
 def test_mixed_adapters_match_peft(llm: LLM) -> None:
+    """With rows in flight when their request is preempted (recomputed later, on both ranks)."""
+    before = llm.engine.scheduler.num_preemptions
     check_mixed(MODEL, llm)
+    assert llm.engine.scheduler.num_preemptions > before
     llm.engine.check_integrity()
 
 
