@@ -107,11 +107,17 @@ class AsyncEngine:
         if lora is not None:   # held from now on: an unload before the engine thread admits it cannot 404 it
             self.engine.registry.acquire(lora)     # (unloaded already: AdapterError 404, before any response)
             kwargs = {**kwargs, "lora_held": True}
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        with self._lock:
-            assert request_id not in self._streams, f"duplicate request id {request_id}"
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._adds.append(_Submission(request_id, list(prompt_token_ids), params, kwargs))
+        try:
+            queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            with self._lock:
+                assert request_id not in self._streams, f"duplicate request id {request_id}"
+                self._streams[request_id] = (loop, queue)
+                self._adds.append(_Submission(request_id, list(prompt_token_ids), params, kwargs))
+        except BaseException:
+            if lora is not None:
+                self.engine.registry.release(lora)
+            raise
         self._wakeup.set()
         return queue
 
@@ -122,8 +128,13 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs: Any) -> AsyncIterator[RequestDelta]:
-        """Streams the request's deltas; leaving early (client gone, cancelled) aborts it."""
+        """Submits the request and streams its deltas; leaving early (client gone, cancelled) aborts it."""
         queue = self.submit(request_id, prompt_token_ids, params, **kwargs)
+        async for delta in self.stream(request_id, queue):
+            yield delta
+
+    async def stream(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> AsyncIterator[RequestDelta]:
+        """The deltas of a submitted request (`submit`'s queue); leaving early aborts it."""
         finished = False
         try:
             while not finished:

@@ -35,8 +35,7 @@ def plan_prompt_logprobs(host: HostBatch) -> PromptLogprobPlan | None:
     position p predicts token p + 1; only targets inside the prompt count (the rest is sampled)."""
     parts: list[np.ndarray] = []
     spans: list[tuple[Request, int, int]] = []
-    for i in range(host.num_decode, len(host.requests)):
-        req = host.requests[i]
+    for i, req in enumerate(host.requests):   # a 1-token prompt chunk sits among the decodes (one new token)
         if not wants_prompt_logprobs(req):
             continue
         start, n = int(req.num_computed_tokens), int(host.num_new[i])

@@ -31,12 +31,14 @@ from gateway.context import metered, request_context
 from gateway.deadline import Deadline
 from gateway.echo import apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
-from gateway.generation import admit, collect, make_children, merge_children, new_request_id, usage
+from gateway.generation import (
+    abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
+)
 from gateway.metrics import CONTENT_TYPE
 from gateway.middleware import GatewayMiddleware
 from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
-from gateway.constraints import resolve_tool_constraint
+from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -108,6 +110,8 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     ctx.model = model.name
     params = kind.params(body)
     tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
+    if tooled or wants_constraint(body):
+        await validators_ready()
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options) if tooled else None
     kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
     if plan is not None and plan.constrained:
@@ -119,11 +123,13 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     admit(state.aeng, children)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
+    sources = submit_children(state.aeng, children, kwargs)      # errors here are still the response's status
+    ctx.cleanups.append(lambda: abort_children(state.aeng, children))   # e.g. a response that never started
     ctx.admitted = True
     ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None
-    merged = merge_children(state.aeng, children, kwargs, state.metrics)
+    merged = merge_children(state.aeng, children, sources, state.metrics)
     if body.stream:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))

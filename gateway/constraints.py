@@ -16,11 +16,33 @@ def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
     if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
         raise invalid("response_format.json_schema is required when type is 'json_schema'",
                       param="response_format.json_schema")
+    if not wants_constraint(body):
+        return None   # free text: never touches the engine
     rf_dict = None if rf is None else rf.model_dump(by_alias=True, exclude_none=True)
     guided = {name: getattr(body, name) for name in GUIDED_FIELDS}
-    if (rf is None or rf.type == "text") and body.structured_outputs is None and all(v is None for v in guided.values()):
-        return None   # free text: never touches the engine
     return parse_constraints(body.structured_outputs, guided, rf_dict, engine.schema_options)
+
+
+def wants_constraint(body: _SamplingFields) -> bool:
+    from grammar.constraints import GUIDED_FIELDS
+
+    rf = body.response_format
+    return not ((rf is None or rf.type == "text") and body.structured_outputs is None
+                and all(getattr(body, name) is None for name in GUIDED_FIELDS))
+
+
+_validators_ready = False
+
+
+async def validators_ready() -> None:
+    """jsonschema is imported on first use (with its optional format packages that takes seconds): the first
+    request that needs schema checks loads it on a worker thread, so the event loop never stalls on it."""
+    global _validators_ready
+    if not _validators_ready:
+        from grammar.schema import warm_validators
+
+        await asyncio.to_thread(warm_validators)
+        _validators_ready = True
 
 
 async def compile_spec(spec: Any, engine: Any) -> Any:

@@ -61,11 +61,32 @@ def engine_kwargs_for(child: Child, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-async def _pump(aeng: AsyncEngine, child: Child, kwargs: dict[str, Any],
-                queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]]) -> None:
-    kwargs = engine_kwargs_for(child, kwargs)
+def submit_children(aeng: AsyncEngine, children: list[Child],
+                    kwargs: dict[str, Any]) -> list[asyncio.Queue[RequestDelta]]:
+    """Submits every child now, before any response byte: an adapter unloaded since its name was resolved is the
+    request's 404, never an error event inside a 200 stream. On a failure the children already submitted are
+    aborted. Returns each child's delta queue (read them with `merge_children`)."""
+    queues: list[asyncio.Queue[RequestDelta]] = []
     try:
-        async for delta in aeng.generate(child.request_id, child.prompt_token_ids, child.params, **kwargs):
+        for child in children:
+            queues.append(aeng.submit(child.request_id, child.prompt_token_ids, child.params,
+                                      **engine_kwargs_for(child, kwargs)))
+    except BaseException:
+        abort_children(aeng, children[:len(queues)])
+        raise
+    return queues
+
+
+def abort_children(aeng: AsyncEngine, children: list[Child]) -> None:
+    """Aborts the children (a no-op for those that already finished)."""
+    for child in children:
+        aeng.abort(child.request_id)
+
+
+async def _pump(aeng: AsyncEngine, child: Child, source: asyncio.Queue[RequestDelta],
+                queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]]) -> None:
+    try:
+        async for delta in aeng.stream(child.request_id, source):
             queue.put_nowait((child.index, delta, None))
     except asyncio.CancelledError:
         raise
@@ -73,12 +94,13 @@ async def _pump(aeng: AsyncEngine, child: Child, kwargs: dict[str, Any],
         queue.put_nowait((child.index, None, exc))
 
 
-async def merge_children(aeng: AsyncEngine, children: list[Child], kwargs: dict[str, Any],
+async def merge_children(aeng: AsyncEngine, children: list[Child], sources: list[asyncio.Queue[RequestDelta]],
                          metrics: GatewayMetrics | None = None) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """Yields (choice index, delta) from all children as they arrive; closing it aborts every unfinished child."""
+    """Yields (choice index, delta) from all submitted children as they arrive; closing it aborts every
+    unfinished child."""
     queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
     timers = {c.index: RequestTimer(metrics) for c in children}
-    tasks = [asyncio.create_task(_pump(aeng, c, kwargs, queue)) for c in children]
+    tasks = [asyncio.create_task(_pump(aeng, c, src, queue)) for c, src in zip(children, sources)]
     remaining = len(children)
     try:
         while remaining:

@@ -38,6 +38,11 @@ def _meta_validator() -> "Draft202012Validator":
     return Draft202012Validator(Draft202012Validator.META_SCHEMA)
 
 
+def warm_validators() -> None:
+    """Imports jsonschema and builds the meta-schema validator now (the server calls it off its event loop)."""
+    _meta_validator()
+
+
 @dataclass(frozen=True)
 class SchemaOptions:
     """Limits and knobs of the schema -> regex lowering."""

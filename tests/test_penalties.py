@@ -218,6 +218,23 @@ def test_prompt_logprobs_over_chunked_prefill_and_a_cached_prefix() -> None:
     small.engine.check_integrity()
 
 
+def test_prompt_logprobs_with_one_token_prefill_chunks() -> None:
+    """A budget that leaves one token for a prompt's next chunk: that 1-token chunk is batched with the decodes,
+    and its prompt position still gets its log-prob (a missing entry was a 500 in the echo response)."""
+    small = LLM(str(PATH), dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=8)
+    path_ids = encode(PATH, PROMPTS[4])
+    other, ids = path_ids[:7], path_ids[:12]
+    p = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)
+    outs = small.generate([other, ids], [SamplingParams(max_tokens=6, temperature=0.0), p])
+    entries = outs[1].prompt_logprobs
+    assert entries is not None and entries[0] is None and all(e is not None for e in entries[1:]), entries
+    with torch.no_grad():
+        ref = _hf_model(str(PATH))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for pos in range(1, len(ids)):
+        assert entries[pos][0] == ids[pos] and abs(entries[pos][1] - ref[pos - 1, ids[pos]].item()) < 1e-4
+    small.engine.check_integrity()
+
+
 def test_min_tokens_never_empties_a_row_a_grammar_narrowed_to_eos() -> None:
     from core.penalties import PenaltyState
     from core.request import Request
