@@ -178,8 +178,11 @@ class AdapterRegistry:
     # ---- engine side ----------------------------------------------------------------------
     def acquire(self, entry: LoadedAdapter) -> None:
         """Holds `entry` for one request. An entry unloaded since the gateway resolved its name is gone (404):
-        its slot and host copy may already be freed, so nothing may start on it."""
+        its slot and host copy may already be freed, so nothing may start on it. A directory entry whose first
+        read failed is retired by that failure: requests that resolved it before get that read's error."""
         with self._lock:
+            if entry.unloaded and entry.error is not None:
+                raise entry.error
             if entry.unloaded:
                 raise AdapterError(f"The model `{entry.name}` does not exist (it was unloaded).",
                                    code="model_not_found", status=404)

@@ -167,6 +167,26 @@ def test_concurrent_first_requests_share_one_load(tmp_path: Path) -> None:
     reg.check_integrity()
 
 
+def test_request_resolved_before_a_failed_first_read_gets_its_error(tmp_path: Path) -> None:
+    """Two requests resolve a directory adapter whose files are corrupt; the first one's read fails (and retires
+    the entry) before the second is admitted: the second gets that read's 400, not a 404 for an unloaded name."""
+    root = tmp_path / "loras"
+    _touch_adapter(root / "acme" / "bad")
+    reg = _registry(root, 4, FakeLoader())
+    first, second = reg.lookup("acme/bad"), reg.lookup("acme/bad")
+    assert first is second
+    reg.acquire(first)
+    reg.start_load(first)
+    while reg.num_loading:
+        reg.wait_for_loads(0.1)
+    with pytest.raises(AdapterError) as excinfo:
+        reg.acquire(second)
+    assert (excinfo.value.code, excinfo.value.status) == ("corrupt_adapter_weights", 400)
+    reg.release(first)
+    reg.take_released()
+    reg.check_integrity()
+
+
 def test_directory_names_stay_inside(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     _touch_adapter(root / "acme" / "a")
