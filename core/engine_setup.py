@@ -15,6 +15,7 @@ from core.metrics import EngineStats
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import load_model, resolve_model_path
 from core.scheduler import Scheduler
+from core.tokenizer_load import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
@@ -109,8 +110,6 @@ class ModelFiles:
 
 
 def resolve_model_files(config: EngineConfig) -> ModelFiles:
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model_path(config.model)
     cfg = ModelConfig.from_path(model_dir)
     device = resolve_device(config.device)
@@ -118,7 +117,7 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
     if cfg.sliding_window:
         max_model_len = min(max_model_len, cfg.sliding_window)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
     return ModelFiles(model_dir, cfg, device, dtype, max_model_len, tokenizer)

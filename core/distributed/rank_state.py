@@ -14,7 +14,7 @@ from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard, load_sharded_weights
 from core.models.llama import LlamaForCausalLM
-from core.models.loader import init_dummy_weights
+from core.models.loader import init_dummy_weights, skip_param_init
 from core.models.rope import RotaryEmbedding
 
 
@@ -35,7 +35,7 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     """The model built from the rank's local config on the meta device, parallelized, then loaded
     with its slices only; LoRA wrappers over a sharded slot pool. The KV pool comes later (`allocate_kv`)."""
     local = shard.local_config()
-    with torch.device("meta"):
+    with torch.device("meta"), skip_param_init():
         model = LlamaForCausalLM(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
     model = model.to_empty(device=device).to(dtype)

@@ -44,6 +44,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
+        if torch.empty(0).is_meta:
+            # built inside `with torch.device("meta")` (the loader replaces it once the model is placed): shapes
+            # only. Arithmetic on meta tensors runs torch's Python reference ops, whose first use imports
+            # torch._dynamo (about 1.7 s of a process start).
+            self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+            self._last = None
+            return
         inv_freq, _ = compute_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]          # [P, D/2]

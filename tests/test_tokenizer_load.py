@@ -1,0 +1,76 @@
+"""core/tokenizer_load.py picks the same tokenizer as `AutoTokenizer.from_pretrained` (class, vocabulary, special
+tokens, encodings, chat template) for every test model and the embedded demo model, without importing the
+architecture's configuration module (the import that made it slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from core.llm import DEMO_MODEL_DIR
+from core.tokenizer_load import light_config, load_tokenizer
+from testlib import SPECS, model_dir
+
+TEXTS = ["def fibonacci(n):\n    return n", "  héllo\twörld  \n\n", "<s>x</s><|user|>", ""]
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def _folders() -> list[Path]:
+    return [model_dir(name) for name in SPECS if name != "llama_gqa_1layer"] + [Path(DEMO_MODEL_DIR)]
+
+
+@pytest.mark.parametrize("folder", _folders(), ids=lambda p: p.name)
+def test_same_tokenizer_as_auto_tokenizer(folder: Path) -> None:
+    ref, ours = AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(folder)
+    assert light_config(folder) is not None                     # the light path was taken
+    assert type(ours) is type(ref)
+    assert ours.get_vocab() == ref.get_vocab() and len(ours) == len(ref)
+    assert ours.special_tokens_map == ref.special_tokens_map and ours.all_special_ids == ref.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (ref.bos_token_id, ref.eos_token_id,
+                                                                         ref.pad_token_id)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ref.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids
+            assert ours.decode(ids) == ref.decode(ids)
+    assert ours.chat_template == ref.chat_template
+    if ref.chat_template:
+        assert ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == \
+            ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
+def test_does_not_import_the_architecture_config() -> None:
+    folder = model_dir("llama_gqa")
+    code = ("import sys, pathlib; from core.tokenizer_load import load_tokenizer; "
+            f"load_tokenizer(pathlib.Path({str(folder)!r})); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('transformers.models.llama'))))")
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert "transformers.models.llama.configuration_llama" not in json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("change", ["no_model_type", "auto_map", "not_json", "no_tokenizer_class", "tok_auto_map"])
+def test_unusual_configs_fall_back_to_auto_config(tmp_path: Path, change: str) -> None:
+    src = model_dir("llama_gqa")
+    for f in src.iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = json.loads((src / "config.json").read_text())
+    tok = json.loads((src / "tokenizer_config.json").read_text())
+    if change == "no_tokenizer_class":
+        del tok["tokenizer_class"]
+    elif change == "tok_auto_map":
+        tok["auto_map"] = {"AutoTokenizer": [None, "custom.Tokenizer"]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok))
+    if change == "no_model_type":
+        del data["model_type"]
+    elif change == "auto_map":
+        data["auto_map"] = {"AutoConfig": "custom.Config"}
+    (tmp_path / "config.json").write_text("{" if change == "not_json" else json.dumps(data))
+    assert light_config(tmp_path) is None
+    if change == "no_tokenizer_class":   # the fallback is transformers' own resolution: same tokenizer as the plain call
+        assert type(load_tokenizer(tmp_path)) is type(AutoTokenizer.from_pretrained(str(tmp_path)))
