@@ -15,8 +15,9 @@ checked on the engine thread every few steps during the run), unloaded adapters 
 slot, no adapter refcount, queue slot or in-flight count is left, and the thread count and RSS did not grow
 beyond a bound. Summary numbers (requests/s, status histogram, disconnects, preemptions) are printed (-s).
 
-Bounded in count and time (required in CI): `LORAPLEX_SOAK_REQUESTS` (default 2000), `LORAPLEX_SOAK_SECONDS`
-(default 75: no new request after that) and `LORAPLEX_SOAK_SEED` (default 0) override the defaults.
+Bounded in count and time (required in CI): `LORAPLEX_SOAK_REQUESTS` (default 2000; the async-scheduling run
+`LORAPLEX_SOAK_ASYNC_REQUESTS`, default 1000), `LORAPLEX_SOAK_SECONDS` (default 75: no new request after that)
+and `LORAPLEX_SOAK_SEED` (default 0) override the defaults.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ NUM_KV_BLOCKS = 32                            # ~ 16 requests of ~2 blocks: the 
 MAX_BATCHED_TOKENS = 32                       # longer prompts are prefilled in chunks
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
+# the async-scheduling run replays the same mix, shorter: what it adds (a token in flight across aborts,
+# disconnects, preemptions and reloads) is exercised hundreds of times within 1000 requests
+NUM_ASYNC_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_ASYNC_REQUESTS", "1000"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_SOAK_SECONDS", "75"))
 SEED = int(os.environ.get("LORAPLEX_SOAK_SEED", "0"))
 CONCURRENCY = 24
@@ -206,11 +210,15 @@ def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
         access.setLevel(old_level)
 
 
+def num_requests(srv: InProcessServer) -> int:
+    return NUM_ASYNC_REQUESTS if srv.engine.async_scheduling else NUM_REQUESTS
+
+
 def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:
     tok = srv.engine.tokenizer
     token_prompts = tuple(tuple(tok.encode(p)) for p in PROMPTS)
     kwargs: dict[str, Any] = dict(
-        base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=NUM_REQUESTS,
+        base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=num_requests(srv),
         concurrency=CONCURRENCY, seed=SEED, max_duration_s=MAX_SECONDS, request_timeout_s=60.0,
         admin_token=ADMIN_TOKEN, hot_adapter=HOT, hot_paths=tuple(str(adapter_dir(MODEL, a)) for a in HOT_ADAPTERS),
         hot_cycles=4, token_prompts=token_prompts, vocab_size=len(tok))
@@ -406,7 +414,7 @@ def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakRepo
 def test_soak(server: InProcessServer) -> None:
     report = soak(server, soak_config(server))
     print(report.summary())
-    min_requests = min(NUM_REQUESTS, 200)
+    min_requests = min(num_requests(server), 200)
     problems = report.problems(min_requests=min_requests, min_preemptions=1, min_repeats=min_requests // 20)
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
     assert server.aeng.alive
