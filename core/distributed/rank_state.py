@@ -14,7 +14,7 @@ from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard, load_sharded_weights
 from core.models.llama import LlamaForCausalLM
-from core.models.loader import init_dummy_weights, skip_param_init
+from core.models.loader import init_dummy_weights, materialize, skip_param_init
 from core.models.rope import RotaryEmbedding
 
 
@@ -38,7 +38,7 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     with torch.device("meta"), skip_param_init():
         model = LlamaForCausalLM(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     rotary = RotaryEmbedding(local.head_dim, max_model_len, local.rope_theta, local.rope_scaling).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary

@@ -114,12 +114,30 @@ def skip_param_init() -> Iterator[None]:
             cls.reset_parameters = fn  # type: ignore[method-assign]
 
 
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Uninitialized storage on `device` for every meta parameter and buffer, floating ones in `dtype`: what
+    `to_empty(device=device).to(dtype)` gives, through plain factory calls. `to_empty` runs `empty_like` on meta
+    tensors through torch's Python reference ops (their first use imports torch.fx's symbolic shapes: 0.7 s of
+    a process start), and the `.to(dtype)` after it allocated every weight a second time."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                dt = dtype if p.is_floating_point() else p.dtype
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
+                                                              requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                dt = dtype if b.is_floating_point() else b.dtype
+                module._buffers[name] = torch.empty(b.shape, dtype=dt, device=device)
+    return model
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
     """Builds the module tree on the meta device (no random init), then fills it from the checkpoint."""
     with torch.device("meta"), skip_param_init():
         model = LlamaForCausalLM(cfg, backend, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
