@@ -3,11 +3,19 @@
 The asyncio server never touches tensors: it submits requests and aborts through locked lists, and
 receives `RequestDelta`s on a per-request asyncio.Queue, handed over in one batch per step with
 `call_soon_threadsafe`.
+
+The engine thread shares the GIL with the server's event loop. Most torch ops release the GIL while they run,
+and the engine thread must then win it back from whichever thread took it: with CPython's default 5 ms switch
+interval a saturated event loop makes every op of a step wait up to 5 ms. `start()` lowers the interval to 1 ms
+for the process: next to a thread that never blocks, a 16-request decode step of the tiny test model took 976 ms
+at 5 ms and 221 ms at 1 ms (2.1 ms alone); a loaded loop that works in short bursts costs the same either way
+(benchmarks/gil_contention.py). Only an engine in its own process removes the contention.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -18,6 +26,7 @@ from core.outputs import RequestDelta
 from core.sampling import SamplingParams
 
 log = logging.getLogger("loraplex.engine")
+SWITCH_INTERVAL_S = 0.001   # see the module docstring; measured in benchmarks/gil_contention.py
 
 
 @dataclass
@@ -43,8 +52,10 @@ class EngineWarmingError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
                  on_warmup_progress: Callable[[int, int, float], None] | None = None,
-                 on_ready: Callable[[Any], None] | None = None) -> None:
+                 on_ready: Callable[[Any], None] | None = None,
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
         self.engine = engine
+        self.switch_interval_s = switch_interval_s   # None: leave the interpreter's switch interval alone
         self.on_warmup_progress = on_warmup_progress
         self.on_ready = on_ready                 # called with the engine's WarmupReport once it serves
         self.warmup_progress: tuple[int, int, float] = (0, 0, 0.0)   # variants done, total, seconds
@@ -61,6 +72,8 @@ class AsyncEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
+        if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
+            sys.setswitchinterval(self.switch_interval_s)   # never raised: a host process may want it lower
         self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
