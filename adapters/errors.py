@@ -19,6 +19,11 @@ class AdapterError(Exception):
     def __repr__(self) -> str:
         return f"AdapterError({self.message!r}, code={self.code!r}, status={self.status})"
 
+    def fresh(self) -> "AdapterError":
+        """A new exception with the same message, code and status: a remembered error raised again for many
+        requests must not grow one shared traceback (which keeps every raising frame alive)."""
+        return AdapterError(self.message, code=self.code, status=self.status)
+
 
 class AdapterNotFoundError(AdapterError):
     """The adapter path or hub id does not exist (HTTP 404)."""

@@ -158,7 +158,7 @@ class AdapterRegistry:
                 return entry
             failed = self._negative.get(name)
             if failed is not None and failed[0] == loc.fingerprint:
-                raise failed[1]
+                raise failed[1].fresh()
             self._negative.pop(name, None)
             entry = LoadedAdapter(name=name, path=loc.path, generation_id=f"lora-{next(self._generations)}",
                                   adapter=None, files_dir=loc.path, location=loc)
@@ -181,8 +181,9 @@ class AdapterRegistry:
         its slot and host copy may already be freed, so nothing may start on it. A directory entry whose first
         read failed is retired by that failure: requests that resolved it before get that read's error."""
         with self._lock:
-            if entry.unloaded and entry.error is not None:
-                raise entry.error
+            if entry.unloaded and entry.error is not None and entry.location is not None and \
+                    entry.fingerprint is None:
+                raise entry.error.fresh()
             if entry.unloaded:
                 raise AdapterError(f"The model `{entry.name}` does not exist (it was unloaded).",
                                    code="model_not_found", status=404)

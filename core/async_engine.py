@@ -7,9 +7,10 @@ receives `RequestDelta`s on a per-request asyncio.Queue, handed over in one batc
 The engine thread shares the GIL with the server's event loop. Most torch ops release the GIL while they run,
 and the engine thread must then win it back from whichever thread took it: with CPython's default 5 ms switch
 interval a saturated event loop makes every op of a step wait up to 5 ms. `start()` lowers the interval to 1 ms
-for the process: next to a thread that never blocks, a 16-request decode step of the tiny test model took 976 ms
-at 5 ms and 221 ms at 1 ms (2.1 ms alone); a loaded loop that works in short bursts costs the same either way
-(benchmarks/gil_contention.py). Only an engine in its own process removes the contention.
+for the process (`shutdown()` restores it): next to a thread that never blocks, a 16-request decode step of the
+tiny test model on the CPU took 1550 ms at 5 ms and 230 ms at 1 ms (2.7 ms alone), and that thread lost 9% of
+its throughput; next to one that works in short bursts the two settings are alike (benchmarks/gil_contention.py).
+Only an engine in its own process removes the contention.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class AsyncEngine:
                  switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
         self.engine = engine
         self.switch_interval_s = switch_interval_s   # None: leave the interpreter's switch interval alone
+        self._switch_interval_before: float | None = None
         self.on_warmup_progress = on_warmup_progress
         self.on_ready = on_ready                 # called with the engine's WarmupReport once it serves
         self.warmup_progress: tuple[int, int, float] = (0, 0, 0.0)   # variants done, total, seconds
@@ -73,6 +75,7 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
+            self._switch_interval_before = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval_s)   # never raised: a host process may want it lower
         self._thread.start()
 
@@ -82,6 +85,9 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.engine.registry.shutdown()     # queued adapter reads are cancelled
+        if self._switch_interval_before is not None and sys.getswitchinterval() == self.switch_interval_s:
+            sys.setswitchinterval(self._switch_interval_before)   # a host process gets its own setting back
+            self._switch_interval_before = None
 
     @property
     def alive(self) -> bool:

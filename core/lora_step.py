@@ -31,7 +31,7 @@ def pump_adapter_loads(registry: Any, waiting: Iterable[Request]) -> list[tuple[
         if entry is None or entry.adapter is not None or entry.loading:
             continue
         if entry.error is not None:
-            failed.append((req, entry.error))
+            failed.append((req, entry.error.fresh()))   # one exception per request (own traceback)
         elif room and registry.can_start_load():
             registry.start_load(entry)
         else:

@@ -1,12 +1,12 @@
 """Loads the model folder's tokenizer as `AutoTokenizer.from_pretrained` does, in a fraction of the time.
 
 transformers' AutoTokenizer reads the model's config only for a few plain fields (`model_type`, a declared
-`tokenizer_class`, the folder name) to pick the tokenizer class. Loading that config through `AutoConfig` imports
-the architecture's configuration module, which in transformers 5 pulls in the modelling integrations
-(torch._dynamo, torch.distributed.tensor): about 2-3 s of every server start on a CPU, for nothing we use.
-Where tokenizer_config.json declares its `tokenizer_class` (every tokenizer saved by transformers does), we hand
-AutoTokenizer a plain `PreTrainedConfig` carrying those fields instead: transformers' own code then chooses the
-same class. Anything else falls back to the plain call.
+`tokenizer_class`, `model_name`, the folder name) to pick the tokenizer class. Loading that config through
+`AutoConfig` imports the architecture's configuration module, which in transformers 5 pulls in the modelling
+integrations (torch._dynamo, torch.distributed.tensor): about 2-3 s of every server start on a CPU, for
+nothing we use. Where tokenizer_config.json declares its `tokenizer_class` (every tokenizer saved by
+transformers does), we hand AutoTokenizer a plain `PreTrainedConfig` carrying those fields instead:
+transformers' own code then chooses the same class. Anything else falls back to the plain call.
 """
 from __future__ import annotations
 
@@ -30,15 +30,16 @@ def light_config(model_dir: Path) -> Any | None:
     from transformers import PreTrainedConfig
 
     model, tok = _read_json(model_dir / "config.json"), _read_json(model_dir / "tokenizer_config.json")
-    if model is None or tok is None or "auto_map" in model or "auto_map" in tok:
-        return None
+    if model is None or tok is None or "auto_map" in model or "auto_map" in tok or "configuration_files" in model:
+        return None   # remote code; or AutoConfig would read another config file
     if not isinstance(model.get("model_type"), str) or not isinstance(tok.get("tokenizer_class"), str):
         return None
     config = PreTrainedConfig()
     config.model_type = model["model_type"]
     config._name_or_path = str(model_dir)
-    if isinstance(model.get("tokenizer_class"), str):
-        config.tokenizer_class = model["tokenizer_class"]
+    for key in ("tokenizer_class", "model_name"):   # both steer AutoTokenizer's choice of class
+        if key in model:
+            setattr(config, key, model[key])
     return config
 
 

@@ -1,5 +1,5 @@
 """`AsyncEngine.start()` lowers the interpreter's GIL switch interval to 1 ms (never raises it; None leaves it
-alone). Why, with figures: core/async_engine.py and benchmarks/gil_contention.py."""
+alone), and `shutdown()` puts the previous value back. Why, with figures: core/async_engine.py and benchmarks/gil_contention.py."""
 from __future__ import annotations
 
 import sys
@@ -34,3 +34,4 @@ def test_start_sets_the_switch_interval(restore_interval: None, before: float, k
         assert aeng.alive
     finally:
         aeng.shutdown()
+    assert sys.getswitchinterval() == pytest.approx(before)   # shutdown gives the process its setting back

@@ -41,6 +41,37 @@ def test_same_tokenizer_as_auto_tokenizer(folder: Path) -> None:
             ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
 
 
+def _copy_model(src: Path, dst: Path) -> Path:
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("model_type, tokenizer_class, extra", [
+    ("llama", "LlamaTokenizerFast", {}),
+    ("llama", "LlamaTokenizerFast", {"model_name": "phi3"}),   # model_name steers the class choice too
+    ("qwen2", "Qwen2TokenizerFast", {}),
+    ("mistral", "LlamaTokenizerFast", {}),
+    ("phi3", "LlamaTokenizer", {}),
+    ("llama", "TokenizersBackend", {}),
+])
+def test_declared_classes_resolve_as_auto_tokenizer(tmp_path: Path, model_type: str, tokenizer_class: str,
+                                                    extra: dict) -> None:
+    folder = _copy_model(model_dir("llama_gqa"), tmp_path)
+    config = {**json.loads((folder / "config.json").read_text()), "model_type": model_type, **extra}
+    (folder / "config.json").write_text(json.dumps(config))
+    tok_config = {**json.loads((folder / "tokenizer_config.json").read_text()), "tokenizer_class": tokenizer_class}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    ref, ours = AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(folder)
+    assert light_config(folder) is not None
+    assert type(ours) is type(ref)
+    assert (ours.padding_side, ours.model_max_length, ours.all_special_ids) == \
+        (ref.padding_side, ref.model_max_length, ref.all_special_ids)
+    for text in TEXTS:
+        assert ours.encode(text) == ref.encode(text)
+
+
 def test_never_loads_the_config_through_auto_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """AutoConfig is what imports the architecture's configuration module (and with it transformers'
     modelling integrations): the light path must not call it."""
@@ -55,12 +86,11 @@ def test_never_loads_the_config_through_auto_config(monkeypatch: pytest.MonkeyPa
             str(folder), config=light_config(folder)).encode("x = 1")
 
 
-@pytest.mark.parametrize("change", ["no_model_type", "auto_map", "not_json", "no_tokenizer_class", "tok_auto_map"])
+@pytest.mark.parametrize("change", ["no_model_type", "auto_map", "not_json", "no_tokenizer_class", "tok_auto_map",
+                                    "configuration_files"])
 def test_unusual_configs_fall_back_to_auto_config(tmp_path: Path, change: str) -> None:
     src = model_dir("llama_gqa")
-    for f in src.iterdir():
-        if f.is_file():
-            (tmp_path / f.name).write_bytes(f.read_bytes())
+    _copy_model(src, tmp_path)
     data = json.loads((src / "config.json").read_text())
     tok = json.loads((src / "tokenizer_config.json").read_text())
     if change == "no_tokenizer_class":
@@ -70,6 +100,8 @@ def test_unusual_configs_fall_back_to_auto_config(tmp_path: Path, change: str) -
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok))
     if change == "no_model_type":
         del data["model_type"]
+    elif change == "configuration_files":
+        data["configuration_files"] = ["config.v2.json"]
     elif change == "auto_map":
         data["auto_map"] = {"AutoConfig": "custom.Config"}
     (tmp_path / "config.json").write_text("{" if change == "not_json" else json.dumps(data))

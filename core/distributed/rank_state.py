@@ -14,7 +14,8 @@ from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard, load_sharded_weights
 from core.models.llama import LlamaForCausalLM
-from core.models.loader import init_dummy_weights, materialize, skip_param_init
+from core.models.loader import init_dummy_weights
+from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import RotaryEmbedding
 
 

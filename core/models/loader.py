@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -12,6 +10,7 @@ from safetensors import safe_open
 from core.attention.backend import AttentionBackend
 from core.config import ModelConfig
 from core.models.llama import LlamaForCausalLM
+from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import RotaryEmbedding
 
 _STACKED = {  # HF name -> (our fused name, slice index)
@@ -97,39 +96,6 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-
-
-@contextmanager
-def skip_param_init() -> Iterator[None]:
-    """Module construction without the random init of nn.Linear / nn.Embedding (weights come from the checkpoint).
-    On the meta device that init is a no-op anyway, but it runs through torch's Python reference ops, whose first
-    call imports torch._dynamo: about 1.7 s of every process start (server, tensor-parallel ranks)."""
-    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
-    for cls in saved:
-        cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for cls, fn in saved.items():
-            cls.reset_parameters = fn  # type: ignore[method-assign]
-
-
-def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Uninitialized storage on `device` for every meta parameter and buffer, floating ones in `dtype`: what
-    `to_empty(device=device).to(dtype)` gives, through plain factory calls. `to_empty` runs `empty_like` on meta
-    tensors through torch's Python reference ops (their first use imports torch.fx's symbolic shapes: 0.7 s of
-    a process start), and the `.to(dtype)` after it allocated every weight a second time."""
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                dt = dtype if p.is_floating_point() else p.dtype
-                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
-                                                              requires_grad=p.requires_grad)
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                dt = dtype if b.is_floating_point() else b.dtype
-                module._buffers[name] = torch.empty(b.shape, dtype=dt, device=device)
-    return model
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,

@@ -157,10 +157,14 @@ def test_concurrent_first_requests_share_one_load(tmp_path: Path) -> None:
     while reg.num_loading:
         reg.wait_for_loads(0.1)
     assert bad.error is not None and reg.get("acme/bad") is None
+    raised = []
     for _ in range(3):                               # remembered: no new read until the files change
-        with pytest.raises(AdapterError):
+        with pytest.raises(AdapterError) as excinfo:
             reg.lookup("acme/bad")
+        raised.append(excinfo.value)
     assert loader.reads[str(root / "acme" / "bad")] == 1
+    # a fresh exception each time: one remembered object raised again would grow one shared traceback
+    assert len({id(e) for e in raised}) == 3 and {e.code for e in raised} == {"corrupt_adapter_weights"}
     time.sleep(0.01)
     _touch_adapter(root / "acme" / "bad", tag="changed")
     assert reg.lookup("acme/bad") is not None

@@ -147,5 +147,6 @@ def test_grammar_compile_timeout_is_a_400_and_the_pool_keeps_serving(bpe_tokeniz
         # grammar-library import in the new worker)
         assert compiler.compile(parse_constraints(None, {"guided_regex": "a[bc]"}, None)) is not None
         assert compiler._pool.restarts == 1
+        assert not compiler._pool._workers[0].cfg_ready   # the replacement loads the grammar library again
     finally:
         compiler.close()
