@@ -199,10 +199,11 @@ async def liveness(request: Request) -> Response:
     """`GET /health/live`: 200 while the engine loop runs, through warm-up and the whole drain (a liveness
     probe never restarts a draining replica); 503 once the loop is dead."""
     state = _state(request)
-    if not state.aeng.alive:
+    aeng = state.aeng
+    if not aeng.alive:
         return _engine_unavailable()
     draining = state.lifecycle is not None and state.lifecycle.draining
-    return JSONResponse({"status": "draining" if draining else "ok"})
+    return JSONResponse({"status": "draining" if draining else "ok" if aeng.ready else "warming_up"})
 
 
 async def metrics(request: Request) -> Response:
