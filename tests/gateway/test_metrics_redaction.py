@@ -46,6 +46,10 @@ def test_blind_view_drops_names_and_keeps_totals() -> None:
     assert all(not NAME_LABELS & {k for k, _ in labels} for _, labels in got)
     full = parsed(generate_latest(reg))            # the registry itself is untouched
     assert full[("x:tenant_requests_total", (("model", "acme/support"), ("status", "200"), ("tenant", "acme")))] == 3
+    created = [v for (name, labels), v in full.items()
+               if name == "x:tenant_requests_created" and ("status", "200") in labels]
+    if created:   # unless PROMETHEUS_DISABLE_CREATED_SERIES: the earliest creation time, not a sum of them
+        assert got[("x:tenant_requests_created", (("status", "200"),))] == min(created)
 
 
 class _Metrics:
