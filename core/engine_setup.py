@@ -10,6 +10,7 @@ import torch
 
 from core.attention.backend import get_attention_backend
 from core.config import EngineConfig, ModelConfig
+from core.context_limit import check_max_model_len
 from core.kv_cache_manager import KVCacheManager
 from core.metrics import EngineStats
 from core.models.llama import LlamaForCausalLM
@@ -114,6 +115,7 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     cfg = ModelConfig.from_path(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
+    check_max_model_len(config.scheduler.max_model_len, cfg)
     max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
     if cfg.sliding_window:
         max_model_len = min(max_model_len, cfg.sliding_window)

@@ -42,13 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="name of the base model in the API (default: --model)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_PORT, default=8000)
+    s.add_argument("--metrics-port", type=_PORT, default=None, metavar="PORT",
+                   help="also serve the full /metrics (tenant and adapter labels) on this port of --host, for "
+                        "Prometheus and the endpoint picker; with --tenant-keys the main port's /metrics has none")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--lora-modules", type=_LORA, nargs="+", action="extend", default=[], metavar="NAME=PATH")
-    s.add_argument("--lora-dir", type=_DIR, action="append", default=[], metavar="DIR",
+    s.add_argument("--lora-dir", type=_DIR, nargs="+", action="extend", default=[], metavar="DIR",
                    help="serve every PEFT adapter folder below DIR by its relative path (acme/support-v2), "
-                        "loaded on the first request that names it (repeatable)")
+                        "loaded on the first request that names it (several DIRs, or the flag repeated)")
     s.add_argument("--max-loras", type=_POS_INT, default=8)
     s.add_argument("--max-cpu-loras", type=_POS_INT, default=64)
     s.add_argument("--max-lora-rank", type=_POS_INT, default=64)
@@ -98,6 +101,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--lora-modules: duplicate adapter name")
     if args.tenant_keys is not None and not args.tenant_keys.is_file():
         parser.error(f"--tenant-keys: no such file: {args.tenant_keys}")
+    if args.metrics_port is not None and args.metrics_port == args.port and args.port != 0:
+        parser.error("--metrics-port must differ from --port")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
     if args.tenant_keys is not None:
@@ -106,6 +111,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--admin-token must differ from --api-key (the admin token is never an API key)")
     return ServerConfig(
         model=model, served_model_name=args.served_model_name or default_name, host=args.host, port=args.port,
+        metrics_port=args.metrics_port,
         device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=tuple(args.lora_modules),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,

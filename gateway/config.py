@@ -39,6 +39,7 @@ class ServerConfig:
     served_model_name: str          # the base model's name in the `model` field and /v1/models
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_port: int | None = None          # a second listener with the full /metrics (None: none)
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -69,8 +70,15 @@ class ServerConfig:
 
     @property
     def url(self) -> str:
+        return self._url(self.port)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.metrics_port is None else self._url(self.metrics_port) + "/metrics"
+
+    def _url(self, port: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{host}:{port}"
 
     def engine_config(self) -> "EngineConfig":
         from core.config import CacheConfig, EngineConfig, SchedulerConfig

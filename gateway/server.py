@@ -13,6 +13,7 @@ from adapters.errors import AdapterError
 from gateway.app import build_app
 from gateway.config import ServerConfig
 from gateway.lifecycle import GatewayServer
+from gateway.metrics_listener import MetricsListener
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
 from gateway.workers import watch_workers
@@ -81,10 +82,14 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         banner = (f"loraplex: serving {config.served_model_name!r} on {config.url} "
                   f"(device {engine.device}, max_model_len {engine.max_model_len}, "
                   f"{engine.kv.num_blocks} KV blocks of {engine.block_size}; loaded in {time.monotonic() - t0:.1f}s)")
+        if config.metrics_url is not None:
+            banner += f"; full metrics on {config.metrics_url}"
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                    access_log=log_level in ("info", "debug"))
         assert state.lifecycle is not None
-        server = GatewayServer(uv_config, banner, state.lifecycle)
+        listener = (MetricsListener(state.metrics, config.host, config.metrics_port, log_level)
+                    if config.metrics_port is not None else None)
+        server = GatewayServer(uv_config, banner, state.lifecycle, listener)
         workers_failed = watch_workers(aeng, server)
         try:
             server.run()
