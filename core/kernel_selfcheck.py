@@ -85,7 +85,7 @@ def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     assert got.shape == want.shape, f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
     g, w = got.detach().float(), want.detach().float()
     diff = torch.where(g == w, torch.zeros_like(g), (g - w).abs())
-    diff = torch.nan_to_num(diff, nan=float("inf"))
+    diff = torch.nan_to_num(diff, nan=float("inf"), posinf=float("inf"))
     finite = w[torch.isfinite(w)]
     err = float(diff.max()) if diff.numel() else 0.0
     scale = float(finite.abs().max()) if finite.numel() else 0.0
