@@ -14,6 +14,7 @@ from gateway.app import build_app
 from gateway.config import ServerConfig
 from gateway.lifecycle import GatewayServer
 from gateway.metrics_listener import MetricsListener
+from gateway.startup import exit_on_warmup_failure
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
 from gateway.workers import watch_workers
@@ -47,8 +48,9 @@ class WarmupPrinter:
 
 
 def print_ready(report: Any) -> None:
+    checked = f", {report.num_kernel_checks} kernel outputs self-checked" if report.num_kernel_checks else ""
     print(f"loraplex: warm-up done: {report.num_variants} kernel variants and {report.num_graphs} decode graphs in "
-          f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles); ready", flush=True)
+          f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles{checked}); ready", flush=True)
 
 
 def configure_access_log(enabled: bool) -> None:
@@ -91,11 +93,12 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
                     if config.metrics_port is not None else None)
         server = GatewayServer(uv_config, banner, state.lifecycle, listener)
         workers_failed = watch_workers(aeng, server)
+        warmup_failed = exit_on_warmup_failure(aeng, server)   # e.g. the kernel self-check refused a kernel
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
             pass
-        return 1 if workers_failed() else (0 if server.started else 1)
+        return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
     finally:
         aeng.shutdown()
         if aeng.engine.tp is not None:
