@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
-ALWAYS = "accepted for vLLM compatibility: loraplex always does this"
+ALWAYS = "accepted (vLLM compatibility)"
 
 
 def _kv_cache_dtype(text: str) -> str:
@@ -80,31 +80,31 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` (same as --model)")
     g = s.add_argument_group("vLLM compatibility (README: Coming from vLLM)")
-    g.add_argument("--enable-lora", action="store_true", help=f"{ALWAYS} (adapters are always on)")
+    g.add_argument("--enable-lora", action="store_true", help=f"{ALWAYS}: adapters are always on")
     g.add_argument("--chat-template", type=_typed(load_chat_template, "chat template"), default=None,
                    metavar="FILE_OR_TEMPLATE", help="a Jinja chat template (file or text) replacing the tokenizer's")
     g.add_argument("--generation-config", type=_typed(_generation_config, "generation config"), default="auto",
                    metavar="auto|vllm|DIR", help="auto: sampling defaults from the model's generation_config.json "
                    "for requests that omit them; vllm: none; DIR: that folder's generation_config.json")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help=f"{ALWAYS} (tool_choice auto works without it)")
+                   help=f"{ALWAYS}: tool_choice auto works without it")
     g.add_argument("--tool-call-parser", type=_tool_call_parser, default=None, metavar="NAME",
                    help=f"the tool-call format ({', '.join(sorted(TOOL_CALL_PARSERS))}; default: read from "
                         f"the chat template)")
     g.add_argument("--disable-log-requests", action="store_true",
-                   help=f"{ALWAYS} (request contents are never logged)")
+                   help=f"{ALWAYS}: request contents are never logged")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's parameters (never its text) at info")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="same as --no-access-log")
     g.add_argument("--disable-log-stats", action="store_true",
-                   help=f"{ALWAYS} (no periodic stats lines; /metrics has them)")
+                   help=f"{ALWAYS}: no periodic stats lines; /metrics has them")
     g.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    default=None, help="uvicorn's log level (default: --log-level)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"{ALWAYS} (chunked prefill is always on; --no-enable-chunked-prefill is refused)")
+                   help=f"{ALWAYS}: chunked prefill is always on; --no-enable-chunked-prefill is refused")
     g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", metavar="auto")
     g.add_argument("--swap-space", type=_typed(_swap_space, "GiB"), default=None, metavar="GiB",
-                   help=f"{ALWAYS} (preempted requests are recomputed, never swapped)")
+                   help=f"{ALWAYS}: preempted requests are recomputed, never swapped")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="let a tokenizer run its own code; a model needing its own modelling code is refused")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
