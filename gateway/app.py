@@ -121,7 +121,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
     prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
-    params = state.defaults.fit_context(params, body, prompts, state.aeng.engine.max_model_len)
+    params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
     children = make_children(request_id, prompts, params)
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)

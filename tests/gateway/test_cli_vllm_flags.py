@@ -151,12 +151,13 @@ def test_defaults_fill_only_omitted_fields() -> None:
 
 def test_default_max_tokens_fits_the_context() -> None:
     defaults = RequestDefaults((("max_tokens", 50),))
+    ctx64 = SimpleNamespace(max_model_len=64)
     body = CompletionRequest(prompt="x")
     params = completion_sampling_params(body, defaults)
-    assert defaults.fit_context(params, body, [[1] * 10], 64).max_tokens == 50
-    assert defaults.fit_context(params, body, [[1] * 10, [1] * 30], 64).max_tokens == 34   # the longest prompt
+    assert defaults.fit_context(params, body, [[1] * 10], ctx64).max_tokens == 50
+    assert defaults.fit_context(params, body, [[1] * 10, [1] * 30], ctx64).max_tokens == 34   # the longest prompt
     explicit = CompletionRequest(prompt="x", max_tokens=60)
-    assert defaults.fit_context(completion_sampling_params(explicit, defaults), explicit, [[1] * 30], 64).max_tokens \
+    assert defaults.fit_context(completion_sampling_params(explicit, defaults), explicit, [[1] * 30], ctx64).max_tokens \
         == 60   # an explicit value is the client's: too long is its 400
 
 
