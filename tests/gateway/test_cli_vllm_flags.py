@@ -189,3 +189,65 @@ def test_tool_call_parser_overrides_the_template() -> None:
     assert (fam(hermes), fam(llama), fam(plain)) == ("hermes", "llama3_json", "hermes")
     assert fam(hermes, "llama3_json") == "llama3_json" and fam(llama, "hermes") == "hermes"
     assert fam(plain, "llama4_json") == "llama3_json"
+
+
+# -- hub ids, remote code, aliases, the engine's logprobs bound ------------------------------------------------
+def test_hub_revision_and_download_dir_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from core.models.loader import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = tmp_path / "models--org--m"
+    for ref, commit in (("main", "a" * 40), ("v2", "b" * 40)):
+        (base / "refs").mkdir(parents=True, exist_ok=True)
+        (base / "refs" / ref).write_text(commit)
+        (base / "snapshots" / commit).mkdir(parents=True)
+        (base / "snapshots" / commit / "config.json").write_text("{}")
+    assert resolve_model_path("org/m", None, str(tmp_path)).name == "a" * 40
+    assert resolve_model_path("org/m", "v2", str(tmp_path)).name == "b" * 40
+    assert resolve_model_path("org/m", "b" * 40, str(tmp_path)).name == "b" * 40
+    with pytest.raises(FileNotFoundError, match="revision v3.*HF_HUB_OFFLINE=1"):
+        resolve_model_path("org/m", "v3", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not in the HF cache"):
+        resolve_model_path("org/other", None, str(tmp_path))
+
+
+def test_custom_modelling_code_is_a_clear_start_up_error(tmp_path: Path) -> None:
+    from core.config import EngineConfig
+    from core.engine_setup import resolve_model_files
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "deepthing", "architectures": ["DeepThingForCausalLM"],
+        "auto_map": {"AutoModelForCausalLM": "modeling_deepthing.DeepThingForCausalLM"}}))
+    with pytest.raises(ValueError, match="custom modelling code.*--trust-remote-code.*'deepthing'.*llama"):
+        resolve_model_files(EngineConfig(model=str(tmp_path), trust_remote_code=True))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(ValueError, match="'mamba'") as info:
+        resolve_model_files(EngineConfig(model=str(tmp_path)))
+    assert "custom" not in str(info.value)
+
+
+def test_aliases_name_the_base_for_tenants_too() -> None:
+    from gateway.errors import APIError
+    from gateway.models import ServedModels
+
+    models = ServedModels("a", root="/m", aliases=("b",))
+    assert models.resolve("b").name == "a" and models.resolve(None).name == "a"
+    assert [c["id"] for c in models.cards()] == ["a", "b"]
+    only_b = frozenset({"b"})       # a tenant allowed one name of the base may use every name of it
+    assert models.resolve("a", only_b).name == "a" and [c["id"] for c in models.cards(only_b)] == ["a", "b"]
+    with pytest.raises(APIError) as info:
+        models.resolve("a", frozenset({"adapter-x"}))
+    assert info.value.status == 404
+
+
+def test_engine_bounds_logprobs_by_the_vocabulary() -> None:
+    from core.admission import check_request
+    from core.errors import RequestRejected
+    from core.sampling import SamplingParams
+
+    assert check_request(4, SamplingParams(max_tokens=2, logprobs=100), 64, 100, 16, 8) == 2
+    with pytest.raises(RequestRejected) as info:
+        check_request(4, SamplingParams(max_tokens=2, logprobs=101), 64, 100, 16, 8)
+    assert info.value.param == "logprobs"
+    with pytest.raises(ValueError):
+        SamplingParams(logprobs=-1)
