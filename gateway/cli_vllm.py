@@ -55,14 +55,24 @@ def load_chat_template(text: str) -> str:
         text = codecs.decode(text, "unicode_escape")
     else:
         text = Path(text).expanduser().read_text()
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    _check_template(text)
+    return text
 
-    try:   # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+
+def _check_template(text: str) -> None:
+    """Compiles the template as transformers will render it (its extensions, e.g. `{% generation %}`)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:   # another transformers layout: jinja's sandbox with the loop controls
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        compile_template = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse
+    try:
+        compile_template(text)
     except TemplateSyntaxError as exc:
         raise argparse.ArgumentTypeError(f"not a valid Jinja template: {exc} (line {exc.lineno})") from None
-    return text
 
 
 def _typed(convert: Callable[[str], Any], name: str) -> Callable[[str], Any]:

@@ -83,6 +83,8 @@ def test_prefix_caching_spellings() -> None:
 def test_chat_template_as_text() -> None:
     cfg = parse("--chat-template", "{% for m in messages %}{{ m.content }}\\n{% endfor %}")
     assert cfg.chat_template == "{% for m in messages %}{{ m.content }}\n{% endfor %}"   # escapes decoded
+    training = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    assert parse("--chat-template", training).chat_template == training   # transformers' own extensions
 
 
 @pytest.mark.parametrize("argv,needle", [
