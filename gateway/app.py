@@ -41,8 +41,10 @@ from gateway.openapi import openapi_document
 from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder
+from gateway.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
+from gateway.sampling_defaults import RequestDefaults
 from gateway.state import GatewayState
 from gateway.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
@@ -84,7 +86,7 @@ class _Kind:
 
     body: type[Any]
     prefix: str
-    params: Callable[[Any], SamplingParams]
+    params: Callable[[Any, RequestDefaults], SamplingParams]
     prompts: Callable[[PromptEncoder, Any], list[list[int]]]
     events: Events
     response: Callable[..., dict[str, Any]]
@@ -108,17 +110,21 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     ctx.stream = bool(body.stream)
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
-    params = kind.params(body)
+    params = kind.params(body, state.defaults)
     tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
     if tooled or wants_constraint(body):
         await validators_ready()
-    plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options) if tooled else None
+    plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
+                      state.config.tool_call_parser) if tooled else None
     kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
     if plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
     prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
+    params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
     children = make_children(request_id, prompts, params)
+    if state.config.log_requests:
+        log_request(request_id, model.name, params, prompts)
     echo = echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     admit(state.aeng, children)
     assert state.queue is not None
