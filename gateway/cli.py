@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-tp", "--tensor-parallel-size", type=_POS_INT, default=1, metavar="N",
                    help="shard the model over N ranks (one process each; N GPUs on CUDA, gloo on CPU)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    s.add_argument("--engine-process", choices=("on", "off"), default=None,
+                   help="run the engine core in its own process, fed over ZMQ (default: LORAPLEX_ENGINE_PROCESS=1 "
+                        "turns it on; off: the engine loop is a thread of the API process)")
     add_vllm_arguments(s)
     return parser
 
@@ -127,7 +130,15 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         shutdown_timeout=args.shutdown_timeout,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        tensor_parallel_size=args.tensor_parallel_size, **vllm_fields(args, parser))
+        tensor_parallel_size=args.tensor_parallel_size, engine_process=engine_process_enabled(args.engine_process),
+        **vllm_fields(args, parser))
+
+
+def engine_process_enabled(flag: str | None) -> bool:
+    """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (1: on), default off."""
+    if flag is not None:
+        return flag == "on"
+    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "0") == "1"
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -18,12 +18,21 @@ from gateway.request_log import enable_request_log
 from gateway.startup import exit_on_warmup_failure
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
+from gateway.engine_client import watch_engine_process
 from gateway.workers import watch_workers
 
 log = logging.getLogger("loraplex.gateway")
 
 
-def _start_engine(config: ServerConfig) -> Any:
+def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
+    if config.engine_process:   # the engine core in its own process, fed over ZMQ (gateway/engine_client.py)
+        from gateway.engine_client import EngineClient
+
+        client = EngineClient(config.engine_config(), log_level, on_warmup_progress=WarmupPrinter(),
+                              on_ready=print_ready)
+        client.start()
+        client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
+        return client
     from core.async_engine import AsyncEngine
     from core.engine import LLMEngine
 
@@ -72,7 +81,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         enable_request_log()
     t0 = time.monotonic()
     try:
-        aeng = _start_engine(config)
+        aeng = _start_engine(config, log_level)
     except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
         print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
         return 1
@@ -102,12 +111,13 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
                     if config.metrics_port is not None else None)
         server = GatewayServer(uv_config, banner, state.lifecycle, listener)
         workers_failed = watch_workers(aeng, server)
+        engine_died = watch_engine_process(aeng, server)
         warmup_failed = exit_on_warmup_failure(aeng, server)   # e.g. the kernel self-check refused a kernel
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
             pass
-        return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
+        return 1 if workers_failed() or warmup_failed() or engine_died() else (0 if server.started else 1)
     finally:
         aeng.shutdown()
         if aeng.engine.tp is not None:

@@ -1,0 +1,33 @@
+"""The engine state /metrics and /health report, as one snapshot (read in the engine's own process)."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from core.engine_core.protocol import Stats
+from core.kernel_compiles import COMPILES
+
+
+def _copy(items: Iterable[Any]) -> list[Any]:
+    """A copy of a queue another thread may be mutating (retried if it changed under us)."""
+    for _ in range(5):
+        try:
+            return list(items)
+        except RuntimeError:
+            continue
+    return []
+
+
+def _adapter_names(requests: Iterable[Any]) -> str:
+    keys = {r.lora_slot_key.name for r in requests if getattr(r, "lora_slot_key", None) is not None}
+    return ",".join(sorted(keys))
+
+
+def snapshot_stats(engine: Any) -> Stats:
+    sched, kv, stats = engine.scheduler, engine.kv, engine.stats
+    running, waiting = _copy(sched.running), _copy(sched.waiting)
+    return Stats(num_running=len(running), num_waiting=len(waiting), kv_usage=float(kv.usage()),
+                 block_size=kv.block_size, num_blocks=kv.num_blocks, num_prompt_tokens=stats.num_prompt_tokens,
+                 num_generation_tokens=stats.num_generation_tokens,
+                 num_prefix_queries_tokens=kv.num_prefix_queries_tokens, num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
+                 num_preemptions=sched.num_preemptions, num_kernel_compiles_after_warmup=COMPILES.after_warmup,
+                 running_adapters=_adapter_names(running), waiting_adapters=_adapter_names(waiting))
