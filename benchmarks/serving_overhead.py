@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,14 @@ def run_offline(model: Path, work: Work, clients: int) -> dict[str, float]:
             best = {"wall_s": wall, "cpu_s": cpu, "tokens": done_tokens, "tok_s": done_tokens / wall}
     del llm
     return best
+
+
+def in_thread(fn, *args):   # noqa: ANN001, ANN201 - a helper for the offline side
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
 
 
 def start_server(model: Path, threads: int, engine_process: str, port: int) -> subprocess.Popen:
@@ -200,7 +209,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--engine-process", nargs="+", default=["default"],
                     help="server modes to run (default: the server's default; on / off with the flag)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads, both sides (the server gets OMP_NUM_THREADS)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     import torch
@@ -209,11 +219,13 @@ def main() -> None:
     work_by_c = {c: workload(model, max(32, c), seed=c) for c in args.clients}
     results: dict[str, object] = {"threads": args.threads, "load_avg_before": os.getloadavg()}
     offline = {}
-    for c, work in work_by_c.items():
-        offline[c] = run_offline(model, work, c)
-        print(f"  offline {c:>3} in flight: {offline[c]['tok_s']:.0f} tok/s (CPU {offline[c]['cpu_s']:.1f}s in "
-              f"{offline[c]['wall_s']:.1f}s)", flush=True)
-    results["offline"] = offline
+    for c, work in work_by_c.items():   # on the main thread and on a background thread (as the server's engine)
+        runs = {"main": run_offline(model, work, c), "thread": in_thread(run_offline, model, work, c)}
+        offline[c] = max(runs.values(), key=lambda r: r["tok_s"])
+        results[f"offline_{c}"] = runs
+        for where, r in runs.items():
+            print(f"  offline {c:>3} in flight ({where}): {r['tok_s']:.0f} tok/s (CPU {r['cpu_s']:.1f}s in "
+                  f"{r['wall_s']:.1f}s)", flush=True)
     table: list[tuple[str, str]] = []
     for mode in args.engine_process:
         http = asyncio.run(http_side(model, work_by_c, args.threads, mode))

@@ -65,12 +65,19 @@ class HttpClient:
         self._idle.clear()
 
     async def _request(self, method: str, path: str, body: bytes | None, on_chunk=None) -> tuple[int, bytes]:
-        reader, writer = await self._conn()
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        writer.write(head.encode() + b"\r\n" + (body or b""))
-        status_line = await reader.readline()
+        for attempt in range(2):   # a pooled connection the server closed (keep-alive timeout): a fresh one
+            reader, writer = await (self._conn() if attempt == 0 else asyncio.open_connection(self.host, self.port))
+            writer.write(head.encode() + b"\r\n" + (body or b""))
+            try:
+                status_line = await reader.readline()
+            except ConnectionError:
+                status_line = b""
+            if status_line:
+                break
+            writer.close()
         status = int(status_line.split()[1])
         headers: dict[str, str] = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):

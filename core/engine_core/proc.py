@@ -128,6 +128,18 @@ class EngineCore:
                 return
 
 
+def _serve(core: EngineCore, failure: list[BaseException]) -> None:
+    try:
+        engine = core.engine
+        report = engine.warmup(lambda done, total, s: core.event("progress", (done, total, s)))
+        core.event("ready", report)
+        threading.Thread(target=engine.grammar_compiler.warmup_json_object, name="grammar-warmup",
+                         daemon=True).start()
+        core.run()
+    except BaseException as exc:   # noqa: BLE001 - re-raised on the main thread
+        failure.append(exc)
+
+
 def _pickled_exc(exc: BaseException) -> bytes:
     try:
         return dumps(exc)
@@ -162,11 +174,14 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device)})
         if engine.tp is not None:
             engine.tp.on_failure.append(lambda reason: os._exit(1))
-        report = engine.warmup(lambda done, total, s: core.event("progress", (done, total, s)))
-        core.event("ready", report)
-        threading.Thread(target=engine.grammar_compiler.warmup_json_object, name="grammar-warmup",
-                         daemon=True).start()
-        core.run()
+        # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
+        # the main thread measured up to 30x slower on a loaded 2-core host (benchmarks/serving_overhead.py)
+        failure: list[BaseException] = []
+        loop = threading.Thread(target=_serve, args=(core, failure), name="loraplex-engine")
+        loop.start()
+        loop.join()
+        if failure:
+            raise failure[0]
     except BaseException as exc:   # noqa: BLE001 - report, then exit non-zero
         log.error("engine core crashed: %s", traceback.format_exc())
         try:
