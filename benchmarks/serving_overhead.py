@@ -211,12 +211,13 @@ def main() -> None:
                     help="server modes to run (default: the server's default; on / off with the flag)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads, both sides (the server gets OMP_NUM_THREADS)")
+    ap.add_argument("--num-requests", type=int, default=32, help="requests per client count (at least C)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
     model = model_dir()
-    work_by_c = {c: workload(model, max(32, c), seed=c) for c in args.clients}
+    work_by_c = {c: workload(model, max(args.num_requests, c), seed=c) for c in args.clients}
     results: dict[str, object] = {"threads": args.threads, "load_avg_before": os.getloadavg()}
     offline = {}
     for c, work in work_by_c.items():   # on the main thread and on a background thread (as the server's engine)
@@ -229,7 +230,7 @@ def main() -> None:
     table: list[tuple[str, str]] = []
     for mode in args.engine_process:
         http = asyncio.run(http_side(model, work_by_c, args.threads, mode))
-        results[f"http_{mode}"] = http
+        results[f"http_{mode}_{len([k for k in results if k.startswith('http_')])}"] = http
         for c in args.clients:
             for kind in ("plain", "stream"):
                 r = http[f"{c}_{kind}"]
