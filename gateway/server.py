@@ -103,6 +103,8 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
                      if state.defaults.sampling else ""))
         if config.metrics_url is not None:
             banner += f"; full metrics on {config.metrics_url}"
+        if config.engine_process:
+            banner += "; engine core in its own process"
         uv_level = config.uvicorn_log_level or log_level
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
                                    access_log=config.access_log and uv_level in ("info", "debug", "trace"))
