@@ -16,10 +16,11 @@ import logging
 import multiprocessing
 import tempfile
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from core.async_engine import EngineDeadError, EngineWarmingError, RequestFailedError
+from core.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError, _error_delta
 from core.config import EngineConfig
+from core.engine_core.grammar_handles import to_wire
 from core.engine_core.protocol import (INPUT_ENCODER, OUTPUT_DECODER, AddRequest, Command, EngineInput,
                                        EngineOutput, decode_delta, dumps, loads)
 from core.outputs import RequestDelta
@@ -97,28 +98,19 @@ class EngineClient:
         self._ctx.term()
 
     @property
-    def exitcode(self) -> int | None:
-        return None if self._proc is None else self._proc.exitcode
-
-    @property
     def alive(self) -> bool:
         return self.error is None and self._proc is not None and self._proc.is_alive()
 
-    @property
-    def ready(self) -> bool:
-        return self.alive and self.engine.ready
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
+    ready = AsyncEngine.ready                   # alive and past the engine's warm-up
+    num_in_flight = AsyncEngine.num_in_flight
 
     def fail(self, reason: str) -> None:
         """Marks the engine dead from outside: open streams get the error, new requests 503."""
         if self.error is None:
             self.error = RuntimeError(reason)
         with self._lock:
-            ids = list(self._streams)
-        self._deliver([_error_delta(rid, f"engine failure: {reason}") for rid in ids])
+            open_ids = list(self._streams)
+        self._deliver([_error_delta(rid, f"engine failure: {reason}") for rid in open_ids])
         for future in list(self._commands.values()):
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
@@ -141,6 +133,8 @@ class EngineClient:
             assert request_id not in self._streams, f"duplicate request id {request_id}"
             self._streams[request_id] = (loop, queue)
         extra = {k: v for k, v in kwargs.items() if v is not None}
+        if "grammar" in extra:
+            extra["grammar"] = to_wire(extra["grammar"])
         self._pending.adds.append(AddRequest(request_id, list(prompt_token_ids), dumps(params),
                                              dumps(extra) if extra else None))
         self._schedule_flush()
@@ -191,34 +185,19 @@ class EngineClient:
                         return
                     self._push.poll(50, zmq.POLLOUT)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       **kwargs: Any) -> AsyncIterator[RequestDelta]:
-        queue = self.submit(request_id, prompt_token_ids, params, **kwargs)
-        async for delta in self.stream(request_id, queue):
-            yield delta
-
-    async def stream(self, request_id: str, queue: "asyncio.Queue[RequestDelta]") -> AsyncIterator[RequestDelta]:
-        """The deltas of a submitted request; leaving early aborts it (the engine hears of it within a step)."""
-        finished = False
-        try:
-            while not finished:
-                delta = await queue.get()
-                if delta.error is not None:
-                    finished = True
-                    if delta.exception is not None and self.alive:
-                        raise delta.exception
-                    raise (RequestFailedError if self.alive else EngineDeadError)(delta.error)
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                self.abort(request_id)
+    # the same stream semantics as the in-process loop: an error delta raises, leaving early aborts
+    generate = AsyncEngine.generate
+    stream = AsyncEngine.stream
+    _deliver = AsyncEngine._deliver
 
     # ---- receiving (client thread) --------------------------------------------------------
     def _receive_loop(self) -> None:
         while not self._stop:
             if self._pull.poll(200):
-                self._handle(OUTPUT_DECODER.decode(self._pull.recv(copy=False).buffer))
+                try:
+                    self._handle(OUTPUT_DECODER.decode(self._pull.recv(copy=False).buffer))
+                except Exception:   # noqa: BLE001 - one bad message must not silence the engine for good
+                    log.exception("engine client: cannot handle an engine message")
             elif self.error is None and self._proc is not None and not self._proc.is_alive():
                 code = self._proc.exitcode
                 if not self._stop:
@@ -256,32 +235,6 @@ class EngineClient:
             self.error = exc
             self.fail(str(exc))
             self._started.set()
-
-    def _deliver(self, deltas: list[RequestDelta]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]] = {}
-        with self._lock:
-            for d in deltas:
-                entry = self._streams.get(d.request_id)
-                if entry is None:
-                    continue
-                if d.finished:
-                    del self._streams[d.request_id]
-                by_loop.setdefault(entry[0], []).append((entry[1], d))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:   # the loop is closed: nobody is listening any more
-                pass
-
-
-def _put_all(items: list[tuple["asyncio.Queue[RequestDelta]", RequestDelta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
-
-
-def _error_delta(request_id: str, message: str) -> RequestDelta:
-    return RequestDelta(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason=None,
-                        num_prompt_tokens=0, num_output_tokens=0, error=message)
 
 
 def watch_engine_process(aeng: Any, server: Any) -> Callable[[], bool]:

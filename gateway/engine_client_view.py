@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from adapters.errors import AdapterError
 from core.admission import check_request
@@ -31,8 +31,11 @@ class PartsView:
 class RemoteCompiler:
     """`GrammarCompiler.submit` over the boundary: a `compile` command; the future holds a `RemoteGrammar`."""
 
-    def __init__(self, command: Callable[[str, tuple[Any, ...]], "concurrent.futures.Future[Any]"]) -> None:
+    def __init__(self, command: Callable[[str, tuple[Any, ...]], "concurrent.futures.Future[Any]"],
+                 tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self._command = command
+        self._tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._vocab: Any = None
 
     def submit(self, spec: Any) -> "concurrent.futures.Future[Any]":
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -42,15 +45,19 @@ class RemoteCompiler:
             if exc is not None:
                 out.set_exception(exc)
             else:
-                out.set_result(RemoteGrammar(spec))
+                out.set_result(RemoteGrammar(spec, self.eos_token_ids, self.vocab_size))
 
         self._command("compile", (spec,)).add_done_callback(done)
         return out
 
     @property
     def vocab(self) -> Any:
-        raise NotImplementedError("tool_choice 'auto' with a constrained call grammar needs the in-process engine "
-                                  "(--engine-process off)")
+        """The token vocabulary (token bytes; `tool_choice: "auto"` builds its free-text masks over it here)."""
+        if self._vocab is None:
+            from grammar.vocab import build_token_vocab
+
+            self._vocab = build_token_vocab(self._tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._vocab
 
 
 class EngineView:
@@ -70,7 +77,8 @@ class EngineView:
         self.tp = None                                # tensor-parallel workers are the engine process's children
         self.stats_snapshot: Stats | None = None
         self.ready = False
-        self.grammar_compiler = RemoteCompiler(command)
+        self.grammar_compiler = RemoteCompiler(command, self.tokenizer, self.model_config.vocab_size,
+                                               self.eos_token_ids)
         self._schema_options: Any = None
 
     @property

@@ -106,8 +106,15 @@ def decode_delta(d: Delta) -> RequestDelta:
                        finished=d.finished, finish_reason=d.finish_reason, num_prompt_tokens=d.num_prompt_tokens,
                        num_output_tokens=d.num_output_tokens, num_cached_tokens=d.num_cached_tokens)
     if d.rich is not None:
-        out.new_logprobs, out.error, out.exception, out.prompt_logprobs = loads(d.rich)
+        out.new_logprobs, out.error, out.exception, out.prompt_logprobs = _loads_rich(d.rich)
     return out
+
+
+def _loads_rich(blob: bytes) -> tuple[Any, ...]:
+    try:
+        return loads(blob)
+    except Exception:   # an exception class that pickles but cannot be rebuilt: the request fails with a message
+        return [], "the engine failed this request (its error could not be sent across processes)", None, None
 
 
 INPUT_ENCODER = msgspec.msgpack.Encoder()
