@@ -140,6 +140,12 @@ def _serve(core: EngineCore, failure: list[BaseException]) -> None:
         failure.append(exc)
 
 
+def _exit_on_tp_failure(reason: str) -> None:
+    """A lost tensor-parallel worker ends the engine process (the API process then fails open requests)."""
+    print(f"loraplex: engine process: tensor parallel: {reason}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def _pickled_exc(exc: BaseException) -> bytes:
     try:
         return dumps(exc)
@@ -173,7 +179,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         core.engine = engine
         core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device)})
         if engine.tp is not None:
-            engine.tp.on_failure.append(lambda reason: os._exit(1))
+            engine.tp.on_failure.append(_exit_on_tp_failure)
         # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
         # the main thread measured up to 30x slower on a loaded 2-core host (benchmarks/serving_overhead.py)
         failure: list[BaseException] = []
@@ -183,9 +189,13 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         if failure:
             raise failure[0]
     except BaseException as exc:   # noqa: BLE001 - report, then exit non-zero
+        tp = core.engine.tp if core.engine is not None else None
+        deadline = time.monotonic() + 3.0
+        while tp is not None and tp.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)   # a collective that failed on a lost worker: its monitor names the worker, then exits
         log.error("engine core crashed: %s", traceback.format_exc())
         try:
-            core.event("failed", ("crash", RuntimeError(f"{type(exc).__name__}: {exc}")))
+            core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")))
         except Exception:
             pass
         code = 1
