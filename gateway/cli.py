@@ -113,9 +113,6 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--api-key must not be empty")
     if args.tenant_keys is not None:
         _check_tenant_file(args, parser)
-    if engine_process_enabled(args.engine_process) and (args.lora_modules or args.lora_dir):
-        parser.error("--engine-process on does not serve LoRA adapters yet (--lora-modules, --lora-dir); "
-                     "use --engine-process off")
     elif args.admin_token is not None and args.admin_token == args.api_key:
         parser.error("--admin-token must differ from --api-key (the admin token is never an API key)")
     return ServerConfig(

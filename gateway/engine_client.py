@@ -125,14 +125,14 @@ class EngineClient:
         if not self.engine.ready:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.engine.check_request(len(prompt_token_ids), params)
-        if kwargs.get("lora") is not None:
-            self.engine.load_lora("", "")      # raises: adapters need the in-process engine for now
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
             assert request_id not in self._streams, f"duplicate request id {request_id}"
             self._streams[request_id] = (loop, queue)
-        extra = {k: v for k, v in kwargs.items() if v is not None}
+        extra = {k: v for k, v in kwargs.items() if v is not None and k != "lora_held"}
+        if "lora" in extra:   # the engine resolves and holds the adapter by name when it admits the request
+            extra["lora"] = extra["lora"].name
         if "grammar" in extra:
             extra["grammar"] = to_wire(extra["grammar"])
         self._pending.adds.append(AddRequest(request_id, list(prompt_token_ids), dumps(params),
@@ -219,8 +219,11 @@ class EngineClient:
             self._deliver([decode_delta(d) for d in out.deltas])
 
     def _event(self, kind: str, payload: Any) -> None:
-        if kind == "info":
+        if kind == "adapters":
+            self.engine.registry.sync(payload)
+        elif kind == "info":
             self.engine.kv.num_blocks = payload["num_blocks"]
+            self.engine.registry.sync(payload["adapters"])
             self._started.set()
         elif kind == "progress":
             self.warmup_progress = payload

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from adapters.errors import AdapterError
 from core.admission import check_request
 from core.config import EngineConfig
 from core.engine_core.grammar_handles import RemoteGrammar
 from core.engine_core.protocol import Stats
 from core.engine_setup import load_eos_ids, resolve_model_files
 from core.sampling import SamplingParams
+from gateway.engine_client_adapters import RemoteRegistry
 
 
 @dataclass
@@ -72,7 +72,7 @@ class EngineView:
         self.eos_token_ids = load_eos_ids(files.model_dir, files.tokenizer)
         self.block_size = config.cache.block_size
         self.kv = PoolView(0, self.block_size)       # num_blocks: from the engine's `info` event
-        self.registry = None                          # adapters are not served across the boundary yet
+        self.registry = RemoteRegistry(command, config.lora_dirs)   # a mirror of the engine's adapters
         self.lora_pool = None
         self.tp = None                                # tensor-parallel workers are the engine process's children
         self.stats_snapshot: Stats | None = None
@@ -94,8 +94,7 @@ class EngineView:
                              self.block_size, self.kv.num_blocks)
 
     def load_lora(self, name: str, path: str) -> Any:
-        raise AdapterError("adapters are not served by a separate engine process yet; start the server with "
-                           "--engine-process off", code="not_supported", status=501)
+        return self.registry.load(name, path)
 
     def unload_lora(self, name: str) -> None:
-        self.load_lora(name, "")
+        self.registry.unload(name)

@@ -33,7 +33,8 @@ class EngineCore:
         self.engine, self.pull, self.push = engine, pull, push
         self._replies: list[Reply] = []          # finished asynchronously (grammar compiles), sent next turn
         self._replies_lock = threading.Lock()
-        self._num_compiling = 0
+        self._num_compiling = 0                  # compiles and adapter commands still running
+        self._adapters: list[tuple[str, str, str, int]] | None = None
         self._last_stats = 0.0
         self._stop = False
 
@@ -65,6 +66,8 @@ class EngineCore:
                 kwargs = loads(add.kwargs) if add.kwargs is not None else {}
                 if kwargs.get("grammar") is not None:
                     kwargs["grammar"] = materialize(kwargs["grammar"], eng.grammar_compiler)
+                if kwargs.get("lora") is not None:   # the adapter's name: resolved and held here
+                    kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
                 eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
             except Exception as exc:   # rejected late: that request's error alone
                 deltas.append(RequestDelta(request_id=add.request_id, new_token_ids=[], new_text="", finished=True,
@@ -80,23 +83,38 @@ class EngineCore:
             self._stop = True
             return
         if op == "compile":   # on the compiler's workers; the reply goes out with a later step
-            self._num_compiling += 1
+            with self._replies_lock:
+                self._num_compiling += 1
             future = self.engine.grammar_compiler.submit(args[0])
             future.add_done_callback(lambda f: self._compiled(command_id, f))
             return
+        # adapter reads are blocking file I/O: off the step loop (the registry is thread-safe)
+        with self._replies_lock:
+            self._num_compiling += 1
+        threading.Thread(target=self._adapter_command, args=(command_id, op, args), name="loraplex-adapter-cmd",
+                         daemon=True).start()
+
+    def _adapter_command(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
         try:
             if op == "load_lora":
-                self.engine.load_lora(*args)
-                value: Any = None
+                e = self.engine.load_lora(*args)
+                value: Any = (e.name, e.path, e.generation_id, e.created)
             elif op == "unload_lora":
                 value = self.engine.unload_lora(*args)
             else:
                 raise ValueError(f"unknown engine command {op!r}")
             reply = Reply(command_id, True, dumps(value))
         except Exception as exc:   # noqa: BLE001 - the caller raises it
-            reply = Reply(command_id, False, dumps(exc))
+            reply = Reply(command_id, False, _pickled_exc(exc))
         with self._replies_lock:
             self._replies.append(reply)
+            self._num_compiling -= 1
+
+    def _send_adapters_if_changed(self) -> None:
+        entries = adapter_entries(self.engine.registry)
+        if entries != self._adapters:
+            self._adapters = entries
+            self.event("adapters", entries)
 
     def _compiled(self, command_id: int, future: Any) -> None:
         exc = future.exception()
@@ -122,6 +140,7 @@ class EngineCore:
             stats = None
             if now - self._last_stats >= (STATS_INTERVAL_S if busy else 0.0):
                 stats, self._last_stats = snapshot_stats(eng), now
+                self._send_adapters_if_changed()
             if deltas or replies or stats is not None:
                 self.send(EngineOutput([encode_delta(d) for d in deltas], replies, stats))
             if os.getppid() == 1:   # the API process is gone (re-parented to init)
@@ -138,6 +157,21 @@ def _serve(core: EngineCore, failure: list[BaseException]) -> None:
         core.run()
     except BaseException as exc:   # noqa: BLE001 - re-raised on the main thread
         failure.append(exc)
+
+
+def adapter_entries(registry: Any) -> list[tuple[str, str, str, int]]:
+    """(name, path, generation id, created) of every registered adapter (the API process mirrors them)."""
+    return [(e.name, e.path, e.generation_id, e.created) for e in registry.entries()]
+
+
+def _resolve_adapter(engine: Any, name: str) -> Any:
+    from adapters.errors import AdapterError
+
+    entry = engine.registry.lookup(name)   # a --lora-dir adapter is registered now; a failed one raises
+    if entry is None:
+        raise AdapterError(f"The model `{name}` does not exist (it was unloaded).", code="model_not_found",
+                           status=404)
+    return entry
 
 
 def _exit_on_tp_failure(reason: str) -> None:
@@ -177,7 +211,8 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
             code = 1
             return
         core.engine = engine
-        core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device)})
+        core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device),
+                            "adapters": adapter_entries(engine.registry)})
         if engine.tp is not None:
             engine.tp.on_failure.append(_exit_on_tp_failure)
         # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
