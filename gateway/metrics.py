@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from core.engine_core.protocol import Stats
+from core.engine_core.protocol import AdapterStats, Stats
 from core.engine_core.stats import snapshot_stats
 
 log = logging.getLogger("loraplex.gateway")
@@ -70,28 +70,26 @@ class EngineCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
-        yield from _adapter_metrics(self.engine)
+        yield from _adapter_metrics(st.adapters)
 
 
-def _adapter_metrics(eng: Any) -> Iterator[Metric]:
+def _adapter_metrics(st: AdapterStats | None) -> Iterator[Metric]:
     """Adapter loads (by outcome), their latency, and how many adapters are resident on host and device."""
-    registry, pool = getattr(eng, "registry", None), getattr(eng, "lora_pool", None)
-    if registry is None or pool is None:   # an engine without adapters
+    if st is None:   # an engine without adapters
         return
-    by_outcome, buckets, total_s = registry.stats.snapshot()
     loads = CounterMetricFamily("loraplex:lora_adapter_loads", "Adapter weight loads (reads), by outcome.",
                                 labels=["outcome"])
-    for outcome, n in by_outcome.items():
+    for outcome, n in st.loads_by_outcome.items():
         loads.add_metric([outcome], n)
     yield loads
     latency = HistogramMetricFamily("loraplex:lora_adapter_load_seconds", "Time to read and convert an adapter.",
                                     labels=[])
-    latency.add_metric([], buckets, total_s)
+    latency.add_metric([], st.load_buckets, st.load_seconds_sum)
     yield latency
     yield GaugeMetricFamily("loraplex:lora_adapters_host", "Adapters resident in host memory (or being read).",
-                            value=registry.num_host)
+                            value=st.num_host)
     yield GaugeMetricFamily("loraplex:lora_adapters_device", "Adapters resident in device LoRA slots.",
-                            value=len(pool.loaded_ids))
+                            value=st.num_device)
 
 
 class GatewayMetrics:

@@ -56,6 +56,14 @@ class Reply(msgspec.Struct, array_like=True):
     value: bytes             # pickled result, or the pickled exception when not ok
 
 
+class AdapterStats(msgspec.Struct, array_like=True):
+    loads_by_outcome: dict[str, int]
+    load_buckets: list[tuple[str, int]]      # cumulative histogram buckets of load seconds
+    load_seconds_sum: float
+    num_host: int                            # resident in host memory (or being read)
+    num_device: int                          # resident in device LoRA slots
+
+
 class Stats(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
@@ -70,6 +78,7 @@ class Stats(msgspec.Struct, array_like=True):
     num_kernel_compiles_after_warmup: int
     running_adapters: str
     waiting_adapters: str
+    adapters: AdapterStats | None = None     # None: an engine without adapters
 
 
 class EngineOutput(msgspec.Struct, array_like=True):

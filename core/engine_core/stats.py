@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from core.engine_core.protocol import Stats
+from core.engine_core.protocol import AdapterStats, Stats
 from core.kernel_compiles import COMPILES
 
 
@@ -30,4 +30,14 @@ def snapshot_stats(engine: Any) -> Stats:
                  num_generation_tokens=stats.num_generation_tokens,
                  num_prefix_queries_tokens=kv.num_prefix_queries_tokens, num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
                  num_preemptions=sched.num_preemptions, num_kernel_compiles_after_warmup=COMPILES.after_warmup,
-                 running_adapters=_adapter_names(running), waiting_adapters=_adapter_names(waiting))
+                 running_adapters=_adapter_names(running), waiting_adapters=_adapter_names(waiting),
+                 adapters=_adapter_stats(engine))
+
+
+def _adapter_stats(engine: Any) -> AdapterStats | None:
+    registry, pool = getattr(engine, "registry", None), getattr(engine, "lora_pool", None)
+    if registry is None or pool is None:
+        return None
+    by_outcome, buckets, total_s = registry.stats.snapshot()
+    return AdapterStats(dict(by_outcome), [(str(b), int(n)) for b, n in buckets], float(total_s),
+                        registry.num_host, len(pool.loaded_ids))
