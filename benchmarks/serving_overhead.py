@@ -93,8 +93,11 @@ def in_thread(fn, *args):   # noqa: ANN001, ANN201 - a helper for the offline si
     return out[0]
 
 
-def start_server(model: Path, threads: int, engine_process: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gateway", "serve", "--model", str(model), "--port", str(port), "--device", "cpu",
+def start_server(model: Path, threads: int, engine_process: str, port: int,
+                 profile: str | None = None) -> subprocess.Popen:
+    head = [sys.executable, "-m", "gateway"] if profile is None else \
+        [sys.executable, str(Path(__file__).with_name("serving_overhead_sampler.py")), profile, "--"]
+    cmd = [*head, "serve", "--model", str(model), "--port", str(port), "--device", "cpu",
            "--dtype", "float32", "--no-prefix-caching", "--no-access-log", "--max-queue-len", "0"]
     if engine_process != "default":
         cmd += ["--engine-process", engine_process]
@@ -172,10 +175,11 @@ async def saturated_probes(client: HttpClient, work: Work, clients: int, server_
             "num_ttft": len(ttfts), "num_health": len(healths), "server_thread_cpu_s_over_8s": split}
 
 
-async def http_side(model: Path, work_by_c: dict[int, Work], threads: int, mode: str) -> dict[str, object]:
+async def http_side(model: Path, work_by_c: dict[int, Work], threads: int, mode: str,
+                    profile: str | None = None) -> dict[str, object]:
     from gateway_server import free_port
     port = free_port()
-    proc = start_server(model, threads, mode, port)
+    proc = start_server(model, threads, mode, port, profile)
     client = HttpClient("127.0.0.1", port)
     try:
         await client.wait_healthy(proc, 180.0)
@@ -213,6 +217,8 @@ def main() -> None:
                     help="torch intra-op threads, both sides (the server gets OMP_NUM_THREADS)")
     ap.add_argument("--num-requests", type=int, default=32, help="requests per client count (at least C)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="sample the API process's thread stacks (serving_overhead_sampler.py) into results/")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
@@ -229,7 +235,9 @@ def main() -> None:
                   f"{r['wall_s']:.1f}s)", flush=True)
     table: list[tuple[str, str]] = []
     for mode in args.engine_process:
-        http = asyncio.run(http_side(model, work_by_c, args.threads, mode))
+        profile = None if not args.profile else str(ROOT / "benchmarks" / "results" /
+                                                     f"serving_overhead{args.tag}_profile_{mode}.json")
+        http = asyncio.run(http_side(model, work_by_c, args.threads, mode, profile))
         results[f"http_{mode}_{len([k for k in results if k.startswith('http_')])}"] = http
         for c in args.clients:
             for kind in ("plain", "stream"):
