@@ -120,3 +120,4 @@ class EngineConfig:
     enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)
     async_scheduling: bool | None = None   # launch step t+1 before reading step t's tokens (None: on CUDA)
     tensor_parallel_size: int = 1      # > 1: the model sharded over that many ranks (core/distributed/)
+    quantization: str | None = None    # vLLM's --quantization: checked against the checkpoint (core/quant/)

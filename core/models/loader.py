@@ -12,6 +12,8 @@ from core.config import ModelConfig
 from core.models.llama import LlamaForCausalLM
 from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import RotaryEmbedding
+from core.quant.config import detect_quantization
+from core.quant.loader import finish_quantized, prepare_quantized
 
 _STACKED = {  # HF name -> (our fused name, slice index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -43,7 +45,7 @@ def _slice_bounds(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:
     return [(0, cfg.intermediate_size), (cfg.intermediate_size, cfg.intermediate_size)]
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: Path, skip: frozenset[str] = frozenset()) -> None:
     cfg = model.config
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
@@ -54,7 +56,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if "rotary_emb" in name:
+                    if "rotary_emb" in name or name in skip:   # skip: tensors core.quant loaded
                         continue
                     tensor = f.get_tensor(name)
                     target, bounds = name, None
@@ -99,7 +101,8 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-               dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
+               dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Builds the module tree on the meta device (no random init), then fills it from the checkpoint."""
     with torch.device("meta"), skip_param_init():
         model = LlamaForCausalLM(cfg, backend, max_positions)
@@ -112,5 +115,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        load_weights(model, model_dir)
+        quant = detect_quantization(model_dir, quantization)
+        skip = prepare_quantized(model, model_dir, quant, dtype, device) if quant else frozenset()
+        load_weights(model, model_dir, skip)
+        if quant:
+            finish_quantized(model, quant)
     return model.eval()

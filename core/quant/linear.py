@@ -1,0 +1,97 @@
+"""A linear layer whose weight stays quantized in device memory; y = x @ dequant(W)^T (+ bias).
+
+Integer codes (`kind` "int"): 4-bit codes packed 8 to an int32 along the input (`qweight` [out, in / 8]),
+8-bit codes as uint8 [out, in]; `scales` [out, groups] in the model dtype, `zeros` int16 [out, groups]
+(the code of 0.0: 2**(bits-1) when symmetric), optional `g_idx` int32 [in] (GPTQ act-order: the group of
+every input column; without it column i belongs to group i // group_size).
+FP8 (`kind` "float"): `qweight` float8_e4m3fn [out, in], `scales` [out, 1] (per channel; a per-tensor scale
+is broadcast).
+
+Paths: the torch path dequantizes per forward and runs one matmul (bit-identical to an HF model holding the
+dequantized weights). On the CPU, symmetric per-channel int8 uses torch's weight-only int8 kernel
+(`aten._weight_int8pack_mm`, which never materializes the float weight).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.quant.packing import unpack_rows
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, kind: str, num_bits: int, num_groups: int,
+                 bias: bool, dtype: torch.dtype, device: torch.device | str, has_g_idx: bool = False,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        assert kind in ("int", "float") and num_bits in (4, 8), (kind, num_bits)
+        self.in_features, self.out_features = in_features, out_features
+        self.kind, self.num_bits, self.num_groups = kind, num_bits, num_groups
+        self.reduce = reduce          # tensor parallel row-parallel linears: the all-reduce, before the bias
+        if kind == "float":
+            qweight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        elif num_bits == 4:
+            qweight = torch.empty(out_features, -(-in_features // 8), dtype=torch.int32, device=device)
+        else:
+            qweight = torch.empty(out_features, in_features, dtype=torch.uint8, device=device)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", torch.empty(out_features, num_groups, dtype=dtype, device=device))
+        zeros = torch.empty(out_features, num_groups, dtype=torch.int16, device=device) if kind == "int" else None
+        self.register_buffer("zeros", zeros)
+        g_idx = torch.empty(in_features, dtype=torch.int32, device=device) if has_g_idx else None
+        self.register_buffer("g_idx", g_idx)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self._int8_scales: torch.Tensor | None = None   # set by finalize: the CPU int8 kernel's path
+
+    @property
+    def group_size(self) -> int:
+        return -(-self.in_features // self.num_groups)
+
+    def finalize(self) -> None:
+        """After the buffers are filled: pick the fastest exact path for this device."""
+        if self.kind == "int" and self.num_bits == 8 and self.num_groups == 1 and self.g_idx is None \
+                and self.qweight.device.type == "cpu" and self.qweight.dtype == torch.uint8 \
+                and bool((self.zeros == 128).all()):
+            self.qweight = (self.qweight.to(torch.int16) - 128).to(torch.int8)       # [out, in], in place of
+            self._int8_scales = self.scales[:, 0].contiguous()                        # the codes (same bytes)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes [out, in] (uint8)."""
+        if self.num_bits == 4:
+            return unpack_rows(self.qweight, 4, self.in_features)
+        if self.qweight.dtype == torch.int8:                                          # the int8 kernel's copy
+            return (self.qweight.to(torch.int16) + 128).to(torch.uint8)
+        return self.qweight
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out, in] the quantized one stands for."""
+        dtype = dtype or self.scales.dtype
+        if self.kind == "float":
+            return self.qweight.to(dtype) * self.scales.to(dtype)
+        if self.g_idx is not None:
+            idx = self.g_idx.long()
+            scales, zeros = self.scales[:, idx], self.zeros[:, idx]                   # [out, in]
+        else:
+            gs = self.group_size
+            scales = self.scales.repeat_interleave(gs, dim=1)[:, :self.in_features]  # [out, in]
+            zeros = self.zeros.repeat_interleave(gs, dim=1)[:, :self.in_features]
+        w = self.codes().to(torch.int16) - zeros.to(torch.int16)                       # [out, in]
+        return w.to(dtype) * scales.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int8_scales is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x2 = x.reshape(-1, self.in_features)                                      # [T, in]
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._int8_scales.to(x.dtype))
+            y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        if self.reduce is not None:
+            y = self.reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {self.kind}{self.num_bits}, "
+                f"groups={self.num_groups}, g_idx={self.g_idx is not None}, bias={self.bias is not None}")
