@@ -43,7 +43,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", zeros)
         g_idx = torch.empty(in_features, dtype=torch.int32, device=device) if has_g_idx else None
         self.register_buffer("g_idx", g_idx)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
         self._int8_scales: torch.Tensor | None = None   # set by finalize: the CPU int8 kernel's path
 
     @property
