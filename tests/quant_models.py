@@ -21,8 +21,9 @@ import torch
 from testlib import SPECS
 from tiny_models import tiny_model_dir
 
-# name -> (base model, weight QuantizationArgs kwargs or an FP8 preset name, compression format)
-CT_SCHEMES: dict[str, tuple[str, dict[str, Any], str]] = {
+_FP8 = dict(num_bits=8, type="float", symmetric=True)
+# name -> (base model, weight QuantizationArgs kwargs, compression format[, input activation kwargs])
+CT_SCHEMES: dict[str, tuple[Any, ...]] = {
     "w4a16_sym_g32": ("llama_gqa", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
                       "pack-quantized"),
     "w4a16_asym_g32": ("llama_gqa", dict(num_bits=4, type="int", symmetric=False, strategy="group",
@@ -34,6 +35,14 @@ CT_SCHEMES: dict[str, tuple[str, dict[str, Any], str]] = {
                                          group_size=32), "pack-quantized"),
     "w4a16_sym_g32_qwen2": ("qwen2_tied", dict(num_bits=4, type="int", symmetric=True, strategy="group",
                                                group_size=32), "pack-quantized"),
+    # FP8 weights per channel, activations per token dynamic (llm-compressor's FP8_DYNAMIC preset)
+    "fp8_dynamic": ("llama_gqa", dict(_FP8, strategy="channel"), "float-quantized",
+                    dict(_FP8, strategy="token", dynamic=True)),
+    # FP8 weights per tensor, static per-tensor activation scales (the FP8 preset)
+    "fp8_static_tensor": ("llama_gqa", dict(_FP8, strategy="tensor"), "float-quantized",
+                          dict(_FP8, strategy="tensor", dynamic=False)),
+    "fp8_dynamic_qwen2": ("qwen2_tied", dict(_FP8, strategy="channel"), "float-quantized",
+                          dict(_FP8, strategy="token", dynamic=True)),
 }
 _ROOT: Path | None = None
 _DIRS: dict[str, Path] = {}
@@ -68,6 +77,8 @@ def _observe(module: torch.nn.Module, args: Any) -> None:
     module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
     if getattr(module, "weight_zero_point", None) is not None:
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    if getattr(module, "input_scale", None) is not None:   # static activations: a made-up calibration
+        module.input_scale.data.fill_(0.02)
 
 
 def ct_model(name: str) -> Path:
@@ -80,11 +91,13 @@ def ct_model(name: str) -> Path:
         QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config,
     )
 
-    base_name, wargs, fmt = CT_SCHEMES[name]
+    base_name, wargs, fmt, *act = CT_SCHEMES[name]
     src = tiny_model_dir(SPECS[base_name])
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     args = QuantizationArgs(**wargs)
-    cfg = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+    acts = QuantizationArgs(**act[0]) if act else None
+    qscheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    cfg = QuantizationConfig(config_groups={"group_0": qscheme},
                              ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, cfg, show_progress=False)
     for module in model.modules():
@@ -111,11 +124,11 @@ def _decompressed_state(path: Path) -> dict[str, torch.Tensor]:
     (scheme,) = qcfg.config_groups.values()
     compressor = BaseCompressor.get_value_from_registry(qcfg.format)
     flat = load_file(str(path / "model.safetensors"))
-    prefixes = {k.rsplit(".", 1)[0] for k in flat if k.endswith((".weight_packed", ".weight_scale"))}
-    packed = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
-    out = {k: v for k, v in flat.items() if not (k.rsplit(".", 1)[0] in prefixes and k.endswith(packed))}
+    prefixes = {k.rsplit(".", 1)[0] for k in flat if k.endswith(".weight_scale")}
+    out = {k: v for k, v in flat.items() if k.rsplit(".", 1)[0] not in prefixes or k.endswith(".bias")}
     for prefix in sorted(prefixes):
-        local = {k[len(prefix) + 1:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
+        local = {k[len(prefix) + 1:]: v for k, v in flat.items() if k.startswith(prefix + ".") and "." not in
+                 k[len(prefix) + 1:]}
         out[f"{prefix}.weight"] = compressor.decompress(local, scheme)["weight"].to(torch.float32)
     return out
 
@@ -175,3 +188,25 @@ def reference_greedy(ref_dir: Path, adapter: Path | None, prompt_ids: list[int],
                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     margin = min(float(torch.topk(lg[0].float(), 2).values.diff().abs()) for lg in out.logits)
     return out.sequences[0, len(prompt_ids):].tolist(), margin
+
+
+def fp8_online_reference_dir(base: Path) -> Path:
+    """`base` with every decoder linear rounded through FP8 e4m3 per output channel (scale amax / 448), as
+    `--quantization fp8` does at load; embeddings, norms and lm_head untouched."""
+    key = f"{base.name}__fp8_online_ref"
+    if key in _DIRS:
+        return _DIRS[key]
+    from safetensors.torch import load_file, save_file
+
+    out = _root() / key
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(base / "model.safetensors"))
+    for name, w in state.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            scale = w.abs().amax(dim=1, keepdim=True) / 448.0                        # [out, 1]
+            state[name] = (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(base / "config.json", out / "config.json")
+    _copy_side_files(base, out)
+    _DIRS[key] = out
+    return out

@@ -37,7 +37,7 @@ class QuantScheme:
     group_size: int | None
     per_tensor: bool = False
     desc_act: bool = False            # GPTQ: a g_idx maps each input column to its group
-    activation: str | None = None     # FP8: "static" | "dynamic" activation scales (not applied on the CPU)
+    activation: str | None = None     # FP8 activations: "static" | "dynamic-token" | "dynamic-tensor" | None
     ignore: tuple[str, ...] = ()      # HF module names (or "re:<regex>") left unquantized
 
     def is_ignored(self, hf_module: str) -> bool:
@@ -73,8 +73,9 @@ def _ct_scheme(raw: dict[str, Any]) -> QuantScheme:
                            int(w["group_size"]) if strategy == "group" else None, ignore=tuple(raw.get("ignore", ())))
     if fmt == "float-quantized" and wtype == "float" and bits == 8 and strategy in ("tensor", "channel") \
             and w.get("symmetric", True):
-        mode = None if act is None else ("dynamic" if act.get("dynamic") else "static")
-        if act is not None and (act.get("type") != "float" or int(act.get("num_bits", 0)) != 8):
+        mode = None if act is None else "static" if not act.get("dynamic") else f"dynamic-{act.get('strategy')}"
+        if act is not None and (act.get("type") != "float" or int(act.get("num_bits", 0)) != 8
+                                or mode not in ("static", "dynamic-token", "dynamic-tensor")):
             raise UnsupportedQuantization(f"compressed-tensors FP8 weights with activations {act}")
         return QuantScheme("compressed-tensors", fmt, "float", 8, True, None, per_tensor=strategy == "tensor",
                            activation=mode, ignore=tuple(raw.get("ignore", ())))
@@ -104,7 +105,8 @@ def _scheme(raw: dict[str, Any]) -> QuantScheme:
         if raw.get("weight_block_size"):
             raise UnsupportedQuantization(f"fp8 with weight_block_size {raw['weight_block_size']}")
         return QuantScheme("fp8", "fp8-serialized", "float", 8, True, None, per_tensor=True,
-                           activation=raw.get("activation_scheme", "dynamic"),
+                           activation="dynamic-tensor" if raw.get("activation_scheme", "dynamic") == "dynamic"
+                           else "static",
                            ignore=tuple(raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ()))
     raise UnsupportedQuantization(f"quantization method {method or raw!r}")
 
@@ -117,7 +119,7 @@ def detect_quantization(model_dir: str | Path, requested: str | None = None) -> 
     if raw is None:
         if requested in (None, "fp8"):
             return None if requested is None else QuantScheme("fp8", "fp8-online", "float", 8, True, None,
-                                                             activation="dynamic", ignore=("lm_head",))
+                                                             ignore=("lm_head",))
         raise UnsupportedQuantization(f"--quantization {requested} but {model_dir} has no quantization_config")
     scheme = _scheme(raw)
     if requested is not None and requested != scheme.method:

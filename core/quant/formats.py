@@ -23,6 +23,7 @@ class Canonical:
     scales: torch.Tensor
     zeros: torch.Tensor | None
     g_idx: torch.Tensor | None
+    input_scale: torch.Tensor | None = None     # FP8 static activation scale (one number)
 
 
 def _need(get: Getter, name: str) -> torch.Tensor:
@@ -49,7 +50,11 @@ def _ct_float(get: Getter, prefix: str, s: QuantScheme, out: int, inp: int) -> C
         raise UnsupportedQuantization(f"{prefix}.weight is {codes.dtype}, expected float8_e4m3fn")
     scale = _need(get, f"{prefix}.weight_scale").float()
     scales = scale.reshape(-1, 1).expand(out, 1) if scale.numel() == 1 else scale.reshape(out, 1)
-    return Canonical(codes, scales.contiguous(), None, None)
+    input_scale = get(f"{prefix}.input_scale") if s.activation == "static" else None
+    if s.activation == "static" and input_scale is None:
+        raise ValueError(f"quantized checkpoint is missing {prefix}.input_scale (static activation scales)")
+    return Canonical(codes, scales.contiguous(), None, None,
+                     None if input_scale is None else input_scale.float().reshape(-1).max())
 
 
 def _gptq(get: Getter, prefix: str, s: QuantScheme, out: int, inp: int) -> Canonical:

@@ -25,12 +25,14 @@ from core.quant.packing import unpack_rows
 class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kind: str, num_bits: int, num_groups: int,
                  bias: bool, dtype: torch.dtype, device: torch.device | str, has_g_idx: bool = False,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, act_quant: str | None = None) -> None:
         super().__init__()
         assert kind in ("int", "float") and num_bits in (4, 8), (kind, num_bits)
         self.in_features, self.out_features = in_features, out_features
         self.kind, self.num_bits, self.num_groups = kind, num_bits, num_groups
         self.reduce = reduce          # tensor parallel row-parallel linears: the all-reduce, before the bias
+        assert act_quant in (None, "static", "dynamic-token", "dynamic-tensor") and (act_quant is None or kind == "float")
+        self.act_quant = act_quant    # FP8 activations: quantize-dequantize the input (compressed-tensors' arithmetic)
         if kind == "float":
             qweight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
         elif num_bits == 4:
@@ -43,6 +45,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", zeros)
         g_idx = torch.empty(in_features, dtype=torch.int32, device=device) if has_g_idx else None
         self.register_buffer("g_idx", g_idx)
+        input_scale = torch.empty((), dtype=torch.float32, device=device) if act_quant == "static" else None
+        self.register_buffer("input_scale", input_scale)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
         self._int8_scales: torch.Tensor | None = None   # set by finalize: the CPU int8 kernel's path
@@ -88,10 +92,21 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._int8_scales.to(x.dtype))
             y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
         else:
-            y = F.linear(x, self.dequantize(x.dtype))
+            y = F.linear(x if self.act_quant is None else self._fake_quant_fp8(x), self.dequantize(x.dtype))
         if self.reduce is not None:
             y = self.reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def _fake_quant_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded through float8_e4m3fn with a static, per-token or per-tensor scale (amax / 448)."""
+        fmax = torch.finfo(torch.float8_e4m3fn).max
+        if self.act_quant == "static":
+            scale = self.input_scale.to(x.dtype)
+        else:
+            amax = x.abs().amax(dim=-1, keepdim=True) if self.act_quant == "dynamic-token" else x.abs().amax()
+            scale = amax / fmax                                                        # [T, 1] or []
+            scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+        return (x / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {self.kind}{self.num_bits}, "

@@ -10,6 +10,7 @@ group boundaries, otherwise start-up fails naming the module.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,23 +65,23 @@ def _slice_cols(c: Canonical, cols: tuple[int, int], scheme: QuantScheme, module
     start, size = cols
     codes = c.codes[:, start:start + size]
     if c.g_idx is not None:      # act-order: g_idx names global groups; every rank keeps all of them
-        return Canonical(codes, c.scales, c.zeros, c.g_idx[start:start + size])
+        return replace(c, codes=codes, g_idx=c.g_idx[start:start + size])
     if c.scales.shape[1] == 1:   # per channel / per tensor
-        return Canonical(codes, c.scales, c.zeros, None)
+        return replace(c, codes=codes)
     gs = scheme.group_size or 1
     if start % gs or size % gs:
         raise ValueError(f"{module}: tensor-parallel shard of input columns [{start}, {start + size}) does not "
                          f"line up with the quantization group size {gs}; choose another --tensor-parallel-size")
     g0, ng = start // gs, size // gs
     zeros = None if c.zeros is None else c.zeros[:, g0:g0 + ng]
-    return Canonical(codes, c.scales[:, g0:g0 + ng], zeros, None)
+    return replace(c, codes=codes, scales=c.scales[:, g0:g0 + ng], zeros=zeros)
 
 
 def _fill(q: QuantLinear, c: Canonical, dest: int, rows: tuple[int, int] | None) -> None:
     if rows is not None:
         start, size = rows
-        c = Canonical(c.codes[start:start + size], c.scales[start:start + size],
-                      None if c.zeros is None else c.zeros[start:start + size], c.g_idx)
+        c = replace(c, codes=c.codes[start:start + size], scales=c.scales[start:start + size],
+                    zeros=None if c.zeros is None else c.zeros[start:start + size])
     n = c.codes.shape[0]
     if c.scales.shape[1] != q.num_groups:
         raise ValueError(f"{q}: checkpoint has {c.scales.shape[1]} scale groups, expected {q.num_groups}")
@@ -93,6 +94,8 @@ def _fill(q: QuantLinear, c: Canonical, dest: int, rows: tuple[int, int] | None)
         if dest and not torch.equal(q.g_idx, c.g_idx.to(q.g_idx.device)):
             raise UnsupportedQuantization(f"{q}: fused slices with different g_idx (act-order) permutations")
         q.g_idx.copy_(c.g_idx)
+    if q.input_scale is not None:   # fused slices share one static activation scale: the largest (as vLLM)
+        q.input_scale.copy_(torch.maximum(q.input_scale, c.input_scale.to(q.input_scale)) if dest else c.input_scale)
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
@@ -147,7 +150,7 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
                 if q is None:
                     q = QuantLinear(old.in_features, old.out_features, scheme.kind, scheme.num_bits,
                                     c.scales.shape[1], old.bias is not None, dtype, device,
-                                    has_g_idx=c.g_idx is not None, reduce=reduce)
+                                    has_g_idx=c.g_idx is not None, reduce=reduce, act_quant=scheme.activation)
                 _fill(q, c, dest, rows)
                 consumed.update(f"{hf}.{s}" for s in SUFFIXES[scheme.fmt] if f"{hf}.{s}" in index)
             assert q is not None
