@@ -134,7 +134,8 @@ def _read_piece(sl: Any, shard: TPShard, target: str, hf_module: str | None) -> 
     return sl[:]
 
 
-def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard) -> None:
+def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard,
+                         skip: frozenset[str] = frozenset()) -> None:
     """Fills a parallelized model with its rank's slices, reading no more of the checkpoint than that."""
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
@@ -147,7 +148,7 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if "rotary_emb" in name:
+                    if "rotary_emb" in name or name in skip:   # skip: tensors core.quant loaded
                         continue
                     target, hf_module, fused, idx = name, None, None, 0
                     for hf, (fused_name, i) in _STACKED.items():
