@@ -83,19 +83,25 @@ def _observe(module: torch.nn.Module, args: Any) -> None:
 
 def ct_model(name: str) -> Path:
     """The compressed-tensors checkpoint `name` (a key of CT_SCHEMES), built once per process."""
-    if name in _DIRS:
-        return _DIRS[name]
+    if name not in _DIRS:
+        base_name, wargs, fmt, *act = CT_SCHEMES[name]
+        _DIRS[name] = write_ct_checkpoint(tiny_model_dir(SPECS[base_name]), _root() / name, wargs, fmt,
+                                          act[0] if act else None)
+    return _DIRS[name]
+
+
+def write_ct_checkpoint(src: Path, out: Path, wargs: dict[str, Any], fmt: str,
+                        act: dict[str, Any] | None = None) -> Path:
+    """Quantize the HF checkpoint `src` (min/max, no data) with compressed-tensors and save it to `out`."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config,
     )
 
-    base_name, wargs, fmt, *act = CT_SCHEMES[name]
-    src = tiny_model_dir(SPECS[base_name])
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     args = QuantizationArgs(**wargs)
-    acts = QuantizationArgs(**act[0]) if act else None
+    acts = QuantizationArgs(**act) if act else None
     qscheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     cfg = QuantizationConfig(config_groups={"group_0": qscheme},
                              ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED)
@@ -105,11 +111,9 @@ def ct_model(name: str) -> Path:
             _observe(module, args)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
-    out = _root() / name
     model.save_pretrained(str(out))
     compressor.update_config(str(out))
     _copy_side_files(src, out)
-    _DIRS[name] = out
     return out
 
 

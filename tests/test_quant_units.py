@@ -80,7 +80,11 @@ def test_int8_cpu_kernel_path() -> None:
     assert q.qweight.dtype == torch.int8 and q._int8_scales is not None
     assert torch.equal(q.dequantize(), w)                     # the same codes, stored signed
     x = torch.randn(5, 64, generator=gen)
-    torch.testing.assert_close(q(x), x @ w.t(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(q(x), x @ w.t(), rtol=1e-5, atol=1e-6)            # fp32: the generic path
+    q.scales.data = q.scales.data.bfloat16()
+    q._int8_scales = q._int8_scales.bfloat16()
+    y = q(x.bfloat16())                                                            # bf16: the int8 kernel
+    torch.testing.assert_close(y.float(), x.bfloat16().float() @ q.dequantize(torch.float32).t(), rtol=2e-2, atol=2e-2)
 
 
 def _cfg_dir(tmp_path: Path, quant: dict | None) -> Path:

@@ -1,15 +1,17 @@
 """A linear layer whose weight stays quantized in device memory; y = x @ dequant(W)^T (+ bias).
 
 Integer codes (`kind` "int"): 4-bit codes packed 8 to an int32 along the input (`qweight` [out, in / 8]),
-8-bit codes as uint8 [out, in]; `scales` [out, groups] in the model dtype, `zeros` int16 [out, groups]
+8-bit codes as uint8 [out, in]; `scales` [out, groups] in the model dtype, `zeros` [out, groups] (uint8 for 4 bits, int16 for 8)
 (the code of 0.0: 2**(bits-1) when symmetric), optional `g_idx` int32 [in] (GPTQ act-order: the group of
 every input column; without it column i belongs to group i // group_size).
 FP8 (`kind` "float"): `qweight` float8_e4m3fn [out, in], `scales` [out, 1] (per channel; a per-tensor scale
 is broadcast).
 
 Paths: the torch path dequantizes per forward and runs one matmul (bit-identical to an HF model holding the
-dequantized weights). On the CPU, symmetric per-channel int8 uses torch's weight-only int8 kernel
-(`aten._weight_int8pack_mm`, which never materializes the float weight).
+dequantized weights). On the CPU, symmetric per-channel int8 with bf16/fp16 activations uses torch's weight-only
+int8 kernel (`aten._weight_int8pack_mm`, which never materializes the float weight): measured about as fast as
+a bf16 matmul and ~4x faster than dequantize-then-matmul; with fp32 activations that kernel is slower than the
+generic path here, so fp32 keeps it (benchmarks/results/quant_cpu_decode.md).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ class QuantLinear(nn.Module):
             qweight = torch.empty(out_features, in_features, dtype=torch.uint8, device=device)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", torch.empty(out_features, num_groups, dtype=dtype, device=device))
-        zeros = torch.empty(out_features, num_groups, dtype=torch.int16, device=device) if kind == "int" else None
+        zdtype = torch.uint8 if num_bits == 4 else torch.int16         # 8 bits: GPTQ v1's zero + 1 may be 256
+        zeros = torch.empty(out_features, num_groups, dtype=zdtype, device=device) if kind == "int" else None
         self.register_buffer("zeros", zeros)
         g_idx = torch.empty(in_features, dtype=torch.int32, device=device) if has_g_idx else None
         self.register_buffer("g_idx", g_idx)
@@ -76,6 +79,11 @@ class QuantLinear(nn.Module):
         dtype = dtype or self.scales.dtype
         if self.kind == "float":
             return self.qweight.to(dtype) * self.scales.to(dtype)
+        if self.g_idx is None and self.in_features % self.num_groups == 0:            # broadcast per group
+            gs = self.in_features // self.num_groups
+            codes = self.codes().view(self.out_features, self.num_groups, gs)         # [out, groups, gs]
+            w = (codes.to(dtype) - self.zeros.unsqueeze(-1).to(dtype)) * self.scales.unsqueeze(-1).to(dtype)
+            return w.view(self.out_features, self.in_features)                       # [out, in]
         if self.g_idx is not None:
             idx = self.g_idx.long()
             scales, zeros = self.scales[:, idx], self.zeros[:, idx]                   # [out, in]
@@ -87,7 +95,7 @@ class QuantLinear(nn.Module):
         return w.to(dtype) * scales.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._int8_scales is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if self._int8_scales is not None and x.dtype in (torch.bfloat16, torch.float16):
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._int8_scales.to(x.dtype))
             y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
