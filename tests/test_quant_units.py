@@ -130,3 +130,15 @@ def test_row_parallel_shard_must_line_up_with_groups() -> None:
     g_idx = torch.arange(96, dtype=torch.int32).flip(0) // 32                       # act-order: all groups kept
     kept = _slice_cols(Canonical(c.codes, c.scales, c.zeros, g_idx), (48, 48), scheme, "down_proj")
     assert kept.scales.shape == (4, 3) and torch.equal(kept.g_idx, g_idx[48:])
+
+
+def test_llama3_8b_int4_memory_bounds() -> None:
+    """Device bytes of our int4 g128 layout for the Llama-3-8B shape (meta device: shapes only)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from quant_memory import measure
+
+    res = measure()
+    assert res["int4_g128"]["linear"] <= 0.27 * res["bf16"]["linear"]
+    assert res["int4_g128"]["total"] <= 0.36 * res["bf16"]["total"]
