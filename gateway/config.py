@@ -67,6 +67,7 @@ class ServerConfig:
     async_scheduling: bool | None = None     # overlap step t+1's CPU work with step t (None: on CUDA)
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
     tensor_parallel_size: int = 1            # ranks the model is sharded over (one process each)
+    quantization: str | None = None          # --quantization (checked against the checkpoint)
 
     @property
     def url(self) -> str:
@@ -95,4 +96,4 @@ class ServerConfig:
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=self.lora_modules, lora_dirs=self.lora_dirs, enforce_eager=self.enforce_eager,
             load_format=self.load_format, async_scheduling=self.async_scheduling,
-            tensor_parallel_size=self.tensor_parallel_size)
+            tensor_parallel_size=self.tensor_parallel_size, quantization=self.quantization)

@@ -142,3 +142,13 @@ def test_llama3_8b_int4_memory_bounds() -> None:
     res = measure()
     assert res["int4_g128"]["linear"] <= 0.27 * res["bf16"]["linear"]
     assert res["int4_g128"]["total"] <= 0.36 * res["bf16"]["total"]
+
+
+def test_cli_quantization_flag() -> None:
+    from gateway.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "/m", "--quantization", "gptq"])
+    assert config_from_args(args, parser).engine_config().quantization == "gptq"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantization", "bitsandbytes"])
