@@ -214,3 +214,23 @@ def fp8_online_reference_dir(base: Path) -> Path:
     _copy_side_files(base, out)
     _DIRS[key] = out
     return out
+
+
+def check_mixed_batch(llm: Any, ref: Path, adapter: Path, prompts: list[list[int]], max_tokens: int = 12,
+                      min_margin: float = 1e-3) -> list[list[int]]:
+    """Base rows and `tenant` LoRA rows of `prompts` in one batch equal HF / PEFT greedy on `ref`; returns the
+    expected tokens (base rows first). The references must be clear of argmax ties, the adapter must matter."""
+    from core import SamplingParams
+
+    expected = []
+    for lora in (None, adapter):
+        for ids in prompts:
+            tokens, margin = reference_greedy(ref, lora, ids, max_tokens)
+            assert margin > min_margin, f"test setup: reference margin {margin}"
+            expected.append(tokens)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * 2],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                        lora=[None] * len(prompts) + ["tenant"] * len(prompts))
+    assert [o.token_ids for o in outs] == expected
+    assert expected[:len(prompts)] != expected[len(prompts):]      # the adapter changes the output
+    return expected

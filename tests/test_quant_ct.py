@@ -12,14 +12,12 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-from core import LLM, SamplingParams  # noqa: E402
+from core import LLM  # noqa: E402
 from core.quant.linear import QuantLinear  # noqa: E402
-from quant_models import ct_model, ct_reference_dir, reference_greedy, save_all7_adapter  # noqa: E402
+from quant_models import check_mixed_batch, ct_model, ct_reference_dir, save_all7_adapter  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy  # noqa: E402
 
 MAX_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-MIN_MARGIN = 1e-3
 TEXTS = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
 HF_LOADS = ("w4a16_sym_g32", "w8a16_ch")   # transformers 5 + compressed-tensors 0.20 load these directly
                                            # (asymmetric: its packed zero points fail a shape check)
@@ -40,16 +38,7 @@ def test_base_and_lora_match_references(name: str) -> None:
         assert isinstance(mod.base, QuantLinear)                 # LoRA wraps the quantized linear
     assert not isinstance(llm.engine.model.lm_head, QuantLinear)  # `ignore: [lm_head]`
     prompts = [encode(path, t) for t in TEXTS]
-    expected = []
-    for lora in (None, adapter):
-        for ids in prompts:
-            tokens, margin = reference_greedy(ref, lora, ids, MAX_TOKENS)
-            assert margin > MIN_MARGIN, f"test setup: reference margin {margin}"
-            expected.append(tokens)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * 2], GREEDY,
-                        lora=[None] * len(prompts) + ["tenant"] * len(prompts))
-    assert [o.token_ids for o in outs] == expected
-    assert expected[:len(prompts)] != expected[len(prompts):]      # the adapter changes the output
+    expected = check_mixed_batch(llm, ref, adapter, prompts, MAX_TOKENS)
     if name in HF_LOADS:
         for ids, tokens in zip(prompts, expected):
             assert hf_greedy(path, ids, MAX_TOKENS) == tokens   # transformers decompressing the checkpoint

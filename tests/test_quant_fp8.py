@@ -14,29 +14,13 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-from core import LLM, SamplingParams  # noqa: E402
+from core import LLM  # noqa: E402
 from core.quant.config import UnsupportedQuantization  # noqa: E402
 from core.quant.linear import QuantLinear  # noqa: E402
-from quant_models import ct_model, fp8_online_reference_dir, reference_greedy, save_all7_adapter  # noqa: E402
+from quant_models import check_mixed_batch, ct_model, fp8_online_reference_dir, save_all7_adapter  # noqa: E402
 from testlib import PROMPTS, encode, model_dir  # noqa: E402
 
-MAX_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-MIN_MARGIN = 1e-3
 TEXTS = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
-
-
-def _check(llm: LLM, ref, adapter, prompts: list[list[int]]) -> None:
-    expected = []
-    for lora in (None, adapter):
-        for ids in prompts:
-            tokens, margin = reference_greedy(ref, lora, ids, MAX_TOKENS)
-            assert margin > MIN_MARGIN, f"test setup: reference margin {margin}"
-            expected.append(tokens)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * 2], GREEDY,
-                        lora=[None] * len(prompts) + ["tenant"] * len(prompts))
-    assert [o.token_ids for o in outs] == expected
-    assert expected[:len(prompts)] != expected[len(prompts):]
 
 
 @pytest.mark.parametrize("name", ["fp8_dynamic", "fp8_static_tensor", "fp8_dynamic_qwen2"])
@@ -47,7 +31,7 @@ def test_ct_fp8_base_and_lora_match_hf(name: str) -> None:
               quantization="compressed-tensors")
     qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj.base
     assert isinstance(qkv, QuantLinear) and qkv.qweight.dtype == torch.float8_e4m3fn
-    _check(llm, path, adapter, [encode(path, t) for t in TEXTS])
+    check_mixed_batch(llm, path, adapter, [encode(path, t) for t in TEXTS])
 
 
 def test_online_fp8_matches_reference() -> None:
@@ -60,7 +44,7 @@ def test_online_fp8_matches_reference() -> None:
     for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(mod.base, QuantLinear) and mod.base.qweight.dtype == torch.float8_e4m3fn
     assert not isinstance(llm.engine.model.lm_head, QuantLinear)
-    _check(llm, ref, adapter, [encode(base, t) for t in TEXTS])
+    check_mixed_batch(llm, ref, adapter, [encode(base, t) for t in TEXTS])
 
 
 def test_quantization_flag_must_match_checkpoint() -> None:
