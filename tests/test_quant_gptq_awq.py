@@ -9,13 +9,14 @@ import torch
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-from core import LLM  # noqa: E402
+from core import LLM, SamplingParams  # noqa: E402
 from core.quant.linear import QuantLinear  # noqa: E402
 from quant_layouts import LAYOUTS, dequantize_file, layout_model  # noqa: E402
 from quant_models import check_mixed_batch, save_all7_adapter  # noqa: E402
 from testlib import PROMPTS, encode  # noqa: E402
 
 TEXTS = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+GREEDY_12 = SamplingParams(max_tokens=12, temperature=0.0)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -34,3 +35,17 @@ def test_base_and_lora_match_references(name: str) -> None:
     assert torch.equal(dequantize_file(path, "model.layers.0.mlp.down_proj"), ref_w)
     assert torch.equal(down.dequantize(), ref_w)
     check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in TEXTS])
+
+
+def test_hot_load_and_lora_dir_on_awq_base(tmp_path) -> None:
+    """Adapters that arrive after start-up (admin hot load, a `--lora-dir` folder) on a quantized base."""
+    import shutil
+
+    path, ref = layout_model("awq_w4_g32")
+    adapter = save_all7_adapter(ref)
+    shutil.copytree(adapter, tmp_path / "acme" / "support")
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=128, lora_dirs=[str(tmp_path)])
+    llm.engine.load_lora("tenant", str(adapter))
+    expected = check_mixed_batch(llm, ref, adapter, [encode(path, TEXTS[0])])
+    out = llm.generate([{"prompt_token_ids": encode(path, TEXTS[0])}], GREEDY_12, lora=["acme/support"])
+    assert out[0].token_ids == expected[1]
