@@ -10,6 +10,7 @@ group boundaries, otherwise start-up fails naming the module.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -106,12 +107,17 @@ def _tensor_index(model_dir: Path) -> dict[str, Path]:
     return index
 
 
-def _getter(index: dict[str, Path]) -> Callable[[str], torch.Tensor | None]:
+def _getter(index: dict[str, Path], stack: ExitStack) -> Callable[[str], torch.Tensor | None]:
+    """Reads one tensor by name; each file is opened once (kept open by `stack`)."""
+    handles: dict[Path, Any] = {}
+
     def get(name: str) -> torch.Tensor | None:
         if name not in index:
             return None
-        with safe_open(str(index[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        file = index[name]
+        if file not in handles:
+            handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+        return handles[file].get_tensor(name)
     return get
 
 
@@ -136,9 +142,9 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
         return frozenset()
     cfg = model.config if shard is None else shard.cfg
     index = _tensor_index(model_dir)
-    get = _getter(index)
     consumed: set[str] = set()
-    with torch.no_grad():
+    with torch.no_grad(), ExitStack() as stack:
+        get = _getter(index, stack)
         for name, pieces in _targets(model, scheme, cfg, shard).items():
             old = model.get_submodule(name)
             reduce = getattr(getattr(old, "tp", None), "all_reduce", None)
