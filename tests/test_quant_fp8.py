@@ -14,7 +14,7 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-from core import LLM  # noqa: E402
+from core import LLM, SamplingParams  # noqa: E402
 from core.quant.config import UnsupportedQuantization  # noqa: E402
 from core.quant.linear import QuantLinear  # noqa: E402
 from quant_models import check_mixed_batch, ct_model, fp8_online_reference_dir, save_all7_adapter  # noqa: E402
@@ -50,3 +50,21 @@ def test_online_fp8_matches_reference() -> None:
 def test_quantization_flag_must_match_checkpoint() -> None:
     with pytest.raises(UnsupportedQuantization, match="--quantization gptq but the checkpoint is compressed-tensors"):
         LLM(str(ct_model("fp8_dynamic")), dtype="float32", device="cpu", num_kv_blocks=16, quantization="gptq")
+
+
+def test_vllm_fp8_serialized_checkpoint(tmp_path) -> None:
+    """vLLM's own FP8 format (`quant_method: fp8`, per-tensor `weight_scale`, static `input_scale`) holds the
+    same tensors as compressed-tensors' per-tensor FP8: the outputs are the same."""
+    import json
+    import shutil
+
+    src = ct_model("fp8_static_tensor")
+    shutil.copytree(src, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    prompts = [{"prompt_token_ids": encode(src, t)} for t in TEXTS]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ours = LLM(str(tmp_path / "m"), dtype="float32", device="cpu", num_kv_blocks=64, quantization="fp8")
+    ct = LLM(str(src), dtype="float32", device="cpu", num_kv_blocks=64)
+    assert [o.token_ids for o in ours.generate(prompts, params)] == [o.token_ids for o in ct.generate(prompts, params)]

@@ -112,6 +112,15 @@ def test_detection(tmp_path: Path) -> None:
         detect_quantization(_cfg_dir(tmp_path, _ct(dict(w4, num_bits=8, strategy="channel"), act=act8)))
     with pytest.raises(UnsupportedQuantization, match="quantization method 'bitsandbytes'"):
         detect_quantization(_cfg_dir(tmp_path, {"quant_method": "bitsandbytes"}))
+    with pytest.raises(UnsupportedQuantization, match="gptq with a quantized lm_head"):
+        detect_quantization(_cfg_dir(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}))
+    with pytest.raises(UnsupportedQuantization, match="gptq bits=3"):
+        detect_quantization(_cfg_dir(tmp_path, {"quant_method": "gptq", "bits": 3, "group_size": 128}))
+    awq = detect_quantization(_cfg_dir(tmp_path, {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                  "version": "gemm", "modules_to_not_convert": ["mlp.down"]}))
+    assert awq.is_ignored("model.layers.3.mlp.down_proj") and not awq.is_ignored("model.layers.3.mlp.up_proj")
+    with pytest.raises(UnsupportedQuantization, match="awq bits=4 version=gemv"):
+        detect_quantization(_cfg_dir(tmp_path, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}))
     assert detect_quantization(_cfg_dir(tmp_path, None)) is None
     assert detect_quantization(tmp_path, "fp8").fmt == "fp8-online"
     with pytest.raises(UnsupportedQuantization, match="no quantization_config"):

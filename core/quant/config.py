@@ -93,14 +93,17 @@ def _scheme(raw: dict[str, Any]) -> QuantScheme:
     if method == "gptq":
         if bits not in (4, 8) or raw.get("checkpoint_format", "gptq") != "gptq":
             raise UnsupportedQuantization(f"gptq bits={bits} checkpoint_format={raw.get('checkpoint_format')}")
+        if raw.get("lm_head"):
+            raise UnsupportedQuantization("gptq with a quantized lm_head")
         return QuantScheme("gptq", "gptq", "int", bits, bool(raw.get("sym", True)), None if group == -1 else group,
                            desc_act=bool(raw.get("desc_act", False)))
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
         if bits != 4 or version != "gemm" or group == -1:
             raise UnsupportedQuantization(f"awq bits={bits} version={version} group_size={group}")
+        skip = raw.get("modules_to_not_convert") or ()   # AutoAWQ: substrings of module names
         return QuantScheme("awq", "awq", "int", 4, not raw.get("zero_point", True), group,
-                           ignore=tuple(raw.get("modules_to_not_convert") or ()))
+                           ignore=tuple(f"re:.*{re.escape(s)}" for s in skip))
     if method == "fp8":
         if raw.get("weight_block_size"):
             raise UnsupportedQuantization(f"fp8 with weight_block_size {raw['weight_block_size']}")

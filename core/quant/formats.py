@@ -80,11 +80,12 @@ def _awq(get: Getter, prefix: str, s: QuantScheme, out: int, inp: int) -> Canoni
 
 
 READERS: dict[str, Callable[[Getter, str, QuantScheme, int, int], Canonical]] = {
-    "pack-quantized": _ct_int, "float-quantized": _ct_float, "gptq": _gptq, "awq": _awq,
+    "pack-quantized": _ct_int, "float-quantized": _ct_float, "fp8-serialized": _ct_float, "gptq": _gptq, "awq": _awq,
 }
 SUFFIXES: dict[str, tuple[str, ...]] = {   # the tensor names each format stores per linear (bias: the normal path)
     "pack-quantized": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"),
     "float-quantized": ("weight", "weight_scale", "input_scale"),
+    "fp8-serialized": ("weight", "weight_scale", "input_scale"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
 }
