@@ -35,3 +35,29 @@ def test_triton_gemm_matches_torch_path(bits: int, act_order: bool, num_tokens: 
 
 def test_tile_table_has_two_variants() -> None:
     assert {tile_config(n) for n in (1, 8, 16, 17, 512, 2048)} == {(16, 64, 64), (64, 64, 64)}
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_scaled_mm_matches_emulation(static: bool) -> None:
+    """`torch._scaled_mm` (the CUDA FP8 path; torch runs it on the CPU too) equals the torch emulation of the
+    same arithmetic: e4m3 activations per token (or one static scale), e4m3 weights per channel."""
+    from core.quant.fp8_mm import emulate, scaled_mm
+
+    gen = torch.Generator().manual_seed(int(static))
+    x = torch.randn(5, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen)
+    sw = w.abs().amax(1, keepdim=True) / 448.0
+    codes = (w / sw).to(torch.float8_e4m3fn)
+    scale = torch.tensor(0.01) if static else None
+    torch.testing.assert_close(scaled_mm(x, codes, sw, scale), emulate(x, codes, sw, scale), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(emulate(x, codes, sw, scale), x @ (codes.float() * sw).t())   # activations quantized
+
+
+def test_fp8_activation_quantization_matches_the_cpu_reference() -> None:
+    """Per-token e4m3 activations of the CUDA path equal the compressed-tensors arithmetic of the CPU path."""
+    from core.quant.fp8_mm import quantize_activations
+
+    q = QuantLinear(64, 16, "float", 8, 1, False, torch.float32, "cpu", act_quant="dynamic-token")
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3)) * 3
+    xq, sx = quantize_activations(x, None)
+    assert torch.equal(xq.float() * sx, q._fake_quant_fp8(x))

@@ -7,7 +7,8 @@ every input column; without it column i belongs to group i // group_size).
 FP8 (`kind` "float"): `qweight` float8_e4m3fn [out, in], `scales` [out, 1] (per channel; a per-tensor scale
 is broadcast).
 
-Paths: on CUDA, integer codes go through the Triton GEMM that dequantizes inside the kernel (triton_gemm.py).
+Paths: on CUDA, integer codes go through the Triton GEMM that dequantizes inside the kernel (triton_gemm.py),
+FP8 through `torch._scaled_mm` where the GPU has FP8 tensor cores (fp8_mm.py: activations quantized per token).
 The torch path (every other case) dequantizes per forward and runs one matmul (bit-identical to an HF model holding the
 dequantized weights). On the CPU, symmetric per-channel int8 with bf16/fp16 activations uses torch's weight-only
 int8 kernel (`aten._weight_int8pack_mm`, which never materializes the float weight): measured about as fast as
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import triton_gemm
+from core.quant import fp8_mm, triton_gemm
 from core.quant.packing import unpack_rows
 
 
@@ -100,6 +101,10 @@ class QuantLinear(nn.Module):
         if self._int8_scales is not None and x.dtype in (torch.bfloat16, torch.float16):
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self._int8_scales.to(x.dtype))
+            y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
+        elif self.kind == "float" and x.is_cuda and fp8_mm.supported(x) and self.out_features % 16 == 0:
+            x2 = x.reshape(-1, self.in_features)                                      # [T, in]
+            y = fp8_mm.scaled_mm(x2, self.qweight, self.scales, self.input_scale)
             y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
         elif x.is_cuda and self.kind == "int" and triton_gemm.triton is not None:
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]
