@@ -106,7 +106,7 @@ class QuantLinear(nn.Module):
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]
             y = fp8_mm.scaled_mm(x2, self.qweight, self.scales, self.input_scale)
             y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
-        elif x.is_cuda and self.kind == "int" and triton_gemm.triton is not None:
+        elif self.kind == "int" and triton_gemm.use_triton(x):
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]
             y = triton_gemm.wq_matmul(x2, self.qweight, self.scales, self.zeros, self.g_idx, self.num_bits,
                                       self.in_features, self.out_features)

@@ -9,6 +9,7 @@ Tested in the Triton interpreter against the torch dequantize-then-matmul path (
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -21,7 +22,19 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def _jit(fn: Callable[..., Any]) -> Any:
-    return triton.jit(fn) if triton is not None else fn
+    # the token count changes every step: not specialized (== 1, % 16), so it never picks a new variant
+    return triton.jit(do_not_specialize=["M"])(fn) if triton is not None else fn
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (triton off CUDA needs
+    TRITON_INTERPRET=1: the kernel runs in the interpreter; tests only)."""
+    choice = os.environ.get("LORAPLEX_QUANT_GEMM", "auto").strip().lower()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"LORAPLEX_QUANT_GEMM must be auto, torch or triton, not {choice!r}")
+    if triton is None or choice == "torch":
+        return False
+    return x.is_cuda or choice == "triton"
 
 
 @_jit
@@ -59,9 +72,12 @@ def _wq_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+SMALL_M = 16   # up to this many tokens (decode batches): short token tiles
+
+
 def tile_config(num_tokens: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized batches use short token tiles, prefill long ones."""
-    return (16, 64, 64) if num_tokens <= 16 else (64, 64, 64)
+    return (16, 64, 64) if num_tokens <= SMALL_M else (64, 64, 64)
 
 
 def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
