@@ -12,7 +12,6 @@ nibble k of a word holding column [0, 2, 4, 6, 1, 3, 5, 7][k] of its 8; `scales`
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 

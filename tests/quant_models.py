@@ -2,6 +2,8 @@
 
     path = ct_model("w4a16_asym_g32")      # config.json quantization_config + packed safetensors (cached)
     ref = ct_reference_dir("w4a16_asym_g32")   # a plain HF checkpoint: compressed-tensors' own decompression
+    adapter = save_all7_adapter(ref)       # a PEFT LoRA on all seven projections
+    check_mixed_batch(llm, ref, adapter, prompts)   # base + LoRA rows in one batch == HF / PEFT greedy
 
 No calibration data: scales and zero points come from each weight's min / max through compressed-tensors'
 `calculate_qparams`, then its ModelCompressor packs the model and writes `quantization_config`, as
@@ -177,7 +179,6 @@ def reference_greedy(ref_dir: Path, adapter: Path | None, prompt_ids: list[int],
                      max_new_tokens: int) -> tuple[list[int], float]:
     """HF (or PEFT over HF) fp32 greedy tokens of the reference, and the smallest top-1/top-2 logit gap."""
     import copy
-    import math
 
     from testlib import _hf_model
 
