@@ -93,7 +93,7 @@ def ct_model(name: str) -> Path:
 
 
 def write_ct_checkpoint(src: Path, out: Path, wargs: dict[str, Any], fmt: str,
-                        act: dict[str, Any] | None = None) -> Path:
+                        act: dict[str, Any] | None = None, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """Quantize the HF checkpoint `src` (min/max, no data) with compressed-tensors and save it to `out`."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
@@ -106,7 +106,7 @@ def write_ct_checkpoint(src: Path, out: Path, wargs: dict[str, Any], fmt: str,
     acts = QuantizationArgs(**act) if act else None
     qscheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     cfg = QuantizationConfig(config_groups={"group_0": qscheme},
-                             ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED)
+                             ignore=list(ignore), quantization_status=QuantizationStatus.INITIALIZED)
     apply_quantization_config(model, cfg, show_progress=False)
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):

@@ -42,3 +42,14 @@ def test_base_and_lora_match_references(name: str) -> None:
     if name in HF_LOADS:
         for ids, tokens in zip(prompts, expected):
             assert hf_greedy(path, ids, MAX_TOKENS) == tokens   # transformers decompressing the checkpoint
+
+
+def test_quantized_lm_head_is_refused_by_name(tmp_path) -> None:
+    from core.quant.config import UnsupportedQuantization
+    from quant_models import CT_SCHEMES, write_ct_checkpoint
+    from testlib import model_dir
+
+    wargs = CT_SCHEMES["w4a16_sym_g32"][1]
+    path = write_ct_checkpoint(model_dir("llama_gqa"), tmp_path / "m", wargs, "pack-quantized", ignore=())
+    with pytest.raises(UnsupportedQuantization, match="compressed-tensors checkpoint quantizes lm_head"):
+        LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16)

@@ -161,7 +161,17 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
                 consumed.update(f"{hf}.{s}" for s in SUFFIXES[scheme.fmt] if f"{hf}.{s}" in index)
             assert q is not None
             _swap(model, name, q)
+    _check_all_consumed(index, consumed, scheme)
     return frozenset(consumed)
+
+
+def _check_all_consumed(index: dict[str, Path], consumed: set[str], scheme: QuantScheme) -> None:
+    """Quantized tensors of a layer we keep in float (embeddings, lm_head): refuse them by name."""
+    packed = tuple(f".{s}" for s in SUFFIXES[scheme.fmt] if s != "weight")
+    left = sorted({n.rsplit(".", 1)[0] for n in index if n.endswith(packed) and n not in consumed})
+    if left:
+        raise UnsupportedQuantization(f"{scheme.method} checkpoint quantizes {', '.join(left[:3])} (we quantize "
+                                      "only the decoder's linear layers; keep these in `ignore`)")
 
 
 def _fp8_per_channel(linear: nn.Linear, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> QuantLinear:
