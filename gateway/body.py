@@ -12,29 +12,46 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from gateway.context import request_context
 from gateway.errors import APIError, invalid
+from gateway.tokenize_pool import TRIM_AFTER_BYTES, trim_memory_soon
 
 M = TypeVar("M", bound=BaseModel)
-MAX_BODY_BYTES = 32 << 20   # far above any prompt that fits a context window
+MAX_BODY_BYTES = 32 << 20   # the hard cap on every route, whatever the model
 
 
-def _too_large() -> APIError:
-    return APIError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB.", code="request_too_large")
+def _too_large(limit: int, prompt_param: str | None) -> APIError:
+    if limit >= MAX_BODY_BYTES or prompt_param is None:
+        return APIError(413, f"The request body is larger than {_size(limit)}.", code="request_too_large")
+    return invalid(f"The request body is larger than {_size(limit)}: more than 4 of the longest {prompt_param} "
+                   f"that can fit this model's context (at 12 JSON bytes a character) and 1 MiB more. Please "
+                   f"reduce the length of the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
 
 
-async def read_body(request: Request, limit: int | None = None) -> bytes:
-    """The body, refused with 413 past `limit` bytes (without reading the rest into memory)."""
-    limit = MAX_BODY_BYTES if limit is None else limit
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes >> 20} MiB" if num_bytes % (1 << 20) == 0 else f"{num_bytes} bytes"
+
+
+async def read_body(request: Request, limit: int | None = None, prompt_param: str | None = None) -> bytes:
+    """The body, refused past `limit` bytes (at most the hard cap) before it is read into memory or parsed: a 413,
+    or where `prompt_param` names the prompt field and `limit` is the cap derived from the longest prompt that
+    can fit (gateway/prompt_bound.py), a 400 `context_length_exceeded` naming it. A big body asks for its freed
+    memory to go back to the OS once the request has ended."""
+    limit = MAX_BODY_BYTES if limit is None else min(limit, MAX_BODY_BYTES)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large()
+        raise _too_large(limit, prompt_param)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large()
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit, prompt_param)
+            chunks.append(chunk)
+    finally:
+        if size >= TRIM_AFTER_BYTES:
+            request_context(request).cleanups.append(trim_memory_soon)
     return b"".join(chunks)
 
 

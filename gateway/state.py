@@ -46,6 +46,6 @@ class GatewayState:
         return GatewayState(
             config=config, aeng=aeng,
             models=ServedModels(config.served_model_name, root=config.model, registry=engine.registry),
-            encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size),
+            encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len),
             texts=TokenTexts(engine.tokenizer),
             metrics=GatewayMetrics(engine, config.max_loras))
