@@ -12,9 +12,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from gateway.context import request_context
 from gateway.errors import APIError, invalid
-from gateway.tokenize_pool import TRIM_AFTER_BYTES, trim_memory_soon
 
 M = TypeVar("M", bound=BaseModel)
 MAX_BODY_BYTES = 32 << 20   # the hard cap on every route, whatever the model
@@ -35,23 +33,18 @@ def _size(num_bytes: int) -> str:
 async def read_body(request: Request, limit: int | None = None, prompt_param: str | None = None) -> bytes:
     """The body, refused past `limit` bytes (at most the hard cap) before it is read into memory or parsed: a 413,
     or where `prompt_param` names the prompt field and `limit` is the cap derived from the longest prompt that
-    can fit (gateway/prompt_bound.py), a 400 `context_length_exceeded` naming it. A big body asks for its freed
-    memory to go back to the OS once the request has ended."""
+    can fit (gateway/prompt_bound.py), a 400 `context_length_exceeded` naming it."""
     limit = MAX_BODY_BYTES if limit is None else min(limit, MAX_BODY_BYTES)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit, prompt_param)
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit, prompt_param)
-            chunks.append(chunk)
-    finally:
-        if size >= TRIM_AFTER_BYTES:
-            request_context(request).cleanups.append(trim_memory_soon)
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, prompt_param)
+        chunks.append(chunk)
     return b"".join(chunks)
 
 

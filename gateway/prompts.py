@@ -11,6 +11,7 @@ from typing import Any
 from gateway.errors import APIError, invalid
 from gateway.prompt_bound import CharBound, char_bound
 from gateway.protocol import ChatMessage, PromptInput
+from gateway.tokenize_pool import TRIM_AFTER_CHARS, trim_memory_soon
 
 
 def context_exceeded(message: str, param: str) -> APIError:
@@ -51,7 +52,10 @@ class PromptEncoder:
 
     def encode_text(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a text, refused by its length before the tokenizer sees it."""
-        return self.tokenizer.encode(self.check_chars(text, param), add_special_tokens=add_special_tokens)
+        ids = self.tokenizer.encode(self.check_chars(text, param), add_special_tokens=add_special_tokens)
+        if len(text) >= TRIM_AFTER_CHARS:
+            trim_memory_soon()   # the tokenizer's working memory, freed by now, back to the OS
+        return ids
 
     def completion_prompts(self, prompt: PromptInput) -> list[list[int]]:
         """One list of token ids per prompt (a string, a list of strings, ids, or a list of id lists)."""
@@ -96,4 +100,4 @@ class PromptEncoder:
         text = self.render_chat(messages, conversation, tools, **render)
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
-        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=add_special), "messages")
+        return self._check_ids(self.encode_text(text, add_special, "messages"), "messages")

@@ -62,9 +62,9 @@ def _tokens(encoder: PromptEncoder, body: Union[TokenizeCompletionRequest, Token
     `prompt` or `messages`) before the tokenizer sees it: a count beyond `max_model_len` is no use to a client."""
     if isinstance(body, TokenizeChatRequest):
         text = encoder.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
-        tokens = encoder.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        tokens = encoder.encode_text(text, body.add_special_tokens, "messages")
     else:
-        tokens = encoder.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = encoder.encode_text(body.prompt, body.add_special_tokens)
     strs = encoder.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return {"count": len(tokens), "tokens": tokens, "token_strs": strs}
 
