@@ -228,6 +228,9 @@ def test_body_over_the_derived_cap_is_refused_before_parsing(tokenizer: Any) -> 
         resp = c.post(path, content=filler, headers={"content-type": "application/json"})
         err = resp.json()["error"]
         assert resp.status_code == 400 and (err["code"], err["param"]) == ("context_length_exceeded", param), err
+    chunked = c.post("/v1/completions", content=iter([filler[:cap // 2].encode(), filler[cap // 2:].encode()]),
+                     headers={"content-type": "application/json"})   # no Content-Length: counted while read
+    assert chunked.status_code == 400 and chunked.json()["error"]["code"] == "context_length_exceeded"
     resp = c.post("/detokenize", content=filler, headers={"content-type": "application/json"})
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
     ok = c.post("/v1/completions", json={"model": "base", "prompt": "y" * (enc.bound.max_chars + 1)})
