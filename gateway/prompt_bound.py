@@ -70,7 +70,7 @@ def _shrink(normalizer: dict[str, Any] | None) -> int:
         for part in normalizer.get("normalizers", []):
             factor *= _shrink(part)
         return factor
-    if kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"):   # ByteLevel: one character per byte
         return 1
     if kind in ("NFC", "NFKC"):
         return _longest_decomposition("NFD" if kind == "NFC" else "NFKD")
@@ -98,9 +98,8 @@ def _covers_every_character(model: dict[str, Any], byte_level: bool) -> None:
     kind = model.get("type")
     if kind not in ("BPE", "Unigram"):
         raise Unbounded(f"model {kind}")   # WordPiece / WordLevel: one unk for a whole word
-    vocab = model.get("vocab") or {}
-    keys = vocab.keys() if isinstance(vocab, dict) else {entry[0] for entry in vocab}
-    if byte_level and kind == "BPE" and len(set(_byte_alphabet()) - set(keys)) == 0:
+    keys = set(_vocab_strings(model))
+    if byte_level and kind == "BPE" and keys.issuperset(_byte_alphabet()):
         return   # every byte is a token: nothing is unknown
     if model.get("byte_fallback") and all(f"<0x{b:02X}>" in keys for b in range(256)):
         return
@@ -124,8 +123,10 @@ def _byte_alphabet() -> tuple[str, ...]:
 
 
 def _is_byte_level(spec: dict[str, Any]) -> bool:
-    pre = spec.get("pre_tokenizer") or {}
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    """ByteLevel as the pre-tokenizer or the normalizer (alone or in a Sequence)."""
+    pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer") or {}
+    parts = (pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]) + (
+        norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm])
     return any(p.get("type") == "ByteLevel" for p in parts)
 
 

@@ -42,10 +42,6 @@ def executor() -> ThreadPoolExecutor:
         return _executor
 
 
-def is_worker_thread() -> bool:
-    return threading.current_thread().name.startswith("loraplex-tokenize")
-
-
 async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`fn(*args, **kwargs)` on a tokenizer worker thread; its exception is raised here."""
     loop = asyncio.get_running_loop()
