@@ -235,3 +235,38 @@ def test_body_over_the_derived_cap_is_refused_before_parsing(tokenizer: Any) -> 
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
     ok = c.post("/v1/completions", json={"model": "base", "prompt": "y" * (enc.bound.max_chars + 1)})
     assert ok.json()["error"]["code"] == "context_length_exceeded"   # under the body cap: the char bound refuses
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from gateway_server import ServerProcess, tiny_model
+
+    proc = ServerProcess(tiny_model(tmp_path_factory.getbasetemp() / "gateway_models"), "--max-model-len", "256",
+                         "--served-model-name", "tiny")
+    yield proc
+    proc.stop()
+
+
+def test_huge_prompts_over_http(server: Any) -> None:
+    """End to end: a 16 MB completion and a 6 MB chat are refused as too long (the field named), /tokenize of a
+    text just past the character bound too, and the server goes on serving."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        huge = http.post("/v1/completions", json={"model": "tiny", "prompt": "def f(x):\n" * ((16 << 20) // 10)})
+        chat = http.post("/v1/chat/completions",
+                         json={"model": "tiny", "messages": [{"role": "user", "content": "x" * (6 << 20)}]})
+        for resp, param in ((huge, "prompt"), (chat, "messages")):
+            err = resp.json()["error"]
+            assert resp.status_code == 400 and (err["code"], err["param"]) == ("context_length_exceeded", param)
+        from transformers import AutoTokenizer
+
+        limit = char_bound(AutoTokenizer.from_pretrained(server.model), 256).max_chars
+        assert limit is not None
+        at_limit = http.post("/tokenize", json={"model": "tiny", "prompt": "y" * limit})
+        assert at_limit.status_code == 200 and at_limit.json()["count"] > 256   # counted, however long
+        over = http.post("/tokenize", json={"model": "tiny", "prompt": "y" * (limit + 1)})
+        assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+        assert http.get("/health").status_code == 200
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "def f(", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
