@@ -29,7 +29,7 @@ from gateway.body import read_body
 from gateway.cancel import run_until_disconnect
 from gateway.context import metered, request_context
 from gateway.deadline import Deadline
-from gateway.echo import apply_echo, echo_texts
+from gateway.echo import add_prompt_logprobs, apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -40,7 +40,7 @@ from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
 from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
-from gateway.prompts import PromptEncoder
+from gateway.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
 from gateway.state import GatewayState
@@ -93,7 +93,7 @@ class _Kind:
 COMPLETION = _Kind(CompletionRequest, "cmpl", completion_sampling_params,
                    lambda enc, body: enc.completion_prompts(body.prompt), completion_events, completion_body)
 CHAT = _Kind(ChatCompletionRequest, "chatcmpl", chat_sampling_params,
-             lambda enc, body: [enc.chat_prompt(body.messages)], chat_events, chat_body)
+             lambda enc, body: [enc.chat_prompt(body.messages, options=template_options(body))], chat_events, chat_body)
 
 
 async def _generate(request: Request, kind: _Kind) -> Response:
@@ -138,8 +138,10 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     if echo is not None:
         apply_echo(results, children, echo)
     cached = {r.index: r.num_cached_tokens for r in results}
-    return JSONResponse(kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached),
-                                      texts))
+    answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
+    if kind is COMPLETION and body.prompt_logprobs is not None:
+        add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
+    return JSONResponse(answer)
 
 
 @api_endpoint
