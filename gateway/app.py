@@ -42,7 +42,10 @@ from gateway.constraints import resolve_tool_constraint, validators_ready, wants
 from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.probes import probe_routes
 from gateway.responses import chat_body, completion_body
+from gateway.responses_api import ResponsesBody
+from gateway.responses_stream import bind_responses
 from gateway.state import GatewayState
 from gateway.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
@@ -88,12 +91,15 @@ class _Kind:
     prompts: Callable[[PromptEncoder, Any], list[list[int]]]
     events: Events
     response: Callable[..., dict[str, Any]]
+    bind: Callable[[Any, Any], dict[str, Any]] | None = None   # per request (body, tool plan) -> events/response
 
 
 COMPLETION = _Kind(CompletionRequest, "cmpl", completion_sampling_params,
                    lambda enc, body: enc.completion_prompts(body.prompt), completion_events, completion_body)
 CHAT = _Kind(ChatCompletionRequest, "chatcmpl", chat_sampling_params,
-             lambda enc, body: [enc.chat_prompt(body.messages, options=template_options(body))], chat_events, chat_body)
+             lambda enc, body: [enc.chat_prompt(body.messages, options=template_options(body))], chat_events,
+             chat_body)
+RESPONSES = dataclasses.replace(CHAT, body=ResponsesBody, prefix="resp", bind=bind_responses)
 
 
 async def _generate(request: Request, kind: _Kind) -> Response:
@@ -109,12 +115,14 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body)
-    tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
+    tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools.py
     if tooled or wants_constraint(body):
         await validators_ready()
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options) if tooled else None
     kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
-    if plan is not None and plan.constrained:
+    if kind.bind is not None:
+        kind = dataclasses.replace(kind, **kind.bind(body, plan))
+    elif plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
     prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
@@ -152,6 +160,11 @@ async def create_completion(request: Request) -> Response:
 @api_endpoint
 async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, CHAT)
+
+
+@api_endpoint
+async def create_response(request: Request) -> Response:
+    return await _generate(request, RESPONSES)
 
 
 @api_endpoint
@@ -206,6 +219,8 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         *tokenize_routes(),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        *probe_routes(health),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
