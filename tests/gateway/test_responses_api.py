@@ -64,6 +64,8 @@ def test_ping_and_version(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/ping").status_code == 200           # no key needed, as /health
     assert httpx.post(f"{server.url}/ping").status_code == 200          # SageMaker's POST
     assert httpx.get(f"{server.url}/version").json() == {"version": metadata.version("loraplex")}
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert {"/v1/responses", "/ping", "/version"} <= set(paths)
 
 
 def test_string_input_is_a_user_turn(http: httpx.Client, client: "openai.OpenAI") -> None:
