@@ -14,7 +14,7 @@ from jsonschema import Draft202012Validator
 
 openai = pytest.importorskip("openai")
 
-from gateway_server import ServerProcess, tiny_model  # noqa: E402
+from gateway_server import ServerProcess, model_with_chat_template  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "chat_templates" / "hermes_qwen.jinja"
 KEY = "sk-responses"
@@ -29,11 +29,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    path = tiny_model(tmp_path_factory.mktemp("responses"))
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = TEMPLATE.read_text()
-    config_file.write_text(json.dumps(config))
+    path = model_with_chat_template(tmp_path_factory.mktemp("responses"), TEMPLATE)
     proc = ServerProcess(path, "--max-model-len", "1024", "--served-model-name", "tiny", "--api-key", KEY)
     yield proc
     proc.stop()

@@ -14,7 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from gateway_server import ServerProcess, tiny_model  # noqa: E402
+from gateway_server import ServerProcess, model_with_chat_template  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "chat_templates" / "thinking_kwarg.jinja"
 THINK_OFF = "<think>\n\n</think>\n\n"
@@ -24,11 +24,7 @@ PARTIAL = [*USER, {"role": "assistant", "content": "def add(a, b):"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    path = tiny_model(tmp_path_factory.mktemp("vllm_fields"))
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = TEMPLATE.read_text()
-    config_file.write_text(json.dumps(config))
+    path = model_with_chat_template(tmp_path_factory.mktemp("vllm_fields"), TEMPLATE)
     proc = ServerProcess(path, "--max-model-len", "512", "--served-model-name", "tiny")
     yield proc
     proc.stop()
