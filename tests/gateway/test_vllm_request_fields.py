@@ -152,6 +152,12 @@ def test_prompt_logprobs_equal_echo_logprobs(http: httpx.Client, client: "openai
         best = max(v["logprob"] for v in position.values())
         assert (mine["rank"] == 1) == math.isclose(mine["logprob"], best, abs_tol=1e-6)
         assert mine["rank"] >= 1 + sum(v["logprob"] > mine["logprob"] + 1e-6 for v in position.values())
+    # with echo + logprobs too: each keeps its own top-k (the engine computes the larger one once)
+    both = post(http, "/v1/completions", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1,
+                prompt_logprobs=3)["choices"][0]
+    assert all(len(top) <= 2 for top in both["logprobs"]["top_logprobs"][1:num_prompt])
+    assert all(len(e) == 3 + (e[str(ids[i])]["rank"] > 3) for i, e in enumerate(both["prompt_logprobs"]) if i)
+    assert both["text"] == prompt + plain["text"]
     via_client = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
                                            extra_body={"prompt_logprobs": 0})
     entries0 = via_client.model_dump()["choices"][0]["prompt_logprobs"]
