@@ -190,6 +190,7 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
         "/detokenize": _tokenizer_route("Detokenize", "DetokenizeRequest", "Detokenized", secured),
         "/v1/responses": _generation("Create response", "ResponsesRequest", "Response", secured),
         "/health": _get("Health", {"application/json": {"schema": {"type": "object"}}}, (503,)),
+        "/health/live": _get("Liveness", {"application/json": {"schema": {"type": "object"}}}, (503,)),
         "/ping": _get("Ping", {"application/json": {"schema": {"type": "object"}}}, (503,)),
         "/version": _get("Version", {"application/json": {"schema": {
             "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),
@@ -197,7 +198,7 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
     }
     paths["/v1/models/{model_id}"]["get"]["parameters"] = [
         {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-    for path in ("/health", "/metrics", "/ping", "/version"):
+    for path in ("/health", "/health/live", "/metrics", "/ping", "/version"):
         paths[path]["get"]["security"] = []
     security_schemes: dict[str, Any] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     if admin:
