@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.outputs import TokenLogprob
+from core.outputs import RankedLogprob, TokenLogprob
 from core.request import Request
 from core.runner import HostBatch
 
@@ -56,11 +56,14 @@ def record_prompt_logprobs(model: Any, plan: PromptLogprobPlan, hidden: torch.Te
         part = logp[offset:offset + num]                                                     # [p, V]
         offset += num
         targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + num], device=logp.device)  # [p]
-        chosen = part.gather(1, targets[:, None]).squeeze(1).tolist()
+        chosen_t = part.gather(1, targets[:, None])                                          # [p, 1]
+        ranks = ((part > chosen_t).sum(dim=-1) + 1).tolist()                                  # [p] 1 = best
+        chosen = chosen_t.squeeze(1).tolist()
         k = req.sampling_params.prompt_logprobs or 0
         vals, ids = part.topk(min(k, part.shape[-1]), dim=-1)                                 # [p, k]
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None] * req.num_prompt_tokens
-        for j, (c, top_ids, top_vals) in enumerate(zip(chosen, ids.tolist(), vals.tolist())):
-            entry: TokenLogprob = (req.prompt_token_ids[start + 1 + j], c, list(zip(top_ids, top_vals)))
+        for j, (c, rank, top_ids, top_vals) in enumerate(zip(chosen, ranks, ids.tolist(), vals.tolist())):
+            entry: TokenLogprob = RankedLogprob(req.prompt_token_ids[start + 1 + j], c, list(zip(top_ids, top_vals)),
+                                                rank)
             req.prompt_logprobs[start + 1 + j] = entry

@@ -33,6 +33,8 @@ class SamplingParams:
     min_p: float = 0.0                   # drop tokens below min_p x the top token's probability
     min_tokens: int = 0                  # EOS and stop_token_ids are masked before this many output tokens
     prompt_logprobs: int | None = None   # top alternatives per prompt token (echo + logprobs); skips the prefix cache
+    include_stop_str_in_output: bool = False   # vLLM: the matched stop string stays at the end of the text
+    spaces_between_special_tokens: bool = True  # vLLM: False joins adjacent special tokens without a space
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

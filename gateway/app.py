@@ -29,7 +29,7 @@ from gateway.body import read_body
 from gateway.cancel import run_until_disconnect
 from gateway.context import metered, request_context
 from gateway.deadline import Deadline
-from gateway.echo import apply_echo, echo_texts
+from gateway.echo import add_prompt_logprobs, apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -40,10 +40,13 @@ from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
 from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
-from gateway.prompts import PromptEncoder
+from gateway.prompts import PromptEncoder, template_options
 from gateway.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.probes import probe_routes
 from gateway.responses import chat_body, completion_body
+from gateway.responses_api import ResponsesBody
+from gateway.responses_stream import bind_responses
 from gateway.sampling_defaults import RequestDefaults
 from gateway.state import GatewayState
 from gateway.tokenize import tokenize_routes
@@ -90,12 +93,15 @@ class _Kind:
     prompts: Callable[[PromptEncoder, Any], list[list[int]]]
     events: Events
     response: Callable[..., dict[str, Any]]
+    bind: Callable[[Any, Any], dict[str, Any]] | None = None   # per request (body, tool plan) -> events/response
 
 
 COMPLETION = _Kind(CompletionRequest, "cmpl", completion_sampling_params,
                    lambda enc, body: enc.completion_prompts(body.prompt), completion_events, completion_body)
 CHAT = _Kind(ChatCompletionRequest, "chatcmpl", chat_sampling_params,
-             lambda enc, body: [enc.chat_prompt(body.messages)], chat_events, chat_body)
+             lambda enc, body: [enc.chat_prompt(body.messages, options=template_options(body))], chat_events,
+             chat_body)
+RESPONSES = dataclasses.replace(CHAT, body=ResponsesBody, prefix="resp", bind=bind_responses)
 
 
 async def _generate(request: Request, kind: _Kind) -> Response:
@@ -111,13 +117,15 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
-    tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
+    tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools.py
     if tooled or wants_constraint(body):
         await validators_ready()
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
                       state.config.tool_call_parser) if tooled else None
     kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
-    if plan is not None and plan.constrained:
+    if kind.bind is not None:
+        kind = dataclasses.replace(kind, **kind.bind(body, plan))
+    elif plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
     prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
@@ -144,8 +152,10 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     if echo is not None:
         apply_echo(results, children, echo)
     cached = {r.index: r.num_cached_tokens for r in results}
-    return JSONResponse(kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached),
-                                      texts))
+    answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
+    if kind is COMPLETION and body.prompt_logprobs is not None:
+        add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
+    return JSONResponse(answer)
 
 
 @api_endpoint
@@ -156,6 +166,11 @@ async def create_completion(request: Request) -> Response:
 @api_endpoint
 async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, CHAT)
+
+
+@api_endpoint
+async def create_response(request: Request) -> Response:
+    return await _generate(request, RESPONSES)
 
 
 @api_endpoint
@@ -236,6 +251,8 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         *tokenize_routes(),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        *probe_routes(health),
         Route("/health", health, methods=["GET"]),
         Route(LIVENESS_PATH, liveness, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

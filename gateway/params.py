@@ -62,6 +62,8 @@ def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDef
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
         **penalty_fields(body),
     )))
 
@@ -72,9 +74,14 @@ def completion_sampling_params(body: CompletionRequest, defaults: RequestDefault
     if body.best_of is not None and body.best_of != body.num_choices:
         raise invalid("best_of is only supported when equal to n", param="best_of")
     defaults.check_logprobs(body.logprobs, "logprobs", COMPLETION_LOGPROBS_CAP)
+    defaults.check_logprobs(body.prompt_logprobs, "prompt_logprobs", CHAT_LOGPROBS_CAP)   # vLLM: --max-logprobs
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
     params = _params(body, body.logprobs, defaults)
-    if body.echo and body.logprobs is not None:   # the prompt's logprobs too (gateway/echo.py)
-        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    # the prompt's logprobs: echo + logprobs (gateway/echo.py) and/or vLLM's prompt_logprobs, the larger top-k
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    if wanted:
+        params = dataclasses.replace(params, prompt_logprobs=max(wanted))
     return params
 
 
