@@ -5,13 +5,11 @@ import dataclasses
 import logging
 import os
 import random
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from adapters.errors import AdapterError
 from adapters.registry import LoadedAdapter
 from adapters.slot_fill import SlotFiller
 from core import faults
@@ -31,8 +29,8 @@ from core.pending import PendingStep, fixup_to_device
 from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
 from core.sample_step import sample_step
 from core.sampling import SamplingParams
-from core.stops import make_delta, stop_status
-from core.step_faults import MAX_FAILED_STEPS, error_delta, fault_of, is_fatal
+from core.stops import append_token, make_delta
+from core.step_faults import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
 from core.warmup import ProgressFn, WarmupReport, run_warmup
 
 log = logging.getLogger("loraplex.engine")
@@ -223,18 +221,12 @@ class LLMEngine:
             self._num_failed_steps = 0
             return out
         except Exception as exc:
-            # leave no placeholder behind: an unread token is dropped (its request samples it again, with the
-            # same seed and step), and the step's progress was never recorded, so its KV is recomputed
-            for r in list(self.scheduler.requests.values()):
-                if r.num_pending_tokens:
-                    r.drop_pending_token()
+            drop_unread_tokens(self.scheduler.requests.values())
             self._pending = None
             self._num_failed_steps += 1
             if self.tp is not None or is_fatal(exc) or self._num_failed_steps >= MAX_FAILED_STEPS:
                 raise
-            log.exception("engine step failed; failing the %d request(s) of the step", len(self._step_requests))
-            fault = RequestFault(f"the engine step this request ran in failed: {type(exc).__name__}: {exc}")
-            return out + [self._fail(r, fault) for r in self._step_requests if not r.status.finished]
+            return out + [self._fail(r, f) for r, f in step_failure(exc, self._step_requests)]
 
     def _step(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
         sched = self.scheduler.schedule()
@@ -311,24 +303,11 @@ class LLMEngine:
             if r.status.finished:
                 continue
             try:
-                out.append(self._append_token(r, t, lp))
+                out.append(append_token(r, t, lp, self.max_model_len, self.scheduler.finish, self.stats))
             except Exception as exc:  # noqa: BLE001 - this request's failure
                 if is_fatal(exc):
                     raise
                 out.append(self._fail(r, fault_of(r, "token handling", exc)))
-
-    def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.stats.observe_ttft(now - req.arrival_time)
-        req.append_token(token)
-        self.stats.num_generation_tokens += 1
-        status = stop_status(req, token, self.max_model_len)
-        if status is not None:
-            self.scheduler.finish(req, status)
-            self.stats.observe_e2e(now - req.arrival_time)
-        return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
 
     def check_integrity(self) -> None:
         if self._pending is None:

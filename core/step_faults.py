@@ -20,7 +20,7 @@ its stream gets a `RequestFault`: a 400 where its input was at fault, a 500 othe
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from core.errors import RequestFault
 from core.outputs import RequestDelta
@@ -43,6 +43,21 @@ def error_delta(req: Request, fault: BaseException) -> RequestDelta:
     return RequestDelta(request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
                         finish_reason=None, num_prompt_tokens=req.num_prompt_tokens,
                         num_output_tokens=req.num_output_tokens, error=str(fault), exception=fault)
+
+
+def drop_unread_tokens(reqs: Iterable[Request]) -> None:
+    """After a step that raised: an unread token is dropped (its request samples it again, with the same seed
+    and step), and the step's progress was never recorded, so its KV is recomputed."""
+    for r in list(reqs):
+        if r.num_pending_tokens:
+            r.drop_pending_token()
+
+
+def step_failure(exc: BaseException, step_requests: list[Request]) -> list[tuple[Request, RequestFault]]:
+    """The unfinished requests of a step that failed for no single request, with the error they get."""
+    log.error("engine step failed; failing the %d request(s) of the step", len(step_requests), exc_info=exc)
+    fault = RequestFault(f"the engine step this request ran in failed: {type(exc).__name__}: {exc}")
+    return [(r, fault) for r in step_requests if not r.status.finished]
 
 
 def is_fatal(exc: BaseException) -> bool:

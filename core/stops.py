@@ -7,6 +7,9 @@ context limit (`length`).
 """
 from __future__ import annotations
 
+import time
+from typing import Any, Callable
+
 from core import faults
 from core.outputs import RequestDelta
 from core.prompt_logprobs import wants_prompt_logprobs
@@ -40,6 +43,22 @@ def _detokenize(req: Request, token: int) -> bool:
     if faults.ACTIVE:
         faults.hit("detokenize", req)
     return req.detokenizer.add_token(token)
+
+
+def append_token(req: Request, token: int, logprob: Any, max_model_len: int,
+                 finish: Callable[[Request, RequestStatus], None], stats: Any) -> RequestDelta:
+    """Appends a sampled token to its request: grammar, detokenization, stop decision (`finish` ends it)."""
+    now = time.monotonic()
+    if req.first_token_time is None:
+        req.first_token_time = now
+        stats.observe_ttft(now - req.arrival_time)
+    req.append_token(token)
+    stats.num_generation_tokens += 1
+    status = stop_status(req, token, max_model_len)
+    if status is not None:
+        finish(req, status)
+        stats.observe_e2e(now - req.arrival_time)
+    return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
 
 
 def make_delta(req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:
