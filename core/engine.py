@@ -259,7 +259,7 @@ class LLMEngine:
             tokens, lps, culprits = sample_step(self, reqs, hidden, rows)
             if self.tp is not None and self.async_scheduling:
                 self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs
-            out += [self._fail(reqs[i], f) for i, f in culprits.items()]
+            out += [self._fail(reqs[i], f) for i, f in culprits.items() if not reqs[i].status.finished]
             self._pending = PendingStep.launch(reqs, tokens, lps)
             if not self.async_scheduling:
                 self._process(self._pending, out)

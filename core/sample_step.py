@@ -30,7 +30,7 @@ def _draw(eng: Any, reqs: list[Request], logits: torch.Tensor) -> tuple[torch.Te
     # logprobs report `logits`, the model's distribution before penalties and temperature
     penalties = eng.penalties.prepare(reqs)
     if faults.ACTIVE:
-        faults.hit_any("sampling", reqs)
+        faults.hit_any("sampling", [r for r in reqs if not r.status.finished])
     tokens = sample(logits if penalties is None else eng.penalties.apply(logits, penalties), sbatch)
     if penalties is not None:
         eng.penalties.record(penalties, tokens)
