@@ -23,7 +23,7 @@ from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots, pump_adapter_loads
 from core.penalties import PenaltyState
-from core.admission import check_request
+from core.admission import check_prompt_ids, check_request
 from core.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs, record_prompt_logprobs
 from core.pending import PendingStep, fixup_to_device
 from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
@@ -110,6 +110,7 @@ class LLMEngine:
         the hold over, and gives it back if it is rejected."""
         try:
             max_tokens = self.check_request(len(prompt_token_ids), params)
+            check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
             if lora is not None and not lora_held:
                 self.registry.acquire(lora)      # an adapter unloaded since its name was resolved: 404
                 lora_held = True

@@ -20,7 +20,7 @@ import torch
 
 from core import LLM, SamplingParams, faults
 from core.async_engine import AsyncEngine, EngineDeadError
-from core.errors import RequestFault
+from core.errors import RequestFault, RequestRejected
 from core.request import Request
 from core.step_faults import MAX_FAILED_STEPS
 from grammar.matcher import GrammarMatcher
@@ -205,6 +205,24 @@ def test_out_of_vocabulary_stop_token_id_fails_only_its_request(harness: Harness
     err = out["bad"]
     assert isinstance(err, RequestFault) and (err.status, err.param) == (400, "stop_token_ids"), err
     assert_isolated(harness, out, {"bad"})
+
+
+def test_out_of_vocabulary_prompt_id_is_refused_before_the_forward(harness: Harness) -> None:
+    """A token-id prompt outside the embedding (the offline / AsyncEngine API: no gateway bounds it) would make
+    the forward of its whole batch raise: it is refused when the engine admits it (400 naming `prompt`)."""
+    ids, params, _ = harness._request(ROWS["base"])
+
+    async def main() -> dict[str, Any]:
+        queues = dict(_submit(harness, "oovp", name, row) for name, row in ROWS.items())
+        vocab = harness.engine.model_config.vocab_size
+        queues["bad"] = ("oovp-bad", harness.aeng.submit("oovp-bad", ids[:-1] + [vocab], params))
+        results = await asyncio.gather(*(harness._collect(rid, q) for rid, q in queues.values()))
+        return dict(zip(queues, results))
+
+    out = asyncio.run(main())
+    err = out.pop("bad")
+    assert isinstance(err, RequestRejected) and err.param == "prompt", err
+    assert_isolated(harness, out, set())
 
 
 def test_out_of_vocabulary_prompt_id_in_penalties_fails_only_its_request(harness: Harness) -> None:
