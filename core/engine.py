@@ -221,11 +221,12 @@ class LLMEngine:
             self._step(pending, out)
             self._num_failed_steps = 0
             return out
-        except Exception as exc:
+        except BaseException as exc:
             drop_unread_tokens(self.scheduler.requests.values())
             self._pending = None
             self._num_failed_steps += 1
-            if self.tp is not None or is_fatal(exc) or self._num_failed_steps >= MAX_FAILED_STEPS:
+            if not isinstance(exc, Exception) or self.tp is not None or is_fatal(exc) \
+                    or self._num_failed_steps >= MAX_FAILED_STEPS:
                 raise
             return out + [self._fail(r, f) for r, f in step_failure(exc, self._step_requests)]
 
