@@ -226,23 +226,23 @@ def test_out_of_vocabulary_prompt_id_is_refused_before_the_forward(harness: Harn
 
 
 def test_out_of_vocabulary_prompt_id_in_penalties_fails_only_its_request(harness: Harness) -> None:
-    """A prompt id outside the vocabulary reaching the penalty rows (not the forward: the row's id is checked
-    on the host before any tensor is indexed with it)."""
+    """A prompt id outside the vocabulary that reaches the penalty rows (written here after admission and the
+    forward, as a state no admission check could catch) is checked on the host before any tensor is indexed
+    with it: that request's 400, the others untouched (on a GPU the index would be a device-side assert)."""
     vocab = harness.engine.model_config.vocab_size
-    rows = dict(ROWS)
-    out: dict[str, Any] = {}
+    poisoned: list[str] = []
 
-    def poison(req: Request) -> bool:   # after the forward: the penalty row is filled from the prompt then
-        if req.request_id == "poison-penalty" and req.num_output_tokens == 0 and not out:
+    def poison(req: Request) -> bool:   # runs as the penalty rows are prepared; never raises itself
+        if req.request_id == "poison-penalty" and not poisoned:
             req.prompt_token_ids = req.prompt_token_ids[:-1] + [vocab + 5]
-            out["poisoned"] = True
+            poisoned.append(req.request_id)
         return False
 
     faults.inject("penalties", poison)
-    got = harness.run(rows, "poison")
-    err = got["penalty"]
-    assert isinstance(err, RequestFault) and (err.status, err.param) == (400, "prompt"), err
-    assert_isolated(harness, got, {"penalty"})
+    out = harness.run(ROWS, "poison")
+    err = out["penalty"]
+    assert poisoned and isinstance(err, RequestFault) and (err.status, err.param) == (400, "prompt"), err
+    assert_isolated(harness, out, {"penalty"})
 
 
 class DeadEndMatcher:

@@ -7,7 +7,7 @@ Afterwards: every request whose fault was raised got an error naming it (a 500, 
 within its timeout), `check_integrity()` held on the engine thread every few steps, and once idle no KV block,
 request, stream, adapter hold or penalty row is left; the server then still serves.
 
-Bounded: `LORAPLEX_FAULT_SOAK_REQUESTS` (default 200 per scheduling mode), `LORAPLEX_FAULT_SOAK_SECONDS`
+Bounded: `LORAPLEX_FAULT_SOAK_REQUESTS` (default 150 per scheduling mode), `LORAPLEX_FAULT_SOAK_SECONDS`
 (default 20: no new request after that); `LORAPLEX_FAULT_SOAK_SEED` (default 0, printed) picks the workload
 and the faulted requests.
 """
@@ -31,7 +31,7 @@ from lora_fixtures import adapter_dir
 
 from core import faults
 
-NUM_REQUESTS = int(os.environ.get("LORAPLEX_FAULT_SOAK_REQUESTS", "200"))
+NUM_REQUESTS = int(os.environ.get("LORAPLEX_FAULT_SOAK_REQUESTS", "150"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_FAULT_SOAK_SECONDS", "20"))
 SEED = int(os.environ.get("LORAPLEX_FAULT_SOAK_SEED", "0"))
 CONCURRENCY = 16
