@@ -21,6 +21,10 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     if params.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
                               "invalid_value", "min_tokens")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > vocab_size:
+            raise RequestRejected(f"{name} ({k}) exceeds the vocabulary size {vocab_size}", "invalid_value", name)
     bad = [t for t, _ in params.logit_bias if t >= vocab_size]
     if bad:
         raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
@@ -31,3 +35,12 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
             f"the request needs {num_blocks} KV blocks but the whole cache has {num_kv_blocks}; "
             f"reduce the prompt or max_tokens", "context_length_exceeded", "max_tokens")
     return max_tokens
+
+
+def check_prompt_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
+    """A prompt id outside the embedding would fail the forward of every request batched with it (and on a
+    GPU end the CUDA context): refused at admission."""
+    if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+        raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              "invalid_value", "prompt")
