@@ -159,10 +159,13 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     if echo is not None:
         apply_echo(results, children, echo)
     cached = {r.index: r.num_cached_tokens for r in results}
-    answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
-    if kind is COMPLETION and body.prompt_logprobs is not None:
-        add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
-    return JSONResponse(answer)
+
+    def build() -> dict[str, Any]:   # a text per logprob entry, echoed prompts included: on the tokenizer threads
+        answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
+        if kind is COMPLETION and body.prompt_logprobs is not None:
+            add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
+        return answer
+    return JSONResponse(await tokenize_pool.run(build))
 
 
 @api_endpoint
