@@ -7,7 +7,8 @@ tokenization), and 40 000-character prompts just under the bound (tokenized on t
 refused by token count) with /tokenize of the same. Meanwhile it measures `/health` latency every ~10 ms and the
 inter-chunk gaps of an unrelated stream (restarted whenever one ends), and the server's RSS before and after.
 
-Targets: /health p99 < 50 ms, no inter-chunk gap over 100 ms, RSS after within 10% of before.
+Targets: /health p99 < 50 ms, no inter-chunk gap over 100 ms, RSS after within 10% of before. It also reports
+how late a sleeping process of its own wakes (the machine's noise) and, last, `tokenizer_gil.py`'s experiment.
 
     python benchmarks/front_door.py [--rounds 80] [--out front_door_cpu]
 """
@@ -27,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenizer_gil import gil_hold  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -132,34 +136,6 @@ async def stream_forever(client: httpx.AsyncClient, stop: asyncio.Event, gaps_ms
                         slow.append((last, now))
                 last, num_chunks = now, num_chunks + 1
     return num_chunks
-
-
-def gil_hold(num_chars: int = 2_000_000) -> dict[str, Any]:
-    """The longest gap of a thread that sleeps 1 ms at a time while another thread encodes a `num_chars` text:
-    `tokenizers.Tokenizer.encode` against transformers' fast-tokenizer `encode` (what the gateway calls)."""
-    import threading
-
-    sys.path.insert(0, str(ROOT))
-    from core.tokenizer_load import load_tokenizer
-
-    tok = load_tokenizer(ROOT / "core" / "demo_model")
-    text = text_of(num_chars)
-    out: dict[str, Any] = {"chars": num_chars}
-    for name, fn in (("tokenizers.Tokenizer.encode", lambda: tok.backend_tokenizer.encode(text)),
-                     ("transformers encode", lambda: tok.encode(text))):
-        done, gaps = threading.Event(), []
-        worker = threading.Thread(target=lambda: (fn(), done.set()))
-        t0 = last = time.perf_counter()
-        worker.start()
-        while not done.is_set():
-            time.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-        worker.join()
-        out[name] = {"encode_s": round(time.perf_counter() - t0, 2), "ticks": len(gaps),
-                     "max_gap_ms": round(1000 * max(gaps), 1)}
-    return out
 
 
 def tick(stop: Any, out: Any) -> None:
