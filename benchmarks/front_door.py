@@ -145,7 +145,7 @@ def tick(stop: Any, out: Any) -> None:
         t0 = time.perf_counter()
         time.sleep(0.001)
         lates.append((time.perf_counter() - t0 - 0.001) * 1000)
-    out.put({"count": len(lates), "p99_late_ms": pct(lates, 0.99), "max_late_ms": round(max(lates), 2)})
+    out.put({"count": len(lates), "p99_late_ms": pct(lates, 0.99), "max_late_ms": round(max(lates, default=0), 2)})
 
 
 def in_flight(events: list[tuple[float, float]], requests: list[dict[str, Any]]) -> dict[str, int]:
@@ -186,11 +186,11 @@ async def measure(url: str, pid: int, rounds: int) -> dict[str, Any]:
         spawn = multiprocessing.get_context("spawn")
         queue, ready = spawn.Queue(), spawn.Event()
         sender = spawn.Process(target=send_all, args=(url, rounds, queue, ready))
-        sender.start()
-        await asyncio.to_thread(ready.wait)   # the bodies are built: measure from the first one sent
         tick_stop, tick_out = spawn.Event(), spawn.Queue()
         ticker = spawn.Process(target=tick, args=(tick_stop, tick_out))
         ticker.start()
+        sender.start()
+        await asyncio.to_thread(ready.wait)   # the bodies are built: measure from the first one sent
         health_ms.clear()
         gaps_ms.clear()
         slow_health.clear()
