@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -23,7 +24,7 @@ from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots, pump_adapter_loads
 from core.penalties import PenaltyState
-from core.admission import check_request
+from core.admission import check_prompt_ids, check_request
 from core.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs, record_prompt_logprobs
 from core.pending import PendingStep, fixup_to_device
 from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
@@ -100,6 +101,11 @@ class LLMEngine:
         return check_request(num_prompt_tokens, params, self.max_model_len, self.model_config.vocab_size,
                              self.block_size, self.kv.num_blocks)
 
+    @functools.cached_property
+    def vocab_limit(self) -> int:
+        """Prompt ids the model can embed *and* the tokenizer can decode (the two sizes often differ)."""
+        return min(self.model_config.vocab_size, len(self.tokenizer))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora: LoadedAdapter | None = None, grammar: Any = None, tenant: str | None = None,
                     lora_held: bool = False) -> Request:
@@ -108,6 +114,7 @@ class LLMEngine:
         the hold over, and gives it back if it is rejected."""
         try:
             max_tokens = self.check_request(len(prompt_token_ids), params)
+            check_prompt_ids(prompt_token_ids, self.vocab_limit)   # the offline API's id prompts too
             if lora is not None and not lora_held:
                 self.registry.acquire(lora)      # an adapter unloaded since its name was resolved: 404
                 lora_held = True
