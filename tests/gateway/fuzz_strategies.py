@@ -143,7 +143,21 @@ EXTREMES: dict[str, list[Any]] = {
     "guided_json": EMPTY_LANGUAGE + WRONG_TYPES,
     "guided_grammar": ['root ::= root "a"', 'root ::= a\na ::= "x" a', 'root ::= [^\\x00-\\U0010FFFF]', ""]
                       + WRONG_TYPES,
+    "messages": [[], [{"role": "user", "content": HUGE_TEXT}], [{"role": "user"}], [{"role": "tool", "content": ""}],
+                 [{"role": "user", "content": []}], [{"role": "user", "content": [{"type": "image", "text": "x"}]}],
+                 [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                        "function": {"name": "f", "arguments": "{"}}]}]]
+                + WRONG_TYPES,
+    "tools": [[], [{"type": "function", "function": {"name": "f", "parameters": schema}}
+                   for schema in EMPTY_LANGUAGE[:3]], [{"type": "function", "function": {"name": ""}}] * 2]
+             + WRONG_TYPES,
+    "tool_choice": ["required", "any", {"type": "function", "function": {"name": "missing"}}] + WRONG_TYPES,
+    "lora_name": ["", "tiny", "x" * 5000, "../x", "\x00"] + WRONG_TYPES,
+    "lora_path": ["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000, "\x00"] + WRONG_TYPES,
 }
+# the sampling fields go through the same code on both routes: swept on /v1/completions only
+SWEPT = {path: sorted(set(fields) & set(EXTREMES) - (set(SAMPLING) if path == "/v1/chat/completions" else set()))
+         for path, (_, fields) in ROUTES.items()}
 
 
 def mutated(path: str) -> st.SearchStrategy[dict[str, Any]]:
