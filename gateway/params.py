@@ -8,7 +8,9 @@ from typing import Any, Optional
 from core.sampling import SamplingParams
 from gateway.errors import invalid
 from gateway.penalties import penalty_fields
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _SamplingFields
+
+MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, ResponseFormat, _SamplingFields
 
 
 async def resolve_response_format(response_format: Optional[ResponseFormat], engine: Any) -> Any:
@@ -63,10 +65,20 @@ def _params(body: _SamplingFields, logprobs: Optional[int]) -> SamplingParams:
     )
 
 
+def num_prompts(prompt: PromptInput) -> int:
+    """A string or one list of ids is one prompt; a list of strings or of id lists is one per entry."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
     """Raises APIError / SamplingParamsError (both 400) for values the engine cannot serve."""
     if body.best_of is not None and body.best_of != body.num_choices:
         raise invalid("best_of is only supported when equal to n", param="best_of")
+    if num_prompts(body.prompt) * body.num_choices > MAX_CHOICES:   # checked before any prompt is tokenized
+        raise invalid(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
+                      f"{num_prompts(body.prompt)} x {body.num_choices}", param="prompt")
     params = _params(body, body.logprobs)
     if body.echo and body.logprobs is not None:   # the prompt's logprobs too (gateway/echo.py)
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)

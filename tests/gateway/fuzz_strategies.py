@@ -133,7 +133,8 @@ EXTREMES: dict[str, list[Any]] = {
                                      "repetition_penalty")},
     "stop_token_ids": [[i] for i in IDS] + [[], [TOKENIZER_VOCAB] * 65, [1] * 10_000] + WRONG_TYPES,
     "tokens": [[i] for i in IDS] + [[], [1] * 10_000] + WRONG_TYPES,
-    "prompt": [[i] for i in IDS] + [[], [[]], [""], "", HUGE_TEXT, [[1], [MODEL_VOCAB]]] + WRONG_TYPES,
+    "prompt": [[i] for i in IDS] + [[], [[]], [""], "", HUGE_TEXT, [[1], [MODEL_VOCAB]], ["a"] * 2049]
+              + WRONG_TYPES,
     "logit_bias": [{str(i): 1.0} for i in IDS if i >= 0] + [{"1" * 5000: 1.0}, {"5": float("nan")},
                                                             {"5": 101}, {str(i): 1.0 for i in range(301)}]
                   + WRONG_TYPES,
