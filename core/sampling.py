@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 
 MAX_LOGIT_BIAS = 300
+GREEDY_BELOW = 1e-5   # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 
 
 class SamplingParamsError(ValueError):
@@ -17,7 +18,7 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16          # None: up to the remaining context
-    temperature: float = 1.0             # 0 = greedy
+    temperature: float = 1.0             # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0                       # 0 or -1 = disabled
     seed: int | None = None
@@ -47,6 +48,8 @@ class SamplingParams:
             raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
+        if self.temperature < GREEDY_BELOW:   # as vLLM: logits / 1e-40 overflow float32 to inf, then NaN
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:

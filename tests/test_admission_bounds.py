@@ -92,3 +92,14 @@ def test_async_engine_rejects_at_submit_and_keeps_serving(llm: LLM) -> None:
         assert asyncio.run(scenario()) == expected and aeng.alive
     finally:
         aeng.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6])
+def test_a_vanishing_temperature_samples_greedily(llm: LLM, temperature: float) -> None:
+    """logits / 1e-40 overflow float32: NaN probabilities picked token 0, which a grammar forbids (the step
+    raised). Below 1e-5 a temperature is greedy, as in vLLM."""
+    rf = {"type": "json_object"}
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0), response_format=rf)
+    tiny = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=temperature, seed=1), response_format=rf)
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    assert SamplingParams(temperature=temperature).greedy

@@ -19,7 +19,7 @@ IDS = [0, 1, TOKENIZER_VOCAB - 1, TOKENIZER_VOCAB, MODEL_VOCAB - 1, MODEL_VOCAB,
        2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, 10**30, -1, -(2**63), -(2**64)]
 INTS = [0, 1, 2, -1, 4, 5, 6, 20, 21, 63, 64, 65, 128, 129, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63,
         2**64, -(2**63), -(2**63) - 1, 10**30, -(10**30), 10**400]
-FLOATS = [0.0, -0.0, 5e-324, 1e-300, 0.5, 1.0, 1.0000001, 2.0, 2.0001, -2.0, -2.0001, 100.0, 100.0001,
+FLOATS = [0.0, -0.0, 5e-324, 1e-300, 1e-40, 1e-30, 1e-6, 0.5, 1.0, 1.0000001, 2.0, 2.0001, -2.0, -2.0001, 100.0, 100.0001,
           300.0, -300.0, 1e308, -1e308, float("inf"), float("-inf"), float("nan")]
 HUGE_TEXT = "def f(x):\n    return x\n" * 2000            # 46 KB: far past --max-model-len
 WRONG_TYPES = [None, True, "1", [], {}, [1], {"a": 1}, 1.5]
@@ -126,11 +126,13 @@ def extremes(strategy_values: list[Any]) -> list[Any]:
     return strategy_values + WRONG_TYPES
 
 
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# the float fields are swept with a grammar too: a row of NaN probabilities would pick a token the mask forbids
+CONSTRAINED = {"response_format": {"type": "json_object"}}
 EXTREMES: dict[str, list[Any]] = {
     **{f: extremes(INTS) for f in ("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of",
                                    "min_tokens", "logprobs", "top_logprobs")},
-    **{f: extremes(FLOATS) for f in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                     "repetition_penalty")},
+    **{f: extremes(FLOATS) for f in FLOAT_FIELDS},
     "stop_token_ids": [[i] for i in IDS] + [[], [TOKENIZER_VOCAB] * 65, [1] * 10_000] + WRONG_TYPES,
     "tokens": [[i] for i in IDS] + [[], [1] * 10_000] + WRONG_TYPES,
     "prompt": [[i] for i in IDS] + [[], [[]], [""], "", HUGE_TEXT, [[1], [MODEL_VOCAB]], ["a"] * 2049]

@@ -25,7 +25,7 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from fuzz_strategies import EXTREMES, MODEL_VOCAB, ROUTES, SWEPT, bodies, encode
+from fuzz_strategies import CONSTRAINED, EXTREMES, FLOAT_FIELDS, MODEL_VOCAB, ROUTES, SWEPT, bodies, encode
 from gateway_server import ServerProcess
 from tiny_models import TinyModelSpec, tiny_model_dir
 
@@ -154,6 +154,30 @@ def test_issue_22_stop_token_id_past_the_vocabulary(http: httpx.Client) -> None:
     assert http.post("/v1/completions", json=body).status_code == 200   # past the tokenizer, inside the logits
 
 
+EMPTY = {"type": "integer", "minimum": 5, "maximum": 2}
+EMPTY_LANGUAGE_FIELDS = [
+    ("guided_grammar", 'root ::= a\na ::= "x" a', "guided_grammar"),
+    ("guided_regex", "a+[b&&c]", "guided_regex"),
+    ("guided_json", EMPTY, "guided_json"),
+    ("structured_outputs", {"grammar": 'root ::= root "a"'}, "structured_outputs.grammar"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": EMPTY}}, "response_format"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["a"],
+                                                                             "properties": {"a": EMPTY}}}}], "tools"),
+]
+
+
+@pytest.mark.parametrize("field, value, param", EMPTY_LANGUAGE_FIELDS, ids=[f for f, _, _ in EMPTY_LANGUAGE_FIELDS])
+def test_a_constraint_that_admits_no_string_is_400(http: httpx.Client, field: str, value: Any, param: str) -> None:
+    body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            field: value}
+    if field == "tools":
+        body["tool_choice"] = "required"
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith(param), resp.text
+    assert_serving(http, json.dumps(body).encode())
+
+
 @pytest.mark.parametrize("path", sorted(ROUTES))
 def test_field_extremes_never_5xx(path: str, http: httpx.Client, validators: dict[str, Any]) -> None:
     """Every field the route knows x every extreme value of its kind, one at a time on the route's first
@@ -163,6 +187,8 @@ def test_field_extremes_never_5xx(path: str, http: httpx.Client, validators: dic
     for field in SWEPT[path]:
         for value in EXTREMES[field]:
             send(encode({**base, field: value}, True))
+            if field in FLOAT_FIELDS:
+                send(encode({**base, **CONSTRAINED, field: value}, True))
     if path == "/v1/completions":
         for raw in SPECIAL_BODIES:
             send(raw)
