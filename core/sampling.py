@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS = 300
 GREEDY_BELOW = 1e-5   # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+MIN_REPETITION_PENALTY = 0.01   # x100 already forces repetition; far smaller ones overflowed to inf, then NaN
 
 
 class SamplingParamsError(ValueError):
@@ -66,9 +67,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise SamplingParamsError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
-                                      "repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:   # logits / 1e-40 overflow float32
+            raise SamplingParamsError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100], got "
+                                      f"{self.repetition_penalty}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise SamplingParamsError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} "
                                       f"are allowed", "logit_bias")

@@ -83,7 +83,7 @@ _NARROWER: dict[str, dict[str, Any]] = {
                               {"type": "object", "required": ["type", "function"]}, _NULL]},
     "presence_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
     "frequency_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
-    "repetition_penalty": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 100}, _NULL]},
+    "repetition_penalty": {"anyOf": [{"type": "number", "minimum": 0.01, "maximum": 100}, _NULL]},
     "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, _NULL]},
     "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]},
     "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},

@@ -103,3 +103,14 @@ def test_a_vanishing_temperature_samples_greedily(llm: LLM, temperature: float) 
     tiny = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=temperature, seed=1), response_format=rf)
     assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
     assert SamplingParams(temperature=temperature).greedy
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 0.0099])
+def test_a_vanishing_repetition_penalty_is_rejected(penalty: float) -> None:
+    """logits / 5e-324 (0 in float32) were infinite: NaN probabilities, a token the grammar forbids."""
+    from core.sampling import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(repetition_penalty=penalty)
+    assert info.value.param == "repetition_penalty"
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
