@@ -122,8 +122,11 @@ ROUTES: dict[str, tuple[list[dict[str, Any]], dict[str, st.SearchStrategy[Any]]]
 FIELD_NAMES = sorted({f for _, fields in ROUTES.values() for f in fields} | {"frobnicate", ""})
 
 
+SWEEP_WRONG_TYPES = [None, "1", [1], {"a": 1}]   # the sweep's share of WRONG_TYPES (one parse path)
+
+
 def extremes(strategy_values: list[Any]) -> list[Any]:
-    return strategy_values + WRONG_TYPES
+    return strategy_values + SWEEP_WRONG_TYPES
 
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -133,30 +136,30 @@ EXTREMES: dict[str, list[Any]] = {
     **{f: extremes(INTS) for f in ("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of",
                                    "min_tokens", "logprobs", "top_logprobs")},
     **{f: extremes(FLOATS) for f in FLOAT_FIELDS},
-    "stop_token_ids": [[i] for i in IDS] + [[], [TOKENIZER_VOCAB] * 65, [1] * 10_000] + WRONG_TYPES,
-    "tokens": [[i] for i in IDS] + [[], [1] * 10_000] + WRONG_TYPES,
+    "stop_token_ids": [[i] for i in IDS] + [[], [TOKENIZER_VOCAB] * 65, [1] * 10_000] + SWEEP_WRONG_TYPES,
+    "tokens": [[i] for i in IDS] + [[], [1] * 10_000] + SWEEP_WRONG_TYPES,
     "prompt": [[i] for i in IDS] + [[], [[]], [""], "", HUGE_TEXT, [[1], [MODEL_VOCAB]], ["a"] * 2049]
-              + WRONG_TYPES,
+              + SWEEP_WRONG_TYPES,
     "logit_bias": [{str(i): 1.0} for i in IDS if i >= 0] + [{"1" * 5000: 1.0}, {"5": float("nan")},
                                                             {"5": 101}, {str(i): 1.0 for i in range(301)}]
-                  + WRONG_TYPES,
-    "stop": ["", [""], ["a"] * 17, "x" * 5000] + WRONG_TYPES,
-    "guided_choice": [[], [""], ["a"] * 1025] + WRONG_TYPES,
-    "guided_regex": ["[^\\s\\S]", "[b&&c]", "", "("] + WRONG_TYPES,
-    "guided_json": EMPTY_LANGUAGE + WRONG_TYPES,
+                  + SWEEP_WRONG_TYPES,
+    "stop": ["", [""], ["a"] * 17, "x" * 5000] + SWEEP_WRONG_TYPES,
+    "guided_choice": [[], [""], ["a"] * 1025] + SWEEP_WRONG_TYPES,
+    "guided_regex": ["[^\\s\\S]", "[b&&c]", "", "("] + SWEEP_WRONG_TYPES,
+    "guided_json": EMPTY_LANGUAGE + SWEEP_WRONG_TYPES,
     "guided_grammar": ['root ::= root "a"', 'root ::= a\na ::= "x" a', 'root ::= [^\\x00-\\U0010FFFF]', ""]
-                      + WRONG_TYPES,
+                      + SWEEP_WRONG_TYPES,
     "messages": [[], [{"role": "user", "content": HUGE_TEXT}], [{"role": "user"}], [{"role": "tool", "content": ""}],
                  [{"role": "user", "content": []}], [{"role": "user", "content": [{"type": "image", "text": "x"}]}],
                  [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
                                                         "function": {"name": "f", "arguments": "{"}}]}]]
-                + WRONG_TYPES,
+                + SWEEP_WRONG_TYPES,
     "tools": [[], [{"type": "function", "function": {"name": "f", "parameters": schema}}
                    for schema in EMPTY_LANGUAGE[:3]], [{"type": "function", "function": {"name": ""}}] * 2]
-             + WRONG_TYPES,
-    "tool_choice": ["required", "any", {"type": "function", "function": {"name": "missing"}}] + WRONG_TYPES,
-    "lora_name": ["", "tiny", "x" * 5000, "../x", "\x00"] + WRONG_TYPES,
-    "lora_path": ["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000, "\x00"] + WRONG_TYPES,
+             + SWEEP_WRONG_TYPES,
+    "tool_choice": ["required", "any", {"type": "function", "function": {"name": "missing"}}] + SWEEP_WRONG_TYPES,
+    "lora_name": ["", "tiny", "x" * 5000, "../x", "\x00"] + SWEEP_WRONG_TYPES,
+    "lora_path": ["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000, "\x00"] + SWEEP_WRONG_TYPES,
 }
 # the sampling fields go through the same code on both routes: swept on /v1/completions only
 SWEPT = {path: sorted(set(fields) & set(EXTREMES) - (set(SAMPLING) if path == "/v1/chat/completions" else set()))

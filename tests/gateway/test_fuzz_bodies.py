@@ -30,11 +30,11 @@ from gateway_server import ServerProcess
 from tiny_models import TinyModelSpec, tiny_model_dir
 
 SEED = int(os.environ.get("LORAPLEX_FUZZ_SEED", "20261124"))
-EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "50"))
 ADMIN = "fuzz-admin-token"
 GENERATION = ("/v1/completions", "/v1/chat/completions")
 SCHEMA_CHECKED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
-NORMAL = {"model": "tiny", "prompt": "def f(", "max_tokens": 2}
+NORMAL = {"model": "tiny", "prompt": "def f(", "max_tokens": 1}
 SPECIAL_BODIES = [b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b"[" * 100_000, b'{"prompt": "x"' + b"}" * 3,
                   b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
                   b'{"model": "tiny", "prompt": "x", "max_tokens": 1e400}',
