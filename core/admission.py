@@ -1,10 +1,11 @@
 """Admission checks of one request against the model's context, its vocabulary and the KV pool.
 
 Every id and count that indexes a tensor is bounded here, before the request reaches the engine step (where
-an out-of-range index would raise inside the shared batch): prompt ids against the ids the model can embed
-*and* the tokenizer can decode; `stop_token_ids` and `logit_bias` against the logits' width (the model's
-`vocab_size`, the tensors they index: the min-tokens ban list, the bias rows, the grammar bitmask); the
-numbers of log-probabilities against the vocabulary and 20."""
+an out-of-range index would fail the whole batch): prompt ids against the embedding; `stop_token_ids` and
+`logit_bias` ids against the logits' width (the tensors they index: the min-tokens ban list, the bias rows,
+the grammar bitmask); both are the model's `vocab_size`, which may exceed the tokenizer's size (padded
+embeddings: the model can sample those ids, and the detokenizer takes them). The numbers of log-probabilities
+are at most the vocabulary (the server's `--max-logprobs` caps them first)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -12,19 +13,17 @@ from typing import Sequence
 from core.errors import RequestRejected
 from core.sampling import SamplingParams
 
-MAX_LOGPROBS = 20
-
 
 def _out_of_range(ids: Sequence[int], limit: int) -> int | None:
     return next((t for t in ids if not 0 <= t < limit), None)
 
 
-def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_limit: int) -> None:
-    """Raises RequestRejected (param `prompt`) for an id the embedding or the detokenizer cannot take."""
-    bad = _out_of_range(prompt_token_ids, vocab_limit)
-    if bad is not None:
-        raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab_limit})",
-                              "invalid_value", "prompt")
+def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """A prompt id outside the embedding would fail the forward of every request batched with it (and on a
+    GPU end the CUDA context): refused at admission."""
+    if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        raise RequestRejected(f"prompt token id {_out_of_range(prompt_token_ids, vocab_size)} is outside the "
+                              f"vocabulary [0, {vocab_size})", "invalid_value", "prompt")
 
 
 def check_token_bounds(params: SamplingParams, vocab_size: int) -> None:
@@ -37,11 +36,11 @@ def check_token_bounds(params: SamplingParams, vocab_size: int) -> None:
     if bad is not None:
         raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})",
                               "invalid_value", "logit_bias")
-    top = min(MAX_LOGPROBS, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and not 0 <= value <= top:
-            raise RequestRejected(f"{name} must be in [0, {top}], got {value}", "invalid_value", name)
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= vocab_size:
+            raise RequestRejected(f"{name} ({k}) must be in [0, the vocabulary size {vocab_size}]",
+                                  "invalid_value", name)
 
 
 def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, vocab_size: int,

@@ -35,6 +35,8 @@ class SamplingParams:
     min_p: float = 0.0                   # drop tokens below min_p x the top token's probability
     min_tokens: int = 0                  # EOS and stop_token_ids are masked before this many output tokens
     prompt_logprobs: int | None = None   # top alternatives per prompt token (echo + logprobs); skips the prefix cache
+    include_stop_str_in_output: bool = False   # vLLM: the matched stop string stays at the end of the text
+    spaces_between_special_tokens: bool = True  # vLLM: False joins adjacent special tokens without a space
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,8 +57,8 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise SamplingParamsError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}", "top_k")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.logprobs is not None and self.logprobs < 0:   # the cap: the server's --max-logprobs, the vocab
+            raise SamplingParamsError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
         self._check_penalties()
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty", "stop")

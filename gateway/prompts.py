@@ -1,10 +1,43 @@
 """Prompts to token ids: completion prompts (text or ids, one or many) and chat messages via the chat template."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import invalid
 from gateway.protocol import ChatMessage, PromptInput
+
+# apply_chat_template's own arguments: a chat_template_kwargs key may not replace them (vLLM would let
+# `chat_template` swap the whole template; the two prompt switches have their own request fields)
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template renders a request (vLLM's request fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False     # the last message stays open: the model continues its text
+    kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs: extra template variables
+
+
+def template_options(body: Any) -> TemplateOptions:
+    """The body's template fields, checked (400 naming the field); `body` has the three vLLM fields."""
+    kwargs = body.chat_template_kwargs or {}
+    for key in kwargs:
+        if key in _RESERVED_KWARGS or not key.isidentifier():
+            hint = " (use the request field of that name)" if key in ("add_generation_prompt",
+                                                                       "continue_final_message") else ""
+            raise invalid(f"chat_template_kwargs may not set {key!r}{hint}", param=f"chat_template_kwargs.{key}")
+    continue_final = bool(body.continue_final_message)
+    add_prompt = not continue_final if body.add_generation_prompt is None else body.add_generation_prompt
+    if continue_final and add_prompt:
+        raise invalid("continue_final_message and add_generation_prompt cannot both be true",
+                      param="continue_final_message")
+    return TemplateOptions(add_prompt, continue_final, dict(kwargs))
 
 
 class PromptEncoder:
@@ -38,7 +71,7 @@ class PromptEncoder:
         return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
 
     def render_chat(self, messages: list[ChatMessage], conversation: list[dict[str, Any]] | None = None,
-                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+                    tools: list[dict[str, Any]] | None = None, options: TemplateOptions = TemplateOptions()) -> str:
         """`conversation` / `tools`: already-converted messages and tools (gateway/tools.py). The `developer`
         role (OpenAI's newer name for `system`) reaches the template as `system`."""
         if conversation is None:
@@ -46,10 +79,12 @@ class PromptEncoder:
         conversation = [{**c, "role": "system"} if c.get("role") == "developer" else c for c in conversation]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise invalid("this model has no chat template; use /v1/completions", param="messages")
-        extra = {"tools": tools} if tools else {}
+        extra = {**options.kwargs, **({"tools": tools} if tools else {})}
+        if options.continue_final_message:
+            extra["continue_final_message"] = True
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **extra)
+                                                      add_generation_prompt=options.add_generation_prompt, **extra)
         except Exception as exc:  # jinja raise_exception (role order, unsupported role), template errors
             raise invalid(f"the chat template rejected the messages: {exc}", param="messages") from None
         if not isinstance(text, str):
@@ -57,9 +92,10 @@ class PromptEncoder:
         return text
 
     def chat_prompt(self, messages: list[ChatMessage], conversation: list[dict[str, Any]] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    options: TemplateOptions = TemplateOptions()) -> list[int]:
         """The template usually writes the BOS itself: then the tokenizer must not add a second one."""
-        text = self.render_chat(messages, conversation, tools)
+        text = self.render_chat(messages, conversation, tools, options)
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
         return self._check_ids(self.tokenizer.encode(text, add_special_tokens=add_special))

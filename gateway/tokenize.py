@@ -1,7 +1,8 @@
 """`POST /tokenize` and `POST /detokenize` with vLLM's bodies and answers; keys and tenants as /v1/completions.
 
     {"model", "prompt", "add_special_tokens"?}                               -> {"count", "max_model_len", "tokens"}
-    {"model", "messages", "add_generation_prompt"?, "add_special_tokens"?}   -> the same, over the chat template
+    {"model", "messages", "add_generation_prompt"?, "continue_final_message"?, "chat_template_kwargs"?,
+     "add_special_tokens"?}                                                   -> the same, over the chat template
     {"model", "tokens"}                                                      -> {"prompt"}
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.routing import Route
 
 from gateway.body import load_json_object, parse_body, read_body
 from gateway.errors import api_endpoint, invalid
+from gateway.prompts import template_options
 from gateway.protocol import ChatMessage, _Strict
 
 M = TypeVar("M")
@@ -30,7 +32,9 @@ class TokenizeCompletionRequest(_Strict):
 class TokenizeChatRequest(_Strict):
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Optional[bool] = None    # default true (false with continue_final_message)
+    continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False       # the template writes the special tokens (vLLM's default)
     return_token_strs: Optional[bool] = None
 
@@ -60,7 +64,7 @@ async def tokenize(request: Request) -> Response:
     state, body = await _authorized_body(request, _tokenize_body)
     encoder = state.encoder
     if isinstance(body, TokenizeChatRequest):
-        text = encoder.render_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+        text = encoder.render_chat(body.messages, options=template_options(body))
     else:
         text = body.prompt
     tokens = encoder.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

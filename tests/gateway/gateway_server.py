@@ -1,6 +1,7 @@
 """Helper for the server tests: run `loraplex serve` as a real subprocess on a free port."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,16 @@ def tiny_model(root: Path) -> Path:
     return tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=1024), root=root)
 
 
+def model_with_chat_template(root: Path, template: Path) -> Path:
+    """The tiny model (under `root`) whose tokenizer carries the chat template in the file `template`."""
+    path = tiny_model(root)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template.read_text()
+    config_file.write_text(json.dumps(config))
+    return path
+
+
 def loraplex_command() -> list[str]:
     script = Path(sys.executable).parent / "loraplex"
     if script.exists():
@@ -38,9 +49,15 @@ def loraplex_command() -> list[str]:
 class ServerProcess:
     """Starts the server, waits for /health, and kills it (with its output shown on failure)."""
 
-    def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0) -> None:
+    def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0,
+                 metrics_port: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url: str | None = None          # with metrics_port: the full /metrics (--metrics-port)
+        if metrics_port:
+            port = free_port()
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            extra = (*extra, "--metrics-port", str(port))
         self.model = str(model_dir)
         self._log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="loraplex_server_", suffix=".log")
         cmd = [*loraplex_command(), "serve", "--model", self.model, "--port", str(self.port), "--device", "cpu",
