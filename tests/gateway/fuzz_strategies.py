@@ -45,6 +45,7 @@ SCHEMAS = st.sampled_from(EMPTY_LANGUAGE + [{}, True, {"type": "object"}, {"type
                                             {"type": "string", "pattern": "[^\\s\\S]"},
                                             {"type": "string", "minLength": 10**9},
                                             {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}]) | JSON
+WHITESPACE = st.sampled_from(["[ ]?", "[ \\n]{0,4}", "[ ]*", "", "x", "(", "[^\\s\\S]", " {1000000}"]) | JSON
 REGEXES = st.sampled_from(["[^\\s\\S]", "[b&&c]", "a{0}", "(a|b)*c", "a{1000000}", "\\x{10FFFF}", "", "(",
                            "(?=a)", "\u4e16", "x" * 20_000, "a*" * 2000]) | st.text(max_size=8)
 GRAMMARS = st.sampled_from(['root ::= root "a"', 'root ::= a\na ::= "x" a', 'root ::= [^\\x00-\\U0010FFFF]',
@@ -90,12 +91,31 @@ SAMPLING = {
     "response_format": RESPONSE_FORMATS, "user": texts, "presence_penalty": floats, "frequency_penalty": floats,
     "repetition_penalty": floats, "min_p": floats, "logit_bias": LOGIT_BIAS, "structured_outputs": STRUCTURED,
     "guided_choice": CHOICES, "guided_regex": REGEXES, "guided_json": SCHEMAS, "guided_grammar": GRAMMARS,
+    "guided_whitespace_pattern": WHITESPACE, "include_stop_str_in_output": bools,
+    "spaces_between_special_tokens": bools,
 }
-COMPLETIONS = {**SAMPLING, "prompt": PROMPTS, "logprobs": ints, "echo": bools, "suffix": texts}
+TEMPLATE_KWARGS = (st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x" * 100, ""]),
+                                   JSON, max_size=3) | JSON)
+COMPLETIONS = {**SAMPLING, "prompt": PROMPTS, "logprobs": ints, "echo": bools, "suffix": texts,
+               "prompt_logprobs": ints}
 CHAT = {**SAMPLING, "messages": MESSAGES, "logprobs": bools, "top_logprobs": ints, "tools": TOOLS,
-        "tool_choice": TOOL_CHOICE, "parallel_tool_calls": bools}
+        "tool_choice": TOOL_CHOICE, "parallel_tool_calls": bools, "chat_template_kwargs": TEMPLATE_KWARGS,
+        "add_generation_prompt": bools, "continue_final_message": bools}
 TOKENIZE = {"model": texts, "prompt": texts | JSON, "messages": MESSAGES, "add_special_tokens": bools,
-            "add_generation_prompt": bools, "return_token_strs": bools}
+            "add_generation_prompt": bools, "return_token_strs": bools, "continue_final_message": bools,
+            "chat_template_kwargs": TEMPLATE_KWARGS}
+RESPONSES = {"model": texts, "input": texts | st.lists(st.fixed_dictionaries(
+                 {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool"])},
+                 optional={"content": texts | JSON, "type": st.sampled_from(["message", "function_call", "x"])}),
+                 max_size=3) | JSON,
+             "instructions": texts, "max_output_tokens": ints, "temperature": floats, "top_p": floats,
+             "tools": TOOLS, "tool_choice": TOOL_CHOICE, "parallel_tool_calls": bools,
+             "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+                 {"type": st.sampled_from(["json_schema", "json_object", "text", "x"])},
+                 optional={"name": texts, "schema": SCHEMAS, "strict": bools})}) | JSON,
+             "stream": bools, "store": bools, "previous_response_id": texts,
+             "metadata": st.dictionaries(texts, texts, max_size=3) | JSON, "user": texts,
+             "truncation": st.sampled_from(["disabled", "auto"]) | JSON, "seed": ints, "top_k": ints}
 DETOKENIZE = {"model": texts, "tokens": id_lists | JSON}
 LOAD_ADAPTER = {"lora_name": texts | st.just("tiny"),
                 "lora_path": texts | st.sampled_from(["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000])}
@@ -116,6 +136,9 @@ ROUTES: dict[str, tuple[list[dict[str, Any]], dict[str, st.SearchStrategy[Any]]]
     "/tokenize": ([{"model": "tiny", "prompt": "hi"},
                    {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}], TOKENIZE),
     "/detokenize": ([{"model": "tiny", "tokens": [1, 2]}], DETOKENIZE),
+    "/v1/responses": ([{"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0.5, "top_k": 5},
+                       {"model": "tiny", "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3,
+                        "stream": True}], RESPONSES),
     "/v1/load_lora_adapter": ([{"lora_name": "fuzz", "lora_path": "/nonexistent/adapter"}], LOAD_ADAPTER),
     "/v1/unload_lora_adapter": ([{"lora_name": "fuzz"}], UNLOAD_ADAPTER),
 }
@@ -134,7 +157,11 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 CONSTRAINED = {"response_format": {"type": "json_object"}}
 EXTREMES: dict[str, list[Any]] = {
     **{f: extremes(INTS) for f in ("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "best_of",
-                                   "min_tokens", "logprobs", "top_logprobs")},
+                                   "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
+                                   "max_output_tokens")},
+    "chat_template_kwargs": [{}, {"enable_thinking": True}, {"messages": []}, {"tools": 1}, {"x" * 1000: 1}]
+                            + SWEEP_WRONG_TYPES,
+    "guided_whitespace_pattern": ["[ ]*", "x", "(", "[^\\s\\S]", " {1000000}"] + SWEEP_WRONG_TYPES,
     **{f: extremes(FLOATS) for f in FLOAT_FIELDS},
     "stop_token_ids": [[i] for i in IDS] + [[], [TOKENIZER_VOCAB] * 65, [1] * 10_000] + SWEEP_WRONG_TYPES,
     "tokens": [[i] for i in IDS] + [[], [1] * 10_000] + SWEEP_WRONG_TYPES,

@@ -32,7 +32,7 @@ from tiny_models import TinyModelSpec, tiny_model_dir
 SEED = int(os.environ.get("LORAPLEX_FUZZ_SEED", "20261124"))
 EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "50"))
 ADMIN = "fuzz-admin-token"
-GENERATION = ("/v1/completions", "/v1/chat/completions")
+GENERATION = ("/v1/completions", "/v1/chat/completions")   # /v1/responses answers {"output": [...]}
 SCHEMA_CHECKED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 NORMAL = {"model": "tiny", "prompt": "def f(", "max_tokens": 1}
 SPECIAL_BODIES = [b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b"[" * 100_000, b'{"prompt": "x"' + b"}" * 3,
@@ -88,11 +88,18 @@ def check_response(resp: httpx.Response, path: str, raw: bytes) -> None:
     assert resp.status_code == 200, where
     if resp.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+        if path == "/v1/responses":   # typed events: the last one is response.completed or an in-band error
+            last = json.loads(events[-1])
+            assert last["type"] == "response.completed" or (
+                last["type"] == "error" and last["code"] not in ("internal_error", "request_failed")), where
+            return
         assert events[-1] == "[DONE]", where
         for event in map(json.loads, events[:-1]):
             assert "error" not in event or event["error"]["type"] != "internal_server_error", where
     elif path in GENERATION:
         assert resp.json()["choices"], where
+    elif path == "/v1/responses":
+        assert resp.json()["object"] == "response", where
     elif path == "/tokenize":
         assert set(resp.json()) >= {"tokens", "count"}, where
     elif path == "/detokenize":
