@@ -6,7 +6,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_QK_NORM_TYPES = ("qwen3",)                 # per-head RMSNorm of q and k before rope
+_USE_SLIDING_FLAG_TYPES = ("qwen2", "qwen3")  # `sliding_window` applies only with `use_sliding_window`
+
+
+def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of every layer (None: full attention), as HF's `layer_types` describes it."""
+    window = cfg.get("sliding_window")
+    if model_type in _USE_SLIDING_FLAG_TYPES and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return (None,) * num_layers
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: every layer from `max_window_layers` on slides (Mistral: all)
+        start = int(cfg.get("max_window_layers", 0)) if model_type in _USE_SLIDING_FLAG_TYPES else 0
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -29,8 +47,10 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None             # the largest window of any layer (None: no layer slides)
     torch_dtype: str | None
+    qk_norm: bool = False                  # Qwen3: RMSNorm over head_dim of every q and k head before rope
+    layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None for full attention
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -48,15 +68,14 @@ class ModelConfig:
             scaling = dict(rope_params)
         is_qwen2 = model_type == "qwen2"
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = cfg.get("sliding_window")
-        if is_qwen2 and not cfg.get("use_sliding_window", False):
-            sliding = None
+        num_layers = int(cfg["num_hidden_layers"])
+        windows = layer_windows(cfg, model_type, num_layers)
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -68,13 +87,28 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=max((w for w in windows if w), default=None),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            qk_norm=model_type in _QK_NORM_TYPES,
+            layer_windows=windows,
         )
 
     @staticmethod
     def from_path(model_dir: str | Path) -> "ModelConfig":
         return ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def describe(self) -> str:
+        """One line for the start-up log: the architecture and the features in use."""
+        feats = [f"head_dim {self.head_dim}", f"{self.num_heads} heads / {self.num_kv_heads} kv heads"]
+        feats += [name for name, on in (("q/k norm", self.qk_norm), ("qkv bias", self.qkv_bias),
+                                        ("o bias", self.o_bias), ("tied embeddings", self.tie_word_embeddings)) if on]
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        feats.append(f"rope {rope_type} (theta {self.rope_theta:g})")
+        windows = sorted({w for w in self.layer_windows if w})
+        if windows:
+            num_sliding = sum(1 for w in self.layer_windows if w)
+            feats.append(f"sliding window {windows} on {num_sliding}/{self.num_layers} layers")
+        return f"{self.model_type}, {self.num_layers} layers: " + ", ".join(feats)
 
     @property
     def q_size(self) -> int:

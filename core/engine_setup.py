@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from core.tokenizer_load import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 2 << 30
 # CUDA: memory kept out of the KV pool for the decode graphs' shared pool (activations of the largest
 # captured batch and split-KV partials; measured ~100 MiB for the 8B shape at batch 256) and the eager
@@ -112,6 +114,7 @@ class ModelFiles:
 def resolve_model_files(config: EngineConfig) -> ModelFiles:
     model_dir = resolve_model_path(config.model)
     cfg = ModelConfig.from_path(model_dir)
+    logger.info("model architecture: %s", cfg.describe())
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
     max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings

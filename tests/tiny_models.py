@@ -34,6 +34,7 @@ ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -163,6 +164,8 @@ class TinyModelSpec:
     tokenizer_vocab_size: int = 512
     sliding_window: int | None = None
     config_style: str = "v5"  # "v5": rope_parameters; "legacy": transformers 4.x rope_theta/rope_scaling
+    head_dim: int | None = None       # explicit head_dim (None: hidden_size // num_heads)
+    attention_bias: bool = False      # biases on q/k/v/o (Llama, Qwen3)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -232,9 +235,13 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
         tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=ids[BOS], eos_token_id=ids[EOS],
         pad_token_id=ids[PAD], initializer_range=0.02,
     )
+    if spec.head_dim is not None:
+        kwargs["head_dim"] = spec.head_dim
+    if spec.attention_bias:
+        kwargs["attention_bias"] = True
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
-    elif spec.arch == "qwen2":
+    elif spec.arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = spec.sliding_window is not None
         kwargs["sliding_window"] = spec.sliding_window
     config = getattr(transformers, cfg_name)(**kwargs)

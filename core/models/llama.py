@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat token batch with a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token batch with a paged KV cache.
+
+Per-family parts are chosen when the model is built (Qwen3's per-head q/k norms, or identities), never
+by branches in `forward`.
 
 The model knows nothing of LoRA or grammar: adapters wrap the fused linears
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`); the grammar masks the logits outside.
@@ -35,6 +38,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.head_dim ** -0.5
+        # Qwen3: RMSNorm over head_dim of every q / k head, before rope (one weight shared by the heads)
+        self.q_norm: nn.Module = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm: nn.Module = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.rotary = rotary
         self.backend = backend
 
@@ -45,7 +51,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)       # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)    # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         o = self.backend.forward(q, k, v.contiguous(), kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))      # [T, H*D] -> [T, hidden]
 

@@ -1,0 +1,73 @@
+"""One combined engine-vs-reference check per model family (tests/test_family_*.py).
+
+    check_family(path, {"tenant-a": adapter_path}, texts, prefix=True)
+
+Base and adapter rows share every batch; a small token budget chunks the prefills; a small KV pool forces
+preemption by recompute; with prefix caching a second round runs against a warm cache. References: HF
+transformers greedy for the base, `PeftModel` greedy for adapters (fp32, CPU), each clear of near-ties.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from core import LLM, SamplingParams
+from lora_fixtures import torch_threads
+from lora_tree import peft_greedy_path
+from testlib import _hf_model, encode
+
+MAX_TOKENS = 16
+MIN_MARGIN = 1e-3  # fp32 engine vs reference differ by ~1e-5 in the logits
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def greedy_with_margin(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """Greedy continuation of an HF model (stops at EOS) and its smallest top-1/top-2 logit gap."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad(), torch_threads(1):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=0, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    margin = min(float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.logits)
+    return out.sequences[0, len(prompt_ids):].tolist(), margin
+
+
+def reference(path: Path, adapter: Path | None, prompt_ids: list[int]) -> list[int]:
+    if adapter is None:
+        tokens, margin = greedy_with_margin(_hf_model(str(path)), prompt_ids, MAX_TOKENS)
+    else:
+        tokens, margin = peft_greedy_path(path, adapter, prompt_ids, MAX_TOKENS)
+    assert margin > MIN_MARGIN, f"test setup: reference near a tie ({adapter}, gap {margin})"
+    return tokens
+
+
+def check_family(path: Path, adapters: dict[str, Path], texts: list[str], prefix: bool,
+                 **llm_kwargs: object) -> LLM:
+    """Every text under the base and under every adapter in one batch, chunked prefill, preemption;
+    two rounds with prefix caching on (the second hits the cache). Returns the engine (shut down if TP)."""
+    args: dict[str, object] = dict(dtype="float32", device="cpu", max_loras=4, max_lora_rank=16,
+                                   max_num_batched_tokens=24, num_kv_blocks=24, block_size=8,
+                                   enable_prefix_caching=prefix)
+    args.update(llm_kwargs)
+    llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, **args)  # type: ignore[arg-type]
+    try:
+        _check_rounds(llm, path, adapters, texts, prefix)
+    finally:
+        if llm.engine.tp is not None:
+            llm.engine.tp.shutdown()
+    return llm
+
+
+def _check_rounds(llm: LLM, path: Path, adapters: dict[str, Path], texts: list[str], prefix: bool) -> None:
+    rows = [(encode(path, t), lora) for t in texts for lora in (None, *adapters)]
+    expected = [reference(path, None if lora is None else adapters[lora], ids) for ids, lora in rows]
+    for round_ in range(2 if prefix else 1):
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in rows], GREEDY, lora=[lo for _, lo in rows])
+        for i, ((ids, lora), out, ref) in enumerate(zip(rows, outs, expected)):
+            assert list(out.token_ids) == ref, f"round {round_} row {i} lora={lora}\n expected {ref}\n got {out.token_ids}"
+        llm.engine.check_integrity()
+    assert llm.engine.scheduler.num_preemptions > 0, "test setup: the KV pool should force preemption"
+    assert llm.engine.kv.usage() == 0.0
+    if prefix:
+        assert llm.engine.kv.num_prefix_hit_tokens > 0
