@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _QK_NORM_TYPES = ("qwen3",)                 # per-head RMSNorm of q and k before rope
 _USE_SLIDING_FLAG_TYPES = ("qwen2", "qwen3")  # `sliding_window` applies only with `use_sliding_window`
 
@@ -51,6 +51,7 @@ class ModelConfig:
     torch_dtype: str | None
     qk_norm: bool = False                  # Qwen3: RMSNorm over head_dim of every q and k head before rope
     layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None for full attention
+    rotary_dim: int = 0                    # channels of each head that rope rotates (partial_rotary_factor)
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -66,6 +67,9 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or None
         if scaling is None and rope_params.get("rope_type", "default") != "default":
             scaling = dict(rope_params)
+        if scaling is not None and cfg.get("original_max_position_embeddings"):  # Phi-3 keeps it at the top
+            scaling = {"original_max_position_embeddings": cfg["original_max_position_embeddings"], **scaling}
+        partial = float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
         is_qwen2 = model_type == "qwen2"
         attention_bias = bool(cfg.get("attention_bias", False))
         num_layers = int(cfg["num_hidden_layers"])
@@ -91,6 +95,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             qk_norm=model_type in _QK_NORM_TYPES,
             layer_windows=windows,
+            rotary_dim=int(int(head_dim) * partial),
         )
 
     @staticmethod
@@ -104,6 +109,8 @@ class ModelConfig:
                                         ("o bias", self.o_bias), ("tied embeddings", self.tie_word_embeddings)) if on]
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         feats.append(f"rope {rope_type} (theta {self.rope_theta:g})")
+        if self.rotary_dim < self.head_dim:
+            feats.append(f"partial rotary ({self.rotary_dim} of {self.head_dim} channels)")
         windows = sorted({w for w in self.layer_windows if w})
         if windows:
             num_sliding = sum(1 for w in self.layer_windows if w)

@@ -9,6 +9,7 @@ transformers greedy for the base, `PeftModel` greedy for adapters (fp32, CPU), e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,8 +43,11 @@ def reference(path: Path, adapter: Path | None, prompt_ids: list[int]) -> list[i
     return tokens
 
 
+ReferenceFn = Callable[[Path, "Path | None", list[int]], list[int]]
+
+
 def check_family(path: Path, adapters: dict[str, Path], texts: list[str], prefix: bool,
-                 **llm_kwargs: object) -> LLM:
+                 reference_fn: ReferenceFn = reference, **llm_kwargs: object) -> LLM:
     """Every text under the base and under every adapter in one batch, chunked prefill, preemption;
     two rounds with prefix caching on (the second hits the cache). Returns the engine (shut down if TP)."""
     args: dict[str, object] = dict(dtype="float32", device="cpu", max_loras=4, max_lora_rank=16,
@@ -52,16 +56,17 @@ def check_family(path: Path, adapters: dict[str, Path], texts: list[str], prefix
     args.update(llm_kwargs)
     llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, **args)  # type: ignore[arg-type]
     try:
-        _check_rounds(llm, path, adapters, texts, prefix)
+        _check_rounds(llm, path, adapters, texts, prefix, reference_fn)
     finally:
         if llm.engine.tp is not None:
             llm.engine.tp.shutdown()
     return llm
 
 
-def _check_rounds(llm: LLM, path: Path, adapters: dict[str, Path], texts: list[str], prefix: bool) -> None:
+def _check_rounds(llm: LLM, path: Path, adapters: dict[str, Path], texts: list[str], prefix: bool,
+                  reference_fn: ReferenceFn) -> None:
     rows = [(encode(path, t), lora) for t in texts for lora in (None, *adapters)]
-    expected = [reference(path, None if lora is None else adapters[lora], ids) for ids, lora in rows]
+    expected = [reference_fn(path, None if lora is None else adapters[lora], ids) for ids, lora in rows]
     for round_ in range(2 if prefix else 1):
         outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in rows], GREEDY, lora=[lo for _, lo in rows])
         for i, ((ids, lora), out, ref) in enumerate(zip(rows, outs, expected)):

@@ -35,6 +35,7 @@ ARCHS: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -166,6 +167,8 @@ class TinyModelSpec:
     config_style: str = "v5"  # "v5": rope_parameters; "legacy": transformers 4.x rope_theta/rope_scaling
     head_dim: int | None = None       # explicit head_dim (None: hidden_size // num_heads)
     attention_bias: bool = False      # biases on q/k/v/o (Llama, Qwen3)
+    partial_rotary_factor: float | None = None        # Phi-3 / Phi-4-mini: rope on a fraction of head_dim
+    original_max_position_embeddings: int | None = None  # Phi-3 longrope: top-level, beside rope_scaling
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -179,7 +182,10 @@ class TinyModelSpec:
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
-        return None if self.rope_scaling is None else dict(self.rope_scaling)  # type: ignore[arg-type]
+        if self.rope_scaling is None:
+            return None
+        # longrope factor lists are kept as tuples (hashable spec): HF wants lists
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}  # type: ignore[misc]
 
 
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -239,6 +245,10 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
         kwargs["head_dim"] = spec.head_dim
     if spec.attention_bias:
         kwargs["attention_bias"] = True
+    if spec.partial_rotary_factor is not None:
+        kwargs["partial_rotary_factor"] = spec.partial_rotary_factor
+    if spec.original_max_position_embeddings is not None:
+        kwargs["original_max_position_embeddings"] = spec.original_max_position_embeddings
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.arch in ("qwen2", "qwen3"):

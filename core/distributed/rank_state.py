@@ -16,7 +16,7 @@ from core.distributed.shard import TPShard, load_sharded_weights
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
-from core.models.rope import RotaryEmbedding
+from core.models.rope import build_rotary
 
 
 @dataclass
@@ -40,7 +40,7 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
         model = LlamaForCausalLM(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
     model = materialize(model, device, dtype)
-    rotary = RotaryEmbedding(local.head_dim, max_model_len, local.rope_theta, local.rope_scaling).to(device)
+    rotary = build_rotary(local, max_model_len).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
     if local.tie_word_embeddings:

@@ -15,7 +15,7 @@ from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 from core.config import ModelConfig
 from core.models import fused_ops
-from core.models.rope import RotaryEmbedding
+from core.models.rope import RotaryEmbedding, build_rotary
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +91,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = build_rotary(cfg, max_positions)
         self.layers = nn.ModuleList([DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

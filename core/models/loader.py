@@ -1,4 +1,7 @@
-"""Load an HF Llama-family checkpoint (local dir or hub id, safetensors) into our model."""
+"""Load an HF Llama-family checkpoint (local dir or hub id, safetensors) into our model.
+
+Unfused q/k/v and gate/up tensors go to their slices of our fused linears; checkpoints that fuse them
+already (Phi-3 `qkv_proj`, `gate_up_proj`) load as they are."""
 from __future__ import annotations
 
 import os
@@ -11,7 +14,7 @@ from core.attention.backend import AttentionBackend
 from core.config import ModelConfig
 from core.models.llama import LlamaForCausalLM
 from core.models.meta_init import materialize, skip_param_init
-from core.models.rope import RotaryEmbedding
+from core.models.rope import build_rotary
 
 _STACKED = {  # HF name -> (our fused name, slice index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -43,6 +46,14 @@ def _slice_bounds(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:
     return [(0, cfg.intermediate_size), (cfg.intermediate_size, cfg.intermediate_size)]
 
 
+def _param_keys(cfg: ModelConfig, pname: str) -> list[str]:
+    """What loading `pname` covers: one key per slice of a fused linear, else the name itself."""
+    fused = pname.split(".")[-2]
+    if fused in ("qkv_proj", "gate_up_proj"):
+        return [f"{pname}#{start}" for start, _ in _slice_bounds(cfg, fused)]
+    return [pname]
+
+
 def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     cfg = model.config
     params = dict(model.named_parameters())
@@ -70,16 +81,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                     param = params[target]
                     if bounds is None:
                         param.copy_(tensor)
+                        loaded.update(_param_keys(cfg, target))   # Phi-3: qkv / gate_up fused in the file too
                     else:
                         param.narrow(0, bounds[0], bounds[1]).copy_(tensor)
-                    loaded.add(target if bounds is None else f"{target}#{bounds[0]}")
-    expected = set()
-    for pname in params:
-        fused = pname.split(".")[-2]
-        if fused in ("qkv_proj", "gate_up_proj"):
-            expected.update(f"{pname}#{start}" for start, _ in _slice_bounds(cfg, fused))
-        else:
-            expected.add(pname)
+                        loaded.add(f"{target}#{bounds[0]}")
+    expected = {key for pname in params for key in _param_keys(cfg, pname)}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = expected - loaded
@@ -104,7 +110,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     with torch.device("meta"), skip_param_init():
         model = LlamaForCausalLM(cfg, backend, max_positions)
     model = materialize(model, device, dtype)
-    rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+    rotary = build_rotary(cfg, max_positions).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
     if cfg.tie_word_embeddings:
