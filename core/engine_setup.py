@@ -117,9 +117,8 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     logger.info("model architecture: %s", cfg.describe())
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
+    # sliding windows bound what each layer attends to, not the context: it is max_position_embeddings
     max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
-    if cfg.sliding_window:
-        max_model_len = min(max_model_len, cfg.sliding_window)
     tokenizer = load_tokenizer(model_dir)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")

@@ -36,6 +36,8 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -169,6 +171,7 @@ class TinyModelSpec:
     attention_bias: bool = False      # biases on q/k/v/o (Llama, Qwen3)
     partial_rotary_factor: float | None = None        # Phi-3 / Phi-4-mini: rope on a fraction of head_dim
     original_max_position_embeddings: int | None = None  # Phi-3 longrope: top-level, beside rope_scaling
+    extra_config: tuple[tuple[str, Any], ...] | dict[str, Any] = ()  # more config kwargs (Gemma soft-caps, ...)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -179,6 +182,9 @@ class TinyModelSpec:
             raise ValueError(f"config_style must be 'v5' or 'legacy', got {self.config_style!r}")
         if isinstance(self.rope_scaling, dict):  # keep the spec hashable
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.extra_config, dict):
+            object.__setattr__(self, "extra_config", tuple(sorted(
+                (k, tuple(v) if isinstance(v, list) else v) for k, v in self.extra_config.items())))
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -220,6 +226,22 @@ def _init_weights(model: Any, spec: TinyModelSpec) -> None:
         model.tie_weights()
 
 
+def _gemma_norms(model: Any, spec: TinyModelSpec) -> None:
+    """Gemma norms scale by (1 + w): w ~ 0.1 N(0,1) keeps the scale near 1 (as Llama's w ~ 1); the final norm
+    gets random signs (1 + w = +-(1 + 0.1 N(0,1))), which breaks the current-token self-similarity of
+    tied embeddings scaled by sqrt(hidden)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        final = model.model.norm.weight
+        signs = torch.randint(0, 2, final.shape, generator=gen) * 2.0 - 1.0
+        final.copy_(signs * (1.0 + final) - 1.0)
+
+
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write config.json, model.safetensors, generation_config.json and tokenizer files."""
     import torch
@@ -249,6 +271,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
         kwargs["partial_rotary_factor"] = spec.partial_rotary_factor
     if spec.original_max_position_embeddings is not None:
         kwargs["original_max_position_embeddings"] = spec.original_max_position_embeddings
+    kwargs.update({k: list(v) if isinstance(v, tuple) else v for k, v in spec.extra_config})  # type: ignore[misc]
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
     elif spec.arch in ("qwen2", "qwen3"):
@@ -258,6 +281,8 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     torch.manual_seed(spec.seed)
     model = getattr(transformers, model_name)(config)
     _init_weights(model, spec)
+    if spec.arch.startswith("gemma"):
+        _gemma_norms(model, spec)
     model = model.to(getattr(torch, spec.torch_dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     cfg_path = out / "config.json"

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from adapters.adapter import LoRAAdapter, LoRAModule
 from adapters.dims import CHECKPOINT_FUSED, BaseModelDims
 from core.config import ModelConfig
-from core.models.loader import _STACKED
+from core.models.loader import _STACKED, checkpoint_name
 
 
 def check_tp_divisible(cfg: ModelConfig, world_size: int) -> None:
@@ -157,8 +157,9 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
             p.zero_()                                             # vocabulary padding rows stay zero
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if "rotary_emb" in name:
+                for file_name in f.keys():
+                    name = checkpoint_name(file_name)
+                    if name is None:
                         continue
                     target, hf_module, fused, idx = name, None, None, 0
                     for hf, (fused_name, i) in _STACKED.items():
@@ -171,10 +172,10 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
                     module = target.split(".")[-2]
                     if module in CHECKPOINT_FUSED and hf_module is None:   # Phi-3: q/k/v (gate/up) in one tensor
-                        _load_fused_in_file(params[target], f.get_slice(name), shard, module)
+                        _load_fused_in_file(params[target], f.get_slice(file_name), shard, module)
                         loaded.update(f"{target}#{i}" for i in range(len(CHECKPOINT_FUSED[module])))
                         continue
-                    piece = _read_piece(f.get_slice(name), shard, target, hf_module)
+                    piece = _read_piece(f.get_slice(file_name), shard, target, hf_module)
                     param = params[target]
                     dest = _fused_dest(shard, fused, idx) if fused is not None else 0
                     param.narrow(0, dest, piece.shape[0]).copy_(piece)

@@ -9,6 +9,7 @@ of every head and passes the rest through.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -176,3 +177,13 @@ def build_rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
     """The model's rotary embedding: partial when `rotary_dim` < head_dim."""
     cls = PartialRotaryEmbedding if cfg.rotary_dim < cfg.head_dim else RotaryEmbedding
     return cls(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+
+def layer_rotaries(cfg: ModelConfig, max_positions: int) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding (shared objects): Gemma 3's sliding layers use default rope with
+    `local_rope_theta`, its global layers (and every layer of the other families) the model's rope."""
+    main = build_rotary(cfg, max_positions)
+    if cfg.local_rope_theta is None:
+        return [main] * cfg.num_layers
+    local = build_rotary(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), max_positions)
+    return [local if window else main for window in cfg.layer_windows]
