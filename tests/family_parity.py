@@ -3,7 +3,8 @@
     check_family(path, {"tenant-a": adapter_path}, texts, prefix=True)
 
 Base and adapter rows share every batch; a small token budget chunks the prefills; a small KV pool forces
-preemption by recompute; with prefix caching a second round runs against a warm cache. References: HF
+preemption by recompute; with prefix caching a second round runs against a warm cache; the run without
+prefix caching uses async scheduling (step t+1 planned before step t's tokens are read). References: HF
 transformers greedy for the base, `PeftModel` greedy for adapters (fp32, CPU), each clear of near-ties.
 """
 from __future__ import annotations
@@ -49,10 +50,11 @@ ReferenceFn = Callable[[Path, "Path | None", list[int]], list[int]]
 def check_family(path: Path, adapters: dict[str, Path], texts: list[str], prefix: bool,
                  reference_fn: ReferenceFn = reference, **llm_kwargs: object) -> LLM:
     """Every text under the base and under every adapter in one batch, chunked prefill, preemption;
-    two rounds with prefix caching on (the second hits the cache). Returns the engine (shut down if TP)."""
+    two rounds with prefix caching on (the second hits the cache); without it, async scheduling.
+    Returns the engine (shut down if TP)."""
     args: dict[str, object] = dict(dtype="float32", device="cpu", max_loras=4, max_lora_rank=16,
                                    max_num_batched_tokens=24, num_kv_blocks=24, block_size=8,
-                                   enable_prefix_caching=prefix)
+                                   enable_prefix_caching=prefix, async_scheduling=not prefix)
     args.update(llm_kwargs)
     llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, **args)  # type: ignore[arg-type]
     try:
