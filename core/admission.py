@@ -21,6 +21,10 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     if params.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
                               "invalid_value", "min_tokens")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > vocab_size:
+            raise RequestRejected(f"{name} ({k}) exceeds the vocabulary size {vocab_size}", "invalid_value", name)
     bad = [t for t, _ in params.logit_bias if t >= vocab_size]
     if bad:
         raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})",

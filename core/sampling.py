@@ -51,8 +51,8 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise SamplingParamsError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}", "top_k")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.logprobs is not None and self.logprobs < 0:   # the cap: the server's --max-logprobs, the vocab
+            raise SamplingParamsError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
         self._check_penalties()
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty", "stop")

@@ -1,4 +1,4 @@
-"""The starlette app: OpenAI-compatible routes, /health, /metrics and /openapi.json.
+"""The starlette app: OpenAI-compatible routes, /health, /health/live, /metrics and /openapi.json.
 
 A completions or chat request goes: authenticate (401) -> tenant limits (429) -> parse (400) -> resolve the
 model among the caller's models (404) -> sampling params and grammar (400) -> admission (400 too long,
@@ -35,14 +35,16 @@ from gateway.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
 )
 from gateway.metrics import CONTENT_TYPE
-from gateway.middleware import GatewayMiddleware
+from gateway.middleware import LIVENESS_PATH, GatewayMiddleware
 from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
 from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder
+from gateway.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import chat_body, completion_body
+from gateway.sampling_defaults import RequestDefaults
 from gateway.state import GatewayState
 from gateway.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
@@ -84,7 +86,7 @@ class _Kind:
 
     body: type[Any]
     prefix: str
-    params: Callable[[Any], SamplingParams]
+    params: Callable[[Any, RequestDefaults], SamplingParams]
     prompts: Callable[[PromptEncoder, Any], list[list[int]]]
     events: Events
     response: Callable[..., dict[str, Any]]
@@ -108,17 +110,21 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     ctx.stream = bool(body.stream)
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
-    params = kind.params(body)
+    params = kind.params(body, state.defaults)
     tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
     if tooled or wants_constraint(body):
         await validators_ready()
-    plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options) if tooled else None
+    plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
+                      state.config.tool_call_parser) if tooled else None
     kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
     if plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
     prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
+    params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
     children = make_children(request_id, prompts, params)
+    if state.config.log_requests:
+        log_request(request_id, model.name, params, prompts)
     echo = echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     admit(state.aeng, children)
     assert state.queue is not None
@@ -167,10 +173,22 @@ async def retrieve_model(request: Request) -> Response:
     return JSONResponse(state.models.card(request.path_params["model_id"], principal.models))
 
 
+def _engine_unavailable() -> Response:
+    return JSONResponse({"error": {"message": "the engine loop is not running", "type": "service_unavailable",
+                                   "param": None, "code": "engine_unavailable"}}, status_code=503)
+
+
 async def health(request: Request) -> Response:
-    """Never touches the engine lock or the event loop's queues: a thread-liveness check. 503 while the
-    start-up warm-up compiles kernels (a readiness probe waits), then 200 while the loop is alive."""
-    aeng = _state(request).aeng
+    """Readiness. Never touches the engine lock or the event loop's queues: a thread-liveness check. 503
+    while the start-up warm-up compiles kernels (a readiness probe waits), 503 `draining` from SIGTERM on
+    (the replica leaves the load balancer), else 200 while the loop is alive."""
+    state = _state(request)
+    aeng = state.aeng
+    if aeng.alive and state.lifecycle is not None and state.lifecycle.draining:
+        return JSONResponse({"status": "draining",
+                             "error": {"message": "the server is shutting down and admits no new requests",
+                                       "type": "service_unavailable", "param": None, "code": "draining"}},
+                            status_code=503)
     if aeng.ready:
         return JSONResponse({"status": "ok"})
     if aeng.alive:
@@ -180,12 +198,26 @@ async def health(request: Request) -> Response:
                              "error": {"message": "the server is compiling its kernels at start-up",
                                        "type": "service_unavailable", "param": None, "code": "warming_up"}},
                             status_code=503, headers={"Retry-After": "5"})
-    return JSONResponse({"error": {"message": "the engine loop is not running", "type": "service_unavailable",
-                                   "param": None, "code": "engine_unavailable"}}, status_code=503)
+    return _engine_unavailable()
+
+
+async def liveness(request: Request) -> Response:
+    """`GET /health/live`: 200 while the engine loop runs, through warm-up and the whole drain (a liveness
+    probe never restarts a draining replica); 503 once the loop is dead."""
+    state = _state(request)
+    aeng = state.aeng
+    if not aeng.alive:
+        return _engine_unavailable()
+    draining = state.lifecycle is not None and state.lifecycle.draining
+    return JSONResponse({"status": "draining" if draining else "ok" if aeng.ready else "warming_up"})
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    """The main port's metrics: with --tenant-keys, no tenant or adapter name (the full text is served on
+    --metrics-port, a port tenants cannot reach)."""
+    state = _state(request)
+    redact = state.config.tenant_keys is not None
+    return Response(state.metrics.render(redact=redact), media_type=CONTENT_TYPE)
 
 
 async def openapi(request: Request) -> Response:
@@ -205,6 +237,7 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         *tokenize_routes(),
         Route("/health", health, methods=["GET"]),
+        Route(LIVENESS_PATH, liveness, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]

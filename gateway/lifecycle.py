@@ -1,7 +1,8 @@
 """Graceful shutdown: on SIGTERM (or SIGINT) stop admitting, let in-flight requests finish, then exit 0.
 
 While draining the sockets stay open, so a new `POST` gets a fast 503 `shutting_down` (a load balancer
-retries it elsewhere) instead of a refused connection; GETs (/health, /metrics, /v1/models) still answer.
+retries it elsewhere) instead of a refused connection; `/health` (readiness) answers 503 `draining` so the
+replica leaves the load balancer, while `/health/live` (liveness), /metrics and other GETs still answer 200.
 Once nothing is in flight, or `--shutdown-timeout` seconds have passed, uvicorn shuts down: whatever is
 still running is cancelled (its engine requests aborted). A second signal exits at once.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
+
+from gateway.metrics_listener import MetricsListener
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -43,19 +46,30 @@ class Lifecycle:
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn with a drain phase before its shutdown, and one line on stdout once the sockets listen."""
+    """uvicorn with a drain phase before its shutdown, and one line on stdout once the sockets listen.
+    `metrics_listener` (--metrics-port) listens first and closes last: it answers through the whole drain."""
 
-    def __init__(self, config: uvicorn.Config, banner: str, lifecycle: Lifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, banner: str, lifecycle: Lifecycle,
+                 metrics_listener: MetricsListener | None = None) -> None:
         config.timeout_graceful_shutdown = POST_DRAIN_GRACE_S
         super().__init__(config)
         self.banner = banner
         self.lifecycle = lifecycle
+        self.metrics_listener = metrics_listener
         self._announced = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.metrics_listener is not None and not await self.metrics_listener.start():
+            self.should_exit = True     # the main port never opens: `started` stays False, the exit code 1
+            return
         await super().startup(sockets)
         if self.started:
             print(self.banner, flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.metrics_listener is not None:
+            await self.metrics_listener.stop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # runs as a signal handler: only flag changes here (no logging, no re-raise after shutdown)

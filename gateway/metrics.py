@@ -14,6 +14,9 @@ from core.kernel_compiles import COMPILES
 log = logging.getLogger("loraplex.gateway")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# labels whose values name a tenant or an adapter (served model): never on the main port with --tenant-keys
+NAME_LABELS = frozenset({"tenant", "model", "adapter", "lora_name", "running_lora_adapters",
+                         "waiting_lora_adapters"})
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -128,8 +131,38 @@ class GatewayMetrics:
             self.tenant_prompt_tokens.labels(tenant=tenant).inc(ctx.prompt_tokens)
             self.tenant_generation_tokens.labels(tenant=tenant).inc(ctx.completion_tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, redact: bool = False) -> bytes:
+        """Prometheus text; `redact`: without any tenant or adapter name (see `TenantBlindView`)."""
+        return generate_latest(TenantBlindView(self.registry) if redact else self.registry)
+
+
+class TenantBlindView:
+    """A registry as a tenant may see it: every label in `NAME_LABELS` dropped, the samples that then share
+    their remaining labels summed (a counter or histogram keeps its total, `_created` the earliest time;
+    `lora_requests_info` keeps only `max_lora`). Families are redacted by label, so a metric added later with one of these labels is too."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not any(NAME_LABELS.intersection(sample.labels) for sample in family.samples):
+                yield family
+                continue
+            sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                kept = tuple((k, v) for k, v in sample.labels.items() if k not in NAME_LABELS)
+                key = (sample.name, kept)
+                if key not in sums:
+                    sums[key] = sample.value
+                elif sample.name.endswith("_created"):   # a series' creation time: the earliest one
+                    sums[key] = min(sums[key], sample.value)
+                else:
+                    sums[key] += sample.value
+            blind = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in sums.items():
+                blind.add_sample(name, dict(labels), value)
+            yield blind
 
 
 class RequestTimer:

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 access_log = logging.getLogger("loraplex.access")
 log = logging.getLogger("loraplex.gateway")
 
-PROBES = frozenset({"/health", "/metrics"})   # not counted, not logged, never refused while draining
+LIVENESS_PATH = "/health/live"
+PROBES = frozenset({"/health", LIVENESS_PATH, "/metrics"})   # not counted, not logged, never refused draining
 
 
 def shutting_down() -> APIError:

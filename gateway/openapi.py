@@ -186,11 +186,12 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
         "/tokenize": _tokenizer_route("Tokenize", "TokenizeRequest", "Tokenized", secured),
         "/detokenize": _tokenizer_route("Detokenize", "DetokenizeRequest", "Detokenized", secured),
         "/health": _get("Health", {"application/json": {"schema": {"type": "object"}}}, (503,)),
+        "/health/live": _get("Liveness", {"application/json": {"schema": {"type": "object"}}}, (503,)),
         "/metrics": _get("Metrics", {"text/plain": {"schema": {"type": "string"}}}),
     }
     paths["/v1/models/{model_id}"]["get"]["parameters"] = [
         {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-    for path in ("/health", "/metrics"):
+    for path in ("/health", "/health/live", "/metrics"):
         paths[path]["get"]["security"] = []
     security_schemes: dict[str, Any] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     if admin:

@@ -9,6 +9,9 @@ from core.sampling import SamplingParams
 from gateway.errors import invalid
 from gateway.penalties import penalty_fields
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _SamplingFields
+from gateway.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
+
+NO_DEFAULTS = RequestDefaults()
 
 
 async def resolve_response_format(response_format: Optional[ResponseFormat], engine: Any) -> Any:
@@ -44,10 +47,10 @@ def _check_common(body: _SamplingFields) -> None:
         raise invalid("stop_token_ids must be non-negative", param="stop_token_ids")
 
 
-def _params(body: _SamplingFields, logprobs: Optional[int]) -> SamplingParams:
+def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDefaults) -> SamplingParams:
     _check_common(body)
     stop = body.stop if body.stop is not None else ()
-    return SamplingParams(
+    return SamplingParams(**defaults.fill(body, dict(
         n=body.num_choices,
         max_tokens=body.effective_max_tokens(),
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -60,20 +63,23 @@ def _params(body: _SamplingFields, logprobs: Optional[int]) -> SamplingParams:
         logprobs=logprobs,
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
         **penalty_fields(body),
-    )
+    )))
 
 
-def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
-    """Raises APIError / SamplingParamsError (both 400) for values the engine cannot serve."""
+def completion_sampling_params(body: CompletionRequest, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingParams:
+    """Raises APIError / SamplingParamsError (both 400) for values the engine cannot serve. `defaults`: the
+    server's generation-config defaults and logprobs cap (gateway/sampling_defaults.py)."""
     if body.best_of is not None and body.best_of != body.num_choices:
         raise invalid("best_of is only supported when equal to n", param="best_of")
-    params = _params(body, body.logprobs)
+    defaults.check_logprobs(body.logprobs, "logprobs", COMPLETION_LOGPROBS_CAP)
+    params = _params(body, body.logprobs, defaults)
     if body.echo and body.logprobs is not None:   # the prompt's logprobs too (gateway/echo.py)
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     return params
 
 
-def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(body: ChatCompletionRequest, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-    return _params(body, (body.top_logprobs or 0) if body.logprobs else None)
+    defaults.check_logprobs(body.top_logprobs, "top_logprobs", CHAT_LOGPROBS_CAP)
+    return _params(body, (body.top_logprobs or 0) if body.logprobs else None, defaults)

@@ -110,7 +110,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    logprobs: Optional[int] = Field(default=None, ge=0)     # cap: gateway/params.py (--max-logprobs)
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -126,7 +126,7 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(default=None, ge=0)  # cap: gateway/params.py (--max-logprobs)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None

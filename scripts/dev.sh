@@ -13,20 +13,31 @@ VENV="$ROOT/.venv"
 STAMP="$VENV/.loraplex-installed"
 want="$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)"
 
+say() { echo "dev.sh: $*" >&2; }   # set-up progress on stderr, one line per phase
+
 if [ ! -x "$VENV/bin/python" ]; then
+  say "creating the virtual environment $VENV (first run only)"
   "$PY" -m venv "$VENV"
 fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+  started=$SECONDS
+  say "installing dependencies into .venv (first run, or pyproject.toml changed; a few minutes)"
+  say "upgrading pip"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    say "installing torch==2.13.0 (CUDA build: an NVIDIA GPU is present; about 2.5 GB)"
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   elif "$VENV/bin/python" -c "import socket; socket.getaddrinfo('download.pytorch.org', 443)" 2>/dev/null; then
+    say "installing torch==2.13.0 (CPU wheel from download.pytorch.org: no NVIDIA GPU found)"
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
   else  # no route to the CPU wheel index: a local wheel cache (find-links) or PyPI's build
+    say "installing torch==2.13.0 (from PyPI or the local wheel cache: download.pytorch.org unreachable)"
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   fi
+  say "installing loraplex and its test dependencies (pip install -e '.[test]')"
   "$VENV/bin/python" -m pip install -q -e ".[test]"
   echo "$want" > "$STAMP"
+  say "set-up done in $((SECONDS - started)) s; later runs reuse .venv"
 fi
 
 cmd=${1:-test}

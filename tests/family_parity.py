@@ -12,27 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from core import LLM, SamplingParams
-from lora_fixtures import torch_threads
-from lora_tree import peft_greedy_path
+from lora_tree import greedy_with_margin, peft_greedy_path
 from testlib import _hf_model, encode
 
 MAX_TOKENS = 16
 MIN_MARGIN = 1e-3  # fp32 engine vs reference differ by ~1e-5 in the logits
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-
-def greedy_with_margin(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """Greedy continuation of an HF model (stops at EOS) and its smallest top-1/top-2 logit gap."""
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad(), torch_threads(1):
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=0, do_sample=False, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-    margin = min(float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.logits)
-    return out.sequences[0, len(prompt_ids):].tolist(), margin
 
 
 def reference(path: Path, adapter: Path | None, prompt_ids: list[int]) -> list[int]:

@@ -1,9 +1,10 @@
 """Static checks of the Kubernetes manifests in deploy/ (no cluster needed).
 
 They pin what a cluster would only reveal at run time: the model-server command line parses with
-our own CLI parser, the probes hit /health on the serving port, the InferencePool selects exactly
-the model-server pods on that port and points at the endpoint picker's Service, the endpoint
-picker is told our metric names (and only ours), and kustomization.yaml applies every manifest.
+our own CLI parser, readiness probes /health and liveness /health/live on the serving port, the
+InferencePool selects exactly the model-server pods on that port and points at the endpoint picker's
+Service, the endpoint picker is told our metric names (and only ours) and scrapes the metrics port
+(which only it and Prometheus may reach), and kustomization.yaml applies every manifest.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser, config_from_args
+from gateway.middleware import LIVENESS_PATH
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -254,12 +256,15 @@ def test_model_server_config_builds_with_the_documented_tenant_file(tmp_path: Pa
 
 
 def test_model_server_probes_hit_health_on_the_serving_port():
+    """Readiness (and start-up) on /health, which fails from SIGTERM on; liveness on /health/live, which
+    stays 200 through the drain (a liveness probe on /health would restart a draining pod)."""
     _, c = _model_server()
     port = _parsed_serve_args(c).port
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+    paths = {"readinessProbe": "/health", "startupProbe": "/health", "livenessProbe": LIVENESS_PATH}
+    for probe, path in paths.items():
         assert probe in c, f"missing {probe}"
         get = c[probe]["httpGet"]
-        assert get["path"] == "/health"
+        assert get["path"] == path, f"{probe} must probe {path}"
         assert _resolve_port(c, get["port"]) == port
 
 
@@ -274,8 +279,42 @@ def test_model_server_is_scraped_by_prometheus():
     dep, c = _model_server()
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
-    assert int(ann["prometheus.io/port"]) == _parsed_serve_args(c).port
+    assert int(ann["prometheus.io/port"]) == _parsed_serve_args(c).metrics_port, "scrape the full metrics port"
     assert ann["prometheus.io/path"] == "/metrics"
+
+
+def test_metrics_port_is_wired():
+    """--tenant-keys makes port 8000's /metrics tenant-blind (no adapter names): the endpoint picker must
+    scrape --metrics-port, a declared container port that no Service or route exposes and that the
+    NetworkPolicy opens to the picker (and Prometheus) only."""
+    dep, c = _model_server()
+    args = _parsed_serve_args(c)
+    assert args.tenant_keys is not None and args.metrics_port is not None and args.metrics_port != args.port
+    assert _resolve_port(c, "metrics") == args.metrics_port
+    _, epp = _epp()
+    assert int(_flag_value(epp["args"], "--model-server-metrics-port") or 0) == args.metrics_port
+    assert _flag_value(epp["args"], "--model-server-metrics-path") in (None, "/metrics")
+    (target,) = _one("InferencePool")["spec"]["targetPorts"]
+    assert target["number"] == args.port, "requests still go to the serving port"
+    for svc in _find("Service"):
+        for port in svc["spec"]["ports"]:
+            target_port = port.get("targetPort", port["port"])
+            if svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items():
+                assert _resolve_port(c, target_port) != args.metrics_port, f"Service {svc['metadata']['name']}"
+    (policy,) = [p for p in _find("NetworkPolicy")
+                 if p["spec"]["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]
+                 ["labels"].items()]
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    epp_labels = _epp()[0]["spec"]["template"]["metadata"]["labels"]
+    for rule in policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if args.metrics_port in ports:
+            peers = rule.get("from")
+            assert peers, "the metrics port must not be open to every peer"
+            assert any(p.get("podSelector", {}).get("matchLabels", {}).items() <= epp_labels.items()
+                       and "podSelector" in p for p in peers), "the endpoint picker must reach the metrics port"
+    assert any(args.port in {p["port"] for p in rule["ports"]} and not rule.get("from")
+               for rule in policy["spec"]["ingress"]), "the API port must stay reachable by the gateway"
 
 
 def test_model_server_terminates_gracefully():

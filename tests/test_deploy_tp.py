@@ -28,6 +28,11 @@ def test_overlay_args_parse_and_match_the_gpu_count() -> None:
     gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus == int(c["resources"]["requests"]["nvidia.com/gpu"]) > 1
     assert config.tensor_parallel_size == gpus and config.device == "cuda"
+    (base,) = [d for d in yaml.safe_load_all((OVERLAY.parent / "deploy" / "loraplex-deployment.yaml").read_text()) if d]
+    base_args = build_parser().parse_args(["serve", *[str(a) for a in base["spec"]["template"]["spec"]["containers"][0]
+                                                      ["args"]]])
+    # the patch replaces the args list whole: the ports the base's probes, pool and picker use must stay
+    assert (config.port, config.metrics_port) == (base_args.port, base_args.metrics_port)
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"

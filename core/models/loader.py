@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from core.attention.backend import AttentionBackend
-from core.config import ModelConfig
+from core.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from core.models.llama import LlamaForCausalLM
 from core.models.registry import model_class
 from core.models.meta_init import materialize, skip_param_init
@@ -23,8 +24,11 @@ _STACKED = {  # HF name -> (our fused name, slice index)
 }
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local directory, or a hub id resolved through the normal HF cache (download if allowed)."""
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
+                       patterns: tuple[str, ...] = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt",
+                                                    "*.jinja")) -> Path:
+    """A local directory, or a hub id (at `revision`) resolved through the HF cache in `download_dir` (default:
+    HF_HUB_CACHE), downloaded if allowed."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -32,13 +36,27 @@ def resolve_model_path(model: str) -> Path:
         raise FileNotFoundError(f"model path {model!r} is not a directory")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    kwargs = {"revision": revision, "cache_dir": download_dir, "allow_patterns": list(patterns)}
     try:
-        return Path(snapshot_download(model, allow_patterns=patterns, local_files_only=True))
-    except Exception:
+        return Path(snapshot_download(model, local_files_only=True, **kwargs))
+    except Exception as exc:
         if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise
-        return Path(snapshot_download(model, allow_patterns=patterns))
+            where = f" in {download_dir}" if download_dir else ""
+            raise FileNotFoundError(f"{model!r} (revision {revision or 'main'}) is not in the HF cache{where} "
+                                    f"and HF_HUB_OFFLINE=1: {exc}") from None
+        return Path(snapshot_download(model, **kwargs))
+
+
+def check_architecture(config: dict[str, Any]) -> None:
+    """A clear start-up error for a checkpoint we cannot run: custom modelling code (`auto_map`, whatever
+    `--trust-remote-code` says: we never run a checkpoint's Python) or an architecture we do not implement."""
+    model_type = config.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    custom = " needs custom modelling code (auto_map in config.json), which loraplex does not run even with " \
+             "--trust-remote-code, and" if "auto_map" in config else ""
+    raise ValueError(f"the checkpoint{custom} has model_type {model_type!r} (architectures "
+                     f"{config.get('architectures')}); loraplex implements {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def _slice_bounds(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:

@@ -38,9 +38,15 @@ def loraplex_command() -> list[str]:
 class ServerProcess:
     """Starts the server, waits for /health, and kills it (with its output shown on failure)."""
 
-    def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0) -> None:
+    def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0,
+                 metrics_port: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url: str | None = None          # with metrics_port: the full /metrics (--metrics-port)
+        if metrics_port:
+            port = free_port()
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            extra = (*extra, "--metrics-port", str(port))
         self.model = str(model_dir)
         self._log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="loraplex_server_", suffix=".log")
         cmd = [*loraplex_command(), "serve", "--model", self.model, "--port", str(self.port), "--device", "cpu",

@@ -1,5 +1,6 @@
 """Graceful shutdown of a real server: on SIGTERM an in-flight stream completes, new requests get 503
-`shutting_down`, GETs still answer, and the process exits 0; past `--shutdown-timeout` the rest is cut."""
+`shutting_down`, /health (readiness) answers 503 `draining` while /health/live (liveness), /metrics (both
+ports) and GETs still answer 200, and the process exits 0; past `--shutdown-timeout` the rest is cut."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
     model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(ServerProcess, model_dir, "--served-model-name", "tiny", "--shutdown-timeout", t,
-                               "--max-num-seqs", seqs) for t, seqs in (("30", "256"), ("1", "1"))]
+                               "--max-num-seqs", seqs, metrics_port=metrics)
+                   for t, seqs, metrics in (("30", "256", True), ("1", "1", False))]
         procs = [f.result() for f in futures]
     yield procs[0], procs[1]
     for proc in procs:
@@ -37,20 +39,26 @@ def test_sigterm_drains_in_flight_then_exits_0(servers: tuple[ServerProcess, Ser
     server = servers[0]
     body = {**LONG, "max_tokens": 600, "stream_options": {"include_usage": True}}
     with httpx.Client(base_url=server.url, timeout=60) as http, httpx.Client(base_url=server.url, timeout=60) as other:
+        assert other.get("/health/live").json() == {"status": "ok"}
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             first_event(lines)
             server.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 5
-            while (resp := other.post("/v1/completions", json={**LONG, "max_tokens": 2})).status_code != 503:
-                assert time.monotonic() < deadline, "new requests are still admitted after SIGTERM"
+            while (health := other.get("/health")).status_code != 503:   # readiness fails from SIGTERM on
+                assert time.monotonic() < deadline, "/health still answers 200 after SIGTERM"
+            assert health.json()["status"] == "draining" and health.json()["error"]["code"] == "draining"
+            resp = other.post("/v1/completions", json={**LONG, "max_tokens": 2})
+            assert resp.status_code == 503
             err = resp.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["code"] == "shutting_down"
             assert err["type"] == "service_unavailable"
             chat = other.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
             assert chat.status_code == 503
-            assert other.get("/health").status_code == 200       # probes and GETs still answer while draining
+            live = other.get("/health/live")                  # liveness, metrics and GETs answer while draining
+            assert live.status_code == 200 and live.json() == {"status": "draining"}
             assert other.get("/metrics").status_code == 200
+            assert server.metrics_url is not None and httpx.get(server.metrics_url, timeout=10).status_code == 200
             assert server.proc.poll() is None
             events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -60,8 +68,9 @@ def test_sigterm_drains_in_flight_then_exits_0(servers: tuple[ServerProcess, Ser
     assert payloads[-1]["usage"]["completion_tokens"] == 600
     assert server.proc.wait(timeout=15) == 0
     assert "draining" in server.output()
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(f"{server.url}/health", timeout=2)
+    for url in (f"{server.url}/health", server.metrics_url):   # both listeners closed at exit
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url, timeout=2)
 
 
 def test_shutdown_timeout_cuts_what_is_left_and_exits_0(servers: tuple[ServerProcess, ServerProcess]) -> None:

@@ -41,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = ServerProcess(model_dir(MODEL), "--served-model-name", BASE, "--max-model-len", "512",
                          "--lora-modules", f"tenant-a={adapter_dir(MODEL, 'qv_r4')}",
                          f"tenant-b={adapter_dir(MODEL, 'all7_r8')}",
-                         "--tenant-keys", str(path), "--api-key", SUPER, "--admin-token", ADMIN)
+                         "--tenant-keys", str(path), "--api-key", SUPER, "--admin-token", ADMIN, metrics_port=True)
     yield proc
     proc.stop()
 
@@ -187,7 +187,8 @@ def test_max_concurrent_requests_gives_429_until_the_stream_ends(server: ServerP
 def tenant_samples(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert server.metrics_url is not None
+    text = httpx.get(server.metrics_url, timeout=30).text   # the full metrics (--metrics-port)
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
