@@ -68,8 +68,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2I] -> silu(x[..., :I]) * x[..., I:] (looked up in fused_ops per call: the self-check wraps it)."""
+    return fused_ops.silu_and_mul(x)
+
+
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": fused_ops.silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul,
+    "silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul,
 }
 
 
