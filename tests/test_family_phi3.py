@@ -125,3 +125,37 @@ def test_each_feature_changes_the_reference(path: Path, feature: str) -> None:
         ctx = hf_rope_factors(model, "long")
     with ctx:
         assert any(greedy_with_margin(model, p, MAX_TOKENS)[0] != ref for p, ref in zip(ids, full))
+
+
+def test_fused_adapter_modules_split_onto_slices(path: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """qkv_proj's B rows split into q/k/v (A shared), gate_up_proj's into gate/up; LoRA on both a fused module
+    and one of its parts in the same layer is refused."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from adapters.dims import BaseModelDims
+    from adapters.errors import AdapterError
+    from adapters.peft_loader import load_peft_adapter
+
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    adapter = load_peft_adapter(adapters["phi3-fused"], dims, max_lora_rank=16)
+    assert adapter.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    state = load_file(str(adapters["phi3-fused"] / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.self_attn.qkv_proj"
+    b = state[f"{key}.lora_B.weight"]                                                  # [q + 2 kv, r]
+    q_size, kv_size = dims.q_size, dims.kv_size
+    assert torch.equal(adapter.module(1, "k_proj").lora_b, b[q_size:q_size + kv_size])
+    assert torch.equal(adapter.module(1, "v_proj").lora_a, state[f"{key}.lora_A.weight"])
+    bad = tmp_path / "both"
+    shutil.copytree(adapters["phi3-fused"], bad)
+    q_key = "base_model.model.model.layers.1.self_attn.q_proj"
+    state[f"{q_key}.lora_A.weight"] = state[f"{key}.lora_A.weight"].clone()
+    state[f"{q_key}.lora_B.weight"] = b[:q_size].clone()
+    save_file(state, str(bad / "adapter_model.safetensors"))
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    cfg["target_modules"] = [*cfg["target_modules"], "q_proj"]
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="both q_proj and a fused module"):
+        load_peft_adapter(bad, dims, max_lora_rank=16)
