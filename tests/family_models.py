@@ -9,6 +9,9 @@ from __future__ import annotations
 import shutil
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from tiny_models import TOKENIZER_FILES, TinyModelSpec, _cache_root, tiny_model_dir
 
@@ -29,6 +32,20 @@ GEMMA_SPECS: dict[str, TinyModelSpec] = {
 }
 
 
+def gemma_norms(model: Any, spec: TinyModelSpec) -> None:
+    """Gemma norms scale by (1 + w): w ~ 0.1 N(0,1) keeps the scale near 1 (as Llama's w ~ 1); the final norm
+    gets random signs (1 + w = +-(1 + 0.1 N(0,1))), which breaks the current-token self-similarity of
+    tied embeddings scaled by sqrt(hidden)."""
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        final = model.model.norm.weight
+        signs = torch.randint(0, 2, final.shape, generator=gen) * 2.0 - 1.0
+        final.copy_(signs * (1.0 + final) - 1.0)
+
+
 def gemma_dir(name: str) -> Path:
     return tiny_model_dir(GEMMA_SPECS[name])
 
@@ -36,7 +53,6 @@ def gemma_dir(name: str) -> Path:
 @lru_cache(maxsize=1)
 def gemma3_multimodal_dir() -> Path:
     """gemma3_text's weights as the language model of a Gemma3ForConditionalGeneration checkpoint."""
-    import torch
     import transformers
 
     text_dir = gemma_dir("gemma3_text")

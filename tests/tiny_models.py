@@ -226,22 +226,6 @@ def _init_weights(model: Any, spec: TinyModelSpec) -> None:
         model.tie_weights()
 
 
-def _gemma_norms(model: Any, spec: TinyModelSpec) -> None:
-    """Gemma norms scale by (1 + w): w ~ 0.1 N(0,1) keeps the scale near 1 (as Llama's w ~ 1); the final norm
-    gets random signs (1 + w = +-(1 + 0.1 N(0,1))), which breaks the current-token self-similarity of
-    tied embeddings scaled by sqrt(hidden)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if "norm" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        final = model.model.norm.weight
-        signs = torch.randint(0, 2, final.shape, generator=gen) * 2.0 - 1.0
-        final.copy_(signs * (1.0 + final) - 1.0)
-
-
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write config.json, model.safetensors, generation_config.json and tokenizer files."""
     import torch
@@ -282,7 +266,9 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     model = getattr(transformers, model_name)(config)
     _init_weights(model, spec)
     if spec.arch.startswith("gemma"):
-        _gemma_norms(model, spec)
+        from family_models import gemma_norms
+
+        gemma_norms(model, spec)
     model = model.to(getattr(torch, spec.torch_dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     cfg_path = out / "config.json"
