@@ -21,7 +21,7 @@ from core.tokenizer_load import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("loraplex.engine")
 CPU_DEFAULT_KV_BYTES = 2 << 30
 # CUDA: memory kept out of the KV pool for the decode graphs' shared pool (activations of the largest
 # captured batch and split-KV partials; measured ~100 MiB for the 8B shape at batch 256) and the eager

@@ -136,7 +136,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.fill_(1.0)
+                p.fill_(0.0 if model.config.architecture == "gemma" else 1.0)   # Gemma norms scale by 1 + w
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 
