@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.family_config import GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, rope_fields, text_config
+from core.family_config import (
+    GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, rope_fields, text_config,
+)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("model_type") == "gemma3":
         if not isinstance(cfg.get("text_config"), dict):
             raise ValueError("a gemma3 config.json needs its text_config")
-        return {**cfg["text_config"], "model_type": "gemma3",
-                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", True))}
+        text = cfg["text_config"]
+        tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        return {**text, "model_type": "gemma3", "tie_word_embeddings": tied}
     return cfg
 
 
@@ -65,12 +66,13 @@ def family_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """ModelConfig fields of the family's extras (norm, activation, attention scale and soft-capping)."""
     gemma = model_type in GEMMA_TYPES
     qpas = cfg.get("query_pre_attn_scalar") if gemma else None
+    attn_cap = cfg.get("attn_logit_softcapping") if gemma else None
+    final_cap = cfg.get("final_logit_softcapping") if gemma else None
     return dict(
         architecture="gemma" if gemma else "llama",
         qk_norm=model_type in _QK_NORM_TYPES,
         hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
         query_pre_attn_scalar=float(qpas) if qpas else None,
-        attn_logit_softcap=float(cfg["attn_logit_softcapping"]) if gemma and cfg.get("attn_logit_softcapping") else None,
-        final_logit_softcap=float(cfg["final_logit_softcapping"]) if gemma and cfg.get("final_logit_softcapping")
-        else None,
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
+        final_logit_softcap=float(final_cap) if final_cap else None,
     )

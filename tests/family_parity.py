@@ -58,7 +58,8 @@ def _check_rounds(llm: LLM, path: Path, adapters: dict[str, Path], texts: list[s
     for round_ in range(2 if prefix else 1):
         outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in rows], GREEDY, lora=[lo for _, lo in rows])
         for i, ((ids, lora), out, ref) in enumerate(zip(rows, outs, expected)):
-            assert list(out.token_ids) == ref, f"round {round_} row {i} lora={lora}\n expected {ref}\n got {out.token_ids}"
+            assert list(out.token_ids) == ref, \
+                f"round {round_} row {i} lora={lora}\n expected {ref}\n got {out.token_ids}"
         llm.engine.check_integrity()
     assert llm.engine.scheduler.num_preemptions > 0, "test setup: the KV pool should force preemption"
     assert llm.engine.kv.usage() == 0.0

@@ -53,8 +53,9 @@ class TorchAttentionBackend(AttentionBackend):
         num_decode = meta.num_decode_tokens
         for start, end, num_blocks in (meta.decode_groups or ([(0, num_decode, meta.decode_block_tables.shape[1])]
                                                               if num_decode else [])):
-            out[start:end] = self._decode(q[start:end], k_cache, v_cache, meta.decode_block_tables[start:end, :num_blocks],
-                                          meta.decode_context_lens[start:end], scale, window, softcap)
+            tables = meta.decode_block_tables[start:end, :num_blocks]
+            out[start:end] = self._decode(q[start:end], k_cache, v_cache, tables, meta.decode_context_lens[start:end],
+                                          scale, window, softcap)
         for i in range(meta.num_prefills):
             start, n = meta.prefill_query_starts[i], meta.prefill_query_lens[i]
             out[start:start + n] = self._prefill(
