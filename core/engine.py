@@ -22,6 +22,7 @@ from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots, pump_adapter_loads
+from core.models.rope import rope_namespace, rope_row_offset
 from core.penalties import PenaltyState
 from core.admission import check_prompt_ids, check_request
 from core.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs, record_prompt_logprobs
@@ -115,10 +116,11 @@ class LLMEngine:
                 self.registry.acquire(lora)      # an adapter unloaded since its name was resolved: 404
                 lora_held = True
             seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
+            rope_offset = rope_row_offset(self.model_config, self.max_model_len, len(prompt_token_ids) + max_tokens)
             req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                           max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids,
-                          namespace=lora.namespace if lora is not None else "base", lora_slot_key=lora,
-                          grammar=grammar, tenant=tenant)
+                          namespace=rope_namespace(lora.namespace if lora is not None else "base", rope_offset),
+                          lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset)
             # constrained requests never cut their text at stop strings (the grammar ends them)
             detok_params = params if grammar is None else dataclasses.replace(params, stop=())
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params,
@@ -177,7 +179,8 @@ class LLMEngine:
         for entry in self.registry.take_released():
             self.lora_pool.unload_adapter(entry.generation_id)
             if self.kv.prefix_cache is not None:
-                self.kv.prefix_cache.clear_namespace(entry.namespace)
+                for offset in (0, 1):    # KV rotated with the short and with the long rope factors
+                    self.kv.prefix_cache.clear_namespace(rope_namespace(entry.namespace, offset))
 
     def _lora_token_slots(self, reqs: list[Request],
                           num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:

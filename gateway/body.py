@@ -91,6 +91,8 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
                       code="invalid_json") from None
     except RecursionError:
         raise invalid("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:   # an integer literal past Python's 4300-digit conversion limit
+        raise invalid(f"malformed JSON body: {exc}"[:200], code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
     if "\\u" in text and _has_lone_surrogate(data):

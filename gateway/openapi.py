@@ -79,12 +79,12 @@ _NULL = {"type": "null"}
 # what the field validators of gateway/protocol.py and gateway/params.py accept, where pydantic's schema is wider
 # (unsupported OpenAI fields exist only to be rejected with a clear 400)
 _NARROWER: dict[str, dict[str, Any]] = {
-    "suffix": _NULL, "best_of": _NULL,
+    "suffix": _NULL, "best_of": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},   # == n (gateway/params.py)
     "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
                               {"type": "object", "required": ["type", "function"]}, _NULL]},
     "presence_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
     "frequency_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
-    "repetition_penalty": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 100}, _NULL]},
+    "repetition_penalty": {"anyOf": [{"type": "number", "minimum": 0.01, "maximum": 100}, _NULL]},
     "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, _NULL]},
     "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]},
     "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},

@@ -42,6 +42,18 @@ class ChatMessage(_Strict):
     tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools.py)
     tool_call_id: Optional[str] = None                  # tool turns
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Image / audio / video parts (e.g. for a multimodal Gemma 3 checkpoint): a clear 400, not an
+        unknown-field error; the served model is its text part only."""
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: only text inputs are served "
+                                 "(image and other non-text inputs are refused)")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""

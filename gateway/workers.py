@@ -19,11 +19,20 @@ HARD_EXIT_S = 10.0
 
 
 def exit_later(server: Any) -> None:
-    """Asks uvicorn to shut down, and ends the process with 1 after `HARD_EXIT_S` if anything still blocks."""
+    """Asks uvicorn to shut down, and ends the process with 1 after `HARD_EXIT_S` if anything still blocks.
+    `serve` cancels the timer (`cancel_hard_exit`) once its own shutdown has finished: a server run inside a
+    longer-lived process (tests, an embedding application) must not take that process down later."""
     server.should_exit = True
     timer = threading.Timer(HARD_EXIT_S, lambda: os._exit(1))
     timer.daemon = True
+    server.hard_exit_timer = timer
     timer.start()
+
+
+def cancel_hard_exit(server: Any) -> None:
+    timer = getattr(server, "hard_exit_timer", None)
+    if timer is not None:
+        timer.cancel()
 
 
 def watch_workers(aeng: Any, server: Any, exit_fn: Callable[[Any], None] = exit_later) -> Callable[[], bool]:

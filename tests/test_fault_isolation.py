@@ -197,10 +197,13 @@ def test_fault_after_some_tokens(harness: Harness) -> None:
     assert_isolated(harness, out, {"lora_a", "json"})
 
 
-def test_out_of_vocabulary_stop_token_id_fails_only_its_request(harness: Harness) -> None:
+def test_out_of_vocabulary_stop_token_id_fails_only_its_request(harness: Harness,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's crash: `stop_token_ids: [1000000000]` with `min_tokens` reached the min_tokens ban list and
-    `index_put` raised inside the step, which killed the engine for everyone. Now: that request's 400."""
+    `index_put` raised inside the step, which killed the engine for everyone. Admission refuses it now
+    (tests/test_admission_bounds.py); with that check switched off, the step still fails that request alone."""
     bad = Row("def f(", SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=(1_000_000_000,), temperature=0.0))
+    monkeypatch.setattr("core.admission.check_token_bounds", lambda params, vocab_size: None)
     out = harness.run({**ROWS, "bad": bad}, "oov")
     err = out["bad"]
     assert isinstance(err, RequestFault) and (err.status, err.param) == (400, "stop_token_ids"), err
