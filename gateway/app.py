@@ -49,6 +49,7 @@ from gateway.responses_api import ResponsesBody
 from gateway.responses_stream import bind_responses
 from gateway.sampling_defaults import RequestDefaults
 from gateway.state import GatewayState
+from gateway import tokenize_pool
 from gateway.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
 from gateway.tool_output import tool_chat_body, tool_chat_events
@@ -70,8 +71,10 @@ def _principal(request: Request, state: GatewayState) -> Principal:
     return principal
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    return parse_json_body(await read_body(request), model)
+async def parse_body(request: Request, model: type[M], prompt_param: str) -> M:
+    """Refused by size before it is parsed (gateway/body.py); a body under the cap parses in a few ms."""
+    limit = _state(request).encoder.bound.max_body_bytes
+    return parse_json_body(await read_body(request, limit, prompt_param), model)
 
 
 def _engine_kwargs(model: ResolvedModel, grammar: Any, principal: Principal) -> dict[str, Any]:
@@ -112,7 +115,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     release = state.limits.acquire(principal)
     if release is not None:
         ctx.cleanups.append(release)
-    body = await parse_body(request, kind.body)
+    body = await parse_body(request, kind.body, {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
     ctx.stream = bool(body.stream)
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
@@ -128,12 +131,16 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     elif plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     request_id = ctx.request_id = new_request_id(kind.prefix)
-    prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
+    # tokenization and template rendering: on the tokenizer threads, never on the event loop
+    if tooled:
+        prompts = [await tokenize_pool.run(tools_chat_prompt, state.encoder, body, plan)]
+    else:
+        prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
     params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
     children = make_children(request_id, prompts, params)
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
-    echo = echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
+    echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     admit(state.aeng, children)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
@@ -152,10 +159,13 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     if echo is not None:
         apply_echo(results, children, echo)
     cached = {r.index: r.num_cached_tokens for r in results}
-    answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
-    if kind is COMPLETION and body.prompt_logprobs is not None:
-        add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
-    return JSONResponse(answer)
+
+    def build() -> dict[str, Any]:   # a text per logprob entry, echoed prompts included: on the tokenizer threads
+        answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
+        if kind is COMPLETION and body.prompt_logprobs is not None:
+            add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
+        return answer
+    return JSONResponse(await tokenize_pool.run(build))
 
 
 @api_endpoint

@@ -7,20 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 from core.outputs import TokenLogprob
+from gateway import tokenize_pool
 from gateway.generation import Child, ChoiceResult
 from gateway.protocol import CompletionRequest
 from gateway.responses import TokenTexts, finite
 
 
-def echo_texts(tokenizer: Any, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
-    """The prompt text of each prompt (a string prompt as sent, token ids decoded); None without echo."""
+async def echo_texts(tokenizer: Any, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+    """The prompt text of each prompt (a string prompt as sent, token ids decoded on a tokenizer thread);
+    None without echo."""
     if not body.echo:
         return None
     if isinstance(body.prompt, str):
         return [body.prompt]
     if body.prompt and isinstance(body.prompt[0], str):
         return list(body.prompt)  # type: ignore[arg-type]
-    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+    return await tokenize_pool.run(lambda: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
 
 
 def prompt_entries(child: Child, engine_entries: list[TokenLogprob | None] | None) -> list[Any]:
