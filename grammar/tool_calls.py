@@ -91,7 +91,34 @@ class AutoToolGrammar:
     def vocab_size(self) -> int:
         return int(self.body.vocab_size)
 
+    @property
+    def eos_token_ids(self) -> Any:
+        return self.body.eos_token_ids
+
     def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
         from grammar.triggered import TriggeredMatcher
 
         return TriggeredMatcher(self, stop_token_ids)
+
+
+@dataclass(eq=False)
+class ReasoningGrammar:
+    """`--reasoning-parser`: free reasoning, then after the end tag (`free.trigger`, or the token `end_id`) the
+    request's constraint `body` (a compiled grammar, or a tool grammar: calls, or text-then-calls)."""
+
+    body: Any
+    free: Any                # grammar.triggered.FreeTextMasks of the end tag
+    end_id: int | None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.body.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> Any:
+        return self.body.eos_token_ids
+
+    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
+        from grammar.triggered import ReasoningMatcher
+
+        return ReasoningMatcher(self, stop_token_ids)
