@@ -33,6 +33,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def eos_id(model: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return int(AutoTokenizer.from_pretrained(str(model)).eos_token_id)
+
+
+@pytest.fixture(scope="module")
 def http(model: Path) -> Iterator[httpx.Client]:
     proc = ServerProcess(model, "--max-model-len", "1024", "--served-model-name", "tiny",
                          "--reasoning-parser", "qwen3")
@@ -112,13 +119,15 @@ def test_json_schema_applies_after_free_reasoning(http: httpx.Client) -> None:
                                             "stop")
 
 
-def test_max_tokens_inside_the_reasoning_is_length_never_invalid_json(http: httpx.Client) -> None:
+def test_max_tokens_inside_the_reasoning_is_length_never_invalid_json(http: httpx.Client, eos_id: int) -> None:
+    """EOS is masked while reasoning (even pushed by logit_bias): the output cannot stop before its JSON."""
     for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
                  {"structured_outputs": {"json": SCHEMA}}):
-        out = chat(http, max_tokens=6, temperature=0, **body)
+        out = chat(http, max_tokens=6, temperature=0, logit_bias={str(eos_id): 50.0}, **body)
         choice = out["choices"][0]
         assert choice["finish_reason"] == "length"
         assert choice["message"]["content"] is None and choice["message"]["reasoning_content"]
+        assert not choice["message"]["reasoning_content"].startswith("{")   # free text, not the schema's
         assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
 
 
