@@ -129,12 +129,12 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         kind = dataclasses.replace(kind, **kind.bind(body, plan))
     elif plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
-    tags = tags_for(state) if kind.bind is None and kind.prefix == "chatcmpl" else None
+    tags = tags_for(state) if kind.prefix != "cmpl" else None
     if tags is not None:   # --reasoning-parser: gateway/reasoning_output.py
         reasoning = ReasoningRequest(tags, prompts[0], state.encoder.tokenizer, params.skip_special_tokens)
         grammar = await reasoning.gate(grammar, state.aeng.engine)
-        kind = dataclasses.replace(kind, events=reasoning.events(kind.events),
-                                   response=reasoning.response(kind.response))
+        wrap = reasoning.response if kind.bind is None else reasoning.responses_response
+        kind = dataclasses.replace(kind, events=reasoning.events(kind.events), response=wrap(kind.response))
     kwargs = _engine_kwargs(model, grammar, principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
     params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from typing import Any, AsyncIterator, Callable
 
 from core.outputs import RequestDelta
@@ -80,6 +81,22 @@ class ReasoningRequest:
                 message["reasoning_content"] = reasoning
                 if content is None and message.get("content") == "":
                     message["content"] = None
+            return out
+        return body
+
+    def responses_response(self, inner: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        """/v1/responses: a `reasoning` output item before the message (and output_tokens_details)."""
+        def body(request_id: str, created: int, model: str, results: list[ChoiceResult], usage_: dict[str, Any],
+                 texts: Any) -> dict[str, Any]:
+            (r,) = results
+            reasoning, content = split_output(self.splitter(r.index), r.text, r.token_ids)
+            out = inner(request_id, created, model, [dataclasses.replace(r, text=content or "")], usage_, texts)
+            if reasoning:
+                out["output"].insert(0, {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                                         "content": [{"type": "reasoning_text", "text": reasoning}],
+                                         "status": "completed"})
+            if out.get("usage") is not None:
+                out["usage"]["output_tokens_details"] = {"reasoning_tokens": self.num_reasoning_tokens}
             return out
         return body
 

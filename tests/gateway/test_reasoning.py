@@ -159,3 +159,15 @@ def test_tool_choice_required_after_reasoning(http: httpx.Client) -> None:
     call = choice["message"]["tool_calls"][0]["function"]
     assert call["name"] == "is_prime" and 0 <= json.loads(call["arguments"])["n"] <= 99
     assert choice["message"]["reasoning_content"]
+
+
+def test_responses_api_reasoning_item(http: httpx.Client) -> None:
+    resp = http.post("/v1/responses", json={"model": "tiny", "input": "Is 7 prime?", "max_output_tokens": 5,
+                                            "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    reasoning = out["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"], out["output"]
+    assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    chat_out = chat(http, max_tokens=5, temperature=0)
+    assert chat_out["choices"][0]["message"]["reasoning_content"] == reasoning["content"][0]["text"]
