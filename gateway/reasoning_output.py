@@ -68,7 +68,7 @@ class ReasoningRequest:
         from grammar.triggered import free_text_masks
 
         free = await asyncio.to_thread(free_text_masks, engine.grammar_compiler.vocab, self.tags.end)
-        return ReasoningGrammar(compiled, free, self.tags.end_id)
+        return ReasoningGrammar(compiled, self.tags.end.encode(), free, self.tags.end_id)
 
     def response(self, inner: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
         def body(request_id: str, created: int, model: str, results: list[ChoiceResult], usage_: dict[str, Any],

@@ -81,11 +81,13 @@ def tool_calls_spec(fmt: ToolCallFormat, functions: list[FunctionSpec], parallel
 
 @dataclass(eq=False)
 class AutoToolGrammar:
-    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`)."""
+    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`). `end_id`: only for
+    ReasoningGrammar, a token id that also fires the trigger (a special `</think>` has no grammar bytes)."""
 
     body: Any                # CompiledGrammar of tool_calls_spec(..., after_trigger=True)
     trigger: bytes
     free: Any                # grammar.triggered.FreeTextMasks shared by every request of this tokenizer
+    end_id: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -101,22 +103,9 @@ class AutoToolGrammar:
         return TriggeredMatcher(self, stop_token_ids)
 
 
-@dataclass(eq=False)
-class ReasoningGrammar:
+class ReasoningGrammar(AutoToolGrammar):
     """`--reasoning-parser`: free reasoning, then after the end tag (`free.trigger`, or the token `end_id`) the
     request's constraint `body` (a compiled grammar, or a tool grammar: calls, or text-then-calls)."""
-
-    body: Any
-    free: Any                # grammar.triggered.FreeTextMasks of the end tag
-    end_id: int | None
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.body.vocab_size)
-
-    @property
-    def eos_token_ids(self) -> Any:
-        return self.body.eos_token_ids
 
     def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
         from grammar.triggered import ReasoningMatcher

@@ -15,7 +15,7 @@ from test_triggered import SCHEMA, compile_auto, compiler_options, drive
 
 
 def gated(compiler: Any, body: Any, end_id: int | None = None) -> ReasoningGrammar:
-    return ReasoningGrammar(body, free_text_masks(compiler.vocab, "</think>"), end_id)
+    return ReasoningGrammar(body, b"</think>", free_text_masks(compiler.vocab, "</think>"), end_id)
 
 
 def allowed(matcher: Any, compiler: Any) -> list[bool]:
