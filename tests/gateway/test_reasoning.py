@@ -60,7 +60,8 @@ def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
 
 
 def stream(http: httpx.Client, **body: Any) -> tuple[str, str, str | None, dict[str, Any]]:
-    """(reasoning, content, finish_reason, usage) of a streamed chat."""
+    """(reasoning, content, finish_reason, usage) of a streamed chat (content: tool call names and arguments
+    too)."""
     reasoning, content, finish, usage = "", "", None, {}
     with http.stream("POST", "/v1/chat/completions", json={
             "model": "tiny", "messages": USER, "stream": True, "stream_options": {"include_usage": True},
@@ -74,6 +75,9 @@ def stream(http: httpx.Client, **body: Any) -> tuple[str, str, str | None, dict[
             for choice in chunk["choices"]:
                 reasoning += choice["delta"].get("reasoning_content") or ""
                 content += choice["delta"].get("content") or ""
+                for call in choice["delta"].get("tool_calls") or []:
+                    content += call["function"].get("name") or ""
+                    content += call["function"].get("arguments") or ""
                 finish = choice["finish_reason"] or finish
             usage = chunk.get("usage") or usage
     return reasoning, content, finish, usage
@@ -159,6 +163,10 @@ def test_tool_choice_required_after_reasoning(http: httpx.Client) -> None:
     call = choice["message"]["tool_calls"][0]["function"]
     assert call["name"] == "is_prime" and 0 <= json.loads(call["arguments"])["n"] <= 99
     assert choice["message"]["reasoning_content"]
+    reasoning, content, finish, usage = stream(http, **request)
+    assert (reasoning, content, finish) == (choice["message"]["reasoning_content"],
+                                            call["name"] + call["arguments"], "tool_calls")
+    assert usage["completion_tokens_details"] == out["usage"]["completion_tokens_details"]
 
 
 def test_responses_api_reasoning_item(http: httpx.Client) -> None:
