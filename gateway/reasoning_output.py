@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 from core.outputs import RequestDelta
 from gateway.generation import ChoiceResult
 from gateway.reasoning import REASONING, ReasoningSplitter, ReasoningTags, reasoning_tags, split_output, start_state
+from gateway.responses_stream import reasoning_item
 from gateway.streaming import StreamInfo
 
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
@@ -90,13 +91,10 @@ class ReasoningRequest:
                  texts: Any) -> dict[str, Any]:
             (r,) = results
             reasoning, content = split_output(self.splitter(r.index), r.text, r.token_ids)
-            out = inner(request_id, created, model, [dataclasses.replace(r, text=content or "")], usage_, texts)
+            out = inner(request_id, created, model, [dataclasses.replace(r, text=content or "")],
+                        self.add_usage(usage_), texts)
             if reasoning:
-                out["output"].insert(0, {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                                         "content": [{"type": "reasoning_text", "text": reasoning}],
-                                         "status": "completed"})
-            if out.get("usage") is not None:
-                out["usage"]["output_tokens_details"] = {"reasoning_tokens": self.num_reasoning_tokens}
+                out["output"].insert(0, reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning))
             return out
         return body
 

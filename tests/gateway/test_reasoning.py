@@ -179,3 +179,15 @@ def test_responses_api_reasoning_item(http: httpx.Client) -> None:
     assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
     chat_out = chat(http, max_tokens=5, temperature=0)
     assert chat_out["choices"][0]["message"]["reasoning_content"] == reasoning["content"][0]["text"]
+    events = []
+    with http.stream("POST", "/v1/responses", json={"model": "tiny", "input": "Is 7 prime?", "stream": True,
+                                                    "max_output_tokens": 5, "temperature": 0}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    done = [e["text"] for e in events if e["type"] == "response.reasoning_text.done"]
+    assert deltas == done[0] == reasoning["content"][0]["text"]
+    final = events[-1]["response"]
+    assert final["output"][0]["type"] == "reasoning" and final["output"][0]["content"] == reasoning["content"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
