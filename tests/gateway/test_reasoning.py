@@ -1,6 +1,7 @@
-"""`--reasoning-parser qwen3` end to end on a tiny model whose tokenizer has `<think>` / `</think>` as added
-tokens (as Qwen3's) and whose chat template opens `<think>`. The random model never closes the reasoning by
-itself: `logit_bias` on `</think>` with a seeded sampler makes it do so after a few free tokens."""
+"""`--reasoning-parser` end to end, one server per parser: qwen3 on a tiny model whose tokenizer has `<think>` /
+`</think>` as added tokens (as Qwen3's), deepseek_r1 with them as special tokens (dropped by the detokenizer);
+the chat template opens `<think>`. The random model never closes the reasoning by itself: `logit_bias` on
+`</think>` with a seeded sampler makes it do so after a few free tokens."""
 from __future__ import annotations
 
 import json
@@ -19,30 +20,33 @@ SCHEMA = {"type": "object", "properties": {"prime": {"type": "boolean"}}, "requi
           "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=[("qwen3", "added"), ("deepseek_r1", "special")], ids=lambda p: p[0])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """qwen3 with `<think>` / `</think>` as added tokens (Qwen3's); deepseek_r1 with them as special tokens,
+    which the detokenizer drops: the split and the grammar trigger then go by token id."""
     from transformers import AutoTokenizer
 
+    parser, kind = request.param
     path = tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=1024, vocab_size=520),
-                          root=tmp_path_factory.mktemp("reasoning"))
+                          root=tmp_path_factory.mktemp(f"reasoning_{parser}"))
     tok = AutoTokenizer.from_pretrained(str(path))
-    tok.add_tokens(["<think>", "</think>"])
+    tok.add_tokens(["<think>", "</think>"], special_tokens=kind == "special")
     tok.chat_template = TEMPLATE.read_text()
     tok.save_pretrained(str(path))
-    return path
+    return path, parser
 
 
 @pytest.fixture(scope="module")
-def eos_id(model: Path) -> int:
+def eos_id(model: tuple[Path, str]) -> int:
     from transformers import AutoTokenizer
 
-    return int(AutoTokenizer.from_pretrained(str(model)).eos_token_id)
+    return int(AutoTokenizer.from_pretrained(str(model[0])).eos_token_id)
 
 
 @pytest.fixture(scope="module")
-def http(model: Path) -> Iterator[httpx.Client]:
-    proc = ServerProcess(model, "--max-model-len", "1024", "--served-model-name", "tiny",
-                         "--reasoning-parser", "qwen3")
+def http(model: tuple[Path, str]) -> Iterator[httpx.Client]:
+    proc = ServerProcess(model[0], "--max-model-len", "1024", "--served-model-name", "tiny",
+                         "--reasoning-parser", model[1])
     try:
         with httpx.Client(base_url=proc.url, timeout=120) as client:
             client.end_id = client.post("/tokenize", json={"model": "tiny", "prompt": "</think>",
