@@ -124,12 +124,15 @@ def test_tag_ids(tok: Any) -> None:
         assert bool(tags.skipped_ids) == (tok.kind == "special")
 
 
-def test_unknown_parser_is_a_startup_error() -> None:
-    import argparse
+def test_the_flag_and_an_unknown_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import build_parser, config_from_args
 
-    from gateway.cli_vllm import _reasoning_parser
-
-    with pytest.raises(argparse.ArgumentTypeError, match="deepseek_r1, qwen3"):
-        _reasoning_parser("granite")
-    assert _reasoning_parser("qwen3") == "qwen3"
-
+    parser = build_parser()
+    for name in ("qwen3", "deepseek_r1"):
+        config = config_from_args(parser.parse_args(["serve", "--reasoning-parser", name]), parser)
+        assert config.reasoning_parser == name
+    assert config_from_args(parser.parse_args(["serve"]), parser).reasoning_parser is None
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["serve", "--reasoning-parser", "granite"])
+    assert info.value.code == 2
+    assert "no reasoning parser 'granite'; loraplex has deepseek_r1, qwen3" in capsys.readouterr().err
