@@ -84,10 +84,6 @@ class ReasoningSplitter:
         self.held_tokens = 0            # the tokens that wrote it
         self.num_reasoning_tokens = 0
 
-    @property
-    def started_in_reasoning(self) -> bool:
-        return self.state == REASONING
-
     def _wanted(self) -> tuple[str, int | None]:
         return (self.tags.start, self.tags.start_id) if self.state == MAYBE else (self.tags.end, self.tags.end_id)
 
@@ -123,8 +119,8 @@ class ReasoningSplitter:
                 self.num_reasoning_tokens += self.held_tokens + k
             else:
                 self.num_reasoning_tokens += k - (self._token_at(token_ids, at + 1 - num_held) - 1)
-            self.held_tokens = 0
             rest, rest_ids = buf[at + len(tag):], token_ids[k:]
+        self.held_tokens = 0
         self.state = REASONING if self.state == MAYBE else CONTENT
         after = self.feed(rest, rest_ids)
         return before[0] + after[0], before[1] + after[1]
@@ -166,10 +162,7 @@ def split_output(splitter: ReasoningSplitter, text: str, token_ids: list[int]) -
     """A whole (non-streamed) output -> (reasoning_content, content), None where empty (as vLLM answers)."""
     r1, c1 = splitter.feed(text, token_ids)
     r2, c2 = splitter.finish()
-    reasoning, content = r1 + r2, c1 + c2
-    if splitter.state == MAYBE and not reasoning:
-        return None, content
-    return reasoning or None, content or None
+    return (r1 + r2) or None, (c1 + c2) or None
 
 
 def delta_reasoning(delta: Any) -> str:
