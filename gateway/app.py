@@ -41,6 +41,7 @@ from gateway.openapi import openapi_document
 from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
 from gateway.prompts import PromptEncoder, template_options
+from gateway.reasoning_output import ReasoningRequest, tags_for
 from gateway.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.probes import probe_routes
@@ -125,17 +126,24 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         await validators_ready()
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
                       state.config.tool_call_parser) if tooled else None
-    kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
-    if kind.bind is not None:
-        kind = dataclasses.replace(kind, **kind.bind(body, plan))
-    elif plan is not None and plan.constrained:
-        kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
-    request_id = ctx.request_id = new_request_id(kind.prefix)
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
     if tooled:
         prompts = [await tokenize_pool.run(tools_chat_prompt, state.encoder, body, plan)]
     else:
         prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
+    grammar = await resolve_tool_constraint(body, state.aeng.engine, plan)
+    if kind.bind is not None:
+        kind = dataclasses.replace(kind, **kind.bind(body, plan))
+    elif plan is not None and plan.constrained:
+        kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
+    tags = tags_for(state) if kind.prefix != "cmpl" else None
+    if tags is not None:   # --reasoning-parser: gateway/reasoning_output.py
+        reasoning = ReasoningRequest(tags, prompts[0], state.encoder.tokenizer, params.skip_special_tokens)
+        grammar = await reasoning.gate(grammar, state.aeng.engine)
+        wrap = reasoning.response if kind.bind is None else reasoning.responses_response
+        kind = dataclasses.replace(kind, events=reasoning.events(kind.events), response=wrap(kind.response))
+    kwargs = _engine_kwargs(model, grammar, principal)
+    request_id = ctx.request_id = new_request_id(kind.prefix)
     params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
     children = make_children(request_id, prompts, params)
     if state.config.log_requests:

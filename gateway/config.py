@@ -92,6 +92,7 @@ class ServerConfig:
     chat_template: str | None = None         # the template text replacing the tokenizer's
     generation_config: str = "auto"          # auto | vllm | a directory holding generation_config.json
     tool_call_parser: str | None = None      # a tool-call family (None: read from the chat template)
+    reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> text -> reasoning_content
     log_requests: bool = False               # one info line per request: its parameters, never its text
     max_logprobs: int | None = None          # per-request cap (None: 5 on completions, 20 on chat)
     tokenizer: str | None = None             # a tokenizer dir or hub id other than the model's

@@ -1,7 +1,8 @@
 """Response objects of `POST /v1/responses` (gateway/responses_api.py): the whole answer, and the event stream
 (`response.created`, `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
 `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`,
-`response.function_call_arguments.delta` / `.done`, `response.output_item.done`, `response.completed`, each
+`response.function_call_arguments.delta` / `.done`, `response.reasoning_text.delta` / `.done` (with
+--reasoning-parser), `response.output_item.done`, `response.completed`, each
 with a `sequence_number`; `error` if the request fails after the headers were sent)."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, AsyncIterator, Callable
 from core.outputs import RequestDelta
 from gateway.errors import from_exception
 from gateway.generation import ChoiceResult
+from gateway.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.responses_api import ResponsesChatRequest, ResponsesRequest
 from gateway.streaming import StreamInfo
 from gateway.tool_output import _ChoiceStream
@@ -29,6 +31,15 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
         else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """--reasoning-parser: the `<think>` text of the output (gateway/reasoning_output.py)."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+_PARTS = {"msg": ("output_text", message_item), "rs": ("reasoning_text", reasoning_item)}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -55,7 +66,8 @@ def response_object(request_id: str, created: int, model: str, source: Responses
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         answer["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
-                           "output_tokens_details": {"reasoning_tokens": 0}}
+                           "output_tokens_details": {"reasoning_tokens": usage.get(
+                               "completion_tokens_details", {}).get("reasoning_tokens", 0)}}
     return answer
 
 
@@ -87,7 +99,7 @@ class _Events:
         self.info, self.source = info, source
         self.seq = 0
         self.output: list[dict[str, Any]] = []       # finished items, in output order
-        self.message: dict[str, Any] | None = None   # the open message item {"id", "index", "text"}
+        self.message: dict[str, Any] | None = None   # the open message / reasoning item {"id", "index", "text"}
         self.calls: dict[int, dict[str, Any]] = {}   # call index -> open function_call item state
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -102,31 +114,40 @@ class _Events:
         return response_object(info.request_id, info.created, info.model, self.source, list(self.output), status,
                                finish_reason, usage)
 
-    def text(self, delta: str) -> list[bytes]:
-        out = []
+    def text(self, delta: str, kind: str = "msg") -> list[bytes]:
+        """Message text (`msg`) or reasoning text (`rs`, which a message or call that follows closes)."""
+        out = self.close_message() if self.message is not None and self.message["kind"] != kind else []
+        part_type, item = _PARTS[kind]
         if self.message is None:
-            self.message = {"id": _item_id("msg"), "index": len(self.output) + len(self.calls), "text": ""}
+            self.message = {"id": _item_id(kind), "index": len(self.output) + len(self.calls), "text": "",
+                            "kind": kind}
             m = self.message
             out.append(self.event("response.output_item.added", output_index=m["index"],
-                                  item=message_item(m["id"], "", "in_progress")))
+                                  item=item(m["id"], "", "in_progress")))
             out.append(self.event("response.content_part.added", item_id=m["id"], output_index=m["index"],
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                                  content_index=0, part=self._part(part_type, "")))
         m = self.message
         m["text"] += delta
-        out.append(self.event("response.output_text.delta", item_id=m["id"], output_index=m["index"],
-                              content_index=0, delta=delta, logprobs=[]))
+        extra = {"logprobs": []} if kind == "msg" else {}
+        out.append(self.event(f"response.{part_type}.delta", item_id=m["id"], output_index=m["index"],
+                              content_index=0, delta=delta, **extra))
         return out
+
+    @staticmethod
+    def _part(part_type: str, text: str) -> dict[str, Any]:
+        return {"type": part_type, "text": text, **({"annotations": []} if part_type == "output_text" else {})}
 
     def close_message(self) -> list[bytes]:
         m = self.message
         if m is None:
             return []
         self.message = None
-        part = {"type": "output_text", "text": m["text"], "annotations": []}
-        item = message_item(m["id"], m["text"])
+        part_type, make_item = _PARTS[m["kind"]]
+        part, item = self._part(part_type, m["text"]), make_item(m["id"], m["text"])
         self.output.append(item)
-        return [self.event("response.output_text.done", item_id=m["id"], output_index=m["index"], content_index=0,
-                           text=m["text"], logprobs=[]),
+        extra = {"logprobs": []} if m["kind"] == "msg" else {}
+        return [self.event(f"response.{part_type}.done", item_id=m["id"], output_index=m["index"], content_index=0,
+                           text=m["text"], **extra),
                 self.event("response.content_part.done", item_id=m["id"], output_index=m["index"],
                            content_index=0, part=part),
                 self.event("response.output_item.done", output_index=m["index"], item=item)]
@@ -175,6 +196,8 @@ def responses_events(source: ResponsesRequest, plan: ToolPlan | None) -> Callabl
             finish_reason, num_prompt, num_output, num_cached = None, 0, 0, 0
             async for _, d in deltas:
                 num_prompt, num_output, num_cached = d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens
+                for b in ev.text(delta_reasoning(d), "rs") if delta_reasoning(d) else []:
+                    yield b
                 delta = stream.step(plan, d.new_text, d.finished)[0] if tooled else {"content": d.new_text}
                 for chunk in ([delta["content"]] if delta.get("content") else []):
                     for b in ev.text(chunk):
@@ -186,8 +209,9 @@ def responses_events(source: ResponsesRequest, plan: ToolPlan | None) -> Callabl
                     finish_reason = d.finish_reason
             for b in ev.close_message() + ev.close_calls():
                 yield b
-            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-                     "total_tokens": num_prompt + num_output, "prompt_tokens_details": {"cached_tokens": num_cached}}
+            usage = add_reasoning_usage(info.reasoning, {
+                "prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+                "prompt_tokens_details": {"cached_tokens": num_cached}})
             # always response.completed (as vLLM), its status "incomplete" when max_output_tokens cut the text
             yield ev.event("response.completed", response=ev.response(_status(finish_reason), finish_reason, usage))
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
