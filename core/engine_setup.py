@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ from core.context_limit import check_max_model_len
 from core.kv_cache_manager import KVCacheManager
 from core.metrics import EngineStats
 from core.models.llama import LlamaForCausalLM
-from core.models.loader import load_model, resolve_model_path
+from core.models.loader import check_architecture, load_model, resolve_model_path
 from core.scheduler import Scheduler
 from core.tokenizer_load import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+logger = logging.getLogger("loraplex.engine")
 CPU_DEFAULT_KV_BYTES = 2 << 30
 # CUDA: memory kept out of the KV pool for the decode graphs' shared pool (activations of the largest
 # captured batch and split-KV partials; measured ~100 MiB for the 8B shape at batch 256) and the eager
@@ -111,18 +113,33 @@ class ModelFiles:
 
 
 def resolve_model_files(config: EngineConfig) -> ModelFiles:
-    model_dir = resolve_model_path(config.model)
-    cfg = ModelConfig.from_path(model_dir)
+    model_dir = resolve_model_path(config.model, config.revision, config.download_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    check_architecture(raw)
+    cfg = ModelConfig.from_dict(raw)
+    logger.info("model architecture: %s", cfg.describe())
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
     check_max_model_len(config.scheduler.max_model_len, cfg)
+    # sliding windows bound what each layer attends to, not the context: it is max_position_embeddings
     max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
-    if cfg.sliding_window:
-        max_model_len = min(max_model_len, cfg.sliding_window)
-    tokenizer = load_tokenizer(model_dir)
+    return ModelFiles(model_dir, cfg, device, dtype, max_model_len, load_engine_tokenizer(config, model_dir))
+
+
+def load_engine_tokenizer(config: EngineConfig, model_dir: Path) -> Any:
+    """The model's tokenizer, or `config.tokenizer`'s (a dir or hub id; `revision` applies when it names the
+    model's own hub id), with `config.chat_template` replacing its template."""
+    tok_dir = model_dir
+    if config.tokenizer is not None:
+        revision = config.revision if config.tokenizer == config.model else None
+        tok_dir = resolve_model_path(config.tokenizer, revision, config.download_dir,
+                                     patterns=("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"))
+    tokenizer = load_tokenizer(tok_dir, trust_remote_code=config.trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
-    return ModelFiles(model_dir, cfg, device, dtype, max_model_len, tokenizer)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:

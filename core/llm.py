@@ -77,17 +77,22 @@ class LLM:
         engine = self.engine
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
-            text, ids = self._encode(prompt)
-            results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
-                                         outputs=[], finished=False))
-            for j in range(p.n):
-                rid = f"{results[-1].request_id}-{j}"
-                matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
-                engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
-                children[rid] = (i, j)
-                results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
-                                                            logprobs=[] if p.logprobs is not None else None))
+        try:
+            for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
+                text, ids = self._encode(prompt)
+                results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
+                                             outputs=[], finished=False))
+                for j in range(p.n):
+                    rid = f"{results[-1].request_id}-{j}"
+                    matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
+                    engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
+                    children[rid] = (i, j)
+                    results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
+                                                                logprobs=[] if p.logprobs is not None else None))
+        except BaseException:   # one prompt rejected at admission (RequestRejected): none of them runs
+            for rid in children:
+                engine.abort_request(rid)
+            raise
         errors: list[str] = []
         while engine.has_unfinished_requests():
             for delta in engine.step():

@@ -33,6 +33,7 @@ class Request:
     seed: int                             # effective sampling seed (drawn when the client gave none)
     eos_token_ids: frozenset[int]
     namespace: str = "base"               # prefix-cache namespace: "base" or an adapter generation id
+    rope_offset: int = 0                  # longrope: rope table row offset of the long factors (0: short)
     lora_slot_key: Any = None             # adapter identity for the LoRA slot pool (None = base)
     grammar: Any = None                   # per-request grammar matcher (None = unconstrained)
     tenant: str | None = None             # who pays for it (fair scheduling, per-tenant metrics)

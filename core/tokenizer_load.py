@@ -43,10 +43,12 @@ def light_config(model_dir: Path) -> Any | None:
     return config
 
 
-def load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
+    """`trust_remote_code` lets a tokenizer that ships its own Python (auto_map) run it, as vLLM's flag does."""
     from transformers import AutoTokenizer
 
     config = light_config(model_dir)
+    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
     if config is None:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    return AutoTokenizer.from_pretrained(str(model_dir), config=config)
+        return AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
+    return AutoTokenizer.from_pretrained(str(model_dir), config=config, **kwargs)

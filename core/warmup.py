@@ -15,16 +15,24 @@ real steps (same dtypes, strides and alignments), so serving meets no new varian
 
 `tests/test_kernel_warmup.py` records the specialization key of every launch in the CPU interpreter and
 proves that a randomized mixed workload launches nothing outside the warm-up set.
+
+On CUDA each variant is also compared with its torch path on the same inputs (`core/kernel_selfcheck.py`,
+LORAPLEX_KERNEL_SELFCHECK): a mismatch raises `KernelSelfCheckError` and the engine does not start.
 """
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+log = logging.getLogger("loraplex.kernels")
+
+from core.kernel_selfcheck import KernelSelfCheck, selfcheck_enabled
 from core.runner import HostBatch, to_device
 from core.structured import apply_token_masks
 
@@ -36,6 +44,8 @@ class KernelVariant:
     family: str
     label: str
     run: Callable[[], None] = field(compare=False, repr=False)
+    # the same launches, each also compared with its torch path (None: nothing to compare)
+    check: Optional[Callable[[KernelSelfCheck], None]] = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,8 @@ class WarmupReport:
     num_graphs: int
     seconds: float
     num_jit_compiles: int          # Triton JIT cache misses during the warm-up (0 without a GPU)
+    num_kernel_checks: int = 0     # kernel outputs compared with the torch path (0: self-check off)
+    selfcheck_seconds: float = 0.0
 
 
 def synthetic_batch(decode_lens: list[int], prefill_chunks: list[tuple[int, int]], block_size: int) -> HostBatch:
@@ -99,13 +111,19 @@ def dummy_forward(model: Any, kv_caches: Any, lora_pool: Any, block_size: int, d
     return model.compute_logits(hidden[batch.logits_indices])                                # [N, vocab]
 
 
-def _dummy_step(engine: Any, decode_lens: list[int], prefill_chunks: list[tuple[int, int]]) -> None:
-    logits = dummy_forward(engine.model, engine.kv_caches, engine.lora_pool, engine.block_size, engine.device,
-                           decode_lens, prefill_chunks)
-    from grammar.bitmask import allocate_token_bitmask
+def _dummy_step(engine: Any, decode_lens: list[int], prefill_chunks: list[tuple[int, int]], label: str = "",
+                check: KernelSelfCheck | None = None) -> None:
+    from core.kernel_checks import check_bitmask, forward_hooks
+    from grammar.bitmask import allocate_token_bitmask, bitmask_backend
 
+    with forward_hooks(check, engine, label) if check is not None else nullcontext():
+        logits = dummy_forward(engine.model, engine.kv_caches, engine.lora_pool, engine.block_size, engine.device,
+                               decode_lens, prefill_chunks)
     masks = (allocate_token_bitmask(logits.shape[0], engine.model_config.vocab_size), torch.zeros(1, dtype=torch.int64))
-    apply_token_masks(logits, masks)
+    if check is not None and bitmask_backend(logits) == "triton":
+        check_bitmask(check, label, logits, *masks)
+    else:
+        apply_token_masks(logits, masks)
 
 
 def lora_variants(model: Any, pool: Any, device: torch.device) -> list[KernelVariant]:
@@ -126,71 +144,107 @@ def lora_variants(model: Any, pool: Any, device: torch.device) -> list[KernelVar
         if not isinstance(module, LoRALinear):
             continue
         for cfg in SEGMENT_CONFIGS:
-            variants.append(KernelVariant("lora", f"{module.group} {cfg}", lambda m=module, c=cfg: _segment(m, c)))
-        variants.append(KernelVariant("lora", f"{module.group} bgmv", lambda m=module: _bgmv(m)))
+            label = f"{module.group} BLOCK_M={cfg.block_m} SPLIT_K={cfg.split_k}"
+            variants.append(KernelVariant("lora", label, lambda m=module, c=cfg: _segment(m, c),
+                                          lambda chk, m=module, c=cfg, lb=label: _segment(m, c, lb, chk)))
+        variants.append(KernelVariant("lora", f"{module.group} bgmv", lambda m=module: _bgmv(m),
+                                      lambda chk, m=module: _bgmv(m, f"{m.group}", chk)))
     return variants
 
 
+NUM_SCRATCH_ROWS = 3
+
+
 def _scratch(module: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """A stack shaped like the module's (slot 0 at the pool's max rank), an input row and an output row."""
+    """A stack shaped like the module's with random weights in slot 0 (at the pool's max rank, scaling 0.5),
+    random input rows and random output rows (random: the self-check compares these launches)."""
     from adapters.lora_ops import LoRAStack
 
     st = module.stack
+    dev, dtype = st.lora_a.device, st.lora_a.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
     ranks = torch.zeros_like(st.ranks_host)
     ranks[:, 0] = st.max_rank
-    stack = LoRAStack(torch.zeros_like(st.lora_a), torch.zeros_like(st.lora_b), ranks.to(st.ranks.device),
-                      torch.ones_like(st.scalings), st.slice_offsets, st.slice_sizes, ranks_host=ranks,
-                      scalings_host=torch.ones_like(st.scalings_host))
-    dev, dtype = st.lora_a.device, st.lora_a.dtype
-    x = torch.zeros(1, module.in_features, device=dev, dtype=dtype)
-    y = torch.zeros(1, module.out_features, device=dev, dtype=dtype)
+    lora_a, lora_b = torch.zeros_like(st.lora_a), torch.zeros_like(st.lora_b)   # [S, slots, R, in], [slots, N, R]
+    lora_a[:, 0] = torch.randn(lora_a[:, 0].shape, generator=gen, device=dev).to(dtype) / module.in_features ** 0.5
+    lora_b[0] = torch.randn(lora_b[0].shape, generator=gen, device=dev).to(dtype) / st.max_rank ** 0.5
+    stack = LoRAStack(lora_a, lora_b, ranks.to(st.ranks.device), torch.full_like(st.scalings, 0.5),
+                      st.slice_offsets, st.slice_sizes, ranks_host=ranks,
+                      scalings_host=torch.full_like(st.scalings_host, 0.5))
+    x = torch.randn(NUM_SCRATCH_ROWS, module.in_features, generator=gen, device=dev).to(dtype)
+    y = torch.randn(NUM_SCRATCH_ROWS, module.out_features, generator=gen, device=dev).to(dtype)
     return stack, x, y
 
 
-def _segment(module: Any, cfg: Any) -> None:
+def _segment(module: Any, cfg: Any, label: str = "", check: KernelSelfCheck | None = None) -> None:
     from adapters.lora_ops import LoRABatchMeta
     from adapters.lora_ops.triton_ops import triton_add_lora
 
     stack, x, y = _scratch(module)
-    triton_add_lora(y, x, stack, LoRABatchMeta.build([0], x.device), module.y_offset, config=cfg)
+    meta = LoRABatchMeta.build([0, -1, 0], x.device)
+    if check is None:
+        triton_add_lora(y, x, stack, meta, module.y_offset, config=cfg)
+        return
+    from core.kernel_checks import check_lora_segment
+
+    check_lora_segment(check, label, y, x, stack, meta, module.y_offset, cfg)
 
 
-def _bgmv(module: Any) -> None:
+def _bgmv(module: Any, label: str = "", check: KernelSelfCheck | None = None) -> None:
     from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_add_lora
 
     stack, x, y = _scratch(module)
-    zero = torch.zeros(1, dtype=torch.int32, device=x.device)
-    triton_bgmv_add_lora(y, x, stack, DecodeLoRAMeta(num_tokens=1, row_slots=zero, row_order=zero.clone()),
-                         module.y_offset)
+    slots = torch.tensor([0, -1, 0], dtype=torch.int32, device=x.device)                      # [B]
+    meta = DecodeLoRAMeta(num_tokens=NUM_SCRATCH_ROWS, row_slots=slots, row_order=torch.argsort(slots).to(torch.int32))
+    if check is None:
+        triton_bgmv_add_lora(y, x, stack, meta, module.y_offset)
+        return
+    from core.kernel_checks import check_bgmv
+
+    check_bgmv(check, label, y, x, stack, meta, module.y_offset)
 
 
 def kernel_variants(engine: Any) -> list[KernelVariant]:
     """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU)."""
     from core.quant.warmup import quant_gemm_warmups
 
-    forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p))
+    forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p),
+                              lambda chk, d=d, p=p, n=name: _dummy_step(engine, d, p, n, chk))
                 for name, d, p in forward_shapes(engine)]
     quant = [KernelVariant("quant_gemm", label, run)
              for label, run in quant_gemm_warmups(engine.model, engine.device)]
     return forwards + quant + lora_variants(engine.model, engine.lora_pool, engine.device)
 
 
-def run_warmup(engine: Any, progress: ProgressFn | None = None) -> WarmupReport:
-    """Launches every variant, then captures the decode graphs; reports counts and seconds."""
+def run_warmup(engine: Any, progress: ProgressFn | None = None, selfcheck: bool | None = None) -> WarmupReport:
+    """Launches every variant (and, with the self-check on, compares each with its torch path: raises
+    `KernelSelfCheckError` on a mismatch), then captures the decode graphs; reports counts and seconds.
+    `selfcheck`: None = LORAPLEX_KERNEL_SELFCHECK / the device decide."""
     from core.kernel_compiles import COMPILES
 
     start = time.monotonic()
     compiles_before = COMPILES.total
     variants = kernel_variants(engine)
+    check = KernelSelfCheck() if (selfcheck_enabled(engine.device) if selfcheck is None else selfcheck) else None
     if getattr(engine, "tp", None) is not None:   # the workers run the same dummy forwards (collectives pair up), then their LoRA
         engine.tp.warmup_forwards([(d, p) for _, d, p in forward_shapes(engine)])
     with torch.inference_mode():
         for i, variant in enumerate(variants):
-            variant.run()
+            if check is not None and variant.check is not None:
+                variant.check(check)
+            else:
+                variant.run()
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
             if progress is not None:
                 progress(i + 1, len(variants), time.monotonic() - start)
+        selfcheck_seconds = time.monotonic() - start
+        if check is not None:
+            check.raise_on_failure(engine.device)
+            log.info("kernel self-check: %d Triton kernel outputs match the torch path (%d variants, %.1f s "
+                     "with their launches)", len(check.checks), len(variants), selfcheck_seconds)
         num_graphs = engine.capture_decode_graphs()
     return WarmupReport(num_variants=len(variants), num_graphs=num_graphs, seconds=time.monotonic() - start,
-                        num_jit_compiles=COMPILES.total - compiles_before)
+                        num_jit_compiles=COMPILES.total - compiles_before,
+                        num_kernel_checks=0 if check is None else len(check.checks),
+                        selfcheck_seconds=0.0 if check is None else selfcheck_seconds)

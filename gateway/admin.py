@@ -49,7 +49,7 @@ async def load_lora_adapter(request: Request) -> Response:
     data = await _body(request, ("lora_name", "lora_path"))
     state = request.app.state.gateway
     name = data["lora_name"]
-    if name == state.models.base_name:
+    if state.models.is_base(name):
         raise invalid(f"{name!r} is the base model's name", param="lora_name", code="duplicate_adapter")
     try:
         entry = await asyncio.to_thread(state.aeng.engine.load_lora, name, data["lora_path"])

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from gateway.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_module
+from gateway.cli_vllm import add_vllm_arguments, lora_modules, resolve_model, served_names, vllm_fields
+from gateway.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
 
 
 def _typed(kind: Callable[[str], object], check: Callable[[object], bool], what: str) -> Callable[[str], object]:
@@ -28,7 +29,7 @@ _POS_INT = _typed(int, lambda v: v > 0, "a positive integer")          # type: i
 _PORT = _typed(int, lambda v: 0 <= v <= 65535, "a TCP port")           # type: ignore[operator]
 _FRACTION = _typed(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")      # type: ignore[operator]
 _BYTES = _typed(parse_bytes, lambda v: True, "a byte size")
-_LORA = _typed(parse_lora_module, lambda v: True, "NAME=PATH")
+_LORA = _typed(parse_lora_spec, lambda v: True, "NAME=PATH or JSON")
 _NONNEG_INT = _typed(int, lambda v: v >= 0, "a non-negative integer")        # type: ignore[operator]
 _DIR = _typed(str, lambda v: Path(str(v)).is_dir(), "a directory")
 _SECONDS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of seconds >= 0")  # type: ignore[operator]
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("serve", help="serve a base model (and its LoRA adapters) over an OpenAI-compatible API")
     s.add_argument("--model", default=None, help="local HF model dir or hub id (default: the embedded demo model)")
-    s.add_argument("--served-model-name", default=None, help="name of the base model in the API (default: --model)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) of the base model in the API (default: --model); answers carry the first")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_PORT, default=8000)
     s.add_argument("--metrics-port", type=_PORT, default=None, metavar="PORT",
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--lora-modules", type=_LORA, nargs="+", action="extend", default=[], metavar="NAME=PATH")
+    s.add_argument("--lora-modules", type=_LORA, nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help='NAME=PATH, or vLLM\'s JSON {"name": ..., "path": ..., "base_model_name": ...}')
     s.add_argument("--lora-dir", type=_DIR, nargs="+", action="extend", default=[], metavar="DIR",
                    help="serve every PEFT adapter folder below DIR by its relative path (acme/support-v2), "
                         "loaded on the first request that names it (several DIRs, or the flag repeated)")
@@ -83,24 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "detokenization and grammar work overlaps the GPU (auto: on with CUDA)")
     s.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the model config's shape (benchmarks)")
-    s.add_argument("--tensor-parallel-size", type=_POS_INT, default=1, metavar="N",
+    s.add_argument("-tp", "--tensor-parallel-size", type=_POS_INT, default=1, metavar="N",
                    help="shard the model over N ranks (one process each; N GPUs on CUDA, gloo on CPU)")
     s.add_argument("--quantization", choices=("compressed-tensors", "gptq", "awq", "fp8"), default=None,
                    help="checked against the checkpoint's quantization_config; fp8 on an unquantized one: online FP8")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    add_vllm_arguments(s)
     return parser
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
-    if args.model is None:
+    model_arg = resolve_model(args, parser)
+    if model_arg is None:
         from core.llm import DEMO_MODEL_DIR
 
         model, default_name = str(DEMO_MODEL_DIR), DEMO_SERVED_NAME
     else:
-        model = default_name = args.model
-    names = [name for name, _ in args.lora_modules]
-    if len(set(names)) != len(names):
-        parser.error("--lora-modules: duplicate adapter name")
+        model = default_name = model_arg
+    names = served_names(args, default_name, parser)
     if args.tenant_keys is not None and not args.tenant_keys.is_file():
         parser.error(f"--tenant-keys: no such file: {args.tenant_keys}")
     if args.metrics_port is not None and args.metrics_port == args.port and args.port != 0:
@@ -112,21 +115,22 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     elif args.admin_token is not None and args.admin_token == args.api_key:
         parser.error("--admin-token must differ from --api-key (the admin token is never an API key)")
     return ServerConfig(
-        model=model, served_model_name=args.served_model_name or default_name, host=args.host, port=args.port,
+        model=model, served_model_name=names[0], served_model_aliases=names[1:], host=args.host, port=args.port,
         metrics_port=args.metrics_port,
-        device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=tuple(args.lora_modules),
+        device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=lora_modules(args, model, names, parser),
         lora_dirs=tuple(args.lora_dir),
         max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key, tenant_keys=args.tenant_keys,
+        api_key=args.api_key, tenant_keys=args.tenant_keys,
         admin_token=args.admin_token, scheduling_policy=args.scheduling_policy,
         max_queue_len=args.max_queue_len or None, request_timeout=args.request_timeout or None,
-        shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
+        shutdown_timeout=args.shutdown_timeout,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        **vllm_fields(args, parser))
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

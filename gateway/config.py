@@ -1,6 +1,7 @@
 """The server's frozen configuration (what `loraplex serve` parsed) and its mapping to the engine config."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,31 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`NAME=PATH` -> (name, path)."""
+def parse_lora_spec(text: str) -> tuple[str, str, str | None]:
+    """`NAME=PATH` or vLLM's JSON `{"name", "path", "base_model_name"?}` -> (name, path, base_model_name)."""
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        extra = sorted(set(obj) - {"name", "path", "base_model_name"}) if isinstance(obj, dict) else []
+        if extra:
+            raise ValueError(f"unknown keys {extra} (expected name, path, base_model_name)")
+        name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+        if not (isinstance(name, str) and name.strip() and isinstance(path, str) and path.strip()) \
+                or not isinstance(base, (str, type(None))):
+            raise ValueError(f'expected {{"name": ..., "path": ..., "base_model_name": ...}}, got {text!r}')
+        return name.strip(), path.strip(), base
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise ValueError(f"expected NAME=PATH, got {text!r}")
-    return name.strip(), path.strip()
+    return name.strip(), path.strip(), None
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`NAME=PATH` (or the JSON form) -> (name, path)."""
+    name, path, _ = parse_lora_spec(text)
+    return name, path
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,23 @@ class ServerConfig:
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
     tensor_parallel_size: int = 1            # ranks the model is sharded over (one process each)
     quantization: str | None = None          # --quantization (checked against the checkpoint)
+    # vLLM's spellings (gateway/cli_vllm.py)
+    served_model_aliases: tuple[str, ...] = ()   # more names of the base model (--served-model-name a b)
+    chat_template: str | None = None         # the template text replacing the tokenizer's
+    generation_config: str = "auto"          # auto | vllm | a directory holding generation_config.json
+    tool_call_parser: str | None = None      # a tool-call family (None: read from the chat template)
+    reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> text -> reasoning_content
+    log_requests: bool = False               # one info line per request: its parameters, never its text
+    max_logprobs: int | None = None          # per-request cap (None: 5 on completions, 20 on chat)
+    tokenizer: str | None = None             # a tokenizer dir or hub id other than the model's
+    revision: str | None = None              # hub revision (branch, tag or commit) of --model
+    download_dir: str | None = None          # the HF cache directory for hub ids
+    trust_remote_code: bool = False
+    uvicorn_log_level: str | None = None     # None: --log-level
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
     @property
     def url(self) -> str:
@@ -96,4 +133,7 @@ class ServerConfig:
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
             lora_modules=self.lora_modules, lora_dirs=self.lora_dirs, enforce_eager=self.enforce_eager,
             load_format=self.load_format, async_scheduling=self.async_scheduling,
-            tensor_parallel_size=self.tensor_parallel_size, quantization=self.quantization)
+            tensor_parallel_size=self.tensor_parallel_size, tokenizer=self.tokenizer, revision=self.revision,
+            download_dir=self.download_dir, trust_remote_code=self.trust_remote_code,
+            chat_template=self.chat_template,
+            quantization=self.quantization)

@@ -32,16 +32,26 @@ class ServedModels:
     root: str
     registry: Any = None            # adapters.registry.AdapterRegistry (None: base only)
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()   # --served-model-name a b: `b` names the base too (answers say `a`, as vLLM)
+
+    def is_base(self, name: str) -> bool:
+        return name == self.base_name or name in self.aliases
+
+    def _allowed(self, name: str, allowed: frozenset[str] | None) -> bool:
+        """A tenant allowed the base under one of its names may use every name of it."""
+        if allowed is None or model_allowed(name, allowed):
+            return True
+        return self.is_base(name) and any(model_allowed(n, allowed) for n in (self.base_name, *self.aliases))
 
     def resolve(self, name: str | None, allowed: frozenset[str] | None = None) -> ResolvedModel:
         """`None` means the base model (as vLLM). Exact served names first: the base, then adapters (loaded,
         then `--lora-dir` entries). A name outside `allowed` (a tenant's models and patterns) is as unknown as
         a missing one: 404, without touching the filesystem."""
-        if allowed is not None and name is None and not model_allowed(self.base_name, allowed):
+        if name is None and not self._allowed(self.base_name, allowed):
             raise invalid("you must provide a model parameter", param="model")   # no default: base not allowed
-        if allowed is not None and name is not None and not model_allowed(name, allowed):
+        if name is not None and not self._allowed(name, allowed):
             raise model_not_found(name)
-        if name is None or name == self.base_name:
+        if name is None or self.is_base(name):
             return ResolvedModel(self.base_name)
         try:
             entry = self.registry.lookup(name) if self.registry is not None else None
@@ -59,10 +69,10 @@ class ServedModels:
         raise model_not_found(name)
 
     def cards(self, allowed: frozenset[str] | None = None) -> list[dict[str, Any]]:
-        """The base, registered adapters (`lora_state: "loaded"`), then --lora-dir adapters not requested yet
+        """The base (one card per served name, as vLLM), registered adapters (`lora_state: "loaded"`), then --lora-dir adapters not requested yet
         (`lora_state: "available"`; from a bounded, cached scan)."""
-        cards = [{"id": self.base_name, "object": "model", "created": self.created, "owned_by": "loraplex",
-                  "root": self.root, "parent": None}]
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "loraplex",
+                  "root": self.root, "parent": None} for name in (self.base_name, *self.aliases)]
         if self.registry is not None:
             for entry in self.registry.entries():
                 cards.append({"id": entry.name, "object": "model", "created": entry.created,
@@ -71,4 +81,4 @@ class ServedModels:
             for name, path in self.registry.available():
                 cards.append({"id": name, "object": "model", "created": self.created, "owned_by": "loraplex",
                               "root": path, "parent": self.base_name, "lora_state": AVAILABLE})
-        return [c for c in cards if allowed is None or model_allowed(c["id"], allowed)]
+        return [c for c in cards if self._allowed(c["id"], allowed)]

@@ -14,9 +14,11 @@ from gateway.app import build_app
 from gateway.config import ServerConfig
 from gateway.lifecycle import GatewayServer
 from gateway.metrics_listener import MetricsListener
+from gateway.request_log import enable_request_log
+from gateway.startup import exit_on_warmup_failure
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
-from gateway.workers import watch_workers
+from gateway.workers import cancel_hard_exit, watch_workers
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -47,8 +49,9 @@ class WarmupPrinter:
 
 
 def print_ready(report: Any) -> None:
+    checked = f", {report.num_kernel_checks} kernel outputs self-checked" if report.num_kernel_checks else ""
     print(f"loraplex: warm-up done: {report.num_variants} kernel variants and {report.num_graphs} decode graphs in "
-          f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles); ready", flush=True)
+          f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles{checked}); ready", flush=True)
 
 
 def configure_access_log(enabled: bool) -> None:
@@ -65,12 +68,15 @@ def configure_access_log(enabled: bool) -> None:
 def serve(config: ServerConfig, log_level: str = "warning") -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_access_log(config.access_log)
+    if config.log_requests:
+        enable_request_log()
     t0 = time.monotonic()
     try:
         aeng = _start_engine(config)
     except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
         print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
         return 1
+    server: GatewayServer | None = None
     try:
         engine = aeng.engine
         try:
@@ -78,25 +84,34 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         except TenantFileError as exc:
             print(f"loraplex: --tenant-keys: {exc}", file=sys.stderr)
             return 1
+        except ValueError as exc:   # a generation_config.json the defaults cannot come from
+            print(f"loraplex: --generation-config: {exc}", file=sys.stderr)
+            return 1
         app = build_app(state)
-        banner = (f"loraplex: serving {config.served_model_name!r} on {config.url} "
+        banner = (f"loraplex: serving {' / '.join(map(repr, config.served_model_names))} on {config.url} "
                   f"(device {engine.device}, max_model_len {engine.max_model_len}, "
-                  f"{engine.kv.num_blocks} KV blocks of {engine.block_size}; loaded in {time.monotonic() - t0:.1f}s)")
+                  f"{engine.kv.num_blocks} KV blocks of {engine.block_size}; loaded in {time.monotonic() - t0:.1f}s)"
+                  + (f"; sampling defaults from {state.defaults.source}: {dict(state.defaults.sampling)}"
+                     if state.defaults.sampling else ""))
         if config.metrics_url is not None:
             banner += f"; full metrics on {config.metrics_url}"
-        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                   access_log=log_level in ("info", "debug"))
+        uv_level = config.uvicorn_log_level or log_level
+        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
+                                   access_log=config.access_log and uv_level in ("info", "debug", "trace"))
         assert state.lifecycle is not None
         listener = (MetricsListener(state.metrics, config.host, config.metrics_port, log_level)
                     if config.metrics_port is not None else None)
         server = GatewayServer(uv_config, banner, state.lifecycle, listener)
         workers_failed = watch_workers(aeng, server)
+        warmup_failed = exit_on_warmup_failure(aeng, server)   # e.g. the kernel self-check refused a kernel
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
             pass
-        return 1 if workers_failed() else (0 if server.started else 1)
+        return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
     finally:
         aeng.shutdown()
         if aeng.engine.tp is not None:
             aeng.engine.tp.shutdown(graceful=aeng.error is None)
+        if server is not None:
+            cancel_hard_exit(server)   # the shutdown did not block: no hard exit of the hosting process

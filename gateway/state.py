@@ -14,6 +14,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import ServedModels
 from gateway.prompts import PromptEncoder
 from gateway.responses import TokenTexts
+from gateway.sampling_defaults import RequestDefaults, load_request_defaults
 from gateway.tenants import load_tenant_file
 
 
@@ -30,6 +31,7 @@ class GatewayState:
     limits: TenantLimits = field(default_factory=TenantLimits)
     queue: QueueGate | None = None                         # None: built from config.max_queue_len
     lifecycle: Lifecycle | None = None                     # None: built from config.shutdown_timeout
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)   # --generation-config, --max-logprobs
 
     def __post_init__(self) -> None:
         if self.auth is None:
@@ -45,7 +47,10 @@ class GatewayState:
         engine = aeng.engine
         return GatewayState(
             config=config, aeng=aeng,
-            models=ServedModels(config.served_model_name, root=config.model, registry=engine.registry),
-            encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size),
+            models=ServedModels(config.served_model_name, root=config.model, registry=engine.registry,
+                                aliases=config.served_model_aliases),
+            encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len),
             texts=TokenTexts(engine.tokenizer),
-            metrics=GatewayMetrics(engine, config.max_loras))
+            metrics=GatewayMetrics(engine, config.max_loras),
+            defaults=load_request_defaults(config.generation_config, engine.parts.model_dir, config.max_logprobs,
+                                           engine.model_config.vocab_size))

@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.errors import invalid
 from gateway.protocol import ChatCompletionRequest
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 from grammar.tool_calls import FunctionSpec, ToolCallFormat, detect_format
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -77,8 +78,10 @@ def _tool_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any) -> ToolPlan | None:
-    """None when the request has no tools; raises APIError / GrammarError (400) on bad input."""
+def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any,
+               parser: str | None = None) -> ToolPlan | None:
+    """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
+    server's `--tool-call-parser` family (None: the one the chat template shows)."""
     from grammar.constraints import json_spec
 
     tools = body.tools or []
@@ -93,6 +96,8 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any) -> Too
     if not tools:
         return None
     fmt, renders = detect_format(getattr(tokenizer, "chat_template", None))
+    if parser is not None:
+        fmt = TOOL_CALL_PARSERS[parser]
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
                     [{"type": "function", "function": fn} for fn in fns])
     for i, fn in enumerate(fns):   # every function is checked, callable or not: a bad schema is a 400 anyway
@@ -181,9 +186,12 @@ def uses_tools(body: ChatCompletionRequest) -> bool:
 
 def chat_prompt(encoder: Any, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
     """Token ids of the chat prompt, tools and tool turns included."""
+    from gateway.prompts import template_options
+
     conv = conversation(body, plan)
+    options = template_options(body)
     renders = plan.renders_tools if plan is not None else detect_format(
         getattr(encoder.tokenizer, "chat_template", None))[1]
     if renders:
-        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None)
-    return encoder.chat_prompt(body.messages, _fallback(conv, plan))
+        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None, options)
+    return encoder.chat_prompt(body.messages, _fallback(conv, plan), options=options)

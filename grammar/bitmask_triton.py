@@ -25,6 +25,11 @@ def triton_available() -> bool:
     return _HAVE_TRITON
 
 
+def interpreting() -> bool:
+    """True when the kernel was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
+    return _HAVE_TRITON and type(_apply_bitmask_kernel).__name__ == "InterpretedFunction"
+
+
 if _HAVE_TRITON:
 
     @triton.jit

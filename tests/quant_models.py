@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from testlib import SPECS
-from tiny_models import tiny_model_dir
+from tiny_models import TinyModelSpec, tiny_model_dir
 
 _FP8 = dict(num_bits=8, type="float", symmetric=True)
 # name -> (base model, weight QuantizationArgs kwargs, compression format[, input activation kwargs])
@@ -37,6 +37,10 @@ CT_SCHEMES: dict[str, tuple[Any, ...]] = {
                                          group_size=32), "pack-quantized"),
     "w4a16_sym_g32_qwen2": ("qwen2_tied", dict(num_bits=4, type="int", symmetric=True, strategy="group",
                                                group_size=32), "pack-quantized"),
+    "w4a16_asym_g32_qwen3": ("qwen3", dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                                           group_size=32), "pack-quantized"),
+    "w8a16_ch_gemma2": ("gemma2", dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                        "pack-quantized"),
     # FP8 weights per channel, activations per token dynamic (llm-compressor's FP8_DYNAMIC preset)
     "fp8_dynamic": ("llama_gqa", dict(_FP8, strategy="channel"), "float-quantized",
                     dict(_FP8, strategy="token", dynamic=True)),
@@ -83,12 +87,22 @@ def _observe(module: torch.nn.Module, args: Any) -> None:
         module.input_scale.data.fill_(0.02)
 
 
+def base_dir(name: str) -> Path:
+    """A tiny unquantized checkpoint: a testlib SPECS name, or a family of the model-families work."""
+    if name == "qwen3":
+        return tiny_model_dir(TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=5))
+    if name == "gemma2":
+        from family_models import gemma_dir
+
+        return gemma_dir("gemma2")
+    return tiny_model_dir(SPECS[name])
+
+
 def ct_model(name: str) -> Path:
     """The compressed-tensors checkpoint `name` (a key of CT_SCHEMES), built once per process."""
     if name not in _DIRS:
         base_name, wargs, fmt, *act = CT_SCHEMES[name]
-        _DIRS[name] = write_ct_checkpoint(tiny_model_dir(SPECS[base_name]), _root() / name, wargs, fmt,
-                                          act[0] if act else None)
+        _DIRS[name] = write_ct_checkpoint(base_dir(base_name), _root() / name, wargs, fmt, act[0] if act else None)
     return _DIRS[name]
 
 

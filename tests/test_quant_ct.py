@@ -28,7 +28,8 @@ def _llm(name: str, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("name", ["w4a16_sym_g32", "w4a16_asym_g32", "w4a16_asym_ch", "w8a16_ch",
-                                  "w8a16_asym_g32", "w4a16_sym_g32_qwen2"])
+                                  "w8a16_asym_g32", "w4a16_sym_g32_qwen2", "w4a16_asym_g32_qwen3",
+                                  "w8a16_ch_gemma2"])
 def test_base_and_lora_match_references(name: str) -> None:
     path, ref = ct_model(name), ct_reference_dir(name)
     adapter = save_all7_adapter(ref)

@@ -112,6 +112,10 @@ def add_lora(
     if isinstance(meta, DecodeLoRAMeta):
         if decode_backend(x, backend) == "triton":
             triton_bgmv_add_lora(y, x, stack, meta, y_offset)
+        elif x.is_cuda:   # the torch path inside a CUDA graph (LORAPLEX_LORA_BACKEND=torch): no read-back to the host
+            from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
+
+            torch_bgmv_expand(y, torch_bgmv_shrink(x, stack, meta), stack, meta, y_offset)
         else:
             torch_bgmv_add_lora(y, x, stack, meta, y_offset)
         return
