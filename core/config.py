@@ -160,3 +160,4 @@ class EngineConfig:
     download_dir: str | None = None    # HF cache dir for hub ids (None: HF_HUB_CACHE)
     trust_remote_code: bool = False    # lets a tokenizer's own code run; models always use ours
     chat_template: str | None = None   # replaces the tokenizer's chat template
+    quantization: str | None = None    # vLLM's --quantization: checked against the checkpoint (core/quant/)

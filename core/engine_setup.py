@@ -150,7 +150,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     f = resolve_model_files(config)
     cfg, device, dtype, max_model_len = f.cfg, f.device, f.dtype, f.max_model_len
     model = load_model(f.model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device,
-                       load_format=config.load_format)
+                       load_format=config.load_format, quantization=config.quantization)
     lora_pool, registry = build_lora(config, cfg, model, device, dtype)
     num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
     shape = (num_blocks, config.cache.block_size, cfg.num_kv_heads, cfg.head_dim)

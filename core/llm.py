@@ -31,7 +31,7 @@ class LLM:
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
                  async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), tensor_parallel_size: int = 1,
-                 warmup: bool = True) -> None:
+                 warmup: bool = True, quantization: str | None = None) -> None:
         """`warmup=False` skips the start-up kernel warm-up (`LLMEngine.warmup`): the first steps then compile
         Triton kernels as they meet them."""
         config = EngineConfig(
@@ -44,7 +44,7 @@ class LLM:
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
             lora_modules=tuple((lora_modules or {}).items()), lora_dirs=tuple(str(d) for d in lora_dirs),
             load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization)
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()

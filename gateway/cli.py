@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dummy: random weights of the model config's shape (benchmarks)")
     s.add_argument("-tp", "--tensor-parallel-size", type=_POS_INT, default=1, metavar="N",
                    help="shard the model over N ranks (one process each; N GPUs on CUDA, gloo on CPU)")
+    s.add_argument("--quantization", choices=("compressed-tensors", "gptq", "awq", "fp8"), default=None,
+                   help="checked against the checkpoint's quantization_config; fp8 on an unquantized one: online FP8")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     add_vllm_arguments(s)
     return parser
@@ -127,7 +129,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         shutdown_timeout=args.shutdown_timeout,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        tensor_parallel_size=args.tensor_parallel_size, **vllm_fields(args, parser))
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        **vllm_fields(args, parser))
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

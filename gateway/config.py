@@ -87,6 +87,7 @@ class ServerConfig:
     async_scheduling: bool | None = None     # overlap step t+1's CPU work with step t (None: on CUDA)
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
     tensor_parallel_size: int = 1            # ranks the model is sharded over (one process each)
+    quantization: str | None = None          # --quantization (checked against the checkpoint)
     # vLLM's spellings (gateway/cli_vllm.py)
     served_model_aliases: tuple[str, ...] = ()   # more names of the base model (--served-model-name a b)
     chat_template: str | None = None         # the template text replacing the tokenizer's
@@ -134,4 +135,5 @@ class ServerConfig:
             load_format=self.load_format, async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.tensor_parallel_size, tokenizer=self.tokenizer, revision=self.revision,
             download_dir=self.download_dir, trust_remote_code=self.trust_remote_code,
-            chat_template=self.chat_template)
+            chat_template=self.chat_template,
+            quantization=self.quantization)

@@ -18,6 +18,8 @@ from core.models.registry import model_class
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import layer_rotaries
+from core.quant.config import detect_quantization
+from core.quant.loader import finish_quantized, prepare_quantized
 
 
 @dataclass
@@ -48,7 +50,11 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
     else:
-        load_sharded_weights(model, model_dir, shard)
+        quant = detect_quantization(model_dir, config.quantization)
+        skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()
+        load_sharded_weights(model, model_dir, shard, skip)
+        if quant:
+            finish_quantized(model, quant)
     model.eval()
     pool = ShardedSlotPool(config.max_loras, config.max_lora_rank, shard, device, dtype, journal=tp.is_driver)
     apply_tp_lora_wrappers(model, pool, tp)

@@ -145,7 +145,8 @@ def _load_fused_in_file(param: torch.Tensor, sl: Any, shard: TPShard, fused: str
         offset += dims.module_shape(module)[1]
 
 
-def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard) -> None:
+def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard,
+                         skip: frozenset[str] = frozenset()) -> None:
     """Fills a parallelized model with its rank's slices, reading no more of the checkpoint than that."""
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
@@ -159,7 +160,7 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
             with safe_open(str(file), framework="pt") as f:
                 for file_name in f.keys():
                     name = checkpoint_name(file_name)
-                    if name is None:
+                    if name is None or file_name in skip:   # skip: tensors core.quant loaded
                         continue
                     target, hf_module, fused, idx = name, None, None, 0
                     for hf, (fused_name, i) in _STACKED.items():

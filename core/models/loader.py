@@ -17,6 +17,8 @@ from core.models.llama import LlamaForCausalLM
 from core.models.registry import model_class
 from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import layer_rotaries
+from core.quant.config import detect_quantization
+from core.quant.loader import finish_quantized, prepare_quantized
 
 _STACKED = {  # HF name -> (our fused name, slice index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -90,7 +92,7 @@ def _param_keys(cfg: ModelConfig, pname: str) -> list[str]:
     return [pname]
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: Path, skip: frozenset[str] = frozenset()) -> None:
     cfg = model.config
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
@@ -102,7 +104,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             with safe_open(str(file), framework="pt") as f:
                 for file_name in f.keys():
                     name = checkpoint_name(file_name)
-                    if name is None:
+                    if name is None or file_name in skip:   # skip: tensors core.quant loaded
                         continue
                     tensor = f.get_tensor(file_name)
                     target, bounds = name, None
@@ -142,7 +144,8 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-               dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
+               dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Builds the module tree on the meta device (no random init), then fills it from the checkpoint."""
     with torch.device("meta"), skip_param_init():
         model = model_class(cfg)(cfg, backend, max_positions)
@@ -154,5 +157,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        load_weights(model, model_dir)
+        quant = detect_quantization(model_dir, quantization)
+        skip = prepare_quantized(model, model_dir, quant, dtype, device) if quant else frozenset()
+        load_weights(model, model_dir, skip)
+        if quant:
+            finish_quantized(model, quant)
     return model.eval()
