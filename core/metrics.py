@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -15,6 +16,7 @@ class EngineStats:
     e2e_s: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     max_samples: int = 10000
+    spec: Any = None             # core.spec.stats.SpecStats when speculative decoding is on
 
     def record_step(self, num_tokens: int, num_reqs: int) -> None:
         self.num_steps += 1
