@@ -8,6 +8,7 @@ from typing import Any, Sequence, Union
 
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine
+from core.metrics import Metric, engine_metrics
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling import SamplingParams
 from core.spec.config import SpeculativeConfig
@@ -117,6 +118,11 @@ class LLM:
         if errors:  # every request has ended (the engine is clean); report what failed
             raise RuntimeError("; ".join(errors))
         return results
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges as vLLM's `LLM.get_metrics()` returns them (Counter / Gauge /
+        Vector objects with `.name`, `.labels`, `.value` or `.values`), named as `/metrics` names them."""
+        return engine_metrics(self.engine)
 
     def _compile(self, response_format: dict[str, Any] | None) -> Any:
         """None for free text, else the compiled grammar (raises grammar.GrammarError if unsupported)."""
