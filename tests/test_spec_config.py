@@ -47,3 +47,9 @@ def test_ngram_longest_match_first_and_most_recent() -> None:
     assert propose_ngram([5, 6, 1, 5, 6], 2, 3, 3) == []       # below prompt_lookup_min... length 3 never recurs
     assert propose_ngram([5, 6, 1, 5, 6], 2, 2, 3) == [1, 5]
     assert propose_ngram([1, 2, 1, 2], 0, 1, 3) == []
+
+
+def test_ngram_copy_reaching_the_end_continues_the_period() -> None:
+    # [9, 205] last occurred 2 tokens back: the copy runs into the suffix and repeats the period
+    assert propose_ngram([7, 9, 205, 9, 205], 5, 2, 2) == [9, 205, 9, 205, 9]
+    assert propose_ngram([5, 5, 5, 5], 3, 1, 3) == [5, 5, 5]

@@ -25,6 +25,11 @@ def propose_ngram(token_ids: "list[int] | np.ndarray", k: int, min_n: int, max_n
         hits = np.nonzero((windows == pattern).all(axis=1))[0]                   # starts of earlier occurrences
         hits = hits[hits + n < num]           # something must follow the occurrence (excludes the suffix itself)
         if len(hits):
+            # copy what followed; a copy that reaches the end goes on with its own tokens (a repeating
+            # pattern continues its period, as an overlapping LZ77 copy does)
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            out = tokens[start:start + k].tolist()
+            while len(out) < k:
+                out.append(out[len(out) - (num - start)])
+            return out
     return []
