@@ -97,3 +97,33 @@ def test_disable_by_batch_size_is_decided_at_admission(tiny_model: Path) -> None
         engine.step()
     late = engine.add_request("late", encode(tiny_model, PROMPTS[0]), GREEDY)
     assert late.speculate   # load fell: a new request speculates; the earlier decision was kept
+
+
+def test_a_fault_in_one_speculating_row_fails_that_request_alone(tiny_model: Path) -> None:
+    """Faults raised while a request's drafts are verified (sampling at a later position, token handling)
+    fail that request alone; the others keep their exact outputs; nothing leaks."""
+    from core import faults
+
+    prompts = prompts_for(tiny_model, num=5, seed=3)
+    engine = make_engine(tiny_model)
+    with_oracle(engine, tiny_model, prompts)
+    faults.inject("sampling", lambda r: r.request_id == "1" and r.num_output_tokens >= 3)
+    faults.inject("stop", lambda r: r.request_id == "2" and r.num_output_tokens >= 5)
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, GREEDY)
+        outs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        errors = set()
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                outs[d.request_id] += d.new_token_ids
+                if d.error is not None:
+                    errors.add(d.request_id)
+            engine.check_integrity()
+    finally:
+        faults.clear()
+    assert errors == {"1", "2"}
+    for i, ids in enumerate(prompts):
+        if str(i) not in errors:
+            assert outs[str(i)] == hf_greedy(tiny_model, ids, MAX_TOKENS)
+    assert engine.kv.usage() == 0.0 and engine.spec.stats.num_accepted_tokens > 0
