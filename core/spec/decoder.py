@@ -36,6 +36,8 @@ class SpecDecoder:
 
     def propose(self, running: Iterable[Request]) -> None:
         """Attaches draft tokens to every speculating request in the decode state."""
+        if self.draft is not None:
+            self.draft.release_finished()
         wanted: list[tuple[Request, int]] = []
         for req in running:
             req.drop_spec_tokens()   # drafts of a step that did not schedule the request
