@@ -20,6 +20,7 @@ from core.block_allocator import BlockAllocator
 from core.config import ModelConfig
 from core.kv_cache_manager import cdiv
 from core.models.loader import load_model, resolve_model_path
+from core.models.rope import rope_row_offset
 from core.request import Request
 from core.runner import prepare_batch, to_device
 from core.spec.config import SpeculativeConfig
@@ -37,6 +38,7 @@ class _Shadow:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    rope_offset: int = 0          # the draft's own longrope choice (core/models/rope.py)
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +56,9 @@ def check_same_vocabulary(target_tok: Any, target_cfg: ModelConfig, draft_tok: A
 
 class DraftProposer:
     def __init__(self, model: Any, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_positions: int) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.max_positions = max_positions
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)       # [blocks, bs, Hkv, D]
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_layers)]
@@ -69,7 +72,8 @@ class DraftProposer:
         check_same_vocabulary(parts.tokenizer, parts.model_config, load_tokenizer(path), cfg)
         model = load_model(path, cfg, get_attention_backend(parts.device), parts.max_model_len, parts.dtype,
                            parts.device)
-        return DraftProposer(model, cfg, parts.kv.num_blocks, config.cache.block_size, parts.device, parts.dtype)
+        return DraftProposer(model, cfg, parts.kv.num_blocks, config.cache.block_size, parts.device, parts.dtype,
+                             parts.max_model_len)
 
     def release_finished(self) -> None:
         """Frees the shadows (and draft KV blocks) of requests that ended."""
@@ -82,7 +86,9 @@ class DraftProposer:
         if sh is None or sh.req is not req:
             if sh is not None:
                 self.allocator.free(sh.block_ids)
-            sh = self.shadows[req.request_id] = _Shadow(req)
+            total = req.num_prompt_tokens + req.max_tokens
+            sh = self.shadows[req.request_id] = _Shadow(req, rope_offset=rope_row_offset(self.cfg, self.max_positions,
+                                                                                        total))
         tokens = req.all_token_ids
         common = 0
         for a, b in zip(sh.all_token_ids, tokens):
