@@ -7,7 +7,10 @@ state, penalties / logit_bias / min_tokens over the tokens so far, the keyed sam
 `num_output_tokens`, log-probs, stop ids / strings / max_tokens / grammar end), and the sampled token is
 appended as a plain decode would append it. If it equals d_{j+1} the walk goes on to position j+1 (whose KV
 was computed from d_{j+1}); otherwise, or when the request stops, the walk ends there. After k accepted drafts
-the last position gives the bonus token.
+the last position gives the bonus token. Rows whose sampling reads no state built by the tokens before (no
+grammar, no penalties or bias: min_tokens and the sampler's step depend only on the position) sample every
+position in one batched pass before the walk, the walk then only appends; the others sample position j when
+the walk reaches it.
 
 For a deterministic proposal (q one-hot) "sample y from p, accept iff y == d" is rejection sampling
 (`core/spec/rejection.py`), and since the sampler's noise is a function of (seed, step, token id), every
@@ -54,34 +57,75 @@ def take_spec_rows(requests: list[Request], cu: "list[int]") -> list[SpecRow]:
     return rows
 
 
+class _At:
+    """A request as it will be j tokens later: what sampling reads of a row without grammar or penalties
+    (its step index `num_output_tokens`, which also decides min_tokens bans) is known before the walk."""
+    __slots__ = ("_req", "num_output_tokens")
+
+    def __init__(self, req: Request, j: int) -> None:
+        self._req, self.num_output_tokens = req, req.num_output_tokens + j
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._req, name)
+
+
+Sampled = tuple[int, Any, Any]   # (token, log-prob entry, the row's failure or None)
+
+
+def _sample_stateless(rows: list[SpecRow], device: torch.device,
+                      sample_rows: SampleRows) -> dict[int, list[Sampled]]:
+    """All positions of the rows whose sampling does not depend on the tokens before it (no grammar, no
+    penalties / bias), in one batched pass: id(request) -> per position (token, log-prob, failure)."""
+    plain = [r for r in rows if r.req.grammar is None and not r.req.sampling_params.has_penalties]
+    if not plain:
+        return {}
+    reqs: list[Any] = [_At(r.req, j) for r in plain for j in range(len(r.drafts) + 1)]
+    flat = torch.tensor([r.start + j for r in plain for j in range(len(r.drafts) + 1)],
+                        dtype=torch.int64, device=device)                                       # [sum(k+1)]
+    tokens, lps, culprits = sample_rows(reqs, flat)
+    out: dict[int, list[Sampled]] = {}
+    i = 0
+    for r in plain:
+        n = len(r.drafts) + 1
+        out[id(r.req)] = [(tokens[i + j], lps[i + j], culprits.get(i + j)) for j in range(n)]
+        i += n
+    return out
+
+
 def verify(rows: list[SpecRow], device: torch.device, sample_rows: SampleRows, append: AppendToken,
            fail: FailRequest, kv: KVCacheManager, stats: SpecStats | None) -> list[RequestDelta]:
-    """Walks every row's positions in lock step (one batched sampling per position); returns the deltas."""
+    """Walks every row's positions in lock step; rows with grammar or penalties sample each position when
+    the walk reaches it (their state depends on the tokens before), the others all at once beforehand."""
     deltas: list[RequestDelta] = []
     base = {id(r.req): r.req.num_computed_tokens for r in rows}
     num_accepted = {id(r.req): 0 for r in rows}
     active = [r for r in rows if not r.req.status.finished]
+    ahead = _sample_stateless(active, device, sample_rows)
     j = 0
     while active:
-        reqs = [r.req for r in active]
-        for req in reqs:   # the KV of positions before j is valid: they were the accepted tokens
-            req.num_computed_tokens = base[id(req)] + j
-        flat = torch.tensor([r.start + j for r in active], dtype=torch.int64, device=device)     # [N]
-        tokens, lps, culprits = sample_rows(reqs, flat)
+        for row in active:   # the KV of positions before j is valid: they were the accepted tokens
+            row.req.num_computed_tokens = base[id(row.req)] + j
+        now = [r for r in active if id(r.req) not in ahead]
+        sampled: dict[int, Sampled] = {}
+        if now:
+            flat = torch.tensor([r.start + j for r in now], dtype=torch.int64, device=device)   # [N]
+            tokens, lps, culprits = sample_rows([r.req for r in now], flat)
+            sampled = {id(r.req): (tokens[i], lps[i], culprits.get(i)) for i, r in enumerate(now)}
         nxt = []
-        for i, row in enumerate(active):
+        for row in active:
             req = row.req
             if req.status.finished:
                 continue
-            if i in culprits:
-                deltas.append(fail(req, culprits[i]))
+            token, lp, fault = ahead[id(req)][j] if id(req) in ahead else sampled[id(req)]
+            if fault is not None:
+                deltas.append(fail(req, fault))
                 continue
             try:
-                deltas.append(append(req, tokens[i], lps[i]))
+                deltas.append(append(req, token, lp))
             except Exception as exc:  # noqa: BLE001 - this request's failure
                 deltas.append(fail(req, exc))
                 continue
-            if not req.status.finished and j < len(row.drafts) and tokens[i] == row.drafts[j]:
+            if not req.status.finished and j < len(row.drafts) and token == row.drafts[j]:
                 num_accepted[id(req)] += 1
                 nxt.append(row)
         active, j = nxt, j + 1
