@@ -14,6 +14,8 @@ from core.spec import SpeculativeConfig
 from core.spec.draft_model import DraftModelError
 from tiny_models import TinyModelSpec, tiny_model_dir
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
 
 def draft_spec(path: Path, k: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig.parse({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
@@ -42,3 +44,29 @@ def test_draft_with_another_vocabulary_is_refused() -> None:
     other = tiny_model_dir(TinyModelSpec(arch="llama", num_heads=4, num_kv_heads=2, tokenizer_vocab_size=384, seed=9))
     with pytest.raises(DraftModelError, match="vocabulary|tokenizer"):
         make_engine(model_dir("llama_gqa"), spec=draft_spec(other))
+
+
+def test_draft_model_with_adapters_and_a_schema_equals_no_speculation() -> None:
+    """Adapter rows take the base draft's proposals, constrained rows cut them at the grammar: the outputs
+    are still those without speculation."""
+    pytest.importorskip("peft")
+    from core import LLM, SamplingParams
+    from lora_fixtures import adapter_dir
+
+    target = model_dir("llama_gqa")
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=256, warmup=False,
+              lora_modules={"a": str(adapter_dir("llama_gqa", "qv_r4"))})
+    plain = LLM(str(target), **kw)
+    spec = LLM(str(target), **kw, speculative_config={"method": "draft_model", "model": str(target),
+                                                      "num_speculative_tokens": 3})
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"k": {"type": "integer"}, "v": {"type": "boolean"}},
+        "required": ["k", "v"], "additionalProperties": False}}}
+    prompts = ["def f(x):", "import os", "class A:", "x = 1"]
+    loras, formats = [None, "a", None, "a"], [None, None, schema, schema]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    want = plain.generate(prompts, params, lora=loras, response_format=formats)
+    got = spec.generate(prompts, params, lora=loras, response_format=formats)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.engine.stats.spec.num_accepted_tokens > 0
+    spec.engine.check_integrity()
