@@ -68,7 +68,7 @@ def engine_metrics(engine: Any) -> list[Metric]:
         Counter("loraplex:prefix_cache_hits", value=kv.num_prefix_hit_tokens),
         Counter("loraplex:num_preemptions", value=sched.num_preemptions),
     ]
-    spec = stats.spec
+    spec = getattr(stats, "spec", None)
     if spec is not None:
         out += [Counter("loraplex:spec_decode_num_drafts", value=spec.num_drafts),
                 Counter("loraplex:spec_decode_num_draft_tokens", value=spec.num_draft_tokens),

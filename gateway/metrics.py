@@ -77,8 +77,9 @@ class EngineCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         yield from _adapter_metrics(eng)
-        if stats.spec is not None:
-            yield from _spec_metrics(stats.spec)
+        spec = getattr(stats, "spec", None)   # speculative decoding counters, when it is on
+        if spec is not None:
+            yield from _spec_metrics(spec)
 
 
 def _spec_metrics(spec: Any) -> Iterator[Metric]:
