@@ -155,6 +155,7 @@ class EngineConfig:
     enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)
     async_scheduling: bool | None = None   # launch step t+1 before reading step t's tokens (None: on CUDA)
     tensor_parallel_size: int = 1      # > 1: the model sharded over that many ranks (core/distributed/)
+    speculative: Any = None            # core.spec.SpeculativeConfig, its JSON or dict (None: no speculation)
     tokenizer: str | None = None       # a tokenizer dir or hub id (None: the model's own)
     revision: str | None = None        # hub revision of `model` (branch, tag or commit; None: main)
     download_dir: str | None = None    # HF cache dir for hub ids (None: HF_HUB_CACHE)

@@ -30,6 +30,7 @@ from core.pending import PendingStep, fixup_to_device
 from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
 from core.sample_step import sample_step
 from core.sampling import SamplingParams
+from core.spec.engine_step import build_spec_decoder, plain_sample_rows, verify_step
 from core.stops import append_token, make_delta
 from core.step_faults import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
 from core.warmup import ProgressFn, WarmupReport, run_warmup
@@ -64,6 +65,10 @@ class LLMEngine:
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
         self._num_failed_steps = 0                     # whole-step failures in a row (core/step_faults.py)
         self._step_requests: list[Request] = []        # the requests scheduled in the running step
+        self.spec = build_spec_decoder(config, p)      # speculative decoding (core/spec/); None: off
+        if self.spec is not None:
+            self.async_scheduling = False              # drafts need the last token on the host
+            self.stats.spec = self.spec.stats
 
     # ---- start-up -------------------------------------------------------------------------
     @property
@@ -125,6 +130,8 @@ class LLMEngine:
             detok_params = params if grammar is None else dataclasses.replace(params, stop=())
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params,
                                                      use_prompt_context=grammar is None)
+            if self.spec is not None:
+                self.spec.admit(req, len(self.scheduler.requests))
             self.scheduler.add_request(req)
         except BaseException:
             if lora is not None and lora_held:
@@ -226,6 +233,8 @@ class LLMEngine:
             return out
         except BaseException as exc:
             drop_unread_tokens(self.scheduler.requests.values())
+            if self.spec is not None:
+                self.spec.reset(self.scheduler.requests.values())
             self._pending = None
             self._num_failed_steps += 1
             if not isinstance(exc, Exception) or self.tp is not None or is_fatal(exc) \
@@ -234,6 +243,8 @@ class LLMEngine:
             return out + [self._fail(r, f) for r, f in step_failure(exc, self._step_requests)]
 
     def _step(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self._step_requests = [r for r, _ in sched.scheduled]
         if sched.empty:
@@ -258,9 +269,13 @@ class LLMEngine:
         self._process(pending, out)     # the previous step's tokens, while this forward runs
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(host.requests))
-        if host.samples:
+        samples = host.samples
+        if self.spec is not None:
+            samples, rows = plain_sample_rows(host, rows, self.device)
+            out += verify_step(self, host, hidden)
+        if samples:
             # rows of requests that the previous step's tokens just ended are sampled and dropped when read
-            reqs = [host.requests[i] for i in host.samples]
+            reqs = [host.requests[i] for i in samples]
             tokens, lps, culprits = sample_step(self, reqs, hidden, rows)
             if self.tp is not None and self.async_scheduling:
                 self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs

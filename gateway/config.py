@@ -5,7 +5,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # core pulls in torch: keep `loraplex --help` fast
     from core.config import EngineConfig
@@ -88,6 +88,7 @@ class ServerConfig:
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
     tensor_parallel_size: int = 1            # ranks the model is sharded over (one process each)
     quantization: str | None = None          # --quantization (checked against the checkpoint)
+    speculative_config: Any = None           # core.spec.SpeculativeConfig (None: no speculative decoding)
     # vLLM's spellings (gateway/cli_vllm.py)
     served_model_aliases: tuple[str, ...] = ()   # more names of the base model (--served-model-name a b)
     chat_template: str | None = None         # the template text replacing the tokenizer's
@@ -136,4 +137,4 @@ class ServerConfig:
             tensor_parallel_size=self.tensor_parallel_size, tokenizer=self.tokenizer, revision=self.revision,
             download_dir=self.download_dir, trust_remote_code=self.trust_remote_code,
             chat_template=self.chat_template,
-            quantization=self.quantization)
+            quantization=self.quantization, speculative=self.speculative_config)

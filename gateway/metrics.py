@@ -77,6 +77,25 @@ class EngineCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         yield from _adapter_metrics(eng)
+        spec = getattr(stats, "spec", None)   # speculative decoding counters, when it is on
+        if spec is not None:
+            yield from _spec_metrics(spec)
+
+
+def _spec_metrics(spec: Any) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names, our prefix): drafts, accepted drafts, acceptance per position."""
+    for name, doc, value in (
+            ("loraplex:spec_decode_num_drafts", "Verification runs (a request's drafts of one step).", spec.num_drafts),
+            ("loraplex:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("loraplex:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+        yield CounterMetricFamily(name, doc, value=value)
+    per_pos = CounterMetricFamily("loraplex:spec_decode_num_accepted_tokens_per_pos",
+                                  "Runs that accepted the draft at this position.", labels=["position"])
+    for j, value in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(j)], value)
+    yield per_pos
+    yield GaugeMetricFamily("loraplex:spec_decode_mean_acceptance_length",
+                            "Tokens per verification run: 1 + accepted drafts / runs.", value=spec.mean_acceptance_length)
 
 
 def _adapter_metrics(eng: Any) -> Iterator[Metric]:
