@@ -15,6 +15,15 @@ TARGET_MODULES: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
+# Modules some checkpoints fuse already (Phi-3): PEFT targets them by these names; their LoRA B rows
+# split onto the HF modules they stack, in output-row order (one shared A).
+CHECKPOINT_FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Every module name an adapter may target.
+PEFT_TARGET_NAMES: tuple[str, ...] = TARGET_MODULES + tuple(CHECKPOINT_FUSED)
+
 # HF module name -> (fused group, slice index inside the group).
 MODULE_TO_GROUP: dict[str, tuple[str, int]] = {
     "q_proj": ("qkv", 0),
@@ -92,7 +101,10 @@ class BaseModelDims:
         return self.num_kv_heads * self.head_dim
 
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of an unfused HF module."""
+        """(in_features, out_features) of an HF module (a checkpoint-fused one: its slices stacked)."""
+        if module in CHECKPOINT_FUSED:
+            parts = [self.module_shape(m) for m in CHECKPOINT_FUSED[module]]
+            return parts[0][0], sum(out for _, out in parts)
         h, i = self.hidden_size, self.intermediate_size
         shapes = {
             "q_proj": (h, self.q_size),

@@ -22,7 +22,7 @@ SliceSpec = tuple[str, int, int]  # (HF module name, output column offset, outpu
 class LoRALinear(nn.Module):
     """base(x) plus, for every LoRA token of the step, the LoRA delta of each output slice."""
 
-    def __init__(self, base: nn.Linear, slices: Sequence[SliceSpec], pool: LoRASlotPool,
+    def __init__(self, base: nn.Module, slices: Sequence[SliceSpec], pool: LoRASlotPool,
                  layer_idx: int) -> None:
         super().__init__()
         names = tuple(name for name, _, _ in slices)
@@ -44,8 +44,8 @@ class LoRALinear(nn.Module):
         self.stack = pool.stack(layer_idx, group)
 
     @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.base, "weight", None)   # None over a quantized base (no float weight in memory)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -73,6 +73,14 @@ class LoRALinear(nn.Module):
         return f"group={self.group}, layer={self.layer_idx}, y_offset={self.y_offset}"
 
 
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or a layer standing for one (a quantized base: core.quant.linear.QuantLinear) that has
+    `in_features`, `out_features` and `bias`; LoRA adds to its (dequantized) output the same way."""
+    return isinstance(module, nn.Linear) or (isinstance(getattr(module, "in_features", None), int)
+                                             and isinstance(getattr(module, "out_features", None), int)
+                                             and hasattr(module, "bias"))
+
+
 def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
     for owner in (model, getattr(model, "model", None)):
         layers = getattr(owner, "layers", None) if owner is not None else None
@@ -93,9 +101,9 @@ def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
             module = getattr(parent, attr)
             if isinstance(module, LoRALinear):
                 continue
-            if not isinstance(module, nn.Linear):
+            if not is_linear(module):
                 raise TypeError(f"layers[{idx}].{parent_name}.{attr} is {type(module).__name__}, "
-                                "expected nn.Linear")
+                                "expected a linear layer")
             spec = pool.groups[group].group.slice_spec()
             setattr(parent, attr, LoRALinear(module, spec, pool, idx))
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from adapters.dims import TARGET_MODULES
+from adapters.dims import PEFT_TARGET_NAMES
 from adapters.errors import (
     CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError,
 )
@@ -76,10 +76,10 @@ def _check_target_modules(targets: Any) -> None:
         return  # "all-linear" or a regex: the saved weight keys decide (and are checked)
     if not isinstance(targets, (list, tuple, set)):
         raise _invalid(f"target_modules has an unexpected type {type(targets).__name__}")
-    bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in TARGET_MODULES})
+    bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES})
     if bad:
         raise _invalid(
-            f"unsupported target modules {bad}; supported: {list(TARGET_MODULES)}",
+            f"unsupported target modules {bad}; supported: {list(PEFT_TARGET_NAMES)}",
             CODE_UNSUPPORTED_TARGET)
 
 

@@ -17,7 +17,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from adapters.adapter import LoRAAdapter, LoRAModule
-from adapters.dims import BaseModelDims
+from adapters.dims import CHECKPOINT_FUSED, BaseModelDims
 from adapters.errors import (
     CODE_CORRUPT, CODE_INVALID, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH,
     CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, AdapterNotFoundError,
@@ -30,11 +30,12 @@ BIN_NAME = "adapter_model.bin"
 
 _KEY_RE = re.compile(
     r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
-    r"(?P<name>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj))"
+    r"(?P<name>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj))"
     r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$"
 )
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 _HUB_ID_RE = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
@@ -175,9 +176,26 @@ def build_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: 
         if cfg.rank_for(mkey) != rank:
             raise _invalid(f"{mkey}: weights have rank {rank} but the config says "
                            f"{cfg.rank_for(mkey)}", CODE_SHAPE_MISMATCH)
-        modules[(layer, name)] = LoRAModule(
-            lora_a=a.contiguous(), lora_b=b.contiguous(), scaling=cfg.scaling_for(mkey, rank))
+        module = LoRAModule(lora_a=a.contiguous(), lora_b=b.contiguous(), scaling=cfg.scaling_for(mkey, rank))
+        for part, part_module in _split_fused(name, module, dims):
+            if (layer, part) in modules:
+                raise _invalid(f"{mkey}: layer {layer} has LoRA on both {part} and a fused module holding it")
+            modules[(layer, part)] = part_module
     return modules
+
+
+def _split_fused(name: str, module: LoRAModule, dims: BaseModelDims) -> list[tuple[str, LoRAModule]]:
+    """A checkpoint-fused module (Phi-3 qkv_proj / gate_up_proj) as its slices: B's rows per slice, A shared
+    (B_slice @ A is exactly the slice of the fused delta)."""
+    if name not in CHECKPOINT_FUSED:
+        return [(name, module)]
+    parts, start = [], 0
+    for part in CHECKPOINT_FUSED[name]:
+        size = dims.module_shape(part)[1]
+        parts.append((part, LoRAModule(module.lora_a, module.lora_b[start:start + size].contiguous(),
+                                       module.scaling)))
+        start += size
+    return parts
 
 
 def load_peft_adapter(

@@ -1,8 +1,46 @@
-"""Admission checks of one request against the model's context, its vocabulary and the KV pool."""
+"""Admission checks of one request against the model's context, its vocabulary and the KV pool.
+
+Every id and count that indexes a tensor is bounded here, before the request reaches the engine step (where
+an out-of-range index would fail the whole batch): prompt ids against the embedding; `stop_token_ids` and
+`logit_bias` ids against the logits' width (the tensors they index: the min-tokens ban list, the bias rows,
+the grammar bitmask); both are the model's `vocab_size`, which may exceed the tokenizer's size (padded
+embeddings: the model can sample those ids, and the detokenizer takes them). The numbers of log-probabilities
+are at most the vocabulary (the server's `--max-logprobs` caps them first)."""
 from __future__ import annotations
+
+from typing import Sequence
 
 from core.errors import RequestRejected
 from core.sampling import SamplingParams
+
+
+def _out_of_range(ids: Sequence[int], limit: int) -> int | None:
+    return next((t for t in ids if not 0 <= t < limit), None)
+
+
+def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """A prompt id outside the embedding would fail the forward of every request batched with it (and on a
+    GPU end the CUDA context): refused at admission."""
+    if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        raise RequestRejected(f"prompt token id {_out_of_range(prompt_token_ids, vocab_size)} is outside the "
+                              f"vocabulary [0, {vocab_size})", "invalid_value", "prompt")
+
+
+def check_token_bounds(params: SamplingParams, vocab_size: int) -> None:
+    """Raises RequestRejected naming the field for an id or a count that would index past the logits."""
+    bad = _out_of_range(params.stop_token_ids, vocab_size)
+    if bad is not None:
+        raise RequestRejected(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              "invalid_value", "stop_token_ids")
+    bad = _out_of_range([t for t, _ in params.logit_bias], vocab_size)
+    if bad is not None:
+        raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              "invalid_value", "logit_bias")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= vocab_size:
+            raise RequestRejected(f"{name} ({k}) must be in [0, the vocabulary size {vocab_size}]",
+                                  "invalid_value", name)
 
 
 def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, vocab_size: int,
@@ -21,14 +59,7 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     if params.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
                               "invalid_value", "min_tokens")
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(params, name)
-        if k is not None and k > vocab_size:
-            raise RequestRejected(f"{name} ({k}) exceeds the vocabulary size {vocab_size}", "invalid_value", name)
-    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
-    if bad:
-        raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                              "invalid_value", "logit_bias")
+    check_token_bounds(params, vocab_size)
     num_blocks = -(-(num_prompt_tokens + max_tokens) // block_size)
     if num_blocks > num_kv_blocks:
         raise RequestRejected(

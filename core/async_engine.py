@@ -68,7 +68,9 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestDelta]]] = {}
         self._stop = False
+        self._closed = False      # under `_lock`: no stream may be registered any more (the loop ended)
         self.error: BaseException | None = None
+        self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the loop dies (server exit)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self.hooks: list[Callable[[], None]] = []   # run on the engine thread before each step
 
@@ -105,13 +107,19 @@ class AsyncEngine:
     def fail(self, reason: str) -> None:
         """Marks the loop dead from outside (a lost tensor-parallel worker): /health fails, every open
         stream gets the error, new requests get 503."""
-        if self.error is None:
-            self.error = RuntimeError(reason)
         self._stop = True
         self._wakeup.set()
+        self._close(RuntimeError(reason), f"engine failure: {reason}")
+
+    def _close(self, error: BaseException | None, message: str) -> None:
+        """No stream can be registered from now on (`submit` checks under the same lock), and every open one
+        gets `message`: a submission racing the end of the loop gets an error, never a hang."""
         with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._closed = True
             ids = list(self._streams)
-        self._deliver([_error_delta(rid, f"engine failure: {reason}") for rid in ids])
+        self._deliver([_error_delta(rid, message, EngineDeadError(message)) for rid in ids])
 
     # ---- submission (event-loop side) -----------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -130,6 +138,8 @@ class AsyncEngine:
             queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
             loop = asyncio.get_running_loop()
             with self._lock:
+                if self._closed:
+                    raise EngineDeadError("the engine loop is not running")
                 assert request_id not in self._streams, f"duplicate request id {request_id}"
                 self._streams[request_id] = (loop, queue)
                 self._adds.append(_Submission(request_id, list(prompt_token_ids), params, kwargs))
@@ -160,7 +170,7 @@ class AsyncEngine:
                 delta = await queue.get()
                 if delta.error is not None:
                     finished = True
-                    if delta.exception is not None and self.alive:
+                    if delta.exception is not None and (self.alive or isinstance(delta.exception, EngineDeadError)):
                         raise delta.exception
                     raise (RequestFailedError if self.alive else EngineDeadError)(delta.error)
                 finished = delta.finished
@@ -225,11 +235,12 @@ class AsyncEngine:
                 if deltas:
                     self._deliver(deltas)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
-            self.error = exc
             log.error("engine loop crashed: %s", traceback.format_exc())
-            with self._lock:
-                ids = list(self._streams)
-            self._deliver([_error_delta(rid, f"engine failure: {exc}") for rid in ids])
+            self._close(exc, f"engine failure: {exc}")
+            for callback in self.on_dead:   # the server exits non-zero: nothing would serve again
+                callback(exc)
+        else:
+            self._close(None, "the server is shutting down")
 
 
 def _put_all(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from core.family_config import (
+    GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, rope_fields, text_config,
+)
 
 
 @dataclass(frozen=True)
@@ -29,34 +31,38 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None             # the largest window of any layer (None: no layer slides)
     torch_dtype: str | None
+    qk_norm: bool = False                  # Qwen3: RMSNorm over head_dim of every q and k head before rope
+    layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None for full attention
+    rotary_dim: int = 0                    # channels of each head that rope rotates (partial_rotary_factor)
+    architecture: str = "llama"            # the module family: "llama" (core/models/llama.py) or "gemma"
+    hidden_act: str = "silu"               # the gated MLP's activation: silu, gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None   # Gemma: attention scale = this ** -0.5 (else head_dim ** -0.5)
+    attn_logit_softcap: float | None = None      # Gemma 2: softcap * tanh(scores / softcap)
+    final_logit_softcap: float | None = None     # Gemma 2: the same on the LM head's logits
+    local_rope_theta: float | None = None        # Gemma 3: default rope with this theta on sliding layers
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        cfg = text_config(cfg)
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        # transformers >= 5 writes `rope_parameters`; older configs use rope_theta / rope_scaling.
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        scaling = cfg.get("rope_scaling") or None
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = dict(rope_params)
+        rope_theta, scaling, local_theta, partial = rope_fields(cfg, model_type)
         is_qwen2 = model_type == "qwen2"
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = cfg.get("sliding_window")
-        if is_qwen2 and not cfg.get("use_sliding_window", False):
-            sliding = None
+        num_layers = int(cfg["num_hidden_layers"])
+        windows = layer_windows(cfg, model_type, num_layers)
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -64,17 +70,46 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=max((w for w in windows if w), default=None),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            layer_windows=windows,
+            rotary_dim=int(int(head_dim) * partial),
+            local_rope_theta=local_theta,
+            **family_fields(cfg, model_type),
         )
 
     @staticmethod
     def from_path(model_dir: str | Path) -> "ModelConfig":
         return ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def describe(self) -> str:
+        """One line for the start-up log: the architecture and the features in use."""
+        feats = [f"head_dim {self.head_dim}", f"{self.num_heads} heads / {self.num_kv_heads} kv heads"]
+        feats += [name for name, on in (("q/k norm", self.qk_norm), ("qkv bias", self.qkv_bias),
+                                        ("o bias", self.o_bias), ("tied embeddings", self.tie_word_embeddings)) if on]
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        feats.append(f"rope {rope_type} (theta {self.rope_theta:g})")
+        if self.rotary_dim < self.head_dim:
+            feats.append(f"partial rotary ({self.rotary_dim} of {self.head_dim} channels)")
+        if self.architecture == "gemma":
+            feats.append(f"{self.hidden_act} MLP, attention scale {self.attn_scale:.4g}")
+        if self.local_rope_theta is not None:
+            feats.append(f"local rope theta {self.local_rope_theta:g} on sliding layers")
+        feats += [f"{what} soft-cap {cap:g}" for what, cap in (("attention", self.attn_logit_softcap),
+                                                               ("final logit", self.final_logit_softcap)) if cap]
+        windows = sorted({w for w in self.layer_windows if w})
+        if windows:
+            num_sliding = sum(1 for w in self.layer_windows if w)
+            feats.append(f"sliding window {windows} on {num_sliding}/{self.num_layers} layers")
+        return f"{self.model_type}, {self.num_layers} layers: " + ", ".join(feats)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -120,8 +155,10 @@ class EngineConfig:
     enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)
     async_scheduling: bool | None = None   # launch step t+1 before reading step t's tokens (None: on CUDA)
     tensor_parallel_size: int = 1      # > 1: the model sharded over that many ranks (core/distributed/)
+    speculative: Any = None            # core.spec.SpeculativeConfig, its JSON or dict (None: no speculation)
     tokenizer: str | None = None       # a tokenizer dir or hub id (None: the model's own)
     revision: str | None = None        # hub revision of `model` (branch, tag or commit; None: main)
     download_dir: str | None = None    # HF cache dir for hub ids (None: HF_HUB_CACHE)
     trust_remote_code: bool = False    # lets a tokenizer's own code run; models always use ours
     chat_template: str | None = None   # replaces the tokenizer's chat template
+    quantization: str | None = None    # vLLM's --quantization: checked against the checkpoint (core/quant/)

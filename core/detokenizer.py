@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings (not included in the output, held back while streaming)."""
+"""Incremental detokenization with stop strings (cut from the output and held back while streaming, unless
+`include_stop_str_in_output`: then the text ends with the matched stop string and nothing is held back)."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,21 +24,35 @@ class IncrementalDetokenizer:
         self.text = ""
         self._num_sent = 0
         self._stops = params.stop
-        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._include_stop = params.include_stop_str_in_output
+        self._search_back = max((len(s) for s in self._stops), default=1) - 1   # a stop may start this far back
+        self._holdback = 0 if self._include_stop else self._search_back
+        # vLLM's spaces_between_special_tokens=False (with special tokens shown): an added token right after
+        # another one is written as its raw content, with no space the decoder may put before it
+        self._added: dict[int, str] | None = None
+        self._last_added = False
+        if not params.skip_special_tokens and not params.spaces_between_special_tokens:
+            self._added = {tid: tok.content for tid, tok in tokenizer.added_tokens_decoder.items()}
 
     def add_token(self, token_id: int) -> bool:
         """Appends one token's text. Returns True when a stop string appeared (text cut before it)."""
         piece = self._stream.step(self._backend, token_id)
+        if self._added is not None:
+            content = self._added.get(token_id)
+            if content is not None and self._last_added:
+                piece = content
+            self._last_added = content is not None
         if not piece:
             return False
-        search_from = max(0, len(self.text) - self._holdback)
+        search_from = max(0, len(self.text) - self._search_back)
         self.text += piece
         if not self._stops:
             return False
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stops) if i >= 0]
+        hits = [(i, len(s)) for s, i in ((s, self.text.find(s, search_from)) for s in self._stops) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        start, length = min(hits)
+        self.text = self.text[:start + length] if self._include_stop else self.text[:start]
         return True
 
     def take_delta(self, finished: bool) -> str:

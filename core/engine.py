@@ -5,16 +5,16 @@ import dataclasses
 import logging
 import os
 import random
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from adapters.errors import AdapterError
 from adapters.registry import LoadedAdapter
 from adapters.slot_fill import SlotFiller
+from core import faults
 from core.config import EngineConfig
+from core.errors import RequestFault
 from core.detokenizer import IncrementalDetokenizer
 from core.engine_setup import EngineParts, build_engine_parts
 from core.grammar_compilers import GrammarCompilers
@@ -22,15 +22,17 @@ from core.outputs import RequestDelta
 from core.request import PENDING_TOKEN, Request, RequestStatus
 from core.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.lora_step import lora_token_slots, pump_adapter_loads
+from core.models.rope import rope_namespace, rope_row_offset
 from core.penalties import PenaltyState
-from core.admission import check_request
+from core.admission import check_prompt_ids, check_request
 from core.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs, record_prompt_logprobs
 from core.pending import PendingStep, fixup_to_device
 from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
-from core.sampler import SamplingBatch, compute_logprobs, sample
+from core.sample_step import sample_step
 from core.sampling import SamplingParams
-from core.stops import make_delta, stop_status
-from core.structured import apply_token_masks, fill_token_masks
+from core.spec.engine_step import build_spec_decoder, plain_sample_rows, verify_step
+from core.stops import append_token, make_delta
+from core.step_faults import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
 from core.warmup import ProgressFn, WarmupReport, run_warmup
 
 log = logging.getLogger("loraplex.engine")
@@ -61,6 +63,12 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
+        self._num_failed_steps = 0                     # whole-step failures in a row (core/step_faults.py)
+        self._step_requests: list[Request] = []        # the requests scheduled in the running step
+        self.spec = build_spec_decoder(config, p)      # speculative decoding (core/spec/); None: off
+        if self.spec is not None:
+            self.async_scheduling = False              # drafts need the last token on the host
+            self.stats.spec = self.spec.stats
 
     # ---- start-up -------------------------------------------------------------------------
     @property
@@ -108,18 +116,22 @@ class LLMEngine:
         the hold over, and gives it back if it is rejected."""
         try:
             max_tokens = self.check_request(len(prompt_token_ids), params)
+            check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
             if lora is not None and not lora_held:
                 self.registry.acquire(lora)      # an adapter unloaded since its name was resolved: 404
                 lora_held = True
             seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
+            rope_offset = rope_row_offset(self.model_config, self.max_model_len, len(prompt_token_ids) + max_tokens)
             req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                           max_tokens=max_tokens, seed=seed, eos_token_ids=self.eos_token_ids,
-                          namespace=lora.namespace if lora is not None else "base", lora_slot_key=lora,
-                          grammar=grammar, tenant=tenant)
+                          namespace=rope_namespace(lora.namespace if lora is not None else "base", rope_offset),
+                          lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset)
             # constrained requests never cut their text at stop strings (the grammar ends them)
             detok_params = params if grammar is None else dataclasses.replace(params, stop=())
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, detok_params,
                                                      use_prompt_context=grammar is None)
+            if self.spec is not None:
+                self.spec.admit(req, len(self.scheduler.requests))
             self.scheduler.add_request(req)
         except BaseException:
             if lora is not None and lora_held:
@@ -174,7 +186,8 @@ class LLMEngine:
         for entry in self.registry.take_released():
             self.lora_pool.unload_adapter(entry.generation_id)
             if self.kv.prefix_cache is not None:
-                self.kv.prefix_cache.clear_namespace(entry.namespace)
+                for offset in (0, 1):    # KV rotated with the short and with the long rope factors
+                    self.kv.prefix_cache.clear_namespace(rope_namespace(entry.namespace, offset))
 
     def _lora_token_slots(self, reqs: list[Request],
                           num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:
@@ -190,6 +203,12 @@ class LLMEngine:
             deltas.append(delta)
         return deltas
 
+    def _fail(self, req: Request, fault: RequestFault) -> RequestDelta:
+        """Ends one request that failed inside the step (its blocks, adapter hold and penalty row freed)."""
+        if not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return error_delta(req, fault)
+
     def _pump_adapter_loads(self) -> list[RequestDelta]:
         """Starts the waiting requests' adapter loads (loader pool); fails those whose adapter cannot load."""
         deltas = []
@@ -202,50 +221,69 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         """Runs one iteration. With async scheduling it returns the tokens of the step before (see
-        `core/pending.py`); otherwise those of this one."""
+        `core/pending.py`); otherwise those of this one. A request whose own state raises fails alone; a
+        failure of the whole step fails the requests of the step (`core/step_faults.py`)."""
         self._release_unloaded_adapters()
-        failed = self._pump_adapter_loads()
+        out = self._pump_adapter_loads()
         pending, self._pending = self._pending, None
+        self._step_requests = []
         try:
-            return failed + self._step(pending)
-        except BaseException:
-            # leave no placeholder behind: an unread token is dropped (its request samples it again, with the
-            # same seed and step), and the step's progress was never recorded, so its KV is recomputed
-            for r in list(self.scheduler.requests.values()):
-                if r.num_pending_tokens:
-                    r.drop_pending_token()
+            self._step(pending, out)
+            self._num_failed_steps = 0
+            return out
+        except BaseException as exc:
+            drop_unread_tokens(self.scheduler.requests.values())
+            if self.spec is not None:
+                self.spec.reset(self.scheduler.requests.values())
             self._pending = None
-            raise
+            self._num_failed_steps += 1
+            if not isinstance(exc, Exception) or self.tp is not None or is_fatal(exc) \
+                    or self._num_failed_steps >= MAX_FAILED_STEPS:
+                raise
+            return out + [self._fail(r, f) for r, f in step_failure(exc, self._step_requests)]
 
-    def _step(self, pending: PendingStep | None) -> list[RequestDelta]:
+    def _step(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        self._step_requests = [r for r, _ in sched.scheduled]
         if sched.empty:
             if pending is None:
                 self.registry.wait_for_loads(0.02)   # only adapter loads can make progress: do not spin
-            return self._process(pending)
+            self._process(pending, out)
+            return
         host = prepare_batch(sched.scheduled, self.block_size)
         token_slots, failed = self._lora_token_slots(host.requests, host.num_new)
         if failed:  # skip this forward: fail the requests of unreadable adapters, the rest run next step
-            deltas = self._process(pending)
+            self._process(pending, out)
             names = ", ".join(sorted({e.name for e in failed}))
-            return deltas + self._fail_requests(
+            out += self._fail_requests(
                 [r for r in host.requests if r.lora_slot_key in failed and not r.status.finished],
                 f"the weights of adapter(s) {names} could not be read")
+            return
         # Everything up to `pending.read()` is queued on the GPU without waiting for it.
         plan = plan_prompt_logprobs(host)
         hidden, rows = self._forward(host, token_slots, pending, plan)
         if plan is not None:
-            record_prompt_logprobs(self.model, plan, hidden)
-        deltas = self._process(pending)     # the previous step's tokens, while this forward runs
+            out += [self._fail(r, f) for r, f in record_prompt_logprobs(self.model, plan, hidden)]
+        self._process(pending, out)     # the previous step's tokens, while this forward runs
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(host.requests))
-        if host.samples:
+        samples = host.samples
+        if self.spec is not None:
+            samples, rows = plain_sample_rows(host, rows, self.device)
+            out += verify_step(self, host, hidden)
+        if samples:
             # rows of requests that the previous step's tokens just ended are sampled and dropped when read
-            self._pending = self._sample([host.requests[i] for i in host.samples], hidden, rows)
+            reqs = [host.requests[i] for i in samples]
+            tokens, lps, culprits = sample_step(self, reqs, hidden, rows)
+            if self.tp is not None and self.async_scheduling:
+                self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs
+            out += [self._fail(reqs[i], f) for i, f in culprits.items() if not reqs[i].status.finished]
+            self._pending = PendingStep.launch(reqs, tokens, lps)
             if not self.async_scheduling:
-                deltas += self._process(self._pending)
+                self._process(self._pending, out)
                 self._pending = None
-        return deltas
 
     def _forward(self, host: HostBatch, token_slots: np.ndarray | None, pending: PendingStep | None,
                  plan: PromptLogprobPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -253,6 +291,8 @@ class LLMEngine:
         fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
         use_graph = self.graphs is not None and self.graphs.can_run(host)
+        if faults.ACTIVE:
+            faults.hit_any("forward", host.requests)
         if self.tp is not None:   # the workers run the same forward (and the same patch of in-flight tokens)
             self.tp.send_step(host, token_slots, use_graph=use_graph, fixup=fixup,
                               prompt_rows=plan.rows if plan is not None else None, share_tokens=self.async_scheduling)
@@ -273,43 +313,21 @@ class LLMEngine:
             self.lora_pool.unpin_all()
             self.lora_pool.context.clear()
 
-    def _sample(self, reqs: list[Request], hidden: torch.Tensor, rows: torch.Tensor | None) -> PendingStep:
-        """Masks (filled on the CPU while the forward runs), samples, and starts the copy of the tokens."""
-        masks = fill_token_masks(reqs, self.model_config.vocab_size)
-        sbatch = SamplingBatch.from_requests(reqs, self.model_config.vocab_size, self.device)
-        logits = self.model.compute_logits(hidden if rows is None else hidden[rows])       # [N, vocab]
-        apply_token_masks(logits, masks)
-        # penalties, bias and min_tokens on a copy (-inf stays -inf: the grammar mask keeps the last word);
-        # logprobs report `logits`, the model's distribution before penalties and temperature
-        penalties = self.penalties.prepare(reqs)
-        tokens = sample(logits if penalties is None else self.penalties.apply(logits, penalties), sbatch)
-        if self.tp is not None and self.async_scheduling:
-            self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs
-        if penalties is not None:
-            self.penalties.record(penalties, tokens)
-        lps = compute_logprobs(logits, tokens, sbatch.max_logprobs) if sbatch.max_logprobs >= 0 else None
-        return PendingStep.launch(reqs, tokens, lps)
-
-    def _process(self, pending: PendingStep | None) -> list[RequestDelta]:
-        """Reads a step's tokens and appends them (stops, detokenization, grammar); skips ended requests."""
+    def _process(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
+        """Reads a step's tokens and appends them (stops, detokenization, grammar); skips ended requests. A
+        request whose token handling raises fails alone."""
         if pending is None:
-            return []
+            return
         tokens, lps = pending.read()
-        return [self._append_token(r, t, lp) for r, t, lp in zip(pending.requests, tokens, lps)
-                if not r.status.finished]
-
-    def _append_token(self, req: Request, token: int, logprob: Any) -> RequestDelta:
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.stats.observe_ttft(now - req.arrival_time)
-        req.append_token(token)
-        self.stats.num_generation_tokens += 1
-        status = stop_status(req, token, self.max_model_len)
-        if status is not None:
-            self.scheduler.finish(req, status)
-            self.stats.observe_e2e(now - req.arrival_time)
-        return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
+        for r, t, lp in zip(pending.requests, tokens, lps):
+            if r.status.finished:
+                continue
+            try:
+                out.append(append_token(r, t, lp, self.max_model_len, self.scheduler.finish, self.stats))
+            except Exception as exc:  # noqa: BLE001 - this request's failure
+                if is_fatal(exc):
+                    raise
+                out.append(self._fail(r, fault_of(r, "token handling", exc)))
 
     def check_integrity(self) -> None:
         if self._pending is None:

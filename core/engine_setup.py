@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from core.tokenizer_load import load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+logger = logging.getLogger("loraplex.engine")
 CPU_DEFAULT_KV_BYTES = 2 << 30
 # CUDA: memory kept out of the KV pool for the decode graphs' shared pool (activations of the largest
 # captured batch and split-KV partials; measured ~100 MiB for the 8B shape at batch 256) and the eager
@@ -115,12 +117,12 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     raw = json.loads((model_dir / "config.json").read_text())
     check_architecture(raw)
     cfg = ModelConfig.from_dict(raw)
+    logger.info("model architecture: %s", cfg.describe())
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
     check_max_model_len(config.scheduler.max_model_len, cfg)
+    # sliding windows bound what each layer attends to, not the context: it is max_position_embeddings
     max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
-    if cfg.sliding_window:
-        max_model_len = min(max_model_len, cfg.sliding_window)
     return ModelFiles(model_dir, cfg, device, dtype, max_model_len, load_engine_tokenizer(config, model_dir))
 
 
@@ -148,7 +150,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     f = resolve_model_files(config)
     cfg, device, dtype, max_model_len = f.cfg, f.device, f.dtype, f.max_model_len
     model = load_model(f.model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device,
-                       load_format=config.load_format)
+                       load_format=config.load_format, quantization=config.quantization)
     lora_pool, registry = build_lora(config, cfg, model, device, dtype)
     num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
     shape = (num_blocks, config.cache.block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -10,3 +10,17 @@ class RequestRejected(ValueError):
         self.message = message
         self.code = code
         self.param = param
+
+
+class RequestFault(RuntimeError):
+    """One request failed inside the engine step; the other requests of the batch go on. `status` is 400 when
+    the request's own input was at fault (an id outside the vocabulary, a grammar with no way on), 500 otherwise
+    (an internal failure that touched only this request)."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "request_failed",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param

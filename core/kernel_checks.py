@@ -44,11 +44,16 @@ def forward_hooks(check: KernelSelfCheck, engine: Any, label: str) -> Iterator[N
         triton_forward, reference = backend.forward, TorchAttentionBackend()
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
-            if "attention" not in done:
-                done.add("attention")
-                _check_attention(check, label, triton_forward, reference, gen, q, k, v, k_cache, v_cache, meta, scale)
-            return triton_forward(q, k, v, k_cache, v_cache, meta, scale)
+                      v_cache: torch.Tensor, meta: Any, scale: float, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
+            # each layer variant (sliding window, soft-capping: Gemma, Mistral, Qwen3 layer_types) once
+            key = f"attention window={window} softcap={softcap}"
+            if key not in done:
+                done.add(key)
+                extra = "" if window is None and softcap is None else f", window {window}, softcap {softcap}"
+                _check_attention(check, label + extra, triton_forward, reference, gen, q, k, v, k_cache, v_cache,
+                                 meta, scale, window, softcap)
+            return triton_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
         backend.forward = attention   # type: ignore[method-assign]
         restore.append(lambda: delattr(backend, "forward"))
@@ -93,7 +98,8 @@ def forward_hooks(check: KernelSelfCheck, engine: Any, label: str) -> Iterator[N
 
 def _check_attention(check: KernelSelfCheck, label: str, triton_forward: Callable[..., torch.Tensor],
                      reference: Any, gen: torch.Generator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float) -> None:
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> None:
     """The KV store and the attention output on random q/k/v and random blocks (the warm-up's dummy steps
     read and write only their own blocks, before any request holds one)."""
     q, k, v = (random_like(t, gen) for t in (q, k, v))
@@ -102,9 +108,9 @@ def _check_attention(check: KernelSelfCheck, label: str, triton_forward: Callabl
     blocks = torch.unique(torch.cat([t.to(k_cache.device, torch.int64) for t in tables]))   # [nb]
     for cache in (k_cache, v_cache):
         cache[blocks] = torch.randn(cache[blocks].shape, generator=gen, device=cache.device).to(cache.dtype)
-    got = triton_forward(q, k, v, k_cache, v_cache, meta, scale)                             # [T, H, D]
+    got = triton_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)            # [T, H, D]
     stored = (k_cache[blocks].clone(), v_cache[blocks].clone())
-    want = reference.forward(q, k, v, k_cache, v_cache, meta, scale)   # stores the same K/V again
+    want = reference.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)   # stores the same K/V again
     for name, cache, before in (("K", k_cache, stored[0]), ("V", v_cache, stored[1])):
         check.compare(f"store_kv_kernel ({name}) [{label}]", "attention", before, cache[blocks], q.dtype, exact=True)
     kernels = "paged_attention_kernel+reduce_splits_kernel" if "split" in label else "paged_attention_kernel"

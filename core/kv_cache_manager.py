@@ -94,6 +94,13 @@ class KVCacheManager:
             self.prefix_cache.unlock(node)
         self._tree_refs[req.request_id] = (new_node, num_full)
 
+    def trim(self, req: Request) -> None:
+        """Frees the blocks past the request's tokens (those only rejected draft positions used)."""
+        num_keep = max(cdiv(req.num_tokens, self.block_size), self.num_tree_blocks(req))
+        if len(req.block_ids) > num_keep:
+            self.allocator.free(req.block_ids[num_keep:])
+            del req.block_ids[num_keep:]
+
     # ---- release --------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         node, num_tree = self._tree_refs.pop(req.request_id, (None, 0))

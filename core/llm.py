@@ -8,8 +8,10 @@ from typing import Any, Sequence, Union
 
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine import LLMEngine
+from core.metrics import Metric, engine_metrics
 from core.outputs import CompletionOutput, RequestOutput
 from core.sampling import SamplingParams
+from core.spec.config import SpeculativeConfig
 from grammar.matcher import GrammarMatcher
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -31,9 +33,10 @@ class LLM:
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
                  async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), tensor_parallel_size: int = 1,
-                 warmup: bool = True) -> None:
+                 warmup: bool = True, quantization: str | None = None,
+                 speculative_config: dict[str, Any] | str | None = None) -> None:
         """`warmup=False` skips the start-up kernel warm-up (`LLMEngine.warmup`): the first steps then compile
-        Triton kernels as they meet them."""
+        Triton kernels as they meet them. `speculative_config`: vLLM's dict (`core/spec/config.py`)."""
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -44,7 +47,8 @@ class LLM:
             max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
             lora_modules=tuple((lora_modules or {}).items()), lora_dirs=tuple(str(d) for d in lora_dirs),
             load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+            speculative=SpeculativeConfig.parse(speculative_config))
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()
@@ -77,17 +81,22 @@ class LLM:
         engine = self.engine
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
-            text, ids = self._encode(prompt)
-            results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
-                                         outputs=[], finished=False))
-            for j in range(p.n):
-                rid = f"{results[-1].request_id}-{j}"
-                matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
-                engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
-                children[rid] = (i, j)
-                results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
-                                                            logprobs=[] if p.logprobs is not None else None))
+        try:
+            for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
+                text, ids = self._encode(prompt)
+                results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
+                                             outputs=[], finished=False))
+                for j in range(p.n):
+                    rid = f"{results[-1].request_id}-{j}"
+                    matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
+                    engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
+                    children[rid] = (i, j)
+                    results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
+                                                                logprobs=[] if p.logprobs is not None else None))
+        except BaseException:   # one prompt rejected at admission (RequestRejected): none of them runs
+            for rid in children:
+                engine.abort_request(rid)
+            raise
         errors: list[str] = []
         while engine.has_unfinished_requests():
             for delta in engine.step():
@@ -109,6 +118,11 @@ class LLM:
         if errors:  # every request has ended (the engine is clean); report what failed
             raise RuntimeError("; ".join(errors))
         return results
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges as vLLM's `LLM.get_metrics()` returns them (Counter / Gauge /
+        Vector objects with `.name`, `.labels`, `.value` or `.values`), named as `/metrics` names them."""
+        return engine_metrics(self.engine)
 
     def _compile(self, response_format: dict[str, Any] | None) -> Any:
         """None for free text, else the compiled grammar (raises grammar.GrammarError if unsupported)."""

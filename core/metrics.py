@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -15,6 +16,7 @@ class EngineStats:
     e2e_s: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     max_samples: int = 10000
+    spec: Any = None             # core.spec.stats.SpecStats when speculative decoding is on
 
     def record_step(self, num_tokens: int, num_reqs: int) -> None:
         self.num_steps += 1
@@ -29,3 +31,48 @@ class EngineStats:
         with self.lock:
             self.e2e_s.append(seconds)
             del self.e2e_s[:-self.max_samples]
+
+
+# ---- the offline API's metrics (`LLM.get_metrics()`, the shape of vLLM's `vllm.v1.metrics.reader`) -------
+@dataclass
+class Metric:
+    name: str                                   # the Prometheus name without `_total`
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Counter(Metric):
+    value: int = 0
+
+
+@dataclass
+class Gauge(Metric):
+    value: float = 0.0
+
+
+@dataclass
+class Vector(Metric):
+    values: list[int] = field(default_factory=list)
+
+
+def engine_metrics(engine: Any) -> list[Metric]:
+    """Counters and gauges of an engine, named as `/metrics` names them (`loraplex:` prefix)."""
+    stats, sched, kv = engine.stats, engine.scheduler, engine.kv
+    out: list[Metric] = [
+        Gauge("loraplex:num_requests_running", value=sched.num_running),
+        Gauge("loraplex:num_requests_waiting", value=sched.num_waiting),
+        Gauge("loraplex:kv_cache_usage_perc", value=kv.usage()),
+        Counter("loraplex:prompt_tokens", value=stats.num_prompt_tokens),
+        Counter("loraplex:generation_tokens", value=stats.num_generation_tokens),
+        Counter("loraplex:prefix_cache_queries", value=kv.num_prefix_queries_tokens),
+        Counter("loraplex:prefix_cache_hits", value=kv.num_prefix_hit_tokens),
+        Counter("loraplex:num_preemptions", value=sched.num_preemptions),
+    ]
+    spec = getattr(stats, "spec", None)
+    if spec is not None:
+        out += [Counter("loraplex:spec_decode_num_drafts", value=spec.num_drafts),
+                Counter("loraplex:spec_decode_num_draft_tokens", value=spec.num_draft_tokens),
+                Counter("loraplex:spec_decode_num_accepted_tokens", value=spec.num_accepted_tokens),
+                Vector("loraplex:spec_decode_num_accepted_tokens_per_pos", values=list(spec.accepted_per_position)),
+                Gauge("loraplex:spec_decode_mean_acceptance_length", value=spec.mean_acceptance_length)]
+    return out

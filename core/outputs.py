@@ -7,6 +7,22 @@ from dataclasses import dataclass, field
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 
 
+class RankedLogprob(tuple):  # type: ignore[type-arg]
+    """A prompt position's TokenLogprob (it unpacks as one) that also carries the prompt token's rank in the
+    whole vocabulary (1 = the most likely), as vLLM's `prompt_logprobs` report it."""
+
+    rank: int
+
+    def __new__(cls, token_id: int, logprob: float, alternatives: list[tuple[int, float]],
+                rank: int) -> "RankedLogprob":
+        obj = super().__new__(cls, (token_id, logprob, alternatives))
+        obj.rank = rank
+        return obj
+
+    def __getnewargs__(self) -> tuple[int, float, list[tuple[int, float]], int]:  # type: ignore[override]
+        return (self[0], self[1], self[2], self.rank)
+
+
 @dataclass
 class RequestDelta:
     """What one engine step produced for one request (the unit streamed to the gateway)."""

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from core import faults
 from core.request import Request
 from core.sampling import MAX_LOGIT_BIAS
+from core.step_faults import check_ids
 
 
 @dataclass
@@ -37,12 +39,13 @@ class PenaltyBatch:
     bias_width: int                 # 0 = no row has a bias
 
 
-def _min_tokens_bans(reqs: list[Request]) -> tuple[list[int], list[int]]:
+def _min_tokens_bans(reqs: list[Request], vocab_size: int) -> tuple[list[int], list[int]]:
     rows: list[int] = []
     tokens: list[int] = []
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens and not r.status.finished:
+            check_ids(p.stop_token_ids, vocab_size, "stop_token_ids")
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             rows += [i] * len(banned)
             tokens += sorted(banned)
@@ -108,6 +111,8 @@ class PenaltyState:
         rid = req.request_id
         slot = self._slot_of.get(rid)
         if slot is None:
+            check_ids(req.prompt_token_ids, self.vocab_size, "prompt")
+            check_ids([t for t, _ in req.sampling_params.logit_bias], self.vocab_size, "logit_bias")
             if not self._free:
                 self._grow(2 * self.num_slots)
             slot = self._slot_of[rid] = self._free.pop()
@@ -118,8 +123,10 @@ class PenaltyState:
 
     def prepare(self, reqs: list[Request]) -> PenaltyBatch | None:
         """Host side: None when no row has penalties, a bias or a pending min_tokens (the plain sampler runs)."""
+        if faults.ACTIVE:
+            faults.hit_any("penalties", reqs)
         live = [bool(r.sampling_params.has_penalties and not r.status.finished) for r in reqs]
-        ban_rows, ban_tokens = _min_tokens_bans(reqs)
+        ban_rows, ban_tokens = _min_tokens_bans(reqs, self.vocab_size)
         if not any(live) and not ban_rows:
             return None
         slots = [self._slot(r) if on else 0 for r, on in zip(reqs, live)]

@@ -13,9 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.outputs import TokenLogprob
+from core import faults
+from core.errors import RequestFault
+from core.outputs import RankedLogprob, TokenLogprob
 from core.request import Request
 from core.runner import HostBatch
+from core.step_faults import check_ids, fault_of, is_fatal
 
 
 def wants_prompt_logprobs(req: Request) -> bool:
@@ -47,20 +50,42 @@ def plan_prompt_logprobs(host: HostBatch) -> PromptLogprobPlan | None:
     return PromptLogprobPlan(np.concatenate(parts), spans) if parts else None
 
 
-def record_prompt_logprobs(model: Any, plan: PromptLogprobPlan, hidden: torch.Tensor) -> None:
-    """hidden [T, H] of the step: fills `req.prompt_logprobs` for the planned positions (one LM-head call)."""
+def record_prompt_logprobs(model: Any, plan: PromptLogprobPlan,
+                           hidden: torch.Tensor) -> list[tuple[Request, RequestFault]]:
+    """hidden [T, H] of the step: fills `req.prompt_logprobs` for the planned positions (one LM-head call).
+    A request whose own entries fail is returned with its error; the others are filled."""
     rows = torch.from_numpy(plan.rows).to(hidden.device)
     logp = model.compute_logits(hidden.index_select(0, rows)).log_softmax(dim=-1)              # [P, V]
+    failed: list[tuple[Request, RequestFault]] = []
     offset = 0
     for req, start, num in plan.spans:
         part = logp[offset:offset + num]                                                     # [p, V]
         offset += num
-        targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + num], device=logp.device)  # [p]
-        chosen = part.gather(1, targets[:, None]).squeeze(1).tolist()
-        k = req.sampling_params.prompt_logprobs or 0
-        vals, ids = part.topk(min(k, part.shape[-1]), dim=-1)                                 # [p, k]
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None] * req.num_prompt_tokens
-        for j, (c, top_ids, top_vals) in enumerate(zip(chosen, ids.tolist(), vals.tolist())):
-            entry: TokenLogprob = (req.prompt_token_ids[start + 1 + j], c, list(zip(top_ids, top_vals)))
-            req.prompt_logprobs[start + 1 + j] = entry
+        try:
+            _record(req, start, part)
+        except Exception as exc:  # noqa: BLE001 - this request's failure
+            if is_fatal(exc):
+                raise
+            failed.append((req, fault_of(req, "prompt log-probs", exc)))
+    return failed
+
+
+def _record(req: Request, start: int, part: torch.Tensor) -> None:
+    """part [p, V]: the log-probs of the prompt positions start + 1 .. start + p."""
+    if faults.ACTIVE:
+        faults.hit("prompt_logprobs", req)
+    num = part.shape[0]
+    target_ids = req.prompt_token_ids[start + 1:start + 1 + num]
+    check_ids(target_ids, part.shape[-1], "prompt")
+    targets = torch.tensor(target_ids, device=part.device)                                   # [p]
+    chosen_t = part.gather(1, targets[:, None])                                               # [p, 1]
+    ranks = ((part > chosen_t).sum(dim=-1) + 1).tolist()                                       # [p] 1 = best
+    chosen = chosen_t.squeeze(1).tolist()
+    k = req.sampling_params.prompt_logprobs or 0
+    vals, ids = part.topk(min(k, part.shape[-1]), dim=-1)                                     # [p, k]
+    if req.prompt_logprobs is None:
+        req.prompt_logprobs = [None] * req.num_prompt_tokens
+    for j, (c, rank, top_ids, top_vals) in enumerate(zip(chosen, ranks, ids.tolist(), vals.tolist())):
+        entry: TokenLogprob = RankedLogprob(req.prompt_token_ids[start + 1 + j], c, list(zip(top_ids, top_vals)),
+                                            rank)
+        req.prompt_logprobs[start + 1 + j] = entry

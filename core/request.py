@@ -33,6 +33,7 @@ class Request:
     seed: int                             # effective sampling seed (drawn when the client gave none)
     eos_token_ids: frozenset[int]
     namespace: str = "base"               # prefix-cache namespace: "base" or an adapter generation id
+    rope_offset: int = 0                  # longrope: rope table row offset of the long factors (0: short)
     lora_slot_key: Any = None             # adapter identity for the LoRA slot pool (None = base)
     grammar: Any = None                   # per-request grammar matcher (None = unconstrained)
     tenant: str | None = None             # who pays for it (fair scheduling, per-tenant metrics)
@@ -50,6 +51,8 @@ class Request:
     first_token_time: float | None = None
     num_pending_tokens: int = 0           # trailing PENDING_TOKEN placeholders (async scheduling: 0 or 1)
     prompt_logprobs: list[Any] | None = None   # per prompt position (entry 0 None); see core/prompt_logprobs.py
+    speculate: bool = False               # proposes draft tokens (decided at admission, kept for its life)
+    num_spec_tokens: int = 0              # trailing draft tokens in all_token_ids, verified this step
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -90,6 +93,24 @@ class Request:
         self.all_token_ids.pop()
         self.num_pending_tokens = 0
         self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+
+    def append_spec_tokens(self, token_ids: list[int]) -> None:
+        """Appends draft tokens as candidate positions: the step computes their KV, verification keeps
+        the accepted ones (`core/spec/verify.py`)."""
+        assert not self.num_spec_tokens and not self.num_pending_tokens
+        self.all_token_ids.extend(token_ids)
+        self.num_spec_tokens = len(token_ids)
+
+    def drop_spec_tokens(self, num: int | None = None) -> list[int]:
+        """Removes the last `num` draft tokens (all by default); their KV counts as not computed."""
+        num = self.num_spec_tokens if num is None else min(num, self.num_spec_tokens)
+        if num == 0:
+            return []
+        dropped = self.all_token_ids[-num:]
+        del self.all_token_ids[-num:]
+        self.num_spec_tokens -= num
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+        return dropped
 
     def ends_by_length_once_resolved(self, max_model_len: int) -> bool:
         """True when the token in flight will end the request by length whatever its value."""

@@ -24,7 +24,7 @@ class HostBatch:
     num_new: np.ndarray                   # [B] int64
     cu: np.ndarray                        # [B + 1] int64: flat token offsets
     token_ids: np.ndarray                 # [T] int64
-    positions: np.ndarray                 # [T] int64
+    positions: np.ndarray                 # [T] int64 rope table rows: the position (+ the longrope offset)
     slot_mapping: np.ndarray              # [T] int64
     tables: np.ndarray                    # [B, max_blocks] int64 (padded with 0)
     context_lens: np.ndarray              # [B] int64: cached + new tokens
@@ -92,6 +92,9 @@ def prepare_batch(scheduled: list[tuple[Request, int]], block_size: int) -> Host
     for i, r in enumerate(reqs):
         tables[i, :len(r.block_ids)] = r.block_ids
     slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    rope_offsets = np.fromiter((r.rope_offset for r in reqs), dtype=np.int64, count=len(reqs))
+    if rope_offsets.any():  # longrope requests admitted with the long factors read the second rope table
+        positions = positions + rope_offsets[seq_of_token]
     samples = [i for i, r in enumerate(reqs) if r.num_computed_tokens + int(num_new[i]) == r.num_tokens]
     return HostBatch(requests=reqs, num_new=num_new, cu=cu, token_ids=np.asarray(token_ids, dtype=np.int64),
                      positions=positions, slot_mapping=slot_mapping, tables=tables, context_lens=starts + num_new,

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 
 MAX_LOGIT_BIAS = 300
+GREEDY_BELOW = 1e-5   # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+MIN_REPETITION_PENALTY = 0.01   # x100 already forces repetition; far smaller ones overflowed to inf, then NaN
 
 
 class SamplingParamsError(ValueError):
@@ -17,7 +19,7 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16          # None: up to the remaining context
-    temperature: float = 1.0             # 0 = greedy
+    temperature: float = 1.0             # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0                       # 0 or -1 = disabled
     seed: int | None = None
@@ -33,6 +35,8 @@ class SamplingParams:
     min_p: float = 0.0                   # drop tokens below min_p x the top token's probability
     min_tokens: int = 0                  # EOS and stop_token_ids are masked before this many output tokens
     prompt_logprobs: int | None = None   # top alternatives per prompt token (echo + logprobs); skips the prefix cache
+    include_stop_str_in_output: bool = False   # vLLM: the matched stop string stays at the end of the text
+    spaces_between_special_tokens: bool = True  # vLLM: False joins adjacent special tokens without a space
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +51,8 @@ class SamplingParams:
             raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
+        if self.temperature < GREEDY_BELOW:   # as vLLM: logits / 1e-40 overflow float32 to inf, then NaN
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
@@ -63,9 +69,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise SamplingParamsError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}",
-                                      "repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:   # logits / 1e-40 overflow float32
+            raise SamplingParamsError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100], got "
+                                      f"{self.repetition_penalty}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise SamplingParamsError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} "
                                       f"are allowed", "logit_bias")

@@ -70,6 +70,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Ends a request in any state and releases everything it holds."""
         assert status.finished
+        req.drop_spec_tokens()
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
@@ -92,6 +93,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
+        req.drop_spec_tokens()
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -125,6 +127,8 @@ class Scheduler:
             if req.ends_by_length_once_resolved(self.max_model_len) or not self._adapter_allowed(req, adapters):
                 index += 1
                 continue
+            if req.num_spec_tokens:
+                self._fit_drafts(req, budget)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, "a running request with nothing to compute"
             if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
@@ -149,6 +153,15 @@ class Scheduler:
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         self.num_steps += 1
         return out
+
+    def _fit_drafts(self, req: Request, budget: int) -> None:
+        """Drops draft tokens (from the end) until the request's k+1 positions fit the token budget and the
+        blocks available: drafts never cause a preemption."""
+        while req.num_spec_tokens:
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new <= budget and self.kv.can_allocate(req, num_new):
+                return
+            req.drop_spec_tokens(1)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[Any]) -> None:
         self.waiting.prepare(self.num_steps)
@@ -209,7 +222,8 @@ class Scheduler:
             if self.fairness is not None:
                 self.fairness.charge(req, num_new)
             req.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(req)
+            if not req.num_spec_tokens:   # draft positions are cached after verification, if accepted
+                self.kv.cache_computed_blocks(req)
 
     def check_integrity(self) -> None:
         live = list(self.running) + list(self.waiting)

@@ -7,6 +7,10 @@ context limit (`length`).
 """
 from __future__ import annotations
 
+import time
+from typing import Any, Callable
+
+from core import faults
 from core.outputs import RequestDelta
 from core.prompt_logprobs import wants_prompt_logprobs
 from core.request import Request, RequestStatus
@@ -19,17 +23,42 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
     if req.grammar is not None:
         done = advance_grammar(req, token)
         if not req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
-            req.detokenizer.add_token(token)
-        if done:
-            return RequestStatus.FINISHED_STOPPED
+            _detokenize(req, token)
+        status = RequestStatus.FINISHED_STOPPED if done else None
     elif token in req.eos_token_ids and not params.ignore_eos:
-        req.detokenizer.add_token(token)
-        return RequestStatus.FINISHED_STOPPED
-    elif req.detokenizer.add_token(token) or token in params.stop_token_ids:
-        return RequestStatus.FINISHED_STOPPED
-    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None
+        _detokenize(req, token)
+        status = RequestStatus.FINISHED_STOPPED
+    elif _detokenize(req, token) or token in params.stop_token_ids:
+        status = RequestStatus.FINISHED_STOPPED
+    else:
+        status = None
+    if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len):
+        status = RequestStatus.FINISHED_LENGTH
+    if faults.ACTIVE:
+        faults.hit("stop", req)
+    return status
+
+
+def _detokenize(req: Request, token: int) -> bool:
+    if faults.ACTIVE:
+        faults.hit("detokenize", req)
+    return req.detokenizer.add_token(token)
+
+
+def append_token(req: Request, token: int, logprob: Any, max_model_len: int,
+                 finish: Callable[[Request, RequestStatus], None], stats: Any) -> RequestDelta:
+    """Appends a sampled token to its request: grammar, detokenization, stop decision (`finish` ends it)."""
+    now = time.monotonic()
+    if req.first_token_time is None:
+        req.first_token_time = now
+        stats.observe_ttft(now - req.arrival_time)
+    req.append_token(token)
+    stats.num_generation_tokens += 1
+    status = stop_status(req, token, max_model_len)
+    if status is not None:
+        finish(req, status)
+        stats.observe_e2e(now - req.arrival_time)
+    return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
 
 
 def make_delta(req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:

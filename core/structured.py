@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from core import faults
+from core.errors import RequestFault
 from core.request import Request
 
 
@@ -27,7 +29,13 @@ def fill_token_masks(reqs: list[Request], vocab_size: int) -> TokenMasks | None:
 
     bitmask = allocate_token_bitmask(len(reqs), vocab_size)               # [N, ceil(V/32)] all ones
     for i in rows:
+        if faults.ACTIVE:
+            faults.hit("grammar_fill", reqs[i])
         reqs[i].grammar.fill_bitmask(bitmask, i)
+        if not bitmask[i].any():
+            raise RequestFault(f"the output constraint (grammar, schema or regex) allows no token after "
+                               f"{reqs[i].num_output_tokens} generated tokens: it has no way to go on", status=400,
+                               code="grammar_dead_end")
     return bitmask, torch.tensor(rows, dtype=torch.int64)
 
 
@@ -49,6 +57,8 @@ def advance_grammar(req: Request, token: int) -> bool:
     """Feeds the sampled token to the request's matcher; True when the output is complete
     (EOS/stop accepted in a final state, or a state where only EOS remains)."""
     matcher = req.grammar
+    if faults.ACTIVE:
+        faults.hit("grammar_advance", req)
     if not matcher.accept_token(token):
         raise GrammarViolation(f"request {req.request_id}: token {token} is not allowed by its grammar")
     return matcher.is_terminated()

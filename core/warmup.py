@@ -206,10 +206,14 @@ def _bgmv(module: Any, label: str = "", check: KernelSelfCheck | None = None) ->
 
 def kernel_variants(engine: Any) -> list[KernelVariant]:
     """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU)."""
+    from core.quant.warmup import quant_gemm_warmups
+
     forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p),
                               lambda chk, d=d, p=p, n=name: _dummy_step(engine, d, p, n, chk))
                 for name, d, p in forward_shapes(engine)]
-    return forwards + lora_variants(engine.model, engine.lora_pool, engine.device)
+    quant = [KernelVariant("quant_gemm", label, run)
+             for label, run in quant_gemm_warmups(engine.model, engine.device)]
+    return forwards + quant + lora_variants(engine.model, engine.lora_pool, engine.device)
 
 
 def run_warmup(engine: Any, progress: ProgressFn | None = None, selfcheck: bool | None = None) -> WarmupReport:

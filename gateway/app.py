@@ -29,7 +29,7 @@ from gateway.body import read_body
 from gateway.cancel import run_until_disconnect
 from gateway.context import metered, request_context
 from gateway.deadline import Deadline
-from gateway.echo import apply_echo, echo_texts
+from gateway.echo import add_prompt_logprobs, apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -40,12 +40,17 @@ from gateway.models import ResolvedModel
 from gateway.openapi import openapi_document
 from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
 from gateway.params import chat_sampling_params, completion_sampling_params
-from gateway.prompts import PromptEncoder
+from gateway.prompts import PromptEncoder, template_options
+from gateway.reasoning_output import ReasoningRequest, tags_for
 from gateway.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.probes import probe_routes
 from gateway.responses import chat_body, completion_body
+from gateway.responses_api import ResponsesBody
+from gateway.responses_stream import bind_responses
 from gateway.sampling_defaults import RequestDefaults
 from gateway.state import GatewayState
+from gateway import tokenize_pool
 from gateway.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
 from gateway.tool_output import tool_chat_body, tool_chat_events
@@ -67,8 +72,10 @@ def _principal(request: Request, state: GatewayState) -> Principal:
     return principal
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    return parse_json_body(await read_body(request), model)
+async def parse_body(request: Request, model: type[M], prompt_param: str) -> M:
+    """Refused by size before it is parsed (gateway/body.py); a body under the cap parses in a few ms."""
+    limit = _state(request).encoder.bound.max_body_bytes
+    return parse_json_body(await read_body(request, limit, prompt_param), model)
 
 
 def _engine_kwargs(model: ResolvedModel, grammar: Any, principal: Principal) -> dict[str, Any]:
@@ -90,12 +97,15 @@ class _Kind:
     prompts: Callable[[PromptEncoder, Any], list[list[int]]]
     events: Events
     response: Callable[..., dict[str, Any]]
+    bind: Callable[[Any, Any], dict[str, Any]] | None = None   # per request (body, tool plan) -> events/response
 
 
 COMPLETION = _Kind(CompletionRequest, "cmpl", completion_sampling_params,
                    lambda enc, body: enc.completion_prompts(body.prompt), completion_events, completion_body)
 CHAT = _Kind(ChatCompletionRequest, "chatcmpl", chat_sampling_params,
-             lambda enc, body: [enc.chat_prompt(body.messages)], chat_events, chat_body)
+             lambda enc, body: [enc.chat_prompt(body.messages, options=template_options(body))], chat_events,
+             chat_body)
+RESPONSES = dataclasses.replace(CHAT, body=ResponsesBody, prefix="resp", bind=bind_responses)
 
 
 async def _generate(request: Request, kind: _Kind) -> Response:
@@ -106,26 +116,39 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     release = state.limits.acquire(principal)
     if release is not None:
         ctx.cleanups.append(release)
-    body = await parse_body(request, kind.body)
+    body = await parse_body(request, kind.body, {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
     ctx.stream = bool(body.stream)
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
-    tooled = kind is CHAT and uses_tools(body)   # function calling: gateway/tools.py
+    tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools.py
     if tooled or wants_constraint(body):
         await validators_ready()
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
                       state.config.tool_call_parser) if tooled else None
-    kwargs = _engine_kwargs(model, await resolve_tool_constraint(body, state.aeng.engine, plan), principal)
-    if plan is not None and plan.constrained:
+    # tokenization and template rendering: on the tokenizer threads, never on the event loop
+    if tooled:
+        prompts = [await tokenize_pool.run(tools_chat_prompt, state.encoder, body, plan)]
+    else:
+        prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
+    grammar = await resolve_tool_constraint(body, state.aeng.engine, plan)
+    if kind.bind is not None:
+        kind = dataclasses.replace(kind, **kind.bind(body, plan))
+    elif plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
+    tags = tags_for(state) if kind.prefix != "cmpl" else None
+    if tags is not None:   # --reasoning-parser: gateway/reasoning_output.py
+        reasoning = ReasoningRequest(tags, prompts[0], state.encoder.tokenizer, params.skip_special_tokens)
+        grammar = await reasoning.gate(grammar, state.aeng.engine)
+        wrap = reasoning.response if kind.bind is None else reasoning.responses_response
+        kind = dataclasses.replace(kind, events=reasoning.events(kind.events), response=wrap(kind.response))
+    kwargs = _engine_kwargs(model, grammar, principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
-    prompts = [tools_chat_prompt(state.encoder, body, plan)] if tooled else kind.prompts(state.encoder, body)
     params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
     children = make_children(request_id, prompts, params)
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
-    echo = echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
+    echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     admit(state.aeng, children)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
@@ -144,8 +167,13 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     if echo is not None:
         apply_echo(results, children, echo)
     cached = {r.index: r.num_cached_tokens for r in results}
-    return JSONResponse(kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached),
-                                      texts))
+
+    def build() -> dict[str, Any]:   # a text per logprob entry, echoed prompts included: on the tokenizer threads
+        answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
+        if kind is COMPLETION and body.prompt_logprobs is not None:
+            add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
+        return answer
+    return JSONResponse(await tokenize_pool.run(build))
 
 
 @api_endpoint
@@ -156,6 +184,11 @@ async def create_completion(request: Request) -> Response:
 @api_endpoint
 async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, CHAT)
+
+
+@api_endpoint
+async def create_response(request: Request) -> Response:
+    return await _generate(request, RESPONSES)
 
 
 @api_endpoint
@@ -236,6 +269,8 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         *tokenize_routes(),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        *probe_routes(health),
         Route("/health", health, methods=["GET"]),
         Route(LIVENESS_PATH, liveness, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from gateway.cli_vllm import add_vllm_arguments, lora_modules, resolve_model, served_names, vllm_fields
 from gateway.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dummy: random weights of the model config's shape (benchmarks)")
     s.add_argument("-tp", "--tensor-parallel-size", type=_POS_INT, default=1, metavar="N",
                    help="shard the model over N ranks (one process each; N GPUs on CUDA, gloo on CPU)")
+    s.add_argument("--quantization", choices=("compressed-tensors", "gptq", "awq", "fp8"), default=None,
+                   help="checked against the checkpoint's quantization_config; fp8 on an unquantized one: online FP8")
+    s.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (optional "disable_by_batch_size")')
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     s.add_argument("--engine-process", choices=("on", "off"), default=None,
                    help="run the engine core in its own process, fed over ZMQ (default: LORAPLEX_ENGINE_PROCESS=1 "
@@ -130,8 +135,18 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         shutdown_timeout=args.shutdown_timeout,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        tensor_parallel_size=args.tensor_parallel_size, engine_process=engine_process_enabled(args.engine_process),
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        speculative_config=args.speculative_config, engine_process=engine_process_enabled(args.engine_process),
         **vllm_fields(args, parser))
+
+
+def _speculative_config(text: str) -> Any:
+    from core.spec import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_process_enabled(flag: str | None) -> bool:

@@ -11,6 +11,7 @@ import codecs
 from pathlib import Path
 from typing import Any, Callable
 
+from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 ALWAYS = "accepted (vLLM compatibility)"
@@ -26,6 +27,12 @@ def _tool_call_parser(text: str) -> str:
     if text not in TOOL_CALL_PARSERS:
         raise argparse.ArgumentTypeError(f"no tool-call parser {text!r}; loraplex has "
                                          f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
+    return text
+
+
+def _reasoning_parser(text: str) -> str:
+    if text not in REASONING_PARSERS:
+        raise argparse.ArgumentTypeError(f"no reasoning parser {text!r}; loraplex has {', '.join(REASONING_PARSERS)}")
     return text
 
 
@@ -101,6 +108,8 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", type=_tool_call_parser, default=None, metavar="NAME",
                    help=f"the tool-call format ({', '.join(sorted(TOOL_CALL_PARSERS))}; default: read from "
                         f"the chat template)")
+    g.add_argument("--reasoning-parser", type=_reasoning_parser, default=None, metavar="NAME",
+                   help=f"split <think>...</think> into reasoning_content ({', '.join(REASONING_PARSERS)})")
     g.add_argument("--disable-log-requests", action="store_true",
                    help=f"{ALWAYS}: request contents are never logged")
     g.add_argument("--enable-log-requests", action="store_true",
@@ -166,7 +175,8 @@ def vllm_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     if args.max_logprobs is not None and args.max_logprobs < -1:
         parser.error("--max-logprobs must be >= 0, or -1 for the whole vocabulary")
     return dict(chat_template=args.chat_template, generation_config=args.generation_config,
-                tool_call_parser=args.tool_call_parser, log_requests=args.enable_log_requests,
+                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                log_requests=args.enable_log_requests,
                 max_logprobs=args.max_logprobs, tokenizer=args.tokenizer, revision=args.revision,
                 download_dir=args.download_dir, trust_remote_code=args.trust_remote_code,
                 uvicorn_log_level=args.uvicorn_log_level,

@@ -5,7 +5,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # core pulls in torch: keep `loraplex --help` fast
     from core.config import EngineConfig
@@ -87,11 +87,14 @@ class ServerConfig:
     async_scheduling: bool | None = None     # overlap step t+1's CPU work with step t (None: on CUDA)
     load_format: str = "auto"                # "dummy": random weights (benchmarks on a model config)
     tensor_parallel_size: int = 1            # ranks the model is sharded over (one process each)
+    quantization: str | None = None          # --quantization (checked against the checkpoint)
+    speculative_config: Any = None           # core.spec.SpeculativeConfig (None: no speculative decoding)
     # vLLM's spellings (gateway/cli_vllm.py)
     served_model_aliases: tuple[str, ...] = ()   # more names of the base model (--served-model-name a b)
     chat_template: str | None = None         # the template text replacing the tokenizer's
     generation_config: str = "auto"          # auto | vllm | a directory holding generation_config.json
     tool_call_parser: str | None = None      # a tool-call family (None: read from the chat template)
+    reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> text -> reasoning_content
     log_requests: bool = False               # one info line per request: its parameters, never its text
     max_logprobs: int | None = None          # per-request cap (None: 5 on completions, 20 on chat)
     tokenizer: str | None = None             # a tokenizer dir or hub id other than the model's
@@ -134,4 +137,5 @@ class ServerConfig:
             load_format=self.load_format, async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.tensor_parallel_size, tokenizer=self.tokenizer, revision=self.revision,
             download_dir=self.download_dir, trust_remote_code=self.trust_remote_code,
-            chat_template=self.chat_template)
+            chat_template=self.chat_template,
+            quantization=self.quantization, speculative=self.speculative_config)

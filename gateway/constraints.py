@@ -20,7 +20,8 @@ def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
         return None   # free text: never touches the engine
     rf_dict = None if rf is None else rf.model_dump(by_alias=True, exclude_none=True)
     guided = {name: getattr(body, name) for name in GUIDED_FIELDS}
-    return parse_constraints(body.structured_outputs, guided, rf_dict, engine.schema_options)
+    return parse_constraints(body.structured_outputs, guided, rf_dict, engine.schema_options,
+                             body.guided_whitespace_pattern)
 
 
 def wants_constraint(body: _SamplingFields) -> bool:
@@ -28,6 +29,7 @@ def wants_constraint(body: _SamplingFields) -> bool:
 
     rf = body.response_format
     return not ((rf is None or rf.type == "text") and body.structured_outputs is None
+                and body.guided_whitespace_pattern is None
                 and all(getattr(body, name) is None for name in GUIDED_FIELDS))
 
 

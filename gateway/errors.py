@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from adapters.errors import AdapterError
 from core.async_engine import EngineDeadError, EngineWarmingError
 from grammar.errors import GrammarError
-from core.errors import RequestRejected
+from core.errors import RequestFault, RequestRejected
 from core.sampling import SamplingParamsError
 from gateway.cancel import ClientDisconnected
 
@@ -103,6 +103,8 @@ def from_exception(exc: BaseException) -> APIError:
         return from_validation_error(exc)
     if isinstance(exc, RequestRejected):
         return invalid(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, RequestFault):   # this request alone failed inside the engine step (core/step_faults.py)
+        return APIError(exc.status, exc.message, code=exc.code, param=exc.param)
     if isinstance(exc, AdapterError):   # an adapter read on first use failed: as the admin API reports it
         return APIError(exc.status, exc.message, code=exc.code, param="model")
     if isinstance(exc, GrammarError):

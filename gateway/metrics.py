@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from core.engine_core.protocol import AdapterStats, Stats
+from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from core.engine_core.stats import snapshot_stats
 
 log = logging.getLogger("loraplex.gateway")
@@ -71,6 +71,24 @@ class EngineCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         yield from _adapter_metrics(st.adapters)
+        if st.spec is not None:   # speculative decoding counters, when it is on
+            yield from _spec_metrics(st.spec)
+
+
+def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names, our prefix): drafts, accepted drafts, acceptance per position."""
+    for name, doc, value in (
+            ("loraplex:spec_decode_num_drafts", "Verification runs (a request's drafts of one step).", spec.num_drafts),
+            ("loraplex:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("loraplex:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+        yield CounterMetricFamily(name, doc, value=value)
+    per_pos = CounterMetricFamily("loraplex:spec_decode_num_accepted_tokens_per_pos",
+                                  "Runs that accepted the draft at this position.", labels=["position"])
+    for j, value in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(j)], value)
+    yield per_pos
+    yield GaugeMetricFamily("loraplex:spec_decode_mean_acceptance_length",
+                            "Tokens per verification run: 1 + accepted drafts / runs.", value=spec.mean_acceptance_length)
 
 
 def _adapter_metrics(st: AdapterStats | None) -> Iterator[Metric]:

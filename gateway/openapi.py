@@ -10,6 +10,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.responses_api import ResponsesRequest
 from gateway.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -78,12 +79,12 @@ _NULL = {"type": "null"}
 # what the field validators of gateway/protocol.py and gateway/params.py accept, where pydantic's schema is wider
 # (unsupported OpenAI fields exist only to be rejected with a clear 400)
 _NARROWER: dict[str, dict[str, Any]] = {
-    "suffix": _NULL, "best_of": _NULL,
+    "suffix": _NULL, "best_of": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},   # == n (gateway/params.py)
     "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
                               {"type": "object", "required": ["type", "function"]}, _NULL]},
     "presence_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
     "frequency_penalty": {"anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, _NULL]},
-    "repetition_penalty": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 100}, _NULL]},
+    "repetition_penalty": {"anyOf": [{"type": "number", "minimum": 0.01, "maximum": 100}, _NULL]},
     "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, _NULL]},
     "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]},
     "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
@@ -162,7 +163,8 @@ def _admin(summary: str, body: str) -> dict[str, Any]:
 def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, Any]:
     _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                                   (TokenizeCompletionRequest, "validation"), (TokenizeChatRequest, "validation"),
-                                  (DetokenizeRequest, "validation")], ref_template=REF)
+                                  (DetokenizeRequest, "validation"), (ResponsesRequest, "validation")],
+                                 ref_template=REF)
     schemas: dict[str, Any] = dict(defs["$defs"])
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name] = _narrow(schemas[name])
@@ -174,6 +176,7 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
                                                    "properties": {"json_schema": json_schema}}}]
     schemas.update(Error=_ERROR, Usage=_USAGE, Completion=_COMPLETION, ChatCompletion=_CHAT, ModelList=_MODEL_LIST,
                    Model=_MODEL_LIST["properties"]["data"]["items"], Tokenized=_TOKENIZED, Detokenized=_DETOKENIZED,
+                   Response={"type": "object", "required": ["id", "object", "status", "output"]},
                    TokenizeRequest={"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]})
     paths: dict[str, Any] = {
         "/v1/completions": _generation("Create completion", "CompletionRequest", "Completion", secured),
@@ -185,13 +188,17 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
                                       (401, 404) if secured else (404,)),
         "/tokenize": _tokenizer_route("Tokenize", "TokenizeRequest", "Tokenized", secured),
         "/detokenize": _tokenizer_route("Detokenize", "DetokenizeRequest", "Detokenized", secured),
+        "/v1/responses": _generation("Create response", "ResponsesRequest", "Response", secured),
         "/health": _get("Health", {"application/json": {"schema": {"type": "object"}}}, (503,)),
         "/health/live": _get("Liveness", {"application/json": {"schema": {"type": "object"}}}, (503,)),
+        "/ping": _get("Ping", {"application/json": {"schema": {"type": "object"}}}, (503,)),
+        "/version": _get("Version", {"application/json": {"schema": {
+            "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),
         "/metrics": _get("Metrics", {"text/plain": {"schema": {"type": "string"}}}),
     }
     paths["/v1/models/{model_id}"]["get"]["parameters"] = [
         {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-    for path in ("/health", "/health/live", "/metrics"):
+    for path in ("/health", "/health/live", "/metrics", "/ping", "/version"):
         paths[path]["get"]["security"] = []
     security_schemes: dict[str, Any] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     if admin:

@@ -8,10 +8,11 @@ from typing import Any, Optional
 from core.sampling import SamplingParams
 from gateway.errors import invalid
 from gateway.penalties import penalty_fields
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _SamplingFields
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, ResponseFormat, _SamplingFields
 from gateway.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
 
 NO_DEFAULTS = RequestDefaults()
+MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
 
 
 async def resolve_response_format(response_format: Optional[ResponseFormat], engine: Any) -> Any:
@@ -62,8 +63,17 @@ def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDef
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
         **penalty_fields(body),
     )))
+
+
+def num_prompts(prompt: PromptInput) -> int:
+    """A string or one list of ids is one prompt; a list of strings or of id lists is one per entry."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def completion_sampling_params(body: CompletionRequest, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingParams:
@@ -71,10 +81,18 @@ def completion_sampling_params(body: CompletionRequest, defaults: RequestDefault
     server's generation-config defaults and logprobs cap (gateway/sampling_defaults.py)."""
     if body.best_of is not None and body.best_of != body.num_choices:
         raise invalid("best_of is only supported when equal to n", param="best_of")
+    if num_prompts(body.prompt) * body.num_choices > MAX_CHOICES:   # checked before any prompt is tokenized
+        raise invalid(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
+                      f"{num_prompts(body.prompt)} x {body.num_choices}", param="prompt")
     defaults.check_logprobs(body.logprobs, "logprobs", COMPLETION_LOGPROBS_CAP)
+    defaults.check_logprobs(body.prompt_logprobs, "prompt_logprobs", CHAT_LOGPROBS_CAP)   # vLLM: --max-logprobs
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
     params = _params(body, body.logprobs, defaults)
-    if body.echo and body.logprobs is not None:   # the prompt's logprobs too (gateway/echo.py)
-        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    # the prompt's logprobs: echo + logprobs (gateway/echo.py) and/or vLLM's prompt_logprobs, the larger top-k
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    if wanted:
+        params = dataclasses.replace(params, prompt_logprobs=max(wanted))
     return params
 
 

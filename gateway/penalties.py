@@ -14,8 +14,9 @@ from gateway.protocol import _SamplingFields
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, value in (raw or {}).items():
-        if not re.fullmatch(r"[0-9]+", key, re.ASCII):
-            raise invalid(f"logit_bias keys must be token ids (decimal digits), got {key!r}", param="logit_bias")
+        if not re.fullmatch(r"[0-9]{1,20}", key, re.ASCII):   # 20 digits: past any vocabulary, a cheap int()
+            raise invalid(f"logit_bias keys must be token ids (at most 20 decimal digits), got {key[:40]!r}",
+                          param="logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 

@@ -42,6 +42,18 @@ class ChatMessage(_Strict):
     tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools.py)
     tool_call_id: Optional[str] = None                  # tool turns
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Image / audio / video parts (e.g. for a multimodal Gemma 3 checkpoint): a clear 400, not an
+        unknown-field error; the served model is its text part only."""
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: only text inputs are served "
+                                 "(image and other non-text inputs are refused)")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -81,6 +93,9 @@ class _SamplingFields(_Strict):
     repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     min_tokens: Optional[int] = None
+    guided_whitespace_pattern: Optional[Any] = None   # JSON whitespace in schema output (grammar/whitespace.py)
+    include_stop_str_in_output: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
 
     @property
     def include_usage(self) -> bool:
@@ -100,6 +115,7 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     logprobs: Optional[int] = Field(default=None, ge=0)     # cap: gateway/params.py (--max-logprobs)
     echo: Optional[bool] = None
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0)   # vLLM's, no echo needed; cap: --max-logprobs (20)
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
@@ -118,4 +134,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None   # extra variables for the chat template (vLLM)
+    add_generation_prompt: Optional[bool] = None            # default true
+    continue_final_message: Optional[bool] = None           # the last assistant message is continued, not closed
     # tools / tool_choice / parallel_tool_calls: validated in gateway/tools.py

@@ -19,7 +19,7 @@ from gateway.startup import exit_on_warmup_failure
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
 from gateway.engine_client import watch_engine_process
-from gateway.workers import watch_workers
+from gateway.workers import cancel_hard_exit, watch_workers
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -85,6 +85,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
     except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
         print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
         return 1
+    server: GatewayServer | None = None
     try:
         engine = aeng.engine
         try:
@@ -124,3 +125,5 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         aeng.shutdown()
         if aeng.engine.tp is not None:
             aeng.engine.tp.shutdown(graceful=aeng.error is None)
+        if server is not None:
+            cancel_hard_exit(server)   # the shutdown did not block: no hard exit of the hosting process

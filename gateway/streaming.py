@@ -14,6 +14,7 @@ from gateway.cancel import ClientDisconnected, run_until_disconnect
 from gateway.errors import from_exception
 from gateway.echo import prompt_entries
 from gateway.generation import Child, usage
+from gateway.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.responses import TokenTexts, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs
 
 log = logging.getLogger("loraplex.gateway")
@@ -33,6 +34,7 @@ class StreamInfo:
     include_usage: bool
     texts: TokenTexts | None     # set when logprobs were requested
     echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/echo.py)
+    reasoning: Any = None           # --reasoning-parser: the request's ReasoningRequest (reasoning_output.py)
 
 
 async def _framed(chunks: AsyncIterator[bytes], deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
@@ -82,15 +84,19 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
     cached: dict[int, int] = {}
     async for index, d in deltas:
         outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
-        if not (d.new_text or d.finished or d.new_logprobs):
+        reasoning = delta_reasoning(d)
+        if not (d.new_text or reasoning or d.finished or d.new_logprobs):
             continue
-        choice = {"index": index, "delta": {"content": d.new_text} if d.new_text else {},
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if d.new_text:
+            delta["content"] = d.new_text
+        choice = {"index": index, "delta": delta,
                   "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
                   "finish_reason": d.finish_reason if d.finished else None}
         yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
     if info.include_usage:
-        yield sse(chat_chunk(info.request_id, info.created, info.model, [],
-                             usage(info.children, sum(outputs.values()), cached)))
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [], add_reasoning_usage(
+            info.reasoning, usage(info.children, sum(outputs.values()), cached))))
 
 
 def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:

@@ -6,6 +6,7 @@ from typing import Any, AsyncIterator, Callable
 
 from core.outputs import RequestDelta
 from gateway.generation import ChoiceResult, usage
+from gateway.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.responses import TokenTexts, chat_body, chat_chunk, chat_logprobs
 from gateway.streaming import StreamInfo, _framed, sse
 from gateway.tool_parse import final_calls, new_call_id, parse_calls
@@ -76,6 +77,8 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
         async for index, d in deltas:
             outputs[index] = d.num_output_tokens
             delta, has_calls = streams[index].step(plan, d.new_text, d.finished)
+            if delta_reasoning(d):
+                delta = {"reasoning_content": delta_reasoning(d), **delta}
             if not (delta or d.finished or d.new_logprobs):
                 continue
             reason = d.finish_reason if d.finished else None
@@ -87,7 +90,7 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
             yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
         if info.include_usage:
             yield sse(chat_chunk(info.request_id, info.created, info.model, [],
-                                 usage(info.children, sum(outputs.values()))))
+                                 add_reasoning_usage(info.reasoning, usage(info.children, sum(outputs.values())))))
 
     def events(info: StreamInfo, deltas: Deltas) -> AsyncIterator[bytes]:
         return _framed(chunks(info, deltas), deltas)

@@ -186,9 +186,12 @@ def uses_tools(body: ChatCompletionRequest) -> bool:
 
 def chat_prompt(encoder: Any, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
     """Token ids of the chat prompt, tools and tool turns included."""
+    from gateway.prompts import template_options
+
     conv = conversation(body, plan)
+    options = template_options(body)
     renders = plan.renders_tools if plan is not None else detect_format(
         getattr(encoder.tokenizer, "chat_template", None))[1]
     if renders:
-        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None)
-    return encoder.chat_prompt(body.messages, _fallback(conv, plan))
+        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None, options)
+    return encoder.chat_prompt(body.messages, _fallback(conv, plan), options=options)

@@ -46,6 +46,32 @@ def read_frame(stream: BinaryIO) -> Any:
     return None if body is None else pickle.loads(body)
 
 
+EMPTY_LANGUAGE = "admits no string"
+
+
+def reaches_final(index: Any) -> bool:
+    """Breadth-first from the start state over the allowed tokens: is some final state reachable? (No:
+    the regex, or the vocabulary, admits no string; a request would have nothing it may end with.) Stops at
+    the first final state found: for a JSON grammar a few hundred states, not the whole index."""
+    finals = set(index.get_final_states())
+    if not finals:
+        return False
+    start = index.get_initial_state()
+    seen, frontier = {start}, [start]
+    while frontier:
+        nxt_frontier = []
+        for state in frontier:
+            if state in finals:
+                return True
+            for token in index.get_allowed_tokens(state):
+                nxt = index.get_next_state(state, token)
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
+    return False
+
+
 def main() -> int:
     import outlines_core
 
@@ -68,6 +94,8 @@ def main() -> int:
             start = time.perf_counter()
             try:
                 index = outlines_core.Index(message[1], vocabulary)
+                if not reaches_final(index):
+                    raise ValueError(f"the pattern {EMPTY_LANGUAGE} that this model's tokens can spell")
                 blob = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
                 write_frame(stdout, ("ok", blob, time.perf_counter() - start))
             except Exception as e:  # bad regex, vocabulary cannot match, size limits

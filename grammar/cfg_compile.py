@@ -22,5 +22,10 @@ def compile_in_worker(info: Any, text: str) -> bytes:
     """Worker side: compile the GBNF for `info`; the result crosses the pipe as JSON bytes."""
     import xgrammar as xgr
 
+    from grammar.cfg_empty import admits_a_string
+
+    grammar = xgr.Grammar.from_ebnf(text)
+    if not admits_a_string(str(grammar)):
+        raise ValueError("the grammar admits no string (its root rule derives no finite string)")
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    return compiler.compile_grammar(text).serialize_json().encode()
+    return compiler.compile_grammar(grammar).serialize_json().encode()

@@ -155,6 +155,8 @@ class GrammarCompiler:
             error = _timeout_error(self.compile_timeout_s, spec.param)
         except CompileFailed as e:
             error = _compile_failed(spec, str(e))
+        except GrammarError as e:   # a grammar the vocabulary cannot start (`_cfg`)
+            error = e
         except Exception as e:  # noqa: BLE001 - never leave a waiter hanging
             error = GrammarError(f"grammar compilation failed: {type(e).__name__}: {e}", "unsupported_json_schema")
         with self._lock:
@@ -178,8 +180,13 @@ class GrammarCompiler:
         with self._lock:
             if self._cfg_info is None:
                 self._cfg_info = tokenizer_info(self.vocab.to_map(), self.vocab_size, list(self.eos_token_ids))
-        return CfgGrammar.from_worker(spec.key, result.index, self._cfg_info, self.vocab_size,
-                                      self.eos_token_ids, result.seconds)
+        grammar = CfgGrammar.from_worker(spec.key, result.index, self._cfg_info, self.vocab_size,
+                                         self.eos_token_ids, result.seconds)
+        start = grammar.new_matcher()
+        if start.only_eos_allowed() and not start.is_final():   # no token can begin any string of the language
+            raise GrammarError("the grammar admits no string that this model's tokens can spell",
+                               "invalid_grammar", spec.param)
+        return grammar
 
     def _insert(self, key: tuple[str, str], compiled: CompiledGrammar) -> None:
         self._cache[key] = compiled
@@ -199,7 +206,9 @@ def _timeout_error(seconds: float, param: str | None = None) -> GrammarError:
 
 
 def _compile_failed(spec: GrammarSpec, message: str) -> GrammarError:
-    """A spec the compile worker rejected: a regex outlines-core cannot build, a grammar xgrammar refuses."""
+    """A spec the compile worker rejected: a regex outlines-core cannot build, a grammar xgrammar refuses,
+    or one whose language is empty (grammar/_worker.py `reaches_final`, grammar/cfg_empty.py)."""
+    message = message.removeprefix("ValueError: ")
     if spec.kind == "regex":
         return GrammarError(f"the regex cannot be compiled: {message}", "invalid_regex", spec.param)
     if spec.kind == "grammar":

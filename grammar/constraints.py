@@ -22,6 +22,7 @@ MAX_REGEX_CHARS = 16 << 10
 MAX_GRAMMAR_CHARS = 64 << 10
 GUIDED_FIELDS = ("guided_choice", "guided_regex", "guided_json", "guided_grammar")
 SO_KEYS = ("choice", "regex", "json", "grammar", "json_object")
+SO_OPTIONS = ("whitespace_pattern",)   # not a constraint: how the JSON kinds are written (grammar/whitespace.py)
 # Rust regex (outlines-core) has no look-around and no back-references; say so at admission
 _UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\[bBAzZ]|\(\?P=")
 _META = set("\\.+*?()|[]{}^$#&-~")
@@ -125,20 +126,32 @@ def constraint_spec(kind: str, value: Any, param: str, options: SchemaOptions = 
 
 
 def parse_constraints(structured_outputs: Any, guided: dict[str, Any], response_format: Any,
-                      options: SchemaOptions = DEFAULT_OPTIONS) -> GrammarSpec | None:
-    """One GrammarSpec from whichever single constraint the request carries; two or more -> 400 naming one."""
+                      options: SchemaOptions = DEFAULT_OPTIONS, whitespace_pattern: Any = None) -> GrammarSpec | None:
+    """One GrammarSpec from whichever single constraint the request carries; two or more -> 400 naming one.
+    `whitespace_pattern`: the top-level `guided_whitespace_pattern` (or `structured_outputs.whitespace_pattern`)."""
+    from grammar.whitespace import whitespace_options
+
     found: list[tuple[str, str, Any]] = []   # (kind, param, value)
     if response_format is not None and not (isinstance(response_format, dict)
                                             and response_format.get("type") == "text"):
         found.append(("response_format", "response_format", response_format))
+    ws_param = "guided_whitespace_pattern"
     if structured_outputs is not None:
         if not isinstance(structured_outputs, dict):
             raise _bad("structured_outputs must be an object", "structured_outputs")
-        extra = set(structured_outputs) - set(SO_KEYS)
+        extra = set(structured_outputs) - set(SO_KEYS) - set(SO_OPTIONS)
         if extra:
-            raise _bad(f"unknown field(s) in structured_outputs: {sorted(extra)} (supported: {list(SO_KEYS)})",
-                       "structured_outputs." + sorted(extra)[0])
-        found += [(k, f"structured_outputs.{k}", v) for k, v in structured_outputs.items() if v is not None]
+            raise _bad(f"unknown field(s) in structured_outputs: {sorted(extra)} "
+                       f"(supported: {list(SO_KEYS + SO_OPTIONS)})", "structured_outputs." + sorted(extra)[0])
+        found += [(k, f"structured_outputs.{k}", v) for k, v in structured_outputs.items()
+                  if v is not None and k in SO_KEYS]
+        if structured_outputs.get("whitespace_pattern") is not None:
+            if whitespace_pattern is not None:
+                raise _bad("set whitespace_pattern once: structured_outputs.whitespace_pattern or "
+                           "guided_whitespace_pattern", ws_param)
+            whitespace_pattern = structured_outputs["whitespace_pattern"]
+            ws_param = "structured_outputs.whitespace_pattern"
+    options = whitespace_options(options, whitespace_pattern, ws_param)
     found += [(name[len("guided_"):], name, guided[name]) for name in GUIDED_FIELDS if guided.get(name) is not None]
     if not found:
         return None

@@ -105,11 +105,16 @@ class TriggeredMatcher:
             if at + len(self.free.trigger) != len(text):
                 self.num_accepted -= 1
                 return False            # masked: the call's text must come from the grammar
-            self.inner = GrammarMatcher(self.grammar.body, stop_token_ids=self.stop_token_ids)
-            self.tail = b""
+            self._trigger()
         else:
             self.tail = longest_prefix_suffix(text, self.free.trigger)
         return True
+
+    def _trigger(self) -> None:
+        from grammar.matchers import make_matcher   # the body may be a triggered grammar itself (tools: auto)
+
+        self.inner = make_matcher(self.grammar.body, self.stop_token_ids)
+        self.tail = b""
 
     def is_terminated(self) -> bool:
         return self.inner.is_terminated() if self.inner is not None else self._terminated
@@ -131,6 +136,39 @@ class TriggeredMatcher:
 
     def reset(self) -> None:
         self.tail, self.inner, self.num_accepted, self._terminated = b"", None, 0, False
+
+
+class ReasoningMatcher(TriggeredMatcher):
+    """Free reasoning until the end-of-reasoning tag (`</think>`: its text, or its id when it is one token,
+    special or not), then the request's constraint. EOS and stop tokens are masked while reasoning: the output
+    cannot end before the constrained part (max_tokens inside the reasoning -> `length`)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.inner is None:
+            if token_id in self._stops:
+                return False
+            if token_id == self.grammar.end_id:
+                self.num_accepted += 1
+                self._trigger()
+                return True
+        return super().accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.inner is not None and self.inner.is_terminated()
+
+    def ended_by_stop_token(self) -> bool:
+        return self.inner is not None and self.inner.ended_by_stop_token()
+
+    def is_final(self) -> bool:
+        return self.inner is not None and self.inner.is_final()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        super().fill_bitmask(bitmask, row)
+        if self.inner is None:
+            for token_id in self._stops:
+                if 0 <= token_id < self.free.vocab_size:
+                    word = np.array([~(1 << (token_id & 31)) & 0xFFFFFFFF], dtype=np.uint32).view(np.int32)
+                    bitmask[row, token_id >> 5] &= int(word[0])
 
 
 _FREE_MASKS: dict[tuple[str, str], FreeTextMasks] = {}

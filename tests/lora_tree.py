@@ -90,16 +90,20 @@ def _peft_model(model_path: Path, adapter_path: Path) -> torch.nn.Module:
     return PeftModel.from_pretrained(_fresh_base(str(model_path)), str(adapter_path)).eval()
 
 
+def greedy_with_margin(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """Greedy continuation of an HF (or PEFT) model, fp32 (stops at EOS), and its smallest top-1/top-2 logit gap."""
+    from lora_fixtures import torch_threads
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad(), torch_threads(1):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=0, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    margin = min(float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.logits)
+    return out.sequences[0, len(prompt_ids):].tolist(), margin
+
+
 def peft_greedy_path(model_path: Path, adapter_path: Path, prompt_ids: list[int],
                      max_new_tokens: int) -> tuple[list[int], float]:
     """`PeftModel` (fp32) greedy continuation of the adapter folder, and its smallest top-1/top-2 logit gap."""
-    from lora_fixtures import torch_threads
-
-    m = _peft_model(model_path, adapter_path)
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad(), torch_threads(1):
-        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=0, do_sample=False, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    margin = min(float(torch.topk(s[0].float(), 2).values.diff().abs()) for s in out.logits)
-    return out.sequences[0, len(prompt_ids):].tolist(), margin
+    return greedy_with_margin(_peft_model(model_path, adapter_path), prompt_ids, max_new_tokens)

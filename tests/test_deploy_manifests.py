@@ -209,7 +209,7 @@ def test_model_server_adapters_come_from_the_adapters_volume():
     args = _parsed_serve_args(c)
     mounts = {m["mountPath"].rstrip("/"): m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
-    for name, path in args.lora_modules:
+    for name, path, _base in args.lora_modules:   # (name, path, base_model_name)
         mount = next((m for d, m in mounts.items() if path.startswith(d + "/")), None)
         assert mount is not None, f"adapter {name}={path} is not on a mounted volume"
         assert mount.get("readOnly") is True

@@ -87,15 +87,16 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     return [x.to(dtype).to(DEVICE) for x in (q, k, v, k_cache, v_cache)], meta
 
 
-def run_both(seqs, num_heads, num_kv_heads, head_dim=32, dtype=torch.float32, seed=0, backend=None):
+def run_both(seqs, num_heads, num_kv_heads, head_dim=32, dtype=torch.float32, seed=0, backend=None, **extras):
+    """`extras`: the per-layer attention options (window, softcap) given to both backends."""
     (q, k, v, kc, vc), meta = make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
     scale = head_dim ** -0.5
     backend = backend or TritonAttentionBackend()
     kc_t, vc_t = kc.clone(), vc.clone()
-    out = backend.forward(q, k, v, kc_t, vc_t, meta, scale)
+    out = backend.forward(q, k, v, kc_t, vc_t, meta, scale, **extras)
     # reference in fp32 on upcast inputs (bf16/fp16: the kernel must be as close as rounding allows)
     kc_r, vc_r = kc.float().clone(), vc.float().clone()
-    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc_r, vc_r, meta, scale)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc_r, vc_r, meta, scale, **extras)
     assert torch.equal(kc_t.float(), kc_r) and torch.equal(vc_t.float(), vc_r), "KV store differs"
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all()

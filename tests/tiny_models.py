@@ -34,6 +34,10 @@ ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -163,6 +167,11 @@ class TinyModelSpec:
     tokenizer_vocab_size: int = 512
     sliding_window: int | None = None
     config_style: str = "v5"  # "v5": rope_parameters; "legacy": transformers 4.x rope_theta/rope_scaling
+    head_dim: int | None = None       # explicit head_dim (None: hidden_size // num_heads)
+    attention_bias: bool = False      # biases on q/k/v/o (Llama, Qwen3)
+    partial_rotary_factor: float | None = None        # Phi-3 / Phi-4-mini: rope on a fraction of head_dim
+    original_max_position_embeddings: int | None = None  # Phi-3 longrope: top-level, beside rope_scaling
+    extra_config: tuple[tuple[str, Any], ...] | dict[str, Any] = ()  # more config kwargs (Gemma soft-caps, ...)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -173,10 +182,16 @@ class TinyModelSpec:
             raise ValueError(f"config_style must be 'v5' or 'legacy', got {self.config_style!r}")
         if isinstance(self.rope_scaling, dict):  # keep the spec hashable
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.extra_config, dict):
+            object.__setattr__(self, "extra_config", tuple(sorted(
+                (k, tuple(v) if isinstance(v, list) else v) for k, v in self.extra_config.items())))
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
-        return None if self.rope_scaling is None else dict(self.rope_scaling)  # type: ignore[arg-type]
+        if self.rope_scaling is None:
+            return None
+        # longrope factor lists are kept as tuples (hashable spec): HF wants lists
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}  # type: ignore[misc]
 
 
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -232,15 +247,28 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
         tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=ids[BOS], eos_token_id=ids[EOS],
         pad_token_id=ids[PAD], initializer_range=0.02,
     )
+    if spec.head_dim is not None:
+        kwargs["head_dim"] = spec.head_dim
+    if spec.attention_bias:
+        kwargs["attention_bias"] = True
+    if spec.partial_rotary_factor is not None:
+        kwargs["partial_rotary_factor"] = spec.partial_rotary_factor
+    if spec.original_max_position_embeddings is not None:
+        kwargs["original_max_position_embeddings"] = spec.original_max_position_embeddings
+    kwargs.update({k: list(v) if isinstance(v, tuple) else v for k, v in spec.extra_config})  # type: ignore[misc]
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
-    elif spec.arch == "qwen2":
+    elif spec.arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = spec.sliding_window is not None
         kwargs["sliding_window"] = spec.sliding_window
     config = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(spec.seed)
     model = getattr(transformers, model_name)(config)
     _init_weights(model, spec)
+    if spec.arch.startswith("gemma"):
+        from family_models import gemma_norms
+
+        gemma_norms(model, spec)
     model = model.to(getattr(torch, spec.torch_dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     cfg_path = out / "config.json"

@@ -21,6 +21,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,    # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,    # sliding window: a query at p sees keys p - window < k <= p
+        softcap: float | None = None,  # attention-logit soft-capping: softcap * tanh(scores / softcap)
     ) -> torch.Tensor:            # [T, H, D]
         ...
 

@@ -1,4 +1,8 @@
-"""Reference attention backend in plain torch (the CPU path). Reads K/V only through block tables."""
+"""Reference attention backend in plain torch (the CPU path). Reads K/V only through block tables.
+
+Per-layer extras: a sliding `window` (a query at position p sees keys p - window < k <= p, HF's sliding
+mask) and attention-logit soft-capping (`softcap * tanh(scores / softcap)` before the mask, Gemma 2; torch's
+fused SDPA has no soft-capping, so those layers take the plain math path in HF eager's order)."""
 from __future__ import annotations
 
 import torch
@@ -21,54 +25,77 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.reshape(-1, num_kv_heads, head_dim)[:context_len]  # [L, Hkv, D]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """q [B, H, n, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, n, L] (True: attend; None: causal)."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)                                # [B, H, L, D]
+    v = v.repeat_interleave(groups, dim=1)                                # [B, H, L, D]
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale                   # [B, H, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n, length = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)   # [B, H, n, D]
+
+
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens
         for start, end, num_blocks in (meta.decode_groups or ([(0, num_decode, meta.decode_block_tables.shape[1])]
                                                               if num_decode else [])):
-            out[start:end] = self._decode(q[start:end], k_cache, v_cache, meta.decode_block_tables[start:end, :num_blocks],
-                                          meta.decode_context_lens[start:end], scale)
+            tables = meta.decode_block_tables[start:end, :num_blocks]
+            out[start:end] = self._decode(q[start:end], k_cache, v_cache, tables, meta.decode_context_lens[start:end],
+                                          scale, window, softcap)
         for i in range(meta.num_prefills):
             start, n = meta.prefill_query_starts[i], meta.prefill_query_lens[i]
             out[start:start + n] = self._prefill(
                 q[start:start + n], k_cache, v_cache, meta.prefill_block_tables[i],
-                meta.prefill_context_lens[i], scale)
+                meta.prefill_context_lens[i], scale, window, softcap)
         return out
 
     @staticmethod
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_len: int, scale: float) -> torch.Tensor:
+                 context_len: int, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         num_new = q.shape[0]
         # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the slow math path
         k = gather_kv(k_cache, block_table, context_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = gather_kv(v_cache, block_table, context_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
         qh = q.transpose(0, 1)[None]                                            # [1, H, n, D]
         num_cached = context_len - num_new
-        if num_cached == 0:
-            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
+        mask = None
+        if num_cached or window is not None:
             q_pos = torch.arange(num_cached, context_len, device=q.device)
             k_pos = torch.arange(context_len, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]                        # [n, L]
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+        o = attend(qh, k, v, mask, scale, softcap)
         return o[0].transpose(0, 1)                                        # [n, H, D]
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
         """q [B, H, D]; tables [B, nb]; context_lens [B]."""
         num_seqs, num_blocks = tables.shape
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         flat = tables.reshape(-1)                                          # [B*nb]
         k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
         v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        max_len = k.shape[1]
-        mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),                        # [B, H, 1, D]
-            k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+        mask = k_pos < context_lens[:, None]                               # [B, L]
+        if window is not None:
+            mask &= k_pos >= context_lens[:, None] - window
+        o = attend(q.unsqueeze(2),                 # [B, H, 1, D]
+                   k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]
+                   mask[:, None, None, :], scale, softcap)
         return o.squeeze(2)                        # [B, H, D]

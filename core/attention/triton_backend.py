@@ -213,7 +213,8 @@ class TritonAttentionBackend(AttentionBackend):
             ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4 if row >= 1024 else 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
@@ -241,12 +242,14 @@ class TritonAttentionBackend(AttentionBackend):
         cfg = self.config(meta.num_prefills > 0, interp, head_dim)
         K.paged_attention_kernel[(km.num_items, num_kv_heads)](
             out, q, k_cache, v_cache, km.block_tables, km.seq_lens, km.q_starts, km.q_lens, km.num_splits,
-            km.work, part_out, part_m, part_l, km.num_items, km.split_token_offset, km.max_splits, scale * LOG2E,
+            km.work, part_out, part_m, part_l, km.num_items, km.split_token_offset, km.max_splits,
+            scale * LOG2E if softcap is None else scale / softcap, (softcap or 1.0) * LOG2E, window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), km.block_tables.stride(0),
             NUM_HEADS=num_heads, G=g, G_P2=g_p2, BLOCK_Q=km.block_q, BLOCK_M=block_m, TILE_N=cfg["tile_n"],
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HAS_SPLITS=has_splits,
-            UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            UPCAST=upcast, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if has_splits and km.num_split_tokens:
             K.reduce_splits_kernel[(km.num_split_tokens, num_heads)](
                 out, part_out, part_m, part_l, km.num_splits, km.split_token_offset, km.max_splits,

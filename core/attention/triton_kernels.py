@@ -48,9 +48,12 @@ def store_kv_kernel(
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, start, kv_hi, q_pos, row_valid,
-                 scale_log2e, stride_cb, stride_cs, offs_n, offs_d,
-                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr):
-    """One KV tile of online softmax. MASK: bounds + causal masks (diagonal / tail tiles only)."""
+                 scale_log2e, softcap_log2e, window, stride_cb, stride_cs, offs_n, offs_d,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One KV tile of online softmax. MASK: bounds + causal (+ window) masks (diagonal / tail / window tiles).
+    SOFTCAP: scores = softcap * tanh(q.k * scale / softcap) (`scale_log2e` then holds scale / softcap and
+    `softcap_log2e` softcap * log2(e))."""
     pos = start + offs_n
     if MASK:
         n_valid = pos < kv_hi
@@ -68,8 +71,12 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, st
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale_log2e
     else:
         s = tl.dot(q, k) * scale_log2e
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): saturates to +-1 without overflow trouble
+        s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap_log2e
     if MASK:
         keep = row_valid[:, None] & n_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked rows stay at zero
@@ -85,7 +92,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, st
 
 # Per-step integers are not specialized (Triton would compile a variant for values == 1 or divisible by 16),
 # so one compiled kernel serves every batch of a shape class: no JIT stalls while serving.
-@triton.jit(do_not_specialize=["num_items", "split_token_offset", "max_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_items", "split_token_offset", "max_splits", "stride_bt", "window"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr,            # [S, W] int32, padded
@@ -95,7 +102,7 @@ def paged_attention_kernel(
     work_ptr,                    # [3, num_items] int32: seq, query block, split
     part_out_ptr, part_m_ptr, part_l_ptr,  # [Ts, H, MAX_SPLITS, D], [Ts, H, MAX_SPLITS] fp32
     num_items, split_token_offset, max_splits,
-    scale_log2e,
+    scale_log2e, softcap_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
@@ -103,6 +110,7 @@ def paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,7 +140,11 @@ def paged_attention_kernel(
 
     # keys this block needs: up to its last query's position (causal), never past seq_len
     kv_end = tl.minimum(seq_len, num_cached + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len))
-    kv_lo = 0
+    first_pos = num_cached + q_block * BLOCK_Q
+    win_lo = 0
+    if HAS_WINDOW:  # keys before the block's first query's window are never loaded
+        win_lo = tl.maximum(first_pos - window + 1, 0)
+    kv_lo = win_lo
     kv_hi = kv_end
     num_splits = 1
     if HAS_SPLITS:
@@ -140,8 +152,8 @@ def paged_attention_kernel(
     if split >= num_splits:  # padded work lists (CUDA graphs) hold items past a sequence's split count
         return
     if HAS_SPLITS:
-        per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
-        kv_lo = tl.minimum(split * per_split, kv_end)
+        per_split = tl.cdiv(tl.cdiv(kv_end - win_lo, num_splits), TILE_N) * TILE_N
+        kv_lo = tl.minimum(win_lo + split * per_split, kv_end)
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -151,16 +163,18 @@ def paged_attention_kernel(
     head_off = kv_head.to(tl.int64) * stride_ch
 
     # tiles wholly at or before the block's first query position need no mask; the rest (the diagonal, the tail)
-    first_pos = num_cached + q_block * BLOCK_Q
+    # do; with a window every tile does (its lower edge moves with each row)
     full_hi = kv_lo + tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0) // TILE_N * TILE_N
+    if HAS_WINDOW:
+        full_hi = kv_lo
     for start in range(kv_lo, full_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, start, kv_hi,
-                                     q_pos, row_valid, scale_log2e, stride_cb, stride_cs, offs_n, offs_d,
-                                     BLOCK_SIZE, UPCAST, False)
+                                     q_pos, row_valid, scale_log2e, softcap_log2e, window, stride_cb, stride_cs,
+                                     offs_n, offs_d, BLOCK_SIZE, UPCAST, False, HAS_WINDOW, SOFTCAP)
     for start in range(full_hi, kv_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, start, kv_hi,
-                                     q_pos, row_valid, scale_log2e, stride_cb, stride_cs, offs_n, offs_d,
-                                     BLOCK_SIZE, UPCAST, True)
+                                     q_pos, row_valid, scale_log2e, softcap_log2e, window, stride_cb, stride_cs,
+                                     offs_n, offs_d, BLOCK_SIZE, UPCAST, True, HAS_WINDOW, SOFTCAP)
 
     if num_splits > 1:
         prow = (tok - split_token_offset) * NUM_HEADS + head     # [BLOCK_M]

@@ -14,9 +14,12 @@ from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard, load_sharded_weights
 from core.models.llama import LlamaForCausalLM
+from core.models.registry import model_class
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
-from core.models.rope import RotaryEmbedding
+from core.models.rope import layer_rotaries
+from core.quant.config import detect_quantization
+from core.quant.loader import finish_quantized, prepare_quantized
 
 
 @dataclass
@@ -37,18 +40,21 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     with its slices only; LoRA wrappers over a sharded slot pool. The KV pool comes later (`allocate_kv`)."""
     local = shard.local_config()
     with torch.device("meta"), skip_param_init():
-        model = LlamaForCausalLM(local, get_attention_backend(device), max_model_len)
+        model = model_class(local)(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
     model = materialize(model, device, dtype)
-    rotary = RotaryEmbedding(local.head_dim, max_model_len, local.rope_theta, local.rope_scaling).to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+    for layer, rotary in zip(model.model.layers, layer_rotaries(local, max_model_len)):
+        layer.self_attn.rotary = rotary.to(device)
     if local.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
     else:
-        load_sharded_weights(model, model_dir, shard)
+        quant = detect_quantization(model_dir, config.quantization)
+        skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()
+        load_sharded_weights(model, model_dir, shard, skip)
+        if quant:
+            finish_quantized(model, quant)
     model.eval()
     pool = ShardedSlotPool(config.max_loras, config.max_lora_rank, shard, device, dtype, journal=tp.is_driver)
     apply_tp_lora_wrappers(model, pool, tp)

@@ -16,8 +16,9 @@ import torch
 from safetensors import safe_open
 
 from adapters.adapter import LoRAAdapter, LoRAModule
+from adapters.dims import CHECKPOINT_FUSED, BaseModelDims
 from core.config import ModelConfig
-from core.models.loader import _STACKED
+from core.models.loader import _STACKED, checkpoint_name
 
 
 def check_tp_divisible(cfg: ModelConfig, world_size: int) -> None:
@@ -134,7 +135,18 @@ def _read_piece(sl: Any, shard: TPShard, target: str, hf_module: str | None) -> 
     return sl[:]
 
 
-def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard) -> None:
+def _load_fused_in_file(param: torch.Tensor, sl: Any, shard: TPShard, fused: str) -> None:
+    """A checkpoint tensor that stacks whole q/k/v (gate/up): each part's rank rows to its local slice."""
+    dims = BaseModelDims.from_model_config(shard.cfg)
+    offset = 0
+    for idx, module in enumerate(CHECKPOINT_FUSED[fused]):
+        start, size = shard.out_range(module)
+        param.narrow(0, _fused_dest(shard, fused, idx), size).copy_(sl[offset + start:offset + start + size])
+        offset += dims.module_shape(module)[1]
+
+
+def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard,
+                         skip: frozenset[str] = frozenset()) -> None:
     """Fills a parallelized model with its rank's slices, reading no more of the checkpoint than that."""
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
@@ -146,8 +158,9 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
             p.zero_()                                             # vocabulary padding rows stay zero
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if "rotary_emb" in name:
+                for file_name in f.keys():
+                    name = checkpoint_name(file_name)
+                    if name is None or file_name in skip:   # skip: tensors core.quant loaded
                         continue
                     target, hf_module, fused, idx = name, None, None, 0
                     for hf, (fused_name, i) in _STACKED.items():
@@ -158,7 +171,12 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard
                         if target == "lm_head.weight" and shard.cfg.tie_word_embeddings:
                             continue
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                    piece = _read_piece(f.get_slice(name), shard, target, hf_module)
+                    module = target.split(".")[-2]
+                    if module in CHECKPOINT_FUSED and hf_module is None:   # Phi-3: q/k/v (gate/up) in one tensor
+                        _load_fused_in_file(params[target], f.get_slice(file_name), shard, module)
+                        loaded.update(f"{target}#{i}" for i in range(len(CHECKPOINT_FUSED[module])))
+                        continue
+                    piece = _read_piece(f.get_slice(file_name), shard, target, hf_module)
                     param = params[target]
                     dest = _fused_dest(shard, fused, idx) if fused is not None else 0
                     param.narrow(0, dest, piece.shape[0]).copy_(piece)

@@ -64,6 +64,15 @@ class AdapterStats(msgspec.Struct, array_like=True):
     num_device: int                          # resident in device LoRA slots
 
 
+class SpecStats(msgspec.Struct, array_like=True):
+    """core/spec/stats.py's counters, as /metrics reads them."""
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    mean_acceptance_length: float
+
+
 class Stats(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
@@ -79,6 +88,7 @@ class Stats(msgspec.Struct, array_like=True):
     running_adapters: str
     waiting_adapters: str
     adapters: AdapterStats | None = None     # None: an engine without adapters
+    spec: SpecStats | None = None            # None: speculative decoding off
 
 
 class EngineOutput(msgspec.Struct, array_like=True):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from core.engine_core.protocol import AdapterStats, Stats
+from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from core.kernel_compiles import COMPILES
 
 
@@ -31,7 +31,15 @@ def snapshot_stats(engine: Any) -> Stats:
                  num_prefix_queries_tokens=kv.num_prefix_queries_tokens, num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
                  num_preemptions=sched.num_preemptions, num_kernel_compiles_after_warmup=COMPILES.after_warmup,
                  running_adapters=_adapter_names(running), waiting_adapters=_adapter_names(waiting),
-                 adapters=_adapter_stats(engine))
+                 adapters=_adapter_stats(engine), spec=_spec_stats(stats))
+
+
+def _spec_stats(stats: Any) -> SpecStats | None:
+    spec = getattr(stats, "spec", None)
+    if spec is None:
+        return None
+    return SpecStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                     list(spec.accepted_per_position), float(spec.mean_acceptance_length))
 
 
 def _adapter_stats(engine: Any) -> AdapterStats | None:

@@ -1,4 +1,7 @@
-"""Load an HF Llama-family checkpoint (local dir or hub id, safetensors) into our model."""
+"""Load an HF Llama-family checkpoint (local dir or hub id, safetensors) into our model.
+
+Unfused q/k/v and gate/up tensors go to their slices of our fused linears; checkpoints that fuse them
+already (Phi-3 `qkv_proj`, `gate_up_proj`) load as they are."""
 from __future__ import annotations
 
 import os
@@ -11,8 +14,11 @@ from safetensors import safe_open
 from core.attention.backend import AttentionBackend
 from core.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from core.models.llama import LlamaForCausalLM
+from core.models.registry import model_class
 from core.models.meta_init import materialize, skip_param_init
-from core.models.rope import RotaryEmbedding
+from core.models.rope import layer_rotaries
+from core.quant.config import detect_quantization
+from core.quant.loader import finish_quantized, prepare_quantized
 
 _STACKED = {  # HF name -> (our fused name, slice index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -61,7 +67,32 @@ def _slice_bounds(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:
     return [(0, cfg.intermediate_size), (cfg.intermediate_size, cfg.intermediate_size)]
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+# A multimodal checkpoint (Gemma 3 saved by Gemma3ForConditionalGeneration): the language model's weights
+# under a prefix, served as a text model; the vision tower and projector are not loaded.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_SKIPPED_PARTS = ("vision_tower", "multi_modal_projector", "rotary_emb")
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The text model's name for a checkpoint tensor name; None for tensors not loaded."""
+    if any(part in name for part in _SKIPPED_PARTS):
+        return None
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
+
+
+def _param_keys(cfg: ModelConfig, pname: str) -> list[str]:
+    """What loading `pname` covers: one key per slice of a fused linear, else the name itself."""
+    fused = pname.split(".")[-2]
+    if fused in ("qkv_proj", "gate_up_proj"):
+        return [f"{pname}#{start}" for start, _ in _slice_bounds(cfg, fused)]
+    return [pname]
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path, skip: frozenset[str] = frozenset()) -> None:
     cfg = model.config
     params = dict(model.named_parameters())
     files = sorted(model_dir.glob("*.safetensors"))
@@ -71,10 +102,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if "rotary_emb" in name:
+                for file_name in f.keys():
+                    name = checkpoint_name(file_name)
+                    if name is None or file_name in skip:   # skip: tensors core.quant loaded
                         continue
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(file_name)
                     target, bounds = name, None
                     for hf, (fused, idx) in _STACKED.items():
                         if f".{hf}." in name:
@@ -88,16 +120,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                     param = params[target]
                     if bounds is None:
                         param.copy_(tensor)
+                        loaded.update(_param_keys(cfg, target))   # Phi-3: qkv / gate_up fused in the file too
                     else:
                         param.narrow(0, bounds[0], bounds[1]).copy_(tensor)
-                    loaded.add(target if bounds is None else f"{target}#{bounds[0]}")
-    expected = set()
-    for pname in params:
-        fused = pname.split(".")[-2]
-        if fused in ("qkv_proj", "gate_up_proj"):
-            expected.update(f"{pname}#{start}" for start, _ in _slice_bounds(cfg, fused))
-        else:
-            expected.add(pname)
+                        loaded.add(f"{target}#{bounds[0]}")
+    expected = {key for pname in params for key in _param_keys(cfg, pname)}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = expected - loaded
@@ -111,24 +138,28 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.fill_(1.0)
+                p.fill_(0.0 if model.config.architecture == "gemma" else 1.0)   # Gemma norms scale by 1 + w
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-               dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> LlamaForCausalLM:
+               dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Builds the module tree on the meta device (no random init), then fills it from the checkpoint."""
     with torch.device("meta"), skip_param_init():
-        model = LlamaForCausalLM(cfg, backend, max_positions)
+        model = model_class(cfg)(cfg, backend, max_positions)
     model = materialize(model, device, dtype)
-    rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+    for layer, rotary in zip(model.model.layers, layer_rotaries(cfg, max_positions)):
+        layer.self_attn.rotary = rotary.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        load_weights(model, model_dir)
+        quant = detect_quantization(model_dir, quantization)
+        skip = prepare_quantized(model, model_dir, quant, dtype, device) if quant else frozenset()
+        load_weights(model, model_dir, skip)
+        if quant:
+            finish_quantized(model, quant)
     return model.eval()

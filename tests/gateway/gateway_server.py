@@ -1,6 +1,7 @@
 """Helper for the server tests: run `loraplex serve` as a real subprocess on a free port."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,16 @@ def free_port() -> int:
 
 def tiny_model(root: Path) -> Path:
     return tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=1024), root=root)
+
+
+def model_with_chat_template(root: Path, template: Path) -> Path:
+    """The tiny model (under `root`) whose tokenizer carries the chat template in the file `template`."""
+    path = tiny_model(root)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template.read_text()
+    config_file.write_text(json.dumps(config))
+    return path
 
 
 def loraplex_command() -> list[str]:

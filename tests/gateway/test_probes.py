@@ -20,8 +20,10 @@ def test_probes(alive: bool, ready: bool, draining: bool, health: tuple[int, str
     c = client(alive=alive, ready=ready)
     if draining:
         c.app.state.gateway.lifecycle.begin_drain("SIGTERM")
-    for path, (status, label) in (("/health", health), ("/health/live", live)):
-        resp = c.get(path)
+    probes = (("GET", "/health", health), ("GET", "/ping", health), ("POST", "/ping", health),
+              ("GET", "/health/live", live))
+    for method, path, (status, label) in probes:   # /ping (GET and SageMaker's POST) answers as /health
+        resp = c.request(method, path)
         assert resp.status_code == status, (path, resp.text)
         body = resp.json()
         assert body.get("status") == label, (path, body)

@@ -73,6 +73,10 @@ def test_a_failed_selfcheck_exits_1_with_the_reason(triton_everywhere: None, mon
     err = capsys.readouterr().err
     assert "loraplex: cannot start: kernel self-check failed" in err
     assert "_apply_bitmask_kernel" in err and "LORAPLEX_BITMASK_BACKEND=torch" in err
+    # the dead engine loop armed the hard exit (`gateway/workers.py`); a serve that returned must disarm it,
+    # or it would end this (pytest) process seconds later
+    timer = getattr(served.servers[0], "hard_exit_timer", None)
+    assert timer is not None and timer.finished.is_set()
 
 
 def test_the_named_switch_starts_it(triton_everywhere: None, monkeypatch: pytest.MonkeyPatch,

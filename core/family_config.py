@@ -1,0 +1,78 @@
+"""What differs between the model families in an HF `config.json`, read into ModelConfig's fields.
+
+Families: Llama (llama, mistral, qwen2, qwen3, phi3: one decoder with per-family parts) and Gemma (gemma2,
+gemma3_text, and the text model of a multimodal gemma3 checkpoint: `text_config`, weights under a
+language-model prefix)."""
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
+GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
+_QK_NORM_TYPES = ("qwen3", "gemma3_text", "gemma3")  # per-head RMSNorm of q and k before rope
+_USE_SLIDING_FLAG_TYPES = ("qwen2", "qwen3")         # `sliding_window` applies only with `use_sliding_window`
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: a multimodal gemma3 config keeps it under `text_config`."""
+    if cfg.get("model_type") == "gemma3":
+        if not isinstance(cfg.get("text_config"), dict):
+            raise ValueError("a gemma3 config.json needs its text_config")
+        text = cfg["text_config"]
+        tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        return {**text, "model_type": "gemma3", "tie_word_embeddings": tied}
+    return cfg
+
+
+def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of every layer (None: full attention), as HF's `layer_types` describes it."""
+    window = cfg.get("sliding_window")
+    if model_type in _USE_SLIDING_FLAG_TYPES and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return (None,) * num_layers
+    types = cfg.get("layer_types")
+    if types is None and model_type in GEMMA_TYPES:  # Gemma 2: odd layers global; Gemma 3: every 6th
+        pattern = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if types is None:  # older configs: every layer from `max_window_layers` on slides (Mistral: all)
+        start = int(cfg.get("max_window_layers", 0)) if model_type in _USE_SLIDING_FLAG_TYPES else 0
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def rope_fields(cfg: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """(rope_theta, rope scaling of the global layers, rope theta of the sliding layers (Gemma 3; None: the
+    same rope everywhere), partial rotary factor)."""
+    params = cfg.get("rope_parameters") or {}
+    local_theta = None
+    if model_type in ("gemma3_text", "gemma3"):  # transformers 5: rope parameters per layer type
+        local = params.get("sliding_attention") or {}
+        local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+        params = params.get("full_attention") or params
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = dict(params)
+    if scaling is not None and cfg.get("original_max_position_embeddings"):  # Phi-3 keeps it at the top
+        scaling = {"original_max_position_embeddings": cfg["original_max_position_embeddings"], **scaling}
+    partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+    return theta, scaling, local_theta, partial
+
+
+def family_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """ModelConfig fields of the family's extras (norm, activation, attention scale and soft-capping)."""
+    gemma = model_type in GEMMA_TYPES
+    qpas = cfg.get("query_pre_attn_scalar") if gemma else None
+    attn_cap = cfg.get("attn_logit_softcapping") if gemma else None
+    final_cap = cfg.get("final_logit_softcapping") if gemma else None
+    return dict(
+        architecture="gemma" if gemma else "llama",
+        qk_norm=model_type in _QK_NORM_TYPES,
+        hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+        query_pre_attn_scalar=float(qpas) if qpas else None,
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
+        final_logit_softcap=float(final_cap) if final_cap else None,
+    )
