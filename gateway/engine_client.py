@@ -5,7 +5,7 @@ Sends: every add, abort and command of one event-loop turn go out as one `Engine
 `call_soon`). Receives: a thread blocks on the engine's socket, decodes each step's `EngineOutput` (msgspec,
 GIL released while it waits) and hands each loop its deltas in one `call_soon_threadsafe`. The same thread
 watches the process: if it exits, every open request fails, `alive` turns False (/health 503) and
-`on_death` runs (the server exits non-zero).
+`on_dead` runs (the server exits non-zero, `gateway/workers.py`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from core.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError, _error_delta
+from core.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
 from core.config import EngineConfig
 from core.engine_core.grammar_handles import to_wire
 from core.engine_core.protocol import (INPUT_ENCODER, OUTPUT_DECODER, AddRequest, Command, EngineInput,
@@ -38,10 +38,11 @@ class EngineClient:
         self.engine = EngineView(config, self.command)
         self.config, self.log_level = config, log_level
         self.on_warmup_progress, self.on_ready = on_warmup_progress, on_ready
-        self.on_death: list[Callable[[str], None]] = []
+        self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the engine process dies
         self.warmup_progress: tuple[int, int, float] = (0, 0, 0.0)
         self.error: BaseException | None = None
         self._streams: dict[str, Stream] = {}
+        self._closed = False      # under `_lock`: no stream may be registered any more (the engine is gone)
         self._lock = threading.Lock()
         self._pending = EngineInput([], [], [])
         self._flush_scheduled = False
@@ -106,16 +107,19 @@ class EngineClient:
 
     def fail(self, reason: str) -> None:
         """Marks the engine dead from outside: open streams get the error, new requests 503."""
-        if self.error is None:
-            self.error = RuntimeError(reason)
-        with self._lock:
-            open_ids = list(self._streams)
-        self._deliver([_error_delta(rid, f"engine failure: {reason}") for rid in open_ids])
+        self._die(RuntimeError(reason))
+
+    def _die(self, exc: BaseException) -> None:
+        first = self.error is None
+        self._close(exc, f"engine failure: {exc}")
         for future in list(self._commands.values()):
             if not future.done():
-                future.set_exception(EngineDeadError(reason))
-        for callback in self.on_death:
-            callback(reason)
+                future.set_exception(EngineDeadError(str(exc)))
+        if first:
+            for callback in self.on_dead:   # the server exits non-zero: nothing would serve again
+                callback(exc)
+
+    _close = AsyncEngine._close    # no stream registered from now on; every open one gets the error
 
     # ---- submission (event-loop side) -----------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -128,6 +132,8 @@ class EngineClient:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine process is not running")
             assert request_id not in self._streams, f"duplicate request id {request_id}"
             self._streams[request_id] = (loop, queue)
         extra = {k: v for k, v in kwargs.items() if v is not None and k != "lora_held"}
@@ -202,7 +208,7 @@ class EngineClient:
                 code = self._proc.exitcode
                 if not self._stop:
                     log.error("the engine process exited (code %s); failing open requests", code)
-                    self.fail(f"the engine process exited with code {code}")
+                    self._die(RuntimeError(f"the engine process exited with code {code}"))
                 return
 
     def _handle(self, out: EngineOutput) -> None:
@@ -235,20 +241,6 @@ class EngineClient:
                 self.on_ready(payload)
         elif kind == "failed":
             stage, exc = payload
-            self.error = exc
-            self.fail(str(exc))
+            self._die(exc)
             self._started.set()
 
-
-def watch_engine_process(aeng: Any, server: Any) -> Callable[[], bool]:
-    """With an engine process: if it dies, uvicorn shuts down and `serve` returns 1 (always False otherwise)."""
-    if not isinstance(aeng, EngineClient):
-        return lambda: False
-    died: list[str] = []
-
-    def on_death(reason: str) -> None:
-        died.append(reason)
-        server.should_exit = True
-
-    aeng.on_death.append(on_death)
-    return lambda: bool(died)

@@ -18,7 +18,6 @@ from gateway.request_log import enable_request_log
 from gateway.startup import exit_on_warmup_failure
 from gateway.state import GatewayState
 from gateway.tenants import TenantFileError
-from gateway.engine_client import watch_engine_process
 from gateway.workers import cancel_hard_exit, watch_workers
 
 log = logging.getLogger("loraplex.gateway")
@@ -114,13 +113,12 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
                     if config.metrics_port is not None else None)
         server = GatewayServer(uv_config, banner, state.lifecycle, listener)
         workers_failed = watch_workers(aeng, server)
-        engine_died = watch_engine_process(aeng, server)
         warmup_failed = exit_on_warmup_failure(aeng, server)   # e.g. the kernel self-check refused a kernel
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
             pass
-        return 1 if workers_failed() or warmup_failed() or engine_died() else (0 if server.started else 1)
+        return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
     finally:
         aeng.shutdown()
         if aeng.engine.tp is not None:
