@@ -18,6 +18,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
+from adapters.errors import AdapterError
 from core.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
 from core.config import EngineConfig
 from core.engine_core.grammar_handles import to_wire
@@ -43,6 +44,7 @@ class EngineClient:
         self.error: BaseException | None = None
         self._streams: dict[str, Stream] = {}
         self._closed = False      # under `_lock`: no stream may be registered any more (the engine is gone)
+        self._adapter_of: dict[str, str] = {}   # request id -> adapter name, while it runs
         self._lock = threading.Lock()
         self._pending = EngineInput([], [], [])
         self._flush_scheduled = False
@@ -138,7 +140,7 @@ class EngineClient:
             self._streams[request_id] = (loop, queue)
         extra = {k: v for k, v in kwargs.items() if v is not None and k != "lora_held"}
         if "lora" in extra:   # the engine resolves and holds the adapter by name when it admits the request
-            extra["lora"] = extra["lora"].name
+            extra["lora"] = self._adapter_of[request_id] = extra["lora"].name
         if "grammar" in extra:
             extra["grammar"] = to_wire(extra["grammar"])
         self._pending.adds.append(AddRequest(request_id, list(prompt_token_ids), dumps(params),
@@ -222,7 +224,12 @@ class EngineClient:
                 value = loads(reply.value)
                 future.set_result(value) if reply.ok else future.set_exception(value)
         if out.deltas:
-            self._deliver([decode_delta(d) for d in out.deltas])
+            deltas = [decode_delta(d) for d in out.deltas]
+            for d in deltas:
+                name = self._adapter_of.pop(d.request_id, None) if d.finished or d.error else None
+                if name is not None and isinstance(d.exception, AdapterError):
+                    self.engine.registry.remember_failure(name, d.exception)
+            self._deliver(deltas)
 
     def _event(self, kind: str, payload: Any) -> None:
         if kind == "adapters":

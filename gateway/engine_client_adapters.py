@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from adapters.lora_dirs import LoraDirectories
+from adapters.errors import AdapterError
+from adapters.lora_dirs import LoraDirectories, fingerprint
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class RemoteRegistry:
         self._by_name: dict[str, RemoteAdapter] = {}
         self._lock = threading.Lock()
         self.dirs = LoraDirectories(lora_dirs)
+        self._negative: dict[str, tuple[Any, AdapterError]] = {}   # dir adapters whose first read failed
 
     def sync(self, entries: list[tuple[str, str, str, int]]) -> None:
         """The engine's entries (its `adapters` event)."""
@@ -48,7 +50,25 @@ class RemoteRegistry:
         if entry is not None or not self.dirs:
             return entry
         loc = self.dirs.resolve(name)
-        return None if loc is None else RemoteAdapter(name, loc.path)
+        if loc is None:
+            return None
+        with self._lock:
+            failed = self._negative.get(name)
+            if failed is not None and failed[0] == loc.fingerprint:
+                raise failed[1].fresh()   # as the engine's registry: remembered until the files change
+            self._negative.pop(name, None)
+        return RemoteAdapter(name, loc.path)
+
+    def remember_failure(self, name: str, error: AdapterError) -> None:
+        """A request on a `--lora-dir` adapter failed its first read in the engine (a 400): later requests get
+        that error at resolution, before any response byte, as in-process."""
+        if error.status != 400 or not self.dirs or self.get(name) is not None:
+            return
+        loc = self.dirs.resolve(name)
+        now = fingerprint(loc.path) if loc is not None else None
+        if now is not None:
+            with self._lock:
+                self._negative[name] = (now, error)
 
     def entries(self) -> list[RemoteAdapter]:
         with self._lock:
