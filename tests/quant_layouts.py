@@ -33,6 +33,8 @@ LAYOUTS: dict[str, tuple[str, str, int, int, bool, bool]] = {
     "gptq_w4_g32_asym_act_phi3": ("phi3", "gptq", 4, 32, False, True),
     "gptq_w8_g32_sym_phi3": ("phi3", "gptq", 8, 32, True, False),
     "awq_w4_g32_phi3": ("phi3", "awq", 4, 32, False, False),
+    "gptq_w4_ch_asym_phi3_unaligned": ("phi3_unaligned", "gptq", 4, -1, False, False),
+    "awq_w4_g4_phi3_unaligned": ("phi3_unaligned", "awq", 4, 4, False, False),
 }
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 

@@ -57,6 +57,8 @@ CT_SCHEMES: dict[str, tuple[Any, ...]] = {
     "w8a16_ch_phi3": ("phi3", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
     "fp8_static_tensor_phi3": ("phi3", dict(_FP8, strategy="tensor"), "float-quantized",
                                dict(_FP8, strategy="tensor", dynamic=False)),
+    "w4a16_asym_g4_phi3_unaligned": ("phi3_unaligned", dict(num_bits=4, type="int", symmetric=False,
+                                                            strategy="group", group_size=4), "pack-quantized"),
     "fp8_dynamic_phi3": ("phi3", dict(_FP8, strategy="channel"), "float-quantized",
                          dict(_FP8, strategy="token", dynamic=True)),
 }
@@ -109,6 +111,10 @@ def base_dir(name: str) -> Path:
         from test_family_phi3 import SPEC
 
         return tiny_model_dir(SPEC)
+    if name == "phi3_unaligned":   # q | k | v = 48 | 12 | 12 rows: v starts at row 60, inside an 8-code packed
+        # word of the output dim; gate | up = 104 | 104: under TP=2 each rank's part starts at row 52 (inside too)
+        return tiny_model_dir(TinyModelSpec(arch="phi3", hidden_size=48, intermediate_size=104, num_heads=4,
+                                            num_kv_heads=1, seed=11))
     return tiny_model_dir(SPECS[name])
 
 

@@ -75,3 +75,25 @@ def test_tp2_splits_fused_packed_tensors_per_rank(name: str) -> None:
         check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in TEXTS[1:]])
     finally:
         llm.engine.tp.shutdown()
+
+
+UNALIGNED = ["w4a16_asym_g4_phi3_unaligned", "gptq_w4_ch_asym_phi3_unaligned", "awq_w4_g4_phi3_unaligned"]
+
+
+@pytest.mark.parametrize("name", UNALIGNED)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_part_boundaries_inside_packed_words(name: str, tp: int) -> None:
+    """Zero points (all three formats) and AWQ codes are packed 8 to a word along the output dim, and v's rows
+    (and under TP=2 each rank's gate / up rows) start inside a word. No alignment is needed: the fused
+    tensor is unpacked whole before it is cut, so the split equals the reference wherever it falls."""
+    path, ref = _checkpoint(name)
+    adapter = save_all7_adapter(ref)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=128, tensor_parallel_size=tp,
+              lora_modules={"tenant": str(adapter)})
+    try:
+        if tp == 1:
+            _check_fused_weights(llm, ref)
+        check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in TEXTS[:2]])
+    finally:
+        if llm.engine.tp is not None:
+            llm.engine.tp.shutdown()
