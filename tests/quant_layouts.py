@@ -29,7 +29,10 @@ LAYOUTS: dict[str, tuple[str, str, int, int, bool, bool]] = {
     "gptq_w4_g32_asym_qwen2": ("qwen2_tied", "gptq", 4, 32, False, True),
     "awq_w4_g32": ("llama_gqa", "awq", 4, 32, False, False),
     "awq_w4_g32_qwen2": ("qwen2_tied", "awq", 4, 32, False, False),
-    # Phi-3: the fused qkv_proj / gate_up_proj quantized as one linear each (one g_idx per fused linear)
+}
+# Phi-3 (tests/test_quant_phi3.py): the fused qkv_proj / gate_up_proj quantized as one linear each (one g_idx
+# per fused linear)
+PHI3_LAYOUTS: dict[str, tuple[str, str, int, int, bool, bool]] = {
     "gptq_w4_g32_asym_act_phi3": ("phi3", "gptq", 4, 32, False, True),
     "gptq_w8_g32_sym_phi3": ("phi3", "gptq", 8, 32, True, False),
     "awq_w4_g32_phi3": ("phi3", "awq", 4, 32, False, False),
@@ -84,7 +87,7 @@ def _quantize(w: torch.Tensor, bits: int, gs: int, sym: bool, perm: torch.Tensor
 
 
 def _write(name: str) -> tuple[Path, Path]:
-    base_name, method, bits, group, sym, act = LAYOUTS[name]
+    base_name, method, bits, group, sym, act = {**LAYOUTS, **PHI3_LAYOUTS}[name]
     base = base_dir(base_name)
     cfg = json.loads((base / "config.json").read_text())
     state = load_file(str(base / "model.safetensors"))

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 from core import LLM  # noqa: E402
 from core.quant.linear import QuantLinear  # noqa: E402
-from quant_layouts import LAYOUTS, layout_model  # noqa: E402
+from quant_layouts import PHI3_LAYOUTS, layout_model  # noqa: E402
 from quant_models import check_mixed_batch, ct_model, ct_reference_dir, save_all7_adapter  # noqa: E402
 from testlib import PROMPTS, encode  # noqa: E402
 
@@ -35,7 +35,7 @@ LAYOUT_NAMES = ["gptq_w4_g32_asym_act_phi3", "gptq_w8_g32_sym_phi3", "awq_w4_g32
 
 
 def _checkpoint(name: str):
-    return layout_model(name) if name in LAYOUTS else (ct_model(name), ct_reference_dir(name))
+    return layout_model(name) if name in PHI3_LAYOUTS else (ct_model(name), ct_reference_dir(name))
 
 
 def _check_fused_weights(llm: LLM, ref) -> None:
@@ -56,7 +56,7 @@ def test_base_and_fused_lora_match_references(name: str) -> None:
     path, ref = _checkpoint(name)
     greedy_ref = path if name.startswith("fp8") else ref
     adapter = save_all7_adapter(greedy_ref)          # PEFT on qkv_proj, o_proj, gate_up_proj, down_proj
-    method = "compressed-tensors" if name in CT_NAMES else LAYOUTS[name][1]
+    method = "compressed-tensors" if name in CT_NAMES else PHI3_LAYOUTS[name][1]
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=128, lora_modules={"tenant": str(adapter)},
               quantization=method)
     _check_fused_weights(llm, ref)
