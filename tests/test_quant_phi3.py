@@ -11,6 +11,8 @@ Prompts fit the original context with their 12 new tokens (short longrope factor
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,8 +27,9 @@ from quant_models import check_mixed_batch, ct_model, ct_reference_dir, save_all
 from testlib import PROMPTS, encode  # noqa: E402
 
 TEXTS = [PROMPTS[0], PROMPTS[1], PROMPTS[6]]      # 13 and 12 tokens (+ 12 <= 40), 187 tokens (> 40)
-# FP8 rounds the activations too: in a batch with the 187-token prefill, fp32 rounding differences of the
-# larger matmuls flip an activation's FP8 code and the 9th token of that row (alone it equals HF); short prompts
+# FP8 rounds the activations too. Observed: with the 187-token prompt in the batch, that row's 9th token differs
+# from HF under FP8_DYNAMIC (alone it equals HF; the integer formats agree in the same batch), likely an
+# activation whose e4m3 code flips on fp32 rounding differences between batch shapes. Short prompts for FP8.
 FP8_TEXTS = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
 FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 CT_NAMES = ["w4a16_sym_g32_phi3", "w4a16_asym_g32_phi3", "w8a16_ch_phi3", "fp8_static_tensor_phi3",
@@ -34,11 +37,11 @@ CT_NAMES = ["w4a16_sym_g32_phi3", "w4a16_asym_g32_phi3", "w8a16_ch_phi3", "fp8_s
 LAYOUT_NAMES = ["gptq_w4_g32_asym_act_phi3", "gptq_w8_g32_sym_phi3", "awq_w4_g32_phi3"]
 
 
-def _checkpoint(name: str):
+def _checkpoint(name: str) -> tuple[Path, Path]:
     return layout_model(name) if name in PHI3_LAYOUTS else (ct_model(name), ct_reference_dir(name))
 
 
-def _check_fused_weights(llm: LLM, ref) -> None:
+def _check_fused_weights(llm: LLM, ref: Path) -> None:
     """Our fused q/k/v (gate/up) weights, dequantized, are the reference's fused tensors row for row."""
     from safetensors.torch import load_file
 
@@ -47,8 +50,7 @@ def _check_fused_weights(llm: LLM, ref) -> None:
     for fused in FUSED:
         module = layer.get_submodule(fused).base
         assert isinstance(module, QuantLinear)
-        torch.testing.assert_close(module.dequantize(), ref_state[f"model.layers.1.{fused}.weight"],
-                                   rtol=0, atol=1e-6)
+        assert torch.equal(module.dequantize(), ref_state[f"model.layers.1.{fused}.weight"])
 
 
 @pytest.mark.parametrize("name", CT_NAMES + LAYOUT_NAMES)
