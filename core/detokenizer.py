@@ -2,6 +2,8 @@
 `include_stop_str_in_output`: then the text ends with the matched stop string and nothing is held back)."""
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -9,6 +11,23 @@ from tokenizers.decoders import DecodeStream
 from core.sampling import SamplingParams
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed first so leading spaces decode as in the full text
+# tokenizer -> (its size, {added token id: content}): built once per tokenizer, not per request (it runs on the
+# engine thread, and a tokenizer may have thousands of added tokens); rebuilt if tokens were added since
+_ADDED: "weakref.WeakKeyDictionary[Any, tuple[int, dict[int, str]]]" = weakref.WeakKeyDictionary()
+_ADDED_LOCK = threading.Lock()
+
+
+def added_token_contents(tokenizer: Any) -> dict[int, str]:
+    """The content of each added token of `tokenizer`, by id (shared: do not modify)."""
+    size = len(tokenizer)
+    with _ADDED_LOCK:
+        cached = _ADDED.get(tokenizer)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    contents = {tid: tok.content for tid, tok in tokenizer.added_tokens_decoder.items()}
+    with _ADDED_LOCK:
+        _ADDED[tokenizer] = (size, contents)
+    return contents
 
 
 class IncrementalDetokenizer:
@@ -32,7 +51,7 @@ class IncrementalDetokenizer:
         self._added: dict[int, str] | None = None
         self._last_added = False
         if not params.skip_special_tokens and not params.spaces_between_special_tokens:
-            self._added = {tid: tok.content for tid, tok in tokenizer.added_tokens_decoder.items()}
+            self._added = added_token_contents(tokenizer)
 
     def add_token(self, token_id: int) -> bool:
         """Appends one token's text. Returns True when a stop string appeared (text cut before it)."""

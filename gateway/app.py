@@ -46,7 +46,7 @@ from gateway.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.probes import probe_routes
 from gateway.responses import chat_body, completion_body
-from gateway.responses_api import ResponsesBody
+from gateway.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
 from gateway.responses_stream import bind_responses
 from gateway.sampling_defaults import RequestDefaults
 from gateway.state import GatewayState
@@ -116,7 +116,8 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     release = state.limits.acquire(principal)
     if release is not None:
         ctx.cleanups.append(release)
-    body = await parse_body(request, kind.body, {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
+    body = ctx.body = await parse_body(request, kind.body,
+                                       {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
     ctx.stream = bool(body.stream)
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
@@ -188,7 +189,11 @@ async def create_chat_completion(request: Request) -> Response:
 
 @api_endpoint
 async def create_response(request: Request) -> Response:
-    return await _generate(request, RESPONSES)
+    try:
+        return await _generate(request, RESPONSES)
+    except Exception as exc:  # noqa: BLE001 - named as the Responses body names it, then answered as any error
+        body = request_context(request).body
+        raise responses_error(exc, body.origins if isinstance(body, ResponsesChatRequest) else []) from None
 
 
 @api_endpoint

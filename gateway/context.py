@@ -31,6 +31,7 @@ class RequestContext:
     model: str | None = None            # the served name once resolved
     stream: bool = False
     generation: bool = False            # a completions/chat request (counted in the per-tenant metrics)
+    body: Any = None                    # the parsed API body, once parsed
     status: int | None = None           # the HTTP status sent
     error_code: str | None = None       # the OpenAI error code, when the request failed (in-band too)
     error_status: int | None = None     # an in-band (streamed) error's status

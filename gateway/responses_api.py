@@ -9,15 +9,18 @@ shaped as a Response object or its event stream (gateway/responses_stream.py).
     tools            `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`
     tool_choice      "none" | "auto" | "required" | {"type": "function", "name"}
     text.format      {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", ...}
-`store: true` and `previous_response_id` need server-side state: a 400 naming them.
+`store: true` and `previous_response_id` need server-side state: a 400 naming them. An error raised by the
+chat path underneath names the Responses field (`responses_param`: `tools[0].name`, `text.format.schema`,
+`input[2].arguments`), never a field of the chat shape the client did not send.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import PrivateAttr
+from pydantic import PrivateAttr, ValidationError
 
-from gateway.errors import invalid
+from gateway.errors import APIError, from_exception, invalid
 from gateway.protocol import ChatCompletionRequest, _Strict
 
 
@@ -42,15 +45,25 @@ class ResponsesRequest(_Strict):
     top_k: Optional[int] = None
 
 
+# per chat message: the Responses path it came from ("instructions", "input" or "input[i]"), for an assistant
+# turn made of function_call items the path of each call, and whether it is a function_call_output item
+Origins = list[tuple[str, list[str], bool]]
+
+
 class ResponsesChatRequest(ChatCompletionRequest):
     """The chat request a Responses body runs as; `source` keeps the body for the answer's echo fields."""
 
     _source: Optional[ResponsesRequest] = PrivateAttr(default=None)
+    _origins: Origins = PrivateAttr(default_factory=list)
 
     @property
     def source(self) -> ResponsesRequest:
         assert self._source is not None
         return self._source
+
+    @property
+    def origins(self) -> Origins:
+        return self._origins
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -76,12 +89,15 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
     return value
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """Responses input -> chat messages (consecutive function_call items form one assistant turn)."""
+def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
+    """Responses input -> chat messages (consecutive function_call items form one assistant turn); `origins`
+    gets where each message came from."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
+        origins.append(("instructions", [], False))
     if isinstance(body.input, str):
+        origins.append(("input", [], False))
         return messages + [{"role": "user", "content": body.input}]
     for i, item in enumerate(body.input):
         p = f"input[{i}]"
@@ -90,17 +106,21 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{p}.role must be user, system, developer or assistant", param=f"{p}.role")
             messages.append({"role": item["role"], "content": _text_of(item.get("content"), f"{p}.content")})
+            origins.append((p, [], False))
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", p), "type": "function",
                     "function": {"name": _string(item, "name", p), "arguments": _string(item, "arguments", p)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
+                origins[-1][1].append(p)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((p, [p], False))
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", p),
                              "content": _string(item, "output", p)})
+            origins.append((p, [], True))
         else:
             raise invalid(f"unsupported input item type {kind!r} (served: message, function_call, "
                           f"function_call_output)", param=f"{p}.type")
@@ -156,14 +176,69 @@ def chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise invalid("max_output_tokens must be at least 1", param="max_output_tokens")
     tools, choice = _tools(body)
+    origins: Origins = []
     fields: dict[str, Any] = {
-        "model": body.model, "messages": _messages(body), "max_tokens": body.max_output_tokens,
+        "model": body.model, "messages": _messages(body, origins), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
         "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls, "seed": body.seed,
         "top_k": body.top_k, "user": body.user, "response_format": _response_format(body.text)}
-    chat = ResponsesChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    chat._source = body
+    try:
+        chat = ResponsesChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise responses_error(exc, origins) from None
+    chat._source, chat._origins = body, origins
     return chat
+
+
+_MESSAGE = re.compile(r"messages\[(\d+)\](.*)")
+_CALL = re.compile(r"\.tool_calls\[(\d+)\](.*)")
+_TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
+# the chat field -> the Responses field (a prefix, with what follows it kept)
+_RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("tool_choice.function", "tool_choice"), ("max_completion_tokens", "max_output_tokens"),
+            ("max_tokens", "max_output_tokens"), ("messages", "input"), ("prompt", "input"))
+_CALL_FIELDS = ((".function.arguments", ".arguments"), (".function.name", ".name"), (".function", ""),
+                (".id", ".call_id"))
+_TOOL_OUTPUT_FIELDS = ((".tool_call_id", ".call_id"), (".content", ".output"))
+
+
+def _renamed(rest: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if rest == old or rest.startswith((old + ".", old + "[")):
+            return new + rest[len(old):]
+    return rest
+
+
+def responses_param(param: str | None, origins: Origins) -> str | None:
+    """The Responses field for a `param` of the chat request it runs as (`origins`: see `_messages`)."""
+    if param is None:
+        return None
+    message = _MESSAGE.fullmatch(param)
+    if message is not None:
+        j, rest = int(message.group(1)), message.group(2)
+        if j >= len(origins):
+            return "input"
+        path, calls, tool_output = origins[j]
+        if path in ("instructions", "input"):
+            return path
+        call = _CALL.fullmatch(rest)
+        if call is not None and int(call.group(1)) < len(calls):
+            return calls[int(call.group(1))] + _renamed(call.group(2), _CALL_FIELDS)
+        return path + _renamed(rest, _TOOL_OUTPUT_FIELDS if tool_output else ())
+    tool = _TOOL.fullmatch(param)
+    if tool is not None:
+        return f"tools[{tool.group(1)}]{tool.group(2)}"
+    return _renamed(param, _RENAMES)
+
+
+def responses_error(exc: BaseException, origins: Origins) -> APIError:
+    """`exc` as the client of /v1/responses sees it: `param` (and its mention in the message) renamed."""
+    error = from_exception(exc)
+    param = responses_param(error.param, origins)
+    if error.param is not None and param != error.param:
+        error.message = error.message.replace(error.param, param or "")
+        error.param = param
+    return error
 
 
 class ResponsesBody:

@@ -11,10 +11,9 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from core.outputs import RequestDelta
-from gateway.errors import from_exception
 from gateway.generation import ChoiceResult
 from gateway.reasoning import add_reasoning_usage, delta_reasoning
-from gateway.responses_api import ResponsesChatRequest, ResponsesRequest
+from gateway.responses_api import Origins, ResponsesChatRequest, ResponsesRequest, responses_error
 from gateway.streaming import StreamInfo
 from gateway.tool_output import _ChoiceStream
 from gateway.tool_parse import final_calls
@@ -183,8 +182,8 @@ class _Events:
         return out
 
 
-def responses_events(source: ResponsesRequest, plan: ToolPlan | None) -> Callable[[StreamInfo, Deltas],
-                                                                                 AsyncIterator[bytes]]:
+def responses_events(source: ResponsesRequest, plan: ToolPlan | None, origins: Origins | None = None
+                     ) -> Callable[[StreamInfo, Deltas], AsyncIterator[bytes]]:
     tooled = plan is not None and plan.constrained
 
     async def events(info: StreamInfo, deltas: Deltas) -> AsyncIterator[bytes]:
@@ -215,7 +214,7 @@ def responses_events(source: ResponsesRequest, plan: ToolPlan | None) -> Callabl
             # always response.completed (as vLLM), its status "incomplete" when max_output_tokens cut the text
             yield ev.event("response.completed", response=ev.response(_status(finish_reason), finish_reason, usage))
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
-            error = from_exception(exc).body()["error"]
+            error = responses_error(exc, origins or []).body()["error"]
             yield ev.event("error", code=error["code"], message=error["message"], param=error["param"])
         finally:
             await deltas.aclose()  # type: ignore[attr-defined]
@@ -224,4 +223,4 @@ def responses_events(source: ResponsesRequest, plan: ToolPlan | None) -> Callabl
 
 def bind_responses(body: ResponsesChatRequest, plan: ToolPlan | None) -> dict[str, Any]:
     """The per-request answer builders for `_Kind` (gateway/app.py)."""
-    return {"events": responses_events(body.source, plan), "response": responses_body(body.source, plan)}
+    return {"events": responses_events(body.source, plan, body.origins), "response": responses_body(body.source, plan)}

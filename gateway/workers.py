@@ -23,6 +23,8 @@ def exit_later(server: Any) -> None:
     `serve` cancels the timer (`cancel_hard_exit`) once its own shutdown has finished: a server run inside a
     longer-lived process (tests, an embedding application) must not take that process down later."""
     server.should_exit = True
+    if getattr(server, "hard_exit_timer", None) is not None:   # armed once, however many failures report
+        return
     timer = threading.Timer(HARD_EXIT_S, lambda: os._exit(1))
     timer.daemon = True
     server.hard_exit_timer = timer
@@ -37,12 +39,15 @@ def cancel_hard_exit(server: Any) -> None:
 
 def watch_workers(aeng: Any, server: Any, exit_fn: Callable[[Any], None] = exit_later) -> Callable[[], bool]:
     """Wires the failure paths; returns a probe: did the engine loop or the tensor-parallel group fail?"""
+    tp = aeng.engine.tp
+
     def on_dead(exc: BaseException) -> None:
         log.error("the engine loop stopped (%s); failing open requests and exiting", exc)
+        if tp is not None:   # name the worker whose death broke the step's collective, if one died
+            tp.blame_dead_worker(grace_s=2.0)
         exit_fn(server)
 
     aeng.on_dead.append(on_dead)
-    tp = aeng.engine.tp
     if tp is None:
         return lambda: aeng.error is not None
 

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from quant_models import _DIRS, _copy_side_files, _root
-from testlib import model_dir
+from quant_models import _DIRS, _copy_side_files, _root, base_dir
 
 # name -> (base, method, bits, group size (-1: per channel), sym, desc_act)
 LAYOUTS: dict[str, tuple[str, str, int, int, bool, bool]] = {
@@ -30,6 +29,15 @@ LAYOUTS: dict[str, tuple[str, str, int, int, bool, bool]] = {
     "gptq_w4_g32_asym_qwen2": ("qwen2_tied", "gptq", 4, 32, False, True),
     "awq_w4_g32": ("llama_gqa", "awq", 4, 32, False, False),
     "awq_w4_g32_qwen2": ("qwen2_tied", "awq", 4, 32, False, False),
+}
+# Phi-3 (tests/test_quant_phi3.py): the fused qkv_proj / gate_up_proj quantized as one linear each (one g_idx
+# per fused linear)
+PHI3_LAYOUTS: dict[str, tuple[str, str, int, int, bool, bool]] = {
+    "gptq_w4_g32_asym_act_phi3": ("phi3", "gptq", 4, 32, False, True),
+    "gptq_w8_g32_sym_phi3": ("phi3", "gptq", 8, 32, True, False),
+    "awq_w4_g32_phi3": ("phi3", "awq", 4, 32, False, False),
+    "gptq_w4_ch_asym_phi3_unaligned": ("phi3_unaligned", "gptq", 4, -1, False, False),
+    "awq_w4_g4_phi3_unaligned": ("phi3_unaligned", "awq", 4, 4, False, False),
 }
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -79,8 +87,8 @@ def _quantize(w: torch.Tensor, bits: int, gs: int, sym: bool, perm: torch.Tensor
 
 
 def _write(name: str) -> tuple[Path, Path]:
-    base_name, method, bits, group, sym, act = LAYOUTS[name]
-    base = model_dir(base_name)
+    base_name, method, bits, group, sym, act = {**LAYOUTS, **PHI3_LAYOUTS}[name]
+    base = base_dir(base_name)
     cfg = json.loads((base / "config.json").read_text())
     state = load_file(str(base / "model.safetensors"))
     quant, ref = dict(state), dict(state)

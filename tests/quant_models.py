@@ -49,6 +49,18 @@ CT_SCHEMES: dict[str, tuple[Any, ...]] = {
                           dict(_FP8, strategy="tensor", dynamic=False)),
     "fp8_dynamic_qwen2": ("qwen2_tied", dict(_FP8, strategy="channel"), "float-quantized",
                           dict(_FP8, strategy="token", dynamic=True)),
+    # Phi-3: q/k/v and gate/up quantized as the fused linears the checkpoint stores
+    "w4a16_sym_g32_phi3": ("phi3", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+                           "pack-quantized"),
+    "w4a16_asym_g32_phi3": ("phi3", dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                                         group_size=32), "pack-quantized"),
+    "w8a16_ch_phi3": ("phi3", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
+    "fp8_static_tensor_phi3": ("phi3", dict(_FP8, strategy="tensor"), "float-quantized",
+                               dict(_FP8, strategy="tensor", dynamic=False)),
+    "w4a16_asym_g4_phi3_unaligned": ("phi3_unaligned", dict(num_bits=4, type="int", symmetric=False,
+                                                            strategy="group", group_size=4), "pack-quantized"),
+    "fp8_dynamic_phi3": ("phi3", dict(_FP8, strategy="channel"), "float-quantized",
+                         dict(_FP8, strategy="token", dynamic=True)),
 }
 _ROOT: Path | None = None
 _DIRS: dict[str, Path] = {}
@@ -95,6 +107,14 @@ def base_dir(name: str) -> Path:
         from family_models import gemma_dir
 
         return gemma_dir("gemma2")
+    if name == "phi3":   # the Phi-3 family test's model: fused qkv_proj / gate_up_proj, longrope
+        from test_family_phi3 import SPEC
+
+        return tiny_model_dir(SPEC)
+    if name == "phi3_unaligned":   # q | k | v = 48 | 12 | 12 rows: v starts at row 60, inside an 8-code packed
+        # word of the output dim; gate | up = 104 | 104: under TP=2 each rank's part starts at row 52 (inside too)
+        return tiny_model_dir(TinyModelSpec(arch="phi3", hidden_size=48, intermediate_size=104, num_heads=4,
+                                            num_kv_heads=1, seed=11))
     return tiny_model_dir(SPECS[name])
 
 
@@ -183,7 +203,10 @@ def save_all7_adapter(ref_dir: Path, seed: int = 12) -> Path:
     from lora_fixtures import ALL7, _save_adapter
     from testlib import _hf_model
 
-    out = _save_adapter(copy.deepcopy(_hf_model(str(ref_dir))), dict(r=8, lora_alpha=16, target_modules=ALL7),
+    targets = ALL7
+    if json.loads((ref_dir / "config.json").read_text())["model_type"] == "phi3":   # the same seven, fused names
+        targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    out = _save_adapter(copy.deepcopy(_hf_model(str(ref_dir))), dict(r=8, lora_alpha=16, target_modules=targets),
                         0.5, seed, _root() / key)
     _DIRS[key] = out
     return out

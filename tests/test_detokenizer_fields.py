@@ -58,3 +58,22 @@ def test_spaces_between_special_tokens(wordpiece: Any) -> None:
     assert joined == "hello <a><b> world" and "".join(deltas) == joined
     skipped, _, _ = run(wordpiece, words, SamplingParams(spaces_between_special_tokens=False))
     assert skipped == run(wordpiece, words, SamplingParams())[0]   # special tokens hidden: no effect
+
+
+def test_added_tokens_are_read_once_per_tokenizer(wordpiece: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The added-token table is built on the engine thread: once per tokenizer, not once per request (a tokenizer
+    with thousands of added tokens, e.g. Gemma's, took ~30 ms a request, stalling every other request's step)."""
+    reads = []
+    table = type(wordpiece).added_tokens_decoder
+
+    def counted(self: Any) -> Any:
+        reads.append(1)
+        return table.fget(self)
+
+    monkeypatch.setattr(type(wordpiece), "added_tokens_decoder", property(counted))
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    for _ in range(5):
+        assert run(wordpiece, ["hello", "<a>", "<b>", "world"], params)[0] == "hello <a><b> world"
+    assert len(reads) <= 1, reads
+    wordpiece.add_tokens(["<c>"], special_tokens=True)
+    assert run(wordpiece, ["<a>", "<c>"], params)[0] == "<a><c>"   # a token added later is seen

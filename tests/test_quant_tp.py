@@ -4,6 +4,7 @@ does not fall on group boundaries is a start-up error naming the module."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("peft")
@@ -39,3 +40,5 @@ def test_shard_off_group_boundary_is_a_startup_error() -> None:
     with pytest.raises(Exception, match="does not line up with the quantization group size 32"):
         LLM(str(ct_model("w4a16_sym_g32")), dtype="float32", device="cpu", num_kv_blocks=16,
             tensor_parallel_size=4)
+    # the failed start left no process group behind: the next tensor-parallel engine of this process can start
+    assert not torch.distributed.is_initialized()

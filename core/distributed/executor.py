@@ -153,6 +153,19 @@ class TPExecutor:
                 return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
+    def blame_dead_worker(self, grace_s: float) -> str | None:
+        """After a failed collective: the dead worker, if one died (waiting up to `grace_s` for its exit to be
+        seen: the peer's reset often arrives first), reported through `fail`; None if every worker lives."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            reason = self._dead_worker()
+            if reason is not None:
+                self.fail(reason)
+                return reason
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def _watch(self) -> None:
         while not self._stop.wait(MONITOR_INTERVAL_S):
             reason = self._dead_worker() or next((r for r in (c() for c in self.liveness_checks) if r), None)
@@ -193,3 +206,15 @@ class TPExecutor:
                 p.join(1.0)
         if graceful and self.failure is None:
             destroy_tp_group()
+        else:   # the workers are gone: leave the group too, so that a later engine of this process can form one
+            _leave_group_bounded(timeout_s)
+
+
+def _leave_group_bounded(timeout_s: float) -> None:
+    """Destroys this process's group after a failure, on a helper thread: with dead peers a backend may block
+    (NCCL), and a shutdown must never hang on it; gloo leaves at once."""
+    done = threading.Thread(target=destroy_tp_group, name="loraplex-tp-leave", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("tensor parallel: leaving the process group did not finish in %.0f s", timeout_s)

@@ -7,6 +7,10 @@
 With tensor parallelism (`shard`: a TPShard) each rank keeps only its rows (column-parallel q/k/v, gate/up)
 or input columns (row-parallel o, down) of codes, scales, zeros and g_idx; a row-parallel split must fall on
 group boundaries, otherwise start-up fails naming the module.
+
+Checkpoints that store q/k/v (gate/up) already fused (Phi-3 `qkv_proj`, `gate_up_proj`, quantized as one linear)
+are read whole into the canonical, unpacked form and cut there into each part's (rank's) rows, so a part
+boundary inside a packed word (AWQ, GPTQ zero points, compressed-tensors zero points) needs no alignment.
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 Piece = tuple[str, int, tuple[int, int] | None, tuple[int, int] | None]  # (HF name, dest row, rows, cols)
 
 
-def _pieces(name: str, cfg: Any, shard: Any | None) -> list[Piece]:
-    """Which HF linears fill our module `name`, where their rows go, and which rows / input columns we keep."""
+def _pieces(name: str, cfg: Any, shard: Any | None, fused_in_file: bool) -> list[Piece]:
+    """Which HF linears fill our module `name`, where their rows go, and which rows / input columns we keep.
+    `fused_in_file`: the checkpoint stores `name` itself (Phi-3): every part's rows come from that tensor."""
     parent, attr = name.rsplit(".", 1)
     if attr in ROW_PARALLEL:
         return [(name, 0, None, None if shard is None else shard.in_range(attr))]
@@ -38,20 +43,25 @@ def _pieces(name: str, cfg: Any, shard: Any | None) -> list[Piece]:
         return [(name, 0, None, None)]
     sizes = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size,
              "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
-    out, dest = [], 0
+    out, dest, offset = [], 0, 0     # offset: where the part starts in a fused checkpoint tensor
     for hf in UNFUSED[attr]:
-        rows = shard.out_range(hf) if shard is not None else (0, sizes[hf])
-        out.append((f"{parent}.{hf}", dest, rows, None))
-        dest += rows[1]
+        start, size = shard.out_range(hf) if shard is not None else (0, sizes[hf])
+        if fused_in_file:
+            out.append((name, dest, (offset + start, size), None))
+        else:
+            out.append((f"{parent}.{hf}", dest, (start, size), None))
+        dest, offset = dest + size, offset + sizes[hf]
     return out
 
 
-def _targets(model: nn.Module, scheme: QuantScheme, cfg: Any, shard: Any | None) -> dict[str, list[Piece]]:
+def _targets(model: nn.Module, scheme: QuantScheme, cfg: Any, shard: Any | None,
+             index: dict[str, Path]) -> dict[str, list[Piece]]:
+    first = SUFFIXES[scheme.fmt][0]      # the codes tensor every quantized linear stores
     found = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in TARGETS or not isinstance(module, nn.Linear):
             continue
-        pieces = _pieces(name, cfg, shard)
+        pieces = _pieces(name, cfg, shard, fused_in_file=f"{name}.{first}" in index)
         ignored = {scheme.is_ignored(hf) for hf, *_ in pieces}
         if ignored == {True}:
             continue
@@ -131,7 +141,8 @@ def _hf_shape(hf: str, cfg: Any) -> tuple[int, int]:
     attr = hf.rsplit(".", 1)[-1]
     h, i = cfg.hidden_size, cfg.intermediate_size
     return {"q_proj": (cfg.q_size, h), "k_proj": (cfg.kv_size, h), "v_proj": (cfg.kv_size, h),
-            "o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[attr]
+            "o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "qkv_proj": (cfg.q_size + 2 * cfg.kv_size, h), "gate_up_proj": (2 * i, h)}[attr]
 
 
 def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dtype: torch.dtype,
@@ -145,12 +156,15 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
     consumed: set[str] = set()
     with torch.no_grad(), ExitStack() as stack:
         get = _getter(index, stack)
-        for name, pieces in _targets(model, scheme, cfg, shard).items():
+        for name, pieces in _targets(model, scheme, cfg, shard, index).items():
             old = model.get_submodule(name)
             reduce = getattr(getattr(old, "tp", None), "all_reduce", None)
             q: QuantLinear | None = None
+            read: dict[str, Canonical] = {}          # a fused checkpoint tensor is read once for all its parts
             for hf, dest, rows, cols in pieces:
-                c = read_canonical(get, hf, scheme, *_hf_shape(hf, cfg))
+                if hf not in read:
+                    read[hf] = read_canonical(get, hf, scheme, *_hf_shape(hf, cfg))
+                c = read[hf]
                 if cols is not None:
                     c = _slice_cols(c, cols, scheme, hf)
                 if q is None:

@@ -169,6 +169,28 @@ def test_unsupported_is_400_naming_the_field(http: httpx.Client, body: dict[str,
     assert error["param"] == param, error
 
 
+CALL_ITEMS = [{"type": "message", "role": "user", "content": "weather?"},
+              {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{oops"},
+              {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+    ({"tools": [{**TOOL, "parameters": {"type": "object", "required": 5}}]}, "tools[0].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": 5}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "nope"}}}}, "text.format.schema"),
+    ({"instructions": "Be brief.", "input": CALL_ITEMS}, "input[1].arguments"),
+    ({"max_output_tokens": 5000}, "input"),
+])
+def test_errors_name_the_responses_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    """An error raised by the chat path underneath names the field of the Responses body the client sent
+    (`tools[0].name`, not the chat shape's `tools[0].function.name`), in `param` and in the message."""
+    error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
+    assert error["param"] == param, error
+    for chat_only in ("messages", "response_format", ".function", "max_tokens"):
+        assert chat_only not in error["message"], error
+
+
 def test_auth_and_model_resolution_as_chat(server: ServerProcess, http: httpx.Client) -> None:
     assert httpx.post(f"{server.url}/v1/responses", json={"model": "tiny", "input": "hi"}).status_code == 401
     assert post(http, "/v1/responses", 404, input="hi", model="nope")["error"]["code"] == "model_not_found"
