@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (optional "disable_by_batch_size")')
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    s.add_argument("--engine-process", choices=("on", "off"), default=None,
+                   help="run the engine core in its own process, fed over ZMQ (default: LORAPLEX_ENGINE_PROCESS=1 "
+                        "turns it on; off: the engine loop is a thread of the API process)")
     add_vllm_arguments(s)
     return parser
 
@@ -133,7 +136,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, engine_process=engine_process_enabled(args.engine_process),
         **vllm_fields(args, parser))
 
 
@@ -144,6 +147,13 @@ def _speculative_config(text: str) -> Any:
         return SpeculativeConfig.parse(text)
     except SpeculativeConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def engine_process_enabled(flag: str | None) -> bool:
+    """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (1: on), default off."""
+    if flag is not None:
+        return flag == "on"
+    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "0") == "1"
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from core.kernel_compiles import COMPILES
+from core.engine_core.protocol import AdapterStats, SpecStats, Stats
+from core.engine_core.stats import snapshot_stats
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -25,64 +26,56 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 240.0, 480.0)
 
 
-def _snapshot(items: Iterable[Any]) -> list[Any]:
-    """A copy of a queue the engine thread may be mutating (retried if it changed under us)."""
-    for _ in range(5):
-        try:
-            return list(items)
-        except RuntimeError:
-            continue
-    return []
-
-
-def _adapter_names(requests: Iterable[Any]) -> str:
-    keys = {r.lora_slot_key.name for r in requests if getattr(r, "lora_slot_key", None) is not None}
-    return ",".join(sorted(keys))
-
-
 class EngineCollector(Collector):
-    """Reads the engine's scheduler, KV pool and counters when Prometheus scrapes (plain int reads)."""
+    """The engine's scheduler, KV pool and counters when Prometheus scrapes: one snapshot, read in the engine's
+    process (`core/engine_core/stats.py`): here for an in-process engine, or the engine process's latest report
+    (at most `STATS_INTERVAL_S` old while busy)."""
 
     def __init__(self, engine: Any, max_loras: int) -> None:
         self.engine = engine
         self.max_loras = max_loras
 
+    def _stats(self) -> Stats | None:
+        if hasattr(self.engine, "stats_snapshot"):   # gateway/engine_client_view.py: the engine process reports
+            return self.engine.stats_snapshot
+        return snapshot_stats(self.engine)
+
     def collect(self) -> Iterator[Metric]:
-        eng = self.engine
-        sched, kv, stats = eng.scheduler, eng.kv, eng.stats
-        running, waiting = _snapshot(sched.running), _snapshot(sched.waiting)
-        yield GaugeMetricFamily("loraplex:num_requests_running", "Requests in the running batch.", value=len(running))
+        st = self._stats()
+        if st is None:   # an engine process that has not reported yet
+            return
+        yield GaugeMetricFamily("loraplex:num_requests_running", "Requests in the running batch.",
+                                value=st.num_running)
         yield GaugeMetricFamily("loraplex:num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=len(waiting))
+                                value=st.num_waiting)
         yield GaugeMetricFamily("loraplex:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
-                                value=kv.usage())
+                                value=st.kv_usage)
         info = GaugeMetricFamily("loraplex:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(kv.block_size), str(kv.num_blocks)], 1.0)
+        info.add_metric([str(st.block_size), str(st.num_blocks)], 1.0)
         yield info
         lora = GaugeMetricFamily("loraplex:lora_requests_info", "Running and waiting LoRA adapters.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        lora.add_metric([str(self.max_loras), _adapter_names(running), _adapter_names(waiting)], time.time())
+        lora.add_metric([str(self.max_loras), st.running_adapters, st.waiting_adapters], time.time())
         yield lora
         counters = (
-            ("loraplex:prompt_tokens", "Prompt tokens admitted.", stats.num_prompt_tokens),
-            ("loraplex:generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            ("loraplex:prompt_tokens", "Prompt tokens admitted.", st.num_prompt_tokens),
+            ("loraplex:generation_tokens", "Tokens generated.", st.num_generation_tokens),
             ("loraplex:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             kv.num_prefix_queries_tokens),
-            ("loraplex:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.num_prefix_hit_tokens),
-            ("loraplex:num_preemptions", "Requests preempted (recomputed).", sched.num_preemptions),
+             st.num_prefix_queries_tokens),
+            ("loraplex:prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.num_prefix_hit_tokens),
+            ("loraplex:num_preemptions", "Requests preempted (recomputed).", st.num_preemptions),
             ("loraplex:kernel_compiles_after_warmup", "Triton JIT compiles after the start-up warm-up (stalls).",
-             COMPILES.after_warmup),
+             st.num_kernel_compiles_after_warmup),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
-        yield from _adapter_metrics(eng)
-        spec = getattr(stats, "spec", None)   # speculative decoding counters, when it is on
-        if spec is not None:
-            yield from _spec_metrics(spec)
+        yield from _adapter_metrics(st.adapters)
+        if st.spec is not None:   # speculative decoding counters, when it is on
+            yield from _spec_metrics(st.spec)
 
 
-def _spec_metrics(spec: Any) -> Iterator[Metric]:
+def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
     """Speculative decoding (vLLM's names, our prefix): drafts, accepted drafts, acceptance per position."""
     for name, doc, value in (
             ("loraplex:spec_decode_num_drafts", "Verification runs (a request's drafts of one step).", spec.num_drafts),
@@ -98,25 +91,23 @@ def _spec_metrics(spec: Any) -> Iterator[Metric]:
                             "Tokens per verification run: 1 + accepted drafts / runs.", value=spec.mean_acceptance_length)
 
 
-def _adapter_metrics(eng: Any) -> Iterator[Metric]:
+def _adapter_metrics(st: AdapterStats | None) -> Iterator[Metric]:
     """Adapter loads (by outcome), their latency, and how many adapters are resident on host and device."""
-    registry, pool = getattr(eng, "registry", None), getattr(eng, "lora_pool", None)
-    if registry is None or pool is None:   # an engine without adapters
+    if st is None:   # an engine without adapters
         return
-    by_outcome, buckets, total_s = registry.stats.snapshot()
     loads = CounterMetricFamily("loraplex:lora_adapter_loads", "Adapter weight loads (reads), by outcome.",
                                 labels=["outcome"])
-    for outcome, n in by_outcome.items():
+    for outcome, n in st.loads_by_outcome.items():
         loads.add_metric([outcome], n)
     yield loads
     latency = HistogramMetricFamily("loraplex:lora_adapter_load_seconds", "Time to read and convert an adapter.",
                                     labels=[])
-    latency.add_metric([], buckets, total_s)
+    latency.add_metric([], st.load_buckets, st.load_seconds_sum)
     yield latency
     yield GaugeMetricFamily("loraplex:lora_adapters_host", "Adapters resident in host memory (or being read).",
-                            value=registry.num_host)
+                            value=st.num_host)
     yield GaugeMetricFamily("loraplex:lora_adapters_device", "Adapters resident in device LoRA slots.",
-                            value=len(pool.loaded_ids))
+                            value=st.num_device)
 
 
 class GatewayMetrics:

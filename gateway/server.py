@@ -23,7 +23,15 @@ from gateway.workers import cancel_hard_exit, watch_workers
 log = logging.getLogger("loraplex.gateway")
 
 
-def _start_engine(config: ServerConfig) -> Any:
+def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
+    if config.engine_process:   # the engine core in its own process, fed over ZMQ (gateway/engine_client.py)
+        from gateway.engine_client import EngineClient
+
+        client = EngineClient(config.engine_config(), log_level, on_warmup_progress=WarmupPrinter(),
+                              on_ready=print_ready)
+        client.start()
+        client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
+        return client
     from core.async_engine import AsyncEngine
     from core.engine import LLMEngine
 
@@ -72,7 +80,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         enable_request_log()
     t0 = time.monotonic()
     try:
-        aeng = _start_engine(config)
+        aeng = _start_engine(config, log_level)
     except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
         print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
         return 1
@@ -95,6 +103,8 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
                      if state.defaults.sampling else ""))
         if config.metrics_url is not None:
             banner += f"; full metrics on {config.metrics_url}"
+        if config.engine_process:
+            banner += "; engine core in its own process"
         uv_level = config.uvicorn_log_level or log_level
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
                                    access_log=config.access_log and uv_level in ("info", "debug", "trace"))

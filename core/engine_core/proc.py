@@ -1,0 +1,255 @@
+"""The engine-core process: owns the `LLMEngine` (scheduler, KV cache, model, adapter slots, grammar masks)
+and runs its step loop, fed over ZMQ by the API process (`gateway/engine_client.py`).
+
+Each turn drains every queued `EngineInput` (adds, aborts, commands), runs one engine step if anything is
+unfinished, and sends one `EngineOutput` with that step's deltas, the command replies and, every
+`STATS_INTERVAL_S`, a stats snapshot. Idle, it blocks on the socket for up to `HEARTBEAT_S` and then sends a
+heartbeat with fresh stats. It ignores SIGINT/SIGTERM (the API process drains first, then sends `shutdown`)
+and exits when its parent is gone. Tensor-parallel workers are started by the engine, so they are children of
+this process; a lost worker ends this process non-zero, which the API process reports as an engine failure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from core.engine_core.grammar_handles import materialize
+from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, EngineInput,
+                                       EngineOutput, Reply, dumps, encode_delta, loads)
+from core.engine_core.stats import snapshot_stats
+from core.outputs import RequestDelta
+
+log = logging.getLogger("loraplex.engine_core")
+
+
+class EngineCore:
+    def __init__(self, engine: Any, pull: Any, push: Any) -> None:
+        self.engine, self.pull, self.push = engine, pull, push
+        self._replies: list[Reply] = []          # finished asynchronously (grammar compiles), sent next turn
+        self._replies_lock = threading.Lock()
+        self._num_compiling = 0                  # compiles and adapter commands still running
+        self._adapters: list[tuple[str, str, str, int]] | None = None
+        self._last_stats = 0.0
+        self._stop = False
+
+    def send(self, out: EngineOutput) -> None:
+        self.push.send(OUTPUT_ENCODER.encode(out), copy=False)
+
+    def event(self, kind: str, payload: Any) -> None:
+        self.send(EngineOutput(event=kind, payload=dumps(payload)))
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def _receive(self, timeout_ms: int) -> list[EngineInput]:
+        import zmq
+
+        msgs: list[EngineInput] = []
+        if timeout_ms > 0 and not self.pull.poll(timeout_ms):
+            return msgs
+        while True:
+            try:
+                msgs.append(INPUT_DECODER.decode(self.pull.recv(zmq.NOBLOCK, copy=False).buffer))
+            except zmq.Again:
+                return msgs
+
+    def _apply(self, msg: EngineInput, deltas: list[Any]) -> None:
+        eng = self.engine
+        for cmd in msg.commands:
+            self._command(cmd.command_id, cmd.op, loads(cmd.args))
+        for add in msg.adds:
+            try:
+                kwargs = loads(add.kwargs) if add.kwargs is not None else {}
+                if kwargs.get("grammar") is not None:
+                    kwargs["grammar"] = materialize(kwargs["grammar"], eng.grammar_compiler)
+                if kwargs.get("lora") is not None:   # the adapter's name: resolved and held here
+                    kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
+                eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
+            except Exception as exc:   # rejected late: that request's error alone
+                deltas.append(RequestDelta(request_id=add.request_id, new_token_ids=[], new_text="", finished=True,
+                                           finish_reason=None, num_prompt_tokens=0, num_output_tokens=0,
+                                           error=str(exc), exception=exc))
+        for rid in msg.aborts:
+            delta = eng.abort_request(rid)
+            if delta is not None:
+                deltas.append(delta)
+
+    def _command(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
+        if op == "shutdown":
+            self._stop = True
+            return
+        if op == "compile":   # on the compiler's workers; the reply goes out with a later step
+            with self._replies_lock:
+                self._num_compiling += 1
+            future = self.engine.grammar_compiler.submit(args[0])
+            future.add_done_callback(lambda f: self._compiled(command_id, f))
+            return
+        # adapter reads are blocking file I/O: off the step loop (the registry is thread-safe)
+        with self._replies_lock:
+            self._num_compiling += 1
+        threading.Thread(target=self._adapter_command, args=(command_id, op, args), name="loraplex-adapter-cmd",
+                         daemon=True).start()
+
+    def _adapter_command(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
+        try:
+            if op == "load_lora":
+                e = self.engine.load_lora(*args)
+                value: Any = (e.name, e.path, e.generation_id, e.created)
+            elif op == "unload_lora":
+                value = self.engine.unload_lora(*args)
+            else:
+                raise ValueError(f"unknown engine command {op!r}")
+            reply = Reply(command_id, True, dumps(value))
+        except Exception as exc:   # noqa: BLE001 - the caller raises it
+            reply = Reply(command_id, False, _pickled_exc(exc))
+        with self._replies_lock:
+            self._replies.append(reply)
+            self._num_compiling -= 1
+
+    def _send_adapters_if_changed(self) -> None:
+        entries = adapter_entries(self.engine.registry)
+        if entries != self._adapters:
+            self._adapters = entries
+            self.event("adapters", entries)
+
+    def _compiled(self, command_id: int, future: Any) -> None:
+        exc = future.exception()
+        reply = Reply(command_id, True, dumps(None)) if exc is None else Reply(command_id, False, _pickled_exc(exc))
+        with self._replies_lock:
+            self._replies.append(reply)
+            self._num_compiling -= 1
+
+    # ---- loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            busy = eng.has_unfinished_requests()
+            timeout_ms = 0 if busy else (5 if self._num_compiling else int(HEARTBEAT_S * 1000))
+            deltas: list[Any] = []
+            for msg in self._receive(timeout_ms):
+                self._apply(msg, deltas)
+            if eng.has_unfinished_requests():
+                deltas.extend(eng.step())
+            with self._replies_lock:
+                replies, self._replies = self._replies, []
+            now = time.monotonic()
+            stats = None
+            if now - self._last_stats >= (STATS_INTERVAL_S if busy else 0.0):
+                stats, self._last_stats = snapshot_stats(eng), now
+                self._send_adapters_if_changed()
+            if deltas or replies or stats is not None:
+                self.send(EngineOutput([encode_delta(d) for d in deltas], replies, stats))
+            if os.getppid() == 1:   # the API process is gone (re-parented to init)
+                return
+
+
+def _serve(core: EngineCore, failure: list[BaseException]) -> None:
+    try:
+        engine = core.engine
+        report = engine.warmup(lambda done, total, s: core.event("progress", (done, total, s)))
+        core.event("ready", report)
+        threading.Thread(target=engine.grammar_compiler.warmup_json_object, name="grammar-warmup",
+                         daemon=True).start()
+        core.run()
+    except BaseException as exc:   # noqa: BLE001 - re-raised on the main thread
+        failure.append(exc)
+
+
+def adapter_entries(registry: Any) -> list[tuple[str, str, str, int]]:
+    """(name, path, generation id, created) of every registered adapter (the API process mirrors them)."""
+    return [(e.name, e.path, e.generation_id, e.created) for e in registry.entries()]
+
+
+def _resolve_adapter(engine: Any, name: str) -> Any:
+    from adapters.errors import AdapterError
+
+    entry = engine.registry.lookup(name)   # a --lora-dir adapter is registered now; a failed one raises
+    if entry is None:
+        raise AdapterError(f"The model `{name}` does not exist (it was unloaded).", code="model_not_found",
+                           status=404)
+    return entry
+
+
+def _exit_on_tp_failure(reason: str) -> None:
+    """A lost tensor-parallel worker ends the engine process (the API process then fails open requests)."""
+    print(f"loraplex: engine process: tensor parallel: {reason}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _pickled_exc(exc: BaseException) -> bytes:
+    try:
+        return dumps(exc)
+    except Exception:
+        return dumps(RuntimeError(str(exc)))
+
+
+def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warning") -> None:
+    """The process entry point (multiprocessing spawn): builds the engine, warms it up, serves until told."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the API process drains, then sends `shutdown`
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(input_addr)
+    push.connect(output_addr)
+    push.setsockopt(zmq.LINGER, 2000)
+    core = EngineCore(None, pull, push)
+    code = 0
+    try:
+        from core.engine import LLMEngine
+
+        try:
+            engine = LLMEngine(config)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            core.event("failed", ("load", exc if _picklable(exc) else RuntimeError(str(exc))))
+            code = 1
+            return
+        core.engine = engine
+        core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device),
+                            "adapters": adapter_entries(engine.registry)})
+        if engine.tp is not None:
+            engine.tp.on_failure.append(_exit_on_tp_failure)
+        # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
+        # the main thread measured up to 30x slower on a loaded 2-core host (benchmarks/serving_overhead.py)
+        failure: list[BaseException] = []
+        loop = threading.Thread(target=_serve, args=(core, failure), name="loraplex-engine")
+        loop.start()
+        loop.join()
+        if failure:
+            raise failure[0]
+    except BaseException as exc:   # noqa: BLE001 - report, then exit non-zero
+        tp = core.engine.tp if core.engine is not None else None
+        deadline = time.monotonic() + 3.0
+        while tp is not None and tp.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)   # a collective that failed on a lost worker: its monitor names the worker, then exits
+        log.error("engine core crashed: %s", traceback.format_exc())
+        try:
+            core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")))
+        except Exception:
+            pass
+        code = 1
+    finally:
+        eng = core.engine
+        if eng is not None:
+            eng.registry.shutdown()
+            if eng.tp is not None:
+                eng.tp.shutdown(graceful=code == 0)
+        push.close()
+        pull.close(0)
+        ctx.term()
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def _picklable(exc: BaseException) -> bool:
+    try:
+        loads(dumps(exc))
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,94 @@
+"""The adapter registry as the API process sees it when the engine runs in its own process.
+
+The engine process owns the real `AdapterRegistry` (host copies, device slots, holds, on-demand loads). Here
+lives a mirror of its entries (name, path, generation id, created), refreshed from the engine's `adapters`
+event whenever the set changes, plus the `--lora-dir` folders scanned locally (names resolve without a round
+trip; the engine registers a directory adapter when the first request names it). Admin loads and unloads are
+engine commands; the mirror takes their result at once. A request carries its adapter's name: the engine
+resolves and holds it when it admits the request (unloaded in between: that request's 404 error).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from adapters.errors import AdapterError
+from adapters.lora_dirs import LoraDirectories, fingerprint
+
+
+@dataclass(frozen=True)
+class RemoteAdapter:
+    name: str
+    path: str
+    generation_id: str = ""            # "" until the engine registers a --lora-dir entry
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class RemoteRegistry:
+    def __init__(self, command: Callable[[str, tuple[Any, ...]], "concurrent.futures.Future[Any]"],
+                 lora_dirs: Sequence[str]) -> None:
+        self._command = command
+        self._by_name: dict[str, RemoteAdapter] = {}
+        self._lock = threading.Lock()
+        self.dirs = LoraDirectories(lora_dirs)
+        self._negative: dict[str, tuple[Any, AdapterError]] = {}   # dir adapters whose first read failed
+
+    def sync(self, entries: list[tuple[str, str, str, int]]) -> None:
+        """The engine's entries (its `adapters` event)."""
+        with self._lock:
+            self._by_name = {n: RemoteAdapter(n, p, g, c) for n, p, g, c in entries}
+
+    def get(self, name: str) -> RemoteAdapter | None:
+        with self._lock:
+            return self._by_name.get(name)
+
+    def lookup(self, name: str) -> RemoteAdapter | None:
+        entry = self.get(name)
+        if entry is not None or not self.dirs:
+            return entry
+        loc = self.dirs.resolve(name)
+        if loc is None:
+            return None
+        with self._lock:
+            failed = self._negative.get(name)
+            if failed is not None and failed[0] == loc.fingerprint:
+                raise failed[1].fresh()   # as the engine's registry: remembered until the files change
+            self._negative.pop(name, None)
+        return RemoteAdapter(name, loc.path)
+
+    def remember_failure(self, name: str, error: AdapterError) -> None:
+        """A request on a `--lora-dir` adapter failed its first read in the engine (a 400): later requests get
+        that error at resolution, before any response byte, as in-process."""
+        if error.status != 400 or not self.dirs or self.get(name) is not None:
+            return
+        loc = self.dirs.resolve(name)
+        now = fingerprint(loc.path) if loc is not None else None
+        if now is not None:
+            with self._lock:
+                self._negative[name] = (now, error)
+
+    def entries(self) -> list[RemoteAdapter]:
+        with self._lock:
+            return list(self._by_name.values())
+
+    def available(self) -> list[tuple[str, str]]:
+        found = self.dirs.scan() if self.dirs else {}
+        with self._lock:
+            return [(n, p) for n, p in found.items() if n not in self._by_name]
+
+    def load(self, name: str, path: str) -> RemoteAdapter:
+        """Blocking (the admin route runs it on a worker thread): the engine reads and registers it."""
+        n, p, g, c = self._command("load_lora", (name, path)).result()
+        entry = RemoteAdapter(n, p, g, c)
+        with self._lock:
+            self._by_name[n] = entry
+        return entry
+
+    def unload(self, name: str) -> None:
+        self._command("unload_lora", (name,)).result()
+        with self._lock:
+            self._by_name.pop(name, None)
+
