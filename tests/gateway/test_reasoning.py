@@ -23,7 +23,8 @@ SCHEMA = {"type": "object", "properties": {"prime": {"type": "boolean"}}, "requi
           "additionalProperties": False}
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "added", "thinking_open"), ("deepseek_r1", "special", "thinking_open"),
+@pytest.fixture(scope="module", params=[("qwen3", "added", "thinking_open"),
+                                        ("deepseek_r1", "special", "thinking_open"),
                                         ("qwen3", "added", "qwen3_thinking")],
                 ids=lambda p: p[0] if p[2] == "thinking_open" else f"{p[0]}-{p[2]}")
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
