@@ -5,6 +5,10 @@ Where a request starts (`start_state`, from the prompt's last think tag, as vLLM
                `</think>`), unless the prompt's last tag is `</think>` (the template closed an empty block).
   qwen3        reasoning when the prompt's last tag is `<think>` (the template opened it); otherwise content
                until the output writes `<think>` (`enable_thinking: false` closes the block: no reasoning).
+               A constrained request whose prompt did not close the reasoning (no `</think>` after the prompt's
+               last `<think>`) is gated as vLLM's qwen3 parser gates it: free text until `</think>`, then the
+               constraint; it then starts in reasoning (what precedes `</think>` is reasoning, with or without a
+               leading `<think>`): gateway/reasoning_output.py.
 `ReasoningSplitter` walks the output delta by delta: text before the end tag is reasoning, after it content; a
 tag split across deltas is held back until it is decided. The tags may be plain text (several tokens) or one
 added token; a special token that the detokenizer skips is found by its id in the delta's token ids.
@@ -42,23 +46,30 @@ def reasoning_tags(parser: str, tokenizer: Any) -> ReasoningTags:
     return ReasoningTags(parser, start_id=start_id, end_id=end_id, skipped_ids=skipped)
 
 
-def start_state(tags: ReasoningTags, prompt_ids: list[int], decode: Decode) -> str:
-    """REASONING, CONTENT or MAYBE (qwen3: content until the output opens `<think>`) for a prompt."""
-    last: str | None = None
+def last_prompt_tag(tags: ReasoningTags, prompt_ids: list[int], decode: Decode) -> str | None:
+    """"start" or "end": the prompt's last think tag (None without one)."""
     if tags.start_id is not None and tags.end_id is not None:
         for token_id in reversed(prompt_ids):
             if token_id in (tags.start_id, tags.end_id):
-                last = "start" if token_id == tags.start_id else "end"
-                break
-    else:   # plain-text tags: the prompt's tail as text
-        text = decode(prompt_ids[-256:])
-        at_start, at_end = text.rfind(tags.start), text.rfind(tags.end)
-        last = None if at_start == at_end == -1 else "start" if at_start > at_end else "end"
+                return "start" if token_id == tags.start_id else "end"
+        return None
+    text = decode(prompt_ids[-256:])   # plain-text tags: the prompt's tail as text
+    at_start, at_end = text.rfind(tags.start), text.rfind(tags.end)
+    return None if at_start == at_end == -1 else "start" if at_start > at_end else "end"
+
+
+def state_after(tags: ReasoningTags, last: str | None) -> str:
+    """REASONING, CONTENT or MAYBE (qwen3: content until the output opens `<think>`) after the prompt's last tag."""
     if last == "start":
         return REASONING
     if tags.parser == "deepseek_r1":
         return CONTENT if last == "end" else REASONING
     return MAYBE
+
+
+def start_state(tags: ReasoningTags, prompt_ids: list[int], decode: Decode) -> str:
+    """REASONING, CONTENT or MAYBE for a prompt."""
+    return state_after(tags, last_prompt_tag(tags, prompt_ids, decode))
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:

@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator, Callable
 
 from core.outputs import RequestDelta
 from gateway.generation import ChoiceResult
-from gateway.reasoning import REASONING, ReasoningSplitter, ReasoningTags, reasoning_tags, split_output, start_state
+from gateway.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningTags, last_prompt_tag, reasoning_tags,
+                               split_output, state_after)
 from gateway.responses_stream import reasoning_item
 from gateway.streaming import StreamInfo
 
@@ -39,7 +40,9 @@ class ReasoningRequest:
         self.tags = tags
         self.skip_special = skip_special
         self._tokenizer = tokenizer
-        self.state = start_state(tags, prompt_ids, self._decode_all)
+        last = last_prompt_tag(tags, prompt_ids, self._decode_all)
+        self.state = state_after(tags, last)
+        self.closed = last == "end"     # the template closed the reasoning (`enable_thinking: false`)
         self.splitters: dict[int, ReasoningSplitter] = {}
 
     def _decode_all(self, ids: list[int]) -> str:
@@ -61,9 +64,19 @@ class ReasoningRequest:
         usage["completion_tokens_details"] = {"reasoning_tokens": self.num_reasoning_tokens}
         return usage
 
+    def gates(self, constrained: bool) -> bool:
+        """Whether the constraint waits for `</think>` (vLLM's `is_reasoning_end` on the prompt, then the output):
+        deepseek_r1 unless the prompt closed the reasoning; qwen3 likewise, whether or not the template opened
+        `<think>` (Qwen3's thinking template leaves it to the model). A gated request starts in the reasoning:
+        the text before `</think>` is reasoning (a leading `<think>` dropped), as vLLM's parsers split it."""
+        if not constrained or self.state == CONTENT or self.closed:
+            return False
+        self.state = REASONING
+        return True
+
     async def gate(self, compiled: Any, engine: Any) -> Any:
-        """The request's constraint applied after `</think>` when the output starts inside the reasoning."""
-        if compiled is None or self.state != REASONING:
+        """The request's constraint applied after `</think>` unless the prompt closed the reasoning (`gates`)."""
+        if not self.gates(compiled is not None):
             return compiled
         from grammar.tool_calls import ReasoningGrammar
         from grammar.triggered import free_text_masks

@@ -1,7 +1,8 @@
 """`--reasoning-parser` end to end, one server per parser: qwen3 on a tiny model whose tokenizer has `<think>` /
 `</think>` as added tokens (as Qwen3's), deepseek_r1 with them as special tokens (dropped by the detokenizer);
-the chat template opens `<think>`. The random model never closes the reasoning by itself: `logit_bias` on
-`</think>` with a seeded sampler makes it do so after a few free tokens."""
+the chat template opens `<think>`. A third server runs qwen3 with Qwen3's own template logic (thinking on: the
+prompt does not open `<think>`), for the `test_qwen3_template_*` tests only. The random model never closes the
+reasoning by itself: `logit_bias` on `</think>` with a seeded sampler makes it do so after a few free tokens."""
 from __future__ import annotations
 
 import json
@@ -14,37 +15,51 @@ import pytest
 from gateway_server import ServerProcess
 from tiny_models import TinyModelSpec, tiny_model_dir
 
-TEMPLATE = Path(__file__).parent / "chat_templates" / "thinking_open.jinja"
+TEMPLATES = Path(__file__).parent / "chat_templates"
 USER = [{"role": "user", "content": "Is 7 prime?"}]
+ANY_TEMPLATE = ("test_max_tokens_inside_the_reasoning_is_length_never_invalid_json",
+                "test_tool_choice_required_after_reasoning")
 SCHEMA = {"type": "object", "properties": {"prime": {"type": "boolean"}}, "required": ["prime"],
           "additionalProperties": False}
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "added"), ("deepseek_r1", "special")], ids=lambda p: p[0])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+@pytest.fixture(scope="module", params=[("qwen3", "added", "thinking_open"),
+                                        ("deepseek_r1", "special", "thinking_open"),
+                                        ("qwen3", "added", "qwen3_thinking")],
+                ids=lambda p: p[0] if p[2] == "thinking_open" else f"{p[0]}-{p[2]}")
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
     """qwen3 with `<think>` / `</think>` as added tokens (Qwen3's); deepseek_r1 with them as special tokens,
     which the detokenizer drops: the split and the grammar trigger then go by token id."""
     from transformers import AutoTokenizer
 
-    parser, kind = request.param
+    parser, kind, template = request.param
     path = tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=1024, vocab_size=520),
                           root=tmp_path_factory.mktemp(f"reasoning_{parser}"))
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.add_tokens(["<think>", "</think>"], special_tokens=kind == "special")
-    tok.chat_template = TEMPLATE.read_text()
+    tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
     tok.save_pretrained(str(path))
-    return path, parser
+    return path, parser, template
+
+
+@pytest.fixture(autouse=True)
+def _template_fits(request: pytest.FixtureRequest, model: tuple[Path, str, str]) -> None:
+    """`test_qwen3_template_*` run on the Qwen3-template server only, the constrained ones of ANY_TEMPLATE on
+    all three, the others on the opened-`<think>` ones (skipped before their server starts)."""
+    name = request.node.name.split("[")[0]
+    if name not in ANY_TEMPLATE and name.startswith("test_qwen3_template_") != (model[2] == "qwen3_thinking"):
+        pytest.skip("another template's test")
 
 
 @pytest.fixture(scope="module")
-def eos_id(model: tuple[Path, str]) -> int:
+def eos_id(model: tuple[Path, str, str]) -> int:
     from transformers import AutoTokenizer
 
     return int(AutoTokenizer.from_pretrained(str(model[0])).eos_token_id)
 
 
 @pytest.fixture(scope="module")
-def http(model: tuple[Path, str]) -> Iterator[httpx.Client]:
+def http(model: tuple[Path, str, str]) -> Iterator[httpx.Client]:
     proc = ServerProcess(model[0], "--max-model-len", "1024", "--served-model-name", "tiny",
                          "--reasoning-parser", model[1])
     try:
@@ -195,3 +210,36 @@ def test_responses_api_reasoning_item(http: httpx.Client) -> None:
     final = events[-1]["response"]
     assert final["output"][0]["type"] == "reasoning" and final["output"][0]["content"] == reasoning["content"]
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+
+
+def test_qwen3_template_gates_the_schema_though_the_prompt_opens_no_think(http: httpx.Client) -> None:
+    """Qwen3's template with thinking on leaves `<think>` to the model (the prompt has no `</think>`): the JSON
+    schema waits for `</think>` in the output, as vLLM's qwen3 parser makes it; the text before it is reasoning.
+    (`max_tokens` inside the reasoning and tools run on this server too: ANY_TEMPLATE.)"""
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    request, out = closing(http, response_format=rf, max_tokens=64)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] > 1
+    reasoning, content, finish, usage = stream(http, **request)
+    assert (reasoning, content, finish) == (choice["message"]["reasoning_content"], choice["message"]["content"],
+                                            "stop")
+    assert usage["completion_tokens_details"] == out["usage"]["completion_tokens_details"]
+
+
+def test_qwen3_template_enable_thinking_false_constrains_from_the_first_token(http: httpx.Client) -> None:
+    """The template closed an empty block: `</think>` (pushed by logit_bias) cannot open the output, the JSON
+    does."""
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    out = chat(http, max_tokens=32, temperature=0, response_format=rf, logit_bias={str(http.end_id[0]): 50.0},
+               chat_template_kwargs={"enable_thinking": False})
+    choice = out["choices"][0]
+    assert choice["message"]["reasoning_content"] is None
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    if choice["finish_reason"] == "stop":
+        assert json.loads(choice["message"]["content"]) in ({"prime": True}, {"prime": False})
+    else:
+        assert choice["message"]["content"].lstrip().startswith("{")

@@ -115,6 +115,29 @@ def test_start_state_reads_the_prompts_last_tag(tok: Any) -> None:
     assert [start_state(qwen3, p, decode) for p in (opened, closed, neither)] == [REASONING, MAYBE, MAYBE]
 
 
+def test_a_constraint_waits_for_the_end_tag_unless_the_prompt_closed_the_reasoning(tok: Any) -> None:
+    """vLLM's rule for both parsers: the constraint is gated unless the prompt's last tag is `</think>`; Qwen3's
+    thinking template opens no `<think>`, and the gated output's text before `</think>` is then reasoning, with
+    or without a leading `<think>` (streamed at every split point alike)."""
+    from gateway.reasoning_output import ReasoningRequest
+
+    opened = _ids(tok, "<|user|>hi<|assistant|>\n<think>\n")
+    closed = _ids(tok, "<|user|>hi<|assistant|>\n<think>\n\n</think>\n\n")
+    neither = _ids(tok, "<|user|>hi<|assistant|>\n")
+    for parser in ("qwen3", "deepseek_r1"):
+        tags = reasoning_tags(parser, tok)
+        assert [ReasoningRequest(tags, p, tok, True).gates(True) for p in (opened, closed, neither)] == \
+            [True, False, True]
+        assert not any(ReasoningRequest(tags, p, tok, True).gates(False) for p in (opened, closed, neither))
+    for text in (REASONING_TEXT, "<think>" + REASONING_TEXT):
+        ids = _ids(tok, text + "</think>" + ANSWER)
+        request = ReasoningRequest(reasoning_tags("qwen3", tok), neither, tok, True)
+        assert request.gates(True) and request.state == REASONING
+        assert split_output(request.splitter(0), _decode(tok, ids), ids) == (REASONING_TEXT, ANSWER)
+        for cut in range(len(ids) + 1):
+            assert _stream(tok, REASONING, _deltas(tok, ids, [cut]))[:2] == (REASONING_TEXT, ANSWER), (tok.kind, cut)
+
+
 def test_tag_ids(tok: Any) -> None:
     tags = reasoning_tags("qwen3", tok)
     if tok.kind == "plain":
