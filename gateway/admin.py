@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from adapters.errors import AdapterError
 from gateway.auth import bearer_token
-from gateway.body import load_json_object, read_body
+from gateway.http.body import load_json_object, read_body
 from gateway.errors import APIError, api_endpoint, invalid
 
 

@@ -24,38 +24,38 @@ from starlette.routing import Route
 from core.outputs import RequestDelta
 from core.sampling import SamplingParams
 from gateway.auth import Principal
-from gateway.body import parse_body as parse_json_body
-from gateway.body import read_body
-from gateway.cancel import run_until_disconnect
-from gateway.context import metered, request_context
-from gateway.deadline import Deadline
-from gateway.echo import add_prompt_logprobs, apply_echo, echo_texts
+from gateway.http.body import parse_body as parse_json_body
+from gateway.http.body import read_body
+from gateway.http.cancel import run_until_disconnect
+from gateway.http.context import metered, request_context
+from gateway.http.deadline import Deadline
+from gateway.outputs.echo import add_prompt_logprobs, apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
-from gateway.generation import (
+from gateway.outputs.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
 )
-from gateway.metrics import CONTENT_TYPE
-from gateway.middleware import LIVENESS_PATH, GatewayMiddleware
-from gateway.models import ResolvedModel
-from gateway.openapi import openapi_document
-from gateway.constraints import resolve_tool_constraint, validators_ready, wants_constraint
-from gateway.params import chat_sampling_params, completion_sampling_params
-from gateway.prompts import PromptEncoder, template_options
-from gateway.reasoning_output import ReasoningRequest, tags_for
-from gateway.request_log import log_request
+from gateway.observability.metrics import CONTENT_TYPE
+from gateway.http.middleware import LIVENESS_PATH, GatewayMiddleware
+from gateway.inputs.models import ResolvedModel
+from gateway.routes.openapi import openapi_document
+from gateway.inputs.constraints import resolve_tool_constraint, validators_ready, wants_constraint
+from gateway.inputs.params import chat_sampling_params, completion_sampling_params
+from gateway.inputs.prompts import PromptEncoder, template_options
+from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
+from gateway.observability.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.probes import probe_routes
-from gateway.responses import chat_body, completion_body
-from gateway.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
-from gateway.responses_stream import bind_responses
-from gateway.sampling_defaults import RequestDefaults
-from gateway.state import GatewayState
-from gateway import tokenize_pool
-from gateway.tokenize import tokenize_routes
+from gateway.routes.probes import probe_routes
+from gateway.outputs.responses import chat_body, completion_body
+from gateway.routes.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
+from gateway.routes.responses_stream import bind_responses
+from gateway.inputs.sampling_defaults import RequestDefaults
+from gateway.server.state import GatewayState
+from gateway.inputs import tokenize_pool
+from gateway.routes.tokenize import tokenize_routes
 from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
-from gateway.tool_output import tool_chat_body, tool_chat_events
-from gateway.tools import chat_prompt as tools_chat_prompt
-from gateway.tools import plan_tools, uses_tools
+from gateway.tools.tool_output import tool_chat_body, tool_chat_events
+from gateway.tools.tools import chat_prompt as tools_chat_prompt
+from gateway.tools.tools import plan_tools, uses_tools
 
 M = TypeVar("M", bound=BaseModel)
 Events = Callable[[StreamInfo, AsyncIterator[tuple[int, RequestDelta]]], AsyncIterator[bytes]]
@@ -73,7 +73,7 @@ def _principal(request: Request, state: GatewayState) -> Principal:
 
 
 async def parse_body(request: Request, model: type[M], prompt_param: str) -> M:
-    """Refused by size before it is parsed (gateway/body.py); a body under the cap parses in a few ms."""
+    """Refused by size before it is parsed (gateway/http/body.py); a body under the cap parses in a few ms."""
     limit = _state(request).encoder.bound.max_body_bytes
     return parse_json_body(await read_body(request, limit, prompt_param), model)
 
@@ -81,7 +81,7 @@ async def parse_body(request: Request, model: type[M], prompt_param: str) -> M:
 def _engine_kwargs(model: ResolvedModel, grammar: Any, principal: Principal) -> dict[str, Any]:
     kwargs = model.engine_kwargs()
     if grammar is not None:
-        kwargs["compiled_grammar"] = grammar   # each child gets its own matcher (gateway/generation.py)
+        kwargs["compiled_grammar"] = grammar   # each child gets its own matcher (gateway/outputs/generation.py)
     if principal.tenant is not None:
         kwargs["tenant"] = principal.tenant.name   # the scheduler's fair policy shares throughput by tenant
     return kwargs
@@ -122,7 +122,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
-    tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools.py
+    tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):
         await validators_ready()
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
@@ -138,7 +138,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     elif plan is not None and plan.constrained:
         kind = dataclasses.replace(kind, events=tool_chat_events(plan), response=tool_chat_body(plan))
     tags = tags_for(state) if kind.prefix != "cmpl" else None
-    if tags is not None:   # --reasoning-parser: gateway/reasoning_output.py
+    if tags is not None:   # --reasoning-parser: gateway/reasoning/reasoning_output.py
         reasoning = ReasoningRequest(tags, prompts[0], state.encoder.tokenizer, params.skip_special_tokens)
         grammar = await reasoning.gate(grammar, state.aeng.engine)
         wrap = reasoning.response if kind.bind is None else reasoning.responses_response

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from gateway.errors import APIError
-from gateway.tenants import Tenant, TenantKeys, key_digest
+from gateway.tenancy.tenants import Tenant, TenantKeys, key_digest
 
 DEFAULT_TENANT = "default"   # the metrics/log label of requests not made with a tenant key
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gateway.cli_vllm import add_vllm_arguments, lora_modules, resolve_model, served_names, vllm_fields
-from gateway.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
+from gateway.server.cli_vllm import add_vllm_arguments, lora_modules, resolve_model, served_names, vllm_fields
+from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
 
 
 def _typed(kind: Callable[[str], object], check: Callable[[object], bool], what: str) -> Callable[[str], object]:
@@ -158,7 +158,7 @@ def engine_process_enabled(flag: str | None) -> bool:
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Validates --tenant-keys at start-up; keys never appear in the messages."""
-    from gateway.tenants import TenantFileError, load_tenant_file
+    from gateway.tenancy.tenants import TenantFileError, load_tenant_file
 
     try:
         keys = load_tenant_file(args.tenant_keys)
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     config = config_from_args(args, parser)
-    from gateway.server import serve
+    from gateway.server.server import serve
 
     try:
         return serve(config, log_level=args.log_level)

@@ -16,7 +16,7 @@ from core.async_engine import EngineDeadError, EngineWarmingError
 from grammar.errors import GrammarError
 from core.errors import RequestFault, RequestRejected
 from core.sampling import SamplingParamsError
-from gateway.cancel import ClientDisconnected
+from gateway.http.cancel import ClientDisconnected
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -24,7 +24,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
-CTX_SCOPE_KEY = "loraplex.ctx"   # the RequestContext in the ASGI scope (gateway/context.py)
+CTX_SCOPE_KEY = "loraplex.ctx"   # the RequestContext in the ASGI scope (gateway/http/context.py)
 
 
 class APIError(Exception):

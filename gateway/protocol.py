@@ -39,7 +39,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]   # developer = system (OpenAI's newer name)
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools.py)
+    tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools/tools.py)
     tool_call_id: Optional[str] = None                  # tool turns
 
     @field_validator("content", mode="before")
@@ -113,7 +113,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    logprobs: Optional[int] = Field(default=None, ge=0)     # cap: gateway/params.py (--max-logprobs)
+    logprobs: Optional[int] = Field(default=None, ge=0)     # cap: gateway/inputs/params.py (--max-logprobs)
     echo: Optional[bool] = None
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)   # vLLM's, no echo needed; cap: --max-logprobs (20)
     best_of: Optional[int] = None
@@ -130,11 +130,11 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0)  # cap: gateway/params.py (--max-logprobs)
+    top_logprobs: Optional[int] = Field(default=None, ge=0)  # cap: gateway/inputs/params.py (--max-logprobs)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extra variables for the chat template (vLLM)
     add_generation_prompt: Optional[bool] = None            # default true
     continue_final_message: Optional[bool] = None           # the last assistant message is continued, not closed
-    # tools / tool_choice / parallel_tool_calls: validated in gateway/tools.py
+    # tools / tool_choice / parallel_tool_calls: validated in gateway/tools/tools.py

@@ -10,12 +10,12 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from core.outputs import RequestDelta
-from gateway.cancel import ClientDisconnected, run_until_disconnect
+from gateway.http.cancel import ClientDisconnected, run_until_disconnect
 from gateway.errors import from_exception
-from gateway.echo import prompt_entries
-from gateway.generation import Child, usage
-from gateway.reasoning import add_reasoning_usage, delta_reasoning
-from gateway.responses import TokenTexts, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs
+from gateway.outputs.echo import prompt_entries
+from gateway.outputs.generation import Child, usage
+from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
+from gateway.outputs.responses import TokenTexts, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs
 
 log = logging.getLogger("loraplex.gateway")
 DONE = b"data: [DONE]\n\n"
@@ -33,7 +33,7 @@ class StreamInfo:
     children: list[Child]
     include_usage: bool
     texts: TokenTexts | None     # set when logprobs were requested
-    echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/echo.py)
+    echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/outputs/echo.py)
     reasoning: Any = None           # --reasoning-parser: the request's ReasoningRequest (reasoning_output.py)
 
 

@@ -37,7 +37,7 @@ FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON)}
 
 def detect_format(chat_template: str | None) -> tuple[ToolCallFormat, bool]:
     """(format, template_renders_tools): the family whose tool syntax the template text shows; a template
-    without tool syntax gets HERMES, rendered by the gateway's fallback (gateway/tools.py)."""
+    without tool syntax gets HERMES, rendered by the gateway's fallback (gateway/tools/tools.py)."""
     text = chat_template or ""
     if "<tool_call>" in text:
         return HERMES, True

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser, config_from_args
-from gateway.middleware import LIVENESS_PATH
+from gateway.http.middleware import LIVENESS_PATH
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -381,9 +381,9 @@ def test_epp_is_told_our_metric_names_and_only_ours():
 
 
 def test_our_metric_names_are_the_ones_the_server_exports():
-    source = (REPO / "gateway" / "metrics.py").read_text()
+    source = (REPO / "gateway" / "observability" / "metrics.py").read_text()
     for metric in OUR_METRICS:
-        assert f'"{metric}"' in source, f"gateway/metrics.py no longer exports {metric}"
+        assert f'"{metric}"' in source, f"gateway/observability/metrics.py no longer exports {metric}"
     for label in ("max_lora", "running_lora_adapters", "waiting_lora_adapters", "block_size", "num_gpu_blocks"):
         assert f'"{label}"' in source
 

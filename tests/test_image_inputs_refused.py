@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from gateway.body import parse_body
+from gateway.http.body import parse_body
 from gateway.errors import from_validation_error
 from gateway.protocol import ChatCompletionRequest
 

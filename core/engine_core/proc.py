@@ -1,5 +1,5 @@
 """The engine-core process: owns the `LLMEngine` (scheduler, KV cache, model, adapter slots, grammar masks)
-and runs its step loop, fed over ZMQ by the API process (`gateway/engine_client.py`).
+and runs its step loop, fed over ZMQ by the API process (`gateway/engine_client/engine_client.py`).
 
 Each turn drains every queued `EngineInput` (adds, aborts, commands), runs one engine step if anything is
 unfinished, and sends one `EngineOutput` with that step's deltas, the command replies and, every

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser, config_from_args
-from gateway.config import ServerConfig
+from gateway.server.config import ServerConfig
 
 
 def parse(*argv: str) -> ServerConfig:

@@ -1,4 +1,4 @@
-"""vLLM's `serve` flags through the real parser (gateway/cli.py + gateway/cli_vllm.py): what each one sets,
+"""vLLM's `serve` flags through the real parser (gateway/cli.py + gateway/server/cli_vllm.py): what each one sets,
 and the clear errors for what loraplex cannot do. The servers that prove their meaning end to end:
 tests/gateway/test_server_vllm_compat.py."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.cli import build_parser, config_from_args
-from gateway.config import ServerConfig
-from gateway.params import chat_sampling_params, completion_sampling_params
+from gateway.server.config import ServerConfig
+from gateway.inputs.params import chat_sampling_params, completion_sampling_params
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.sampling_defaults import RequestDefaults, load_request_defaults
-from gateway.tools import plan_tools
+from gateway.inputs.sampling_defaults import RequestDefaults, load_request_defaults
+from gateway.tools.tools import plan_tools
 from grammar.schema import SchemaOptions
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -230,7 +230,7 @@ def test_custom_modelling_code_is_a_clear_start_up_error(tmp_path: Path) -> None
 
 def test_aliases_name_the_base_for_tenants_too() -> None:
     from gateway.errors import APIError
-    from gateway.models import ServedModels
+    from gateway.inputs.models import ServedModels
 
     models = ServedModels("a", root="/m", aliases=("b",))
     assert models.resolve("b").name == "a" and models.resolve(None).name == "a"

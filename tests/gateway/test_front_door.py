@@ -16,17 +16,17 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from core.errors import RequestRejected
-from gateway import tokenize_pool
+from gateway.inputs import tokenize_pool
 from gateway.app import build_app
-from gateway.config import ServerConfig
+from gateway.server.config import ServerConfig
 from gateway.errors import APIError
-from gateway.metrics import GatewayMetrics
-from gateway.models import ServedModels
-from gateway.prompt_bound import Unbounded, char_bound, max_chars_per_token
-from gateway.prompts import PromptEncoder
+from gateway.observability.metrics import GatewayMetrics
+from gateway.inputs.models import ServedModels
+from gateway.inputs.prompt_bound import Unbounded, char_bound, max_chars_per_token
+from gateway.inputs.prompts import PromptEncoder
 from gateway.protocol import ChatMessage
-from gateway.responses import TokenTexts
-from gateway.state import GatewayState
+from gateway.outputs.responses import TokenTexts
+from gateway.server.state import GatewayState
 
 MAX_MODEL_LEN = 16
 
@@ -150,7 +150,7 @@ def test_tokenizers_without_a_bound_get_none() -> None:
 
 
 def _byte_chars() -> list[str]:
-    from gateway.prompt_bound import _byte_alphabet
+    from gateway.inputs.prompt_bound import _byte_alphabet
 
     return list(_byte_alphabet())
 
@@ -190,7 +190,7 @@ def test_every_route_tokenizes_on_the_tokenizer_threads(tokenizer: Any) -> None:
 
 
 def test_echo_of_token_ids_decodes_on_the_tokenizer_threads(tokenizer: Any) -> None:
-    from gateway.echo import echo_texts
+    from gateway.outputs.echo import echo_texts
     from gateway.protocol import CompletionRequest
 
     spy = Spy(tokenizer)

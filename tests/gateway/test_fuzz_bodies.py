@@ -222,7 +222,7 @@ def test_fuzzed_bodies_never_5xx(path: str, http: httpx.Client, validators: dict
 
 
 def test_oversized_body_is_413(http: httpx.Client) -> None:
-    from gateway.body import MAX_BODY_BYTES
+    from gateway.http.body import MAX_BODY_BYTES
 
     huge = b'{"model": "tiny", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
     resp = http.post("/v1/completions", content=huge, headers={"content-type": "application/json"})

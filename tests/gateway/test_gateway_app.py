@@ -9,13 +9,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import build_app
-from gateway.config import ServerConfig
-from gateway.metrics import GatewayMetrics
-from gateway.models import ServedModels
-from gateway.prompts import PromptEncoder
+from gateway.server.config import ServerConfig
+from gateway.observability.metrics import GatewayMetrics
+from gateway.inputs.models import ServedModels
+from gateway.inputs.prompts import PromptEncoder
 from gateway.protocol import ChatMessage
-from gateway.responses import TokenTexts
-from gateway.state import GatewayState
+from gateway.outputs.responses import TokenTexts
+from gateway.server.state import GatewayState
 
 
 class FakeTokenizer:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser, config_from_args
-from gateway.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes
+from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes
 
 
 def parse(*argv: str) -> ServerConfig:

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from core.sampling import SamplingParamsError
 from gateway.errors import APIError, from_exception
-from gateway.params import chat_sampling_params, completion_sampling_params, resolve_response_format
+from gateway.inputs.params import chat_sampling_params, completion_sampling_params, resolve_response_format
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -114,7 +114,7 @@ def test_chat_parsing_and_mapping() -> None:
     ({"messages": []}, "messages"), ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
     ({"top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-])   # tools / tool_choice / parallel_tool_calls: gateway/tools.py (tests/gateway/test_server_tools.py)
+])   # tools / tool_choice / parallel_tool_calls: gateway/tools/tools.py (tests/gateway/test_server_tools.py)
 def test_chat_rejections(kw: dict[str, Any], param: str | None) -> None:
     err = api_error(lambda: chat_sampling_params(chat(**kw)))
     assert err.status == 400

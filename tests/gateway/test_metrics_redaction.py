@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import NAME_LABELS, TenantBlindView
-from gateway.metrics_listener import MetricsListener
+from gateway.observability.metrics import NAME_LABELS, TenantBlindView
+from gateway.observability.metrics_listener import MetricsListener
 
 
 def parsed(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -7,8 +7,8 @@ import pytest
 
 from adapters.errors import AdapterError
 from gateway.errors import APIError
-from gateway.models import ServedModels
-from gateway.tenants import model_allowed
+from gateway.inputs.models import ServedModels
+from gateway.tenancy.tenants import model_allowed
 
 
 class FakeRegistry:

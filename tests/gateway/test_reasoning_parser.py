@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.reasoning import CONTENT, MAYBE, REASONING, ReasoningSplitter, reasoning_tags, split_output, start_state
+from gateway.reasoning.reasoning import (CONTENT, MAYBE, REASONING, ReasoningSplitter, reasoning_tags, split_output,
+                                         start_state)
 from tiny_models import build_tokenizer
 
 REASONING_TEXT = "Let me think: x = 1 < 2 and </th is not a tag."
@@ -119,7 +120,7 @@ def test_a_constraint_waits_for_the_end_tag_unless_the_prompt_closed_the_reasoni
     """vLLM's rule for both parsers: the constraint is gated unless the prompt's last tag is `</think>`; Qwen3's
     thinking template opens no `<think>`, and the gated output's text before `</think>` is then reasoning, with
     or without a leading `<think>` (streamed at every split point alike)."""
-    from gateway.reasoning_output import ReasoningRequest
+    from gateway.reasoning.reasoning_output import ReasoningRequest
 
     opened = _ids(tok, "<|user|>hi<|assistant|>\n<think>\n")
     closed = _ids(tok, "<|user|>hi<|assistant|>\n<think>\n\n</think>\n\n")

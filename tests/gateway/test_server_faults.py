@@ -115,7 +115,7 @@ def test_a_dead_engine_loop_ends_the_server() -> None:
     """`watch_workers` wires the loop's death to the server's exit at any size (not only under TP)."""
     from core import LLM
     from core.async_engine import AsyncEngine
-    from gateway.workers import watch_workers
+    from gateway.server.workers import watch_workers
     from testlib import model_dir
 
     llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", num_kv_blocks=16)

@@ -111,7 +111,7 @@ class IntegrityWatch:
 
 class InProcessServer:
     """`loraplex serve` assembled in this process: LLMEngine + AsyncEngine + the starlette app under uvicorn
-    on a free loopback port in a background thread (as gateway/server.py assembles them)."""
+    on a free loopback port in a background thread (as gateway/server/server.py assembles them)."""
 
     def __init__(self, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int = NUM_KV_BLOCKS,
                  max_num_batched_tokens: int = MAX_BATCHED_TOKENS, **overrides: Any) -> None:
@@ -123,8 +123,8 @@ class InProcessServer:
         from core.engine import LLMEngine
         from core.engine_setup import kv_bytes_per_block
         from gateway.app import build_app
-        from gateway.config import ServerConfig
-        from gateway.state import GatewayState
+        from gateway.server.config import ServerConfig
+        from gateway.server.state import GatewayState
 
         port = free_port()
         per_block = kv_bytes_per_block(ModelConfig.from_path(model_dir(MODEL)), BLOCK_SIZE, torch.float32)

@@ -1,5 +1,5 @@
 """`loraplex serve` refuses to start when the kernel self-check fails: exit status 1, the kernel and its torch
-switch on stderr, never a live server answering 503 (`gateway/startup.py`).
+switch on stderr, never a live server answering 503 (`gateway/server/startup.py`).
 
 In-process (`gateway.cli.main`), every part on its Triton path in the interpreter and the self-check forced
 on, with the bitmask kernel made wrong; the same run with the switch the error names starts and serves."""
@@ -40,7 +40,7 @@ class Served:
     """`main` on a thread (a server that does not exit fails the test instead of hanging it)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import gateway.server as server_module
+        import gateway.server.server as server_module
 
         self.port = free_port()
         self.result: list[int] = []
@@ -73,7 +73,7 @@ def test_a_failed_selfcheck_exits_1_with_the_reason(triton_everywhere: None, mon
     err = capsys.readouterr().err
     assert "loraplex: cannot start: kernel self-check failed" in err
     assert "_apply_bitmask_kernel" in err and "LORAPLEX_BITMASK_BACKEND=torch" in err
-    # the dead engine loop armed the hard exit (`gateway/workers.py`); a serve that returned must disarm it,
+    # the dead engine loop armed the hard exit (`gateway/server/workers.py`); a serve that returned must disarm it,
     # or it would end this (pytest) process seconds later
     timer = getattr(served.servers[0], "hard_exit_timer", None)
     assert timer is not None and timer.finished.is_set()

@@ -12,8 +12,8 @@ from starlette.requests import Request
 from gateway.auth import Authenticator, Principal
 from gateway.cli import build_parser, config_from_args
 from gateway.errors import APIError
-from gateway.limits import QueueGate, TenantLimits, TokenBucket
-from gateway.tenants import Tenant, TenantFileError, load_tenant_file, parse_tenants
+from gateway.tenancy.limits import QueueGate, TenantLimits, TokenBucket
+from gateway.tenancy.tenants import Tenant, TenantFileError, load_tenant_file, parse_tenants
 
 GOOD = {"tenants": {"acme": {"api_keys": ["sk-acme-1"], "models": ["base", "tenant-a"],
                              "requests_per_minute": 600, "max_concurrent_requests": 16},

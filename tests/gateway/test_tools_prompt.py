@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from gateway.errors import APIError
-from gateway.prompts import PromptEncoder
+from gateway.inputs.prompts import PromptEncoder
 from gateway.protocol import ChatCompletionRequest
-from gateway.tools import chat_prompt, plan_tools
+from gateway.tools.tools import chat_prompt, plan_tools
 from grammar.spec import DEFAULT_OPTIONS
 from grammar.tool_calls import HERMES, LLAMA3_JSON, detect_format
 

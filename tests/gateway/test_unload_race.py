@@ -21,8 +21,8 @@ MODEL = "llama_gqa"
 def app_state() -> Iterator[Any]:
     from core.async_engine import AsyncEngine
     from core.engine import LLMEngine
-    from gateway.config import ServerConfig
-    from gateway.state import GatewayState
+    from gateway.server.config import ServerConfig
+    from gateway.server.state import GatewayState
 
     config = ServerConfig(model=str(model_dir(MODEL)), served_model_name="tiny", device="cpu", dtype="float32",
                           max_loras=2, max_lora_rank=16, kv_cache_memory=2**22)

@@ -57,7 +57,7 @@ def test_end_tag_as_one_token_id(compiler: Any, bpe_tokenizer: Any) -> None:
 
 def test_reasoning_then_auto_tools(compiler: Any, bpe_tokenizer: Any) -> None:
     """Nested: reasoning, then text-or-calls (the tool trigger), then the call grammar."""
-    from gateway.tool_parse import final_calls
+    from gateway.tools.tool_parse import final_calls
 
     matcher = gated(compiler, compile_auto(compiler, HERMES)).new_matcher(())
     prefix = bpe_tokenizer.encode("thinking</think>Sure. " + HERMES.trigger, add_special_tokens=False)

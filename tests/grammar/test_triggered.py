@@ -65,7 +65,7 @@ def drive(matcher: TriggeredMatcher, compiler: Any, ids: list[int], seed: int) -
 
 
 def test_trigger_switches_to_the_call_grammar(compiler: Any, bpe_tokenizer: Any) -> None:
-    from gateway.tool_parse import final_calls
+    from gateway.tools.tool_parse import final_calls
 
     eos = bpe_tokenizer.eos_token_id
     for fmt in (HERMES, LLAMA3_JSON):

@@ -1,0 +1,100 @@
+"""What the routes read from "the engine" when it runs in its own process: the model's files (tokenizer,
+config, context length) resolved here without loading weights, the engine-reported pool size and stats, a
+local admission check, and a grammar compiler whose compiles run in the engine process."""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from core.admission import check_request
+from core.config import EngineConfig
+from core.engine_core.grammar_handles import RemoteGrammar
+from core.engine_core.protocol import Stats
+from core.engine_setup import load_eos_ids, resolve_model_files
+from core.sampling import SamplingParams
+from gateway.engine_client.engine_client_adapters import RemoteRegistry
+
+
+@dataclass
+class PoolView:
+    num_blocks: int = 0
+    block_size: int = 16
+
+
+@dataclass
+class PartsView:
+    model_dir: Path
+
+
+class RemoteCompiler:
+    """`GrammarCompiler.submit` over the boundary: a `compile` command; the future holds a `RemoteGrammar`."""
+
+    def __init__(self, command: Callable[[str, tuple[Any, ...]], "concurrent.futures.Future[Any]"],
+                 tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._command = command
+        self._tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._vocab: Any = None
+
+    def submit(self, spec: Any) -> "concurrent.futures.Future[Any]":
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def done(f: "concurrent.futures.Future[Any]") -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(RemoteGrammar(spec, self.eos_token_ids, self.vocab_size))
+
+        self._command("compile", (spec,)).add_done_callback(done)
+        return out
+
+    @property
+    def vocab(self) -> Any:
+        """The token vocabulary (token bytes; `tool_choice: "auto"` builds its free-text masks over it here)."""
+        if self._vocab is None:
+            from grammar.vocab import build_token_vocab
+
+            self._vocab = build_token_vocab(self._tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._vocab
+
+
+class EngineView:
+    """The attributes of `LLMEngine` the gateway reads, for an engine in another process."""
+
+    def __init__(self, config: EngineConfig, command: Callable[[str, tuple[Any, ...]], Any]) -> None:
+        files = resolve_model_files(config)
+        self.config = config
+        self.tokenizer, self.model_config = files.tokenizer, files.cfg
+        self.max_model_len, self.device = files.max_model_len, files.device
+        self.parts = PartsView(files.model_dir)
+        self.eos_token_ids = load_eos_ids(files.model_dir, files.tokenizer)
+        self.block_size = config.cache.block_size
+        self.kv = PoolView(0, self.block_size)       # num_blocks: from the engine's `info` event
+        self.registry = RemoteRegistry(command, config.lora_dirs)   # a mirror of the engine's adapters
+        self.lora_pool = None
+        self.tp = None                                # tensor-parallel workers are the engine process's children
+        self.stats_snapshot: Stats | None = None
+        self.ready = False
+        self.grammar_compiler = RemoteCompiler(command, self.tokenizer, self.model_config.vocab_size,
+                                               self.eos_token_ids)
+        self._schema_options: Any = None
+
+    @property
+    def schema_options(self) -> Any:
+        if self._schema_options is None:
+            from grammar.schema import SchemaOptions
+
+            self._schema_options = SchemaOptions.for_vocab_size(self.model_config.vocab_size)
+        return self._schema_options
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        return check_request(num_prompt_tokens, params, self.max_model_len, self.model_config.vocab_size,
+                             self.block_size, self.kv.num_blocks)
+
+    def load_lora(self, name: str, path: str) -> Any:
+        return self.registry.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.registry.unload(name)

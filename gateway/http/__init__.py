@@ -1,0 +1,1 @@
+"""HTTP plumbing under every route: request bodies, request context, middleware, request timeout, disconnects."""

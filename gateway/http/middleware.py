@@ -1,0 +1,78 @@
+"""ASGI middleware around every route: request context, draining, `X-Request-Id`, access log, tenant metrics.
+
+A pure ASGI middleware (not `BaseHTTPMiddleware`) so a streamed response counts as in flight until its
+last byte: graceful shutdown waits for it, and a tenant's concurrency slot is held until then.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.http.context import RequestContext, access_record
+from gateway.errors import CTX_SCOPE_KEY, APIError
+
+if TYPE_CHECKING:
+    from gateway.server.state import GatewayState
+
+access_log = logging.getLogger("loraplex.access")
+log = logging.getLogger("loraplex.gateway")
+
+LIVENESS_PATH = "/health/live"
+PROBES = frozenset({"/health", "/ping", LIVENESS_PATH, "/metrics", "/version"})  # not counted, not logged, never refused draining
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down and admits no new requests; retry on another replica.",
+                    code="shutting_down")
+
+
+class GatewayMiddleware:
+    def __init__(self, app: ASGIApp, state: "GatewayState") -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        client = scope.get("client")
+        ctx = RequestContext(scope["method"], scope["path"], client=client[0] if client else None)
+        scope[CTX_SCOPE_KEY] = ctx
+        lifecycle = state.lifecycle
+        assert lifecycle is not None
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ctx.status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", ctx.request_id.encode("latin-1", "replace")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        lifecycle.in_flight += 1
+        try:
+            if lifecycle.draining and scope["method"] == "POST":
+                error = shutting_down()
+                ctx.error_code = error.code
+                response = error.response()
+                response.headers["Connection"] = "close"
+                await response(scope, receive, send_wrapper)
+                return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            lifecycle.in_flight -= 1
+            ctx.run_cleanups()
+            try:
+                self._record(ctx)
+            except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
+                log.exception("cannot record the access log / tenant metrics")
+
+    def _record(self, ctx: RequestContext) -> None:
+        if ctx.tenant is not None and ctx.generation:
+            self.state.metrics.observe_tenant_request(ctx)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(json.dumps(access_record(ctx), ensure_ascii=True, separators=(",", ":")))

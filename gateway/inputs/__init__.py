@@ -1,0 +1,1 @@
+"""A request body -> engine inputs: sampling params and defaults, penalties, constraints, prompts, model names."""

@@ -1,0 +1,103 @@
+"""From a validated request body to engine inputs: `SamplingParams` and the response-format (grammar) hook."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Optional
+
+from core.sampling import SamplingParams
+from gateway.errors import invalid
+from gateway.inputs.penalties import penalty_fields
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, ResponseFormat, _SamplingFields
+from gateway.inputs.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
+
+NO_DEFAULTS = RequestDefaults()
+MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
+
+
+async def resolve_response_format(response_format: Optional[ResponseFormat], engine: Any) -> Any:
+    """The grammar hook: None (unconstrained) or the compiled grammar every child gets a matcher of.
+
+    Admission is cheap and synchronous (schema checks -> 400 `unsupported_json_schema` naming the keyword);
+    compilation runs on the compiler's workers, de-duplicated and cached, with a timeout (-> 400)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_schema" and response_format.json_schema is None:
+        raise invalid("response_format.json_schema is required when type is 'json_schema'",
+                      param="response_format.json_schema")
+    from grammar import parse_response_format
+
+    spec = parse_response_format(response_format.model_dump(by_alias=True, exclude_none=True), engine.schema_options)
+    if spec is None:
+        return None
+    compiler = engine.grammar_compiler
+    return await asyncio.wrap_future(compiler.submit(spec))
+
+
+def _check_common(body: _SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options can only be set when stream is true", param="stream_options")
+    if (body.max_tokens is not None and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens):
+        raise invalid("max_tokens and max_completion_tokens disagree; set only one", param="max_tokens")
+    max_tokens = body.effective_max_tokens()
+    if max_tokens is not None and max_tokens < 1:
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise invalid(f"{name} must be at least 1, got {max_tokens}", param=name)
+    if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
+        raise invalid("stop_token_ids must be non-negative", param="stop_token_ids")
+
+
+def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDefaults) -> SamplingParams:
+    _check_common(body)
+    stop = body.stop if body.stop is not None else ()
+    return SamplingParams(**defaults.fill(body, dict(
+        n=body.num_choices,
+        max_tokens=body.effective_max_tokens(),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=body.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
+        **penalty_fields(body),
+    )))
+
+
+def num_prompts(prompt: PromptInput) -> int:
+    """A string or one list of ids is one prompt; a list of strings or of id lists is one per entry."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def completion_sampling_params(body: CompletionRequest, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingParams:
+    """Raises APIError / SamplingParamsError (both 400) for values the engine cannot serve. `defaults`: the
+    server's generation-config defaults and logprobs cap (gateway/inputs/sampling_defaults.py)."""
+    if body.best_of is not None and body.best_of != body.num_choices:
+        raise invalid("best_of is only supported when equal to n", param="best_of")
+    if num_prompts(body.prompt) * body.num_choices > MAX_CHOICES:   # checked before any prompt is tokenized
+        raise invalid(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
+                      f"{num_prompts(body.prompt)} x {body.num_choices}", param="prompt")
+    defaults.check_logprobs(body.logprobs, "logprobs", COMPLETION_LOGPROBS_CAP)
+    defaults.check_logprobs(body.prompt_logprobs, "prompt_logprobs", CHAT_LOGPROBS_CAP)   # vLLM: --max-logprobs
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    params = _params(body, body.logprobs, defaults)
+    # the prompt's logprobs: echo + logprobs (gateway/outputs/echo.py) and/or vLLM's prompt_logprobs, the larger top-k
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    if wanted:
+        params = dataclasses.replace(params, prompt_logprobs=max(wanted))
+    return params
+
+
+def chat_sampling_params(body: ChatCompletionRequest, defaults: RequestDefaults = NO_DEFAULTS) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    defaults.check_logprobs(body.top_logprobs, "top_logprobs", CHAT_LOGPROBS_CAP)
+    return _params(body, (body.top_logprobs or 0) if body.logprobs else None, defaults)

@@ -1,0 +1,1 @@
+"""Prometheus metrics, the `--metrics-port` listener and the request log."""

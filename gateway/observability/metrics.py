@@ -1,0 +1,201 @@
+"""Prometheus metrics: engine state read at scrape time, plus request latency histograms observed by the gateway."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from core.engine_core.protocol import AdapterStats, SpecStats, Stats
+from core.engine_core.stats import snapshot_stats
+
+log = logging.getLogger("loraplex.gateway")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# labels whose values name a tenant or an adapter (served model): never on the main port with --tenant-keys
+NAME_LABELS = frozenset({"tenant", "model", "adapter", "lora_name", "running_lora_adapters",
+                         "waiting_lora_adapters"})
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0)
+
+
+class EngineCollector(Collector):
+    """The engine's scheduler, KV pool and counters when Prometheus scrapes: one snapshot, read in the engine's
+    process (`core/engine_core/stats.py`): here for an in-process engine, or the engine process's latest report
+    (at most `STATS_INTERVAL_S` old while busy)."""
+
+    def __init__(self, engine: Any, max_loras: int) -> None:
+        self.engine = engine
+        self.max_loras = max_loras
+
+    def _stats(self) -> Stats | None:
+        # gateway/engine_client/engine_client_view.py: the engine process reports
+        if hasattr(self.engine, "stats_snapshot"):
+            return self.engine.stats_snapshot
+        return snapshot_stats(self.engine)
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        if st is None:   # an engine process that has not reported yet
+            return
+        yield GaugeMetricFamily("loraplex:num_requests_running", "Requests in the running batch.",
+                                value=st.num_running)
+        yield GaugeMetricFamily("loraplex:num_requests_waiting", "Requests waiting to be scheduled.",
+                                value=st.num_waiting)
+        yield GaugeMetricFamily("loraplex:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
+                                value=st.kv_usage)
+        info = GaugeMetricFamily("loraplex:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(st.block_size), str(st.num_blocks)], 1.0)
+        yield info
+        lora = GaugeMetricFamily("loraplex:lora_requests_info", "Running and waiting LoRA adapters.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric([str(self.max_loras), st.running_adapters, st.waiting_adapters], time.time())
+        yield lora
+        counters = (
+            ("loraplex:prompt_tokens", "Prompt tokens admitted.", st.num_prompt_tokens),
+            ("loraplex:generation_tokens", "Tokens generated.", st.num_generation_tokens),
+            ("loraplex:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             st.num_prefix_queries_tokens),
+            ("loraplex:prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.num_prefix_hit_tokens),
+            ("loraplex:num_preemptions", "Requests preempted (recomputed).", st.num_preemptions),
+            ("loraplex:kernel_compiles_after_warmup", "Triton JIT compiles after the start-up warm-up (stalls).",
+             st.num_kernel_compiles_after_warmup),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        yield from _adapter_metrics(st.adapters)
+        if st.spec is not None:   # speculative decoding counters, when it is on
+            yield from _spec_metrics(st.spec)
+
+
+def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names, our prefix): drafts, accepted drafts, acceptance per position."""
+    for name, doc, value in (
+            ("loraplex:spec_decode_num_drafts", "Verification runs (a request's drafts of one step).", spec.num_drafts),
+            ("loraplex:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("loraplex:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+        yield CounterMetricFamily(name, doc, value=value)
+    per_pos = CounterMetricFamily("loraplex:spec_decode_num_accepted_tokens_per_pos",
+                                  "Runs that accepted the draft at this position.", labels=["position"])
+    for j, value in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(j)], value)
+    yield per_pos
+    yield GaugeMetricFamily("loraplex:spec_decode_mean_acceptance_length",
+                            "Tokens per verification run: 1 + accepted drafts / runs.", value=spec.mean_acceptance_length)
+
+
+def _adapter_metrics(st: AdapterStats | None) -> Iterator[Metric]:
+    """Adapter loads (by outcome), their latency, and how many adapters are resident on host and device."""
+    if st is None:   # an engine without adapters
+        return
+    loads = CounterMetricFamily("loraplex:lora_adapter_loads", "Adapter weight loads (reads), by outcome.",
+                                labels=["outcome"])
+    for outcome, n in st.loads_by_outcome.items():
+        loads.add_metric([outcome], n)
+    yield loads
+    latency = HistogramMetricFamily("loraplex:lora_adapter_load_seconds", "Time to read and convert an adapter.",
+                                    labels=[])
+    latency.add_metric([], st.load_buckets, st.load_seconds_sum)
+    yield latency
+    yield GaugeMetricFamily("loraplex:lora_adapters_host", "Adapters resident in host memory (or being read).",
+                            value=st.num_host)
+    yield GaugeMetricFamily("loraplex:lora_adapters_device", "Adapters resident in device LoRA slots.",
+                            value=st.num_device)
+
+
+class GatewayMetrics:
+    """One registry per app (no global state): engine gauges and counters, request latency histograms."""
+
+    def __init__(self, engine: Any, max_loras: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine, max_loras))
+        self.ttft = Histogram("loraplex:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("loraplex:inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("loraplex:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.requests = Counter("loraplex:request_success", "Finished requests by finish reason.",
+                                labelnames=["finished_reason"], registry=self.registry)
+        self.tenant_requests = Counter("loraplex:tenant_requests", "API requests by tenant, model and HTTP status.",
+                                       labelnames=["tenant", "model", "status"], registry=self.registry)
+        self.tenant_prompt_tokens = Counter("loraplex:tenant_prompt_tokens", "Prompt tokens admitted, by tenant.",
+                                            labelnames=["tenant"], registry=self.registry)
+        self.tenant_generation_tokens = Counter("loraplex:tenant_generation_tokens", "Tokens generated, by tenant.",
+                                                labelnames=["tenant"], registry=self.registry)
+
+    def observe_tenant_request(self, ctx: Any) -> None:
+        """One finished API request (a `gateway.http.context.RequestContext` whose caller was authenticated).
+        `model` is the served name it resolved to, else "unknown" (client-chosen names never become labels)."""
+        tenant = ctx.tenant
+        self.tenant_requests.labels(tenant=tenant, model=ctx.model or "unknown",
+                                    status=str(ctx.effective_status)).inc()
+        if ctx.admitted:
+            self.tenant_prompt_tokens.labels(tenant=tenant).inc(ctx.prompt_tokens)
+            self.tenant_generation_tokens.labels(tenant=tenant).inc(ctx.completion_tokens)
+
+    def render(self, redact: bool = False) -> bytes:
+        """Prometheus text; `redact`: without any tenant or adapter name (see `TenantBlindView`)."""
+        return generate_latest(TenantBlindView(self.registry) if redact else self.registry)
+
+
+class TenantBlindView:
+    """A registry as a tenant may see it: every label in `NAME_LABELS` dropped, the samples that then share
+    their remaining labels summed (a counter or histogram keeps its total, `_created` the earliest time;
+    `lora_requests_info` keeps only `max_lora`). Families are redacted by label, so a metric added later with one of these labels is too."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not any(NAME_LABELS.intersection(sample.labels) for sample in family.samples):
+                yield family
+                continue
+            sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                kept = tuple((k, v) for k, v in sample.labels.items() if k not in NAME_LABELS)
+                key = (sample.name, kept)
+                if key not in sums:
+                    sums[key] = sample.value
+                elif sample.name.endswith("_created"):   # a series' creation time: the earliest one
+                    sums[key] = min(sums[key], sample.value)
+                else:
+                    sums[key] += sample.value
+            blind = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in sums.items():
+                blind.add_sample(name, dict(labels), value)
+            yield blind
+
+
+class RequestTimer:
+    """Latency of one engine request as the gateway sees it."""
+
+    def __init__(self, metrics: GatewayMetrics | None) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if self.metrics is None or num_tokens == 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe((now - self.last) / num_tokens)
+        self.last = now
+
+    def on_finish(self, finish_reason: str | None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.requests.labels(finished_reason=finish_reason or "error").inc()

@@ -1,0 +1,68 @@
+"""Completions `echo`: the prompt's text before each choice's text, and with `logprobs` the prompt tokens'
+log-probabilities before the generated ones (the first prompt token's is null, as OpenAI and vLLM answer).
+Also vLLM's `prompt_logprobs` (the same values, without echo): per choice a list with one entry per prompt
+token, null first, then `{token_id: {"logprob", "rank", "decoded_token"}}` with the prompt token and the top-k."""
+from __future__ import annotations
+
+from typing import Any
+
+from core.outputs import TokenLogprob
+from gateway.inputs import tokenize_pool
+from gateway.outputs.generation import Child, ChoiceResult
+from gateway.protocol import CompletionRequest
+from gateway.outputs.responses import TokenTexts, finite
+
+
+async def echo_texts(tokenizer: Any, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+    """The prompt text of each prompt (a string prompt as sent, token ids decoded on a tokenizer thread);
+    None without echo."""
+    if not body.echo:
+        return None
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if body.prompt and isinstance(body.prompt[0], str):
+        return list(body.prompt)  # type: ignore[arg-type]
+    return await tokenize_pool.run(lambda: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
+
+
+def prompt_entries(child: Child, engine_entries: list[TokenLogprob | None] | None) -> list[Any]:
+    """The engine's per-position prompt logprobs, with the first token's as (id, None, [])."""
+    if engine_entries is None:
+        return []
+    first = (child.prompt_token_ids[0], None, [])
+    k = child.params.logprobs or 0   # the engine's top-k may be larger (a bigger prompt_logprobs)
+    return [first] + [(e[0], e[1], e[2][:k]) for e in engine_entries[1:]]  # type: ignore[index]
+
+
+def apply_echo(results: list[ChoiceResult], children: list[Child], texts: list[str]) -> None:
+    """Non-streaming answers: the prompt text (and prompt logprobs) before each choice's own."""
+    by_index = {c.index: c for c in children}
+    for r in results:
+        child = by_index[r.index]
+        r.text = texts[child.prompt_index] + r.text
+        r.logprobs = prompt_entries(child, r.prompt_logprobs) + r.logprobs
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int, texts: TokenTexts) -> list[Any]:
+    """vLLM's shape of one prompt's logprobs: the prompt token (with its rank in the whole vocabulary) and
+    the `k` most likely tokens at each position (ranks 1..k); entry 0 is null."""
+    out: list[Any] = [None]
+    for entry in entries[1:]:
+        if entry is None:
+            out.append(None)
+            continue
+        token_id, logprob, alternatives = entry
+        position = {token_id: {"logprob": finite(logprob), "rank": getattr(entry, "rank", None),
+                               "decoded_token": texts.text(token_id)}}
+        for rank, (alt, alt_logprob) in enumerate(alternatives[:k], start=1):
+            position.setdefault(alt, {"logprob": finite(alt_logprob), "rank": rank,
+                                      "decoded_token": texts.text(alt)})
+        out.append(position)
+    return out
+
+
+def add_prompt_logprobs(answer: dict[str, Any], results: list[ChoiceResult], k: int, texts: TokenTexts) -> None:
+    """Sets `prompt_logprobs` on every choice of a non-streaming completions answer."""
+    for choice, r in zip(answer["choices"], results):
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs or [None] * r.num_prompt_tokens, k,
+                                                         texts)

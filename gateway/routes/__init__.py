@@ -1,0 +1,1 @@
+"""Routes besides completions and chat (gateway/app.py): /tokenize, /detokenize, /v1/responses, /openapi.json."""

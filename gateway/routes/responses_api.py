@@ -1,0 +1,249 @@
+"""`POST /v1/responses`, stateless (as vLLM serves it): a Responses body becomes a chat completions request
+and runs on the chat path (tenants, model resolution, tools, constraints, admission), then the answer is
+shaped as a Response object or its event stream (gateway/routes/responses_stream.py).
+
+    input            a string (one user turn) or a list of messages (`{"role", "content"}`, content a string or
+                     `input_text` / `output_text` parts) and items `function_call` / `function_call_output`
+    instructions     a system turn before the input
+    max_output_tokens, temperature, top_p, stream, metadata, user, parallel_tool_calls
+    tools            `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`
+    tool_choice      "none" | "auto" | "required" | {"type": "function", "name"}
+    text.format      {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", ...}
+`store: true` and `previous_response_id` need server-side state: a 400 naming them. An error raised by the
+chat path underneath names the Responses field (`responses_param`: `tools[0].name`, `text.format.schema`,
+`input[2].arguments`), never a field of the chat shape the client did not send.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional, Union
+
+from pydantic import PrivateAttr, ValidationError
+
+from gateway.errors import APIError, from_exception, invalid
+from gateway.protocol import ChatCompletionRequest, _Strict
+
+
+class ResponsesRequest(_Strict):
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    stream: Optional[bool] = None
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    truncation: Optional[Literal["disabled"]] = None
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+
+
+# per chat message: the Responses path it came from ("instructions", "input" or "input[i]"), for an assistant
+# turn made of function_call items the path of each call, and whether it is a function_call_output item
+Origins = list[tuple[str, list[str], bool]]
+
+
+class ResponsesChatRequest(ChatCompletionRequest):
+    """The chat request a Responses body runs as; `source` keeps the body for the answer's echo fields."""
+
+    _source: Optional[ResponsesRequest] = PrivateAttr(default=None)
+    _origins: Origins = PrivateAttr(default_factory=list)
+
+    @property
+    def source(self) -> ResponsesRequest:
+        assert self._source is not None
+        return self._source
+
+    @property
+    def origins(self) -> Origins:
+        return self._origins
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise invalid(f"unsupported content part {kind!r}: only input_text / output_text parts are served",
+                          param=f"{param}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise invalid(f"{param}.{key} must be a string", param=f"{param}.{key}")
+    return value
+
+
+def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
+    """Responses input -> chat messages (consecutive function_call items form one assistant turn); `origins`
+    gets where each message came from."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+        origins.append(("instructions", [], False))
+    if isinstance(body.input, str):
+        origins.append(("input", [], False))
+        return messages + [{"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        p = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("user", "system", "developer", "assistant"):
+                raise invalid(f"{p}.role must be user, system, developer or assistant", param=f"{p}.role")
+            messages.append({"role": item["role"], "content": _text_of(item.get("content"), f"{p}.content")})
+            origins.append((p, [], False))
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", p), "type": "function",
+                    "function": {"name": _string(item, "name", p), "arguments": _string(item, "arguments", p)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+                origins[-1][1].append(p)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((p, [p], False))
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", p),
+                             "content": _string(item, "output", p)})
+            origins.append((p, [], True))
+        else:
+            raise invalid(f"unsupported input item type {kind!r} (served: message, function_call, "
+                          f"function_call_output)", param=f"{p}.type")
+    if not messages:
+        raise invalid("input is empty", param="input")
+    return messages
+
+
+def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
+    """Responses tools / tool_choice (flat function objects) -> the chat shapes."""
+    tools = None
+    if body.tools is not None:
+        tools = []
+        for i, tool in enumerate(body.tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                raise invalid("only function tools are served", param=f"tools[{i}].type")
+            tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or set(choice) - {"type", "name"}:
+            raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name"}',
+                          param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return tools, choice
+
+
+def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """`text.format` -> the chat `response_format` (the grammar checks the schema itself)."""
+    if text is None:
+        return None
+    if set(text) - {"format"}:
+        raise invalid(f"unknown field(s) in text: {sorted(set(text) - {'format'})}", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid("text.format.type must be text, json_object or json_schema", param="text.format.type")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    extra = set(fmt) - {"type", "name", "schema", "strict", "description"}
+    if extra:
+        raise invalid(f"unknown field(s) in text.format: {sorted(extra)}", param="text.format")
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+def chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
+    """The chat request a Responses body runs as; 400 naming the Responses field for what is not served."""
+    if body.store:
+        raise invalid("store is not supported: this server keeps no responses (send store: false)", param="store")
+    if body.previous_response_id is not None:
+        raise invalid("previous_response_id is not supported: this server keeps no responses; send the "
+                      "conversation in input", param="previous_response_id")
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise invalid("max_output_tokens must be at least 1", param="max_output_tokens")
+    tools, choice = _tools(body)
+    origins: Origins = []
+    fields: dict[str, Any] = {
+        "model": body.model, "messages": _messages(body, origins), "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
+        "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls, "seed": body.seed,
+        "top_k": body.top_k, "user": body.user, "response_format": _response_format(body.text)}
+    try:
+        chat = ResponsesChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise responses_error(exc, origins) from None
+    chat._source, chat._origins = body, origins
+    return chat
+
+
+_MESSAGE = re.compile(r"messages\[(\d+)\](.*)")
+_CALL = re.compile(r"\.tool_calls\[(\d+)\](.*)")
+_TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
+# the chat field -> the Responses field (a prefix, with what follows it kept)
+_RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("tool_choice.function", "tool_choice"), ("max_completion_tokens", "max_output_tokens"),
+            ("max_tokens", "max_output_tokens"), ("messages", "input"), ("prompt", "input"))
+_CALL_FIELDS = ((".function.arguments", ".arguments"), (".function.name", ".name"), (".function", ""),
+                (".id", ".call_id"))
+_TOOL_OUTPUT_FIELDS = ((".tool_call_id", ".call_id"), (".content", ".output"))
+
+
+def _renamed(rest: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if rest == old or rest.startswith((old + ".", old + "[")):
+            return new + rest[len(old):]
+    return rest
+
+
+def responses_param(param: str | None, origins: Origins) -> str | None:
+    """The Responses field for a `param` of the chat request it runs as (`origins`: see `_messages`)."""
+    if param is None:
+        return None
+    message = _MESSAGE.fullmatch(param)
+    if message is not None:
+        j, rest = int(message.group(1)), message.group(2)
+        if j >= len(origins):
+            return "input"
+        path, calls, tool_output = origins[j]
+        if path in ("instructions", "input"):
+            return path
+        call = _CALL.fullmatch(rest)
+        if call is not None and int(call.group(1)) < len(calls):
+            return calls[int(call.group(1))] + _renamed(call.group(2), _CALL_FIELDS)
+        return path + _renamed(rest, _TOOL_OUTPUT_FIELDS if tool_output else ())
+    tool = _TOOL.fullmatch(param)
+    if tool is not None:
+        return f"tools[{tool.group(1)}]{tool.group(2)}"
+    return _renamed(param, _RENAMES)
+
+
+def responses_error(exc: BaseException, origins: Origins) -> APIError:
+    """`exc` as the client of /v1/responses sees it: `param` (and its mention in the message) renamed."""
+    error = from_exception(exc)
+    param = responses_param(error.param, origins)
+    if error.param is not None and param != error.param:
+        error.message = error.message.replace(error.param, param or "")
+        error.param = param
+    return error
+
+
+class ResponsesBody:
+    """What `_Kind.body` parses with: a Responses JSON object -> its chat request."""
+
+    @staticmethod
+    def model_validate(obj: Any) -> ResponsesChatRequest:
+        return chat_request(ResponsesRequest.model_validate(obj))

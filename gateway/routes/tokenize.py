@@ -1,0 +1,98 @@
+"""`POST /tokenize` and `POST /detokenize` with vLLM's bodies and answers; keys and tenants as /v1/completions.
+
+    {"model", "prompt", "add_special_tokens"?}                               -> {"count", "max_model_len", "tokens"}
+    {"model", "messages", "add_generation_prompt"?, "continue_final_message"?, "chat_template_kwargs"?,
+     "add_special_tokens"?}                                                   -> the same, over the chat template
+    {"model", "tokens"}                                                      -> {"prompt"}
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.inputs import tokenize_pool
+from gateway.http.body import load_json_object, parse_body, read_body
+from gateway.errors import api_endpoint, invalid
+from gateway.inputs.prompts import PromptEncoder, template_options
+from gateway.protocol import ChatMessage, _Strict
+
+M = TypeVar("M")
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = None
+
+
+class TokenizeChatRequest(_Strict):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[bool] = None    # default true (false with continue_final_message)
+    continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False       # the template writes the special tokens (vLLM's default)
+    return_token_strs: Optional[bool] = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def _tokenize_body(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+    obj = load_json_object(raw)
+    return (TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest).model_validate(obj)
+
+
+async def _authorized_body(request: Request, parse: Callable[[bytes], M], prompt_param: str | None) -> tuple[Any, M]:
+    """401 for a bad key (before the body is read), 400 for a bad body, 404 for a model the key cannot see:
+    as /v1/completions. Returns the gateway state and the body (refused by size before it is parsed)."""
+    state = request.app.state.gateway
+    principal = state.auth.authenticate(request)
+    body = parse(await read_body(request, state.encoder.bound.max_body_bytes, prompt_param))
+    state.models.resolve(body.model, principal.models)
+    return state, body
+
+
+def _tokens(encoder: PromptEncoder, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+    """Runs on a tokenizer thread. A text longer than any that fits the context is refused (400, naming
+    `prompt` or `messages`) before the tokenizer sees it: a count beyond `max_model_len` is no use to a client."""
+    if isinstance(body, TokenizeChatRequest):
+        text = encoder.render_chat(body.messages, options=template_options(body))
+        tokens = encoder.encode_text(text, body.add_special_tokens, "messages")
+    else:
+        tokens = encoder.encode_text(body.prompt, body.add_special_tokens)
+    strs = encoder.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return {"count": len(tokens), "tokens": tokens, "token_strs": strs}
+
+
+def _text(encoder: PromptEncoder, tokens: list[int]) -> str:
+    """Runs on a tokenizer thread."""
+    bad = [t for t in tokens if not 0 <= t < encoder.vocab_limit]
+    if bad:
+        raise invalid(f"token id {bad[0]} is out of range [0, {encoder.vocab_limit})", param="tokens")
+    return encoder.tokenizer.decode(tokens)
+
+
+@api_endpoint
+async def tokenize(request: Request) -> Response:
+    state, body = await _authorized_body(request, _tokenize_body, "prompt")
+    answer = await tokenize_pool.run(_tokens, state.encoder, body)
+    return JSONResponse({"count": answer["count"], "max_model_len": state.aeng.engine.max_model_len,
+                         "tokens": answer["tokens"], "token_strs": answer["token_strs"]})
+
+
+@api_endpoint
+async def detokenize(request: Request) -> Response:
+    state, body = await _authorized_body(request, lambda raw: parse_body(raw, DetokenizeRequest), None)
+    return JSONResponse({"prompt": await tokenize_pool.run(_text, state.encoder, body.tokens)})
+
+
+def tokenize_routes() -> list[Route]:
+    return [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]

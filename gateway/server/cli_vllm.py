@@ -1,0 +1,184 @@
+"""vLLM's `serve` flags, with vLLM's meaning, so a vLLM launch line starts loraplex unchanged.
+
+Each flag either does what it does in vLLM, is accepted because loraplex always behaves that way (said in
+its help), or is refused with the reason; anything else stays argparse's "unrecognized arguments" error.
+README "Coming from vLLM" lists them all.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+from pathlib import Path
+from typing import Any, Callable
+
+from gateway.reasoning.reasoning import REASONING_PARSERS
+from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
+
+ALWAYS = "accepted (vLLM compatibility)"
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: the KV cache has the model's dtype (auto)")
+    return text
+
+
+def _tool_call_parser(text: str) -> str:
+    if text not in TOOL_CALL_PARSERS:
+        raise argparse.ArgumentTypeError(f"no tool-call parser {text!r}; loraplex has "
+                                         f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
+    return text
+
+
+def _reasoning_parser(text: str) -> str:
+    if text not in REASONING_PARSERS:
+        raise argparse.ArgumentTypeError(f"no reasoning parser {text!r}; loraplex has {', '.join(REASONING_PARSERS)}")
+    return text
+
+
+def _generation_config(text: str) -> str:
+    if text in ("auto", "vllm"):
+        return text
+    if not (Path(text) / "generation_config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, vllm or a directory with generation_config.json")
+    return text
+
+
+def _swap_space(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB >= 0")
+    return value
+
+
+def load_chat_template(text: str) -> str:
+    """vLLM's rule: the file's content when `text` names a readable file; otherwise `text` itself is the
+    template (escape sequences such as \\n decoded), unless it looks like a path (no `{`, `}` or newline)."""
+    try:
+        Path(text).expanduser().read_text()
+    except OSError as exc:
+        if not any(c in text for c in "{}\n"):
+            raise argparse.ArgumentTypeError(f"{text!r} looks like a file path but cannot be read: {exc}") from None
+        text = codecs.decode(text, "unicode_escape")
+    else:
+        text = Path(text).expanduser().read_text()
+    _check_template(text)
+    return text
+
+
+def _check_template(text: str) -> None:
+    """Compiles the template as transformers will render it (its extensions, e.g. `{% generation %}`)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:   # another transformers layout: jinja's sandbox with the loop controls
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        compile_template = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse
+    try:
+        compile_template(text)
+    except TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"not a valid Jinja template: {exc} (line {exc.lineno})") from None
+
+
+def _typed(convert: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    def wrapped(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    wrapped.__name__ = name
+    return wrapped
+
+
+def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
+    """The positional model and vLLM's flags on the `serve` subcommand."""
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` (same as --model)")
+    g = s.add_argument_group("vLLM compatibility (README: Coming from vLLM)")
+    g.add_argument("--enable-lora", action="store_true", help=f"{ALWAYS}: adapters are always on")
+    g.add_argument("--chat-template", type=_typed(load_chat_template, "chat template"), default=None,
+                   metavar="FILE_OR_TEMPLATE", help="a Jinja chat template (file or text) replacing the tokenizer's")
+    g.add_argument("--generation-config", type=_typed(_generation_config, "generation config"), default="auto",
+                   metavar="auto|vllm|DIR", help="auto: sampling defaults from the model's generation_config.json "
+                   "for requests that omit them; vllm: none; DIR: that folder's generation_config.json")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help=f"{ALWAYS}: tool_choice auto works without it")
+    g.add_argument("--tool-call-parser", type=_tool_call_parser, default=None, metavar="NAME",
+                   help=f"the tool-call format ({', '.join(sorted(TOOL_CALL_PARSERS))}; default: read from "
+                        f"the chat template)")
+    g.add_argument("--reasoning-parser", type=_reasoning_parser, default=None, metavar="NAME",
+                   help=f"split <think>...</think> into reasoning_content ({', '.join(REASONING_PARSERS)})")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help=f"{ALWAYS}: request contents are never logged")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's parameters (never its text) at info")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="same as --no-access-log")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help=f"{ALWAYS}: no periodic stats lines; /metrics has them")
+    g.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   default=None, help="uvicorn's log level (default: --log-level)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"{ALWAYS}: chunked prefill is always on; --no-enable-chunked-prefill is refused")
+    g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", metavar="auto")
+    g.add_argument("--swap-space", type=_typed(_swap_space, "GiB"), default=None, metavar="GiB",
+                   help=f"{ALWAYS}: preempted requests are recomputed, never swapped")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let a tokenizer run its own code; a model needing its own modelling code is refused")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="on by default; --no-enable-prefix-caching is --no-prefix-caching")
+    g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                   help="per-request logprobs cap (default: 5 on completions, 20 on chat; -1: the vocabulary)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
+    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of the model")
+    g.add_argument("--download-dir", default=None, metavar="DIR", help="the HF cache directory for hub ids")
+
+
+def resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The positional model or --model (both: they must agree)."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        parser.error(f"the positional model {args.model_tag!r} and --model {args.model!r} differ; give one")
+    return args.model_tag if args.model_tag is not None else args.model
+
+
+def served_names(args: argparse.Namespace, default: str, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    names = tuple(args.served_model_name or (default,))
+    if len(set(names)) != len(names) or not all(n.strip() for n in names):
+        parser.error("--served-model-name: names must be distinct and non-empty")
+    return names
+
+
+def lora_modules(args: argparse.Namespace, model: str, names: tuple[str, ...],
+                 parser: argparse.ArgumentParser) -> tuple[tuple[str, str], ...]:
+    """(name, path) pairs. A JSON entry's `base_model_name` must name the served model (a served name or the
+    --model value): vLLM silently ignores any other; loraplex serves one base model and refuses it."""
+    pairs = tuple((name, path) for name, path, _ in args.lora_modules)
+    if len({name for name, _ in pairs}) != len(pairs):
+        parser.error("--lora-modules: duplicate adapter name")
+    for name, _, base in args.lora_modules:
+        if name in names:
+            parser.error(f"--lora-modules: {name!r} is the base model's served name")
+        if base is not None and base not in (*names, model):
+            parser.error(f"--lora-modules: adapter {name!r} has base_model_name {base!r}, but this server's base "
+                         f"model is {names[0]!r} (served names {list(names)}, --model {model!r})")
+    return pairs
+
+
+def vllm_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """ServerConfig fields set by the vLLM flags (besides the model, served names and adapters)."""
+    if args.enable_chunked_prefill is False:
+        parser.error("--no-enable-chunked-prefill: loraplex always chunks prefills (within "
+                     "--max-num-batched-tokens); it cannot be turned off")
+    if args.enable_prefix_caching is not None and args.no_prefix_caching and args.enable_prefix_caching:
+        parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
+    if args.max_logprobs is not None and args.max_logprobs < -1:
+        parser.error("--max-logprobs must be >= 0, or -1 for the whole vocabulary")
+    return dict(chat_template=args.chat_template, generation_config=args.generation_config,
+                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                log_requests=args.enable_log_requests,
+                max_logprobs=args.max_logprobs, tokenizer=args.tokenizer, revision=args.revision,
+                download_dir=args.download_dir, trust_remote_code=args.trust_remote_code,
+                uvicorn_log_level=args.uvicorn_log_level,
+                enable_prefix_caching=not args.no_prefix_caching and args.enable_prefix_caching is not False,
+                access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

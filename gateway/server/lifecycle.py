@@ -1,0 +1,92 @@
+"""Graceful shutdown: on SIGTERM (or SIGINT) stop admitting, let in-flight requests finish, then exit 0.
+
+While draining the sockets stay open, so a new `POST` gets a fast 503 `shutting_down` (a load balancer
+retries it elsewhere) instead of a refused connection; `/health` (readiness) answers 503 `draining` so the
+replica leaves the load balancer, while `/health/live` (liveness), /metrics and other GETs still answer 200.
+Once nothing is in flight, or `--shutdown-timeout` seconds have passed, uvicorn shuts down: whatever is
+still running is cancelled (its engine requests aborted). A second signal exits at once.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+import uvicorn
+
+from gateway.observability.metrics_listener import MetricsListener
+
+log = logging.getLogger("loraplex.gateway")
+
+POST_DRAIN_GRACE_S = 1   # seconds: uvicorn's own grace once the drain is over (the drain already waited)
+
+
+@dataclass
+class Lifecycle:
+    shutdown_timeout_s: float = 30.0
+    draining: bool = False
+    in_flight: int = 0                  # HTTP requests in progress (probes excluded; streams until their end)
+    drain_deadline: float | None = None
+    drain_signal: str | None = None
+
+    def begin_drain(self, reason: str = "shutdown") -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_signal = reason
+            self.drain_deadline = time.monotonic() + self.shutdown_timeout_s
+
+    def drained(self) -> bool:
+        """True once draining and nothing is in flight, or the drain deadline has passed."""
+        if not self.draining:
+            return False
+        return self.in_flight == 0 or time.monotonic() >= (self.drain_deadline or 0.0)
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn with a drain phase before its shutdown, and one line on stdout once the sockets listen.
+    `metrics_listener` (--metrics-port) listens first and closes last: it answers through the whole drain."""
+
+    def __init__(self, config: uvicorn.Config, banner: str, lifecycle: Lifecycle,
+                 metrics_listener: MetricsListener | None = None) -> None:
+        config.timeout_graceful_shutdown = POST_DRAIN_GRACE_S
+        super().__init__(config)
+        self.banner = banner
+        self.lifecycle = lifecycle
+        self.metrics_listener = metrics_listener
+        self._announced = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.metrics_listener is not None and not await self.metrics_listener.start():
+            self.should_exit = True     # the main port never opens: `started` stays False, the exit code 1
+            return
+        await super().startup(sockets)
+        if self.started:
+            print(self.banner, flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.metrics_listener is not None:
+            await self.metrics_listener.stop()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # runs as a signal handler: only flag changes here (no logging, no re-raise after shutdown)
+        if self.lifecycle.draining or self.should_exit:
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self.lifecycle.begin_drain(signal.Signals(sig).name)
+
+    async def on_tick(self, counter: int) -> bool:
+        lc = self.lifecycle
+        if lc.draining and not self._announced:
+            self._announced = True
+            log.warning("%s: draining %d in-flight request(s) for up to %.0fs; new requests get 503",
+                        lc.drain_signal, lc.in_flight, lc.shutdown_timeout_s)
+        if lc.drained() and not self.should_exit:
+            if lc.in_flight:
+                log.warning("shutdown timeout: cancelling %d request(s) still in flight", lc.in_flight)
+            self.should_exit = True
+        return await super().on_tick(counter)

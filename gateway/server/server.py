@@ -1,0 +1,128 @@
+"""Builds the engine and its loop thread, then runs uvicorn until interrupted."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from adapters.errors import AdapterError
+from gateway.app import build_app
+from gateway.server.config import ServerConfig
+from gateway.server.lifecycle import GatewayServer
+from gateway.observability.metrics_listener import MetricsListener
+from gateway.observability.request_log import enable_request_log
+from gateway.server.startup import exit_on_warmup_failure
+from gateway.server.state import GatewayState
+from gateway.tenancy.tenants import TenantFileError
+from gateway.server.workers import cancel_hard_exit, watch_workers
+
+log = logging.getLogger("loraplex.gateway")
+
+
+def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
+    # the engine core in its own process, fed over ZMQ (gateway/engine_client/engine_client.py)
+    if config.engine_process:
+        from gateway.engine_client.engine_client import EngineClient
+
+        client = EngineClient(config.engine_config(), log_level, on_warmup_progress=WarmupPrinter(),
+                              on_ready=print_ready)
+        client.start()
+        client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
+        return client
+    from core.async_engine import AsyncEngine
+    from core.engine import LLMEngine
+
+    engine = LLMEngine(config.engine_config())
+    aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)
+    aeng.start()   # the engine thread warms up first: /health answers 503 until it is done
+    # the grammar vocabulary and the json_object grammar are built in the background at start-up
+    threading.Thread(target=lambda: engine.grammar_compiler.warmup_json_object(), name="grammar-warmup",
+                     daemon=True).start()
+    return aeng
+
+
+class WarmupPrinter:
+    """Start-up progress on stdout: kernel variants compiled / total and seconds, at most one line a second."""
+
+    def __init__(self) -> None:
+        self._last = -1.0
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        if done == total or seconds - self._last >= 1.0:
+            self._last = seconds
+            print(f"loraplex: warm-up: {done}/{total} kernel variants compiled ({seconds:.1f} s)", flush=True)
+
+
+def print_ready(report: Any) -> None:
+    checked = f", {report.num_kernel_checks} kernel outputs self-checked" if report.num_kernel_checks else ""
+    print(f"loraplex: warm-up done: {report.num_variants} kernel variants and {report.num_graphs} decode graphs in "
+          f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles{checked}); ready", flush=True)
+
+
+def configure_access_log(enabled: bool) -> None:
+    """`loraplex.access`: one JSON object per line on stdout, whatever the --log-level (off: --no-access-log)."""
+    access = logging.getLogger("loraplex.access")
+    access.propagate = False
+    access.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
+    if enabled and not access.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+
+
+def serve(config: ServerConfig, log_level: str = "warning") -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_access_log(config.access_log)
+    if config.log_requests:
+        enable_request_log()
+    t0 = time.monotonic()
+    try:
+        aeng = _start_engine(config, log_level)
+    except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
+        print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
+        return 1
+    server: GatewayServer | None = None
+    try:
+        engine = aeng.engine
+        try:
+            state = GatewayState.build(config, aeng)
+        except TenantFileError as exc:
+            print(f"loraplex: --tenant-keys: {exc}", file=sys.stderr)
+            return 1
+        except ValueError as exc:   # a generation_config.json the defaults cannot come from
+            print(f"loraplex: --generation-config: {exc}", file=sys.stderr)
+            return 1
+        app = build_app(state)
+        banner = (f"loraplex: serving {' / '.join(map(repr, config.served_model_names))} on {config.url} "
+                  f"(device {engine.device}, max_model_len {engine.max_model_len}, "
+                  f"{engine.kv.num_blocks} KV blocks of {engine.block_size}; loaded in {time.monotonic() - t0:.1f}s)"
+                  + (f"; sampling defaults from {state.defaults.source}: {dict(state.defaults.sampling)}"
+                     if state.defaults.sampling else ""))
+        if config.metrics_url is not None:
+            banner += f"; full metrics on {config.metrics_url}"
+        if config.engine_process:
+            banner += "; engine core in its own process"
+        uv_level = config.uvicorn_log_level or log_level
+        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
+                                   access_log=config.access_log and uv_level in ("info", "debug", "trace"))
+        assert state.lifecycle is not None
+        listener = (MetricsListener(state.metrics, config.host, config.metrics_port, log_level)
+                    if config.metrics_port is not None else None)
+        server = GatewayServer(uv_config, banner, state.lifecycle, listener)
+        workers_failed = watch_workers(aeng, server)
+        warmup_failed = exit_on_warmup_failure(aeng, server)   # e.g. the kernel self-check refused a kernel
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
+            pass
+        return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
+    finally:
+        aeng.shutdown()
+        if aeng.engine.tp is not None:
+            aeng.engine.tp.shutdown(graceful=aeng.error is None)
+        if server is not None:
+            cancel_hard_exit(server)   # the shutdown did not block: no hard exit of the hosting process

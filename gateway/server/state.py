@@ -1,0 +1,56 @@
+"""Everything the routes share: the config, the engine loop, served models, prompt encoder and metrics,
+who may call (keys, tenants), the admission limits and the server's lifecycle (draining)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.async_engine import AsyncEngine
+from gateway.auth import Authenticator
+from gateway.server.config import ServerConfig
+from gateway.server.lifecycle import Lifecycle
+from gateway.tenancy.limits import QueueGate, TenantLimits
+from gateway.observability.metrics import GatewayMetrics
+from gateway.inputs.models import ServedModels
+from gateway.inputs.prompts import PromptEncoder
+from gateway.outputs.responses import TokenTexts
+from gateway.inputs.sampling_defaults import RequestDefaults, load_request_defaults
+from gateway.tenancy.tenants import load_tenant_file
+
+
+@dataclass
+class GatewayState:
+    config: ServerConfig
+    aeng: AsyncEngine
+    models: ServedModels
+    encoder: PromptEncoder
+    texts: TokenTexts
+    metrics: GatewayMetrics
+    extra: dict[str, Any] = field(default_factory=dict)   # room for auth / admin / grammar state
+    auth: Authenticator | None = None                      # None: built from the config (keys, tenant file)
+    limits: TenantLimits = field(default_factory=TenantLimits)
+    queue: QueueGate | None = None                         # None: built from config.max_queue_len
+    lifecycle: Lifecycle | None = None                     # None: built from config.shutdown_timeout
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)   # --generation-config, --max-logprobs
+
+    def __post_init__(self) -> None:
+        if self.auth is None:
+            tenants = load_tenant_file(self.config.tenant_keys) if self.config.tenant_keys is not None else None
+            self.auth = Authenticator(self.config.api_key, tenants)
+        if self.queue is None:
+            self.queue = QueueGate(self.config.max_queue_len)
+        if self.lifecycle is None:
+            self.lifecycle = Lifecycle(self.config.shutdown_timeout)
+
+    @staticmethod
+    def build(config: ServerConfig, aeng: AsyncEngine) -> "GatewayState":
+        engine = aeng.engine
+        return GatewayState(
+            config=config, aeng=aeng,
+            models=ServedModels(config.served_model_name, root=config.model, registry=engine.registry,
+                                aliases=config.served_model_aliases),
+            encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len),
+            texts=TokenTexts(engine.tokenizer),
+            metrics=GatewayMetrics(engine, config.max_loras),
+            defaults=load_request_defaults(config.generation_config, engine.parts.model_dir, config.max_logprobs,
+                                           engine.model_config.vocab_size))

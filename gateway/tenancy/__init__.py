@@ -1,0 +1,1 @@
+"""Tenants (`--tenant-keys`) and the admission limits per tenant and server-wide."""

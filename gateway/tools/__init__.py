@@ -1,0 +1,1 @@
+"""Function calling: tools in the prompt, the tool-call constraint, parsing calls from the output, their responses."""

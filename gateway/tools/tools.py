@@ -1,0 +1,197 @@
+"""Function calling on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`, tool turns in history.
+
+Admission (400 naming `param`): tool shapes, duplicate names, each function's `parameters` lowered with the
+JSON-schema rules (unsupported keyword -> 400), `tool_choice` naming an unknown function, malformed
+`tool_calls` / `tool` messages, a tool constraint together with another output constraint.
+Prompt: the template renders `tools` and the tool turns (`apply_chat_template(..., tools=...)`); a template with
+no tool syntax gets the Hermes default, written by `_fallback` below.
+Decoding: `required` / named -> the whole output is calls; `auto` -> free text, then calls after the trigger.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.protocol import ChatCompletionRequest
+from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
+from grammar.tool_calls import FunctionSpec, ToolCallFormat, detect_format
+
+_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_TOOL_KEYS = {"type", "function"}
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolPlan:
+    fmt: ToolCallFormat
+    renders_tools: bool                  # the chat template writes tools and tool turns itself
+    choice: str                          # "none" | "auto" | "required" | "named"
+    parallel: bool
+    tools: list[dict[str, Any]]          # as the template gets them
+    functions: list[FunctionSpec] = field(default_factory=list)   # the callable ones
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice != "none"
+
+
+def _check_tool(i: int, tool: Any) -> dict[str, Any]:
+    p = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - _TOOL_KEYS:
+        raise invalid(f'{p} must be {{"type": "function", "function": {{...}}}}', param=p)
+    fn = tool.get("function")
+    if not isinstance(fn, dict) or set(fn) - _FUNCTION_KEYS:
+        extra = sorted(set(fn) - _FUNCTION_KEYS) if isinstance(fn, dict) else []
+        raise invalid(f"{p}.function must be an object with name, description, parameters, strict"
+                      + (f" (unknown: {extra})" if extra else ""), param=f"{p}.function")
+    if not isinstance(fn.get("name"), str) or not _NAME_RE.match(fn["name"]):
+        raise invalid(f"{p}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$", param=f"{p}.function.name")
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise invalid(f"{p}.function.description must be a string", param=f"{p}.function.description")
+    if "strict" in fn and not isinstance(fn["strict"], (bool, type(None))):
+        raise invalid(f"{p}.function.strict must be a boolean", param=f"{p}.function.strict")
+    params = fn.get("parameters")
+    if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+        raise invalid(f"{p}.function.parameters must be a JSON schema of type object",
+                      param=f"{p}.function.parameters")
+    return fn
+
+
+def _tool_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
+    if value is None:
+        return ("auto" if names else "none"), None
+    if value in ("none", "auto", "required"):
+        if value != "none" and not names:
+            raise invalid(f"tool_choice {value!r} requires tools", param="tool_choice")
+        return value, None
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str) or set(value) - {"type", "function"}:
+        raise invalid('tool_choice must be "none", "auto", "required" or '
+                      '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+    if fn["name"] not in names:
+        raise invalid(f"tool_choice names function {fn['name']!r}, which is not in tools", param="tool_choice")
+    return "named", fn["name"]
+
+
+def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any,
+               parser: str | None = None) -> ToolPlan | None:
+    """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
+    server's `--tool-call-parser` family (None: the one the chat template shows)."""
+    from grammar.constraints import json_spec
+
+    tools = body.tools or []
+    fns = [_check_tool(i, t) for i, t in enumerate(tools)]
+    names = [f["name"] for f in fns]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid(f"duplicate tool name {name!r}", param=f"tools[{i}].function.name")
+    choice, named = _tool_choice(body.tool_choice, names)
+    if body.parallel_tool_calls is not None and not tools:
+        raise invalid("parallel_tool_calls requires tools", param="parallel_tool_calls")
+    if not tools:
+        return None
+    fmt, renders = detect_format(getattr(tokenizer, "chat_template", None))
+    if parser is not None:
+        fmt = TOOL_CALL_PARSERS[parser]
+    plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
+                    [{"type": "function", "function": fn} for fn in fns])
+    for i, fn in enumerate(fns):   # every function is checked, callable or not: a bad schema is a 400 anyway
+        spec = json_spec(fn.get("parameters") or ANY_OBJECT, f"tools[{i}].function.parameters", options)
+        if named is None or fn["name"] == named:
+            plan.functions.append(FunctionSpec(fn["name"], spec.regex, spec.schema_json or "{}"))
+    return plan
+
+
+# -- history: tool_calls and tool turns ------------------------------------------------------------------
+def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
+    p = f"messages[{i}].tool_calls[{j}]"
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise invalid(f'{p} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=p)
+    if not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str):
+        raise invalid(f"{p} needs a string id and function.name", param=p)
+    try:
+        args = json.loads(fn.get("arguments"))
+    except (TypeError, ValueError):
+        args = None
+    if not isinstance(args, dict):
+        raise invalid(f"{p}.function.arguments must be a JSON object encoded as a string",
+                      param=f"{p}.function.arguments")
+    return call["id"], fn["name"], args
+
+
+def conversation(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """Messages for the template: tool calls with parsed arguments (as HF templates expect), tool turns."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+            calls = [_check_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+            msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
+                                 for cid, n, a in calls]
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise invalid("a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id")
+            if m.content is None:
+                raise invalid("a tool message needs content", param=f"messages[{i}].content")
+            msg["tool_call_id"] = m.tool_call_id
+        elif m.tool_call_id is not None:
+            raise invalid("only tool messages carry tool_call_id", param=f"messages[{i}].tool_call_id")
+        out.append(msg)
+    return out
+
+
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call>"
+    ' XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """For a template without tool syntax: Hermes text in plain system / assistant / user turns."""
+    from grammar.tool_calls import HERMES
+
+    out = []
+    for msg in conv:
+        msg = dict(msg)
+        if "tool_calls" in msg:
+            calls = [HERMES.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+                     for c in msg.pop("tool_calls")]
+            msg["content"] = "\n".join(([msg["content"]] if msg["content"] else []) + calls)
+        if msg["role"] == "tool":
+            msg = {"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"}
+        out.append(msg)
+    if plan is not None:
+        system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in plan.tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def uses_tools(body: ChatCompletionRequest) -> bool:
+    if body.tools or body.tool_choice is not None or body.parallel_tool_calls is not None:
+        return True
+    return any(m.role == "tool" or m.tool_calls is not None for m in body.messages)
+
+
+def chat_prompt(encoder: Any, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+    """Token ids of the chat prompt, tools and tool turns included."""
+    from gateway.inputs.prompts import template_options
+
+    conv = conversation(body, plan)
+    options = template_options(body)
+    renders = plan.renders_tools if plan is not None else detect_format(
+        getattr(encoder.tokenizer, "chat_template", None))[1]
+    if renders:
+        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None, options)
+    return encoder.chat_prompt(body.messages, _fallback(conv, plan), options=options)
