@@ -94,7 +94,9 @@ def test_metrics_port_has_the_full_text(server: tuple[ServerProcess, str]) -> No
     assert total(full, "loraplex:tenant_requests_total", tenant="globex", model="tenant-b", status="200") >= 1
     assert total(full, "loraplex:tenant_prompt_tokens_total", tenant="globex") > 0
     # while an adapter request runs, the endpoint picker sees its name in lora_requests_info
-    body = {"model": "tenant-a", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # (n=4 x 500 tokens keeps it running for a while: one token per step for 4 sequences; a loaded CI machine
+    # once let a 400-token single sequence finish before the client's first scrape)
+    body = {"model": "tenant-a", "prompt": "x", "max_tokens": 500, "n": 4, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{proc.url}/v1/completions", json=body,
                          headers={"Authorization": "Bearer sk-acme"}) as stream:
