@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.errors import RequestRejected
 from core.outputs import RequestDelta
 from core.sampling import SamplingParams
 from gateway.auth import Principal
@@ -150,7 +151,12 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
     echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
-    admit(state.aeng, children)
+    try:
+        admit(state.aeng, children)
+    except RequestRejected as exc:
+        if exc.param == "prompt" and kind.prefix != "cmpl":   # a chat request's prompt is its messages
+            exc.param = "messages"
+        raise
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
     sources = submit_children(state.aeng, children, kwargs)      # errors here are still the response's status

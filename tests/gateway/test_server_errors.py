@@ -113,6 +113,10 @@ BAD_CHATS: list[tuple[str, Any, str | None]] = [
                                               "response_format": {"type": "json_schema", "json_schema": {
                                                   "name": "a", "schema": {"not": {"type": "string"}}}}},
      "response_format.json_schema.schema"),
+    # under the front door's character bound, over the context once tokenized: the engine's admission refuses
+    ("messages longer than the context", {"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+    ("messages + max_tokens over the context", {"messages": [{"role": "user", "content": "x"}],
+                                                "max_tokens": MAX_MODEL_LEN}, "messages"),
 ]
 
 
