@@ -116,6 +116,7 @@ class GatewayMetrics:
     """One registry per app (no global state): engine gauges and counters, request latency histograms."""
 
     def __init__(self, engine: Any, max_loras: int) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, max_loras))
         self.ttft = Histogram("loraplex:time_to_first_token_seconds", "Time to first token.",
