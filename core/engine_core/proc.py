@@ -255,7 +255,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
             time.sleep(0.05)   # a collective that failed on a lost worker: its monitor names the worker, then exits
         log.error("engine core crashed: %s", traceback.format_exc())
         try:
-            core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")))
+            core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(_describe(exc))))
         except Exception:
             pass
         code = 1
@@ -281,6 +281,13 @@ def _run_test_hook() -> None:
 
         module, _, name = spec.partition(":")
         getattr(importlib.import_module(module), name)()
+
+
+def _describe(exc: BaseException) -> str:
+    """An error that does not pickle, as the API process reports it: our own errors (a kernel self-check
+    naming the kernel and its switch) say it all; a library's gets its type name."""
+    own = type(exc).__module__.split(".")[0] in ("core", "adapters", "grammar")
+    return str(exc) if own and str(exc) else f"{type(exc).__name__}: {exc}"
 
 
 def _picklable(exc: BaseException) -> bool:

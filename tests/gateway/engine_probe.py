@@ -138,3 +138,12 @@ def fault_hits(host: Any) -> dict[str, set[str]]:
 
 def clear_faults(host: Any) -> None:
     faults.clear()
+
+
+# ---- start-up hooks (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:<name>, called before the engine is built) ----
+def wrong_bitmask_kernel() -> None:
+    """The Triton bitmask kernel forgets the last constrained row: the start-up self-check must refuse it."""
+    from grammar import bitmask_triton
+
+    apply = bitmask_triton.apply_token_bitmask_triton_
+    bitmask_triton.apply_token_bitmask_triton_ = lambda logits, mask, rows: apply(logits, mask, rows[:-1])
