@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from adapters.errors import AdapterError
-from adapters.lora_dirs import LoraDirectories, fingerprint
+from adapters.lora_dirs import FailedReads, LoraDirectories
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class RemoteRegistry:
         self._by_name: dict[str, RemoteAdapter] = {}
         self._lock = threading.Lock()
         self.dirs = LoraDirectories(lora_dirs)
-        self._negative: dict[str, tuple[Any, AdapterError]] = {}   # dir adapters whose first read failed
+        self.failed_reads = FailedReads()      # dir adapters whose first read (in the engine) failed
         self._epochs: dict[str, int] = {}      # name -> admin unloads so far
         self._num_unloading: dict[str, int] = {}   # name -> admin unloads waiting for the engine's reply
 
@@ -55,11 +55,8 @@ class RemoteRegistry:
         loc = self.dirs.resolve(name)
         if loc is None:
             return None
+        self.failed_reads.check(loc)   # as the engine's registry: remembered until the files change
         with self._lock:
-            failed = self._negative.get(name)
-            if failed is not None and failed[0] == loc.fingerprint:
-                raise failed[1].fresh()   # as the engine's registry: remembered until the files change
-            self._negative.pop(name, None)
             return RemoteAdapter(name, loc.path, epoch=self._epochs.get(name, 0))
 
     def check_current(self, entry: RemoteAdapter) -> None:
@@ -77,10 +74,8 @@ class RemoteRegistry:
         if error.status != 400 or not self.dirs or self.get(name) is not None:
             return
         loc = self.dirs.resolve(name)
-        now = fingerprint(loc.path) if loc is not None else None
-        if now is not None:
-            with self._lock:
-                self._negative[name] = (now, error)
+        if loc is not None:
+            self.failed_reads.remember(name, loc.path, error)
 
     def entries(self) -> list[RemoteAdapter]:
         with self._lock:
