@@ -163,11 +163,15 @@ class EngineClient:
             self._pending.aborts.append(request_id)
         self._schedule_flush()
 
-    def command(self, op: str, args: tuple[Any, ...]) -> "concurrent.futures.Future[Any]":
+    def command(self, op: str, args: tuple[Any, ...],
+                on_reply: Callable[["concurrent.futures.Future[Any]"], None] | None = None
+                ) -> "concurrent.futures.Future[Any]":
         """An engine command (grammar compile, adapter load/unload, stats); thread-safe; the future holds the
         reply. It goes out at once with every add and abort queued before it, in that order (an unload issued
         after a submission reaches the engine after that request)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if on_reply is not None:   # runs on the receiving thread, in the order of the engine's messages
+            future.add_done_callback(on_reply)
         if not self.alive:
             future.set_exception(EngineDeadError("the engine process is not running"))
             return future
@@ -182,8 +186,7 @@ class EngineClient:
         """Fresh engine stats and adapter entries, answered between two steps: /metrics, /v1/models and the
         admin listings read the engine as it is now, with every response the client has seen counted. On a
         timeout (an engine busy in one long step) the latest periodic report stays."""
-        future = self.command("stats", ())
-        future.add_done_callback(self._take_stats)   # on the receiving thread, in the order of the messages
+        future = self.command("stats", (), on_reply=self._take_stats)
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except (asyncio.TimeoutError, EngineDeadError):
