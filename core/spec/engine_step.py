@@ -30,7 +30,7 @@ def build_spec_decoder(config: Any, parts: Any) -> SpecDecoder | None:
         from core.spec.draft_model import DraftProposer
 
         draft = DraftProposer.build(spec, config, parts)
-    return SpecDecoder(spec, parts.max_model_len, draft)
+    return SpecDecoder(spec, parts.max_model_len, draft, tokenizer=parts.tokenizer)
 
 
 def plain_sample_rows(host: HostBatch, rows: torch.Tensor | None,
