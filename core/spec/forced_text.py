@@ -49,6 +49,11 @@ class JumpForward:
         self._bytes: list[bytes | None] | None = None      # token id -> its bytes (None: not grammar text)
         self._tables: "weakref.WeakKeyDictionary[Any, _GrammarTables]" = weakref.WeakKeyDictionary()
 
+    def forget(self) -> None:
+        """Drops what `observe` remembered (the target's tokenizations); the grammar-derived tables stay."""
+        for tables in self._tables.values():
+            tables.chosen.clear()
+
     def _token_bytes(self, compiled: Any) -> list[bytes | None]:
         if self._bytes is None:
             from grammar.vocab import build_token_vocab
