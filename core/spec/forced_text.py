@@ -54,6 +54,11 @@ class JumpForward:
         for tables in self._tables.values():
             tables.chosen.clear()
 
+    @property
+    def num_remembered(self) -> int:
+        """States whose tokenization `observe` remembered (all grammars)."""
+        return sum(len(t.chosen) for t in self._tables.values())
+
     def _token_bytes(self, compiled: Any) -> list[bytes | None]:
         if self._bytes is None:
             from grammar.vocab import build_token_vocab
