@@ -90,6 +90,21 @@ def test_the_targets_tokenization_is_remembered_per_state(pair, grammar) -> None
     assert jump.propose(grammar, key, 8)[0] == ids(plain, 'name":')
 
 
+def test_one_guess_per_proposal_while_the_target_tokenizes_otherwise(pair, grammar) -> None:
+    plain, _ = pair
+    jump = JumpForward(plain.tokenizer)
+    comma = matcher_at(plain, grammar, '{"name": "ab", ').state
+    assert plain.tokenizer.decode(jump.propose(grammar, comma, 8)[0]) == '"age":'
+    key = matcher_at(plain, grammar, '{"').state
+    for _ in range(8):                                      # the target spells keys byte by byte
+        jump.observe(grammar, key, [ids(plain, c)[0] for c in 'name":'])
+    assert jump.agreement < 0.5
+    # the quote (the only token allowed) and one encoder guess ("age"); '":' would be a second guess
+    assert plain.tokenizer.decode(jump.propose(grammar, comma, 8)[0]) == '"age'
+    jump.forget()
+    assert jump.agreement == 1.0
+
+
 def test_drafts_continue_after_the_jump_and_stop_at_a_forbidden_token(pair, grammar) -> None:
     plain, _ = pair
     jump = JumpForward(plain.tokenizer)

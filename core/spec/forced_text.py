@@ -13,8 +13,11 @@ last time a verified output of the same grammar passed this state (`observe`), e
 encoding of the text (as SGLang / XGrammar re-tokenize jumped text), continued with the longest allowed
 token spelling the next bytes where that encoding does not fit. Each proposed token is allowed by the
 grammar in turn; the proposal is a draft like any other, verified by the target (a different tokenization
-is rejected at that position). Everything is cached per (grammar, state), so a step costs dictionary
-lookups once a state has been seen.
+is rejected at that position). An encoder token at a state that allows several tokens is a guess: while the
+target's tokens at such states mostly differ from the encoder's (`agreement` below 1/2, a moving count over
+the outputs observed), a proposal holds at most one guess (drafts that are mostly rejected cost more than they
+save). Everything is cached per (grammar, state), so a step costs dictionary lookups once a state has been
+seen.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Any
 MAX_ALLOWED = 256           # a state allowing more tokens than this is not searched for forced text
 MAX_FORCED_BYTES = 256      # forced text is followed at most this far
 MAX_STATES = 1 << 16        # per grammar and table: a table past this is cleared (bounded memory)
+MIN_AGREEMENT = 0.5         # below it, one encoder guess per proposal (see `JumpForward.propose`)
+MIN_SEEN, MAX_SEEN = 16, 256   # forced-text tokens seen before `agreement` counts; its window
 
 
 @dataclass
@@ -48,11 +53,13 @@ class JumpForward:
         self.tokenizer = tokenizer
         self._bytes: list[bytes | None] | None = None      # token id -> its bytes (None: not grammar text)
         self._tables: "weakref.WeakKeyDictionary[Any, _GrammarTables]" = weakref.WeakKeyDictionary()
+        self._agreement = (0, 0)       # (target's token == the encoder's, forced-text tokens seen)
 
     def forget(self) -> None:
-        """Drops what `observe` remembered (the target's tokenizations); the grammar-derived tables stay."""
+        """Drops what `observe` learned (the target's tokenizations, `agreement`); grammar-derived tables stay."""
         for tables in self._tables.values():
             tables.chosen.clear()
+        self._agreement = (0, 0)
 
     @property
     def num_remembered(self) -> int:
@@ -156,10 +163,12 @@ class JumpForward:
     # ---- proposals ------------------------------------------------------------------------
     def propose(self, compiled: Any, state: int, k: int) -> tuple[list[int], int, int]:
         """(up to k tokens spelling the forced text from `state`, how many of them lead off from states that
-        allow exactly one token, the state after them)."""
+        allow exactly one token, the state after them). Encoder tokens at states that allow several tokens
+        are guesses: while the target mostly tokenizes otherwise (`agreement`), one guess per proposal."""
         chosen = self._tables_of(compiled).chosen
+        max_guesses = k if self.agreement >= MIN_AGREEMENT else 1
         out: list[int] = []
-        num_single, leading = 0, True
+        num_single, leading, num_guesses = 0, True, 0
         while len(out) < k:
             token = chosen.get(state)
             if token is not None:
@@ -172,7 +181,12 @@ class JumpForward:
             for i, (token, nxt) in enumerate(run):
                 if len(out) >= k or (i and state in chosen):    # a remembered state: follow the target's choice
                     break
-                leading = leading and compiled.state_info(state).num_allowed == 1
+                single = compiled.state_info(state).num_allowed == 1
+                if not single and state not in chosen:
+                    if num_guesses == max_guesses:
+                        return out, num_single, state
+                    num_guesses += 1
+                leading = leading and single
                 num_single += leading
                 out.append(token)
                 state = nxt
@@ -180,9 +194,16 @@ class JumpForward:
                     return out, num_single, state
         return out, num_single, state
 
+    @property
+    def agreement(self) -> float:
+        """How often the target's token at a forced-text state was the encoder's (1 until enough were seen)."""
+        num_same, num_seen = self._agreement
+        return num_same / num_seen if num_seen >= MIN_SEEN else 1.0
+
     def observe(self, compiled: Any, state: int, tokens: list[int]) -> None:
         """Remembers the tokens the target emitted from `state` where they spell forced text (their bytes lie
-        inside the state's forced text): the next proposal from that state follows the target's choice."""
+        inside the state's forced text): the next proposal from that state follows the target's choice.
+        Counts how often that choice was the encoder's first token there (`agreement`)."""
         chosen = self._tables_of(compiled).chosen
         token_bytes = self._token_bytes(compiled)
         for token in tokens:
@@ -192,4 +213,10 @@ class JumpForward:
                 return
             if self.forced_text(compiled, state).startswith(data):
                 _put(chosen, state, token)
+                if compiled.state_info(state).num_allowed > 1:
+                    encoded = self._canonical(compiled, state)
+                    num_same, num_seen = self._agreement
+                    if num_seen >= 2 * MAX_SEEN:         # a moving window: halve the counts
+                        num_same, num_seen = num_same // 2, num_seen // 2
+                    self._agreement = (num_same + bool(encoded and encoded[0][0] == token), num_seen + 1)
             state = nxt
