@@ -119,7 +119,7 @@ def merge_rows(name: str, rows: list[dict], parts: list[str]) -> list[dict]:
     """The rows of this run, in place of the same parts' rows of the existing results file (others kept)."""
     path = RESULTS / f"{name}.json"
     old = json.loads(path.read_text())["rows"] if path.exists() else []
-    merged = [r for r in old if part_of(r) not in parts]
+    merged = [{**r, "kept_from_earlier_run": True} for r in old if part_of(r) not in parts]
     order = {"a": 0, "c": 1, "auto": 2}
     return sorted(merged + rows, key=lambda r: order.get(part_of(r), 3))
 
