@@ -1,6 +1,7 @@
-"""A speculative config with async scheduling: steps are asynchronous (tokens left in flight) exactly while no
-running request speculates, synchronous while one does (its drafts need its last token on the host); the
-outputs equal the synchronous engine without speculation token for token, with integrity checked every step."""
+"""A speculative config costs nothing while no request speculates: a step without drafts never enters the
+verification path, and with async scheduling steps are asynchronous (tokens left in flight) exactly while no
+running request speculates, synchronous while one does (its drafts need its last token on the host). Outputs
+equal the synchronous engine without speculation token for token, with integrity checked every step."""
 from __future__ import annotations
 
 from core import LLM, SamplingParams
@@ -36,3 +37,27 @@ def test_async_steps_only_while_no_running_request_speculates() -> None:
     want = plain.generate(PROMPTS, params)
     assert [outs[str(i)] for i in range(3)] == [w.outputs[0].token_ids for w in want]
     assert eng.kv.usage() == 0.0
+
+
+def test_a_step_without_drafts_runs_the_plain_step(monkeypatch) -> None:
+    """With a speculative config but no request speculating, a step never enters the verification path."""
+    import core.engine as engine_module
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a step without drafts entered the speculative path")
+    monkeypatch.setattr(engine_module, "plain_sample_rows", boom)
+    monkeypatch.setattr(engine_module, "verify_step", boom)
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=128, warmup=False)
+    spec = LLM(**kw, speculative_config=NGRAM)
+    eng = spec.engine
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    reqs = [eng.add_request(str(i), spec.tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        r.speculate = False             # as if admitted above `disable_by_batch_size`
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while eng.has_unfinished_requests():
+        for d in eng.step():
+            outs[d.request_id] += d.new_token_ids
+    want = LLM(**kw).generate(PROMPTS, params)
+    assert [outs[str(i)] for i in range(3)] == [w.outputs[0].token_ids for w in want]
+    assert eng.stats.spec.num_drafts == 0
