@@ -21,6 +21,7 @@ from core import LLM, SamplingParams  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
 from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens  # noqa: E402
 from test_lora_engine import make_llm, mixed_batch, reference  # noqa: E402
+from test_tp_parity import JSON_FORMAT, SCHEMA  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa"
@@ -29,12 +30,6 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 NUM_MIXED = 24                      # mixed_batch(): 6 prompts x (base + 3 adapters)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": 18}   # the last rows of a full mixed batch run without drafts
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                    "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
-JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 
 
 @pytest.fixture(scope="module")
