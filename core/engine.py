@@ -288,7 +288,8 @@ class LLMEngine:
                 self._pending = None
 
     def _forward(self, host: HostBatch, token_slots: np.ndarray | None, pending: PendingStep | None,
-                 plan: PromptLogprobPlan | None, drafts: DraftLayout | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 plan: PromptLogprobPlan | None,
+                 drafts: DraftLayout | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queues the forward; returns hidden states and the rows to sample (None: every row)."""
         fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"

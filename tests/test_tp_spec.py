@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from core import LLM, SamplingParams  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
-from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens  # noqa: E402
+from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens, record_step_inputs  # noqa: E402
 from test_lora_engine import make_llm, mixed_batch, reference  # noqa: E402
 from test_tp_parity import JSON_FORMAT, SCHEMA  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
@@ -157,3 +157,32 @@ def test_seeded_sampling_is_reproducible_and_equals_no_speculation(llm: LLM) -> 
                 assert [lp[1] for lp in og.logprobs] == pytest.approx([lp[1] for lp in ow.logprobs], abs=1e-4)
     llm.engine.check_integrity()
     assert llm.engine.kv.usage() == 0.0
+
+
+def test_prompt_logprobs_prefill_in_a_step_with_drafts(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill asking for prompt log-probs shares a step with rows that verify drafts: the workers join its
+    gather, then the step's one logits gather, in the driver's order; both requests get what they get alone."""
+    path = model_dir(MODEL)
+    first, late = encode(path, PROMPTS[0]), encode(path, PROMPTS[2])
+    late_params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=2)
+    with speculation_off(llm):
+        want = llm.generate([{"prompt_token_ids": late}], late_params)[0].prompt_logprobs
+    refs = {(None, tuple(ids)): hf_greedy(path, ids, MAX_TOKENS) for ids in (first, late)}
+    sent = record_step_inputs(monkeypatch)
+    engine, outs, got = llm.engine, {"first": [], "late": []}, None
+    with oracle(llm, refs):
+        engine.add_request("first", first, GREEDY)
+        for step in range(100):
+            if step == 2:             # "first" speculates from its second step on
+                engine.add_request("late", late, late_params)
+            for delta in engine.step():
+                outs[delta.request_id] += delta.new_token_ids
+                got = delta.prompt_logprobs if delta.prompt_logprobs is not None else got
+            if not engine.has_unfinished_requests():
+                break
+    assert any(s.prompt_rows is not None and s.logit_rows is not None for s in sent), "no mixed step"
+    assert outs == {"first": refs[(None, tuple(first))], "late": refs[(None, tuple(late))]}
+    assert got[0] is None and want[0] is None and len(got) == len(want) == len(late)
+    for g, w in zip(got[1:], want[1:]):
+        assert g[0] == w[0] and g[1] == pytest.approx(w[1], abs=1e-4) and [t for t, _ in g[2]] == [t for t, _ in w[2]]
+    llm.engine.check_integrity()

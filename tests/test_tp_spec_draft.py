@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from core import LLM, SamplingParams
-from core.distributed.step_inputs import StepInputs
-from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens
+from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens, record_step_inputs
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -33,10 +32,7 @@ def test_preempted_speculation_matches_hf(method: str, prefix: bool, monkeypatch
     spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3}
     if method == "draft_model":   # the target's own weights, unsharded: nearly every draft is accepted
         spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
-    sent: list[StepInputs] = []
-    real_from_host = StepInputs.from_host
-    monkeypatch.setattr(StepInputs, "from_host", staticmethod(
-        lambda *a, **kw: sent.append(real_from_host(*a, **kw)) or sent[-1]))
+    sent = record_step_inputs(monkeypatch)
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=20, max_num_batched_tokens=64,
               enable_prefix_caching=prefix, tensor_parallel_size=2, speculative_config=spec, warmup=False)
     engine = llm.engine
@@ -55,7 +51,8 @@ def test_preempted_speculation_matches_hf(method: str, prefix: bool, monkeypatch
         assert engine.kv.usage() == 0.0
         engine.check_integrity()
         if prefix:
-            assert_cache_holds_only_real_tokens(engine.kv, [("base", ids + refs[(None, tuple(ids))]) for ids in prompts])
+            seqs = [("base", ids + refs[(None, tuple(ids))]) for ids in prompts]
+            assert_cache_holds_only_real_tokens(engine.kv, seqs)
         if method == "draft_model":
             engine.spec.propose([])     # the next step frees the draft KV of requests that ended
             assert not engine.spec.draft.shadows and engine.spec.draft.allocator.num_used_blocks == 0

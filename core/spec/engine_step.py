@@ -77,7 +77,8 @@ def sample_drafts(eng: Any, host: HostBatch, hidden: torch.Tensor,
     return layout.plain, logits[:num_plain] if num_plain else None, deltas
 
 
-def sample_positions(eng: Any, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[Any], dict[int, Any]]:
+def sample_positions(eng: Any, reqs: list[Request],
+                     logits: torch.Tensor) -> tuple[list[int], list[Any], dict[int, Any]]:
     """One position of the speculating rows through a plain step's sampling stage (`core/sample_step.py`:
     grammar masks, penalties, logit_bias, min_tokens, the keyed sampler, log-probs, per-row faults)."""
     tokens, lps, culprits = sample_logits(eng, reqs, logits)
