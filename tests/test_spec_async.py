@@ -45,8 +45,8 @@ def test_a_step_without_drafts_runs_the_plain_step(monkeypatch) -> None:
 
     def boom(*args, **kwargs):
         raise AssertionError("a step without drafts entered the speculative path")
-    monkeypatch.setattr(engine_module, "plain_sample_rows", boom)
-    monkeypatch.setattr(engine_module, "verify_step", boom)
+    monkeypatch.setattr(engine_module, "draft_layout", boom)
+    monkeypatch.setattr(engine_module, "sample_drafts", boom)
     kw = dict(dtype="float32", device="cpu", num_kv_blocks=128, warmup=False)
     spec = LLM(**kw, speculative_config=NGRAM)
     eng = spec.engine
