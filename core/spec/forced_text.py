@@ -30,13 +30,13 @@ MAX_ALLOWED = 256           # a state allowing more tokens than this is not sear
 MAX_FORCED_BYTES = 256      # forced text is followed at most this far
 MAX_STATES = 1 << 16        # per grammar and table: a table past this is cleared (bounded memory)
 MIN_AGREEMENT = 0.5         # below it, one encoder guess per proposal (see `JumpForward.propose`)
-MIN_SEEN, MAX_SEEN = 16, 256   # forced-text tokens seen before `agreement` counts; its window
+MIN_SEEN, MAX_SEEN = 16, 256   # forced-text tokens seen before `agreement` counts; counts halved at MAX_SEEN
 
 
 @dataclass
 class _GrammarTables:
     text: dict[int, bytes] = field(default_factory=dict)                        # state -> forced text
-    canonical: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # state -> (token, next)
+    canonical: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # state -> ((token, next), ..)
     chosen: dict[int, int] = field(default_factory=dict)     # state -> the target's last token there
 
 
@@ -216,7 +216,7 @@ class JumpForward:
                 if compiled.state_info(state).num_allowed > 1:
                     encoded = self._canonical(compiled, state)
                     num_same, num_seen = self._agreement
-                    if num_seen >= 2 * MAX_SEEN:         # a moving window: halve the counts
+                    if num_seen >= MAX_SEEN:             # a moving window: halve the counts
                         num_same, num_seen = num_same // 2, num_seen // 2
                     self._agreement = (num_same + bool(encoded and encoded[0][0] == token), num_seen + 1)
             state = nxt
