@@ -57,7 +57,7 @@ def edit_prompts() -> list[str]:
     return out
 
 
-def run(llm: LLM, prompts: list[str], params: SamplingParams, batch: int, before=None,
+def run_timed(llm: LLM, prompts: list[str], params: SamplingParams, batch: int, before=None,
         **kw) -> tuple[float, int, list, float]:
     """Seconds, output tokens, outputs and process CPU seconds for `prompts` in groups of `batch` submitted
     together (`before(llm)` runs before each group)."""
@@ -69,6 +69,11 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, batch: int, before
         outs += llm.generate(prompts[i:i + batch], params, **kw)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs), outs, cpu
+
+
+def run(llm: LLM, prompts: list[str], params: SamplingParams, batch: int, **kw) -> tuple[float, int, list]:
+    """`run_timed` without the CPU seconds."""
+    return run_timed(llm, prompts, params, batch, **kw)[:3]
 
 
 def steady(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int,
@@ -136,7 +141,8 @@ def compare(name: str, plain: LLM, spec: LLM, prompts: list[str], params: Sampli
     before = spec_snapshot(spec)
 
     def go(llm: LLM) -> tuple[float, int, list, float]:
-        return run(llm, prompts, params, batch, **kw) if total is None else steady(llm, prompts, params, batch, total)
+        return run_timed(llm, prompts, params, batch, **kw) if total is None \
+            else steady(llm, prompts, params, batch, total)
 
     runs0, runs1 = [], []
     for _ in range(repeats):   # alternating, best of `repeats`: the shared CPU's load drifts
