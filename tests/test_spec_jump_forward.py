@@ -184,3 +184,13 @@ def test_a_grammar_without_states_gets_no_drafts_and_runs(pair) -> None:
                 out += d.new_token_ids
         outs.append(out)
     assert outs[0] == outs[1] and len(outs[0]) > 10
+
+
+def test_schema_with_penalties_walks_each_position_and_stays_exact(pair) -> None:
+    """Rows with penalties sample each position when the walk reaches it (their state depends on the tokens
+    before): with a schema and jump-forward drafts they still equal no speculation."""
+    plain, spec = pair
+    before = spec.engine.stats.spec.num_accepted_tokens
+    check_same(plain, spec, SamplingParams(max_tokens=80, temperature=0.0, presence_penalty=0.4,
+                                           frequency_penalty=0.2))
+    assert spec.engine.stats.spec.num_accepted_tokens > before
