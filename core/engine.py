@@ -67,7 +67,8 @@ class LLMEngine:
         self._step_requests: list[Request] = []        # the requests scheduled in the running step
         self.spec = build_spec_decoder(config, p)      # speculative decoding (core/spec/); None: off
         if self.spec is not None:
-            self.async_scheduling = False              # drafts need the last token on the host
+            if self.tp is not None:                    # the workers' token sharing follows the engine-wide flag
+                self.async_scheduling = False          # (without TP: synchronous only while a request speculates)
             self.stats.spec = self.spec.stats
 
     # ---- start-up -------------------------------------------------------------------------
@@ -263,7 +264,7 @@ class LLMEngine:
             return
         # Everything up to `pending.read()` is queued on the GPU without waiting for it.
         plan = plan_prompt_logprobs(host)
-        drafts = draft_layout(host) if self.spec is not None else None
+        drafts = draft_layout(host) if self.spec is not None and self.spec.has_drafts else None
         hidden, rows = self._forward(host, token_slots, pending, plan, drafts)
         if plan is not None:
             out += [self._fail(r, f) for r, f in record_prompt_logprobs(self.model, plan, hidden)]
@@ -283,7 +284,9 @@ class LLMEngine:
                 self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs
             out += [self._fail(reqs[i], f) for i, f in culprits.items() if not reqs[i].status.finished]
             self._pending = PendingStep.launch(reqs, tokens, lps)
-            if not self.async_scheduling:
+            # a speculating request's next drafts need this token on the host: no async step while one runs
+            if not self.async_scheduling or (self.spec is not None
+                                             and self.spec.needs_host_tokens(self.scheduler.running)):
                 self._process(self._pending, out)
                 self._pending = None
 

@@ -36,7 +36,7 @@ def build_spec_decoder(config: Any, parts: Any) -> SpecDecoder | None:
         from core.spec.draft_model import DraftProposer
 
         draft = DraftProposer.build(spec, config, parts)
-    return SpecDecoder(spec, parts.max_model_len, draft)
+    return SpecDecoder(spec, parts.max_model_len, draft, tokenizer=parts.tokenizer)
 
 
 @dataclass(frozen=True)
