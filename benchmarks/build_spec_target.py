@@ -23,7 +23,7 @@ Output (git-ignored, idempotent: rebuilt only when the settings change): benchma
 config.json, model.safetensors in bfloat16, the demo tokenizer files, build.json with the losses) and
 benchmarks/.cache/spec_target_lora/.
 
-    nice -n 10 python benchmarks/build_spec_target.py [--minutes 8] [--adapter-minutes 3]
+    nice -n 10 python benchmarks/build_spec_target.py [--minutes 20] [--adapter-minutes 3]
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ class TargetBuildConfig:
     width: int = 3                 # hidden / heads / KV heads / MLP units: each replicated this many times
     num_layers: int = 16           # original layers, each followed by identity blocks up to this depth
     noise: float = 0.01            # symmetry-breaking noise, relative to each tensor's std
-    minutes: float = 8.0           # training budget of the grown model
-    lr: float = 1e-4
+    minutes: float = 20.0          # training budget of the grown model
+    lr: float = 3e-4
     seq_len: int = 256
     batch_size: int = 4
     adapter_minutes: float = 3.0
