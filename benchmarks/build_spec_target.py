@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -75,7 +75,7 @@ def _tile(w: torch.Tensor, dims: Iterable[int], width: int) -> torch.Tensor:
     return w
 
 
-def grown_config(demo_cfg: object, width: int, num_layers: int) -> object:
+def grown_config(demo_cfg: Any, width: int, num_layers: int) -> Any:
     from transformers import LlamaConfig
 
     d = demo_cfg.to_dict()
@@ -123,7 +123,7 @@ def perturb(model: torch.nn.Module, scale: float, seed: int) -> None:
 
 
 def train(model: torch.nn.Module, params: list[torch.nn.Parameter], stream: torch.Tensor, minutes: float,
-          lr: float, cfg: object, bos: int, seed: int, tag: str) -> tuple[int, float]:
+          lr: float, cfg: Any, bos: int, seed: int, tag: str) -> tuple[int, float]:
     """AdamW with the demo recipe's warm-up + cosine schedule for a wall-clock budget; (steps, EMA loss)."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -162,6 +162,7 @@ def build_target(cfg: TargetBuildConfig) -> Path:
     settings = {k: v for k, v in asdict(cfg).items() if not k.startswith("adapter_")}
     if _up_to_date(TARGET_DIR, settings):
         return TARGET_DIR
+    torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     dcfg = replace(demo_recipe.DemoTrainConfig(), seq_len=cfg.seq_len, batch_size=cfg.batch_size)
     ids = demo_recipe.special_token_ids(DEMO)
@@ -198,6 +199,7 @@ def build_adapter(cfg: TargetBuildConfig) -> Path:
     settings = asdict(cfg)
     if _up_to_date(ADAPTER_DIR, settings):
         return ADAPTER_DIR
+    torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     bos, eos = tok.token_to_id(demo_recipe.BOS), tok.token_to_id(demo_recipe.EOS)
@@ -223,7 +225,6 @@ def build_adapter(cfg: TargetBuildConfig) -> Path:
 
 
 def build_all(cfg: TargetBuildConfig = TargetBuildConfig()) -> tuple[Path, Path]:
-    torch.set_num_threads(cfg.threads)
     return build_target(cfg), build_adapter(cfg)
 
 
