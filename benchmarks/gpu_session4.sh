@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session4.sh tests roofline offline     # call 1
 #   bash benchmarks/gpu_session4.sh lora                       # call 2
 #   bash benchmarks/gpu_session4.sh serving summary plots      # call 3 (needs the JSONs of calls 1-2 in $OUT copied back)
+#   bash benchmarks/gpu_session4.sh spec                       # issue 26 item 7: a verification step (eager) vs a decode step
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -30,6 +31,9 @@ for what in "${@:-tests}"; do
           cp benchmarks/results/lora_overhead_${TAG}_all.* "$OUT"/ ;;
     serving) timeout 580 python3 benchmarks/serving.py $M --num-requests 256 --name serving_${TAG} 2>&1 | grep -v "^{" | tail -12
              cp benchmarks/results/serving_${TAG}.* "$OUT"/ ;;
+    spec) python3 benchmarks/spec_verify_cost.py $M --batch-sizes 1,8,32,64 --context 1024 --k 4 \
+            --name spec_verify_cost_${TAG} 2>&1 | tail -8
+          cp benchmarks/results/spec_verify_cost_${TAG}.* "$OUT"/ ;;
     summary) python3 benchmarks/gpu_summary.py --tag $TAG --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
              cp benchmarks/results/gpu_serving.* "$OUT"/ ;;
     plots) python3 benchmarks/plot_results.py && cp benchmarks/results/*.png "$OUT"/ ;;

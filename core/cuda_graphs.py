@@ -5,7 +5,8 @@ positions, slot mapping, context lengths, split counts, block tables; LoRA tiles
 batch) are written on the host into pinned staging buffers and reach the device with one non-blocking copy
 per buffer, then the graph replays every kernel of the forward with no Python in between. Padded rows have
 slot -1 (the KV store skips them), context length 1 and block table row 0; their outputs are dropped.
-Steps with prefill chunks, or more decodes than the largest size, run eagerly.
+Steps with prefill chunks, with speculative drafts (verification: k+1 query tokens per row, on the mixed
+path), or with more decodes than the largest size, run eagerly.
 
 `use_graphs=False` runs the same padded path without capturing (tests on the CPU, under TRITON_INTERPRET).
 """
@@ -66,6 +67,7 @@ class DecodeGraphRunner:
         self.num_replays = 0      # graph replays
         self.num_runs = 0         # steps through this runner (replayed or, without graphs, eager)
         self.num_fallbacks = 0    # decode-only steps with more rows than the largest graph (run eagerly)
+        self.num_verify_steps = 0  # steps with speculative drafts (k+1 query tokens per row: run eagerly)
         self.memory_bytes = 0     # device memory the captures took (graph pool + buffers), measured
         self.capture_s = 0.0
 
@@ -76,6 +78,8 @@ class DecodeGraphRunner:
     def can_run(self, host: HostBatch) -> bool:
         """Called once per step: True when a graph of this runner serves it, else the step runs eagerly."""
         if not host.decode_only:
+            # a row with drafts (speculative verification) has k+1 query tokens: never a decode graph
+            self.num_verify_steps += any(r.num_spec_tokens for r in host.requests)
             return False
         if len(host.requests) > self.max_batch_size:
             self.num_fallbacks += 1

@@ -28,9 +28,9 @@ from core.admission import check_prompt_ids, check_request
 from core.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs, record_prompt_logprobs
 from core.pending import PendingStep, fixup_to_device
 from core.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
-from core.sample_step import sample_step
+from core.sample_step import sample_logits, sample_step
 from core.sampling import SamplingParams
-from core.spec.engine_step import build_spec_decoder, plain_sample_rows, verify_step
+from core.spec.engine_step import DraftLayout, build_spec_decoder, draft_layout, sample_drafts
 from core.stops import append_token, make_delta
 from core.step_faults import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
 from core.warmup import ProgressFn, WarmupReport, run_warmup
@@ -67,7 +67,8 @@ class LLMEngine:
         self._step_requests: list[Request] = []        # the requests scheduled in the running step
         self.spec = build_spec_decoder(config, p)      # speculative decoding (core/spec/); None: off
         if self.spec is not None:
-            self.async_scheduling = False              # drafts need the last token on the host
+            if self.tp is not None:                    # the workers' token sharing follows the engine-wide flag
+                self.async_scheduling = False          # (without TP: synchronous only while a request speculates)
             self.stats.spec = self.spec.stats
 
     # ---- start-up -------------------------------------------------------------------------
@@ -263,30 +264,35 @@ class LLMEngine:
             return
         # Everything up to `pending.read()` is queued on the GPU without waiting for it.
         plan = plan_prompt_logprobs(host)
-        hidden, rows = self._forward(host, token_slots, pending, plan)
+        drafts = draft_layout(host) if self.spec is not None and self.spec.has_drafts else None
+        hidden, rows = self._forward(host, token_slots, pending, plan, drafts)
         if plan is not None:
             out += [self._fail(r, f) for r, f in record_prompt_logprobs(self.model, plan, hidden)]
         self._process(pending, out)     # the previous step's tokens, while this forward runs
         self.scheduler.update_after_step(sched)
         self.stats.record_step(sched.num_batched_tokens, len(host.requests))
-        samples = host.samples
-        if self.spec is not None:
-            samples, rows = plain_sample_rows(host, rows, self.device)
-            out += verify_step(self, host, hidden)
+        samples, logits = host.samples, None
+        if drafts is not None:   # verifies the drafts; the plain rows' logits come from the same LM-head pass
+            samples, logits, deltas = sample_drafts(self, host, hidden, drafts)
+            out += deltas
         if samples:
             # rows of requests that the previous step's tokens just ended are sampled and dropped when read
             reqs = [host.requests[i] for i in samples]
-            tokens, lps, culprits = sample_step(self, reqs, hidden, rows)
+            tokens, lps, culprits = sample_step(self, reqs, hidden, rows) if logits is None \
+                else sample_logits(self, reqs, logits)
             if self.tp is not None and self.async_scheduling:
                 self.tp.share_tokens(tokens)     # the workers patch them into the next step's inputs
             out += [self._fail(reqs[i], f) for i, f in culprits.items() if not reqs[i].status.finished]
             self._pending = PendingStep.launch(reqs, tokens, lps)
-            if not self.async_scheduling:
+            # a speculating request's next drafts need this token on the host: no async step while one runs
+            if not self.async_scheduling or (self.spec is not None
+                                             and self.spec.needs_host_tokens(self.scheduler.running)):
                 self._process(self._pending, out)
                 self._pending = None
 
     def _forward(self, host: HostBatch, token_slots: np.ndarray | None, pending: PendingStep | None,
-                 plan: PromptLogprobPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 plan: PromptLogprobPlan | None,
+                 drafts: DraftLayout | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queues the forward; returns hidden states and the rows to sample (None: every row)."""
         fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
@@ -295,7 +301,8 @@ class LLMEngine:
             faults.hit_any("forward", host.requests)
         if self.tp is not None:   # the workers run the same forward (and the same patch of in-flight tokens)
             self.tp.send_step(host, token_slots, use_graph=use_graph, fixup=fixup,
-                              prompt_rows=plan.rows if plan is not None else None, share_tokens=self.async_scheduling)
+                              prompt_rows=plan.rows if plan is not None else None, share_tokens=self.async_scheduling,
+                              logit_rows=drafts.rows if drafts is not None else None)
         dev_fixup = fixup_to_device(fixup, self.device)
         try:
             if use_graph:

@@ -41,7 +41,12 @@ def sample_step(eng: Any, reqs: list[Request], hidden: torch.Tensor, rows: torch
                 ) -> tuple[torch.Tensor, Logprobs | None, dict[int, RequestFault]]:
     """Samples the rows of `reqs` (hidden states `hidden[rows]`, or every row): tokens [N], their log-probs,
     and the rows that failed alone (their tokens are dummies). Raises when the stage fails for no single row."""
-    logits = eng.model.compute_logits(hidden if rows is None else hidden[rows])           # [N, vocab]
+    return sample_logits(eng, reqs, eng.model.compute_logits(hidden if rows is None else hidden[rows]))
+
+
+def sample_logits(eng: Any, reqs: list[Request], logits: torch.Tensor
+                  ) -> tuple[torch.Tensor, Logprobs | None, dict[int, RequestFault]]:
+    """`sample_step` from logits already computed [N, vocab] (masked in place)."""
     try:
         tokens, sbatch = _draw(eng, reqs, logits)
         culprits: dict[int, RequestFault] = {}

@@ -9,6 +9,9 @@ real steps (same dtypes, strides and alignments), so serving meets no new varian
 - attention + fused RMSNorm/rope/SiLU + grammar bitmask: dummy forwards (reading and writing only block 0,
   before any request holds it) of a decode-only and a mixed batch, each with and without split-KV where the split
   policy can split, then the logits and one masked row;
+- speculative decoding: verification-shaped batches (rows of k+1 query tokens over a cached context, alone
+  and beside decodes and a prefill chunk; steps with drafts never replay a decode graph, they run eagerly), and
+  for `draft_model` the draft's own forwards (its head shapes are other kernel variants);
 - LoRA: every entry of the segmented table (`adapters/lora_ops/triton_ops.SEGMENT_CONFIGS`) and the BGMV
   decode kernels, for each fused linear, on scratch stacks shaped like the pool's;
 - decode CUDA graphs: capturing them runs every captured size, with and without LoRA.
@@ -80,23 +83,37 @@ Shape = tuple[str, list[int], list[tuple[int, int]]]     # (label, decode contex
 
 def forward_shapes(engine: Any) -> list[Shape]:
     """The dummy steps whose forwards launch every attention / fused-op variant (none without Triton)."""
+    k = engine.spec.config.num_speculative_tokens if getattr(engine, "spec", None) is not None else 0
+    return model_shapes(engine.model, engine.model_config.num_kv_heads, engine.block_size, engine.max_model_len,
+                        engine.device, k)
+
+
+def model_shapes(model: Any, num_kv_heads: int, block_size: int, max_model_len: int, device: torch.device,
+                 num_speculative_tokens: int = 0) -> list[Shape]:
+    """`forward_shapes` of one model; with speculation (k > 0) also verification-shaped steps: rows of k+1
+    query tokens over a cached context, alone and beside decodes and a prefill chunk."""
     from core.attention.triton_backend import TritonAttentionBackend
     from core.models.fused_ops import use_triton
 
-    backend = engine.model.model.layers[0].self_attn.backend
+    backend = model.model.layers[0].self_attn.backend
     triton_attention = isinstance(backend, TritonAttentionBackend)
-    probe = torch.empty(1, device=engine.device)
+    probe = torch.empty(1, device=device)
     if not (triton_attention or use_triton(probe)):
         return []
-    bs = engine.block_size
-    short = min(bs, engine.max_model_len - 1)
+    short = min(block_size, max_model_len - 1)
     # long enough to split when the split policy splits at all (a batch of one on a GPU)
-    long = min(engine.max_model_len - 4, 4 * getattr(backend, "min_partition", 256))
+    long = min(max_model_len - 4, 4 * getattr(backend, "min_partition", 256))
     can_split = triton_attention and long > 2 * backend.min_partition and \
-        backend.graph_max_splits(1, engine.model_config.num_kv_heads, engine.device) > 1
+        backend.graph_max_splits(1, num_kv_heads, device) > 1
     shapes: list[Shape] = [("decode", [short], []), ("mixed", [short], [(0, 3)])]
     if can_split:
         shapes += [("decode+split", [long], []), ("mixed+split", [long], [(0, 3)])]
+    q = num_speculative_tokens + 1
+    if num_speculative_tokens and max_model_len > q + 1:
+        cached = min(short, max_model_len - q)
+        shapes += [("verify", [], [(cached, q), (1, q)]), ("mixed+verify", [short], [(cached, q), (0, 3)])]
+        if can_split:
+            shapes.append(("mixed+verify+split", [long], [(cached, q)]))
     return shapes
 
 
@@ -211,6 +228,13 @@ def kernel_variants(engine: Any) -> list[KernelVariant]:
     forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p),
                               lambda chk, d=d, p=p, n=name: _dummy_step(engine, d, p, n, chk))
                 for name, d, p in forward_shapes(engine)]
+    draft = getattr(getattr(engine, "spec", None), "draft", None)
+    if draft is not None and hasattr(draft, "kv_caches"):   # draft_model (tests may plug in other proposers)
+        forwards += [KernelVariant("draft", name, lambda d=d, p=p: dummy_forward(
+                         draft.model, draft.kv_caches, None, draft.block_size, draft.device, d, p))
+                     for name, d, p in model_shapes(draft.model, draft.cfg.num_kv_heads, draft.block_size,
+                                                    draft.max_positions, draft.device,
+                                                    engine.spec.config.num_speculative_tokens)]
     quant = [KernelVariant("quant_gemm", label, run)
              for label, run in quant_gemm_warmups(engine.model, engine.device)]
     return forwards + quant + lora_variants(engine.model, engine.lora_pool, engine.device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from grammar.compiled import CompiledGrammar, copy_mask_row
@@ -93,6 +95,14 @@ class GrammarMatcher:
                 for t in extra:
                     mask[t >> 5] |= _bit(t & 31)
         copy_mask_row(bitmask, row, mask)
+
+    def fork(self) -> "GrammarMatcher":
+        """An independent matcher at the same position (speculative decoding advances forks along draft tokens
+        to build a mask per draft position). It has no guide: its masks come from the shared cache or the token
+        lists, the same masks."""
+        other = copy.copy(self)
+        other._guide = None
+        return other
 
     def reset(self) -> None:
         self.state = self.compiled.initial_state

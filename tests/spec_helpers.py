@@ -51,3 +51,17 @@ def assert_cache_holds_only_real_tokens(kv, sequences: list[tuple[str, list[int]
     """Every cached sequence is a prefix of some request's prompt + output in its namespace."""
     for ns, tokens in cached_sequences(kv):
         assert any(ns == n and seq[:len(tokens)] == tokens for n, seq in sequences), (ns, tokens)
+
+
+def record_step_inputs(monkeypatch) -> list:
+    """Records every `StepInputs` the tensor-parallel driver sends its workers (a list that fills as it runs)."""
+    from core.distributed.step_inputs import StepInputs
+
+    sent: list[StepInputs] = []
+    real = StepInputs.from_host
+
+    def from_host(*args, **kw) -> StepInputs:
+        sent.append(real(*args, **kw))
+        return sent[-1]
+    monkeypatch.setattr(StepInputs, "from_host", staticmethod(from_host))
+    return sent

@@ -2,8 +2,10 @@
 
 - `StepInputs`: one step's inputs (numpy arrays, no request objects), and what the workers must do around the
   forward in the driver's order: the decode graph or the eager path, the in-flight tokens to patch in (async
-  scheduling), the prompt log-prob rows and the sampled rows (each joins the logits gather), and whether the
-  sampled tokens come back to them (a device broadcast, for the next step's patch).
+  scheduling), the prompt log-prob rows and the sampled rows (each joins the logits gather; in a step with
+  speculative drafts the sampled rows are `logit_rows`, every draft position included, still one gather: see
+  `core/spec/engine_step.py`), and whether the sampled tokens come back to them (a device broadcast, for the
+  next step's patch).
 - `WarmupForwards` / `CaptureGraphs`: the start-up warm-up's dummy forwards and the decode-graph capture,
   which every rank runs in the same order (their collectives pair up).
 """
@@ -35,16 +37,17 @@ class StepInputs:
     fixup: Fixup | None = None       # async scheduling: input tokens taken from the last step's sampled tokens
     prompt_rows: np.ndarray | None = None   # [P] flat rows whose logits give prompt log-probs (before sampling)
     share_tokens: bool = False       # the driver broadcasts this step's sampled tokens after sampling
+    logit_rows: np.ndarray | None = None    # [N] a step with drafts: the flat rows of its one logits gather
 
     @staticmethod
     def from_host(host: HostBatch, token_slots: np.ndarray | None, slot_ops: list[SlotOp], *,
                   use_graph: bool = False, fixup: Fixup | None = None, prompt_rows: np.ndarray | None = None,
-                  share_tokens: bool = False) -> "StepInputs":
+                  share_tokens: bool = False, logit_rows: np.ndarray | None = None) -> "StepInputs":
         return StepInputs(num_new=host.num_new, cu=host.cu, token_ids=host.token_ids, positions=host.positions,
                           slot_mapping=host.slot_mapping, tables=host.tables, context_lens=host.context_lens,
                           num_decode=host.num_decode, samples=tuple(host.samples), token_slots=token_slots,
                           slot_ops=tuple(slot_ops), use_graph=use_graph, fixup=fixup, prompt_rows=prompt_rows,
-                          share_tokens=share_tokens and bool(host.samples))
+                          share_tokens=share_tokens and bool(host.samples), logit_rows=logit_rows)
 
     def to_host(self) -> HostBatch:
         return HostBatch(requests=[None] * len(self.num_new), num_new=self.num_new, cu=self.cu,  # type: ignore[list-item]

@@ -26,7 +26,7 @@ from core.cuda_graphs import DecodeGraphRunner
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.engine_setup import num_kv_blocks, resolve_device, resolve_dtype
 from core.pending import fixup_to_device, patch_inputs
-from core.runner import graph_sample_rows, to_device
+from core.runner import graph_sample_rows, host_to_device, to_device
 from core.warmup import dummy_forward, lora_variants
 
 
@@ -96,6 +96,9 @@ def execute_step(state: RankState, tp: TPGroup, inputs: StepInputs, block_size: 
             rows = batch.logits_indices
         if inputs.prompt_rows is not None:
             state.model.compute_logits(hidden.index_select(0, torch.from_numpy(inputs.prompt_rows).to(state.device)))
+        if inputs.logit_rows is not None:   # a step with drafts: every draft position joins the gather
+            assert not inputs.use_graph, "a step with drafts never runs as a decode graph"
+            rows = host_to_device(inputs.logit_rows, state.device)
         if inputs.samples:
             state.model.compute_logits(hidden if rows is None else hidden[rows])
         if inputs.share_tokens:

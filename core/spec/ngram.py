@@ -8,7 +8,6 @@ distribution for the rejection sampler).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: "list[int] | np.ndarray", k: int, min_n: int, max_n: int,
@@ -17,17 +16,24 @@ def propose_ngram(token_ids: "list[int] | np.ndarray", k: int, min_n: int, max_n
     Only the last `max_search` tokens are searched, so the cost per step stays bounded."""
     tokens = np.asarray(token_ids[-max_search:], dtype=np.int64)
     num = len(tokens)
-    if k <= 0:
+    top = min(max_n, num - 1)
+    if k <= 0 or top < min_n:
         return []
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        pattern = tokens[num - n:]                                               # [n]
-        windows = sliding_window_view(tokens[:num - 1], n)                       # [num - n, n]
-        hits = np.nonzero((windows == pattern).all(axis=1))[0]                   # starts of earlier occurrences
-        hits = hits[hits + n < num]           # something must follow the occurrence (excludes the suffix itself)
+    # earlier positions holding the last token: where an occurrence of the suffix may end (something follows)
+    ends = np.flatnonzero(tokens[:num - 1] == tokens[num - 1])                  # [C]
+    length = np.ones(len(ends), dtype=np.int64)            # [C] suffix tokens matched there (up to `top`)
+    alive = np.ones(len(ends), dtype=bool)                 # [C] still matching at distance d
+    for d in range(1, top):
+        ok = alive & (ends >= d)
+        ok[ok] = tokens[ends[ok] - d] == tokens[num - 1 - d]
+        alive = ok
+        length += alive
+    for n in range(top, min_n - 1, -1):                    # longest match first, then the most recent
+        hits = ends[length >= n]
         if len(hits):
             # copy what followed; a copy that reaches the end goes on with its own tokens (a repeating
             # pattern continues its period, as an overlapping LZ77 copy does)
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             out = tokens[start:start + k].tolist()
             while len(out) < k:
                 out.append(out[len(out) - (num - start)])

@@ -8,9 +8,9 @@ state, penalties / logit_bias / min_tokens over the tokens so far, the keyed sam
 appended as a plain decode would append it. If it equals d_{j+1} the walk goes on to position j+1 (whose KV
 was computed from d_{j+1}); otherwise, or when the request stops, the walk ends there. After k accepted drafts
 the last position gives the bonus token. Rows whose sampling reads no state built by the tokens before (no
-grammar, no penalties or bias: min_tokens and the sampler's step depend only on the position) sample every
-position in one batched pass before the walk, the walk then only appends; the others sample position j when
-the walk reaches it.
+penalties or bias: min_tokens and the sampler's step depend only on the position; a grammar is advanced along
+the drafts on forks of the matcher, a bitmask per position) sample every position in one batched pass before
+the walk, the walk then only appends; the others sample position j when the walk reaches it.
 
 For a deterministic proposal (q one-hot) "sample y from p, accept iff y == d" is rejection sampling
 (`core/spec/rejection.py`), and since the sampler's noise is a function of (seed, step, token id), every
@@ -30,6 +30,7 @@ import torch
 from core.kv_cache_manager import KVCacheManager
 from core.outputs import RequestDelta
 from core.request import Request
+from core.spec.grammar_drafts import matchers_along
 from core.spec.stats import SpecStats
 
 # (requests, flat rows of their hidden states) -> (tokens, log-prob entries, {row: failure of that row})
@@ -58,12 +59,13 @@ def take_spec_rows(requests: list[Request], cu: "list[int]") -> list[SpecRow]:
 
 
 class _At:
-    """A request as it will be j tokens later: what sampling reads of a row without grammar or penalties
-    (its step index `num_output_tokens`, which also decides min_tokens bans) is known before the walk."""
-    __slots__ = ("_req", "num_output_tokens")
+    """A request as it will be j tokens later if the drafts before position j are accepted (the only case in
+    which position j is used): what sampling reads of a row without penalties is known before the walk (its
+    step index `num_output_tokens`, which also decides min_tokens bans, and its grammar advanced by the drafts)."""
+    __slots__ = ("_req", "num_output_tokens", "grammar")
 
-    def __init__(self, req: Request, j: int) -> None:
-        self._req, self.num_output_tokens = req, req.num_output_tokens + j
+    def __init__(self, req: Request, j: int, grammar: Any) -> None:
+        self._req, self.num_output_tokens, self.grammar = req, req.num_output_tokens + j, grammar
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._req, name)
@@ -74,12 +76,20 @@ Sampled = tuple[int, Any, Any]   # (token, log-prob entry, the row's failure or 
 
 def _sample_stateless(rows: list[SpecRow], device: torch.device,
                       sample_rows: SampleRows) -> dict[int, list[Sampled]]:
-    """All positions of the rows whose sampling does not depend on the tokens before it (no grammar, no
-    penalties / bias), in one batched pass: id(request) -> per position (token, log-prob, failure)."""
-    plain = [r for r in rows if r.req.grammar is None and not r.req.sampling_params.has_penalties]
+    """All positions of the rows whose sampling does not depend on the tokens before it other than through
+    their grammar (no penalties / bias; a grammar that can fork, advanced along the drafts), in one batched
+    pass: id(request) -> per position (token, log-prob, failure)."""
+    plain, grammars = [], []
+    for r in rows:
+        if r.req.sampling_params.has_penalties:
+            continue
+        along = [None] * (len(r.drafts) + 1) if r.req.grammar is None else matchers_along(r.req.grammar, r.drafts)
+        if along is not None:
+            plain.append(r)
+            grammars.append(along)
     if not plain:
         return {}
-    reqs: list[Any] = [_At(r.req, j) for r in plain for j in range(len(r.drafts) + 1)]
+    reqs: list[Any] = [_At(r.req, j, g[j]) for r, g in zip(plain, grammars) for j in range(len(r.drafts) + 1)]
     flat = torch.tensor([r.start + j for r in plain for j in range(len(r.drafts) + 1)],
                         dtype=torch.int64, device=device)                                       # [sum(k+1)]
     tokens, lps, culprits = sample_rows(reqs, flat)

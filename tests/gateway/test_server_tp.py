@@ -1,8 +1,9 @@
-"""`loraplex serve --tensor-parallel-size 2` (gloo, CPU), the engine in its own process (the default): the HTTP
-answers equal the offline engine at N=1 (greedy completions, streamed and not, and a JSON schema that
-validates); the tensor-parallel worker is a child of the engine process, not of the API process; then a killed
-worker is detected: the engine process exits, the open request gets an error, /health fails and the server
-exits non-zero, with the reason in its log."""
+"""`loraplex serve --tensor-parallel-size 2 --speculative-config <ngram>` (gloo, CPU), the engine in its own
+process (the default): the HTTP answers equal the offline engine at N=1 without speculation (greedy
+completions, streamed and not, and a JSON schema that validates, its forced tokens proposed by jump-forward),
+and /metrics counts the drafts (the engine's stats across the boundary); the tensor-parallel worker is a child
+of the engine process, not of the API process; then a killed worker is detected: the engine process exits, the
+open request gets an error, /health fails and the server exits non-zero, with the reason in its log."""
 from __future__ import annotations
 
 import json
@@ -25,11 +26,13 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess(model_dir("llama_gqa"), "--tensor-parallel-size", "2", "--max-model-len", "512",
+                         "--speculative-config", json.dumps(NGRAM),
                          "--log-level", "info", startup_timeout_s=180.0)
     yield proc
     proc.stop()
@@ -66,6 +69,14 @@ def test_json_schema_equals_tp1(server: ServerProcess, reference: LLM) -> None:
     if got["finish_reason"] == "stop":
         checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
         jsonschema.Draft202012Validator(SCHEMA, format_checker=checker).validate(json.loads(got["text"]))
+
+
+def test_metrics_count_the_drafts(server: ServerProcess) -> None:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("loraplex:spec_decode_num_")}
+    drafts = counts["loraplex:spec_decode_num_draft_tokens_total"]
+    assert drafts > 0 and 0 <= counts["loraplex:spec_decode_num_accepted_tokens_total"] <= drafts
 
 
 def _worker_pids(parent: int) -> list[int]:

@@ -1,0 +1,102 @@
+"""What a speculative verification step costs on the GPU, against a plain decode step (issue 26 item 7).
+
+A step with drafts (k+1 query tokens per row) never replays a decode CUDA graph: it runs eagerly on the mixed
+prefill/decode attention path. Measured per batch size B, on the model's own forward + LM head, over synthetic
+batches whose rows all read a context of `--context` tokens (`core/warmup.synthetic_batch`):
+
+- decode, graph: a B-row decode step replayed from its captured CUDA graph (what plain serving runs);
+- decode, eager: the same step without the graph;
+- verify, eager: B rows of k+1 query tokens (logits for every position, as verification samples them).
+
+`verify_over_decode` = verify / decode-graph time (decode-eager without graphs): the mean tokens a verification step must emit (1 + accepted
+drafts) to beat plain decoding, before the proposer's own cost. The engine is built with an n-gram speculative
+config, so its warm-up covers the verification shapes: `compiles_after_warmup` must stay 0.
+
+    python benchmarks/spec_verify_cost.py --model llama3-8b-dummy --device cuda --dtype bfloat16 --k 4
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+from common import add_model_args, bench_model_dir, load_format_of, now, write_results
+from core import LLM
+from core.kernel_compiles import COMPILES
+from core.runner import to_device
+from core.warmup import synthetic_batch
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn` (three untimed calls first)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = now()
+        fn()
+        times.append(now() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(llm: LLM, batch: int, context: int, k: int, repeats: int) -> dict[str, float]:
+    eng = llm.engine
+    model, kv, bs, dev = eng.model, eng.kv_caches, eng.block_size, eng.device
+
+    def eager(decode_lens: list[int], chunks: list[tuple[int, int]], all_rows: bool) -> Callable[[], object]:
+        host = synthetic_batch(decode_lens, chunks, bs)
+
+        def step() -> torch.Tensor:
+            b = to_device(host, bs, dev)
+            hidden = model(b.input_ids, b.positions, kv, b.meta)                      # [T, hidden]
+            return model.compute_logits(hidden if all_rows else hidden[b.logits_indices])
+        return step
+
+    out = {"batch": batch, "context": context, "k": k}
+    with torch.inference_mode():
+        out["decode_eager_s"] = timed(eager([context] * batch, [], False), repeats)
+        out["verify_eager_s"] = timed(eager([], [(context - k - 1, k + 1)] * batch, True), repeats)
+        if eng.graphs is not None and eng.graphs.padded_size(batch) is not None:
+            host = synthetic_batch([context] * batch, [], bs)
+            out["decode_graph_s"] = timed(lambda: model.compute_logits(eng.graphs.run(host, None)), repeats)
+    # what plain serving runs: the graph where there is one; also the break-even tokens per verification
+    out["verify_over_decode"] = out["verify_eager_s"] / out.get("decode_graph_s", out["decode_eager_s"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--name", default="spec_verify_cost")
+    args = ap.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(bench_model_dir(args.model), device=args.device, dtype=args.dtype, enable_prefix_caching=False,
+              load_format=load_format_of(args.model), max_num_seqs=max(sizes),
+              speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+    report = llm.engine.warmup_report
+    compiles_before = COMPILES.after_warmup
+    rows = [measure(llm, b, args.context, args.k, args.repeats) for b in sizes]
+    compiles = COMPILES.after_warmup - compiles_before
+    table = [("warm-up", f"{report.num_variants} kernel variants, {report.num_graphs} decode graphs, "
+                         f"{report.seconds:.1f} s" if report is not None else "not run"),
+             ("Triton compiles after the warm-up (verification included)", str(compiles))]
+    for r in rows:
+        graph = f"{r['decode_graph_s'] * 1e3:.2f} ms graph / " if "decode_graph_s" in r else ""
+        table.append((f"batch {r['batch']}, context {r['context']}, k {r['k']}",
+                      f"decode {graph}{r['decode_eager_s'] * 1e3:.2f} ms eager; verify (eager) "
+                      f"{r['verify_eager_s'] * 1e3:.2f} ms = {r['verify_over_decode']:.2f}x a decode step "
+                      f"(break-even: {r['verify_over_decode']:.2f} tokens per verification)"))
+    write_results(args.name, {"rows": rows, "compiles_after_warmup": compiles, "k": args.k}, table)
+
+
+if __name__ == "__main__":
+    main()
