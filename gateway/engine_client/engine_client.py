@@ -36,8 +36,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "warning",
                  on_warmup_progress: Callable[[int, int, float], None] | None = None,
                  on_ready: Callable[[Any], None] | None = None) -> None:
-        self.engine = EngineView(config, self.command)
-        self.engine.refresh = self.refresh
+        self.engine: EngineView   # built by `start`, while the engine process boots
         self.config, self.log_level = config, log_level
         self.on_warmup_progress, self.on_ready = on_warmup_progress, on_ready
         self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the engine process dies
@@ -74,6 +73,14 @@ class EngineClient:
         self._proc = ctx.Process(target=proc.main, args=(self.config, in_addr, out_addr, self.log_level),
                                  name="loraplex-engine-core", daemon=False)   # its TP workers are its children
         self._proc.start()
+        try:   # the model's files here (tokenizer, config) while the engine process imports and loads
+            self.engine = EngineView(self.config, self.command)
+        except BaseException:
+            self._proc.kill()
+            self._proc.join(5.0)
+            self._close_sockets()
+            raise
+        self.engine.refresh = self.refresh
         self._thread.start()
 
     def wait_started(self, timeout_s: float = 3600.0) -> None:
@@ -98,6 +105,9 @@ class EngineClient:
             self._proc.join(2.0)
         self._stop = True
         self._thread.join(2.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
