@@ -153,7 +153,7 @@ def engine_process_enabled(flag: str | None) -> bool:
     """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (0: off, 1: on), default on."""
     if flag is not None:
         return flag == "on"
-    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "1") != "0"
+    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

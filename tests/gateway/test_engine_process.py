@@ -72,6 +72,24 @@ def completion_text(server: ServerProcess, prompt: list[int], stream: bool) -> t
     return text, num_tokens
 
 
+@pytest.mark.parametrize("flag,env,want", [(None, None, True), (None, "0", False), (None, "off", False),
+                                           (None, "1", True), ("off", None, False), ("on", "0", True),
+                                           ("off", "1", False)])
+def test_engine_process_is_the_default(flag: str | None, env: str | None, want: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loraplex serve` runs the engine in its own process unless `--engine-process off`, or, without the flag,
+    `LORAPLEX_ENGINE_PROCESS=0`."""
+    from gateway.cli import build_parser, config_from_args
+
+    if env is None:
+        monkeypatch.delenv("LORAPLEX_ENGINE_PROCESS", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", env)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--device", "cpu"] + (["--engine-process", flag] if flag else []))
+    assert config_from_args(args, parser).engine_process is want
+
+
 def test_engine_runs_in_a_child_process(server: ServerProcess) -> None:
     assert len(engine_children(server.proc.pid)) == 1, "no engine process under the server"
     assert httpx.get(f"{server.url}/health").status_code == 200
