@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from adapters.errors import AdapterError
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_NAME_CHARS = 512
@@ -165,3 +167,31 @@ class LoraDirectories:
             for name in d.scan():
                 seen.setdefault(name, os.path.join(d.root, *name.split("/")))
         return seen
+
+
+class FailedReads:
+    """Directory adapters whose first read failed, remembered until their files change: a request naming one
+    gets that read's error when its name resolves (a 400 before any response byte) instead of a new read.
+    Thread-safe. Kept by the engine's `AdapterRegistry` and by the API process's mirror of it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failed: dict[str, tuple[Fingerprint, AdapterError]] = {}
+
+    def check(self, loc: AdapterLocation) -> None:
+        """Raises the remembered error while the files are those that failed; forgets it once they changed."""
+        with self._lock:
+            failed = self._failed.get(loc.name)
+            if failed is not None and failed[0] == loc.fingerprint:
+                raise failed[1].fresh()
+            self._failed.pop(loc.name, None)
+
+    def remember(self, name: str, path: str, error: AdapterError) -> None:
+        now = fingerprint(path)
+        if now is not None:
+            with self._lock:
+                self._failed[name] = (now, error)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._failed.pop(name, None)

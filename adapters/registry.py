@@ -31,7 +31,7 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.load_stats import LoadStats
 from adapters.loader_pool import LoaderPool, host_copy
 from adapters.entry_read import CODE_CHANGED, read_entry
-from adapters.lora_dirs import AdapterLocation, Fingerprint, LoraDirectories, fingerprint
+from adapters.lora_dirs import AdapterLocation, FailedReads, Fingerprint, LoraDirectories, fingerprint
 from adapters.peft_loader import load_peft_adapter
 from adapters.registry_integrity import check_registry_integrity
 
@@ -80,7 +80,7 @@ class AdapterRegistry:
         self._by_name: dict[str, LoadedAdapter] = {}
         self._host_lru: OrderedDict[str, LoadedAdapter] = OrderedDict()  # generation id -> resident entry
         self._loading: dict[str, LoadedAdapter] = {}                     # generation id -> entry being read
-        self._negative: dict[str, tuple[Fingerprint, AdapterError]] = {}  # directory name -> failed first read
+        self.failed_reads = FailedReads()                                 # directory names whose first read failed
         self._released: list[LoadedAdapter] = []
         self._generations = itertools.count(1)
 
@@ -106,7 +106,7 @@ class AdapterRegistry:
             old = self._by_name.get(name)
             if old is not None:       # a directory entry: the explicit load wins
                 self._retire_locked(old)
-            self._negative.pop(name, None)
+            self.failed_reads.forget(name)
             entry = LoadedAdapter(name=name, path=str(path), generation_id=f"lora-{next(self._generations)}",
                                   adapter=adapter, files_dir=adapter.path, fingerprint=fingerprint(adapter.path))
             self._by_name[name] = entry
@@ -156,10 +156,7 @@ class AdapterRegistry:
             entry = self._by_name.get(name)
             if entry is not None:
                 return entry
-            failed = self._negative.get(name)
-            if failed is not None and failed[0] == loc.fingerprint:
-                raise failed[1].fresh()
-            self._negative.pop(name, None)
+            self.failed_reads.check(loc)
             entry = LoadedAdapter(name=name, path=loc.path, generation_id=f"lora-{next(self._generations)}",
                                   adapter=None, files_dir=loc.path, location=loc)
             self._by_name[name] = entry
@@ -278,9 +275,7 @@ class AdapterRegistry:
                 entry.error = error
                 if entry.location is not None and entry.fingerprint is None and not entry.unloaded:
                     # a first read failed: forget the name, remember why until its files change
-                    now = fingerprint(entry.location.path)
-                    if now is not None:
-                        self._negative[entry.name] = (now, error)
+                    self.failed_reads.remember(entry.name, entry.location.path, error)
                     self._retire_locked(entry)
                 outcome = "error"
             elif entry.unloaded and entry.num_in_flight == 0:

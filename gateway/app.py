@@ -31,6 +31,7 @@ from gateway.http.cancel import run_until_disconnect
 from gateway.http.context import metered, request_context
 from gateway.http.deadline import Deadline
 from gateway.outputs.echo import add_prompt_logprobs, apply_echo, echo_texts
+from gateway.engine_client.engine_client_view import refresh_engine_state
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.outputs.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -206,6 +207,7 @@ async def create_response(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state = _state(request)
     principal = _principal(request, state)
+    await refresh_engine_state(state.aeng.engine)   # an engine process's adapters as they are now
     cards = await asyncio.to_thread(state.models.cards, principal.models)   # may scan --lora-dir folders
     return JSONResponse({"object": "list", "data": cards})
 
@@ -214,6 +216,7 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request) -> Response:
     state = _state(request)
     principal = _principal(request, state)
+    await refresh_engine_state(state.aeng.engine)
     return JSONResponse(state.models.card(request.path_params["model_id"], principal.models))
 
 
@@ -261,7 +264,7 @@ async def metrics(request: Request) -> Response:
     --metrics-port, a port tenants cannot reach)."""
     state = _state(request)
     redact = state.config.tenant_keys is not None
-    return Response(state.metrics.render(redact=redact), media_type=CONTENT_TYPE)
+    return Response(await state.metrics.render_current(redact=redact), media_type=CONTENT_TYPE)
 
 
 async def openapi(request: Request) -> Response:

@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (optional "disable_by_batch_size")')
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     s.add_argument("--engine-process", choices=("on", "off"), default=None,
-                   help="run the engine core in its own process, fed over ZMQ (default: LORAPLEX_ENGINE_PROCESS=1 "
-                        "turns it on; off: the engine loop is a thread of the API process)")
+                   help="run the engine core in its own process, fed over ZMQ (default on; unset, "
+                        "LORAPLEX_ENGINE_PROCESS=0 turns it off; off: the engine loop is a thread of the API process)")
     add_vllm_arguments(s)
     return parser
 
@@ -150,10 +150,10 @@ def _speculative_config(text: str) -> Any:
 
 
 def engine_process_enabled(flag: str | None) -> bool:
-    """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (1: on), default off."""
+    """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (0: off, 1: on), default on."""
     if flag is not None:
         return flag == "on"
-    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "0") == "1"
+    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

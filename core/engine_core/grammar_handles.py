@@ -6,8 +6,9 @@ cache): the API process parses the request's constraint (400s name the field), s
 command and waits for the reply before it answers (a compile error is still a 400 before any byte). The reply
 is a `RemoteGrammar`; each child request gets a `RemoteMatcher`, which the engine process turns into a real
 matcher over its cached compiled grammar when it admits the request. `tool_choice: "auto"` builds its
-`TriggeredMatcher` in the API process as in-process; `to_wire` sends it as a `RemoteAutoMatcher` (the call
-grammar's spec and the trigger) and the engine rebuilds it over its own free-text masks.
+`TriggeredMatcher` in the API process as in-process, and `--reasoning-parser` gates a constraint behind the end
+of the reasoning (a `ReasoningMatcher`, possibly over the former); `to_wire` sends either as a
+`RemoteTriggeredMatcher` (the specs, triggers and end tag) and the engine rebuilds it over its own free-text masks.
 """
 from __future__ import annotations
 
@@ -22,9 +23,19 @@ class RemoteMatcher:
 
 
 @dataclass(frozen=True)
-class RemoteAutoMatcher:
-    spec: Any                          # the call grammar (after the trigger)
+class RemoteTriggered:
+    """A triggered grammar as it crosses: free text until `trigger` (or the token `end_id`), then `body` (a
+    spec, or another `RemoteTriggered`). `reasoning`: `--reasoning-parser`'s gate (`ReasoningGrammar`: EOS
+    masked while reasoning), else `tool_choice: "auto"` (`AutoToolGrammar`)."""
+    body: Any                          # grammar.spec.GrammarSpec | RemoteTriggered
     trigger: bytes
+    end_id: int | None = None
+    reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class RemoteTriggeredMatcher:
+    grammar: RemoteTriggered
     stop_token_ids: tuple[int, ...]
 
 
@@ -38,25 +49,40 @@ class RemoteGrammar:
         return RemoteMatcher(self.spec, tuple(stop_token_ids))
 
 
-def to_wire(grammar: Any) -> Any:
+def to_wire(matcher: Any) -> Any:
     """A matcher the API process built, in a form that pickles (the remote handles are sent as they are)."""
-    body = getattr(getattr(grammar, "grammar", None), "body", None)
-    if isinstance(body, RemoteGrammar):   # grammar.triggered.TriggeredMatcher over a remote call grammar
-        return RemoteAutoMatcher(body.spec, grammar.grammar.trigger, tuple(grammar.stop_token_ids))
-    return grammar
+    grammar = getattr(matcher, "grammar", None)
+    if grammar is not None and getattr(grammar, "free", None) is not None:   # grammar.triggered.TriggeredMatcher
+        return RemoteTriggeredMatcher(_grammar_to_wire(grammar), tuple(matcher.stop_token_ids))
+    return matcher
+
+
+def _grammar_to_wire(grammar: Any) -> Any:
+    if isinstance(grammar, RemoteGrammar):
+        return grammar.spec
+    from grammar.tool_calls import ReasoningGrammar   # an AutoToolGrammar (tools: auto) or its reasoning gate
+
+    return RemoteTriggered(_grammar_to_wire(grammar.body), grammar.trigger, grammar.end_id,
+                           isinstance(grammar, ReasoningGrammar))
 
 
 def materialize(grammar: Any, compiler: Any) -> Any:
-    """The engine process's real matcher for a remote handle (the compile is a cache hit after the command)."""
+    """The engine process's real matcher for a remote handle (each compile is a cache hit after the command)."""
     from grammar.matchers import make_matcher
 
     if isinstance(grammar, RemoteMatcher):
         return make_matcher(compiler.submit(grammar.spec).result(), grammar.stop_token_ids)
-    if isinstance(grammar, RemoteAutoMatcher):
-        from grammar.tool_calls import AutoToolGrammar
-        from grammar.triggered import free_text_masks
-
-        compiled = compiler.submit(grammar.spec).result()
-        free = free_text_masks(compiler.vocab, grammar.trigger.decode())
-        return AutoToolGrammar(compiled, grammar.trigger, free).new_matcher(grammar.stop_token_ids)
+    if isinstance(grammar, RemoteTriggeredMatcher):
+        return _grammar(grammar.grammar, compiler).new_matcher(grammar.stop_token_ids)
     return grammar
+
+
+def _grammar(wire: Any, compiler: Any) -> Any:
+    if not isinstance(wire, RemoteTriggered):
+        return compiler.submit(wire).result()
+    from grammar.tool_calls import AutoToolGrammar, ReasoningGrammar
+    from grammar.triggered import free_text_masks
+
+    cls = ReasoningGrammar if wire.reasoning else AutoToolGrammar
+    free = free_text_masks(compiler.vocab, wire.trigger.decode())
+    return cls(_grammar(wire.body, compiler), wire.trigger, free, wire.end_id)

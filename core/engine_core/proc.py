@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from core.engine_core.grammar_handles import materialize
 from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, EngineInput,
@@ -37,6 +37,7 @@ class EngineCore:
         self._adapters: list[tuple[str, str, str, int]] | None = None
         self._last_stats = 0.0
         self._stop = False
+        self.hooks: list[Callable[[], None]] = []   # test-only: run on the loop thread before each step
 
     def send(self, out: EngineOutput) -> None:
         self.push.send(OUTPUT_ENCODER.encode(out), copy=False)
@@ -58,9 +59,9 @@ class EngineCore:
                 return msgs
 
     def _apply(self, msg: EngineInput, deltas: list[Any]) -> None:
+        """Adds, then aborts, then commands: the order the API process issued them in (an unload sent after a
+        request's submission finds that request admitted and holding its adapter, as in-process)."""
         eng = self.engine
-        for cmd in msg.commands:
-            self._command(cmd.command_id, cmd.op, loads(cmd.args))
         for add in msg.adds:
             try:
                 kwargs = loads(add.kwargs) if add.kwargs is not None else {}
@@ -77,10 +78,15 @@ class EngineCore:
             delta = eng.abort_request(rid)
             if delta is not None:
                 deltas.append(delta)
+        for cmd in msg.commands:
+            self._command(cmd.command_id, cmd.op, loads(cmd.args))
 
     def _command(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
         if op == "shutdown":
             self._stop = True
+            return
+        if op in ("stats", "call"):   # answered between two steps, with this turn's output
+            self._reply_now(command_id, op, args)
             return
         if op == "compile":   # on the compiler's workers; the reply goes out with a later step
             with self._replies_lock:
@@ -93,6 +99,22 @@ class EngineCore:
             self._num_compiling += 1
         threading.Thread(target=self._adapter_command, args=(command_id, op, args), name="loraplex-adapter-cmd",
                          daemon=True).start()
+
+    def _reply_now(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
+        """`stats`: a fresh snapshot and the adapter entries (a scrape after a response counts it). `call`:
+        test-only, `fn(core, *args)` on the engine thread between steps (tests/gateway/engine_probe.py)."""
+        try:
+            if op == "stats":
+                self._adapters = adapter_entries(self.engine.registry)
+                value: Any = (snapshot_stats(self.engine), self._adapters)
+            else:
+                fn, *rest = args
+                value = fn(self, *rest)
+            reply = Reply(command_id, True, dumps(value))
+        except Exception as exc:   # noqa: BLE001 - the caller raises it
+            reply = Reply(command_id, False, _pickled_exc(exc))
+        with self._replies_lock:
+            self._replies.append(reply)
 
     def _adapter_command(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
         try:
@@ -132,6 +154,8 @@ class EngineCore:
             deltas: list[Any] = []
             for msg in self._receive(timeout_ms):
                 self._apply(msg, deltas)
+            for hook in self.hooks:
+                hook()
             if eng.has_unfinished_requests():
                 deltas.extend(eng.step())
             with self._replies_lock:
@@ -204,6 +228,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
     try:
         from core.engine import LLMEngine
 
+        _run_test_hook()
         try:
             engine = LLMEngine(config)
         except (FileNotFoundError, ValueError, OSError) as exc:
@@ -230,7 +255,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
             time.sleep(0.05)   # a collective that failed on a lost worker: its monitor names the worker, then exits
         log.error("engine core crashed: %s", traceback.format_exc())
         try:
-            core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")))
+            core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(_describe(exc))))
         except Exception:
             pass
         code = 1
@@ -245,6 +270,24 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         ctx.term()
         sys.stdout.flush()
         os._exit(code)
+
+
+def _run_test_hook() -> None:
+    """Test-only: `LORAPLEX_ENGINE_TEST_HOOK=module:function` is called in this process before the engine is
+    built (a test's monkeypatches do not cross the spawn: e.g. a wrong kernel for the self-check test)."""
+    spec = os.environ.get("LORAPLEX_ENGINE_TEST_HOOK")
+    if spec:
+        import importlib
+
+        module, _, name = spec.partition(":")
+        getattr(importlib.import_module(module), name)()
+
+
+def _describe(exc: BaseException) -> str:
+    """An error that does not pickle, as the API process reports it: our own errors (a kernel self-check
+    naming the kernel and its switch) say it all; a library's gets its type name."""
+    own = type(exc).__module__.split(".")[0] in ("core", "adapters", "grammar")
+    return str(exc) if own and str(exc) else f"{type(exc).__name__}: {exc}"
 
 
 def _picklable(exc: BaseException) -> bool:

@@ -36,7 +36,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "warning",
                  on_warmup_progress: Callable[[int, int, float], None] | None = None,
                  on_ready: Callable[[Any], None] | None = None) -> None:
-        self.engine = EngineView(config, self.command)
+        self.engine: EngineView   # built by `start`, while the engine process boots
         self.config, self.log_level = config, log_level
         self.on_warmup_progress, self.on_ready = on_warmup_progress, on_ready
         self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the engine process dies
@@ -46,7 +46,8 @@ class EngineClient:
         self._closed = False      # under `_lock`: no stream may be registered any more (the engine is gone)
         self._adapter_of: dict[str, str] = {}   # request id -> adapter name, while it runs
         self._lock = threading.Lock()
-        self._pending = EngineInput([], [], [])
+        self._pending = EngineInput([], [], [])   # under `_pending_lock`: sent in order, one batch per loop turn
+        self._pending_lock = threading.Lock()
         self._flush_scheduled = False
         self._commands: dict[int, concurrent.futures.Future[Any]] = {}
         self._command_ids = itertools.count()
@@ -72,6 +73,14 @@ class EngineClient:
         self._proc = ctx.Process(target=proc.main, args=(self.config, in_addr, out_addr, self.log_level),
                                  name="loraplex-engine-core", daemon=False)   # its TP workers are its children
         self._proc.start()
+        try:   # the model's files here (tokenizer, config) while the engine process imports and loads
+            self.engine = EngineView(self.config, self.command)
+        except BaseException:
+            self._proc.kill()
+            self._proc.join(5.0)
+            self._close_sockets()
+            raise
+        self.engine.refresh = self.refresh
         self._thread.start()
 
     def wait_started(self, timeout_s: float = 3600.0) -> None:
@@ -96,6 +105,9 @@ class EngineClient:
             self._proc.join(2.0)
         self._stop = True
         self._thread.join(2.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
@@ -140,28 +152,66 @@ class EngineClient:
             self._streams[request_id] = (loop, queue)
         extra = {k: v for k, v in kwargs.items() if v is not None and k != "lora_held"}
         if "lora" in extra:   # the engine resolves and holds the adapter by name when it admits the request
-            extra["lora"] = self._adapter_of[request_id] = extra["lora"].name
+            lora = extra["lora"]
+            try:   # unloaded since its name was resolved: a 404 before any response byte, as in-process
+                self.engine.registry.check_current(lora)
+            except BaseException:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                raise
+            extra["lora"] = self._adapter_of[request_id] = lora.name
         if "grammar" in extra:
             extra["grammar"] = to_wire(extra["grammar"])
-        self._pending.adds.append(AddRequest(request_id, list(prompt_token_ids), dumps(params),
-                                             dumps(extra) if extra else None))
+        add = AddRequest(request_id, list(prompt_token_ids), dumps(params), dumps(extra) if extra else None)
+        with self._pending_lock:
+            self._pending.adds.append(add)
         self._schedule_flush()
         return queue
 
     def abort(self, request_id: str) -> None:
-        self._pending.aborts.append(request_id)
+        with self._pending_lock:
+            self._pending.aborts.append(request_id)
         self._schedule_flush()
 
-    def command(self, op: str, args: tuple[Any, ...]) -> "concurrent.futures.Future[Any]":
-        """An engine command (grammar compile, adapter load/unload); thread-safe; the future holds the reply."""
+    def command(self, op: str, args: tuple[Any, ...],
+                on_reply: Callable[["concurrent.futures.Future[Any]"], None] | None = None
+                ) -> "concurrent.futures.Future[Any]":
+        """An engine command (grammar compile, adapter load/unload, stats); thread-safe; the future holds the
+        reply. It goes out at once with every add and abort queued before it, in that order (an unload issued
+        after a submission reaches the engine after that request)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if on_reply is not None:   # runs on the receiving thread, in the order of the engine's messages
+            future.add_done_callback(on_reply)
         if not self.alive:
             future.set_exception(EngineDeadError("the engine process is not running"))
             return future
         cid = next(self._command_ids)
         self._commands[cid] = future
-        self._send(EngineInput([], [], [Command(cid, op, dumps(args))]))
+        with self._pending_lock:
+            self._pending.commands.append(Command(cid, op, dumps(args)))
+            self._flush_locked()
         return future
+
+    async def refresh(self, timeout_s: float = 1.0) -> None:
+        """Fresh engine stats and adapter entries, answered between two steps: /metrics, /v1/models and the
+        admin listings read the engine as it is now, with every response the client has seen counted. On a
+        timeout (an engine busy in one long step) the latest periodic report stays."""
+        future = self.command("stats", (), on_reply=self._take_stats)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except (asyncio.TimeoutError, EngineDeadError):
+            pass
+
+    def _take_stats(self, future: "concurrent.futures.Future[Any]") -> None:
+        if not future.cancelled() and future.exception() is None:
+            stats, entries = future.result()
+            self.engine.stats_snapshot = stats
+            self.engine.registry.sync(entries)
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
+        """Test-only: `fn(engine_core, *args)` on the engine process's loop thread between steps (`fn` pickles
+        by reference: a module-level function, e.g. tests/gateway/engine_probe.py)."""
+        return self.command("call", (fn, *args)).result(timeout_s)
 
     def _schedule_flush(self) -> None:
         if self._flush_scheduled:
@@ -174,6 +224,10 @@ class EngineClient:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        with self._pending_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         batch, self._pending = self._pending, EngineInput([], [], [])
         if batch.adds or batch.aborts or batch.commands:
             self._send(batch)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from adapters.errors import AdapterError
-from adapters.lora_dirs import LoraDirectories, fingerprint
+from adapters.lora_dirs import FailedReads, LoraDirectories
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class RemoteAdapter:
     path: str
     generation_id: str = ""            # "" until the engine registers a --lora-dir entry
     created: int = field(default_factory=lambda: int(time.time()))
+    epoch: int = 0                     # the name's unload count when it was resolved (`check_current`)
 
 
 class RemoteRegistry:
@@ -34,12 +35,14 @@ class RemoteRegistry:
         self._by_name: dict[str, RemoteAdapter] = {}
         self._lock = threading.Lock()
         self.dirs = LoraDirectories(lora_dirs)
-        self._negative: dict[str, tuple[Any, AdapterError]] = {}   # dir adapters whose first read failed
+        self.failed_reads = FailedReads()      # dir adapters whose first read (in the engine) failed
+        self._epochs: dict[str, int] = {}      # name -> admin unloads so far
+        self._num_unloading: dict[str, int] = {}   # name -> admin unloads waiting for the engine's reply
 
     def sync(self, entries: list[tuple[str, str, str, int]]) -> None:
         """The engine's entries (its `adapters` event)."""
         with self._lock:
-            self._by_name = {n: RemoteAdapter(n, p, g, c) for n, p, g, c in entries}
+            self._by_name = {n: RemoteAdapter(n, p, g, c, self._epochs.get(n, 0)) for n, p, g, c in entries}
 
     def get(self, name: str) -> RemoteAdapter | None:
         with self._lock:
@@ -52,12 +55,18 @@ class RemoteRegistry:
         loc = self.dirs.resolve(name)
         if loc is None:
             return None
+        self.failed_reads.check(loc)   # as the engine's registry: remembered until the files change
         with self._lock:
-            failed = self._negative.get(name)
-            if failed is not None and failed[0] == loc.fingerprint:
-                raise failed[1].fresh()   # as the engine's registry: remembered until the files change
-            self._negative.pop(name, None)
-        return RemoteAdapter(name, loc.path)
+            return RemoteAdapter(name, loc.path, epoch=self._epochs.get(name, 0))
+
+    def check_current(self, entry: RemoteAdapter) -> None:
+        """At submission: an adapter unloaded (or being unloaded) since its name was resolved is gone, a 404
+        before any response byte, as `AdapterRegistry.acquire` in-process. A request that passed this reaches
+        the engine before the unload command (`EngineClient.command`), which then finds it holding the adapter."""
+        with self._lock:
+            if self._num_unloading.get(entry.name) or self._epochs.get(entry.name, 0) != entry.epoch:
+                raise AdapterError(f"The model `{entry.name}` does not exist (it was unloaded).",
+                                   code="model_not_found", status=404)
 
     def remember_failure(self, name: str, error: AdapterError) -> None:
         """A request on a `--lora-dir` adapter failed its first read in the engine (a 400): later requests get
@@ -65,10 +74,8 @@ class RemoteRegistry:
         if error.status != 400 or not self.dirs or self.get(name) is not None:
             return
         loc = self.dirs.resolve(name)
-        now = fingerprint(loc.path) if loc is not None else None
-        if now is not None:
-            with self._lock:
-                self._negative[name] = (now, error)
+        if loc is not None:
+            self.failed_reads.remember(name, loc.path, error)
 
     def entries(self) -> list[RemoteAdapter]:
         with self._lock:
@@ -82,13 +89,19 @@ class RemoteRegistry:
     def load(self, name: str, path: str) -> RemoteAdapter:
         """Blocking (the admin route runs it on a worker thread): the engine reads and registers it."""
         n, p, g, c = self._command("load_lora", (name, path)).result()
-        entry = RemoteAdapter(n, p, g, c)
         with self._lock:
-            self._by_name[n] = entry
+            entry = self._by_name[n] = RemoteAdapter(n, p, g, c, self._epochs.get(n, 0))
         return entry
 
     def unload(self, name: str) -> None:
-        self._command("unload_lora", (name,)).result()
-        with self._lock:
-            self._by_name.pop(name, None)
+        with self._lock:   # from now on a submission naming it is refused (`check_current`)
+            self._num_unloading[name] = self._num_unloading.get(name, 0) + 1
+        try:
+            self._command("unload_lora", (name,)).result()
+            with self._lock:
+                self._epochs[name] = self._epochs.get(name, 0) + 1
+                self._by_name.pop(name, None)
+        finally:
+            with self._lock:
+                self._num_unloading[name] -= 1
 

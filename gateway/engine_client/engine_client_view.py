@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 from core.admission import check_request
 from core.config import EngineConfig
@@ -76,6 +76,7 @@ class EngineView:
         self.lora_pool = None
         self.tp = None                                # tensor-parallel workers are the engine process's children
         self.stats_snapshot: Stats | None = None
+        self.refresh: Callable[[], Awaitable[None]] | None = None   # EngineClient.refresh: fresh stats now
         self.ready = False
         self.grammar_compiler = RemoteCompiler(command, self.tokenizer, self.model_config.vocab_size,
                                                self.eos_token_ids)
@@ -98,3 +99,11 @@ class EngineView:
 
     def unload_lora(self, name: str) -> None:
         self.registry.unload(name)
+
+
+async def refresh_engine_state(engine: Any) -> None:
+    """Before a reader of engine state (/metrics, model and adapter listings) answers: an engine in its own
+    process reports its stats and adapters as they are now, so a response the client has already seen is
+    counted. In-process the state is read directly: nothing to do."""
+    if isinstance(engine, EngineView) and engine.refresh is not None:
+        await engine.refresh()

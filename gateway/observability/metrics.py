@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from core.engine_core.stats import snapshot_stats
+from gateway.engine_client.engine_client_view import refresh_engine_state
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -28,8 +29,8 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 class EngineCollector(Collector):
     """The engine's scheduler, KV pool and counters when Prometheus scrapes: one snapshot, read in the engine's
-    process (`core/engine_core/stats.py`): here for an in-process engine, or the engine process's latest report
-    (at most `STATS_INTERVAL_S` old while busy)."""
+    process (`core/engine_core/stats.py`): here for an in-process engine, or the engine process's report,
+    asked for by the scrape (`GatewayMetrics.render_current`)."""
 
     def __init__(self, engine: Any, max_loras: int) -> None:
         self.engine = engine
@@ -115,6 +116,7 @@ class GatewayMetrics:
     """One registry per app (no global state): engine gauges and counters, request latency histograms."""
 
     def __init__(self, engine: Any, max_loras: int) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, max_loras))
         self.ttft = Histogram("loraplex:time_to_first_token_seconds", "Time to first token.",
@@ -141,6 +143,12 @@ class GatewayMetrics:
         if ctx.admitted:
             self.tenant_prompt_tokens.labels(tenant=tenant).inc(ctx.prompt_tokens)
             self.tenant_generation_tokens.labels(tenant=tenant).inc(ctx.completion_tokens)
+
+    async def render_current(self, redact: bool = False) -> bytes:
+        """`render` after the engine reported its state as it is now (an engine process: answered between two
+        steps, at most `EngineClient.refresh`'s timeout)."""
+        await refresh_engine_state(self.engine)
+        return self.render(redact)
 
     def render(self, redact: bool = False) -> bytes:
         """Prometheus text; `redact`: without any tenant or adapter name (see `TenantBlindView`)."""

@@ -21,7 +21,7 @@ log = logging.getLogger("loraplex.gateway")
 
 def metrics_app(metrics: GatewayMetrics) -> Starlette:
     async def full_metrics(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await metrics.render_current(), media_type=CONTENT_TYPE)
 
     return Starlette(routes=[Route("/metrics", full_metrics, methods=["GET"])])
 

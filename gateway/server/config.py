@@ -102,7 +102,7 @@ class ServerConfig:
     download_dir: str | None = None          # the HF cache directory for hub ids
     trust_remote_code: bool = False
     uvicorn_log_level: str | None = None     # None: --log-level
-    engine_process: bool = False             # --engine-process: the engine core in its own process (issue 27)
+    engine_process: bool = True              # --engine-process: the engine core in its own process (issue 27)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
-"""`loraplex serve --engine-process on`: the engine core in its own process, fed over ZMQ (issue 27).
+"""`loraplex serve` (default: `--engine-process on`): the engine core in its own process, fed over ZMQ (issue 27).
 
-One server for the module: greedy completions (plain and streamed) match the offline in-process engine token
+One server for the module, started without the flag (the default): greedy completions (plain and streamed) match the offline in-process engine token
 for token, a JSON-schema constraint is compiled and enforced in the engine process (a bad schema is still a 400
-before any byte), a client that disconnects mid-stream frees its engine request (engine-reported /metrics),
+before any byte), the counters on /metrics (main port and --metrics-port) read right after a response already
+count it (the scrape asks the engine for its stats between two steps), a client that disconnects mid-stream frees its engine request (engine-reported /metrics),
 and the engine runs in a child process. Last, killing that child fails the open request, turns /health 503
 and makes the server exit non-zero.
 """
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(model_dir, "--max-model-len", "256", "--engine-process", "on")
+    proc = ServerProcess(model_dir, "--max-model-len", "256", metrics_port=True)   # the default: its own process
     yield proc
     proc.stop()
 
@@ -71,6 +72,24 @@ def completion_text(server: ServerProcess, prompt: list[int], stream: bool) -> t
     return text, num_tokens
 
 
+@pytest.mark.parametrize("flag,env,want", [(None, None, True), (None, "0", False), (None, "off", False),
+                                           (None, "1", True), ("off", None, False), ("on", "0", True),
+                                           ("off", "1", False)])
+def test_engine_process_is_the_default(flag: str | None, env: str | None, want: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loraplex serve` runs the engine in its own process unless `--engine-process off`, or, without the flag,
+    `LORAPLEX_ENGINE_PROCESS=0`."""
+    from gateway.cli import build_parser, config_from_args
+
+    if env is None:
+        monkeypatch.delenv("LORAPLEX_ENGINE_PROCESS", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_ENGINE_PROCESS", env)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--device", "cpu"] + (["--engine-process", flag] if flag else []))
+    assert config_from_args(args, parser).engine_process is want
+
+
 def test_engine_runs_in_a_child_process(server: ServerProcess) -> None:
     assert len(engine_children(server.proc.pid)) == 1, "no engine process under the server"
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -97,6 +116,28 @@ def test_json_schema_is_compiled_and_enforced_in_the_engine(server: ServerProces
                                                                              "schema": {"type": "nonsense"}}})
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=bad, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("response_format"), resp.text
+
+
+def test_counters_read_right_after_a_response_include_it(server: ServerProcess) -> None:
+    """The engine's own periodic report lags (up to a heartbeat when it goes idle right after the step):
+    a scrape must not, on either port, for a non-streamed or a streamed response."""
+    assert server.metrics_url is not None
+    urls = (f"{server.url}/metrics", server.metrics_url)
+    counters = ("loraplex:generation_tokens_total", "loraplex:prompt_tokens_total")
+
+    def read(url: str) -> tuple[float, ...]:
+        text = httpx.get(url, timeout=10).text
+        return tuple(metric_value(text, name) for name in counters) + (
+            metric_value(text, "loraplex:num_requests_running"), metric_value(text, "loraplex:kv_cache_usage_perc"))
+
+    for i in range(6):
+        url, stream = urls[i % 2], i % 4 >= 2
+        before = read(url)
+        prompt = PROMPTS[i % len(PROMPTS)]
+        assert completion_text(server, prompt, stream)[1] == 12
+        after = read(url)
+        assert (after[0] - before[0], after[1] - before[1]) == (12, len(prompt)), (i, url, stream, before, after)
+        assert after[2:] == (0, 0), (i, url, after)
 
 
 def test_disconnect_aborts_in_the_engine(server: ServerProcess) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pickle
 
 from adapters.errors import AdapterError
-from core.engine_core.grammar_handles import RemoteAutoMatcher, RemoteGrammar, RemoteMatcher, to_wire
+from core.engine_core.grammar_handles import (RemoteGrammar, RemoteMatcher, RemoteTriggered,
+                                              RemoteTriggeredMatcher, to_wire)
 from core.engine_core.protocol import (INPUT_DECODER, INPUT_ENCODER, OUTPUT_DECODER, OUTPUT_ENCODER, AddRequest,
                                        EngineInput, EngineOutput, decode_delta, dumps, encode_delta, loads)
 from core.outputs import RequestDelta
@@ -52,5 +53,19 @@ def test_grammar_handles_pickle() -> None:
     matcher = grammar.new_matcher([2, 9])
     assert matcher == RemoteMatcher("spec", (2, 9)) and to_wire(matcher) is matcher
     assert pickle.loads(pickle.dumps(matcher)) == matcher
-    auto = RemoteAutoMatcher("spec", b"<tool_call>", (2,))
+    auto = RemoteTriggeredMatcher(RemoteTriggered(RemoteTriggered("spec", b"<tool_call>"), b"</think>", 7, True), (2,))
     assert pickle.loads(pickle.dumps(auto)) == auto
+
+
+def test_reasoning_gate_over_auto_tools_crosses_whole() -> None:
+    """`--reasoning-parser` over `tool_choice: "auto"` over a remote call grammar: the wire form keeps both
+    triggers, the end tag's id and which gate is the reasoning one."""
+    from grammar.tool_calls import AutoToolGrammar, ReasoningGrammar
+    from grammar.triggered import FreeTextMasks
+
+    calls = RemoteGrammar("calls-spec", (2,), 64)
+    free = FreeTextMasks([b"a"] * 64, 64, b"<")
+    gated = ReasoningGrammar(AutoToolGrammar(calls, b"<tool_call>", free), b"</think>", free, 9)
+    wire = to_wire(gated.new_matcher([2, 5]))
+    assert wire == RemoteTriggeredMatcher(
+        RemoteTriggered(RemoteTriggered("calls-spec", b"<tool_call>", None, False), b"</think>", 9, True), (2, 5))

@@ -1,4 +1,5 @@
-"""Per-request fault isolation over HTTP (one in-process server for the module, as tests/gateway/test_soak.py).
+"""Per-request fault isolation over HTTP, through the engine process (one server for the module, as
+tests/gateway/test_soak.py: the faults are armed in the engine's process by tests/gateway/engine_probe.py).
 
 A fault injected into one request of a concurrent mixed batch (base model, two adapters, a JSON schema,
 penalties, log-probs, a seeded sample) at one stage of the engine step: that request gets a 500 naming the
@@ -10,41 +11,39 @@ from __future__ import annotations
 
 import asyncio
 import types
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
 
+import engine_probe as probe
 from fault_client import Outcome, Template, send, templates
-from test_soak import ADAPTERS, MODEL, SERVED, InProcessServer, engine_leftovers, on_engine_thread
+from inprocess_server import InProcessServer
+from test_soak import ADAPTERS, MODEL, soak_server, SERVED
 from lora_fixtures import adapter_dir
-
-from core import faults
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[InProcessServer]:
     mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = InProcessServer(mods, num_kv_blocks=64, max_num_batched_tokens=256)
+    srv = soak_server(mods, num_kv_blocks=64, max_num_batched_tokens=256)
+    assert srv.engine_process
     try:
         yield srv
     finally:
-        faults.clear()
         srv.stop()
 
 
-@pytest.fixture(autouse=True)
-def no_faults() -> Iterator[None]:
-    faults.clear()
-    yield
-    faults.clear()
+@pytest.fixture()
+def armed(server: InProcessServer) -> Iterator[InProcessServer]:
+    server.call(probe.clear_faults)
+    yield server
+    server.call(probe.clear_faults)
 
 
-def marker(srv: InProcessServer, tpl: Template) -> Callable[[Any], bool]:
-    """A predicate on engine requests: the prompt of `tpl` (its first word is unique to it)."""
-    word = tpl.prompt.split()[0]
-    tok = srv.engine.tokenizer
-    return lambda req: word in tok.decode(req.prompt_token_ids[:24], skip_special_tokens=True)
+def arm(srv: InProcessServer, stage: str, tpl: Template) -> None:
+    """Fails, at `stage`, the engine requests whose prompt is `tpl`'s (its first word is unique to it)."""
+    srv.call(probe.arm_marker, stage, tpl.prompt.split()[0])
 
 
 def run_batch(srv: InProcessServer, tpls: list[Template], stream: dict[str, bool]) -> dict[str, Outcome]:
@@ -67,11 +66,10 @@ def clean(server: InProcessServer) -> dict[str, str]:
 
 
 def assert_serves_clean(srv: InProcessServer, clean: dict[str, str]) -> None:
-    faults.clear()
+    srv.call(probe.clear_faults)
     srv.wait_idle()
-    left = on_engine_thread(srv.aeng, lambda: engine_leftovers(srv))
-    assert (left["usage"], left["requests"], left["adapters_in_flight"]) == (0.0, 0, {}), left
-    assert on_engine_thread(srv.aeng, lambda: len(srv.engine.penalties._slot_of)) == 0
+    left = srv.call(probe.leftovers)
+    assert (left["usage"], left["requests"], left["adapters_in_flight"], left["penalty_rows"]) == (0.0, 0, {}, 0), left
     assert httpx.get(f"{srv.url}/health", trust_env=False).status_code == 200
     again = run_batch(srv, templates(tuple(ADAPTERS)), {})
     assert {n: o.text for n, o in again.items()} == clean
@@ -83,15 +81,17 @@ CASES = [("sampling", "adapter0", False), ("penalties", "penalty", True), ("gram
 
 
 @pytest.mark.parametrize("stage,victim,stream", CASES, ids=[f"{s}-{v}-{'sse' if st else 'json'}" for s, v, st in CASES])
-def test_fault_fails_one_request_alone(server: InProcessServer, clean: dict[str, str], stage: str, victim: str,
+def test_fault_fails_one_request_alone(armed: InProcessServer, clean: dict[str, str], stage: str, victim: str,
                                        stream: bool) -> None:
+    server = armed
     tpls = templates(tuple(ADAPTERS))
     if stage == "prompt_logprobs":   # only requests that ask for prompt log-probs reach that stage
         tpls = [Template(t.name, t.prompt, t.model, t.extra + (("echo", True), ("logprobs", 1)))
                 if t.name == victim else t for t in tpls]
-    faults.inject(stage, marker(server, next(t for t in tpls if t.name == victim)))
+    arm(server, stage, next(t for t in tpls if t.name == victim))
     outs = run_batch(server, tpls, {t.name: stream for t in tpls})
-    assert len(faults.hits.get(stage, ())) == 1, faults.hits
+    hits = server.call(probe.fault_hits)
+    assert len(hits.get(stage, ())) == 1, hits
     bad = outs.pop(victim)
     assert not bad.problems and bad.error is not None, bad
     assert bad.status == (200 if stream else 500) and bad.done == stream, bad
@@ -102,9 +102,10 @@ def test_fault_fails_one_request_alone(server: InProcessServer, clean: dict[str,
     assert_serves_clean(server, clean)
 
 
-def test_out_of_vocabulary_stop_token_id_is_a_400_and_the_server_serves_on(server: InProcessServer,
+def test_out_of_vocabulary_stop_token_id_is_a_400_and_the_server_serves_on(armed: InProcessServer,
                                                                             clean: dict[str, str]) -> None:
     """The issue's body: it answered 503, and so did /health and every later request, for good."""
+    server = armed
     body = {"model": SERVED, "prompt": "def f(", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [1000000000]}
     resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30, trust_env=False)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop_token_ids", resp.text

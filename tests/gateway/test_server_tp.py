@@ -1,7 +1,9 @@
-"""`loraplex serve --tensor-parallel-size 2 --speculative-config <ngram>` (gloo, CPU): the HTTP answers equal
-the offline engine at N=1 without speculation (greedy completions, streamed and not, and a JSON schema that
-validates, its forced tokens proposed by jump-forward), and /metrics counts the drafts; then a killed worker is detected:
-the open request gets an error, /health fails and the server exits non-zero, with the reason in its log."""
+"""`loraplex serve --tensor-parallel-size 2 --speculative-config <ngram>` (gloo, CPU), the engine in its own
+process (the default): the HTTP answers equal the offline engine at N=1 without speculation (greedy
+completions, streamed and not, and a JSON schema that validates, its forced tokens proposed by jump-forward),
+and /metrics counts the drafts (the engine's stats across the boundary); the tensor-parallel worker is a child
+of the engine process, not of the API process; then a killed worker is detected: the engine process exits, the
+open request gets an error, /health fails and the server exits non-zero, with the reason in its log."""
 from __future__ import annotations
 
 import json
@@ -92,7 +94,8 @@ def _worker_pids(parent: int) -> list[int]:
 
 def test_killed_worker_fails_requests_health_and_exits_nonzero(server: ServerProcess) -> None:
     """Runs last: it ends the module's server."""
-    pids = _worker_pids(server.proc.pid)
+    [engine] = _worker_pids(server.proc.pid)     # the server's one spawn child is the engine process
+    pids = _worker_pids(engine)                  # the tensor-parallel worker is the engine's child
     assert len(pids) == 1, pids
     result: dict[str, object] = {}
 
@@ -123,3 +126,11 @@ def test_killed_worker_fails_requests_health_and_exits_nonzero(server: ServerPro
     assert server.proc.returncode != 0
     assert unhealthy
     assert "tensor-parallel worker rank 1" in server.output()
+    assert _state(engine) in ("gone", "Z"), "the engine process outlived the server"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"

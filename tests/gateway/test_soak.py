@@ -1,7 +1,9 @@
-"""Soak test: a few thousand random requests against an in-process server, then nothing may have leaked.
+"""Soak test: a few thousand random requests against a server, then nothing may have leaked.
 
-The server runs in this process (engine thread + uvicorn on a free 127.0.0.1 port in a background thread) so
-the test can read the engine afterwards: the tiny Llama with two LoRA adapters loaded at start-up and a third
+The API runs in this process (uvicorn on a free 127.0.0.1 port in a background thread; tests/gateway/
+inprocess_server.py) and the engine in its own process (the serving default; the async-scheduling run keeps
+it on a thread of this process), and the test reads the engine afterwards on its loop thread
+(tests/gateway/engine_probe.py): the tiny Llama with two LoRA adapters loaded at start-up and a third
 hot-loaded / unloaded (with other weights and target modules on each reload) through the admin API while
 requests for it are in flight; a small KV pool (preemption by recompute), a small token budget (chunked
 prefill) and `max_loras` 2 (adapter admission limits). `soak_client.run_soak` sends the workload
@@ -13,7 +15,7 @@ Afterwards: no 5xx and no contract violation; once the engine is idle no request
 pool is empty (`kv.usage() == 0`, `kv_cache_usage_perc` 0 on /metrics), `check_integrity()` is clean (also
 checked on the engine thread every few steps during the run), unloaded adapters hold no cached KV nor LoRA
 slot, no adapter refcount, queue slot or in-flight count is left, and the thread count and RSS did not grow
-beyond a bound. Summary numbers (requests/s, status histogram, disconnects, preemptions) are printed (-s).
+beyond a bound (in this, the API's process). Summary numbers (requests/s, status histogram, disconnects, preemptions) are printed (-s).
 
 Bounded in count and time (required in CI): `LORAPLEX_SOAK_REQUESTS` (default 2000; the async-scheduling run
 `LORAPLEX_SOAK_ASYNC_REQUESTS`, default 1000), `LORAPLEX_SOAK_SECONDS` (default 75: no new request after that)
@@ -22,7 +24,6 @@ and `LORAPLEX_SOAK_SEED` (default 0) override the defaults.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -30,7 +31,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -39,8 +40,9 @@ pytest.importorskip("peft")
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("jsonschema")
 
-from testlib import model_dir  # noqa: E402
-from gateway_server import free_port, metric_value  # noqa: E402
+import engine_probe as probe  # noqa: E402
+from gateway_server import metric_value  # noqa: E402
+from inprocess_server import InProcessServer  # noqa: E402
 from lora_fixtures import adapter_dir  # noqa: E402
 from soak_client import PROMPTS, SoakConfig, SoakStats, run_soak  # noqa: E402
 
@@ -65,144 +67,26 @@ MAX_THREAD_GROWTH = 4
 MAX_RSS_GROWTH = 300 * 2**20
 INTEGRITY_EVERY_STEPS = 25
 
-T = TypeVar("T")
+def soak_server(lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int = NUM_KV_BLOCKS,
+                max_num_batched_tokens: int = MAX_BATCHED_TOKENS, **overrides: Any) -> InProcessServer:
+    """The soak's configuration: the tiny Llama, a small KV pool and token budget, the admin token."""
+    return InProcessServer(MODEL, SERVED, lora_modules, num_kv_blocks, max_num_batched_tokens, ADMIN_TOKEN,
+                           block_size=BLOCK_SIZE, **overrides)
 
 
-def on_engine_thread(aeng: Any, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
-    """Runs `fn` on the engine thread between two steps (its hooks), where the engine state is consistent."""
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def hook() -> None:
-        if future.done():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            future.set_exception(exc)
-
-    aeng.hooks.append(hook)
-    try:
-        return future.result(timeout_s)
-    finally:
-        aeng.hooks.remove(hook)
-
-
-class IntegrityWatch:
-    """An engine hook: `check_integrity()` every few loop iterations while the soak runs; keeps the failures."""
-
-    def __init__(self, engine: Any, every: int) -> None:
-        self.engine = engine
-        self.every = every
-        self.calls = 0
-        self.checks = 0
-        self.failures: list[str] = []
-
-    def __call__(self) -> None:
-        self.calls += 1
-        if self.calls % self.every:
-            return
-        self.checks += 1
-        try:
-            self.engine.check_integrity()
-        except Exception:  # noqa: BLE001 - recorded, asserted on by the test
-            if len(self.failures) < 5:
-                self.failures.append(f"step {self.engine.scheduler.num_steps}: {traceback.format_exc()}")
-
-
-class InProcessServer:
-    """`loraplex serve` assembled in this process: LLMEngine + AsyncEngine + the starlette app under uvicorn
-    on a free loopback port in a background thread (as gateway/server/server.py assembles them)."""
-
-    def __init__(self, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int = NUM_KV_BLOCKS,
-                 max_num_batched_tokens: int = MAX_BATCHED_TOKENS, **overrides: Any) -> None:
-        import torch
-        import uvicorn
-
-        from core.async_engine import AsyncEngine
-        from core.config import ModelConfig
-        from core.engine import LLMEngine
-        from core.engine_setup import kv_bytes_per_block
-        from gateway.app import build_app
-        from gateway.server.config import ServerConfig
-        from gateway.server.state import GatewayState
-
-        port = free_port()
-        per_block = kv_bytes_per_block(ModelConfig.from_path(model_dir(MODEL)), BLOCK_SIZE, torch.float32)
-        settings: dict[str, Any] = dict(
-            model=str(model_dir(MODEL)), served_model_name=SERVED, host="127.0.0.1", port=port, device="cpu",
-            dtype="float32", lora_modules=lora_modules, max_loras=2, max_lora_rank=64, block_size=BLOCK_SIZE,
-            kv_cache_memory=num_kv_blocks * per_block, max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
-            admin_token=ADMIN_TOKEN, access_log=False)
-        settings.update(overrides)
-        config = ServerConfig(**settings)
-        self.config = config
-        self.engine = LLMEngine(config.engine_config())
-        assert self.engine.kv.num_blocks == num_kv_blocks
-        self.aeng = AsyncEngine(self.engine)
-        self.aeng.start()
-        self.state = GatewayState.build(config, self.aeng)
-        app = build_app(self.state)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    access_log=False, lifespan="off"))
-        self.url = f"http://127.0.0.1:{port}"
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="soak-uvicorn", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        await self.server.serve()
-
-    def pending_tasks(self) -> list[str]:
-        """The server loop's tasks but the server itself, with their stacks (request handlers, pumps, ...)."""
-        async def dump() -> list[str]:
-            out = []
-            for task in asyncio.all_tasks():
-                if task is asyncio.current_task() or task.get_coro().__qualname__ == "InProcessServer._serve":
-                    continue
-                frames = task.get_stack(limit=30)
-                where = " <- ".join(f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
-                                    for f in frames)
-                if "main_loop" in where or "serve" == task.get_coro().__name__:
-                    continue
-                out.append(f"{task.get_name()} {task.get_coro().__qualname__}: {where}")
-            return out
-        assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(dump(), self.loop).result(10)
-
-    def wait_idle(self, timeout_s: float = 30.0) -> None:
-        """Until the engine has no request and no stream is left (the event loop delivered every delta)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.engine.scheduler.requests and self.aeng.num_in_flight == 0:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"engine not idle after {timeout_s}s: {len(self.engine.scheduler.requests)} "
-                             f"requests in the scheduler, {self.aeng.num_in_flight} streams open, "
-                             f"running {self.engine.scheduler.num_running}, "
-                             f"waiting {self.engine.scheduler.num_waiting}")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.aeng.shutdown()
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+@pytest.fixture(scope="module", params=[(True, False), (False, True)],
+                ids=["sync-engine-process", "async-scheduling-in-process"])
 def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
-    """Once with the synchronous step, once with async scheduling (a token in flight per request across
-    aborts, disconnects, preemptions and adapter reloads)."""
+    """Once through the engine process (the serving default) with the synchronous step, once with the engine
+    on a thread of this process and async scheduling (a token in flight per request across aborts,
+    disconnects, preemptions and adapter reloads)."""
+    engine_process, async_scheduling = request.param
     access = logging.getLogger("loraplex.access")
     old_level = access.level
     access.setLevel(logging.CRITICAL + 1)   # no access log lines for thousands of requests
     mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = InProcessServer(mods, async_scheduling=request.param)
-    assert srv.engine.async_scheduling is request.param
+    srv = soak_server(mods, engine_process=engine_process, async_scheduling=async_scheduling)
+    assert srv.call(probe.async_scheduling) is async_scheduling
     try:
         yield srv
     finally:
@@ -211,7 +95,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
 
 
 def num_requests(srv: InProcessServer) -> int:
-    return NUM_ASYNC_REQUESTS if srv.engine.async_scheduling else NUM_REQUESTS
+    return NUM_ASYNC_REQUESTS if srv.config.async_scheduling else NUM_REQUESTS
 
 
 def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:
@@ -242,40 +126,10 @@ def settled_thread_count(limit: int, timeout_s: float = 15.0) -> int:
     return count
 
 
-def engine_leftovers(srv: InProcessServer) -> dict[str, Any]:
-    """Read on the engine thread: what the engine still holds once idle."""
-    eng = srv.engine
-    eng.check_integrity()
-    live = {e.generation_id for e in eng.registry.entries()}
-    stale: dict[str, int] = {}
-    cache = eng.kv.prefix_cache
-    if cache is not None:
-        for ns, root in cache.roots.items():
-            if ns != "base" and ns not in live:
-                stack, blocks = list(root.children.values()), 0
-                while stack:
-                    node = stack.pop()
-                    blocks += len(node.blocks)
-                    stack.extend(node.children.values())
-                if blocks:
-                    stale[ns] = blocks
-    return {
-        "usage": eng.kv.usage(),
-        "requests": len(eng.scheduler.requests),
-        "running": eng.scheduler.num_running,
-        "waiting": eng.scheduler.num_waiting,
-        "adapters_in_flight": {e.name: e.num_in_flight for e in eng.registry.entries() if e.num_in_flight},
-        "slots": [s for s in eng.lora_pool.loaded_ids if s not in live],
-        "stale_namespaces": stale,
-        "preemptions": eng.scheduler.num_preemptions,
-        "steps": eng.scheduler.num_steps,
-    }
-
-
 @dataclass
 class SoakReport:
     stats: SoakStats
-    left: dict[str, Any]                  # engine_leftovers() once idle
+    left: dict[str, Any]                  # engine_probe.leftovers() once idle
     metrics: str                          # /metrics text once idle
     integrity_failures: list[str]
     integrity_checks: int
@@ -374,9 +228,8 @@ def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakRepo
         srv.wait_idle()
     threads_before = threading.active_count()
     rss_before = proc.memory_info().rss
-    preempt_before = srv.engine.scheduler.num_preemptions
-    watch = IntegrityWatch(srv.engine, INTEGRITY_EVERY_STEPS)
-    srv.aeng.hooks.append(watch)
+    preempt_before = srv.call(probe.num_preemptions)
+    srv.call(probe.start_watch, INTEGRITY_EVERY_STEPS)
     idle_error = None
     try:
         stats = asyncio.run(run_soak(cfg))
@@ -385,9 +238,9 @@ def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakRepo
         except AssertionError as exc:
             idle_error = str(exc)
     finally:
-        srv.aeng.hooks.remove(watch)
+        checks, failures = srv.call(probe.stop_watch)
     try:
-        left = on_engine_thread(srv.aeng, lambda: engine_leftovers(srv))
+        left = srv.call(probe.leftovers)
     except Exception:  # noqa: BLE001 - reported as a problem
         left = {"error": traceback.format_exc()}
     metrics = scrape(srv.url)
@@ -403,8 +256,8 @@ def soak(srv: InProcessServer, cfg: SoakConfig, warmup: bool = True) -> SoakRepo
     deadline = time.monotonic() + 5
     while (srv.state.queue.in_flight or srv.state.lifecycle.in_flight) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return SoakReport(stats=stats, left=left, metrics=metrics, integrity_failures=watch.failures,
-                      integrity_checks=watch.checks, preemptions=srv.engine.scheduler.num_preemptions - preempt_before,
+    return SoakReport(stats=stats, left=left, metrics=metrics, integrity_failures=failures,
+                      integrity_checks=checks, preemptions=srv.call(probe.num_preemptions) - preempt_before,
                       threads=(threads_before, threads_after), rss=(rss_before, rss_after),
                       queue_in_flight=srv.state.queue.in_flight, http_in_flight=srv.state.lifecycle.in_flight,
                       streams_open=srv.aeng.num_in_flight, after_status=after.status_code,

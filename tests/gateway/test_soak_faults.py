@@ -1,6 +1,7 @@
-"""Soak with faults: random concurrent requests against an in-process server (16 KV blocks: preemption; a 32-token
+"""Soak with faults: random concurrent requests against a server whose engine runs in its own process (16 KV blocks: preemption; a 32-token
 token budget: chunked prefill), with a fault injected at a random stage of the engine step into a random
-fifth of them (`core/faults.py`, chosen by a hash of the engine request id and the seed).
+fifth of them (`core/faults.py`, chosen by a hash of the engine request id and the seed; armed in the engine's
+process by tests/gateway/engine_probe.py).
 
 Afterwards: every request whose fault was raised got an error naming it (a 500, or an in-band error event then
 `[DONE]` in a stream), every other request got exactly the output of its clean run, none hung (each answered
@@ -14,7 +15,6 @@ and the faulted requests.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
 import time
@@ -24,12 +24,11 @@ from typing import Iterator
 import httpx
 import pytest
 
+import engine_probe as probe
 from fault_client import Outcome, Template, send, templates
-from test_soak import (ADAPTERS, INTEGRITY_EVERY_STEPS, MODEL, SERVED, InProcessServer, IntegrityWatch,
-                       engine_leftovers, on_engine_thread)
+from inprocess_server import InProcessServer
+from test_soak import ADAPTERS, INTEGRITY_EVERY_STEPS, MODEL, SERVED, soak_server
 from lora_fixtures import adapter_dir
-
-from core import faults
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_FAULT_SOAK_REQUESTS", "150"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_FAULT_SOAK_SECONDS", "20"))
@@ -52,22 +51,14 @@ def soak_templates() -> list[Template]:
     return out
 
 
-def stage_for(request_id: str) -> str | None:
-    """The stage at which this engine request fails, if any: a pure function of the seed and the id."""
-    digest = hashlib.sha256(f"{SEED}:{request_id}".encode()).digest()
-    if digest[0] >= FAULT_RATE * 256:
-        return None
-    return STAGES[digest[1] % len(STAGES)]
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
     mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = InProcessServer(mods, num_kv_blocks=16, async_scheduling=request.param)
+    srv = soak_server(mods, num_kv_blocks=16, async_scheduling=request.param)
+    assert srv.engine_process
     try:
         yield srv
     finally:
-        faults.clear()
         srv.stop()
 
 
@@ -106,21 +97,19 @@ def _clean_outputs(srv: InProcessServer) -> dict[str, str]:
 
 
 def test_soak_with_faults(server: InProcessServer) -> None:
-    print(f"\nfault soak: seed {SEED} (LORAPLEX_FAULT_SOAK_SEED), async scheduling {server.engine.async_scheduling}")
+    print(f"\nfault soak: seed {SEED} (LORAPLEX_FAULT_SOAK_SEED), async scheduling {server.config.async_scheduling}")
     clean = _clean_outputs(server)
-    faults.clear()
-    for stage in STAGES:
-        faults.inject(stage, lambda req, stage=stage: stage_for(req.request_id) == stage)
-    watch = IntegrityWatch(server.engine, INTEGRITY_EVERY_STEPS)
-    server.aeng.hooks.append(watch)
-    t0, preemptions = time.monotonic(), server.engine.scheduler.num_preemptions
+    server.call(probe.clear_faults)
+    server.call(probe.arm_hashed, SEED, FAULT_RATE, STAGES)
+    server.call(probe.start_watch, INTEGRITY_EVERY_STEPS)
+    t0, preemptions = time.monotonic(), server.call(probe.num_preemptions)
     try:
         results = asyncio.run(_workload(server.url, SEED))
-        hit = {rid: stage for stage, ids in faults.hits.items() for rid in ids}
+        hit = {rid: stage for stage, ids in server.call(probe.fault_hits).items() for rid in ids}
     finally:
-        server.aeng.hooks.remove(watch)
-        faults.clear()
-    elapsed, preemptions = time.monotonic() - t0, server.engine.scheduler.num_preemptions - preemptions
+        checks, failures = server.call(probe.stop_watch)
+        server.call(probe.clear_faults)
+    elapsed, preemptions = time.monotonic() - t0, server.call(probe.num_preemptions) - preemptions
     problems: list[str] = []
     outcomes: Counter[str] = Counter()
     for name, stream, out in results:
@@ -140,12 +129,12 @@ def test_soak_with_faults(server: InProcessServer) -> None:
             if (out.status, out.error, out.text) != (200, None, clean[name]):
                 problems.append(f"{name} (stream={stream}) unaffected but got {out} (clean: {clean[name]!r})")
     server.wait_idle()
-    left = on_engine_thread(server.aeng, lambda: engine_leftovers(server))
-    penalty_rows = on_engine_thread(server.aeng, lambda: len(server.engine.penalties._slot_of))
-    print(f"fault soak: {len(results)} requests in {elapsed:.1f} s, {dict(outcomes)}, {watch.checks} integrity checks,"
+    left = server.call(probe.leftovers)
+    penalty_rows = left["penalty_rows"]
+    print(f"fault soak: {len(results)} requests in {elapsed:.1f} s, {dict(outcomes)}, {checks} integrity checks,"
           f" {preemptions} preemptions")
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:30])
-    assert not watch.failures, watch.failures
+    assert not failures, failures
     assert len(results) >= min(NUM_REQUESTS, 60), f"only {len(results)} requests in {MAX_SECONDS} s"
     assert preemptions > 0, "the workload never preempted"
     assert outcomes["unaffected"] and sum(v for k, v in outcomes.items() if k != "unaffected") >= 3, outcomes

@@ -1,8 +1,10 @@
 """`loraplex serve` refuses to start when the kernel self-check fails: exit status 1, the kernel and its torch
 switch on stderr, never a live server answering 503 (`gateway/server/startup.py`).
 
-In-process (`gateway.cli.main`), every part on its Triton path in the interpreter and the self-check forced
-on, with the bitmask kernel made wrong; the same run with the switch the error names starts and serves."""
+`gateway.cli.main` on a thread of the test, every part on its Triton path in the interpreter and the self-check
+forced on, with the bitmask kernel made wrong: in the engine process (the default; the wrong kernel is put there
+by the test-only `LORAPLEX_ENGINE_TEST_HOOK`, the failure crosses the process boundary) and with
+`--engine-process off`. The same run with the switch the error names starts and serves."""
 from __future__ import annotations
 
 import threading
@@ -13,6 +15,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from engine_probe import wrong_bitmask_kernel  # noqa: E402
 from gateway.cli import main  # noqa: E402
 from gateway_server import free_port  # noqa: E402
 from testlib import model_dir  # noqa: E402
@@ -24,22 +27,24 @@ def triton_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(var, "triton")
     monkeypatch.setenv("LORAPLEX_LORA_BACKEND", "torch")      # no adapters here: fewer interpreted launches
     monkeypatch.setenv("LORAPLEX_KERNEL_SELFCHECK", "1")
+    # the bitmask kernel forgets the last constrained row: here (--engine-process off) and in the engine process
+    monkeypatch.setenv("LORAPLEX_ENGINE_TEST_HOOK", "engine_probe:wrong_bitmask_kernel")
     from grammar import bitmask_triton
 
-    apply = bitmask_triton.apply_token_bitmask_triton_       # forgets the last constrained row
-    monkeypatch.setattr(bitmask_triton, "apply_token_bitmask_triton_",
-                        lambda logits, mask, rows: apply(logits, mask, rows[:-1]))
+    monkeypatch.setattr(bitmask_triton, "apply_token_bitmask_triton_", bitmask_triton.apply_token_bitmask_triton_)
+    wrong_bitmask_kernel()
 
 
-def _argv(port: int) -> list[str]:
+def _argv(port: int, *extra: str) -> list[str]:
     return ["serve", "--model", str(model_dir("llama_gqa_1layer")), "--port", str(port), "--device", "cpu",
-            "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--kv-cache-memory", "1MB"]
+            "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--kv-cache-memory", "1MB",
+            *extra]
 
 
 class Served:
     """`main` on a thread (a server that does not exit fails the test instead of hanging it)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *extra: str) -> None:
         import gateway.server.server as server_module
 
         self.port = free_port()
@@ -53,7 +58,7 @@ class Served:
                 servers.append(self)
 
         monkeypatch.setattr(server_module, "GatewayServer", Recorded)
-        self.thread = threading.Thread(target=lambda: self.result.append(main(_argv(self.port))))
+        self.thread = threading.Thread(target=lambda: self.result.append(main(_argv(self.port, *extra))))
         self.thread.start()
 
     def stop(self) -> None:
@@ -62,9 +67,10 @@ class Served:
         self.thread.join(30)
 
 
+@pytest.mark.parametrize("engine_process", ["on", "off"])
 def test_a_failed_selfcheck_exits_1_with_the_reason(triton_everywhere: None, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    served = Served(monkeypatch)
+                                                    capsys: pytest.CaptureFixture[str], engine_process: str) -> None:
+    served = Served(monkeypatch, "--engine-process", engine_process)
     served.thread.join(60)
     running = served.thread.is_alive()
     served.stop()

@@ -100,7 +100,10 @@ def test_metrics_port_has_the_full_text(server: tuple[ServerProcess, str]) -> No
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{proc.url}/v1/completions", json=body,
                          headers={"Authorization": "Bearer sk-acme"}) as stream:
-            next(line for line in stream.iter_lines() if line.startswith("data: {"))
+            lines = stream.iter_lines()   # kept open: a discarded line iterator closes the connection (an abort)
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
             text = http.get(metrics_url).text
             blind = http.get(f"{proc.url}/metrics").text
     (info,) = [lab for n, lab, _ in samples(text) if n == "loraplex:lora_requests_info"]
