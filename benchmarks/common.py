@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # the packages first: tests/grammar/ (a namespace package) would shadow grammar/
+sys.path.append(str(ROOT / "tests"))   # test-model builders: tests/tiny_models.py
 from tiny_models import TinyModelSpec, tiny_model_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"

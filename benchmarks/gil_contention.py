@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
 
 from common import write_results  # noqa: E402

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from jsonschema import Draft202012Validator  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
 from tiny_models import build_tokenizer  # noqa: E402
 from grammar import GrammarCompiler, GrammarError, GrammarMatcher, allocate_token_bitmask  # noqa: E402

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
 
 from grammar.bitmask import allocate_token_bitmask, unpack_bitmask
