@@ -71,10 +71,13 @@ class RemoteRegistry:
     def remember_failure(self, name: str, error: AdapterError) -> None:
         """A request on a `--lora-dir` adapter failed its first read in the engine (a 400): later requests get
         that error at resolution, before any response byte, as in-process."""
-        if error.status != 400 or not self.dirs or self.get(name) is not None:
+        if error.status != 400 or not self.dirs:
             return
         loc = self.dirs.resolve(name)
-        if loc is not None:
+        entry = self.get(name)
+        # the mirror may still list the engine's directory entry (the event retiring it can come a message
+        # after the failure): only an admin-loaded adapter of another folder shadows the directory's
+        if loc is not None and (entry is None or entry.path == loc.path):
             self.failed_reads.remember(name, loc.path, error)
 
     def entries(self) -> list[RemoteAdapter]:
