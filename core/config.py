@@ -45,6 +45,16 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        """Raises ValueError naming the field for a config.json that lacks one or gives it the wrong type."""
+        try:
+            return ModelConfig._parse(cfg)
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks the field {exc.args[0]!r}") from None
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"config.json has a field of the wrong type: {exc}") from None
+
+    @staticmethod
+    def _parse(cfg: dict[str, Any]) -> "ModelConfig":
         cfg = text_config(cfg)
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
