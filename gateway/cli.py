@@ -177,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     config = config_from_args(args, parser)
+    from grammar.compile_limits import CompileLimits
+
+    try:
+        CompileLimits.from_env()   # the grammar compile limits' environment variables
+    except ValueError as exc:
+        parser.error(str(exc))
     from gateway.server.server import serve
 
     try:

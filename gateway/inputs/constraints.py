@@ -62,17 +62,20 @@ async def resolve_constraint(body: _SamplingFields, engine: Any) -> Any:
 async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any) -> Any:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
+    from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
+
     other = constraint_spec(body, engine)
     if plan is None or not plan.constrained:
+        if plan is not None:   # tool_choice "none": the tools' schemas are still checked (lowered in a worker)
+            await asyncio.wrap_future(engine.grammar_compiler.check(
+                tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
         return await compile_spec(other, engine)
     if other is not None:
         raise invalid(f"a request may carry only one output constraint: tool_choice {plan.choice!r} with "
                       f"{other.param or 'response_format'}", param=other.param or "response_format")
-    from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
-
     auto = plan.choice == "auto"
-    compiled = await compile_spec(tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto),
-                                  engine)
+    spec = tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto, checked=plan.checked)
+    compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled
     from grammar.triggered import free_text_masks
