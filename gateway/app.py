@@ -126,7 +126,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     params = kind.params(body, state.defaults)
     tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):
-        await validators_ready()
+        await validators_ready(state.aeng.engine)
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
                       state.config.tool_call_parser) if tooled else None
     # tokenization and template rendering: on the tokenizer threads, never on the event loop

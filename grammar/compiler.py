@@ -86,6 +86,11 @@ class GrammarCompiler:
             return _done(None)
         return self._submit(spec, check=True)
 
+    def warm_lowering(self) -> None:
+        """The first schema request is coming: the idle workers import the schema lowering (jsonschema: seconds)
+        while the gateway checks the schema, instead of after."""
+        self._pool.warm_lowering()
+
     @property
     def worker_pids(self) -> list[int]:
         """The compile workers' process ids (tests watch their memory)."""

@@ -75,7 +75,7 @@ class _WorkerProcess:
         self.restarts = 0
         self.cfg_ready = False  # the worker imported xgrammar (grammar/cfg_compile.py)
         self.lower_ready = False  # the worker imported the schema lowering (grammar/lowering.py)
-        self.lower_wanted = False  # this slot has lowered schemas (a restart imports the lowering at once)
+        self.lower_wanted = False  # the pool lowers schemas: a (re)started worker imports the lowering at once
 
     def ensure_started(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -89,9 +89,13 @@ class _WorkerProcess:
         )
         self.cfg_ready = self.lower_ready = False
         self._start_step(self._init, "start")
-        if self.lower_wanted:   # a restarted worker that lowered schemas before: ready for the next one
-            self._start_step(("lower_init",), "load the schema lowering")
-            self.lower_ready = True
+        if self.lower_wanted:   # ready for the next schema
+            self.warm_lowering()
+
+    def warm_lowering(self) -> None:
+        """Imports the schema lowering (jsonschema: seconds, START_TIMEOUT_S, not a compile's timeout)."""
+        self._start_step(("lower_init",), "load the schema lowering")
+        self.lower_ready = self.lower_wanted = True
 
     def _start_step(self, message: tuple, what: str) -> None:
         """A set-up message (init, imports): START_TIMEOUT_S, not the compile timeout."""
@@ -162,8 +166,7 @@ class _WorkerProcess:
             self._start_step(("cfg_init",), "load the grammar library")
             self.cfg_ready = True
         if kind in ("recipe", "check") and not self.lower_ready:
-            self._start_step(("lower_init",), "load the schema lowering")
-            self.lower_ready = self.lower_wanted = True
+            self.warm_lowering()
         try:
             self._send((kind, payload))
             reply = self._recv(self._wait_reply(timeout_s), max_result_bytes)
@@ -218,6 +221,7 @@ class _WorkerProcess:
 
 WALL_FACTOR = 4.0
 POLL_S = 0.05
+IDLE_POLL_S = 0.5
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -245,6 +249,7 @@ class CompilePool:
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
         self.max_result_bytes = max_result_bytes
+        self._lowering_used = threading.Event()
         self._jobs: queue.Queue[tuple[Any, Future, str] | None] = queue.Queue()
         self._workers = [_WorkerProcess(self._init, memory_bytes) for _ in range(max(1, num_workers))]
         self._threads = [
@@ -263,6 +268,10 @@ class CompilePool:
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers if w.proc is not None]
 
+    def warm_lowering(self) -> None:
+        """Schemas are coming: idle workers import the schema lowering now (within IDLE_POLL_S)."""
+        self._lowering_used.set()
+
     def submit(self, payload: Any, kind: str = "compile") -> Future:
         """kind "compile": an outlines-core Index of the regex `payload`; "cfg": a GBNF grammar's xgrammar JSON;
         "recipe": the Index of a recipe's regex, lowered in the worker; "check": the recipe lowered only."""
@@ -278,13 +287,26 @@ class CompilePool:
         except Exception:
             pass  # retried on the first job
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                # the first schema made one worker import the lowering: the idle ones follow, so at most one
+                # request waits for that import (a pool that never sees a schema never pays it)
+                alive = worker.proc is not None and worker.proc.poll() is None
+                if self._lowering_used.is_set() and alive and not worker.lower_ready and not self._closed:
+                    try:
+                        worker.warm_lowering()
+                    except Exception:  # noqa: BLE001 - retried on the next schema
+                        pass
+                continue
             if job is None:
                 worker.kill()
                 return
             payload, future, kind = job
             if not future.set_running_or_notify_cancel():
                 continue
+            if kind in ("recipe", "check"):
+                self._lowering_used.set()
             try:
                 future.set_result(worker.compile(payload, self.timeout_s, kind, self.max_result_bytes))
             except BaseException as e:  # noqa: BLE001 - delivered to the waiter

@@ -37,6 +37,7 @@ class RemoteCompiler:
         self._command = command
         self._tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._vocab: Any = None
+        self._warmed = False
 
     def submit(self, spec: Any) -> "concurrent.futures.Future[Any]":
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -50,6 +51,16 @@ class RemoteCompiler:
 
         self._command("compile", (spec,)).add_done_callback(done)
         return out
+
+    def warm_lowering(self) -> None:
+        """`GrammarCompiler.warm_lowering` in the engine process: a check of a trivial schema, sent once."""
+        if not self._warmed:
+            self._warmed = True
+            from grammar.lowering import SchemaRecipe
+            from grammar.schema import SchemaOptions
+            from grammar.spec import recipe_spec
+
+            self.check(recipe_spec("json_schema", SchemaRecipe.of({"type": "integer"}, SchemaOptions())))
 
     def check(self, spec: Any) -> "concurrent.futures.Future[Any]":
         if spec.recipe is None:

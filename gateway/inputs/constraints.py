@@ -36,10 +36,13 @@ def wants_constraint(body: _SamplingFields) -> bool:
 _validators_ready = False
 
 
-async def validators_ready() -> None:
+async def validators_ready(engine: Any = None) -> None:
     """jsonschema is imported on first use (with its optional format packages that takes seconds): the first
-    request that needs schema checks loads it on a worker thread, so the event loop never stalls on it."""
+    request that needs schema checks loads it on a worker thread, so the event loop never stalls on it. With
+    `engine`, its compile workers import the schema lowering (jsonschema too) at the same time."""
     global _validators_ready
+    if engine is not None:
+        engine.grammar_compiler.warm_lowering()
     if not _validators_ready:
         from grammar.schema import warm_validators
 
