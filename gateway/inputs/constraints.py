@@ -62,6 +62,18 @@ async def resolve_constraint(body: _SamplingFields, engine: Any) -> Any:
     return await compile_spec(constraint_spec(body, engine), engine)
 
 
+async def check_tool_schemas(plan: Any, engine: Any) -> None:
+    """Every tool's `parameters` lowered in a compile worker (callable or not, also with tool_choice "none"):
+    a schema the lowering refuses is a 400 naming `tools[i].function.parameters` before the prompt is rendered,
+    as when admission lowered them. Remembered per tool set (`GrammarCompiler.check`)."""
+    if plan is None or not plan.checked:
+        return
+    from grammar.tool_calls import tool_calls_spec
+
+    await asyncio.wrap_future(engine.grammar_compiler.check(
+        tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
+
+
 async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any) -> Any:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
@@ -69,9 +81,6 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any)
 
     other = constraint_spec(body, engine)
     if plan is None or not plan.constrained:
-        if plan is not None:   # tool_choice "none": the tools' schemas are still checked (lowered in a worker)
-            await asyncio.wrap_future(engine.grammar_compiler.check(
-                tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
         return await compile_spec(other, engine)
     if other is not None:
         raise invalid(f"a request may carry only one output constraint: tool_choice {plan.choice!r} with "
