@@ -116,6 +116,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--metrics-port must differ from --port")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
+    _check_compile_limits(parser)
     if args.tenant_keys is not None:
         _check_tenant_file(args, parser)
     elif args.admin_token is not None and args.admin_token == args.api_key:
@@ -138,6 +139,16 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         speculative_config=args.speculative_config, engine_process=engine_process_enabled(args.engine_process),
         **vllm_fields(args, parser))
+
+
+def _check_compile_limits(parser: argparse.ArgumentParser) -> None:
+    """The grammar compile limits' environment variables (grammar/compile_limits.py), named when bad."""
+    from grammar.compile_limits import CompileLimits
+
+    try:
+        CompileLimits.from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _speculative_config(text: str) -> Any:
@@ -177,12 +188,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     config = config_from_args(args, parser)
-    from grammar.compile_limits import CompileLimits
-
-    try:
-        CompileLimits.from_env()   # the grammar compile limits' environment variables
-    except ValueError as exc:
-        parser.error(str(exc))
     from gateway.server.server import serve
 
     try:

@@ -2,9 +2,9 @@
 
 Each slot is a thread that owns one worker process (grammar/_worker.py).  A compile (a schema's lowering
 included) that runs past the timeout gets its process killed and restarted, and one that passes the worker's
-memory limit (RLIMIT_DATA, set by the worker itself) fails there and the process is restarted, so a pathological
-schema, regex or grammar costs at most `timeout_s` of CPU and `memory_bytes` of address space of one worker,
-never a hung worker or a parent that runs out of memory.
+memory limit (RLIMIT_DATA, set by the worker itself) fails there and the process is restarted, so a
+pathological schema, regex or grammar costs at most `timeout_s` of CPU and `memory_bytes` of memory of one
+worker, never a hung worker or a parent that runs out of memory.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class CompileResultTooLarge(CompileFailed):
         self.num_bytes, self.max_bytes = num_bytes, max_bytes
 
 
-# how a worker under its memory limit dies when an allocation fails outside Python (Rust and C++ abort; a thread stack
-# that cannot grow faults), or when the kernel's OOM killer picks it
+# how a worker under its memory limit dies when an allocation fails outside Python (Rust and C++ abort; a thread
+# stack that cannot grow faults), or when the kernel's OOM killer picks it
 _MEMORY_DEATHS = {-signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGBUS}
 
 

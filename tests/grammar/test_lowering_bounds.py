@@ -205,7 +205,8 @@ def test_tool_schemas_are_lowered_in_the_worker(small_compiler: GrammarCompiler,
 def test_tool_call_regex_has_one_budget_in_all() -> None:
     """Each callable function's regex fits the budget alone; together they do not."""
     leaf = {"type": "string", "maxLength": 8}
-    schema = {"type": "object", "properties": {f"p{i}": leaf for i in range(40)}, "required": [f"p{i}" for i in range(40)]}
+    names = [f"p{i}" for i in range(40)]
+    schema = {"type": "object", "properties": {name: leaf for name in names}, "required": names}
     one = len(schema_to_regex(schema, SchemaOptions()))
     options = SchemaOptions(max_regex_chars=one * 3 // 2, target_regex_chars=one * 3 // 2)
     fns = [FunctionSpec(f"f{i}", json_spec(schema, f"tools[{i}].function.parameters", options).recipe, "{}",
