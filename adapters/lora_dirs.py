@@ -12,8 +12,8 @@ Folders are tenants' areas. A name `P/REST` (its first component `P`) is served 
   checked lexically before it is followed: its target must stay inside `DIR/P`. The real paths of the folder
   and of its files (every link resolved) must lie inside `DIR/P`.
 - An unprefixed name `NAME` (no `/`) is served only if its folder's real path is a first-level folder of DIR
-  (`DIR/NAME` itself, or a link to a sibling such as `latest -> v3`) and its files lie directly in a
-  first-level folder: never from inside a folder whose entries are served as `X/...` (a tenant's folder).
+  (`DIR/NAME` itself, or a link to a sibling such as `latest -> v3`) and its files lie directly in that
+  folder: never from inside a folder whose entries are served as `X/...` (a tenant's folder).
 Anything else resolves to None (the gateway answers `model_not_found`, as for an absent name). Resolution
 only looks (lstat, readlink); the files are opened later by `adapters/folder_files.py`, which walks the
 resolved real paths again without following any link, so a link swapped after resolution is caught too.
@@ -46,11 +46,6 @@ class AdapterLocation:
     path: str            # the folder's real path (inside `area`)
     fingerprint: Fingerprint
     area: str            # the real folder the entry's folder and files must lie in: DIR/P, or DIR (unprefixed)
-
-    @property
-    def flat(self) -> bool:
-        """An unprefixed name: its folder is a first-level folder of DIR, its files lie directly in one."""
-        return self.area == self.root
 
 
 def _inside(path: str, root: str) -> bool:
@@ -97,11 +92,12 @@ def folder_allowed(real: str, root: str, area: str) -> bool:
     return _inside(real, area)
 
 
-def file_allowed(real: str, root: str, area: str) -> bool:
-    """May a file of an entry of `area` be the real file `real`?"""
-    if area == root:
-        return os.path.dirname(os.path.dirname(real)) == root
-    return _inside(real, area) and real != area
+def file_allowed(real: str, loc: AdapterLocation) -> bool:
+    """May a file of the entry `loc` be the real file `real`? Anywhere inside DIR/P for a name `P/...`; an
+    unprefixed entry's files lie directly in its own first-level folder."""
+    if loc.area == loc.root:
+        return os.path.dirname(real) == loc.path
+    return _inside(real, loc.area) and real != loc.area
 
 
 def locate_file(loc: AdapterLocation, fname: str) -> str | None:
@@ -110,7 +106,7 @@ def locate_file(loc: AdapterLocation, fname: str) -> str | None:
     if not os.path.lexists(os.path.join(loc.path, fname)):
         return MISSING
     real = _walk(loc.path, [fname], loc.area)
-    if real is None or not file_allowed(real, loc.root, loc.area) or not os.path.isfile(real):
+    if real is None or not file_allowed(real, loc) or not os.path.isfile(real):
         return None
     return real
 

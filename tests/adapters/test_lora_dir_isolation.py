@@ -84,7 +84,7 @@ def tree(tmp_path: Path) -> Path:
     (root / "mixed").mkdir()
     (root / "mixed" / "adapter_config.json").write_text((acme / "own" / "adapter_config.json").read_text())
     (root / "mixed" / "adapter_model.safetensors").symlink_to("../acme/own/adapter_model.safetensors")
-    (root / "reuse").mkdir()
+    (root / "reuse").mkdir()                                                # files from another folder: refused
     (root / "reuse" / "adapter_config.json").write_text((acme / "own" / "adapter_config.json").read_text())
     (root / "reuse" / "adapter_model.safetensors").symlink_to("../shared/adapter_model.safetensors")
     return root
@@ -92,10 +92,9 @@ def tree(tmp_path: Path) -> Path:
 
 ALLOWED = {"acme/own": "acme/own", "acme/alias": "acme/own", "acme/abs-alias": "acme/own",
            "acme/chain1": "acme/own", "acme/team/x": "acme/teams/t1/x", "acme/teams/t1/x": "acme/teams/t1/x",
-           "acme/split": "acme/split", "globex/secret": "globex/secret", "shared": "shared", "latest": "shared",
-           "reuse": "reuse"}
+           "acme/split": "acme/split", "globex/secret": "globex/secret", "shared": "shared", "latest": "shared"}
 CROSS_TENANT = ["acme/link-globex", "acme/abs-globex", "acme/via1", "acme/gx/secret", "acme/bounce", "acme/half",
-                "acme/tok", "acme2/secret", "acme3/own", "peek", "peek-abs", "mixed"]
+                "acme/tok", "acme2/secret", "acme3/own", "peek", "peek-abs", "mixed", "reuse"]
 OUT_OF_ROOT = ["acme/out", "acme/abs-out", "outer/evil", "acme/../../outside/evil"]
 
 
@@ -318,5 +317,36 @@ def test_folder_files_never_open_outside(tree: Path) -> None:
     os.rename(tree / "acme" / "own", tree / "acme" / "own-old")
     (tree / "acme" / "own").symlink_to("../globex/secret")
     with pytest.raises(AdapterError) as err, FolderFiles(loc) as files:
+        files.fingerprint()
+    assert err.value.status == 404 and err.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("swap", ["folder", "file"])
+def test_a_swap_between_the_check_and_the_open_fails_the_open(tree: Path, swap: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The narrowest window: the file's real path was checked (`locate_file`), then a link is swapped in
+    before `open`. Opening walks that real path without following links, so it fails: no string check after
+    the fact is relied on."""
+    from adapters import folder_files
+
+    acme = tree / "acme"
+    write_adapter(acme / "w", 9.0)
+    loc = LoraDirectory(str(tree)).resolve("acme/w")
+    locate = folder_files.locate_file
+
+    def locate_then_swap(loc_, fname):
+        real = locate(loc_, fname)
+        if fname != "adapter_model.safetensors":
+            return real
+        if swap == "folder":
+            os.rename(acme / "w", acme / "w-old")
+            (acme / "w").symlink_to("../globex/secret")
+        else:
+            os.rename(acme / "w" / fname, acme / "w-weights")
+            (acme / "w" / fname).symlink_to(f"../../globex/secret/{fname}")
+        return real
+
+    monkeypatch.setattr(folder_files, "locate_file", locate_then_swap)
+    with pytest.raises(AdapterError) as err, folder_files.FolderFiles(loc) as files:
         files.fingerprint()
     assert err.value.status == 404 and err.value.code == "model_not_found"

@@ -63,7 +63,8 @@ def server(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "acme": {"api_keys": [ACME], "models": ["acme/*"]},
         "globex": {"api_keys": [GLOBEX], "models": ["globex/*"]}}}))
     proc = ServerProcess(model_dir(MODEL), "--lora-dir", str(tree), "--max-model-len", "256", "--max-lora-rank", "64",
-                         "--tenant-keys", str(tenants), "--served-model-name", "base")   # else the base's name is its path
+                         "--tenant-keys", str(tenants),
+                         "--served-model-name", "base")   # else the base's served name is its path
     yield proc
     proc.stop()
 
@@ -76,12 +77,16 @@ def call(server: ServerProcess, route: str, model: str, key: str = ACME) -> http
         "/tokenize": {"prompt": PROMPT},
     }
     headers = {"Authorization": f"Bearer {key}"}
+    if route == "/v1/completions+stream":
+        body = {"model": model, **bodies["/v1/completions"], "stream": True}
+        return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=120)
     if route == "/v1/models/":
         return httpx.get(f"{server.url}/v1/models/{model}", headers=headers, timeout=60)
     return httpx.post(f"{server.url}{route}", json={"model": model, **bodies[route]}, headers=headers, timeout=120)
 
 
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/v1/models/"]
+ROUTES = ["/v1/completions", "/v1/completions+stream", "/v1/chat/completions", "/v1/responses", "/tokenize",
+          "/v1/models/"]
 
 
 @pytest.mark.parametrize("route", ROUTES)
