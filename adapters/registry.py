@@ -261,16 +261,17 @@ class AdapterRegistry:
 
     def _load_job(self, entry: LoadedAdapter) -> None:
         t0 = time.monotonic()
-        adapter, fp, error = None, None, None
+        adapter, fp, error, unexpected = None, None, None, None
         try:
             adapter, fp = read_entry(entry, self.dirs, self._read)
         except AdapterError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - any failure of a read fails this adapter only
-            log.warning("adapter %r (%s): read failed", entry.name, entry.path, exc_info=exc)
-            error = AdapterError(f"cannot read adapter {entry.name!r} ({type(exc).__name__})")   # no path in it
-        if error is not None:
-            log.warning("adapter %r (%s) failed to load: %s [%s]", entry.name, entry.path, error.message, error.code)
+            unexpected = exc      # its text may name files: the log has it, the requests get the type only
+            error = AdapterError(f"cannot read adapter {entry.name!r} ({type(exc).__name__})")
+        if error is not None:     # the operator's view of the failure: with the folder's path
+            log.warning("adapter %r (%s) failed to load: %s [%s]", entry.name, entry.path, error.message, error.code,
+                        exc_info=unexpected)
         self._finish_load(entry, adapter, fp, error, time.monotonic() - t0)
 
     def _finish_load(self, entry: LoadedAdapter, adapter: LoRAAdapter | None, fp: Fingerprint | None,

@@ -350,3 +350,21 @@ def test_a_swap_between_the_check_and_the_open_fails_the_open(tree: Path, swap: 
     with pytest.raises(AdapterError) as err, folder_files.FolderFiles(loc) as files:
         files.fingerprint()
     assert err.value.status == 404 and err.value.code == "model_not_found"
+
+
+def test_an_unexpected_read_failure_names_no_path(tree: Path) -> None:
+    """A loader failing with something else than an AdapterError (here an OSError naming a file): the request
+    gets the adapter's name and the error's type, the server log the rest."""
+    secret = str(tree / "globex" / "secret" / "adapter_model.safetensors")
+
+    def failing_loader(source, dims, rank):
+        raise OSError(5, "Input/output error", secret)
+
+    reg = AdapterRegistry(DIMS, 8, 4, loader=failing_loader, lora_dirs=[str(tree)])
+    try:
+        entry = _load(reg, "acme/own")
+        assert entry.error is not None and entry.error.status == 400
+        assert str(tree.parent) not in entry.error.message and "globex" not in entry.error.message, entry.error
+        assert "acme/own" in entry.error.message
+    finally:
+        reg.shutdown()
