@@ -10,7 +10,8 @@ the context check): what the request costs,
   plus `max_tokens` for every sequence (prompts x `n`; without `max_tokens`, the context each prompt leaves).
   When it ends, the part it did not use (tokens it did not generate; everything, if it never ran) goes back.
 A request that alone exceeds a limit can never run: 400 `exceeds_tenant_limit` with `param` naming the limit. One
-that fits but exceeds what is free now: 429 naming the limit, with `Retry-After`.
+that fits but exceeds what is free now (or finds its tenant at a request limit): 429 with `Retry-After`, `param`
+and the message naming the limit.
 
 What a request holds is released by a callback the middleware runs once the response (a stream included) has
 ended, whatever way it ended; each callback releases once however often it is called. `check_integrity()` checks
@@ -114,8 +115,9 @@ class TenantLimits:
         if tenant.max_concurrent_requests is not None:
             if self.in_flight.get(tenant.name, 0) >= tenant.max_concurrent_requests:
                 raise too_many_requests(
-                    f"Too many concurrent requests: at most {tenant.max_concurrent_requests} in flight "
-                    f"for this tenant.", "concurrency_limit_exceeded", 1.0)
+                    f"Too many concurrent requests: at most {tenant.max_concurrent_requests} in flight for this "
+                    f"tenant (max_concurrent_requests).", "concurrency_limit_exceeded", 1.0,
+                    param="max_concurrent_requests")
         if tenant.requests_per_minute is not None:
             bucket = self.buckets.get(tenant.name)
             if bucket is None:
@@ -123,8 +125,9 @@ class TenantLimits:
             wait_s = bucket.take()
             if wait_s > 0:
                 raise too_many_requests(
-                    f"Rate limit reached: {tenant.requests_per_minute} requests per minute for this tenant. "
-                    f"Retry after {wait_s:.1f}s.", "rate_limit_exceeded", wait_s)
+                    f"Rate limit reached: {tenant.requests_per_minute} requests per minute for this tenant "
+                    f"(requests_per_minute). Retry after {wait_s:.1f}s.", "rate_limit_exceeded", wait_s,
+                    param="requests_per_minute")
         return self._hold(_Hold(tenant.name, num_requests=1))
 
     def reserve(self, principal: Principal, num_sequences: int, num_tokens: int,

@@ -151,6 +151,7 @@ def test_token_bucket_and_limits() -> None:
     with pytest.raises(APIError) as info:
         limits.acquire(tenant)
     assert info.value.status == 429 and info.value.code == "concurrency_limit_exceeded"
+    assert info.value.param == "max_concurrent_requests" and "max_concurrent_requests" in info.value.message
     release()
     release()                                                   # idempotent
     again = limits.acquire(tenant)
@@ -159,6 +160,7 @@ def test_token_bucket_and_limits() -> None:
     with pytest.raises(APIError) as info:
         limits.acquire(tenant)
     assert info.value.code == "rate_limit_exceeded" and info.value.headers["Retry-After"] == "30"
+    assert info.value.param == "requests_per_minute" and "requests_per_minute" in info.value.message
     assert limits.acquire(Principal()) is None                  # superuser: no limits
 
 
