@@ -41,6 +41,7 @@ A_FLOOD = {"model": MODEL, "prompt": "import os", "n": 16, "max_tokens": 1000, "
 A_HUGE = {**A_FLOOD, "n": 128}
 A_SMALL = {**A_FLOOD, "n": 1, "max_tokens": 200}
 TARGET = 2.5
+REFUSED_PAUSE_S = 0.05
 
 
 def free_port() -> int:
@@ -100,8 +101,10 @@ async def b_latencies(client: httpx.AsyncClient, num: int, phase_s: float) -> li
     return out
 
 
-async def a_loop(client: httpx.AsyncClient, body: dict[str, Any], pause_s: float, stop: asyncio.Event,
+async def a_loop(client: httpx.AsyncClient, body: dict[str, Any], body_pause_s: float, stop: asyncio.Event,
                  answers: Counter[str], tokens: list[int]) -> None:
+    """Sends `body` again and again, `body_pause_s` apart (0: as soon as the last one ended; after a refusal,
+    REFUSED_PAUSE_S, so the API process is not measured answering a tight loop of 429s)."""
     headers = {"Authorization": f"Bearer {A_KEY}"}
     while not stop.is_set():
         resp = await client.post("/v1/completions", json=body, headers=headers)
@@ -109,6 +112,7 @@ async def a_loop(client: httpx.AsyncClient, body: dict[str, Any], pause_s: float
         answers[f"n={body['n']}: {resp.status_code}{' ' + code if code else ''}"] += 1
         if resp.status_code == 200:
             tokens.append(resp.json()["usage"]["completion_tokens"])
+        pause_s = body_pause_s or (REFUSED_PAUSE_S if resp.status_code != 200 else 0.0)
         if pause_s:
             try:
                 await asyncio.wait_for(stop.wait(), pause_s)
@@ -158,23 +162,29 @@ def generated_tokens(metrics_text: str) -> float:
                if line.startswith("loraplex:generation_tokens_total"))
 
 
-def summarize(config: str, data: dict[str, Any]) -> dict[str, Any]:
+def summarize(config: str, data: dict[str, Any], pooled_idle_p50: float) -> dict[str, Any]:
+    """`ratio_p50`: flood p50 over this server's idle p50; `pooled_ratio_p50`: over the idle p50 of every server's
+    idle phase pooled (the idle latency does not depend on the policy or the batch: pooling damps the noise of a
+    shared machine)."""
     idle, loaded = data["idle_ms"], data["flood_ms"]
     ratio = pct(loaded, 0.5) / pct(idle, 0.5)
+    pooled = pct(loaded, 0.5) / pooled_idle_p50
     return {"config": config, "idle_p50": pct(idle, 0.5), "idle_p99": pct(idle, 0.99), "num_flood": len(loaded),
             "flood_p50": pct(loaded, 0.5), "flood_p99": pct(loaded, 0.99), "flood_max": max(loaded),
-            "ratio_p50": ratio, "meets_target": ratio <= TARGET, "a_answers": data["a_answers"],
-            "tokens_per_s": data["tokens_per_s"]}
+            "ratio_p50": ratio, "pooled_ratio_p50": pooled, "meets_target": max(ratio, pooled) <= TARGET,
+            "a_answers": data["a_answers"], "tokens_per_s": data["tokens_per_s"]}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| server | B idle p50 / p99 | B under A's flood p50 / p99 / max (requests) | p50 ratio (target <= 2.5) | "
-             "tokens/s generated (flood) | A's answers during the run |", "|---|---|---|---|---|---|"]
+    lines = ["| server | B idle p50 / p99 | B under A's flood p50 / p99 / max (requests) | p50 ratio: own idle / "
+             "pooled idle (target <= 2.5) | tokens/s generated (flood) | A's answers during the run |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(r["a_answers"].items()))
         lines.append(f"| {r['config']} | {r['idle_p50']:.0f} / {r['idle_p99']:.0f} ms | {r['flood_p50']:.0f} / "
-                     f"{r['flood_p99']:.0f} / {r['flood_max']:.0f} ms ({r['num_flood']}) | {r['ratio_p50']:.2f}x "
-                     f"{'(met)' if r['meets_target'] else '(MISSED)'} | {r['tokens_per_s']:.0f} | {answers} |")
+                     f"{r['flood_p99']:.0f} / {r['flood_max']:.0f} ms ({r['num_flood']}) | {r['ratio_p50']:.2f}x / "
+                     f"{r['pooled_ratio_p50']:.2f}x {'(met)' if r['meets_target'] else '(MISSED)'} | "
+                     f"{r['tokens_per_s']:.0f} | {answers} |")
     return lines
 
 
@@ -203,7 +213,7 @@ def main() -> None:
     tenant_file = Path(tempfile.mkdtemp(prefix="loraplex_tenants_")) / "tenants.json"
     tenant_file.write_text(json.dumps(TENANTS))
     load_before = os.getloadavg()
-    rows, raw = [], {}
+    raw: dict[str, dict[str, Any]] = {}
     for policy, max_num_seqs in args.configs:
         name = label(policy, max_num_seqs)
         port = free_port()
@@ -215,8 +225,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
             log.close()
-        rows.append(summarize(name, raw[name]))
-        print("\n".join(table(rows[-1:])), flush=True)
+        print(f"{name}: idle p50 {pct(raw[name]['idle_ms'], 0.5):.0f} ms, flood p50 "
+              f"{pct(raw[name]['flood_ms'], 0.5):.0f} ms", flush=True)
+    pooled_idle_p50 = pct([x for data in raw.values() for x in data["idle_ms"]], 0.5)
+    rows = [summarize(name, data, pooled_idle_p50) for name, data in raw.items()]
     load_after = os.getloadavg()
     machine = (f"{os.cpu_count()} CPU cores; load average (1/5/15 min) {load_before[0]:.2f}/{load_before[1]:.2f}/"
                f"{load_before[2]:.2f} before, {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} after")
@@ -226,7 +238,8 @@ def main() -> None:
              "Demo model on the CPU. Tenant A (`max_running_sequences: 16`) keeps an `n=16, max_tokens=1000, "
              "ignore_eos` request in flight, sends the `n=128` request of issue 31 every second and an `n=1` "
              "request every 200 ms; tenant B sends `max_tokens=8` requests one after another, first on the idle "
-             "server, then during the flood. A fresh server per row.", "", *table(rows)]
+             "server, then during the flood. A fresh server per row. Pooled idle p50 (all rows' idle phases): "
+             f"{pooled_idle_p50:.0f} ms.", "", *table(rows)]
     print("\n" + "\n".join(lines))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
