@@ -6,7 +6,7 @@ batch and with `--max-num-seqs 8`; a fresh server each), B first sends its 8-tok
 `ignore_eos`) one after another on the idle server, then again while A floods up to its limits:
 - one `n=16, max_tokens=1000, ignore_eos` request always in flight (resent as soon as it finishes);
 - the `n=128` request of issue 31 every second (refused with 400 `exceeds_tenant_limit`: 128 > 16);
-- an `n=1` request every 200 ms (429 while A's 16 sequences run).
+- an `n=1, max_tokens=1` request every 200 ms (429 while A's 16 sequences run).
 Target: B's p50 under the flood within 2.5x its idle p50. Reports B's p50/p99 (a B request still unanswered after
 `--phase-seconds` counts as that long), A's answers by status and generated tokens per second, and the load average
 (the machine may be shared: compare ratios within one run).
@@ -39,7 +39,7 @@ TENANTS = {"tenants": {"A": {"api_keys": [A_KEY], "models": [MODEL], "max_runnin
 B_BODY = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 A_FLOOD = {"model": MODEL, "prompt": "import os", "n": 16, "max_tokens": 1000, "ignore_eos": True}
 A_HUGE = {**A_FLOOD, "n": 128}
-A_SMALL = {**A_FLOOD, "n": 1, "max_tokens": 200}
+A_SMALL = {**A_FLOOD, "n": 1, "max_tokens": 1}   # admitted only between two n=16 requests: ends at once
 TARGET = 2.5
 REFUSED_PAUSE_S = 0.05
 
@@ -236,7 +236,7 @@ def main() -> None:
              f"--phase-seconds {args.phase_seconds:g}`; "
              f"{machine}. {args.note}".rstrip(), "",
              "Demo model on the CPU. Tenant A (`max_running_sequences: 16`) keeps an `n=16, max_tokens=1000, "
-             "ignore_eos` request in flight, sends the `n=128` request of issue 31 every second and an `n=1` "
+             "ignore_eos` request in flight, sends the `n=128` request of issue 31 every second and an `n=1, max_tokens=1` "
              "request every 200 ms; tenant B sends `max_tokens=8` requests one after another, first on the idle "
              "server, then during the flood. A fresh server per row. Pooled idle p50 (all rows' idle phases): "
              f"{pooled_idle_p50:.0f} ms.", "", *table(rows)]
