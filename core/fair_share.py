@@ -11,7 +11,9 @@ A tenant's demand: slots, its running requests plus its waiting ones whose adapt
 running requests still have to compute plus the prompts of the waiting requests its free slots can take, each
 capped at the budget (a waiting request's cached prefix is not known yet, so a hit can leave tokens unused in that
 step). The scheduler preempts (recompute) the newest running request of the tenant most over its slot share when
-another tenant's waiting request has no slot left (core/scheduler.py).
+a tenant below its guaranteed slot share (the split without the remainder, which depends on no counter) has a
+waiting request and no slot is free (core/scheduler.py): a slot so taken is never taken back the next step when
+the counters move, so slots never ping-pong between tenants.
 """
 from __future__ import annotations
 
