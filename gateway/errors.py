@@ -61,10 +61,10 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-def too_many_requests(message: str, code: str, retry_after_s: float) -> APIError:
-    """429 with `Retry-After` (whole seconds, at least 1)."""
+def too_many_requests(message: str, code: str, retry_after_s: float, param: str | None = None) -> APIError:
+    """429 with `Retry-After` (whole seconds, at least 1); `param` names the limit when it is one of the tenant's."""
     seconds = max(1, int(-(-retry_after_s // 1)))
-    return APIError(429, message, code=code, headers={"Retry-After": str(seconds)})
+    return APIError(429, message, code=code, param=param, headers={"Retry-After": str(seconds)})
 
 
 def model_not_found(name: str) -> APIError:
