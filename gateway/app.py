@@ -168,7 +168,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     ctx.cleanups.append(state.queue.reserve(len(children)))
     sources = submit_children(state.aeng, children, kwargs)      # errors here are still the response's status
     ctx.cleanups.append(lambda: abort_children(state.aeng, children))   # e.g. a response that never started
-    ctx.admitted = True
+    ctx.admitted, ctx.num_choices = True, len(children)
     ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None

@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.outputs import RequestDelta
 from gateway.http.cancel import ClientDisconnected, run_until_disconnect
-from gateway.errors import from_exception
+from gateway.errors import CTX_SCOPE_KEY, from_exception
 from gateway.outputs.echo import prompt_entries
 from gateway.outputs.generation import Child, usage
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
@@ -131,5 +131,8 @@ class SSEResponse(Response):
             await run_until_disconnect(receive, self._stream(send))
         except (ClientDisconnected, OSError):
             log.debug("client disconnected during a stream; its requests were aborted")
+            ctx = scope.get(CTX_SCOPE_KEY)   # counted as aborted, not as the 200 already sent (http/middleware.py)
+            if ctx is not None:
+                ctx.abort("disconnect")
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]
