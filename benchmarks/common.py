@@ -5,6 +5,7 @@ import sys
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -18,7 +19,9 @@ sys.path.insert(0, str(ROOT))   # the packages first: tests/grammar/ (a namespac
 sys.path.append(str(ROOT / "tests"))   # test-model builders: tests/tiny_models.py
 from tiny_models import TinyModelSpec, tiny_model_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# LORAPLEX_BENCH_RESULTS: where write_results puts its files (default benchmarks/results; gpu_run.py's dry run
+# points it at a scratch folder)
+RESULTS = Path(os.environ.get("LORAPLEX_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 # Small enough for a 2-core CPU, large enough that the model (not only Python) is measured.
 CPU_BENCH_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, intermediate_size=688, num_heads=8,
@@ -116,6 +119,7 @@ def write_results(name: str, data: dict[str, Any], table: list[tuple[str, str]])
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = {**data, "environment": environment()}
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     lines = [f"# {name}", "", "| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
