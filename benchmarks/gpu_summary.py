@@ -204,7 +204,7 @@ def serving_rows(run: Run, table: Table) -> None:
         return f"ITL >= {ms(step)} (batch-1 step); TTFT >= {ms(max(step, prefill))} (mean prompt {prompt:.0f} tokens)"
 
     for w, points in workloads.items():
-        for i, p in enumerate(points or [{"rate": r} for r in (2.0, 8.0, 32.0, math.inf)]):
+        for i, p in enumerate(points or [{"rate": r} for r in (4.0, 16.0, 64.0, math.inf)]):
             def measure(d: dict, w: str = w, i: int = i) -> tuple[str, bool | None]:
                 q = d["workloads"][w][i]
                 sat = saturation_rate(d["workloads"][w])

@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,10 +100,10 @@ def decode_step_time(llm: LLM, prompts: list[list[int]], loras: list[str | None]
     for _ in range(3):
         eng.step()
     times = []
-    for _ in range(num_steps):
-        start = now()
+    for _ in range(num_steps):        # host clock, no device sync: steady-state steps (async scheduling overlaps them)
+        start = time.perf_counter()
         eng.step()
-        times.append(now() - start)
+        times.append(time.perf_counter() - start)
     while eng.has_unfinished_requests():
         eng.step()
     return statistics.median(times)

@@ -65,6 +65,8 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
            "--max-queue-len", "0", "--async-scheduling", args.async_scheduling]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if adapters:
         cmd += ["--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
     log = open(Path(tempfile.gettempdir()) / f"loraplex_serving_{port}.log", "w")
@@ -167,7 +169,7 @@ def row(workload: str, p: dict) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
-    ap.add_argument("--rates", default="2,8,32,inf")
+    ap.add_argument("--rates", default="4,16,64,inf")
     ap.add_argument("--num-requests", type=int, default=128, help="requests per rate and workload")
     ap.add_argument("--prompt-len", type=span, default=(128, 1024), help="lo,hi prompt words (approximately)")
     ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi output tokens")
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttft-slo-ms", type=float, default=500.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: the server's)")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
     ap.add_argument("--max-seconds", type=float, default=float("inf"),
