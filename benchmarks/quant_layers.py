@@ -7,8 +7,9 @@ For the four linears of a Llama-3-8B layer (q/k/v 4096->6144, o 4096->4096, gate
   GEMM that dequantizes inside the kernel (core/quant/triton_gemm.py);
 - FP8 (e4m3 weights, one scale per output channel, activations quantized per token): `QuantLinear` through
   `torch._scaled_mm` (core/quant/fp8_mm.py; needs FP8 tensor cores, compute capability >= 8.9).
-Each is first checked against its dequantized weight through `F.linear` in fp32 (relative error). Reported per T:
-the sum over the four layers (what one decoder layer spends in them), its speedup over bf16, and its floor:
+Each is first checked against its dequantized weight through `F.linear` in fp32 (relative error). Reported per T,
+for each linear and for the sum over the four (what one decoder layer spends in them): the speedup over bf16, and
+the floor:
   floor = max((packed weight bytes + x + y) / read bandwidth, 2 x T x in x out / bf16 matrix rate)
 (the FP8 floor also uses the bf16 rate: Hopper's FP8 rate is about twice it, not measured here).
 Weights that would fit in L2 are rotated among copies. `--dry-run`: tiny shapes in the Triton interpreter on the
@@ -90,19 +91,28 @@ def measure(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dty
         copies = {name: [lay] + [make_layer(fmt, *layers[name], dtype, b.device, seed=100 + j)
                                  for j in range(b.copies(weight_nbytes(lay)) - 1)] for name, lay in built.items()}
         for t in tokens:
-            total_ms, nbytes, flops, err = 0.0, 0, 0, 0.0
+            per_layer, err = {}, 0.0
             for name, (fan_in, fan_out) in layers.items():
                 x = torch.randn(t, fan_in, device=b.device, dtype=dtype)
                 err = max(err, rel_err(forward(built[name], x), reference(built[name], x)))
-                total_ms += b.time_ms([lambda lay=lay, x=x: forward(lay, x) for lay in copies[name]])
-                nbytes += weight_nbytes(built[name]) + (x.numel() + t * fan_out) * x.element_size()
-                flops += 2 * t * fan_in * fan_out
-            floor_ms = 1e3 * max(nbytes / b.bw, flops / b.flops)
+                nbytes = weight_nbytes(built[name]) + (x.numel() + t * fan_out) * x.element_size()
+                flops = 2 * t * fan_in * fan_out
+                per_layer[name] = {"ms": b.time_ms([lambda lay=lay, x=x: forward(lay, x) for lay in copies[name]]),
+                                   "floor_ms": 1e3 * max(nbytes / b.bw, flops / b.flops), "bytes": nbytes,
+                                   "flops": flops, "shape": [fan_in, fan_out]}
+            total_ms = sum(v["ms"] for v in per_layer.values())
+            floor_ms = sum(v["floor_ms"] for v in per_layer.values())
             rows.append({"format": fmt, "tokens": t, "ms": total_ms, "floor_ms": floor_ms, "over_floor": total_ms /
-                         floor_ms, "bytes": nbytes, "flops": flops, "rel_err": err, "dry_run": b.dry})
-    base = {r["tokens"]: r["ms"] for r in rows if r["format"] == "bf16"}
+                         floor_ms, "bytes": sum(v["bytes"] for v in per_layer.values()), "rel_err": err,
+                         "layers": per_layer, "dry_run": b.dry})
+    base = {r["tokens"]: r for r in rows if r["format"] == "bf16"}
     for r in rows:
-        r["speedup_vs_bf16"] = base[r["tokens"]] / r["ms"] if r["ms"] else None
+        if r["ms"]:
+            r["speedup_vs_bf16"] = base[r["tokens"]]["ms"] / r["ms"]
+            for name, v in r["layers"].items():
+                v["speedup_vs_bf16"] = base[r["tokens"]]["layers"][name]["ms"] / v["ms"]
+        else:
+            r["speedup_vs_bf16"] = None
     return rows
 
 
@@ -130,7 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = measure(b, layers, tokens, dtype)
     tol = 1e-4 if dry else 3e-2
     bad = [f"{r['format']} T={r['tokens']}" for r in rows if r.get("rel_err") is not None and not r["rel_err"] <= tol]
-    table = [(f"{r['format']} T={r['tokens']}: the {len(layers)} linears of a layer", fmt_row(r)) for r in rows]
+    table = []
+    for r in rows:
+        table.append((f"{r['format']} T={r['tokens']}: the {len(layers)} linears of a layer", fmt_row(r)))
+        table += [(f"{r['format']} T={r['tokens']}: {name} {v['shape'][0]}->{v['shape'][1]}",
+                   f"{1e3 * v['ms']:.1f} us = {v['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * v['floor_ms']:.1f} us")
+                  for name, v in r.get("layers", {}).items()]
     write_results(args.name, {"rows": rows, "layers": layers, "dry_run": dry, "wrong": bad,
                               "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12}, table)
     if bad:
