@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 from ceilings import copy_bandwidth, read_bandwidth, weight_bytes
-from common import add_model_args, bench_model_dir, load_format_of, now, write_results
+from common import add_model_args, bench_model_dir, load_format_of, write_results
 from core import LLM, SamplingParams
 
 

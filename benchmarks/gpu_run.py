@@ -94,10 +94,10 @@ STAGES = (
                                         ["--num-requests", "64", "--hf-batch-size", "64", "--hf-repeats", "1"])]],
           "offline throughput vs HF generate (static batch 64)"),
     Stage("serving", 540, lambda d: [["serving.py", *_model(d), *_out("serving"),
-                                      *(["--rates", "16,inf", "--num-requests", "6", "--prompt-len", "16,40",
+                                      *(["--rates", "inf,16", "--num-requests", "6", "--prompt-len", "16,40",
                                          "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
                                          "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else
-                                        ["--rates", "4,16,64,inf", "--num-requests", "128", "--max-seconds", "420"])]],
+                                        ["--rates", "inf,4,16,64", "--num-requests", "128", "--max-seconds", "420"])]],
           "HTTP serving: TTFT / ITL / E2E / goodput, 32-adapter mix and base alone, compiles after warm-up"),
 )
 SUMMARY = Stage("summary", 10, lambda d: [["gpu_summary.py", *_dry(d)]], "the table: figure, target, floor")
@@ -184,9 +184,17 @@ def preload() -> None:
     assert "triton" not in sys.modules
 
 
+def outputs(stage: Stage, dry: bool) -> list[str]:
+    """The result names (`--name` of each command) the stage writes under the results folder."""
+    return [cmd[cmd.index("--name") + 1] for cmd in stage.commands(dry) if "--name" in cmd]
+
+
 def run_stage(stage: Stage, results: Path, dry: bool, env: dict[str, str], limit_s: float) -> dict:
     log = results / STAGE_DIR / f"{stage.name}.log"
     log.write_text("")
+    for name in outputs(stage, dry):          # a result on disk is always this attempt's (a part may fail)
+        for suffix in (".json", ".md"):
+            (results / f"{name}{suffix}").unlink(missing_ok=True)
     start, status, rcs = time.perf_counter(), "ok", []
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     runner = run_forked if dry else run_command

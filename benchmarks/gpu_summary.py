@@ -44,8 +44,10 @@ class Run:
         return json.loads(path.read_text())["status"] if path.exists() else "pending"
 
     def data(self, name: str) -> dict[str, Any] | None:
+        """The result `name`, also when a later part of its stage failed (gpu_run.py deletes a stage's results
+        before it runs it, so a file here is always from the stage's last attempt)."""
         path = self.dir / f"{name}.json"
-        if self.status(STAGE_OF[name]) != "ok" or not path.exists():
+        if self.status(STAGE_OF[name]) == "pending" or not path.exists():
             return None
         return json.loads(path.read_text())
 
@@ -204,7 +206,7 @@ def serving_rows(run: Run, table: Table) -> None:
         return f"ITL >= {ms(step)} (batch-1 step); TTFT >= {ms(max(step, prefill))} (mean prompt {prompt:.0f} tokens)"
 
     for w, points in workloads.items():
-        for i, p in enumerate(points or [{"rate": r} for r in (4.0, 16.0, 64.0, math.inf)]):
+        for i, p in enumerate(points or [{"rate": r} for r in (math.inf, 4.0, 16.0, 64.0)]):
             def measure(d: dict, w: str = w, i: int = i) -> tuple[str, bool | None]:
                 q = d["workloads"][w][i]
                 sat = saturation_rate(d["workloads"][w])
@@ -219,7 +221,9 @@ def serving_rows(run: Run, table: Table) -> None:
                 "below saturation: TTFT p99 <= 500 ms, ITL p99 <= 2x p50" if finite else "- (saturation)",
                 lambda d, w=w, i=i: floors(d, w, i))
     add("serving", "serving saturation: mix / base req/s (rate inf)", "serving", lambda d: (
-        f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85), ">= 0.85x")
+        (f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85)
+        if d["saturation"]["mix_over_base"] else (f"rate inf not measured for both (skipped: {d['skipped']})", None)),
+        ">= 0.85x")
     add("serving", "serving errors", "serving", lambda d: (
         str(sum(p["num_errors"] for pts in d["workloads"].values() for p in pts)),
         all(p["num_errors"] == 0 for pts in d["workloads"].values() for p in pts)), "0")

@@ -2,9 +2,9 @@
 
 Starts `python -m gateway serve` once (the real server, which compiles every kernel variant before /health
 answers 200) with K PEFT adapters of ranks 8-64 on all 7 projections, then runs two workloads at each request rate
-(Poisson arrivals; "inf": all at once, the saturation point):
+(Poisson arrivals; "inf": all at once, the saturation point, run first):
 - mix: requests spread evenly over the base model and the K adapters, a share (--json-share) with a JSON schema;
-- base: the same prompts and lengths, every request on the base model, no schema.
+- base: the same prompt and output lengths, every request on the base model, no schema (its own system prompts).
 Prompt lengths uniform in [--prompt-len lo,hi] words of a small vocabulary (every prompt starts with one of 4
 shared system prompts, so the prefix cache hits); output lengths uniform in [--output-len lo,hi] (ignore_eos).
 Before the sweep, two short requests per model and one with the schema (not measured) warm the grammar cache
@@ -91,10 +91,12 @@ def span(text: str) -> tuple[int, int]:
 
 
 def make_requests(num: int, adapters: list[str], seed: int, base_name: str, prompt_len: tuple[int, int],
-                  output_len: tuple[int, int], json_share: float) -> list[dict]:
-    """The mix (adapters given) or the base workload (no adapters, json_share 0): same prompts and lengths per seed."""
+                  output_len: tuple[int, int], json_share: float, system_seed: str = "") -> list[dict]:
+    """The mix (adapters given) or the base workload (no adapters, json_share 0): the same lengths per seed; the
+    shared system prompts also depend on `system_seed`, so one workload never finds the other's in the prefix cache."""
     rng = random.Random(seed)
-    systems = [" ".join(rng.choice(WORDS) for _ in range(prompt_len[0] // 2)) for _ in range(4)]
+    sys_rng = random.Random(f"{seed}-{system_seed}")
+    systems = [" ".join(sys_rng.choice(WORDS) for _ in range(prompt_len[0] // 2)) for _ in range(4)]
     models = [base_name, *adapters]
     reqs = []
     for i in range(num):
@@ -142,7 +144,7 @@ def sweep(args: argparse.Namespace, url: str, base_name: str, adapters: list[str
                 continue
             mix = workload == "mix"
             reqs = make_requests(args.num_requests, adapters if mix else [], i, base_name, args.prompt_len,
-                                 args.output_len, args.json_share if mix else 0.0)
+                                 args.output_len, args.json_share if mix else 0.0, system_seed=workload)
             point = asyncio.run(run_rate(url, reqs, rate, i, slo))
             print({"workload": workload, **point}, flush=True)
             points[workload].append(point)
@@ -169,7 +171,8 @@ def row(workload: str, p: dict) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
-    ap.add_argument("--rates", default="4,16,64,inf")
+    ap.add_argument("--rates", default="inf,4,16,64",
+                    help="in the order run: inf (saturation) first, so --max-seconds never skips it")
     ap.add_argument("--num-requests", type=int, default=128, help="requests per rate and workload")
     ap.add_argument("--prompt-len", type=span, default=(128, 1024), help="lo,hi prompt words (approximately)")
     ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi output tokens")

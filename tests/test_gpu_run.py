@@ -64,6 +64,20 @@ def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
     assert table.with_suffix(".md").read_text().count("not measured (dry run)") >= len(rows)
     assert "| figure | measured | target | floor | met |" in proc.stdout        # the table comes last
     print(f"dry run: {seconds:.0f} s")
+    # a second call resumes: every stage finished, only the table is built again
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_run.py"), "--dry-run", "--results",
+                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "[gpu_run] summary: ok" in again.stdout, again.stdout[-2000:]
+    assert not any(f"[gpu_run] {s}:" in again.stdout for s in ("env", "kernels", "serving")), again.stdout[-2000:]
+    # a stage that failed: its rows point at its log, nothing else changes
+    stage = tmp_path / "gpu_run" / "offline.stage.json"
+    stage.write_text(json.dumps({**json.loads(stage.read_text()), "status": "failed"}))
+    (tmp_path / "gpu_run" / "offline.json").unlink()
+    run = gpu_summary.Run(tmp_path, dry=True)
+    table = gpu_summary.Table(run)
+    gpu_summary.build(run, table)
+    [row] = [r for r in table.rows if r["figure"].startswith("offline throughput")]
+    assert row["measured"] == "stage offline failed: see gpu_run/offline.log" and row["met"] is None
 
 
 def test_a_run_not_started_lists_every_figure_of_the_gpu_shapes(tmp_path: Path) -> None:
