@@ -44,7 +44,7 @@ def _check_expected(rows: list[dict]) -> None:
 
 
 def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
-    """The whole dry run (CPU, tiny model; 50 s on 2 quiet cores, ~90 s on 2 busy ones): every stage ok, the json and
+    """The whole dry run (CPU, tiny model; 26-43 s on 2 shared cores, ~25 s of CPU): every stage ok, the json and
     markdown table written, every expected figure present, each parsed from the stage's own files (nothing
     unreadable) and none reported as a GPU figure."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
