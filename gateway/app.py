@@ -174,7 +174,8 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     texts = state.texts if params.logprobs is not None else None
     merged = merge_children(state.aeng, children, sources, state.metrics)
     if body.stream:
-        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo)
+        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
+                          continuous_usage=body.continuous_usage)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
     results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx))))
     num_tokens = sum(len(r.token_ids) for r in results)
