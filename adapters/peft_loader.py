@@ -4,7 +4,9 @@
 
 Errors are `AdapterError(message, code, status)`: 404 when the path / hub id is not found,
 400 for everything else (bad config, unsupported feature, rank too large, wrong base,
-corrupt weights).
+corrupt weights). Files are opened through `adapters/adapter_files.py`: by path for a folder the operator
+named, beneath its `--lora-dir` without following links for a directory entry (`adapters/folder_files.py`).
+Messages name files, never the folder's path: tenants read them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Mapping, Optional, Union
+from typing import BinaryIO, Mapping, Optional, Union
 
 import torch
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import load_file
 
 from adapters.adapter import LoRAAdapter, LoRAModule
+from adapters.adapter_files import AdapterFiles, PathFiles
 from adapters.dims import CHECKPOINT_FUSED, BaseModelDims
 from adapters.errors import (
     CODE_CORRUPT, CODE_INVALID, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH,
@@ -70,49 +75,85 @@ def resolve_adapter_dir(source: Union[str, os.PathLike], revision: Optional[str]
     raise AdapterNotFoundError(f"adapter {text!r} not found locally or on the hub")
 
 
-def _read_config(adapter_dir: str) -> dict:
-    cfg_path = os.path.join(adapter_dir, CONFIG_NAME)
-    if not os.path.isfile(cfg_path):
-        raise _invalid(f"{adapter_dir!r} is not a PEFT adapter: {CONFIG_NAME} is missing")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise _invalid(f"cannot read {CONFIG_NAME}: {exc}") from exc
+MAX_JSON_BYTES = 16 << 20   # adapter_config.json / added_tokens.json: real ones are a few KiB
+_ABSENT = object()          # `_read_json`: no such file
 
 
-def _check_added_tokens(adapter_dir: str) -> None:
-    path = os.path.join(adapter_dir, "added_tokens.json")
-    if not os.path.isfile(path):
-        return
+def _describe(exc: BaseException) -> str:
+    """A library error without the file's path (a tenant may read it): OSError's text names the file."""
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return str(exc) or type(exc).__name__
+
+
+def _open(files: AdapterFiles, fname: str, code: str = CODE_INVALID) -> BinaryIO | None:
     try:
-        with open(path, encoding="utf-8") as f:
-            added = json.load(f)
-    except (OSError, ValueError):
-        added = True
-    if added:
+        return files.open(fname)
+    except OSError as exc:   # permissions, I/O: the file's path stays out of the message
+        raise _invalid(f"cannot read {fname}: {_describe(exc)}", code) from exc
+
+
+def _read_json(files: AdapterFiles, fname: str) -> object:
+    f = _open(files, fname)
+    if f is None:
+        return _ABSENT
+    try:
+        with f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+        return json.loads(data.decode("utf-8"))
+    except (OSError, ValueError) as exc:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _invalid(f"cannot read {fname}: {_describe(exc)}") from exc
+
+
+def _read_config(files: AdapterFiles) -> dict:
+    raw = _read_json(files, CONFIG_NAME)
+    if raw is _ABSENT:
+        raise _invalid(f"not a PEFT adapter: {CONFIG_NAME} is missing")
+    return raw  # type: ignore[return-value]  # parse_peft_config checks it is an object
+
+
+def _check_added_tokens(files: AdapterFiles) -> None:
+    try:
+        added = _read_json(files, "added_tokens.json")
+    except AdapterError as exc:
+        if exc.status != 400:   # a --lora-dir file that left its folder: as absent as the adapter
+            raise
+        added = True            # unreadable: refused as if it added tokens
+    if added is not _ABSENT and added:
         raise _invalid("adapters with added tokens (added_tokens.json) are not supported",
                        CODE_UNSUPPORTED_FEATURE)
 
 
-def _read_weights(adapter_dir: str) -> dict[str, torch.Tensor]:
-    st_path = os.path.join(adapter_dir, SAFETENSORS_NAME)
-    bin_path = os.path.join(adapter_dir, BIN_NAME)
-    if os.path.isfile(st_path):
+def _load_safetensors(f: BinaryIO) -> dict[str, torch.Tensor]:
+    """The tensors of an open safetensors file: memory-mapped through /proc/self/fd (the very file opened,
+    whatever its path became since), else read whole."""
+    proc = f"/proc/self/fd/{f.fileno()}"
+    if os.path.exists(proc):
+        return load_file(proc, device="cpu")
+    return load_safetensors_bytes(f.read())
+
+
+def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
+    f = _open(files, SAFETENSORS_NAME, CODE_CORRUPT)
+    if f is not None:
+        with f:
+            try:
+                return _load_safetensors(f)
+            except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
+                raise _invalid(f"cannot read {SAFETENSORS_NAME} (corrupt?): {_describe(exc)}", CODE_CORRUPT) from exc
+    f = _open(files, BIN_NAME, CODE_CORRUPT)
+    if f is None:
+        raise _invalid(f"no {SAFETENSORS_NAME} or {BIN_NAME} in the adapter folder")
+    with f:
         try:
-            from safetensors.torch import load_file
-            return load_file(st_path, device="cpu")
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
-            raise _invalid(f"cannot read {SAFETENSORS_NAME} (corrupt?): {exc}", CODE_CORRUPT) from exc
-    if os.path.isfile(bin_path):
-        try:
-            state = torch.load(bin_path, map_location="cpu", weights_only=True)
+            state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001
-            raise _invalid(f"cannot read {BIN_NAME} (corrupt?): {exc}", CODE_CORRUPT) from exc
-        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise _invalid(f"{BIN_NAME} is not a state dict of tensors", CODE_CORRUPT)
-        return dict(state)
-    raise _invalid(f"no {SAFETENSORS_NAME} or {BIN_NAME} in {adapter_dir!r}")
+            raise _invalid(f"cannot read {BIN_NAME} (corrupt?): {_describe(exc)}", CODE_CORRUPT) from exc
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise _invalid(f"{BIN_NAME} is not a state dict of tensors", CODE_CORRUPT)
+    return dict(state)
 
 
 def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterError:
@@ -199,21 +240,26 @@ def _split_fused(name: str, module: LoRAModule, dims: BaseModelDims) -> list[tup
 
 
 def load_peft_adapter(
-    source: Union[str, os.PathLike],
+    source: Union[str, os.PathLike, AdapterFiles],
     dims: BaseModelDims,
     max_lora_rank: int,
     *,
     revision: Optional[str] = None,
     allow_download: bool = True,
 ) -> LoRAAdapter:
-    """Read and validate a PEFT LoRA adapter; the tensors stay on the CPU in their saved dtype."""
-    adapter_dir = resolve_adapter_dir(source, revision, allow_download)
-    raw = _read_config(adapter_dir)
+    """Read and validate a PEFT LoRA adapter; the tensors stay on the CPU in their saved dtype. `source` is a
+    path or hub id, or an `AdapterFiles` (a `--lora-dir` entry opened without following links). Error
+    messages name files, never the folder's path (only `resolve_adapter_dir` echoes the path it was given)."""
+    if isinstance(source, AdapterFiles):
+        files = source
+    else:
+        files = PathFiles(resolve_adapter_dir(source, revision, allow_download), label=os.fspath(source))
+    raw = _read_config(files)
     cfg = parse_peft_config(raw)
-    _check_added_tokens(adapter_dir)
-    state = _read_weights(adapter_dir)
+    _check_added_tokens(files)
+    state = _read_weights(files)
     modules = build_modules(state, cfg, dims, max_lora_rank)
     return LoRAAdapter(
-        source=os.fspath(source), path=adapter_dir, modules=modules,
+        source=files.label, path=files.path, modules=modules,
         base_model_name_or_path=cfg.base_model_name_or_path, config=raw,
     )

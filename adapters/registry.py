@@ -17,15 +17,17 @@ the engine thread reads.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 
 from adapters.adapter import LoRAAdapter
+from adapters.adapter_files import AdapterFiles
 from adapters.dims import BaseModelDims
 from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.load_stats import LoadStats
@@ -35,14 +37,15 @@ from adapters.lora_dirs import AdapterLocation, FailedReads, Fingerprint, LoraDi
 from adapters.peft_loader import load_peft_adapter
 from adapters.registry_integrity import check_registry_integrity
 
-Loader = Callable[[str, BaseModelDims, int], LoRAAdapter]
+Loader = Callable[[Union[str, AdapterFiles], BaseModelDims, int], LoRAAdapter]   # a path, or a --lora-dir entry's files
+log = logging.getLogger("loraplex.adapters")
 __all__ = ["AdapterRegistry", "LoadedAdapter", "CODE_CHANGED"]
 
 
 @dataclass(eq=False)
 class LoadedAdapter:
     name: str
-    path: str                                   # as given (the card's `root`)
+    path: str                                   # as given, or the --lora-dir folder (server side: logs)
     generation_id: str
     adapter: LoRAAdapter | None                 # the host copy (None: not resident)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -84,8 +87,8 @@ class AdapterRegistry:
         self._released: list[LoadedAdapter] = []
         self._generations = itertools.count(1)
 
-    def _read(self, path: str) -> LoRAAdapter:
-        return host_copy(self._loader(path, self.dims, self.max_lora_rank), self.dtype, self.pin_memory)
+    def _read(self, source: Union[str, AdapterFiles]) -> LoRAAdapter:
+        return host_copy(self._loader(source, self.dims, self.max_lora_rank), self.dtype, self.pin_memory)
 
     # ---- gateway side ---------------------------------------------------------------------
     def load(self, name: str, path: str) -> LoadedAdapter:
@@ -160,7 +163,8 @@ class AdapterRegistry:
             entry = LoadedAdapter(name=name, path=loc.path, generation_id=f"lora-{next(self._generations)}",
                                   adapter=None, files_dir=loc.path, location=loc)
             self._by_name[name] = entry
-            return entry
+        log.info("adapter %r registered from --lora-dir folder %s (%s)", name, loc.path, entry.generation_id)
+        return entry
 
     def entries(self) -> list[LoadedAdapter]:
         with self._lock:
@@ -257,13 +261,17 @@ class AdapterRegistry:
 
     def _load_job(self, entry: LoadedAdapter) -> None:
         t0 = time.monotonic()
-        adapter, fp, error = None, None, None
+        adapter, fp, error, unexpected = None, None, None, None
         try:
             adapter, fp = read_entry(entry, self.dirs, self._read)
         except AdapterError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - any failure of a read fails this adapter only
-            error = AdapterError(f"cannot read adapter {entry.name!r}: {exc}")
+            unexpected = exc      # its text may name files: the log has it, the requests get the type only
+            error = AdapterError(f"cannot read adapter {entry.name!r} ({type(exc).__name__})")
+        if error is not None:     # the operator's view of the failure: with the folder's path
+            log.warning("adapter %r (%s) failed to load: %s [%s]", entry.name, entry.path, error.message, error.code,
+                        exc_info=unexpected)
         self._finish_load(entry, adapter, fp, error, time.monotonic() - t0)
 
     def _finish_load(self, entry: LoadedAdapter, adapter: LoRAAdapter | None, fp: Fingerprint | None,

@@ -5,6 +5,7 @@ import sys
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -18,7 +19,9 @@ sys.path.insert(0, str(ROOT))   # the packages first: tests/grammar/ (a namespac
 sys.path.append(str(ROOT / "tests"))   # test-model builders: tests/tiny_models.py
 from tiny_models import TinyModelSpec, tiny_model_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# LORAPLEX_BENCH_RESULTS: where write_results puts its files (default benchmarks/results; gpu_run.py's dry run
+# points it at a scratch folder)
+RESULTS = Path(os.environ.get("LORAPLEX_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 # Small enough for a 2-core CPU, large enough that the model (not only Python) is measured.
 CPU_BENCH_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, intermediate_size=688, num_heads=8,
@@ -36,32 +39,50 @@ LLAMA3_8B_CONFIG = {
 }
 
 
-def llama3_8b_dir() -> str:
-    """A Llama-3-8B-shaped model directory: config + a small BPE tokenizer, no weights (load with
-    `load_format="dummy"`: random bf16 weights built on the device)."""
-    from tiny_models import build_tokenizer
+# The dry-run model of benchmarks/gpu_run.py: Llama-shaped, random weights, a vocabulary small enough for 2 CPU cores.
+TINY_DUMMY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+DUMMY_MODELS = {"llama3-8b-dummy": LLAMA3_8B_CONFIG, "tiny-dummy": TINY_DUMMY_CONFIG}
 
-    out = Path(tempfile.mkdtemp(prefix="loraplex_llama3_8b_"))
-    build_tokenizer(out, vocab_size=2048)
-    (out / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG, indent=2))
+
+def dummy_model_dir(name: str) -> str:
+    """A model directory of a `DUMMY_MODELS` shape: config + a synthetic byte-level BPE tokenizer with exactly the
+    model's vocabulary (benchmarks/synthetic_tokenizer.py: every id decodes to text), no weights (load with
+    `load_format="dummy"`: random weights built on the device)."""
+    from synthetic_tokenizer import build_synthetic_tokenizer
+
+    config = DUMMY_MODELS[name]
+    out = Path(tempfile.mkdtemp(prefix=f"loraplex_{name}_"))
+    build_synthetic_tokenizer(out, vocab_size=config["vocab_size"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return str(out)
 
 
+def llama3_8b_dir() -> str:
+    """The Llama-3-8B shape (`dummy_model_dir("llama3-8b-dummy")`)."""
+    return dummy_model_dir("llama3-8b-dummy")
+
+
 def bench_model_dir(model: str | None) -> str:
-    if model == "llama3-8b-dummy":
-        return llama3_8b_dir()
+    if model in DUMMY_MODELS:
+        return dummy_model_dir(model)
     return model or str(tiny_model_dir(CPU_BENCH_SPEC))
 
 
 def add_model_args(ap: "argparse.ArgumentParser") -> None:
-    ap.add_argument("--model", default=None, help="model dir; 'llama3-8b-dummy' = Llama-3-8B shape, random weights")
+    ap.add_argument("--model", default=None, help="model dir; 'llama3-8b-dummy' = Llama-3-8B shape, random weights; "
+                                                  "'tiny-dummy' = a tiny Llama, random weights (dry runs)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
 
 
 def load_format_of(model: str | None) -> str:
-    return "dummy" if model == "llama3-8b-dummy" else "auto"
+    return "dummy" if model in DUMMY_MODELS else "auto"
 
 
 def hf_model(model_dir: str, dummy: bool, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -81,15 +102,24 @@ def now() -> float:
 
 
 def environment() -> dict[str, Any]:
-    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-            "cpu_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    """Versions and hardware the figures were measured with (torch, triton, CUDA, GPU)."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - depends on the install
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda, "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None}
 
 
 def write_results(name: str, data: dict[str, Any], table: list[tuple[str, str]]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = {**data, "environment": environment()}
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     lines = [f"# {name}", "", "| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -28,46 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import add_model_args, bench_model_dir, load_format_of, now, write_results
+from ceilings import copy_bandwidth, read_bandwidth, weight_bytes
+from common import add_model_args, bench_model_dir, load_format_of, write_results
 from core import LLM, SamplingParams
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), best of 10."""
-    if device.type != "cuda":
-        nbytes = 256 << 20
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        start = now()
-        dst.copy_(src)
-        best = min(best, now() - start)
-    del src, dst
-    return 2 * nbytes / best
-
-
-def read_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a read-only kernel (a full reduction of a bf16 buffer, fp32 accumulation), best of 10."""
-    if device.type != "cuda":
-        nbytes = 256 << 20
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    best = float("inf")
-    for _ in range(10):
-        start = now()
-        torch.sum(src, dtype=torch.float32)
-        best = min(best, now() - start)
-    del src
-    return nbytes / best
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter except the embedding table (only B rows are gathered)."""
-    embed = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
-    if model.lm_head.weight is embed:
-        total += embed.numel() * embed.element_size()
-    return total
 
 
 def measure(llm: LLM, batch: int, prompt_len: int, num_steps: int, vocab: int) -> dict[str, float]:
@@ -105,7 +68,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, num_steps: int, vocab: int) -
     return {"step_s": statistics.median(step_times), "forward_s": replay, "kv_tokens": statistics.fmean(kv_tokens)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
@@ -113,17 +76,21 @@ def main() -> None:
     ap.add_argument("--num-steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8: the dummy weights quantized online")
+    ap.add_argument("--bandwidth-mib", type=int, default=None, help="buffer of the bandwidth measurement")
     ap.add_argument("--name", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model = bench_model_dir(args.model)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
               load_format=load_format_of(args.model), max_num_seqs=max(sizes), enforce_eager=args.enforce_eager,
-              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+              quantization=args.quantization)
     device = llm.engine.device
     cfg = llm.engine.model_config
-    bw = read_bandwidth(device)
-    copy_bw = copy_bandwidth(device)
+    nbytes = args.bandwidth_mib << 20 if args.bandwidth_mib else None
+    bw = read_bandwidth(device, nbytes)
+    copy_bw = copy_bandwidth(device, nbytes)
     w_bytes = weight_bytes(llm.engine.model)
     elem = llm.engine.kv_caches[0][0].element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
@@ -140,6 +107,7 @@ def main() -> None:
                                f"{1e3 * bound:.2f} ms -> step/roofline {point['step_over_roofline']:.2f}x, "
                                f"{point['tok_s']:.0f} tok/s"))
     data = {"model": args.model or model, "dtype": args.dtype, "prompt_len": args.prompt_len,
+            "quantization": args.quantization,
             "read_bandwidth_gb_s": bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9, "weight_bytes": w_bytes,
             "kv_bytes_per_token": kv_per_token,
             "enforce_eager": args.enforce_eager, "async_scheduling": llm.engine.async_scheduling, "points": points,

@@ -1,80 +1,261 @@
-"""GPU check of the Triton kernels against the torch reference, with timings (run on a CUDA machine).
+"""Kernel microbenchmarks with floors: each Triton kernel family at the Llama-3-8B dummy's serving shapes, its time
+beside the least time its bytes or FLOPs allow, so one GPU run shows which kernel regressed.
 
-- LoRA shrink+expand (qkv slices of a Llama-3-8B layer, rank 16, 8 / 32 adapters, decode and prefill
-  token counts): relative error vs the torch path in fp32 math, and time per call (median, CUDA events).
-- Grammar bitmask apply (128k vocab): Triton vs torch, identical results.
-Writes benchmarks/results/gpu_kernels.{json,md}.
+Families (each checked against its torch path first: relative error ||out - ref|| / ||ref|| in fp32):
+- paged attention, decode (split-KV as the backend picks it) and prefill (fresh chunks and chunks over a cached
+  prefix), through `TritonAttentionBackend.forward` (KV store included);
+- LoRA segmented shrink + expand (prefill/mixed steps) and the fused decode BGMV (one shrink + one expand launch);
+- the grammar bitmask apply.
+The quantized GEMMs have their own stage (benchmarks/quant_layers.py: against bf16 cuBLAS on the same shapes).
+
+Floors (stated per row in the output):
+  bytes floor = bytes that must move (each input read once, each output written once) / measured read bandwidth
+  FLOP floor  = FLOPs / measured bf16 matrix rate;  floor = the larger of the two
+Inputs that would fit in L2 are rotated among copies, so the cache is not what is timed. Times are medians of
+`triton.testing.do_bench`. `--dry-run`: tiny shapes, float32, the Triton interpreter on the CPU (the correctness
+checks and every computation run; the times are the interpreter's, not GPU figures).
+Usage: python benchmarks/gpu_kernels.py [--dry-run] [--name gpu_kernels]
 """
 from __future__ import annotations
 
+import argparse
+import itertools
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
+
+if "--dry-run" in sys.argv:     # before triton is imported: the kernels then run in the CPU interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+import triton
 import triton.testing
 
+from ceilings import l2_bytes, matmul_flops, read_bandwidth
 from common import write_results
+from gpu_cases import ATTENTION, BITMASK_BATCHES, LORA, LORA_RANK, SHAPES, attention_name, bitmask_name, lora_name
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
+from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_bgmv_add_lora
+from core.attention.metadata import AttentionMetadata
+from core.attention.torch_backend import TorchAttentionBackend
+from core.attention.triton_backend import TritonAttentionBackend
+from core.runner import decode_groups
+from grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_torch_
+from grammar.bitmask_triton import apply_token_bitmask_triton_
+
+BS = 16
 
 
-def lora_case(num_slots: int, num_tokens: int, rank: int = 16, hidden: int = 4096, kv: int = 1024,
-              dtype: torch.dtype = torch.bfloat16) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(num_slots * 1000 + num_tokens)
-    outs = [hidden, kv, kv]
-    a = [torch.randn(num_slots, rank, hidden, device="cuda", generator=g, dtype=dtype) / hidden ** 0.5 for _ in outs]
-    b = [torch.randn(num_slots, o, rank, device="cuda", generator=g, dtype=dtype) * 0.05 for o in outs]
-    ranks = [[rank if (k % 4) else rank // 2 for k in range(num_slots)] for _ in outs]  # mixed ranks
-    for s in range(len(outs)):
+class Bench:
+    """Times closures (rotating among copies of the inputs) and turns bytes / FLOPs into floors."""
+
+    def __init__(self, device: torch.device, dry: bool) -> None:
+        self.device, self.dry = device, dry
+        self.bw = read_bandwidth(device, (8 << 20) if dry else None)      # the dry run: the CPU's, small buffers
+        self.flops = matmul_flops(device)
+        self.l2 = l2_bytes(device)
+
+    def copies(self, nbytes: int) -> int:
+        """Input sets to rotate through so that together they overflow L2 four times."""
+        return 1 if self.dry or nbytes <= 0 else max(1, min(32, -(-4 * self.l2 // nbytes)))
+
+    def time_ms(self, fns: list[Callable[[], Any]]) -> float:
+        """Median ms per call: `do_bench` (CUDA events) on a GPU; in the dry run a host clock over 3 calls."""
+        it = itertools.cycle(fns)
+        if self.device.type != "cuda":
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                next(it)()
+                times.append(1e3 * (time.perf_counter() - start))
+            return statistics.median(times)
+        return float(triton.testing.do_bench(lambda: next(it)(), warmup=25, rep=100, return_mode="median"))
+
+    def row(self, name: str, ms: float, nbytes: float, flops: float, rel_err: float, formula: str) -> dict[str, Any]:
+        floor_ms = 1e3 * max(nbytes / self.bw, flops / self.flops)
+        return {"name": name, "ms": ms, "floor_ms": floor_ms, "bytes": nbytes, "flops": flops,
+                "bound": "bytes" if nbytes / self.bw >= flops / self.flops else "FLOPs", "over_floor": ms / floor_ms,
+                "rel_err": rel_err, "floor_formula": formula, "dry_run": self.dry}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def paged_batch(seqs: list[tuple[int, int]], s: dict, dtype: torch.dtype, device: torch.device, seed: int):
+    """seqs: (cached, new) per sequence (new == 1: decode). Random q/k/v, a random pool, random block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    decodes = sorted((x for x in seqs if x[1] == 1), key=lambda x: x[0])
+    ordered = decodes + [x for x in seqs if x[1] > 1]
+    nblocks = [-(-(c + n) // BS) for c, n in ordered]
+    perm = torch.randperm(sum(nblocks) + 2, generator=gen)
+    tables = list(torch.split(perm[:sum(nblocks)], nblocks))
+    num_tokens = sum(n for _, n in ordered)
+    h, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
+    q, k, v = (torch.randn(num_tokens, n, d, generator=gen).to(device, dtype) for n in (h, hkv, hkv))
+    k_cache, v_cache = (torch.randn(len(perm), BS, hkv, d, generator=gen).to(device, dtype) for _ in range(2))
+    slots = torch.cat([t[torch.arange(c, c + n) // BS] * BS + torch.arange(c, c + n) % BS
+                       for (c, n), t in zip(ordered, tables)])
+    nd = len(decodes)
+    ctx = torch.tensor([c + n for c, n in ordered])
+    dec_tables = torch.zeros(nd, max(nblocks[:nd], default=0), dtype=torch.int64)
+    for i in range(nd):
+        dec_tables[i, :nblocks[i]] = tables[i]
+    starts = torch.cumsum(torch.tensor([0] + [n for _, n in ordered]), 0).tolist()
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device), num_decode_tokens=nd, decode_block_tables=dec_tables.to(device),
+        decode_context_lens=ctx[:nd].to(device), decode_groups=decode_groups(ctx[:nd].numpy(), BS),
+        prefill_query_starts=starts[nd:-1], prefill_query_lens=[n for _, n in ordered[nd:]],
+        prefill_context_lens=ctx[nd:].tolist(), prefill_block_tables=[t.to(device) for t in tables[nd:]],
+        block_size=BS)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def attention_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, list[tuple[int, int]]]]) -> list[dict]:
+    rows = []
+    scale = s["head_dim"] ** -0.5
+    elem = torch.finfo(dtype).bits // 8
+    for name, seqs in cases:
+        fresh = TritonAttentionBackend()
+        q, k, v, kc, vc, meta = paged_batch(seqs, s, dtype, b.device, seed=len(rows))
+        out = fresh.forward(q, k, v, kc, vc, meta, scale)
+        ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, scale)
+        kv_tokens = sum(c + n for c, n in seqs)
+        nbytes = 2 * kv_tokens * s["kv_heads"] * s["head_dim"] * elem + 2 * q.numel() * elem + 2 * k.numel() * elem
+        pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)          # (query, key) pairs, causal
+        flops = 4 * s["heads"] * s["head_dim"] * pairs
+        batches = [(q, k, v, kc, vc, meta)] + [paged_batch(seqs, s, dtype, b.device, seed=100 + i)
+                                               for i in range(b.copies(nbytes) - 1)]
+        backend = TritonAttentionBackend()
+        g_p2 = triton.next_power_of_2(s["heads"] // s["kv_heads"])
+        for x in batches:       # built once per step in the engine (all layers share it): not part of a layer's time
+            x[5].kernel_meta = backend.kernel_meta(x[5], s["kv_heads"], g_p2, b.device)
+        fns = [lambda x=x: backend.forward(*x, scale) for x in batches]
+        rows.append(b.row(attention_name(name), b.time_ms(fns), nbytes, flops, rel_err(out, ref),
+                          "bytes: K+V of every context token read once + q, out, new k/v; FLOPs: 4 x heads x "
+                          "head_dim x causal (query, key) pairs"))
+    return rows
+
+
+def lora_stack(slices: list[int], fan_in: int, num_slots: int, rank: int, dtype: torch.dtype,
+               device: torch.device, seed: int) -> LoRAStack:
+    """Mixed ranks (every 4th slot at rank / 2, the rest full), random A/B (A rows past a slot's rank are 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = [[rank if k % 4 else rank // 2 for k in range(num_slots)] for _ in slices]
+    a = [torch.randn(num_slots, rank, fan_in, generator=g) / fan_in ** 0.5 for _ in slices]
+    bb = [torch.randn(num_slots, o, rank, generator=g) * 0.05 for o in slices]
+    for i in range(len(slices)):
         for k in range(num_slots):
-            a[s][k, ranks[s][k]:] = 0
-            b[s][k, :, ranks[s][k]:] = 0
-    stack = LoRAStack.from_slices(a, b, ranks, [[2.0] * num_slots] * len(outs))
-    slots = torch.arange(num_tokens) % (num_slots + 1) - 1                       # includes base tokens (-1)
-    meta = LoRABatchMeta.build(slots, device="cuda", num_slots=num_slots)
-    x = torch.randn(num_tokens, hidden, device="cuda", generator=g, dtype=dtype)
-    y0 = torch.randn(num_tokens, sum(outs), device="cuda", generator=g, dtype=dtype)
-    ref = y0.clone()
-    add_lora(ref, x, stack, meta, backend="torch")
-    out = y0.clone()
-    add_lora(out, x, stack, meta, backend="triton")
-    err = ((out.float() - ref.float()).norm() / (ref.float() - y0.float()).norm()).item()
-    ms_triton = triton.testing.do_bench(lambda: add_lora(y0.clone(), x, stack, meta, backend="triton"),
-                                        return_mode="median")
-    ms_base = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, torch.empty(sum(outs), hidden,
-                                      device="cuda", dtype=dtype)), return_mode="median")
-    return {"slots": num_slots, "tokens": num_tokens, "rel_err_vs_torch": err, "triton_ms": ms_triton,
-            "base_qkv_matmul_ms": ms_base}
+            a[i][k, ranks[i][k]:] = 0
+            bb[i][k, :, ranks[i][k]:] = 0
+    return LoRAStack.from_slices([t.to(device, dtype) for t in a], [t.to(device, dtype) for t in bb], ranks,
+                                 [[2.0] * num_slots] * len(slices))
 
 
-def bitmask_case(batch: int, vocab: int = 128256) -> dict:
-    from grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_
-
-    logits = torch.randn(batch, vocab, device="cuda")
-    mask = allocate_token_bitmask(batch, vocab, device="cuda")
-    mask.random_(-2**31, 2**31 - 1)
-    rows = torch.arange(0, batch, 2, device="cuda")
-    a, b = logits.clone(), logits.clone()
-    from grammar.bitmask import apply_token_bitmask_torch_
-
-    apply_token_bitmask_(a, mask, rows)
-    apply_token_bitmask_torch_(b, mask, rows)
-    same = bool(torch.equal(a, b))
-    ms = triton.testing.do_bench(lambda: apply_token_bitmask_(logits.clone(), mask, rows), return_mode="median")
-    return {"batch": batch, "vocab": vocab, "triton_equals_torch": same, "ms": ms}
+def _lora_bytes(stack: LoRAStack, slots_used: set[int], elem: int) -> int:
+    ranks = stack.host_ranks()
+    return sum(ranks[i][k] * (stack.in_features + stack.slice_sizes[i]) * elem
+               for i in range(stack.num_slices) for k in slots_used)
 
 
-def main() -> None:
-    lora = [lora_case(s, t) for s in (8, 32) for t in (64, 512, 2048)]
-    masks = [bitmask_case(b) for b in (1, 64, 256)]
-    rows = [(f"LoRA qkv r16 {c['slots']} slots x {c['tokens']} tokens",
-             f"{c['triton_ms'] * 1000:.0f} us (base qkv GEMM {c['base_qkv_matmul_ms'] * 1000:.0f} us), "
-             f"rel err {c['rel_err_vs_torch']:.1e}") for c in lora]
-    rows += [(f"bitmask apply, batch {c['batch']}, vocab 128k", f"{c['ms'] * 1000:.0f} us, equal to torch: "
-              f"{c['triton_equals_torch']}") for c in masks]
-    write_results("gpu_kernels", {"lora": lora, "bitmask": masks, "device": torch.cuda.get_device_name()}, rows)
-    assert all(c["rel_err_vs_torch"] < 2e-2 for c in lora), lora
+def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int, int, int]], rank: int) -> list[dict]:
+    """Segmented shrink + expand (grouped metadata) and fused BGMV (decode metadata) on the q/k/v slices."""
+    rows = []
+    slices, fan_in = [s["hidden"], s["kv"], s["kv"]], s["hidden"]
+    elem = torch.finfo(dtype).bits // 8
+    for kind, num_slots, num_tokens, seed in cases:
+        stack = lora_stack(slices, fan_in, num_slots, rank, dtype, b.device, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        token_slots = torch.arange(num_tokens) % (num_slots + 1) - 1                  # base rows (-1) included
+        x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
+        y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
+        if kind == "bgmv":
+            order = torch.argsort(token_slots, stable=True)
+            meta = DecodeLoRAMeta(num_tokens, token_slots.to(b.device, torch.int32), order.to(b.device, torch.int32))
+            run = lambda y, xx, st: triton_bgmv_add_lora(y, xx, st, meta)            # noqa: E731
+            ref_fn = lambda y, xx, st: torch_bgmv_add_lora(y, xx, st, meta)          # noqa: E731
+        else:
+            meta = LoRABatchMeta.build(token_slots, device=b.device, num_slots=num_slots)
+            run = lambda y, xx, st: add_lora(y, xx, st, meta, backend="triton")       # noqa: E731
+            ref_fn = lambda y, xx, st: add_lora(y, xx, st, meta, backend="torch")     # noqa: E731
+        out = y0.clone()
+        run(out, x, stack)
+        f32 = LoRAStack.from_slices([stack.lora_a[i].float() for i in range(3)],
+                                    [stack.lora_b[:, o:o + n].float() for o, n in zip(stack.slice_offsets, slices)],
+                                    stack.host_ranks(), stack.host_scalings())
+        ref = y0.float().clone()
+        ref_fn(ref, x.float(), f32)
+        used = {int(t) for t in token_slots if t >= 0}
+        lora_tokens = sum(1 for t in token_slots if t >= 0)
+        nbytes = _lora_bytes(stack, used, elem) + x.numel() * elem + 2 * y0.numel() * elem
+        flops = 2 * lora_tokens * rank * (3 * fan_in + sum(slices))
+        stacks = [stack] + [lora_stack(slices, fan_in, num_slots, rank, dtype, b.device, seed + 10 + i)
+                            for i in range(b.copies(_lora_bytes(stack, used, elem)) - 1)]
+        fns = [lambda st=st: run(y0, x, st) for st in stacks]   # y0 accumulates: the values do not matter here
+        rows.append(b.row(lora_name(kind, num_slots, num_tokens, rank), b.time_ms(fns), nbytes, flops,
+                          rel_err(out.float() - y0.float(), ref - y0.float()),
+                          "bytes: A and B (real ranks) of the slots in the batch + x read + y read and written; "
+                          "FLOPs: 2 x LoRA tokens x rank x (3 x in + sum of slice outs)"))
+    return rows
+
+
+def bitmask_rows(b: Bench, s: dict, batches: list[int]) -> list[dict]:
+    rows = []
+    vocab = s["vocab"]
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        logits = torch.randn(batch, vocab, generator=g).to(b.device)
+        mask = allocate_token_bitmask(batch, vocab, device="cpu")
+        mask.random_(-2 ** 31, 2 ** 31 - 1, generator=g)
+        mask = mask.to(b.device)
+        rows_idx = torch.arange(0, batch, 2, device=b.device)
+        out, ref = logits.clone(), logits.clone()
+        apply_token_bitmask_triton_(out, mask, rows_idx)
+        apply_token_bitmask_torch_(ref, mask, rows_idx)
+        same = bool(torch.equal(out, ref))
+        nbytes = rows_idx.numel() * (mask.shape[1] * 4 + vocab * 4 // 2)   # mask words + the masked half written
+        copies = [(logits.clone(), mask) for _ in range(b.copies(int(nbytes)))]
+        fns = [lambda lg=lg, m=m: apply_token_bitmask_triton_(lg, m, rows_idx) for lg, m in copies]
+        rows.append(b.row(bitmask_name(batch, vocab), b.time_ms(fns), nbytes, 0, 0.0 if same else float("inf"),
+                          "bytes: the constrained rows' mask words read + their masked logits (half) written"))
+    return rows
+
+
+def fmt(r: dict) -> str:
+    where = " (dry run: CPU interpreter, not a GPU figure)" if r["dry_run"] else ""
+    return (f"{1e3 * r['ms']:.1f} us; floor {1e3 * r['floor_ms']:.1f} us ({r['bound']}) -> {r['over_floor']:.2f}x; "
+            f"rel err {r['rel_err']:.1e}{where}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, no timing")
+    ap.add_argument("--name", default="gpu_kernels")
+    args = ap.parse_args(argv)
+    dry = args.dry_run or not torch.cuda.is_available()
+    device = torch.device("cpu" if dry else "cuda")
+    b = Bench(device, dry)
+    s = SHAPES[dry]
+    dtype = torch.float32 if dry else torch.bfloat16
+    rows = (attention_rows(b, s, dtype, ATTENTION[dry]) + lora_rows(b, s, dtype, LORA[dry], LORA_RANK[dry])
+            + bitmask_rows(b, s, BITMASK_BATCHES[dry]))
+    tol = 0.0 if dry else 2e-2
+    bad = [r for r in rows if not r["rel_err"] <= max(tol, 1e-4)]
+    table = [(r["name"], fmt(r)) for r in rows]
+    data = {"rows": rows, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12,
+            "l2_bytes": b.l2, "dtype": str(dtype),
+            "wrong": [r["name"] for r in bad]}
+    write_results(args.name, data, table)
+    if bad:
+        raise SystemExit(f"kernels disagree with their torch path: {data['wrong']}")
 
 
 if __name__ == "__main__":

@@ -1,88 +1,283 @@
-"""Collects one GPU session's figures into benchmarks/results/gpu_serving.json (+ .md): the file our checks read.
+"""The table of a GPU run (benchmarks/gpu_run.py): every GPU figure beside its target and its physical floor.
 
-Reads what the session's benchmarks wrote (same run, same device):
-  serving_<tag>.json             benchmarks/serving.py       (rate sweep, compiles after the warm-up)
-  lora_overhead_<tag>_all.json   benchmarks/lora_overhead.py (r16, all 7 modules, 8 and 32 adapters)
-  decode_roofline_<tag>.json     benchmarks/decode_roofline.py (batch-1 step over the read-bandwidth bound)
-  offline_throughput_<tag>.json  benchmarks/offline_throughput.py (vs HF generate at batch 64)
-and checks them against the issue's targets; a missed target is listed, not hidden.
-Usage: python benchmarks/gpu_summary.py --tag h100 --device "NVIDIA H100 80GB HBM3"
+Reads what the stages wrote under <results>/gpu_run/ (the same run, the same device) and writes
+<results>/gpu_<date>.json and .md (the dry run: gpu_<date>_dry.*) and gpu_run/summary.md; prints the table.
+A figure whose stage has not run says so, a failed stage points at its log, and in the dry run every figure that
+needs a GPU reads "not measured (dry run)" (its row is still built from the dry run's files, so the parsing is
+exercised). A missed target is listed, never hidden. Targets come from the open issues (issue 33 lists them).
+Usage: python benchmarks/gpu_summary.py [--dry-run] [--results DIR]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS  # noqa: E402
+from gpu_cases import QUANT_FORMATS, QUANT_TOKENS, kernel_names
+from gpu_run import STAGE_DIR, STAGES
+
+DRY = "not measured (dry run)"
+QUANT_TARGETS = {("w4a16", 1): 2.5, ("w4a16", 16): 2.5, ("w4a16", 64): 1.3, ("w4a16", 256): 0.9,
+                 ("w4a16", 1024): 0.9, ("w8a16", 1): 1.6, ("fp8", 1): 1.0, ("fp8", 16): 1.3, ("fp8", 64): 1.3,
+                 ("fp8", 256): 1.3}
+LORA_TARGETS = {8: (0.08, 0.045), 32: (0.22, 0.179)}      # decode overhead target, the issue's floor
+STAGE_OF = {"env": "env", "tests": "tests", "kernels": "kernels", "quant": "quant", "roofline_bf16": "roofline",
+            "roofline_fp8": "roofline", "lora": "lora", "spec_verify": "spec", "spec_ngram": "spec",
+            "offline": "offline", "serving": "serving"}
 
 
-def load(name: str) -> dict[str, Any] | None:
-    path = RESULTS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+class Run:
+    """The stage results of one run, and how to word a figure that is not there (pending, failed, dry run)."""
+
+    def __init__(self, results: Path, dry: bool) -> None:
+        self.dir, self.dry = results / STAGE_DIR, dry
+
+    def status(self, stage: str) -> str:
+        path = self.dir / f"{stage}.stage.json"
+        return json.loads(path.read_text())["status"] if path.exists() else "pending"
+
+    def data(self, name: str) -> dict[str, Any] | None:
+        """The result `name`, also when a later part of its stage failed (gpu_run.py deletes a stage's results
+        before it runs it, so a file here is always from the stage's last attempt)."""
+        path = self.dir / f"{name}.json"
+        if self.status(STAGE_OF[name]) == "pending" or not path.exists():
+            return None
+        return json.loads(path.read_text())
+
+    def missing(self, name: str) -> str:
+        stage = STAGE_OF[name]
+        status = self.status(stage)
+        if status == "pending":
+            return f"not measured yet (stage {stage})"
+        return f"stage {stage} {status}: see {STAGE_DIR}/{stage}.log"
 
 
-def saturation_rate(points: list[dict[str, Any]]) -> float | None:
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f} ms" if seconds is not None and math.isfinite(seconds) else "n/a"
+
+
+class Table:
+    def __init__(self, run: Run) -> None:
+        self.run, self.rows = run, []
+
+    def add(self, section: str, figure: str, name: str, measure: Callable[[dict], tuple[str, bool | None]],
+            target: str = "-", floor: Callable[[dict], str] | str = "-") -> None:
+        """One row; `measure(data)` -> (the figure as text, target met or None). In the dry run the row is computed
+        (the parsing runs) and its figure replaced."""
+        data = self.run.data(name)
+        if data is None:
+            text, met, floor_text = self.run.missing(name), None, floor if isinstance(floor, str) else "-"
+        else:
+            try:
+                text, met = measure(data)
+                floor_text = floor(data) if callable(floor) else floor
+            except (KeyError, IndexError, TypeError, ZeroDivisionError, StopIteration) as exc:
+                text, met, floor_text = f"unreadable result ({type(exc).__name__}: {exc})", False, "-"
+                self.rows.append({"section": section, "figure": figure, "measured": text, "target": target,
+                                  "floor": floor_text, "met": met})
+                return
+            computed = {"measured": text, "floor": floor_text}       # the dry run keeps what it parsed, aside
+            if self.run.dry:
+                text, met = DRY, None
+                floor_text = DRY if callable(floor) else floor_text
+            self.rows.append({"section": section, "figure": figure, "measured": text, "target": target,
+                              "floor": floor_text, "met": met, **({"dry_run_parsed": computed} if self.run.dry else {})})
+            return
+        self.rows.append({"section": section, "figure": figure, "measured": text, "target": target,
+                          "floor": floor_text, "met": met})
+
+
+def build(run: Run, table: Table) -> None:
+    add = table.add
+    add("tests", "GPU tests (pytest -m gpu)", "tests", lambda d: (
+        f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, {d['skipped']} skipped"
+        if not d["timed_out"] else "timed out", not d["timed_out"] and d["failed"] == 0 and d["errors"] == 0),
+        "all pass")
+    roof = run.data("roofline_bf16") or {}
+    batches = [p["batch"] for p in roof.get("points", [])] or [1, 8, 64, 128, 256]
+    for b in batches:
+        def point(d: dict, b: int = b) -> dict:
+            return next(p for p in d["points"] if p["batch"] == b)
+        add("decode", f"decode step, batch {b}, bf16", "roofline_bf16", lambda d, b=b: (
+            f"{ms(point(d, b)['step_s'])} step, {ms(point(d, b)['forward_s'])} forward, "
+            f"{point(d, b)['tok_s']:.0f} tok/s = {point(d, b)['step_over_roofline']:.2f}x floor",
+            point(d, b)["step_over_roofline"] <= 1.10 if b == 1 else None),
+            "step <= 1.10x floor (issue 13)" if b == 1 else "-",
+            lambda d, b=b: f"{ms(point(d, b)['roofline_s'])}: (weights + KV of each context) / read bandwidth")
+    fp8 = run.data("roofline_fp8") or {}
+    for b in [p["batch"] for p in fp8.get("points", [])] or [1, 64]:
+        def pair(d: dict, b: int = b) -> tuple[dict, dict]:
+            bf = run.data("roofline_bf16")
+            return (next(p for p in d["points"] if p["batch"] == b),
+                    next(p for p in bf["points"] if p["batch"] == b))
+        add("decode", f"FP8 decode step, batch {b} (online FP8 weights)", "roofline_fp8", lambda d, b=b: (
+            f"{ms(pair(d, b)[0]['step_s'])} = {pair(d, b)[1]['step_s'] / pair(d, b)[0]['step_s']:.2f}x bf16",
+            pair(d, b)[1]["step_s"] / pair(d, b)[0]["step_s"] >= 1.2), ">= 1.2x bf16",
+            lambda d, b=b: f"{ms(pair(d, b)[0]['roofline_s'])} (= {pair(d, b)[1]['roofline_s'] / pair(d, b)[0]['roofline_s']:.2f}x "
+                           "bf16 by bytes)")
+    lora = run.data("lora") or {}
+    for k in sorted(int(key[1:]) for key in lora if key[0] == "k" and key[1:].isdigit()) or sorted(LORA_TARGETS):
+        target, issue_floor = LORA_TARGETS.get(k, (None, None))
+        add("LoRA", f"LoRA decode-step overhead, {k} adapters (every row on its own adapter)", "lora",
+            lambda d, k=k, t=target: (f"{100 * d[f'k{k}']['decode_overhead']:+.1f}%",
+                                      None if t is None else d[f"k{k}"]["decode_overhead"] <= t),
+            f"<= +{100 * target:.0f}%" if target else "-", lambda d, k=k, f=issue_floor: (
+                (f"+{100 * f:.1f}% (issue); " if f else "") + f"+{100 * d[f'k{k}']['decode_floor']:.1f}% here: A+B "
+                "bytes of the adapters / step bytes"))
+        add("LoRA", f"LoRA prefill overhead, {k} adapters", "lora",
+            lambda d, k=k: (f"{100 * d[f'k{k}']['prefill_overhead']:+.1f}%", d[f"k{k}"]["prefill_overhead"] <= 0.12),
+            "<= +12%", lambda d, k=k: f"+{100 * d[f'k{k}']['prefill_floor']:.1f}%: LoRA FLOPs / base linear FLOPs")
+        add("LoRA", f"LoRA generate overhead, {k} adapters", "lora", lambda d, k=k: (
+            f"{100 * d[f'k{k}']['overhead']:+.1f}% (r{d['rank']}, {d['targets']} modules, {d['num_requests']} requests "
+            f"of {d['prompt_len']} + {d['max_tokens']} tokens)", None))
+    kernels = run.data("kernels") or {}
+    for i, name in enumerate([r["name"] for r in kernels.get("rows", [])] or kernel_names(run.dry)):
+        add("kernels", name, "kernels", lambda d, i=i: (
+            f"{1e3 * d['rows'][i]['ms']:.1f} us = {d['rows'][i]['over_floor']:.2f}x floor, rel err "
+            f"{d['rows'][i]['rel_err']:.1e}", d["rows"][i]["rel_err"] <= 2e-2), "correct; near its floor",
+            lambda d, i=i: f"{1e3 * d['rows'][i]['floor_ms']:.1f} us ({d['rows'][i]['bound']})")
+    quant = run.data("quant") or {}
+    keys = [(r["format"], r["tokens"]) for r in quant.get("rows", [])] or \
+        [(f, t) for f in QUANT_FORMATS for t in QUANT_TOKENS[run.dry]]
+    for fmt, t in keys:
+        def qrow(d: dict, fmt: str = fmt, t: int = t) -> dict:
+            return next(r for r in d["rows"] if r["format"] == fmt and r["tokens"] == t)
+        goal = QUANT_TARGETS.get((fmt, t))
+        add("quantized linears", f"{fmt.upper()} linears of a layer, T={t}", "quant", lambda d, fmt=fmt, t=t, g=goal: (
+            qrow(d, fmt, t)["note"] if qrow(d, fmt, t)["ms"] is None else
+            f"{1e3 * qrow(d, fmt, t)['ms']:.1f} us = {qrow(d, fmt, t)['speedup_vs_bf16']:.2f}x bf16 cuBLAS",
+            None if g is None or qrow(d, fmt, t)["ms"] is None else qrow(d, fmt, t)["speedup_vs_bf16"] >= g),
+            f">= {goal}x bf16" if goal else "-", lambda d, fmt=fmt, t=t: "-" if qrow(d, fmt, t)["ms"] is None else
+            f"{1e3 * qrow(d, fmt, t)['floor_ms']:.1f} us ({qrow(d, fmt, t)['over_floor']:.2f}x): packed bytes, FLOPs")
+    verify = run.data("spec_verify") or {}
+    for b in [r["batch"] for r in verify.get("rows", [])] or [1, 8, 32, 64]:
+        def vrow(d: dict, b: int = b) -> dict:
+            return next(r for r in d["rows"] if r["batch"] == b)
+        add("speculative", f"verification step / decode step, batch {b} (k 4)", "spec_verify", lambda d, b=b: (
+            f"{vrow(d, b)['verify_over_decode']:.2f}x ({ms(vrow(d, b)['verify_eager_s'])} vs "
+            f"{ms(vrow(d, b).get('decode_graph_s', vrow(d, b)['decode_eager_s']))})",
+            vrow(d, b)["verify_over_decode"] <= 1.3 if b <= 32 else None),
+            "<= 1.3x" if b <= 32 else "-", "1.00x: the same weights and KV are read")
+    add("speculative", "n-gram speculation, batch 1 (k 4)", "spec_ngram", lambda d: (
+        f"{d['speedup']:.2f}x tok/s, acceptance {d['acceptance_rate']:.2f}, mean accepted length "
+        f"{d['mean_accepted_length']:.2f}" + (" (random weights)" if d["random_weights"] else ""), d["speedup"] >= 1.5),
+        ">= 1.5x tok/s", lambda d: f"break-even mean accepted length {_verify_b1(run)}")
+    add("offline", "offline throughput vs HF generate", "offline", lambda d: (
+        f"{d['speedup_vs_hf']:.1f}x ({d['loraplex_out_tok_s']:.0f} vs {d['hf_out_tok_s']:.0f} tok/s; "
+        f"{d['num_requests']} requests, HF static batch {d['hf_batch_size']})",
+        d["speedup_vs_hf"] >= 15), ">= 15x (issue 13)")
+    serving_rows(run, table)
+
+
+def _verify_b1(run: Run) -> str:
+    d = run.data("spec_verify")
+    row = next((r for r in (d or {}).get("rows", []) if r["batch"] == 1), None)
+    return f"{row['verify_over_decode']:.2f} (verify / decode at batch 1)" if row else "n/a (spec_verify missing)"
+
+
+def saturation_rate(points: list[dict]) -> float | None:
     """The lowest finite offered rate the server could not keep up with (achieved < 90% of offered)."""
-    for p in sorted((p for p in points if p["rate"] != float("inf")), key=lambda p: p["rate"]):
+    for p in sorted((p for p in points if math.isfinite(p["rate"])), key=lambda p: p["rate"]):
         if p["request_s"] < 0.9 * p["rate"]:
             return p["rate"]
     return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tag", default="h100")
-    ap.add_argument("--device", required=True)
-    args = ap.parse_args()
-    serving = load(f"serving_{args.tag}")
-    lora = load(f"lora_overhead_{args.tag}_all")
-    roof = load(f"decode_roofline_{args.tag}")
-    offline = load(f"offline_throughput_{args.tag}")
-    points = serving["points"] if serving else []
-    sat = saturation_rate(points)
-    out: dict[str, Any] = {
-        "device": args.device, "date": datetime.date.today().isoformat(),
-        "serving": [{"rate": "inf" if p["rate"] == float("inf") else p["rate"],
-                     "ttft_p50_ms": 1e3 * p["ttft_p50_s"], "ttft_p99_ms": 1e3 * p["ttft_p99_s"],
-                     "itl_p50_ms": 1e3 * p["itl_p50_s"], "itl_p99_ms": 1e3 * p["itl_p99_s"],
-                     "output_tok_s": p["output_tok_s"], "errors": p["num_errors"]} for p in points],
-        "saturation_rate": sat,
-        "compiles_after_warmup": serving["compiles_after_warmup"] if serving else None,
-        "lora_overhead_pct": {k: 100 * lora[f"k{k}"]["overhead"] for k in ("8", "32")} if lora else None,
-        "decode_b1_step_over_roofline": next((p["step_over_roofline"] for p in roof["points"] if p["batch"] == 1),
-                                             None) if roof else None,
-        "offline_speedup_vs_hf_b64": offline["speedup_vs_hf"] if offline else None,
-    }
-    below = [p for p in out["serving"] if p["rate"] != "inf" and (sat is None or p["rate"] < sat)]
-    checks = [
-        ("0 Triton compiles after start-up", out["compiles_after_warmup"] == 0),
-        ("0 errors", all(p["errors"] == 0 for p in out["serving"]) and bool(points)),
-        ("below saturation: TTFT p99 <= 500 ms", bool(below) and all(p["ttft_p99_ms"] <= 500 for p in below)),
-        ("below saturation: ITL p99 <= 2x ITL p50",
-         bool(below) and all(p["itl_p99_ms"] <= 2 * p["itl_p50_ms"] for p in below)),
-        ("LoRA overhead <= 5% (8 adapters), <= 10% (32)", bool(out["lora_overhead_pct"]) and
-         out["lora_overhead_pct"]["8"] <= 5 and out["lora_overhead_pct"]["32"] <= 10),
-        ("batch-1 decode step <= 1.10x the bandwidth bound", (out["decode_b1_step_over_roofline"] or 99) <= 1.10),
-        ("offline >= 15x HF generate at batch 64", (out["offline_speedup_vs_hf_b64"] or 0) >= 15),
-    ]
-    out["targets_met"] = {name: ok for name, ok in checks}
-    (RESULTS / "gpu_serving.json").write_text(json.dumps(out, indent=2))
-    lines = [f"# GPU serving summary ({args.device}, {out['date']})", "", "| rate (req/s) | TTFT p50/p99 ms | "
-             "ITL p50/p99 ms | output tok/s | errors |", "|---|---|---|---|---|"]
-    lines += [f"| {p['rate']} | {p['ttft_p50_ms']:.0f} / {p['ttft_p99_ms']:.0f} | {p['itl_p50_ms']:.1f} / "
-              f"{p['itl_p99_ms']:.1f} | {p['output_tok_s']:.0f} | {p['errors']} |" for p in out["serving"]]
-    lines += ["", "| target | met |", "|---|---|"] + [f"| {n} | {'yes' if ok else '**no**'} |" for n, ok in checks]
-    lines += ["", f"saturation rate: {sat}; compiles after warm-up: {out['compiles_after_warmup']}; LoRA overhead %: "
-              f"{out['lora_overhead_pct']}; batch-1 step / roofline: {out['decode_b1_step_over_roofline']}; offline "
-              f"speedup vs HF: {out['offline_speedup_vs_hf_b64']}"]
-    (RESULTS / "gpu_serving.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def serving_rows(run: Run, table: Table) -> None:
+    add = table.add
+    serving = run.data("serving") or {}
+    workloads = serving.get("workloads") or {"mix": [], "base": []}
+
+    def floors(d: dict, w: str, i: int) -> str:
+        roof, env = run.data("roofline_bf16"), run.data("env")
+        if roof is None or env is None:
+            return "decode step roofline (stage roofline) and ceilings (stage env) needed"
+        step = next(p for p in roof["points"] if p["batch"] == 1)["roofline_s"]
+        prompt = d["workloads"][w][i]["prompt_tokens_mean"]
+        params = roof["weight_bytes"] / (4 if roof["dtype"] == "float32" else 2)
+        prefill = 2 * params * prompt / (1e12 * env["matmul_tflops"])
+        return f"ITL >= {ms(step)} (batch-1 step); TTFT >= {ms(max(step, prefill))} (mean prompt {prompt:.0f} tokens)"
+
+    for w, points in workloads.items():
+        for i, p in enumerate(points or [{"rate": r} for r in (math.inf, 4.0, 16.0, 64.0)]):
+            def measure(d: dict, w: str = w, i: int = i) -> tuple[str, bool | None]:
+                q = d["workloads"][w][i]
+                sat = saturation_rate(d["workloads"][w])
+                below = math.isfinite(q["rate"]) and (sat is None or q["rate"] < sat)
+                ok = q["ttft_p99_s"] <= 0.5 and q["itl_p99_s"] <= 2 * q["itl_p50_s"] if below else None
+                return (f"TTFT p50/p99 {1e3 * q['ttft_p50_s']:.0f}/{1e3 * q['ttft_p99_s']:.0f} ms, ITL p50/p99 "
+                        f"{1e3 * q['itl_p50_s']:.1f}/{1e3 * q['itl_p99_s']:.1f} ms, E2E p99 {1e3 * q['e2e_p99_s']:.0f} "
+                        f"ms, goodput {q['goodput_request_s']:.2f} req/s ({100 * q['goodput_share']:.0f}%), "
+                        f"{q['output_tok_s']:.0f} tok/s, {q['request_s']:.2f} req/s", ok)
+            finite = math.isfinite(p["rate"])
+            add("serving", f"serving {w} @ {p['rate']:g} req/s", "serving", measure,
+                "below saturation: TTFT p99 <= 500 ms, ITL p99 <= 2x p50" if finite else "- (saturation)",
+                lambda d, w=w, i=i: floors(d, w, i))
+    add("serving", "serving saturation: mix / base req/s (rate inf)", "serving", lambda d: (
+        (f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85)
+        if d["saturation"]["mix_over_base"] else (f"rate inf not measured for both (skipped: {d['skipped']})", None)),
+        ">= 0.85x")
+    add("serving", "serving errors", "serving", lambda d: (
+        str(sum(p["num_errors"] for pts in d["workloads"].values() for p in pts)),
+        all(p["num_errors"] == 0 for pts in d["workloads"].values() for p in pts)), "0")
+    add("serving", "kernel compiles after the warm-up (serving)", "serving", lambda d: (
+        str(d["compiles_after_warmup"]), d["compiles_after_warmup"] == 0), "0")
+    add("serving", "kernel compiles after the warm-up (speculative verification)", "spec_verify", lambda d: (
+        str(d["compiles_after_warmup"]), d["compiles_after_warmup"] == 0), "0")
+
+
+def header(run: Run) -> list[str]:
+    env = run.data("env")
+    if env is None:
+        return [f"environment: {run.missing('env')}"]
+    lines = [f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}, "
+             f"GPU {env['gpu_name'] or env['gpu'] or 'none (CPU)'}",
+             f"read bandwidth {env['read_bandwidth_gb_s']:.0f} GB/s, copy {env['copy_bandwidth_gb_s']:.0f} GB/s, "
+             f"bf16 matrix rate {env['matmul_tflops']:.1f} TFLOP/s (measured; the floors divide by these)"]
+    if run.dry:
+        lines.append("DRY RUN on the CPU (tiny model and shapes): no figure below is a GPU figure")
+    return lines
+
+
+def render(title: str, head: list[str], rows: list[dict], stages: dict[str, str]) -> str:
+    mark = {True: "yes", False: "**no**", None: "-"}
+    lines = [f"# {title}", ""] + [f"- {h}" for h in head] + \
+        ["- stages: " + ", ".join(f"{k} {v}" for k, v in stages.items()), "",
+         "| section | figure | measured | target | floor | met |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['section']} | {r['figure']} | {r['measured']} | {r['target']} | {r['floor']} | {mark[r['met']]} |"
+              for r in rows]
+    missed = [r["figure"] for r in rows if r["met"] is False]
+    lines += ["", f"targets missed: {', '.join(missed) if missed else 'none'}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--results", type=Path, default=None, help="default: $LORAPLEX_BENCH_RESULTS or benchmarks/results")
+    args = ap.parse_args(argv)
+    results = args.results or Path(os.environ.get("LORAPLEX_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+    run = Run(results, args.dry_run)
+    table = Table(run)
+    build(run, table)
+    date = datetime.date.today().isoformat()
+    stages = {s.name: run.status(s.name) for s in STAGES}
+    head = header(run)
+    name = f"gpu_{date}" + ("_dry" if args.dry_run else "")
+    data = {"date": date, "dry_run": args.dry_run, "environment": run.data("env"), "stages": stages, "header": head,
+            "rows": table.rows, "targets_missed": [r["figure"] for r in table.rows if r["met"] is False]}
+    (results / f"{name}.json").write_text(json.dumps(data, indent=2))
+    text = render(f"GPU run {date}" + (" (dry run)" if args.dry_run else ""), head, table.rows, stages)
+    (results / f"{name}.md").write_text(text)
+    (results / STAGE_DIR / "summary.md").write_text(text)
+    print(f"wrote {results / name}.json and .md", file=sys.stderr)
 
 
 if __name__ == "__main__":

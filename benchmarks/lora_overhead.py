@@ -2,7 +2,12 @@
 
 K adapters (rank 16, all 7 target modules, random non-zero weights written in PEFT format) serve
 N requests round-robin (request i -> adapter i % K), all in the same batches (`--max-loras K`).
-Reports output tokens/s with adapters and on the base alone, and the overhead, for K in 8 and 32.
+Reports, for K in 8 and 32 (`--num-adapters`), per `--phases`:
+- e2e: output tokens/s of `generate` with adapters and on the base alone, and the overhead;
+- decode: the median engine step with all N requests decoding, LoRA vs base, beside its bytes floor (the A and B
+  of the distinct adapters read once per step, over the weight + KV bytes of the base step);
+- prefill: the time to prefill the N prompts, LoRA vs base, beside its FLOP floor (LoRA FLOPs over the base
+  linears' FLOPs: prefill is compute-bound).
 Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 from __future__ import annotations
@@ -11,8 +16,10 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -20,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from safetensors.torch import save_file
 
+from ceilings import weight_bytes
 from common import add_model_args, bench_model_dir, load_format_of, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
@@ -67,7 +75,77 @@ def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], max_tokens:
     return elapsed
 
 
-def main() -> None:
+def _add(llm: LLM, tag: str, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> None:
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, (ids, name) in enumerate(zip(prompts, loras)):
+        eng.add_request(f"{tag}-{i}", ids, params, lora=eng.resolve_lora(name))
+
+
+def prefill_time(llm: LLM, prompts: list[list[int]], loras: list[str | None], tag: str) -> float:
+    """Seconds to prefill every prompt (one output token each: the steps are the prefill chunks)."""
+    _add(llm, tag, prompts, loras, 1)
+    start = now()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return now() - start
+
+
+def decode_step_time(llm: LLM, prompts: list[list[int]], loras: list[str | None], tag: str, num_steps: int) -> float:
+    """Median seconds of a decode step with every request running (prefilled first, 3 untimed steps)."""
+    eng = llm.engine
+    _add(llm, tag, prompts, loras, num_steps + 8)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.num_waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times = []
+    for _ in range(num_steps):        # host clock, no device sync: steady-state steps (async scheduling overlaps them)
+        start = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - start)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return statistics.median(times)
+
+
+def adapter_bytes(cfg: ModelConfig, rank: int, targets: tuple[str, ...], elem: int) -> int:
+    """Bytes of one adapter's A and B over every layer: what a step must read once per distinct adapter."""
+    return cfg.num_layers * rank * sum(sum(module_shape(cfg, t)) for t in targets) * elem
+
+
+def adapter_flops_ratio(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> float:
+    """LoRA FLOPs over the base linears' FLOPs of the same tokens (the prefill floor: prefill is compute-bound)."""
+    names = tuple(TARGETS)
+    base = sum(i * o for i, o in (module_shape(cfg, t) for t in names))
+    return rank * sum(sum(module_shape(cfg, t)) for t in targets) / base
+
+
+def phases(llm: LLM, cfg: ModelConfig, args: argparse.Namespace, prompts: list[list[int]], loras: list[str],
+           num_adapters: int) -> dict[str, float]:
+    """Decode-step and prefill overheads of LoRA (each request on its own adapter) over base, with their floors."""
+    base = [None] * len(prompts)
+    t_pre_base = t_pre_lora = t_dec_base = t_dec_lora = float("inf")
+    for r in range(2):     # alternating, best of two
+        t_pre_base = min(t_pre_base, prefill_time(llm, prompts, base, f"pb{num_adapters}-{r}"))
+        t_pre_lora = min(t_pre_lora, prefill_time(llm, prompts, loras, f"pl{num_adapters}-{r}"))
+        t_dec_base = min(t_dec_base, decode_step_time(llm, prompts, base, f"db{num_adapters}-{r}", args.decode_steps))
+        t_dec_lora = min(t_dec_lora, decode_step_time(llm, prompts, loras, f"dl{num_adapters}-{r}", args.decode_steps))
+    elem = 4 if args.dtype == "float32" else 2
+    targets = TARGET_SETS[args.targets]
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    context = args.prompt_len + 3 + args.decode_steps / 2           # mean context of the timed decode steps
+    step_bytes = weight_bytes(llm.engine.model) + len(prompts) * context * kv_per_token
+    extra = min(num_adapters, len(prompts)) * adapter_bytes(cfg, args.rank, targets, elem)
+    return {"decode_step_base_s": t_dec_base, "decode_step_lora_s": t_dec_lora,
+            "decode_overhead": t_dec_lora / t_dec_base - 1, "decode_floor": extra / step_bytes,
+            "decode_floor_formula": "adapter A+B bytes of the distinct adapters / (weight bytes + KV bytes) of the step",
+            "prefill_base_s": t_pre_base, "prefill_lora_s": t_pre_lora, "prefill_overhead": t_pre_lora / t_pre_base - 1,
+            "prefill_floor": adapter_flops_ratio(cfg, args.rank, targets),
+            "prefill_floor_formula": "LoRA FLOPs (rank x (in + out) per target) / base linear FLOPs (in x out)"}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -76,34 +154,51 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", choices=sorted(TARGET_SETS), default="all",
                     help="target modules: all seven, attention (q,k,v,o) or q,v")
+    ap.add_argument("--num-adapters", default="8,32", help="comma list of adapter counts")
+    ap.add_argument("--phases", default="e2e", help="comma list of e2e (generate), decode+prefill (steps, floors)")
+    ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--name", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
     rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                      "max_tokens": args.max_tokens, "rank": args.rank, "targets": args.targets, "device": args.device, "dtype": args.dtype}
+                      "max_tokens": args.max_tokens, "rank": args.rank, "targets": args.targets, "device": args.device,
+                      "dtype": args.dtype, "phases": args.phases}
     num_out = args.num_requests * args.max_tokens
-    for num_adapters in (8, 32):
+    wanted = set(args.phases.split(","))
+    for num_adapters in (int(k) for k in args.num_adapters.split(",")):
         adapter_dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
         modules = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, args.rank, i, adapter_dtype,
                                                   TARGET_SETS[args.targets]))
                    for i in range(num_adapters)}
         llm = LLM(model, device=args.device, dtype=args.dtype, lora_modules=modules, max_loras=num_adapters,
-                  max_lora_rank=args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model))
+                  max_lora_rank=args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model),
+                  max_num_seqs=max(args.num_requests, 8))
         loras = [f"t{i % num_adapters}" for i in range(len(prompts))]
-        # alternate and keep the best of two: the first pass also pays the KV pool's first-touch page faults
-        t_base = t_lora = float("inf")
-        for _ in range(2):
-            t_base = min(t_base, run(llm, prompts, [None] * len(prompts), args.max_tokens))
-            t_lora = min(t_lora, run(llm, prompts, loras, args.max_tokens))
-        overhead = t_lora / t_base - 1
-        data[f"k{num_adapters}"] = {"base_s": t_base, "lora_s": t_lora, "base_tok_s": num_out / t_base,
-                                    "lora_tok_s": num_out / t_lora, "overhead": overhead}
-        rows.append((f"{num_adapters} adapters: base / LoRA output tok/s",
-                     f"{num_out / t_base:.1f} / {num_out / t_lora:.1f} (overhead {100 * overhead:.1f}%)"))
+        entry: dict[str, float | str] = {}
+        if "e2e" in wanted:
+            # alternate and keep the best of two: the first pass also pays the KV pool's first-touch page faults
+            t_base = t_lora = float("inf")
+            for _ in range(2):
+                t_base = min(t_base, run(llm, prompts, [None] * len(prompts), args.max_tokens))
+                t_lora = min(t_lora, run(llm, prompts, loras, args.max_tokens))
+            entry.update({"base_s": t_base, "lora_s": t_lora, "base_tok_s": num_out / t_base,
+                          "lora_tok_s": num_out / t_lora, "overhead": t_lora / t_base - 1})
+            rows.append((f"{num_adapters} adapters: base / LoRA output tok/s (generate)",
+                         f"{num_out / t_base:.1f} / {num_out / t_lora:.1f} (overhead {100 * entry['overhead']:.1f}%)"))
+        if wanted & {"decode", "prefill"}:
+            p = phases(llm, cfg, args, prompts, loras, num_adapters)
+            entry.update(p)
+            rows.append((f"{num_adapters} adapters: decode step base / LoRA ({args.num_requests} rows)",
+                         f"{1e3 * p['decode_step_base_s']:.2f} / {1e3 * p['decode_step_lora_s']:.2f} ms (overhead "
+                         f"{100 * p['decode_overhead']:+.1f}%, bytes floor {100 * p['decode_floor']:+.1f}%)"))
+            rows.append((f"{num_adapters} adapters: prefill of {args.num_requests} x {args.prompt_len} tokens",
+                         f"{1e3 * p['prefill_base_s']:.1f} / {1e3 * p['prefill_lora_s']:.1f} ms (overhead "
+                         f"{100 * p['prefill_overhead']:+.1f}%, FLOP floor {100 * p['prefill_floor']:+.1f}%)"))
+        data[f"k{num_adapters}"] = entry
         del llm
         if torch.cuda.is_available():
             gc.collect()

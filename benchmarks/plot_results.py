@@ -18,14 +18,15 @@ def plot_roofline(path: Path, plt) -> Path:
     pts = data["points"]
     b = [p["batch"] for p in pts]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(b, [1e3 * p["roofline_s"] for p in pts], "k--", label="roofline (weights + KV at copy bandwidth)")
+    ax.plot(b, [1e3 * p["roofline_s"] for p in pts], "k--", label="roofline (weights + KV at the measured bandwidth)")
     ax.plot(b, [1e3 * p["forward_s"] for p in pts], "o-", label="forward (graph replay)")
     ax.plot(b, [1e3 * p["step_s"] for p in pts], "s-", label="engine step (schedule + forward + sample)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("ms per step")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Decode step vs roofline ({data['copy_bandwidth_gb_s']:.0f} GB/s, context {pts[0]['context']})")
+    bw = data.get("read_bandwidth_gb_s", data["copy_bandwidth_gb_s"])
+    ax.set_title(f"Decode step vs roofline ({bw:.0f} GB/s, context {pts[0]['context']:.0f})")
     ax.legend()
     ax.grid(alpha=0.3)
     out = path.with_suffix(".png")
@@ -35,24 +36,25 @@ def plot_roofline(path: Path, plt) -> Path:
 
 
 def plot_serving(path: Path, plt) -> Path:
-    pts = json.loads(path.read_text())["points"]
-    finite = [p for p in pts if math.isfinite(p["rate"])]
-    x = [p["rate"] for p in finite]
+    data = json.loads(path.read_text())
+    workloads = data.get("workloads") or {"mix": data["points"]}   # older files: one sweep under "points"
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    axes[0].plot(x, [p["output_tok_s"] for p in finite], "o-")
+    for name, pts in workloads.items():
+        finite = [p for p in pts if math.isfinite(p["rate"])]
+        x = [p["rate"] for p in finite]
+        axes[0].plot(x, [p["output_tok_s"] for p in finite], "o-", label=name)
+        axes[1].plot(x, [1e3 * p["ttft_p50_s"] for p in finite], "o-", label=f"{name} p50")
+        axes[1].plot(x, [1e3 * p["ttft_p99_s"] for p in finite], "s--", label=f"{name} p99")
+        axes[2].plot(x, [1e3 * p["itl_p50_s"] for p in finite], "o-", label=f"{name} p50")
+        axes[2].plot(x, [1e3 * p["itl_p99_s"] for p in finite], "s--", label=f"{name} p99")
     axes[0].set_ylabel("output tok/s")
-    axes[1].plot(x, [1e3 * p["ttft_p50_s"] for p in finite], "o-", label="p50")
-    axes[1].plot(x, [1e3 * p["ttft_p99_s"] for p in finite], "s--", label="p99")
     axes[1].set_ylabel("TTFT (ms)")
-    axes[2].plot(x, [1e3 * p["itl_p50_s"] for p in finite], "o-", label="p50")
-    axes[2].plot(x, [1e3 * p["itl_p99_s"] for p in finite], "s--", label="p99")
     axes[2].set_ylabel("inter-token latency (ms)")
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
-    axes[1].legend()
-    axes[2].legend()
-    fig.suptitle("HTTP serving sweep (mixed tenants, shared prefixes, JSON schemas)")
+        ax.legend()
+    fig.suptitle("HTTP serving sweep (multi-tenant mix vs base alone)")
     out = path.with_suffix(".png")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -1,29 +1,36 @@
-"""Serving benchmark over HTTP: a Poisson request-rate sweep with a multi-tenant LoRA workload.
+"""Serving benchmark over HTTP: what users feel, for the multi-tenant mix and for the base model alone, in one run.
 
-Starts `python -m gateway serve` (the real server, which compiles every kernel variant before /health answers
-200) with K PEFT adapters of ranks 8-64 on all 7 projections, then for each rate sends N streaming
-/v1/completions requests with Poisson arrivals (rate "inf": all at once). The mix: requests spread evenly
-over the base model and the K adapters; prompt lengths uniform in [--prompt-len lo,hi] tokens (words of a
-small vocabulary; every prompt starts with one of 4 shared system prompts, so the prefix cache hits);
-output lengths uniform in [--output-len lo,hi] (ignore_eos); a share (--json-share) with a JSON schema.
-Per rate: output tokens/s, TTFT and inter-token latency (gaps between streamed chunks) p50/p99, errors;
-after the sweep, the Triton JIT compiles the server made after its warm-up (`/metrics`), which must be 0.
+Starts `python -m gateway serve` once (the real server, which compiles every kernel variant before /health
+answers 200) with K PEFT adapters of ranks 8-64 on all 7 projections, then runs two workloads at each request rate
+(Poisson arrivals; "inf": all at once, the saturation point, run first):
+- mix: requests spread evenly over the base model and the K adapters, a share (--json-share) with a JSON schema;
+- base: the same prompt and output lengths, every request on the base model, no schema (its own system prompts).
+Prompt lengths uniform in [--prompt-len lo,hi] words of a small vocabulary (every prompt starts with one of 4
+shared system prompts, so the prefix cache hits); output lengths uniform in [--output-len lo,hi] (ignore_eos).
+Before the sweep, two short requests per model and one with the schema (not measured) warm the grammar cache
+and load every adapter once.
+
+Tokens are counted per chunk through `stream_options.continuous_usage_stats` (benchmarks/serving_client.py: the
+run fails if chunks carry no token counts). Per workload and rate: TTFT, ITL, end-to-end latency and TPOT
+p50/p90/p99, output tokens/s, requests/s and goodput (requests/s with TTFT <= --ttft-slo-ms and TPOT <=
+--tpot-slo-ms, vLLM's definition), errors; after the sweep, the Triton compiles the server made after its warm-up
+(`/metrics`), which must be 0. With the dummy models the tokenizer is as large as the vocabulary and every id
+decodes to text (benchmarks/synthetic_tokenizer.py).
 Usage: python benchmarks/serving.py --model llama3-8b-dummy --device cuda --dtype bfloat16
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -33,6 +40,7 @@ import torch
 from common import add_model_args, bench_model_dir, load_format_of, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
+from serving_client import SLO, run_rate
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer"}, "tags": {"type": "array", "items": {
@@ -41,6 +49,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 RANKS = (8, 16, 32, 64)
 WORDS = ("the model serves many tenants and each tenant has its own adapter while the cache keeps shared "
          "prefixes of system prompts so that prefill work is done once per prefix and reused").split()
+WORKLOADS = ("mix", "base")
 
 
 def free_port() -> int:
@@ -54,11 +63,15 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
            "--dtype", args.dtype, "--max-loras", str(max(1, min(len(adapters), args.max_loras))),
            "--max-lora-rank", str(max(RANKS)), "--no-access-log", "--load-format", load_format_of(args.model),
            "--max-queue-len", "0", "--async-scheduling", args.async_scheduling]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if adapters:
         cmd += ["--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
     log = open(Path(tempfile.gettempdir()) / f"loraplex_serving_{port}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    deadline = time.time() + 1200
+    deadline = time.time() + args.startup_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: see {log.name}")
@@ -67,9 +80,9 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"server did not start in {args.startup_timeout_s} s: see {log.name}")
 
 
 def span(text: str) -> tuple[int, int]:
@@ -78,9 +91,12 @@ def span(text: str) -> tuple[int, int]:
 
 
 def make_requests(num: int, adapters: list[str], seed: int, base_name: str, prompt_len: tuple[int, int],
-                  output_len: tuple[int, int], json_share: float) -> list[dict]:
+                  output_len: tuple[int, int], json_share: float, system_seed: str = "") -> list[dict]:
+    """The mix (adapters given) or the base workload (no adapters, json_share 0): the same lengths per seed; the
+    shared system prompts also depend on `system_seed`, so one workload never finds the other's in the prefix cache."""
     rng = random.Random(seed)
-    systems = [" ".join(rng.choice(WORDS) for _ in range(prompt_len[0] // 2)) for _ in range(4)]
+    sys_rng = random.Random(f"{seed}-{system_seed}")
+    systems = [" ".join(sys_rng.choice(WORDS) for _ in range(prompt_len[0] // 2)) for _ in range(4)]
     models = [base_name, *adapters]
     reqs = []
     for i in range(num):
@@ -88,7 +104,7 @@ def make_requests(num: int, adapters: list[str], seed: int, base_name: str, prom
         body = {"model": models[i % len(models)],
                 "prompt": systems[i % 4] + f"\nquestion {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)),
                 "max_tokens": rng.randint(*output_len), "temperature": 0.7, "seed": i, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "ignore_eos": True}
         if rng.random() < json_share:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
             body.pop("ignore_eos")
@@ -104,70 +120,78 @@ def compiles_after_warmup(base: str) -> int:
     raise RuntimeError("the server exports no loraplex:kernel_compiles_after_warmup_total")
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict, delay: float) -> dict:
-    await asyncio.sleep(delay)
-    start = time.perf_counter()
-    stamps, tokens, error = [], 0, None
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                return {"error": f"HTTP {resp.status_code}", "start": start}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    stamps.append(time.perf_counter())
-    except httpx.HTTPError as exc:
-        error = repr(exc)
-    end = time.perf_counter()
-    return {"start": start, "end": end, "ttft": stamps[0] - start if stamps else None,
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens, "error": error}
+def warm_up(url: str, base_name: str, adapters: list[str], args: argparse.Namespace) -> None:
+    """Two short requests per model and one with the schema, not measured: the schema's grammar compile and
+    each adapter's first load into a device slot happen here, not inside the first rate's figures."""
+    reqs = make_requests(2 * (1 + len(adapters)), adapters, 10_000, base_name, args.prompt_len, (2, 2), 0.0)
+    reqs[0]["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    reqs[0].pop("ignore_eos")
+    point = asyncio.run(run_rate(url, reqs, float("inf"), 0, SLO()))
+    if point["num_errors"]:
+        raise RuntimeError(f"warm-up requests failed: {point['errors']}")
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def sweep(args: argparse.Namespace, url: str, base_name: str, adapters: list[str], started: float) -> dict[str, Any]:
+    """Every rate, the mix then the base workload at each (the same prompts: one seed per rate)."""
+    slo = SLO(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    points: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    skipped: list[str] = []
+    for i, rate_s in enumerate(args.rates.split(",")):
+        rate = float(rate_s)
+        for workload in args.workloads:
+            if time.perf_counter() - started > args.max_seconds:
+                skipped.append(f"{workload} @ {rate_s}")
+                continue
+            mix = workload == "mix"
+            reqs = make_requests(args.num_requests, adapters if mix else [], i, base_name, args.prompt_len,
+                                 args.output_len, args.json_share if mix else 0.0, system_seed=workload)
+            point = asyncio.run(run_rate(url, reqs, rate, i, slo))
+            print({"workload": workload, **point}, flush=True)
+            points[workload].append(point)
+    return {"points": points, "skipped": skipped}
 
 
-async def run_rate(url: str, reqs: list[dict], rate: float, seed: int) -> dict:
-    rng = random.Random(seed)
-    delays, t = [], 0.0
-    for _ in reqs:
-        delays.append(t)
-        if rate != float("inf"):
-            t += rng.expovariate(rate)
-    limits = httpx.Limits(max_connections=len(reqs), max_keepalive_connections=len(reqs))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        results = await asyncio.gather(*(one(client, url, b, d) for b, d in zip(reqs, delays)))
-    ok = [r for r in results if r["error"] is None]
-    span = max(r["end"] for r in ok) - min(r["start"] for r in results) if ok else float("nan")
-    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    itl = [x for r in ok for x in r["itl"]]
-    num_out = sum(r["tokens"] for r in ok)
-    return {"rate": rate, "num_requests": len(reqs), "num_errors": len(results) - len(ok),
-            "output_tok_s": num_out / span, "request_s": len(ok) / span, "ttft_p50_s": pct(ttft, 0.5),
-            "ttft_p99_s": pct(ttft, 0.99), "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
-            "mean_ttft_s": statistics.fmean(ttft) if ttft else float("nan")}
+def saturation(points: dict[str, list[dict]]) -> dict[str, Any]:
+    """Requests/s at the rate-inf point of each workload and their ratio (mix / base)."""
+    at_inf = {w: next((p["request_s"] for p in pts if p["rate"] == float("inf")), None) for w, pts in points.items()}
+    ratio = at_inf["mix"] / at_inf["base"] if at_inf.get("mix") and at_inf.get("base") else None
+    return {"request_s": at_inf, "mix_over_base": ratio}
 
 
-def main() -> None:
+def row(workload: str, p: dict) -> tuple[str, str]:
+    ms = {k: 1e3 * v for k, v in p.items() if k.endswith("_s") and isinstance(v, float) and "request" not in k}
+    return (f"{workload}, rate {p['rate']:g} req/s",
+            f"{p['output_tok_s']:.0f} tok/s, {p['request_s']:.2f} req/s, goodput {p['goodput_request_s']:.2f} req/s "
+            f"({100 * p['goodput_share']:.0f}%); TTFT p50/p90/p99 {ms['ttft_p50_s']:.0f}/{ms['ttft_p90_s']:.0f}/"
+            f"{ms['ttft_p99_s']:.0f} ms; ITL {ms['itl_p50_s']:.1f}/{ms['itl_p90_s']:.1f}/{ms['itl_p99_s']:.1f} ms; "
+            f"E2E {ms['e2e_p50_s']:.0f}/{ms['e2e_p90_s']:.0f}/{ms['e2e_p99_s']:.0f} ms; TPOT p50 "
+            f"{ms['tpot_p50_s']:.1f} ms; {p['tokens_per_chunk']:.2f} tokens/chunk; errors {p['num_errors']}")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
-    ap.add_argument("--rates", default="2,4,8,16,32,64,inf")
-    ap.add_argument("--num-requests", type=int, default=256, help="requests per rate")
-    ap.add_argument("--prompt-len", type=span, default=(128, 2048), help="lo,hi prompt tokens (approximately)")
-    ap.add_argument("--output-len", type=span, default=(64, 512), help="lo,hi output tokens")
+    ap.add_argument("--rates", default="inf,4,16,64",
+                    help="in the order run: inf (saturation) first, so --max-seconds never skips it")
+    ap.add_argument("--num-requests", type=int, default=128, help="requests per rate and workload")
+    ap.add_argument("--prompt-len", type=span, default=(128, 1024), help="lo,hi prompt words (approximately)")
+    ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi output tokens")
     ap.add_argument("--num-adapters", type=int, default=32)
     ap.add_argument("--max-loras", type=int, default=32)
     ap.add_argument("--json-share", type=float, default=0.1)
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS), help="mix,base")
+    ap.add_argument("--ttft-slo-ms", type=float, default=500.0)
+    ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: the server's)")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--startup-timeout-s", type=float, default=600.0)
+    ap.add_argument("--max-seconds", type=float, default=float("inf"),
+                    help="no new rate starts after this many seconds (they are listed as skipped)")
     ap.add_argument("--name", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    assert set(args.workloads) <= set(WORKLOADS), args.workloads
+    started = time.perf_counter()
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_serving_"))
@@ -177,36 +201,34 @@ def main() -> None:
                 for i in range(args.num_adapters)}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    started = time.perf_counter()
     proc = start_server(args, model, adapters, port)
     startup_s = time.perf_counter() - started
     try:
         base_name = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        url = f"{base}/v1/completions"
-        points = []
-        for i, rate_s in enumerate(args.rates.split(",")):
-            rate = float(rate_s)
-            reqs = make_requests(args.num_requests, list(adapters), i, base_name, args.prompt_len, args.output_len,
-                                 args.json_share)
-            point = asyncio.run(run_rate(url, reqs, rate, i))
-            print(point, flush=True)
-            points.append(point)
+        warm_up(f"{base}/v1/completions", base_name, list(adapters), args)
+        result = sweep(args, f"{base}/v1/completions", base_name, list(adapters), started)
         compiles = compiles_after_warmup(base)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    sat = saturation(result["points"])
     data = {"model": args.model or model, "device": args.device, "dtype": args.dtype, "num_adapters": args.num_adapters,
             "adapter_ranks": list(RANKS), "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
             "json_share": args.json_share, "async_scheduling": args.async_scheduling, "startup_s": startup_s,
-            "compiles_after_warmup": compiles, "points": points,
-            "workload": f"requests spread over the base model and {args.num_adapters} adapters (ranks "
-                        f"{'/'.join(map(str, RANKS))}, all 7 projections); 4 shared system prompts; "
-                        f"{args.json_share:.0%} with a JSON schema; streaming /v1/completions, temperature 0.7"}
-    rows = [(f"rate {p['rate']:g} req/s", f"{p['output_tok_s']:.0f} tok/s, {p['request_s']:.2f} req/s; TTFT p50/p99 "
-             f"{1e3 * p['ttft_p50_s']:.0f}/{1e3 * p['ttft_p99_s']:.0f} ms; ITL p50/p99 {1e3 * p['itl_p50_s']:.1f}/"
-             f"{1e3 * p['itl_p99_s']:.1f} ms; errors {p['num_errors']}") for p in points]
+            "vocab_size": cfg.vocab_size, "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+            "compiles_after_warmup": compiles, "workloads": result["points"], "skipped": result["skipped"],
+            "saturation": sat, "token_counting": "stream_options.continuous_usage_stats (tokens per chunk)",
+            "workload": f"mix: requests spread over the base model and {args.num_adapters} adapters (ranks "
+                        f"{'/'.join(map(str, RANKS))}, all 7 projections), {args.json_share:.0%} with a JSON schema; "
+                        "base: the same prompts and lengths on the base model alone; 4 shared system prompts; "
+                        "streaming /v1/completions, temperature 0.7"}
+    rows = [row(w, p) for w, pts in result["points"].items() for p in pts]
+    rows.append(("saturation (rate inf): mix / base req/s", f"{sat['mix_over_base']:.2f}x" if sat["mix_over_base"]
+                 else "not measured"))
     rows.append(("Triton compiles after the warm-up", str(compiles)))
-    rows.append(("start-up (model load + warm-up) until /health 200", f"{startup_s:.1f} s"))
+    rows.append(("start-up (adapters written, model load + warm-up) until /health 200", f"{startup_s:.1f} s"))
+    if result["skipped"]:
+        rows.append(("skipped (--max-seconds)", ", ".join(result["skipped"])))
     write_results(args.name or f"serving_{args.device}", data, rows)
 
 

@@ -39,6 +39,15 @@ class VirtualTokenCounter:
         self._active[tenant] -= 1
         assert self._active[tenant] >= 0, "finish without arrival"
 
+    def check_integrity(self, live: Iterable[Request]) -> None:
+        """Every live (waiting or running) request is counted active for its tenant, and nothing else."""
+        counts: dict[str, int] = defaultdict(int)
+        for r in live:
+            counts[self.key(r)] += 1
+        for tenant in set(counts) | set(self._active):
+            assert self._active.get(tenant, 0) == counts.get(tenant, 0), f"active count of tenant {tenant!r}"
+        assert all(c >= 0 for c in self.counters.values()), "a negative virtual counter"
+
     def charge(self, req: Request, num_new_tokens: int) -> None:
         """Service of one step: prompt (or recomputed) tokens, or one generated token."""
         weight = OUTPUT_WEIGHT if req.num_computed_tokens >= req.num_prompt_tokens else PROMPT_WEIGHT

@@ -5,6 +5,12 @@ starve decode. Waiting requests are admitted in priority order (longest cached p
 aging bound so cold requests never starve) while the token budget, `max_num_seqs` and KV blocks allow.
 When blocks run out, the newest running request is preempted (recompute: it keeps its tokens, drops
 its KV, and goes back to the front of the queue).
+
+Policy "fair" also splits each step's token budget and the running slots between the active tenants
+(core/fair_share.py): running requests are visited lowest-virtual-counter tenant first (so the newest
+request of the tenant with the highest counter is the one preempted for blocks), every tenant computes at
+most its token share, admits only within its slot share, and a tenant over its slot share gives up its
+newest running request when another tenant's waiting request has no slot.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from typing import Any, Callable
 
 from core.config import SchedulerConfig
 from core.kv_cache_manager import KVCacheManager
+from core.fair_share import StepShares, plan_shares
 from core.fairness import VirtualTokenCounter
 from core.request import Request, RequestStatus
 from core.waiting_queue import WaitingQueue
@@ -24,6 +31,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     adapters: set[Any] = field(default_factory=set)
+    shares: StepShares | None = None     # policy "fair": the step's token and slot shares per tenant (as left)
 
     @property
     def empty(self) -> bool:
@@ -121,15 +129,21 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         adapters = self._select_adapters()
         out.adapters = adapters
+        shares = out.shares = self._plan_fair_step(out) if self.fairness is not None else None
+        num_slot_preemptions = len(out.preempted)
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             if req.ends_by_length_once_resolved(self.max_model_len) or not self._adapter_allowed(req, adapters):
                 index += 1
                 continue
+            cap = budget if shares is None else min(budget, shares.tokens_left(req))
+            if cap <= 0:
+                index += 1      # its tenant used its share of this step's budget
+                continue
             if req.num_spec_tokens:
-                self._fit_drafts(req, budget)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                self._fit_drafts(req, cap)
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             assert num_new > 0, "a running request with nothing to compute"
             if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
                 index += 1      # its token may end it: wait for it rather than preempt or evict for it
@@ -138,6 +152,8 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
+                if shares is not None:
+                    shares.on_preempt(victim)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -146,13 +162,42 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             req.last_scheduled_step = self.num_steps
             budget -= num_new
+            if shares is not None:
+                shares.charge(req, num_new)
             index += 1
 
-        if not out.preempted:
+        if len(out.preempted) == num_slot_preemptions:   # none for blocks: there may be room for waiting ones
             self._admit_waiting(out, budget, adapters)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         self.num_steps += 1
         return out
+
+    def _ready(self, req: Request) -> bool:
+        """False while the request's adapter is being read (or waits for host room)."""
+        return req.lora_slot_key is None or self.adapter_ready is None or self.adapter_ready(req.lora_slot_key)
+
+    def _plan_fair_step(self, out: SchedulerOutput) -> StepShares:
+        """Policy "fair": visits running requests lowest-counter tenant first, computes this step's shares, and
+        preempts the newest running requests of tenants over their slot share while tenants under theirs have
+        waiting requests and no free slot (never a request with a token in flight)."""
+        fairness = self.fairness
+        assert fairness is not None
+        self.running.sort(key=lambda r: fairness.counters.get(fairness.key(r), 0.0))   # stable: admission order
+        self.waiting.prepare(self.num_steps)
+        shares, waiting_ready = plan_shares(self.running, self.waiting, self._ready, self.cfg.max_num_batched_tokens,
+                                            self.cfg.max_num_seqs, fairness)
+        need = shares.slots_wanted(waiting_ready) - (self.cfg.max_num_seqs - len(self.running))
+        while need > 0:
+            victim = next((r for tenant in shares.over_share() for r in reversed(self.running)
+                           if fairness.key(r) == tenant and not r.num_pending_tokens), None)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt(victim)
+            shares.on_preempt(victim)
+            out.preempted.append(victim)
+            need -= 1
+        return shares
 
     def _fit_drafts(self, req: Request, budget: int) -> None:
         """Drops draft tokens (from the end) until the request's k+1 positions fit the token budget and the
@@ -164,14 +209,17 @@ class Scheduler:
             req.drop_spec_tokens(1)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[Any]) -> None:
-        self.waiting.prepare(self.num_steps)
+        shares = out.shares
+        if shares is None:
+            self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            if req.lora_slot_key is not None and self.adapter_ready is not None \
-                    and not self.adapter_ready(req.lora_slot_key):
+            if not self._ready(req):
                 continue    # its adapter is being read (or waits for host room): it holds back no one
+            if shares is not None and not shares.may_admit(req):
+                continue    # its tenant holds its share of the running slots or used its share of the budget
             if not self._adapter_allowed(req, adapters):
                 if self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
                     break   # an aged request waits for a slot: stop admitting others so running adapters drain
@@ -185,7 +233,8 @@ class Scheduler:
                     self.kv.free(req)   # in-batch dedup: compute the shared prefix once, match it next step
                     req.num_computed_tokens = 0
                     continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            cap = budget if shares is None else min(budget, shares.tokens_left(req))
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             if not self.kv.can_allocate(req, num_new):
                 self.kv.free(req)       # give back the matched prefix while it waits
                 req.num_computed_tokens = 0
@@ -198,6 +247,9 @@ class Scheduler:
             req.last_scheduled_step = self.num_steps
             prefilling.append(req)
             budget -= num_new
+            if shares is not None:
+                shares.on_admit(req)
+                shares.charge(req, num_new)
 
     def _shares_uncached_prefix(self, req: Request, prefilling: list[Request]) -> bool:
         """True if a request computing its prompt now covers at least one more full block of req's prompt."""
@@ -233,4 +285,7 @@ class Scheduler:
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
             assert req.num_computed_tokens <= req.num_tokens - req.num_pending_tokens, "computed a token in flight"
+        assert len(self.running) <= self.cfg.max_num_seqs, "more running requests than max_num_seqs"
+        if self.fairness is not None:
+            self.fairness.check_integrity(live)
         self.kv.check_integrity(live)

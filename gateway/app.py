@@ -2,7 +2,8 @@
 
 A completions or chat request goes: authenticate (401) -> tenant limits (429) -> parse (400) -> resolve the
 model among the caller's models (404) -> sampling params and grammar (400) -> admission (400 too long,
-503 engine down) -> queue bound (429 `queue_full`) -> run, streamed or collected, within the request timeout.
+503 engine down) -> the tenant's running sequences and tokens per minute (400 alone over a limit, 429) -> queue
+bound (429 `queue_full`) -> run, streamed or collected, within the request timeout.
 While the server drains, the middleware answers 503 `shutting_down` before any of this.
 """
 from __future__ import annotations
@@ -155,22 +156,28 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         log_request(request_id, model.name, params, prompts)
     echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     try:
-        admit(state.aeng, children)
+        max_tokens = admit(state.aeng, children)
     except RequestRejected as exc:
         if exc.param == "prompt" and kind.prefix != "cmpl":   # a chat request's prompt is its messages
             exc.param = "messages"
         raise
+    # what it costs (gateway/tenancy/limits.py): sequences, and prompt tokens once per prompt + max_tokens each
+    release = state.limits.reserve(principal, len(children), usage(children, sum(max_tokens))["total_tokens"],
+                                   used_tokens=lambda: ctx.prompt_tokens + ctx.completion_tokens)
+    if release is not None:
+        ctx.cleanups.append(release)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
     sources = submit_children(state.aeng, children, kwargs)      # errors here are still the response's status
     ctx.cleanups.append(lambda: abort_children(state.aeng, children))   # e.g. a response that never started
-    ctx.admitted = True
+    ctx.admitted, ctx.num_choices = True, len(children)
     ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None
     merged = merge_children(state.aeng, children, sources, state.metrics)
     if body.stream:
-        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo)
+        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
+                          continuous_usage=body.continuous_usage)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
     results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx))))
     num_tokens = sum(len(r.token_ids) for r in results)

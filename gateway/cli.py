@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 from gateway.server.cli_vllm import add_vllm_arguments, lora_modules, resolve_model, served_names, vllm_fields
 from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
+from gateway.server.listeners import ListenError, bind_ports
 
 
 def _typed(kind: Callable[[str], object], check: Callable[[object], bool], what: str) -> Callable[[str], object]:
@@ -112,8 +113,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     names = served_names(args, default_name, parser)
     if args.tenant_keys is not None and not args.tenant_keys.is_file():
         parser.error(f"--tenant-keys: no such file: {args.tenant_keys}")
-    if args.metrics_port is not None and args.metrics_port == args.port and args.port != 0:
-        parser.error("--metrics-port must differ from --port")
+    _check_ports(args, parser)
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
     _check_compile_limits(parser)
@@ -139,6 +139,11 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         speculative_config=args.speculative_config, engine_process=engine_process_enabled(args.engine_process),
         **vllm_fields(args, parser))
+
+
+def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.metrics_port is not None and args.metrics_port == args.port and args.port != 0:
+        parser.error("--metrics-port must differ from --port")
 
 
 def _check_compile_limits(parser: argparse.ArgumentParser) -> None:
@@ -187,13 +192,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
-    config = config_from_args(args, parser)
-    from gateway.server.server import serve
-
+    # the ports first, before torch is imported or the model loaded: a port in use ends this within a second
+    _check_ports(args, parser)
     try:
-        return serve(config, log_level=args.log_level)
+        ports = bind_ports(args.host, args.port, args.metrics_port)
+    except ListenError as exc:
+        print(f"loraplex: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        config = config_from_args(args, parser)
+        from gateway.server.server import serve
+
+        return serve(config, log_level=args.log_level, ports=ports)
     except KeyboardInterrupt:  # interrupted while loading the model
         return 130
+    finally:
+        ports.close()
 
 
 def console_main() -> None:

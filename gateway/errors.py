@@ -8,7 +8,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from adapters.errors import AdapterError
@@ -61,10 +61,10 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-def too_many_requests(message: str, code: str, retry_after_s: float) -> APIError:
-    """429 with `Retry-After` (whole seconds, at least 1)."""
+def too_many_requests(message: str, code: str, retry_after_s: float, param: str | None = None) -> APIError:
+    """429 with `Retry-After` (whole seconds, at least 1); `param` names the limit when it is one of the tenant's."""
     seconds = max(1, int(-(-retry_after_s // 1)))
-    return APIError(429, message, code=code, headers={"Retry-After": str(seconds)})
+    return APIError(429, message, code=code, param=param, headers={"Retry-After": str(seconds)})
 
 
 def model_not_found(name: str) -> APIError:
@@ -111,7 +111,8 @@ def from_exception(exc: BaseException) -> APIError:
         return invalid(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, SamplingParamsError):
         return invalid(str(exc), param=exc.param)
-    if isinstance(exc, ClientDisconnected):   # nobody reads this; the engine requests were aborted
+    # nobody reads this: the client left (its engine requests were aborted), or left while its body was read
+    if isinstance(exc, (ClientDisconnected, ClientDisconnect)):
         return APIError(499, "The client closed the request.", code="client_closed_request")
     if isinstance(exc, EngineWarmingError):
         return APIError(503, "The server is still warming up (compiling its kernels); retry shortly.",

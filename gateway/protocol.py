@@ -16,6 +16,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None   # vLLM's: every chunk carries `usage` with the running counts
 
 
 class JsonSchemaFormat(_Strict):
@@ -100,6 +101,10 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def num_choices(self) -> int:

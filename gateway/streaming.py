@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.outputs import RequestDelta
 from gateway.http.cancel import ClientDisconnected, run_until_disconnect
-from gateway.errors import from_exception
+from gateway.errors import CTX_SCOPE_KEY, from_exception
 from gateway.outputs.echo import prompt_entries
 from gateway.outputs.generation import Child, usage
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
@@ -35,6 +35,15 @@ class StreamInfo:
     texts: TokenTexts | None     # set when logprobs were requested
     echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/outputs/echo.py)
     reasoning: Any = None           # --reasoning-parser: the request's ReasoningRequest (reasoning_output.py)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: `usage` on every chunk
+
+    def running_usage(self, index: int, num_output_tokens: int) -> dict[str, Any] | None:
+        """vLLM's continuous usage of choice `index` (its prompt, its tokens so far); None when not asked for."""
+        if not self.continuous_usage:
+            return None
+        prompt = len(next(c for c in self.children if c.index == index).prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
+                "total_tokens": prompt + num_output_tokens}
 
 
 async def _framed(chunks: AsyncIterator[bytes], deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
@@ -61,7 +70,9 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
             child = children[index]
             text, entries = info.echo[child.prompt_index] + text, prompt_entries(child, d.prompt_logprobs) + entries
         outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
-        if not (text or d.finished or entries):
+        # with continuous usage, a token whose text is still pending (part of a character, a held-back stop
+        # string) gets its chunk too: the count is what the client reads
+        if not (text or d.finished or entries or (info.continuous_usage and d.new_token_ids)):
             continue
         logprobs = None
         if info.texts is not None:
@@ -69,7 +80,8 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": d.finish_reason if d.finished else None}
-        yield sse(completion_chunk(info.request_id, info.created, info.model, [choice]))
+        yield sse(completion_chunk(info.request_id, info.created, info.model, [choice],
+                                   info.running_usage(index, d.num_output_tokens)))
     if info.include_usage:
         yield sse(completion_chunk(info.request_id, info.created, info.model, [],
                                    usage(info.children, sum(outputs.values()), cached)))
@@ -80,12 +92,12 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
     for child in info.children:
         role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
-        yield sse(chat_chunk(info.request_id, info.created, info.model, [role]))
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [role], info.running_usage(child.index, 0)))
     cached: dict[int, int] = {}
     async for index, d in deltas:
         outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
         reasoning = delta_reasoning(d)
-        if not (d.new_text or reasoning or d.finished or d.new_logprobs):
+        if not (d.new_text or reasoning or d.finished or d.new_logprobs or (info.continuous_usage and d.new_token_ids)):
             continue
         delta = {"reasoning_content": reasoning} if reasoning else {}
         if d.new_text:
@@ -93,7 +105,8 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
         choice = {"index": index, "delta": delta,
                   "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
                   "finish_reason": d.finish_reason if d.finished else None}
-        yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
+                             info.running_usage(index, d.num_output_tokens)))
     if info.include_usage:
         yield sse(chat_chunk(info.request_id, info.created, info.model, [], add_reasoning_usage(
             info.reasoning, usage(info.children, sum(outputs.values()), cached))))
@@ -131,5 +144,8 @@ class SSEResponse(Response):
             await run_until_disconnect(receive, self._stream(send))
         except (ClientDisconnected, OSError):
             log.debug("client disconnected during a stream; its requests were aborted")
+            ctx = scope.get(CTX_SCOPE_KEY)   # counted as aborted, not as the 200 already sent (http/middleware.py)
+            if ctx is not None:
+                ctx.abort("disconnect")
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]

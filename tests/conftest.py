@@ -13,7 +13,18 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from gpu_test_files import GPU_TEST_FILES
 from testlib import model_dir
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `gpu` marker (pyproject.toml) on every test of tests/gpu_test_files.py's files."""
+    gpu_files = {_ROOT / f for f in GPU_TEST_FILES}
+    for item in items:
+        if Path(str(item.fspath)).resolve() in gpu_files:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(scope="session", params=["llama_gqa", "qwen2_tied"])

@@ -68,3 +68,20 @@ def test_vllm_fp8_serialized_checkpoint(tmp_path) -> None:
     ours = LLM(str(tmp_path / "m"), dtype="float32", device="cpu", num_kv_blocks=64, quantization="fp8")
     ct = LLM(str(src), dtype="float32", device="cpu", num_kv_blocks=64)
     assert [o.token_ids for o in ours.generate(prompts, params)] == [o.token_ids for o in ct.generate(prompts, params)]
+
+
+def test_dummy_weights_quantize_online_with_fp8() -> None:
+    """`load_format="dummy"` (random weights: the GPU benchmarks' Llama-3-8B shape) with `--quantization fp8`
+    quantizes the random weights online, as for an unquantized checkpoint; a method that needs a checkpoint's packed
+    weights is refused by name, never silently served in bf16."""
+    base = model_dir("llama_gqa")
+    llm = LLM(str(base), dtype="float32", device="cpu", num_kv_blocks=64, load_format="dummy", quantization="fp8")
+    layer = llm.engine.model.model.layers[0]
+    for wrapped in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        mod = getattr(wrapped, "base", wrapped)                 # under the LoRA wrapper
+        assert isinstance(mod, QuantLinear) and mod.qweight.dtype == torch.float8_e4m3fn
+        assert mod.qweight.float().abs().sum() > 0 and torch.isfinite(mod.scales).all()
+    out = llm.generate([encode(base, TEXTS[0])], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(UnsupportedQuantization, match="gptq"):
+        LLM(str(base), dtype="float32", device="cpu", num_kv_blocks=64, load_format="dummy", quantization="gptq")

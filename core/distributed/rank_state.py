@@ -19,7 +19,7 @@ from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import layer_rotaries
 from core.quant.config import detect_quantization
-from core.quant.loader import finish_quantized, prepare_quantized
+from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
 
 
 @dataclass
@@ -49,6 +49,7 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
+        quantize_dummy(model, model_dir, config.quantization)
     else:
         quant = detect_quantization(model_dir, config.quantization)
         skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()

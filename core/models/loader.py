@@ -18,7 +18,7 @@ from core.models.registry import model_class
 from core.models.meta_init import materialize, skip_param_init
 from core.models.rope import layer_rotaries
 from core.quant.config import detect_quantization
-from core.quant.loader import finish_quantized, prepare_quantized
+from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
 
 _STACKED = {  # HF name -> (our fused name, slice index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -156,6 +156,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
         model.lm_head.weight = model.model.embed_tokens.weight
     if load_format == "dummy":
         init_dummy_weights(model)
+        quantize_dummy(model, model_dir, quantization)
     else:
         quant = detect_quantization(model_dir, quantization)
         skip = prepare_quantized(model, model_dir, quant, dtype, device) if quant else frozenset()

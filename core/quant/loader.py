@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from core.quant.config import TARGETS, QuantScheme, UnsupportedQuantization
+from core.quant.config import TARGETS, QuantScheme, UnsupportedQuantization, detect_quantization
 from core.quant.formats import SUFFIXES, Canonical, read_canonical
 from core.quant.linear import QuantLinear
 from core.quant.packing import pack_rows
@@ -199,6 +199,19 @@ def _fp8_per_channel(linear: nn.Linear, reduce: Callable[[torch.Tensor], torch.T
     if linear.bias is not None:
         q.bias.copy_(linear.bias)
     return q
+
+
+def quantize_dummy(model: nn.Module, model_dir: Path, requested: str | None) -> None:
+    """Random weights (`load_format="dummy"`) with `--quantization`: online FP8 quantizes them as it would a bf16
+    checkpoint (benchmarks of the FP8 path at a real model's shape, no checkpoint); the other methods read packed
+    weights from a checkpoint, so they are refused by name rather than ignored."""
+    if requested is None:
+        return
+    scheme = detect_quantization(model_dir, requested)
+    if scheme is None or scheme.fmt != "fp8-online":
+        raise UnsupportedQuantization(f"--quantization {requested} with load_format dummy: random weights can only be "
+                                      "quantized online (--quantization fp8 on an unquantized config)")
+    finish_quantized(model, scheme)
 
 
 def finish_quantized(model: nn.Module, scheme: QuantScheme) -> None:

@@ -3,6 +3,12 @@
 The middleware (gateway/http/middleware.py) creates one `RequestContext` per HTTP request and puts it in the
 ASGI scope; routes fill it in; when the response has been fully sent (a stream included) the middleware
 runs its cleanups (limits, queue slots), writes the access-log line and moves the per-tenant metrics.
+
+A request whose response was cut before its end is *aborted*, for one of `ABORT_REASONS`: `disconnect` (the
+client went away), `timeout` (`--request-timeout`), `shutdown` (the server's shutdown cut it: the end of the
+SIGTERM drain, or the engine stopped under it). It is counted in `loraplex:request_aborted_total{reason}`,
+never as a success: its status in the per-tenant counter and the access log is 499 / 408 / 503 (not the 200
+a stream had already sent), its unfinished choices' finish reason `abort` (gateway/http/middleware.py).
 """
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ from core.outputs import RequestDelta
 from gateway.errors import CTX_SCOPE_KEY, APIError, from_exception
 
 log = logging.getLogger("loraplex.gateway")
+
+ABORT_REASONS = ("disconnect", "timeout", "shutdown")
+ABORT_STATUS = {"disconnect": 499, "timeout": 408, "shutdown": 503}   # what the client effectively got
 
 
 @dataclass
@@ -40,12 +49,48 @@ class RequestContext:
     completion_tokens: int = 0
     first_token_at: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    num_choices: int = 0                # engine requests submitted (prompts x n), once admitted
+    aborted: str | None = None          # one of ABORT_REASONS once the response was cut before its end
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def effective_status(self) -> int:
-        """The status a client effectively got: a streamed error's status overrides the 200 already sent."""
-        return self.error_status or self.status or 499   # no response started: the client went away
+        """The status a client effectively got: a streamed error's status, or an abort's, overrides the 200
+        already sent."""
+        if self.error_status:
+            return self.error_status
+        if self.aborted is not None:
+            return ABORT_STATUS[self.aborted]
+        return self.status or 499   # no response started: the client went away
+
+    def abort(self, reason: str) -> None:
+        """Marks the request aborted (the first reason stays)."""
+        assert reason in ABORT_REASONS, reason
+        if self.aborted is None:
+            self.aborted = reason
+
+    def classify_abort(self, draining: bool) -> None:
+        """Marks the request aborted if its error says it was cut: its timeout, a client gone before the response
+        (499), or an engine stopped under it while the server drains."""
+        if self.error_code == "request_timeout":
+            self.aborted = "timeout"      # the deadline fired first, whatever happened to the connection after
+        elif self.error_code == "client_closed_request":
+            self.abort("disconnect")
+        elif self.error_code == "engine_unavailable" and draining and self.admitted:
+            self.abort("shutdown")
+
+    def outcome(self) -> str:
+        """`completed`, `error` (a 4xx or 5xx answer) or `aborted`."""
+        if self.aborted is not None:
+            return "aborted"
+        return "error" if self.effective_status >= 400 else "completed"
+
+    def finish_reason(self) -> str | None:
+        """The choices' finish reasons, comma-separated; an aborted request's unfinished choices say `abort`."""
+        reasons = list(self.finish_reasons)
+        if self.aborted is not None and self.generation:   # cut before admission: one choice, `abort`
+            reasons += ["abort"] * max(0, max(1, self.num_choices) - len(reasons))
+        return ",".join(reasons) or None
 
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.start
@@ -96,6 +141,7 @@ def access_record(ctx: RequestContext) -> dict[str, Any]:
     return {"request_id": ctx.request_id, "method": ctx.method, "path": ctx.path, "client": ctx.client,
             "status": ctx.effective_status, "tenant": ctx.tenant, "model": ctx.model, "stream": ctx.stream,
             "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
-            "finish_reason": ",".join(ctx.finish_reasons) or None, "error": ctx.error_code,
+            "finish_reason": ctx.finish_reason(), "outcome": ctx.outcome(), "reason": ctx.aborted,
+            "error": ctx.error_code,
             "ttft_s": None if ttft is None else round(ttft, 6),
             "latency_s": round(time.monotonic() - ctx.start, 6)}

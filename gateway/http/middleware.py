@@ -1,10 +1,13 @@
 """ASGI middleware around every route: request context, draining, `X-Request-Id`, access log, tenant metrics.
 
 A pure ASGI middleware (not `BaseHTTPMiddleware`) so a streamed response counts as in flight until its
-last byte: graceful shutdown waits for it, and a tenant's concurrency slot is held until then.
+last byte: graceful shutdown waits for it, and a tenant's concurrency slot is held until then. A request cut
+before its end (client gone, `--request-timeout`, shutdown: gateway/http/context.py) is counted in
+`loraplex:request_aborted_total{reason}` and logged as aborted, never as a success.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -13,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.http.context import RequestContext, access_record
 from gateway.errors import CTX_SCOPE_KEY, APIError
+from gateway.observability.request_log import log_abort
 
 if TYPE_CHECKING:
     from gateway.server.state import GatewayState
@@ -63,15 +67,23 @@ class GatewayMiddleware:
                 await response(scope, receive, send_wrapper)
                 return
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:   # uvicorn cancels what is still running once the drain's time is over
+            ctx.abort("shutdown")
+            raise
         finally:
             lifecycle.in_flight -= 1
             ctx.run_cleanups()
+            ctx.classify_abort(lifecycle.draining)
             try:
                 self._record(ctx)
             except Exception:  # noqa: BLE001 - bookkeeping must never fail a request
                 log.exception("cannot record the access log / tenant metrics")
 
     def _record(self, ctx: RequestContext) -> None:
+        if ctx.generation and ctx.aborted is not None:
+            self.state.metrics.observe_abort(ctx.aborted)
+            if self.state.config.log_requests:
+                log_abort(ctx.request_id, ctx.aborted)
         if ctx.tenant is not None and ctx.generation:
             self.state.metrics.observe_tenant_request(ctx)
         if access_log.isEnabledFor(logging.INFO):

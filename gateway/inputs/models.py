@@ -29,7 +29,7 @@ class ResolvedModel:
 @dataclass
 class ServedModels:
     base_name: str
-    root: str
+    root: str                       # the model's path or hub id: server side only, never in a card (`cards`)
     registry: Any = None            # adapters.registry.AdapterRegistry (None: base only)
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()   # --served-model-name a b: `b` names the base too (answers say `a`, as vLLM)
@@ -69,16 +69,18 @@ class ServedModels:
         raise model_not_found(name)
 
     def cards(self, allowed: frozenset[str] | None = None) -> list[dict[str, Any]]:
-        """The base (one card per served name, as vLLM), registered adapters (`lora_state: "loaded"`), then --lora-dir adapters not requested yet
-        (`lora_state: "available"`; from a bounded, cached scan)."""
+        """The base (one card per served name, as vLLM), registered adapters (`lora_state: "loaded"`), then
+        --lora-dir adapters not requested yet (`lora_state: "available"`; from a bounded, cached scan). `root`
+        is a served name (the base's, or the adapter's own), never a filesystem path (vLLM puts the path there):
+        whoever lists the models learns no path of the server's, nor which folder holds which tenant's adapter."""
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "loraplex",
-                  "root": self.root, "parent": None} for name in (self.base_name, *self.aliases)]
+                  "root": self.base_name, "parent": None} for name in (self.base_name, *self.aliases)]
         if self.registry is not None:
             for entry in self.registry.entries():
                 cards.append({"id": entry.name, "object": "model", "created": entry.created,
-                              "owned_by": "loraplex", "root": entry.path, "parent": self.base_name,
+                              "owned_by": "loraplex", "root": entry.name, "parent": self.base_name,
                               "lora_state": LOADED})
-            for name, path in self.registry.available():
+            for name, _ in self.registry.available():
                 cards.append({"id": name, "object": "model", "created": self.created, "owned_by": "loraplex",
-                              "root": path, "parent": self.base_name, "lora_state": AVAILABLE})
+                              "root": name, "parent": self.base_name, "lora_state": AVAILABLE})
         return [c for c in cards if self._allowed(c["id"], allowed)]

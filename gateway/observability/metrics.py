@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from core.engine_core.stats import snapshot_stats
 from gateway.engine_client.engine_client_view import refresh_engine_state
+from gateway.http.context import ABORT_REASONS
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -127,12 +128,21 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.requests = Counter("loraplex:request_success", "Finished requests by finish reason.",
                                 labelnames=["finished_reason"], registry=self.registry)
+        # API requests cut before their end (never in request_success or a tenant's 200s); every reason from the start
+        self.aborted = Counter("loraplex:request_aborted", "API requests aborted before their end, by reason: the "
+                               "client went away (disconnect), --request-timeout (timeout), the server's shutdown "
+                               "(shutdown).", labelnames=["reason"], registry=self.registry)
+        for reason in ABORT_REASONS:
+            self.aborted.labels(reason=reason)
         self.tenant_requests = Counter("loraplex:tenant_requests", "API requests by tenant, model and HTTP status.",
                                        labelnames=["tenant", "model", "status"], registry=self.registry)
         self.tenant_prompt_tokens = Counter("loraplex:tenant_prompt_tokens", "Prompt tokens admitted, by tenant.",
                                             labelnames=["tenant"], registry=self.registry)
         self.tenant_generation_tokens = Counter("loraplex:tenant_generation_tokens", "Tokens generated, by tenant.",
                                                 labelnames=["tenant"], registry=self.registry)
+
+    def observe_abort(self, reason: str) -> None:
+        self.aborted.labels(reason=reason).inc()
 
     def observe_tenant_request(self, ctx: Any) -> None:
         """One finished API request (a `gateway.http.context.RequestContext` whose caller was authenticated).
@@ -203,7 +213,7 @@ class RequestTimer:
         self.last = now
 
     def on_finish(self, finish_reason: str | None) -> None:
-        if self.metrics is None:
+        if self.metrics is None or finish_reason == "abort":   # aborted: loraplex:request_aborted_total, not here
             return
         self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.requests.labels(finished_reason=finish_reason or "error").inc()

@@ -1,4 +1,5 @@
-"""`--enable-log-requests`: one info line per API request with its parameters, never its prompt or output."""
+"""`--enable-log-requests`: one info line per API request with its parameters, never its prompt or output,
+and one more for a request that was aborted (client gone, request timeout, shutdown), with the reason."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,3 +19,8 @@ def log_request(request_id: str, model: str, params: Any, prompts: list[list[int
     prompts only their lengths."""
     log.info("request %s: model=%r num_prompt_tokens=%s params=%s", request_id, model,
              [len(p) for p in prompts], dataclasses.asdict(params))
+
+
+def log_abort(request_id: str, reason: str) -> None:
+    """An API request cut before its end: `reason` is disconnect, timeout or shutdown (as the metric names it)."""
+    log.info("request %s: aborted (reason=%s)", request_id, reason)

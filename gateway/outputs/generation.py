@@ -39,14 +39,14 @@ def make_children(request_id: str, prompts: list[list[int]], params: SamplingPar
     return children
 
 
-def admit(aeng: AsyncEngine, children: list[Child]) -> None:
-    """Synchronous admission before anything is streamed: 503 if the loop is dead, 400 if a child can never fit."""
+def admit(aeng: AsyncEngine, children: list[Child]) -> list[int]:
+    """Synchronous admission before anything is streamed: 503 if the loop is dead, 400 if a child can never fit.
+    Returns each child's resolved max_tokens (without one: the context its prompt leaves)."""
     if not aeng.alive:
         raise EngineDeadError("the engine loop is not running")
     if not aeng.ready:
         raise EngineWarmingError("the engine is warming up")
-    for child in children:
-        aeng.engine.check_request(len(child.prompt_token_ids), child.params)
+    return [aeng.engine.check_request(len(child.prompt_token_ids), child.params) for child in children]
 
 
 def engine_kwargs_for(child: Child, kwargs: dict[str, Any]) -> dict[str, Any]:

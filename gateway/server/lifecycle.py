@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from types import FrameType
@@ -18,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.observability.metrics_listener import MetricsListener
+from gateway.server.listeners import cannot_listen
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -47,7 +49,8 @@ class Lifecycle:
 
 class GatewayServer(uvicorn.Server):
     """uvicorn with a drain phase before its shutdown, and one line on stdout once the sockets listen.
-    `metrics_listener` (--metrics-port) listens first and closes last: it answers through the whole drain."""
+    `metrics_listener` (--metrics-port) listens first and closes last: it answers through the whole drain.
+    Run it with the sockets `gateway/server/listeners.py` bound before the model loaded (`run(sockets=...)`)."""
 
     def __init__(self, config: uvicorn.Config, banner: str, lifecycle: Lifecycle,
                  metrics_listener: MetricsListener | None = None) -> None:
@@ -62,7 +65,17 @@ class GatewayServer(uvicorn.Server):
         if self.metrics_listener is not None and not await self.metrics_listener.start():
             self.should_exit = True     # the main port never opens: `started` stays False, the exit code 1
             return
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except OSError as exc:   # listen() refused: another server bound the same port at the same moment
+            print(f"loraplex: {cannot_listen(self.config.host, self.config.port, exc)}", file=sys.stderr, flush=True)
+            for server in getattr(self, "servers", []):
+                server.close()
+            await self.lifespan.shutdown()
+            if self.metrics_listener is not None:
+                await self.metrics_listener.stop()
+            self.should_exit = True     # `started` stays False: the exit code 1
+            return
         if self.started:
             print(self.banner, flush=True)
 

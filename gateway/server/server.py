@@ -1,6 +1,7 @@
 """Builds the engine and its loop thread, then runs uvicorn until interrupted."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -13,6 +14,7 @@ from adapters.errors import AdapterError
 from gateway.app import build_app
 from gateway.server.config import ServerConfig
 from gateway.server.lifecycle import GatewayServer
+from gateway.server.listeners import BoundPorts, ListenError, bind_ports
 from gateway.observability.metrics_listener import MetricsListener
 from gateway.observability.request_log import enable_request_log
 from gateway.server.startup import exit_on_warmup_failure
@@ -74,7 +76,23 @@ def configure_access_log(enabled: bool) -> None:
         access.addHandler(handler)
 
 
-def serve(config: ServerConfig, log_level: str = "warning") -> int:
+def serve(config: ServerConfig, log_level: str = "warning", ports: BoundPorts | None = None) -> int:
+    """Runs the server until it is stopped; the exit code. `ports`: the API and --metrics-port sockets, bound
+    (`gateway/server/listeners.py`; `loraplex serve` binds them before it imports torch); None: bound here,
+    first thing. A port that cannot be bound returns 1 with one line on stderr, before any model is loaded."""
+    if ports is None:
+        try:
+            ports = bind_ports(config.host, config.port, config.metrics_port)
+        except ListenError as exc:
+            print(f"loraplex: {exc}", file=sys.stderr, flush=True)
+            return 1
+    try:   # port 0: the port the OS gave, in the banner and everywhere else
+        return _serve(dataclasses.replace(config, port=ports.port, metrics_port=ports.metrics_port), log_level, ports)
+    finally:
+        ports.close()   # whatever uvicorn has not closed (a start-up that failed before it listened)
+
+
+def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_access_log(config.access_log)
     if config.log_requests:
@@ -110,13 +128,13 @@ def serve(config: ServerConfig, log_level: str = "warning") -> int:
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
                                    access_log=config.access_log and uv_level in ("info", "debug", "trace"))
         assert state.lifecycle is not None
-        listener = (MetricsListener(state.metrics, config.host, config.metrics_port, log_level)
+        listener = (MetricsListener(state.metrics, config.host, config.metrics_port, log_level, ports.metrics)
                     if config.metrics_port is not None else None)
         server = GatewayServer(uv_config, banner, state.lifecycle, listener)
         workers_failed = watch_workers(aeng, server)
         warmup_failed = exit_on_warmup_failure(aeng, server)   # e.g. the kernel self-check refused a kernel
         try:
-            server.run()
+            server.run(sockets=ports.api)
         except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT once it has shut down gracefully
             pass
         return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)

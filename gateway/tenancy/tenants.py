@@ -1,8 +1,10 @@
 """`--tenant-keys FILE`: tenants, their API keys, the models each may see, and their limits.
 
-The file (JSON or YAML) has exactly this form (the two limits are optional):
+The file (JSON or YAML) has exactly this form (the four limits are optional; gateway/tenancy/limits.py says what
+each counts):
     {"tenants": {"acme": {"api_keys": ["sk-acme-1"], "models": ["<base name>", "tenant-a"],
-                          "requests_per_minute": 600, "max_concurrent_requests": 16}}}
+                          "requests_per_minute": 600, "max_concurrent_requests": 16,
+                          "max_running_sequences": 32, "max_tokens_per_minute": 200000}}}
 A `models` entry may be a glob pattern (`acme/*`: fnmatch semantics, case-sensitive; `*` also matches `/`),
 so a tenant gets a whole `--lora-dir` folder. Anything else (unknown keys, a key shared by two tenants, non-positive limits) is a `TenantFileError`
 naming the offending entry, raised at start-up.
@@ -19,7 +21,8 @@ from typing import Any, Iterable
 
 import yaml
 
-_TENANT_FIELDS = {"api_keys", "models", "requests_per_minute", "max_concurrent_requests"}
+_LIMIT_FIELDS = ("requests_per_minute", "max_concurrent_requests", "max_running_sequences", "max_tokens_per_minute")
+_TENANT_FIELDS = {"api_keys", "models", *_LIMIT_FIELDS}
 
 
 class TenantFileError(ValueError):
@@ -31,7 +34,9 @@ class Tenant:
     name: str
     models: frozenset[str]
     requests_per_minute: int | None = None
-    max_concurrent_requests: int | None = None
+    max_concurrent_requests: int | None = None       # requests in flight
+    max_running_sequences: int | None = None         # sequences in flight: n x prompts, summed over requests
+    max_tokens_per_minute: int | None = None         # prompt + max_tokens reserved at admission, unused refunded
 
 
 _GLOB_CHARS = frozenset("*?[")
@@ -99,9 +104,8 @@ def _tenant(name: Any, spec: Any) -> tuple[Tenant, list[str]]:
             raise TenantFileError(f"{where}: missing field {required!r}")
     keys = _strings(spec["api_keys"], f"{where}.api_keys", allow_empty=False)
     models = _strings(spec["models"], f"{where}.models", allow_empty=True)
-    tenant = Tenant(name, frozenset(models),
-                    _positive_int(spec.get("requests_per_minute"), f"{where}.requests_per_minute"),
-                    _positive_int(spec.get("max_concurrent_requests"), f"{where}.max_concurrent_requests"))
+    limits = {field: _positive_int(spec.get(field), f"{where}.{field}") for field in _LIMIT_FIELDS}
+    tenant = Tenant(name, frozenset(models), **limits)
     return tenant, keys
 
 

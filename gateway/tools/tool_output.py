@@ -73,13 +73,13 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
         for child in info.children:
             role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
-            yield sse(chat_chunk(info.request_id, info.created, info.model, [role]))
+            yield sse(chat_chunk(info.request_id, info.created, info.model, [role], info.running_usage(child.index, 0)))
         async for index, d in deltas:
             outputs[index] = d.num_output_tokens
             delta, has_calls = streams[index].step(plan, d.new_text, d.finished)
             if delta_reasoning(d):
                 delta = {"reasoning_content": delta_reasoning(d), **delta}
-            if not (delta or d.finished or d.new_logprobs):
+            if not (delta or d.finished or d.new_logprobs or (info.continuous_usage and d.new_token_ids)):
                 continue
             reason = d.finish_reason if d.finished else None
             if reason == "stop" and has_calls:
@@ -87,7 +87,8 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
             choice = {"index": index, "delta": delta,
                       "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
                       "finish_reason": reason}
-            yield sse(chat_chunk(info.request_id, info.created, info.model, [choice]))
+            yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
+                                 info.running_usage(index, d.num_output_tokens)))
         if info.include_usage:
             yield sse(chat_chunk(info.request_id, info.created, info.model, [],
                                  add_reasoning_usage(info.reasoning, usage(info.children, sum(outputs.values())))))

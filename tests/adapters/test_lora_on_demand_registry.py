@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from adapters.adapter import LoRAAdapter, LoRAModule
+from adapters.adapter_files import AdapterFiles
 from adapters.dims import BaseModelDims
 from adapters.errors import AdapterError
 from adapters.lora_dirs import LoraDirectory
@@ -33,7 +34,8 @@ class FakeLoader:
     def __init__(self, delay_s: float = 0.002) -> None:
         self.delay_s, self.reads, self.lock = delay_s, {}, threading.Lock()
 
-    def __call__(self, path: str, dims: BaseModelDims, rank: int) -> LoRAAdapter:
+    def __call__(self, source: str | AdapterFiles, dims: BaseModelDims, rank: int) -> LoRAAdapter:
+        path = source.path if isinstance(source, AdapterFiles) else source   # a --lora-dir entry: its opened files
         with self.lock:
             self.reads[path] = self.reads.get(path, 0) + 1
         time.sleep(self.delay_s)
@@ -196,15 +198,16 @@ def test_directory_names_stay_inside(tmp_path: Path) -> None:
     _touch_adapter(root / "acme" / "a")
     _touch_adapter(outside / "evil")
     (root / "out").symlink_to(outside / "evil")
-    (root / "inner").symlink_to(root / "acme" / "a")          # a symlink that stays inside is fine
+    (root / "inner").symlink_to(root / "acme" / "a")          # unprefixed, into acme's folder: refused
+    (root / "acme" / "alias").symlink_to("a")                 # a symlink that stays inside acme's folder is fine
     (root / "half").mkdir()
     (root / "half" / "adapter_config.json").write_text("{}")
     (root / "half" / "adapter_model.safetensors").symlink_to(outside / "evil" / "adapter_model.safetensors")
     (root / "acme" / "up").symlink_to("../../outside/evil")
     d = LoraDirectory(str(root))
-    assert d.resolve("acme/a") is not None and d.resolve("inner") is not None
-    assert d.resolve("inner").path == str((root / "acme" / "a").resolve())
-    for name in ("../outside/evil", "acme/../../outside/evil", str(outside / "evil"), "/acme/a", "out", "half",
+    assert d.resolve("acme/a") is not None and d.resolve("acme/alias") is not None
+    assert d.resolve("acme/alias").path == str((root / "acme" / "a").resolve())
+    for name in ("../outside/evil", "acme/../../outside/evil", str(outside / "evil"), "/acme/a", "out", "half", "inner",
                  "acme/up", "acme", "acme/./a", "acme//a", "acme\\a", "", "acme/a\x00", "acme/a/adapter_config.json"):
         assert d.resolve(name) is None, name
     assert d.scan() == ["acme/a"]                              # symlinks are not followed by the scan

@@ -134,7 +134,8 @@ SAMPLING = {
     "top_k": ints | st.sampled_from(IDS), "seed": ints, "n": ints, "best_of": ints, "min_tokens": ints,
     "stop": texts | st.lists(texts, max_size=4) | st.just(["a"] * 17) | st.just([""]),
     "stop_token_ids": id_lists, "stream": bools, "ignore_eos": bools, "skip_special_tokens": bools,
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": bools}) | JSON,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": bools, "continuous_usage_stats": bools})
+                      | JSON,
     "response_format": RESPONSE_FORMATS, "user": texts, "presence_penalty": floats, "frequency_penalty": floats,
     "repetition_penalty": floats, "min_p": floats, "logit_bias": LOGIT_BIAS, "structured_outputs": STRUCTURED,
     "guided_choice": CHOICES, "guided_regex": REGEXES, "guided_json": SCHEMAS, "guided_grammar": GRAMMARS,

@@ -64,4 +64,4 @@ def test_metrics_listener_reports_a_busy_port(capsys: pytest.CaptureFixture[str]
         port = busy.getsockname()[1]
         listener = MetricsListener(_Metrics(), "127.0.0.1", port, "critical")   # type: ignore[arg-type]
         assert asyncio.run(listener.start()) is False
-    assert f"--metrics-port {port}" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"loraplex: cannot listen on 127.0.0.1:{port}: address already in use\n"

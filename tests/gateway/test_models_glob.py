@@ -58,5 +58,8 @@ def test_resolve_and_cards_with_patterns() -> None:
     cards = {c["id"]: c for c in models.cards(allowed)}
     assert set(cards) == {"acme/a", "acme/b", "acme/deep/c"}
     assert cards["acme/a"]["lora_state"] == "loaded" and cards["acme/b"]["lora_state"] == "available"
-    assert cards["acme/b"]["root"] == "/x/acme/b" and cards["acme/b"]["parent"] == "base"
-    assert [c["id"] for c in models.cards()][:2] == ["base", "acme/a"]
+    assert cards["acme/b"]["root"] == "acme/b" and cards["acme/b"]["parent"] == "base"   # a name, not the folder
+    everything = models.cards()
+    assert [c["id"] for c in everything][:2] == ["base", "acme/a"]
+    assert all(c["root"] == c["id"] for c in everything)                  # no path, for the base either
+    assert "/x/" not in repr(everything) and "/models/base" not in repr(everything)

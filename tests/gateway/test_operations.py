@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tiny_models import TinyModelSpec, tiny_model_dir
 
@@ -65,6 +66,25 @@ def access_records(server: ServerProcess) -> list[dict[str, Any]]:
     return [json.loads(line) for line in server.output().splitlines() if line.startswith("{")]
 
 
+def counts(http: httpx.Client) -> tuple[float, float]:
+    """(`loraplex:request_aborted_total{reason="timeout"}`, every `loraplex:request_success_total`)."""
+    got = [(s.name, s.labels, s.value) for family in text_string_to_metric_families(http.get("/metrics").text)
+           for s in family.samples]
+    (timeouts,) = [v for name, labels, v in got if name == "loraplex:request_aborted_total"
+                   and labels == {"reason": "timeout"}]
+    return timeouts, sum(v for name, _, v in got if name == "loraplex:request_success_total")
+
+
+def timed_out_once(http: httpx.Client, before: tuple[float, float]) -> None:
+    """A timed-out request counts as aborted (reason timeout), never as a success (it lands once its response
+    has ended on the server)."""
+    deadline = time.monotonic() + 10
+    while (now := counts(http))[0] == before[0]:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now == (before[0] + 1, before[1])
+
+
 def test_queue_full_is_429_with_retry_after(http: httpx.Client) -> None:
     # one request with n = QUEUE fills the queue
     with http.stream("POST", "/v1/completions", json={**LONG, "n": QUEUE, "stream": True}) as flood:
@@ -87,6 +107,7 @@ def test_queue_full_is_429_with_retry_after(http: httpx.Client) -> None:
 
 
 def test_request_timeout_is_408_and_aborts(http: httpx.Client, server: ServerProcess) -> None:
+    before = counts(http)
     t0 = time.monotonic()
     resp = http.post("/v1/completions", json={**LONG, "n": 4})
     elapsed = time.monotonic() - t0
@@ -97,10 +118,13 @@ def test_request_timeout_is_408_and_aborts(http: httpx.Client, server: ServerPro
     rid = resp.headers["x-request-id"]
     rec = next(r for r in access_records(server) if r["request_id"] == rid)
     assert rec["status"] == 408 and rec["error"] == "request_timeout" and rec["completion_tokens"] > 0
+    assert (rec["outcome"], rec["reason"], rec["finish_reason"]) == ("aborted", "timeout", "abort,abort,abort,abort")
+    timed_out_once(http, before)
     assert http.post("/v1/completions", json=short()).status_code == 200
 
 
 def test_streamed_timeout_ends_with_an_error_event(http: httpx.Client, server: ServerProcess) -> None:
+    before = counts(http)
     body = {**LONG, "n": 4, "stream": True}
     resp = http.post("/v1/chat/completions", json={**{k: v for k, v in body.items() if k != "prompt"},
                                                     "messages": [{"role": "user", "content": "hi"}]})
@@ -116,6 +140,8 @@ def test_streamed_timeout_ends_with_an_error_event(http: httpx.Client, server: S
     rid = chunks[0]["id"]
     rec = next(r for r in access_records(server) if r["request_id"] == rid)
     assert rec["status"] == 408 and rec["stream"] is True and rec["ttft_s"] is not None
+    assert (rec["outcome"], rec["reason"], rec["error"]) == ("aborted", "timeout", "request_timeout")
+    timed_out_once(http, before)
 
 
 def test_health_answers_under_load(http: httpx.Client) -> None:

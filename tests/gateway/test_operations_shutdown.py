@@ -92,3 +92,10 @@ def test_shutdown_timeout_cuts_what_is_left_and_exits_0(servers: tuple[ServerPro
     finished = [line for line in received if '"finish_reason":"length"' in line]
     assert len(finished) < 8 and "data: [DONE]" not in received, (len(received), received[-3:])
     assert "shutdown timeout" in server.output()
+    # the cut request is logged as aborted by the shutdown, never as the 200 its stream had started with
+    records = [json.loads(line) for line in server.output().splitlines() if line.startswith('{"request_id"')]
+    cut = [r for r in records if r["path"] == "/v1/completions"]
+    assert len(cut) == 1, records
+    assert cut[0]["outcome"] == "aborted" and cut[0]["reason"] == "shutdown" and cut[0]["status"] == 503, cut
+    reasons = cut[0]["finish_reason"].split(",")
+    assert len(reasons) == 8 and reasons.count("length") >= len(finished) and "abort" in reasons, cut

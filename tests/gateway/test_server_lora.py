@@ -122,7 +122,7 @@ def test_models_list(server: ServerProcess, client: "openai.OpenAI") -> None:
         card = cards[name]
         assert card.object == "model" and card.owned_by == "loraplex"
         assert card.parent == server.model
-        assert card.root == str(adapter_dir(MODEL, ad))
+        assert card.root == name                               # a served name, never the adapter's path
 
 
 def test_adapter_matches_peft_and_differs_from_base(server: ServerProcess, client: "openai.OpenAI") -> None:
@@ -201,7 +201,7 @@ def test_hot_load_use_unload_reload(server: ServerProcess, client: "openai.OpenA
     resp = admin(server, "load_lora_adapter", {"lora_name": "c", "lora_path": str(adapter_dir(MODEL, second))})
     assert resp.status_code == 200, resp.text
     card = {m.id: m for m in client.models.list().data}["c"]
-    assert card.root == str(adapter_dir(MODEL, second)) and card.parent == server.model
+    assert card.root == "c" and card.parent == server.model
     assert complete(client, "c", prompt) == ref2  # new weights, no stale KV from the first "c"
     stream = client.completions.create(model="c", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
     assert norm("".join(c.choices[0].text for c in stream if c.choices)) == ref2

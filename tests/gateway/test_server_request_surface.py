@@ -78,7 +78,7 @@ def test_bad_values_are_400_naming_the_field(http: httpx.Client, extra: dict[str
     assert resp.json()["error"]["param"] == param
 
 
-def test_echo_text_and_prompt_logprobs(http: httpx.Client, tokenizer: Any) -> None:
+def test_echo_text_and_prompt_logprobs(http: httpx.Client, tokenizer: Any, server: ServerProcess) -> None:
     plain = complete(http, prompt="def f(x):")
     echoed = complete(http, prompt="def f(x):", echo=True)
     assert echoed["choices"][0]["text"] == "def f(x):" + plain["choices"][0]["text"]
@@ -90,8 +90,7 @@ def test_echo_text_and_prompt_logprobs(http: httpx.Client, tokenizer: Any) -> No
     # prompt logprobs equal HF's log-softmax at each prompt position
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(http.get("/v1/models").json()["data"][0]["root"],
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     for pos in range(1, len(ids)):

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from gateway.auth import Authenticator, Principal
 from gateway.cli import build_parser, config_from_args
 from gateway.errors import APIError
-from gateway.tenancy.limits import QueueGate, TenantLimits, TokenBucket
+from gateway.tenancy.limits import EXCEEDS_TENANT_LIMIT, QueueGate, TenantLimits, TokenBucket
 from gateway.tenancy.tenants import Tenant, TenantFileError, load_tenant_file, parse_tenants
 
 GOOD = {"tenants": {"acme": {"api_keys": ["sk-acme-1"], "models": ["base", "tenant-a"],
@@ -35,7 +35,14 @@ def test_json_and_yaml_files_load(tmp_path: Path) -> None:
         acme, globex = keys.lookup("sk-acme-1"), keys.lookup("sk-globex-2")
         assert acme == Tenant("acme", frozenset({"base", "tenant-a"}), 600, 16)
         assert globex is not None and globex.name == "globex" and globex.requests_per_minute is None
+        assert globex.max_running_sequences is None and globex.max_tokens_per_minute is None
         assert keys.lookup("sk-acme-") is None and keys.lookup("") is None
+    both = {"tenants": {"acme": {**GOOD["tenants"]["acme"], "max_running_sequences": 32,
+                                 "max_tokens_per_minute": 200000}}}
+    yaml_both = yaml_text.split("  globex")[0] + "    max_running_sequences: 32\n    max_tokens_per_minute: 200000\n"
+    for path in (write(tmp_path, both), write(tmp_path, yaml_both, "both.yaml")):
+        acme = load_tenant_file(path).lookup("sk-acme-1")
+        assert acme is not None and (acme.max_running_sequences, acme.max_tokens_per_minute) == (32, 200000)
 
 
 BAD: list[tuple[Any, str]] = [
@@ -51,6 +58,16 @@ BAD: list[tuple[Any, str]] = [
     ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "requests_per_minute": 0}}}, "requests_per_minute"),
     ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "max_concurrent_requests": True}}},
      "max_concurrent_requests"),
+    ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "max_running_sequences": 0}}},
+     "tenants.acme.max_running_sequences must be a positive integer"),
+    ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "max_running_sequences": "16"}}},
+     "tenants.acme.max_running_sequences must be a positive integer"),
+    ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "max_tokens_per_minute": -5}}},
+     "tenants.acme.max_tokens_per_minute must be a positive integer"),
+    ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "max_tokens_per_minute": 1000.5}}},
+     "tenants.acme.max_tokens_per_minute must be a positive integer"),
+    ({"tenants": {"acme": {"api_keys": ["k"], "models": [], "max_tokens_per_minute": False}}},
+     "tenants.acme.max_tokens_per_minute must be a positive integer"),
     ({"tenants": {"a": {"api_keys": ["sk-dup-key"], "models": []}, "b": {"api_keys": ["sk-dup-key"], "models": []}}},
      "tenants.b.api_keys[0] is also a key of tenant 'a'"),
     ("tenants: {acme: [unclosed", "neither JSON nor YAML"),
@@ -134,6 +151,7 @@ def test_token_bucket_and_limits() -> None:
     with pytest.raises(APIError) as info:
         limits.acquire(tenant)
     assert info.value.status == 429 and info.value.code == "concurrency_limit_exceeded"
+    assert info.value.param == "max_concurrent_requests" and "max_concurrent_requests" in info.value.message
     release()
     release()                                                   # idempotent
     again = limits.acquire(tenant)
@@ -142,6 +160,7 @@ def test_token_bucket_and_limits() -> None:
     with pytest.raises(APIError) as info:
         limits.acquire(tenant)
     assert info.value.code == "rate_limit_exceeded" and info.value.headers["Retry-After"] == "30"
+    assert info.value.param == "requests_per_minute" and "requests_per_minute" in info.value.message
     assert limits.acquire(Principal()) is None                  # superuser: no limits
 
 
@@ -156,3 +175,121 @@ def test_queue_gate() -> None:
     gate.reserve(2)
     assert QueueGate(2).reserve(5) is not None                  # an empty queue admits one big request
     assert QueueGate(None).reserve(10**6) is not None
+
+
+def test_running_sequences_and_tokens_per_minute() -> None:
+    now = [0.0]
+    limits = TenantLimits(clock=lambda: now[0])
+    tenant = Principal(Tenant("t", frozenset(), max_running_sequences=4, max_tokens_per_minute=600))
+    used = [0]
+    for num_sequences, num_tokens, param in ((5, 10, "max_running_sequences"), (1, 601, "max_tokens_per_minute")):
+        with pytest.raises(APIError) as info:                   # alone over a limit: 400 naming it
+            limits.reserve(tenant, num_sequences, num_tokens, lambda: 0)
+        assert info.value.status == 400 and info.value.code == EXCEEDS_TENANT_LIMIT
+        assert info.value.param == param and param in info.value.message
+    first = limits.reserve(tenant, 3, 500, lambda: used[0])
+    assert first is not None
+    with pytest.raises(APIError) as info:                       # fits alone, not now: 429 naming it
+        limits.reserve(tenant, 2, 10, lambda: 0)
+    assert info.value.status == 429 and info.value.param == "max_running_sequences"
+    assert info.value.code == "running_sequences_limit_exceeded" and info.value.headers["Retry-After"] == "1"
+    with pytest.raises(APIError) as info:
+        limits.reserve(tenant, 1, 200, lambda: 0)               # 100 free, 10 a second: 10 s
+    assert info.value.status == 429 and info.value.param == "max_tokens_per_minute"
+    assert info.value.code == "tokens_per_minute_limit_exceeded" and info.value.headers["Retry-After"] == "10"
+    assert limits.sequences["t"] == 3                           # a refused request holds nothing
+    limits.check_integrity()
+    used[0] = 120                                               # it used 120 of its 500: 380 come back
+    first()
+    first()                                                     # idempotent
+    assert limits.sequences["t"] == 0
+    assert limits.token_buckets["t"].available() == pytest.approx(480)
+    second = limits.reserve(tenant, 4, 480, lambda: 0)          # never ran: everything comes back
+    assert second is not None
+    second()
+    assert limits.token_buckets["t"].available() == pytest.approx(480)
+    now[0] = 60.0
+    assert limits.token_buckets["t"].available() == pytest.approx(600)   # refilled, never above the limit
+    assert limits.reserve(Principal(), 10**6, 10**9, lambda: 0) is None  # superuser: no limits
+    plain = Principal(Tenant("p", frozenset(), max_concurrent_requests=1))
+    assert limits.reserve(plain, 10**6, 10**9, lambda: 0) is not None     # no new fields: no new limits
+    limits.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_limits_random_ops(seed: int) -> None:
+    """Random acquires, reserves and releases (some called twice, in any order) against a shadow model, with
+    `check_integrity()` after every operation; at the end nothing is held."""
+    import random
+
+    rng = random.Random(seed)
+    now = [0.0]
+    limits = TenantLimits(clock=lambda: now[0])
+    tenants = [Principal(Tenant(f"t{i}", frozenset(), requests_per_minute=rng.choice([None, 50]),
+                                max_concurrent_requests=rng.choice([None, 3]),
+                                max_running_sequences=rng.choice([None, 6]),
+                                max_tokens_per_minute=rng.choice([None, 900]))) for i in range(3)]
+    live: list[tuple[str, object, int, int]] = []       # (tenant, release, sequences, requests)
+    available = {p.label: 900.0 for p in tenants}       # shadow of each token bucket
+    for _ in range(3000):
+        op = rng.random()
+        principal = rng.choice(tenants)
+        tenant = principal.tenant
+        assert tenant is not None
+        if op < 0.35:
+            try:
+                release = limits.acquire(principal)
+            except APIError as exc:
+                assert exc.status == 429
+            else:
+                live.append((tenant.name, release, 0, 1))
+        elif op < 0.7:
+            num_sequences, num_tokens = rng.randint(1, 8), rng.randint(1, 1000)
+            used = rng.randint(0, num_tokens)
+            seqs = sum(s for t, _, s, _ in live if t == tenant.name)
+            try:
+                release = limits.reserve(principal, num_sequences, num_tokens, lambda used=used: used)
+            except APIError as exc:
+                too_big = (tenant.max_running_sequences is not None and num_sequences > tenant.max_running_sequences) \
+                    or (tenant.max_tokens_per_minute is not None and num_tokens > tenant.max_tokens_per_minute)
+                assert exc.status == (400 if too_big else 429)
+                if exc.status == 429 and exc.param == "max_running_sequences":
+                    assert seqs + num_sequences > (tenant.max_running_sequences or 0)
+                if exc.param == "max_tokens_per_minute" and exc.status == 429:
+                    assert available[tenant.name] < num_tokens + 1e-6
+            else:
+                if tenant.max_tokens_per_minute is not None:
+                    assert available[tenant.name] >= num_tokens - 1e-6
+                    available[tenant.name] -= num_tokens
+                    refund = num_tokens - used
+                    live.append((tenant.name, (release, refund), num_sequences, 0))
+                else:
+                    live.append((tenant.name, (release, 0), num_sequences, 0))
+        elif op < 0.95 and live:
+            name, release, _, _ = entry = live.pop(rng.randrange(len(live)))
+            if isinstance(release, tuple):
+                fn, refund = release
+                fn()
+                available[name] = min(900.0, available[name] + refund)
+                if rng.random() < 0.3:
+                    fn()                                # a second call releases nothing
+            else:
+                release()
+                if rng.random() < 0.3:
+                    release()
+        else:
+            step = rng.choice([0.1, 1.0, 5.0])
+            now[0] += step
+            for name in available:
+                available[name] = min(900.0, available[name] + step * 15.0)
+        limits.check_integrity()
+        for p in tenants:
+            name = p.label
+            assert limits.in_flight.get(name, 0) == sum(r for t, _, _, r in live if t == name)
+            assert limits.sequences.get(name, 0) == sum(s for t, _, s, _ in live if t == name)
+            if name in limits.token_buckets:
+                assert limits.token_buckets[name].available() == pytest.approx(available[name])
+    for _, release, _, _ in live:
+        (release[0] if isinstance(release, tuple) else release)()
+    limits.check_integrity()
+    assert not any(limits.in_flight.values()) and not any(limits.sequences.values())

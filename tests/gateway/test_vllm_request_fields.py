@@ -192,6 +192,49 @@ def test_spaces_between_special_tokens_accepted(http: httpx.Client) -> None:
     assert joined["text"].replace(" ", "") == default["text"].replace(" ", "")
 
 
+def stream_events(http: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
+    with http.stream("POST", path, json={"model": "tiny", "stream": True, **body}) as resp:
+        assert resp.status_code == 200, resp.read()
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_count_the_tokens_of_every_chunk(http: httpx.Client, path: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk carries `usage` with its choice's running counts,
+    and a token whose text is held back (here by a stop string that never matches) still gets its chunk, so a
+    client can stamp every token (benchmarks/serving.py measures TTFT and ITL this way)."""
+    chat_path = "chat" in path
+    prompt = {"messages": USER} if chat_path else {"prompt": "def fibonacci(n):"}
+    base = {**prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stop": ["@@@@@@"]}
+    events = stream_events(http, path, stream_options={"include_usage": True, "continuous_usage_stats": True}, **base)
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 10
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == ([0] if chat_path else []) + list(range(1, 11)), counts   # one chunk per decode step
+    texts = [c["choices"][0]["delta"].get("content", "") if chat_path else c["choices"][0]["text"] for c in chunks]
+    assert "" in texts[1 if chat_path else 0:-1]           # a held-back token's chunk: no text, one more token
+    plain = stream_events(http, path, **base)
+    plain_texts = [c["choices"][0]["delta"].get("content", "") if chat_path else c["choices"][0]["text"]
+                   for c in plain]
+    assert "".join(plain_texts) == "".join(texts) and all("usage" not in c for c in plain)
+    # without include_usage: the running counts, no final usage chunk
+    alone = stream_events(http, path, stream_options={"continuous_usage_stats": True}, **base)
+    assert alone[-1]["choices"] and alone[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_continuous_usage_stats_is_validated(http: httpx.Client) -> None:
+    for path, prompt in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": USER})):
+        rejected(http, path, "stream_options.continuous_usage_stats", stream=True, max_tokens=2,
+                 stream_options={"continuous_usage_stats": "yes"}, **prompt)
+        rejected(http, path, "stream_options", max_tokens=2, stream_options={"continuous_usage_stats": True},
+                 **prompt)
+
+
 def test_fields_still_unsupported_are_400_naming_them(http: httpx.Client) -> None:
     rejected(http, "/v1/chat/completions", "use_beam_search", messages=USER, use_beam_search=True)
     rejected(http, "/v1/chat/completions", "prompt_logprobs", messages=USER, prompt_logprobs=1)

@@ -1,0 +1,156 @@
+"""Quantized linears against bf16 cuBLAS on the same shapes, and against the bytes of their packed weights.
+
+For the four linears of a Llama-3-8B layer (q/k/v 4096->6144, o 4096->4096, gate/up 4096->28672, down
+14336->4096) and token counts T in 1, 16, 64, 256, 1024, the median time of one forward of:
+- bf16: `F.linear` (cuBLAS) on a bf16 weight;
+- W4A16 (int4, groups of 128, asymmetric: uint8 zero points) and W8A16 (int8 per channel): `QuantLinear`, the Triton
+  GEMM that dequantizes inside the kernel (core/quant/triton_gemm.py);
+- FP8 (e4m3 weights, one scale per output channel, activations quantized per token): `QuantLinear` through
+  `torch._scaled_mm` (core/quant/fp8_mm.py; needs FP8 tensor cores, compute capability >= 8.9).
+Each is first checked against its dequantized weight through `F.linear` in fp32 (relative error). Reported per T,
+for each linear and for the sum over the four (what one decoder layer spends in them): the speedup over bf16, and
+the floor:
+  floor = max((packed weight bytes + x + y) / read bandwidth, 2 x T x in x out / bf16 matrix rate)
+(the FP8 floor also uses the bf16 rate: Hopper's FP8 rate is about twice it, not measured here).
+Weights that would fit in L2 are rotated among copies. `--dry-run`: tiny shapes in the Triton interpreter on the
+CPU (FP8 rows: "needs CUDA").
+Usage: python benchmarks/quant_layers.py [--dry-run] [--name quant_layers]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if "--dry-run" in sys.argv:     # before triton is imported: the GEMM then runs in the CPU interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["LORAPLEX_QUANT_GEMM"] = "triton"
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.nn.functional as F
+
+from common import write_results
+from core.quant import fp8_mm
+from core.quant.linear import QuantLinear
+from gpu_cases import QUANT_FORMATS, QUANT_LAYERS, QUANT_TOKENS
+from gpu_kernels import Bench, rel_err
+
+
+def make_layer(fmt: str, fan_in: int, fan_out: int, dtype: torch.dtype, device: torch.device, seed: int):
+    """A bf16 weight (fmt "bf16") or a QuantLinear with random codes, scales and zero points."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "bf16":
+        return (torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5).to(device, dtype)
+    if fmt == "fp8":
+        q = QuantLinear(fan_in, fan_out, "float", 8, 1, False, dtype, device)
+        q.qweight.copy_((torch.randn(fan_out, fan_in, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn))
+        q.scales.copy_((torch.rand(fan_out, 1, generator=g) + 0.5) / (64 * fan_in ** 0.5))
+        return q
+    bits = 4 if fmt == "w4a16" else 8
+    groups = -(-fan_in // 128) if bits == 4 else 1
+    q = QuantLinear(fan_in, fan_out, "int", bits, groups, False, dtype, device)
+    if bits == 4:
+        q.qweight.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, q.qweight.shape, generator=g, dtype=torch.int32))
+    else:
+        q.qweight.copy_(torch.randint(0, 256, q.qweight.shape, generator=g, dtype=torch.uint8))
+    q.zeros.copy_(torch.randint(0, 2 ** bits, q.zeros.shape, generator=g).to(q.zeros.dtype))
+    q.scales.copy_(((torch.rand(fan_out, groups, generator=g) + 0.5) / (2 ** bits * fan_in ** 0.5)).to(dtype))
+    q.finalize()
+    return q
+
+
+def weight_nbytes(layer) -> int:
+    if isinstance(layer, torch.Tensor):
+        return layer.numel() * layer.element_size()
+    return sum(b.numel() * b.element_size() for b in layer.buffers() if b is not None)
+
+
+def forward(layer, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer) if isinstance(layer, torch.Tensor) else layer(x)
+
+
+def reference(layer, x: torch.Tensor) -> torch.Tensor:
+    w = layer if isinstance(layer, torch.Tensor) else layer.dequantize(torch.float32)
+    if isinstance(layer, QuantLinear) and layer.kind == "float":      # the fp8 path quantizes x per token too
+        xq, sx = fp8_mm.quantize_activations(x, None)
+        x = xq.float() * sx
+    return F.linear(x.float(), w.float())
+
+
+def measure(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for fmt in QUANT_FORMATS:
+        if fmt == "fp8" and not (b.device.type == "cuda" and torch.cuda.get_device_capability(b.device) >= (8, 9)):
+            rows += [{"format": fmt, "tokens": t, "ms": None, "note": "needs CUDA (FP8 tensor cores, sm >= 8.9)"}
+                     for t in tokens]
+            continue
+        built = {name: make_layer(fmt, i, o, dtype, b.device, seed=k) for k, (name, (i, o)) in enumerate(layers.items())}
+        copies = {name: [lay] + [make_layer(fmt, *layers[name], dtype, b.device, seed=100 + j)
+                                 for j in range(b.copies(weight_nbytes(lay)) - 1)] for name, lay in built.items()}
+        for t in tokens:
+            per_layer, err = {}, 0.0
+            for name, (fan_in, fan_out) in layers.items():
+                x = torch.randn(t, fan_in, device=b.device, dtype=dtype)
+                err = max(err, rel_err(forward(built[name], x), reference(built[name], x)))
+                nbytes = weight_nbytes(built[name]) + (x.numel() + t * fan_out) * x.element_size()
+                flops = 2 * t * fan_in * fan_out
+                per_layer[name] = {"ms": b.time_ms([lambda lay=lay, x=x: forward(lay, x) for lay in copies[name]]),
+                                   "floor_ms": 1e3 * max(nbytes / b.bw, flops / b.flops), "bytes": nbytes,
+                                   "flops": flops, "shape": [fan_in, fan_out]}
+            total_ms = sum(v["ms"] for v in per_layer.values())
+            floor_ms = sum(v["floor_ms"] for v in per_layer.values())
+            rows.append({"format": fmt, "tokens": t, "ms": total_ms, "floor_ms": floor_ms, "over_floor": total_ms /
+                         floor_ms, "bytes": sum(v["bytes"] for v in per_layer.values()), "rel_err": err,
+                         "layers": per_layer, "dry_run": b.dry})
+    base = {r["tokens"]: r for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        if r["ms"]:
+            r["speedup_vs_bf16"] = base[r["tokens"]]["ms"] / r["ms"]
+            for name, v in r["layers"].items():
+                v["speedup_vs_bf16"] = base[r["tokens"]]["layers"][name]["ms"] / v["ms"]
+        else:
+            r["speedup_vs_bf16"] = None
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    if r["ms"] is None:
+        return r["note"]
+    where = " (dry run: CPU interpreter, not a GPU figure)" if r["dry_run"] else ""
+    return (f"{1e3 * r['ms']:.1f} us = {r['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * r['floor_ms']:.1f} us -> "
+            f"{r['over_floor']:.2f}x; rel err {r['rel_err']:.1e}{where}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--tokens", default=None, help="comma list of token counts")
+    ap.add_argument("--name", default="quant_layers")
+    args = ap.parse_args(argv)
+    dry = args.dry_run or not torch.cuda.is_available()
+    device = torch.device("cpu" if dry else "cuda")
+    b = Bench(device, dry)
+    layers = QUANT_LAYERS[dry]
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(QUANT_TOKENS[dry])
+    dtype = torch.float32 if dry else torch.bfloat16
+    with torch.inference_mode():
+        rows = measure(b, layers, tokens, dtype)
+    tol = 1e-4 if dry else 3e-2
+    bad = [f"{r['format']} T={r['tokens']}" for r in rows if r.get("rel_err") is not None and not r["rel_err"] <= tol]
+    table = []
+    for r in rows:
+        table.append((f"{r['format']} T={r['tokens']}: the {len(layers)} linears of a layer", fmt_row(r)))
+        table += [(f"{r['format']} T={r['tokens']}: {name} {v['shape'][0]}->{v['shape'][1]}",
+                   f"{1e3 * v['ms']:.1f} us = {v['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * v['floor_ms']:.1f} us")
+                  for name, v in r.get("layers", {}).items()]
+    write_results(args.name, {"rows": rows, "layers": layers, "dry_run": dry, "wrong": bad,
+                              "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12}, table)
+    if bad:
+        raise SystemExit(f"quantized linears disagree with their dequantized weights: {bad}")
+
+
+if __name__ == "__main__":
+    main()
