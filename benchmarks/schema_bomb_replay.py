@@ -86,7 +86,7 @@ def main() -> None:
     model = tiny_model_dir(TinyModelSpec(arch="llama", vocab_size=544, max_position_embeddings=4096), root=root)
     os.environ["PYTHONPATH"] = args.code
     server = ServerProcess(model, "--served-model-name", "tiny", "--max-model-len", "4096",
-                           "--tenant-keys", str(root / "tenants.yaml"))
+                           "--kv-cache-memory", "64MiB", "--tenant-keys", str(root / "tenants.yaml"))
     cap = int(args.api_cap_gb * (1 << 30))
     resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (cap, cap))
     try:

@@ -65,7 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         mp.setenv("LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S", str(COMPILE_TIMEOUT_S))
         mp.setenv("LORAPLEX_GRAMMAR_WORKER_MEMORY_MB", str(WORKER_MEMORY_MB))
         proc = ServerProcess(model, "--served-model-name", "tiny", "--max-model-len", "16384",
-                             "--tenant-keys", str(root / "tenants.yaml"))
+                             "--kv-cache-memory", "64MiB", "--tenant-keys", str(root / "tenants.yaml"))
     yield proc
     proc.stop()
 
