@@ -96,8 +96,11 @@ def limit_memory(argv: list[str]) -> None:
     if limit > 0:
         import resource
 
-        which = getattr(resource, "RLIMIT_DATA", None)
-        resource.setrlimit(resource.RLIMIT_AS if which is None else which, (limit, limit))
+        which = getattr(resource, "RLIMIT_DATA", resource.RLIMIT_AS)
+        _, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)   # a stricter limit from the environment stays
+        resource.setrlimit(which, (limit, limit))
 
 
 def main() -> int:
