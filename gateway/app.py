@@ -41,7 +41,8 @@ from gateway.observability.metrics import CONTENT_TYPE
 from gateway.http.middleware import LIVENESS_PATH, GatewayMiddleware
 from gateway.inputs.models import ResolvedModel
 from gateway.routes.openapi import openapi_document
-from gateway.inputs.constraints import resolve_tool_constraint, validators_ready, wants_constraint
+from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constraint, validators_ready,
+                                        wants_constraint)
 from gateway.inputs.params import chat_sampling_params, completion_sampling_params
 from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
@@ -127,9 +128,10 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     params = kind.params(body, state.defaults)
     tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):
-        await validators_ready()
+        await validators_ready(state.aeng.engine)
     plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
                       state.config.tool_call_parser) if tooled else None
+    await check_tool_schemas(plan, state.aeng.engine)   # lowered in a compile worker: their 400s come first
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
     if tooled:
         prompts = [await tokenize_pool.run(tools_chat_prompt, state.encoder, body, plan)]

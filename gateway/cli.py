@@ -116,6 +116,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     _check_ports(args, parser)
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
+    _check_compile_limits(parser)
     if args.tenant_keys is not None:
         _check_tenant_file(args, parser)
     elif args.admin_token is not None and args.admin_token == args.api_key:
@@ -143,6 +144,16 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.metrics_port is not None and args.metrics_port == args.port and args.port != 0:
         parser.error("--metrics-port must differ from --port")
+
+
+def _check_compile_limits(parser: argparse.ArgumentParser) -> None:
+    """The grammar compile limits' environment variables (grammar/compile_limits.py), named when bad."""
+    from grammar.compile_limits import CompileLimits
+
+    try:
+        CompileLimits.from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _speculative_config(text: str) -> Any:

@@ -1,7 +1,8 @@
 """Structured generation: OpenAI response_format -> regex -> outlines-core index -> token masks.
 
 Admission (gateway):  spec = parse_response_format(body.get("response_format"))   # GrammarError -> 400
-Compile (pool):       compiled = compiler.compile(spec) / compiler.submit(spec)  # off the engine thread
+Compile (pool):       compiled = compiler.compile(spec) / compiler.submit(spec)  # in the compile workers: the
+                      schema's lowering to a regex (bounded: grammar/compile_limits.py), then its index
 Per request (engine): matcher = GrammarMatcher(compiled); matcher.fill_bitmask(mask, row);
                       apply_token_bitmask_(logits, mask, rows); matcher.accept_token(token)
 

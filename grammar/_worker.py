@@ -1,13 +1,19 @@
-"""Grammar compile worker: a child process that builds outlines-core indexes.
+"""Grammar compile worker: a child process that lowers schemas to regexes and builds outlines-core indexes.
 
-Run as a script (`python grammar/_worker.py`), so it imports only the standard library
-and outlines_core (no torch, no package __init__).  The parent can kill it at any time
-(compile timeout); when the parent goes away its stdin closes and the worker exits.
+Run as a script (`python grammar/_worker.py [MEMORY_LIMIT_BYTES]`), so it imports only the standard library,
+outlines_core and the torch-free grammar modules it needs (no torch, no package __init__).  The parent can kill
+it at any time (compile timeout); when the parent goes away its stdin closes and the worker exits.  With a
+memory limit it caps its own private writable memory (RLIMIT_DATA) before anything else: a schema, regex or
+grammar whose expansion passes the limit fails here (MemoryError -> ("memory",), or the process dies), never in
+the parent.
 
 Protocol on stdin/stdout: frames of an 8-byte little-endian length + a pickle.
   parent -> worker: ("init", eos_token_id, {token_bytes: [ids]}, vocab_size, [eos ids]), then
-                    ("compile", regex) or ("cfg_init",) once, then ("cfg", gbnf_text) (xgrammar, grammar/cfg_compile.py)...
-  worker -> parent: ("ready",) after init; ("ok", index_pickle, seconds) or ("err", message)
+                    ("compile", regex) | ("lower_init",) once, then ("recipe", recipe) / ("check", recipe)
+                    (grammar/lowering.py: lower, then compile / lower only) | ("cfg_init",) once, then
+                    ("cfg", gbnf_text) (xgrammar, grammar/cfg_compile.py)...
+  worker -> parent: ("ready",) after init; ("ok", index_pickle | None, seconds), ("err", message),
+                    ("grammar_error", message, code, param, pointer) (a schema lowering's 400), ("memory",)
 """
 
 from __future__ import annotations
@@ -72,52 +78,107 @@ def reaches_final(index: Any) -> bool:
     return False
 
 
+def build_index(outlines_core: Any, regex: str, vocabulary: Any) -> bytes:
+    index = outlines_core.Index(regex, vocabulary)
+    if not reaches_final(index):
+        raise ValueError(f"the pattern {EMPTY_LANGUAGE} that this model's tokens can spell")
+    return pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def limit_memory(argv: list[str]) -> None:
+    """The memory limit from the command line (bytes; 0 or absent: none), set before the first import.
+
+    RLIMIT_DATA (Linux >= 4.7 counts every private writable mapping: the heap, anonymous mmaps, thread stacks)
+    bounds what the worker can allocate, the Rust index and Python's strings alike; unlike RLIMIT_AS it does not
+    count the libraries' mapped code, which with a CUDA build of torch (imported by xgrammar) is gigabytes of
+    address space that no compile allocates. Where RLIMIT_DATA is missing, RLIMIT_AS."""
+    limit = int(argv[1]) if len(argv) > 1 else 0
+    if limit > 0:
+        import resource
+
+        which = getattr(resource, "RLIMIT_DATA", resource.RLIMIT_AS)
+        _, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)   # a stricter limit from the environment stays
+        resource.setrlimit(which, (limit, limit))
+
+
 def main() -> int:
     import outlines_core
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the real stdout
+    # the grammar modules (torch-free: lowering, cfg_compile) and the recipes the parent pickles
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     vocabulary = None
     token_map: dict = {}
     cfg_info = None
     init: tuple = ()
     while True:
-        message = read_frame(stdin)
+        try:
+            message = read_frame(stdin)
+        except MemoryError:
+            write_frame(stdout, ("memory",))
+            return 1
         if message is None:
             return 0
-        if message[0] == "init":
-            init = message
-            eos_token_id, token_map = message[1], message[2]
-            vocabulary = outlines_core.Vocabulary(eos_token_id, token_map)
-            write_frame(stdout, ("ready",))
-        elif message[0] == "compile":
-            start = time.perf_counter()
-            try:
-                index = outlines_core.Index(message[1], vocabulary)
-                if not reaches_final(index):
-                    raise ValueError(f"the pattern {EMPTY_LANGUAGE} that this model's tokens can spell")
-                blob = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
-                write_frame(stdout, ("ok", blob, time.perf_counter() - start))
-            except Exception as e:  # bad regex, vocabulary cannot match, size limits
-                write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
-        elif message[0] == "cfg_init":  # importing xgrammar costs seconds: not counted in a compile's timeout
-            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            from grammar.cfg_compile import compile_in_worker, tokenizer_info
+        start = time.perf_counter()
+        try:
+            if message[0] == "init":
+                init = message
+                eos_token_id, token_map = message[1], message[2]
+                vocabulary = outlines_core.Vocabulary(eos_token_id, token_map)
+                write_frame(stdout, ("ready",))
+            elif message[0] == "compile":
+                try:
+                    blob = build_index(outlines_core, message[1], vocabulary)
+                    write_frame(stdout, ("ok", blob, time.perf_counter() - start))
+                except MemoryError:
+                    raise
+                except Exception as e:  # bad regex, vocabulary cannot match, size limits
+                    write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
+            elif message[0] == "lower_init":  # jsonschema's import costs seconds: not in a compile's timeout
+                from grammar.lowering import warm_lowering
 
-            cfg_info = tokenizer_info(token_map, init[3], init[4])
-            write_frame(stdout, ("ready",))
-        elif message[0] == "cfg":
-            start = time.perf_counter()
-            try:
-                blob = pickle.dumps(compile_in_worker(cfg_info, message[1]), protocol=pickle.HIGHEST_PROTOCOL)
-                write_frame(stdout, ("ok", blob, time.perf_counter() - start))
-            except Exception as e:  # noqa: BLE001 - a grammar xgrammar rejects
-                write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
-        else:
-            write_frame(stdout, ("err", f"unknown message {message[0]!r}"))
+                warm_lowering()
+                write_frame(stdout, ("ready",))
+            elif message[0] in ("recipe", "check"):
+                from grammar.errors import GrammarError
+                from grammar.lowering import index_regex
+
+                try:
+                    regex = message[1].lower()
+                    blob = None if message[0] == "check" else build_index(outlines_core, index_regex(regex),
+                                                                          vocabulary)
+                    write_frame(stdout, ("ok", blob, time.perf_counter() - start))
+                except GrammarError as e:   # the schema's 400, as admission raised it before
+                    write_frame(stdout, ("grammar_error", e.message, e.code, e.param, e.pointer))
+                except MemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a regex outlines-core cannot build
+                    write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
+            elif message[0] == "cfg_init":  # importing xgrammar costs seconds: not counted in a compile's timeout
+                from grammar.cfg_compile import compile_in_worker, tokenizer_info
+
+                cfg_info = tokenizer_info(token_map, init[3], init[4])
+                write_frame(stdout, ("ready",))
+            elif message[0] == "cfg":
+                try:
+                    blob = pickle.dumps(compile_in_worker(cfg_info, message[1]), protocol=pickle.HIGHEST_PROTOCOL)
+                    write_frame(stdout, ("ok", blob, time.perf_counter() - start))
+                except MemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a grammar xgrammar rejects
+                    write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
+            else:
+                write_frame(stdout, ("err", f"unknown message {message[0]!r}"))
+        except MemoryError:   # past the memory limit: report it; the parent restarts this process
+            write_frame(stdout, ("memory",))
+            return 1
 
 
 if __name__ == "__main__":
+    limit_memory(sys.argv)
     try:
         os.nice(5)  # compiles must not starve the engine thread's process
     except OSError:

@@ -7,6 +7,7 @@ compiled by xgrammar (grammar/cfg.py).  A request carries at most one constraint
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -93,7 +94,7 @@ def json_spec(schema: Any, param: str, options: SchemaOptions) -> GrammarSpec:
             e.param = param   # the error is about this field's schema
         raise
     assert spec is not None
-    return spec
+    return dataclasses.replace(spec, param=param)   # a lowering error from the compile worker names `param` too
 
 
 def grammar_spec(text: Any, param: str) -> GrammarSpec:

@@ -1,18 +1,25 @@
-"""OpenAI `response_format` -> GrammarSpec (synchronous admission; cheap, never hangs)."""
+"""OpenAI `response_format` -> GrammarSpec (synchronous admission; cheap, never hangs).
+
+Admission checks the schema's size and nesting (`check_schema_size`) and validates it against the metaschema,
+both linear in the schema's size; it never lowers it: a JSON schema's spec carries a `SchemaRecipe`, which a
+compile worker lowers to a regex under the compile timeout, its memory limit and the regex budget
+(grammar/lowering.py).  Lowering errors come back from the worker as the same GrammarError (a 400).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
 
 from grammar.errors import GrammarError
+from grammar.lowering import SchemaRecipe, schema_to_regex  # noqa: F401 - schema_to_regex: the worker's lowering
 from grammar.regex_builder import RegexBuilder
-from grammar.schema import Lowerer, SchemaOptions, check_metaschema
+from grammar.schema import SchemaOptions, check_metaschema
 
 GrammarKind = Literal["json_object", "json_schema", "choice", "regex", "grammar", "tool_calls"]
 MAX_SCHEMA_BYTES = 256 << 10  # metaschema validation costs ~2 us per byte
@@ -26,17 +33,18 @@ _JS_PARAM = "response_format.json_schema"
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What to compile: a regex plus the identity of the request's format."""
+    """What to compile: a regex, or a recipe a compile worker lowers to one, plus the request format's identity."""
 
     kind: GrammarKind
-    regex: str
-    key: str  # stable hash of (kind, regex): compile cache / de-dup key
+    regex: str  # "" when `recipe` is set: the regex exists only in the compile worker
+    key: str  # stable hash of (kind, regex or recipe): compile cache / de-dup key
     name: str | None = None
     strict: bool | None = None
     schema_json: str | None = None  # canonical schema text (json_schema kind)
     param: str | None = None  # the request field it came from (compile errors name it)
     choices: tuple[str, ...] | None = None  # choice kind
     ebnf: str | None = None  # grammar kind: the GBNF text (compiled by xgrammar, see grammar/cfg.py)
+    recipe: Any = None  # json_schema / tool_calls: a SchemaRecipe / ToolCallsRecipe (grammar/lowering.py)
 
     def validate_output(self, text: str) -> bool:
         """Safety net for the engine: does a finished output satisfy the format?"""
@@ -64,6 +72,11 @@ class GrammarSpec:
 
 def _key(kind: str, regex: str) -> str:
     return hashlib.sha256(f"{kind}\0{regex}".encode()).hexdigest()[:32]
+
+
+def recipe_spec(kind: GrammarKind, recipe: Any, **fields: Any) -> GrammarSpec:
+    """The spec of a format a compile worker lowers (`recipe.identity` is hashed, never a regex)."""
+    return GrammarSpec(kind, "", _key(kind, "recipe\0" + recipe.identity), recipe=recipe, **fields)
 
 
 @lru_cache(maxsize=4)
@@ -138,44 +151,6 @@ def parse_response_format(
     schema = js["schema"]
     check_schema_size(schema)
     check_metaschema(schema)
-    regex = schema_to_regex(schema, options)
+    recipe = SchemaRecipe.of(schema, options)   # lowered in a compile worker, never here
     schema_json = json.dumps(schema, sort_keys=True, separators=(",", ":"))
-    return GrammarSpec("json_schema", regex, _key("json_schema", regex), name, strict, schema_json)
-
-
-PRUNE_DEPTHS = (6, 4, 3, 2, 1, 0)
-
-
-def schema_to_regex(schema: Any, options: SchemaOptions = DEFAULT_OPTIONS) -> str:
-    """Lower a (metaschema-valid) schema to a regex; raises GrammarError.
-
-    When the full regex exceeds options.target_regex_chars, optional parts below a
-    decreasing nesting depth are dropped until it fits (each result is a subset).
-    """
-    regex = _lower(schema, options)
-    if len(regex) > options.target_regex_chars and options.optional_depth is None:
-        for depth in PRUNE_DEPTHS:
-            pruned = _lower(schema, replace(options, optional_depth=depth))
-            if len(pruned) < len(regex):
-                regex = pruned
-            if len(regex) <= options.target_regex_chars:
-                break
-    if len(regex) > options.max_regex_chars:
-        raise GrammarError(
-            f"the schema at '#' is too complex: its regex has {len(regex)} chars > {options.max_regex_chars} "
-            f"even with optional members pruned", "unsupported_json_schema", pointer="#",
-        )
-    return regex
-
-
-def _lower(schema: Any, options: SchemaOptions) -> str:
-    try:
-        node = Lowerer(schema, options).lower_root()
-        return RegexBuilder(options.whitespace).build(node)
-    except GrammarError:
-        raise
-    except RecursionError as e:
-        raise GrammarError("the schema is too deeply nested", "unsupported_json_schema") from e
-    except Exception as e:  # a bug must cost coverage (400), never a 500 or a wrong grammar
-        raise GrammarError(f"the schema could not be lowered: {type(e).__name__}: {e}"[:500],
-                           "unsupported_json_schema") from e
+    return recipe_spec("json_schema", recipe, name=name, strict=strict, schema_json=schema_json)

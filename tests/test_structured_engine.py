@@ -112,6 +112,37 @@ def test_unsupported_schema_is_rejected(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_offline_schema_bombs_are_lowered_in_the_workers(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31 on `LLM.generate`: the issue's schema (arrays nested 30 deep, maxItems 2) is pruned to the regex
+    budget and served; with minItems 2 it cannot be: a GrammarError naming the budget, at once. Neither is
+    lowered in this process (the compile workers are other processes)."""
+    import resource
+
+    from grammar import GrammarError
+    from grammar.regex_builder import RegexBuilder
+    from grammar.schema import Lowerer
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("lowered in the process that runs the engine")
+
+    monkeypatch.setattr(Lowerer, "lower_root", refused)
+    monkeypatch.setattr(RegexBuilder, "build", refused)
+    def nested(**bounds: int) -> dict:
+        schema: dict = {"type": "integer"}
+        for _ in range(30):
+            schema = {"type": "array", "items": schema, **bounds}
+        return schema
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = llm.generate("x", SamplingParams(max_tokens=16, temperature=0.0), response_format=rf(nested(maxItems=2)))[0]
+    assert out.finish_reason in ("stop", "length") and isinstance(out.text, str)
+    with pytest.raises(GrammarError) as err:
+        llm.generate("x", SamplingParams(max_tokens=8), response_format=rf(nested(minItems=2, maxItems=2)))
+    assert err.value.code == "unsupported_json_schema" and "characters (the limit for this model)" in err.value.message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10   # KiB: under 100 MiB
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_schemas_and_adapters_in_one_batch() -> None:
     """Constrained and free requests on different adapters share batches; free outputs equal PEFT."""
     from testlib import encode

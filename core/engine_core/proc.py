@@ -88,10 +88,11 @@ class EngineCore:
         if op in ("stats", "call"):   # answered between two steps, with this turn's output
             self._reply_now(command_id, op, args)
             return
-        if op == "compile":   # on the compiler's workers; the reply goes out with a later step
-            with self._replies_lock:
+        if op in ("compile", "check"):   # on the compiler's workers (a schema is lowered there, not on this
+            with self._replies_lock:       # thread); the reply goes out with a later step
                 self._num_compiling += 1
-            future = self.engine.grammar_compiler.submit(args[0])
+            compiler = self.engine.grammar_compiler
+            future = compiler.submit(args[0]) if op == "compile" else compiler.check(args[0])
             future.add_done_callback(lambda f: self._compiled(command_id, f))
             return
         # adapter reads are blocking file I/O: off the step loop (the registry is thread-safe)

@@ -29,13 +29,15 @@ class PartsView:
 
 
 class RemoteCompiler:
-    """`GrammarCompiler.submit` over the boundary: a `compile` command; the future holds a `RemoteGrammar`."""
+    """`GrammarCompiler.submit` / `check` over the boundary: a `compile` / `check` command (the engine process's
+    compiler lowers and compiles in its workers); the future holds a `RemoteGrammar` / None."""
 
     def __init__(self, command: Callable[[str, tuple[Any, ...]], "concurrent.futures.Future[Any]"],
                  tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self._command = command
         self._tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._vocab: Any = None
+        self._warmed = False
 
     def submit(self, spec: Any) -> "concurrent.futures.Future[Any]":
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -49,6 +51,23 @@ class RemoteCompiler:
 
         self._command("compile", (spec,)).add_done_callback(done)
         return out
+
+    def warm_lowering(self) -> None:
+        """`GrammarCompiler.warm_lowering` in the engine process: a check of a trivial schema, sent once."""
+        if not self._warmed:
+            self._warmed = True
+            from grammar.lowering import SchemaRecipe
+            from grammar.schema import SchemaOptions
+            from grammar.spec import recipe_spec
+
+            self.check(recipe_spec("json_schema", SchemaRecipe.of({"type": "integer"}, SchemaOptions())))
+
+    def check(self, spec: Any) -> "concurrent.futures.Future[Any]":
+        if spec.recipe is None:
+            out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            out.set_result(None)
+            return out
+        return self._command("check", (spec,))
 
     @property
     def vocab(self) -> Any:
@@ -84,10 +103,11 @@ class EngineView:
 
     @property
     def schema_options(self) -> Any:
+        """The same lowering options the engine process's compiler lowers with (grammar/compile_limits.py)."""
         if self._schema_options is None:
-            from grammar.schema import SchemaOptions
+            from grammar.compile_limits import CompileLimits
 
-            self._schema_options = SchemaOptions.for_vocab_size(self.model_config.vocab_size)
+            self._schema_options = CompileLimits.from_env().schema_options(self.model_config.vocab_size)
         return self._schema_options
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:

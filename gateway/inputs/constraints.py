@@ -36,10 +36,13 @@ def wants_constraint(body: _SamplingFields) -> bool:
 _validators_ready = False
 
 
-async def validators_ready() -> None:
+async def validators_ready(engine: Any = None) -> None:
     """jsonschema is imported on first use (with its optional format packages that takes seconds): the first
-    request that needs schema checks loads it on a worker thread, so the event loop never stalls on it."""
+    request that needs schema checks loads it on a worker thread, so the event loop never stalls on it. With
+    `engine`, its compile workers import the schema lowering (jsonschema too) at the same time."""
     global _validators_ready
+    if engine is not None:
+        engine.grammar_compiler.warm_lowering()
     if not _validators_ready:
         from grammar.schema import warm_validators
 
@@ -59,20 +62,32 @@ async def resolve_constraint(body: _SamplingFields, engine: Any) -> Any:
     return await compile_spec(constraint_spec(body, engine), engine)
 
 
+async def check_tool_schemas(plan: Any, engine: Any) -> None:
+    """Every tool's `parameters` lowered in a compile worker (callable or not, also with tool_choice "none"):
+    a schema the lowering refuses is a 400 naming `tools[i].function.parameters` before the prompt is rendered,
+    as when admission lowered them. Remembered per tool set (`GrammarCompiler.check`)."""
+    if plan is None or not plan.checked:
+        return
+    from grammar.tool_calls import tool_calls_spec
+
+    await asyncio.wrap_future(engine.grammar_compiler.check(
+        tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
+
+
 async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any) -> Any:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
+    from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
+
     other = constraint_spec(body, engine)
     if plan is None or not plan.constrained:
         return await compile_spec(other, engine)
     if other is not None:
         raise invalid(f"a request may carry only one output constraint: tool_choice {plan.choice!r} with "
                       f"{other.param or 'response_format'}", param=other.param or "response_format")
-    from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
-
     auto = plan.choice == "auto"
-    compiled = await compile_spec(tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto),
-                                  engine)
+    spec = tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto, checked=plan.checked)
+    compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled
     from grammar.triggered import free_text_masks

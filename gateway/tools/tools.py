@@ -1,8 +1,9 @@
 """Function calling on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`, tool turns in history.
 
-Admission (400 naming `param`): tool shapes, duplicate names, each function's `parameters` lowered with the
-JSON-schema rules (unsupported keyword -> 400), `tool_choice` naming an unknown function, malformed
-`tool_calls` / `tool` messages, a tool constraint together with another output constraint.
+Admission (400 naming `param`): tool shapes, duplicate names, each function's `parameters` checked as a
+response_format schema is (size and metaschema here; lowered with the JSON-schema rules in a compile worker:
+unsupported keyword -> 400, also for a function the request cannot call), `tool_choice` naming an unknown
+function, malformed `tool_calls` / `tool` messages, a tool constraint together with another output constraint.
 Prompt: the template renders `tools` and the tool turns (`apply_chat_template(..., tools=...)`); a template with
 no tool syntax gets the Hermes default, written by `_fallback` below.
 Decoding: `required` / named -> the whole output is calls; `auto` -> free text, then calls after the trigger.
@@ -33,6 +34,7 @@ class ToolPlan:
     parallel: bool
     tools: list[dict[str, Any]]          # as the template gets them
     functions: list[FunctionSpec] = field(default_factory=list)   # the callable ones
+    checked: list[FunctionSpec] = field(default_factory=list)     # every function, in the request's order
 
     @property
     def constrained(self) -> bool:
@@ -101,9 +103,12 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any,
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
                     [{"type": "function", "function": fn} for fn in fns])
     for i, fn in enumerate(fns):   # every function is checked, callable or not: a bad schema is a 400 anyway
-        spec = json_spec(fn.get("parameters") or ANY_OBJECT, f"tools[{i}].function.parameters", options)
+        param = f"tools[{i}].function.parameters"
+        spec = json_spec(fn.get("parameters") or ANY_OBJECT, param, options)   # shape, size, metaschema only
+        function = FunctionSpec(fn["name"], spec.recipe, spec.schema_json or "{}", param)
+        plan.checked.append(function)   # lowered in a compile worker (gateway/inputs/constraints.py)
         if named is None or fn["name"] == named:
-            plan.functions.append(FunctionSpec(fn["name"], spec.regex, spec.schema_json or "{}"))
+            plan.functions.append(function)
     return plan
 
 

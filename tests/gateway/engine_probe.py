@@ -147,3 +147,24 @@ def wrong_bitmask_kernel() -> None:
 
     apply = bitmask_triton.apply_token_bitmask_triton_
     bitmask_triton.apply_token_bitmask_triton_ = lambda logits, mask, rows: apply(logits, mask, rows[:-1])
+
+
+def lowering_refused(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a schema was lowered in a serving process (the compile workers lower them)")
+
+
+def forbid_lowering() -> None:
+    """Issue 31: no schema is lowered to a regex in the engine process (its compile workers do it)."""
+    from grammar.regex_builder import RegexBuilder
+    from grammar.schema import Lowerer
+
+    Lowerer.lower_root = lowering_refused   # type: ignore[method-assign]
+    RegexBuilder.build = lowering_refused   # type: ignore[method-assign]
+
+
+def lowering_forbidden(host: Any) -> bool:
+    """Whether `forbid_lowering` (or a test's patch with `lowering_refused`) is in force in this process."""
+    from grammar.regex_builder import RegexBuilder
+    from grammar.schema import Lowerer
+
+    return Lowerer.lower_root is lowering_refused and RegexBuilder.build is lowering_refused

@@ -39,6 +39,54 @@ id_lists = (st.lists(ids, max_size=6) | st.just([]) | st.just([TOKENIZER_VOCAB] 
 
 EMPTY_LANGUAGE = [{"type": "string", "enum": []}, False, {"not": {}}, {"type": "integer", "minimum": 5, "maximum": 2},
                   {"allOf": [{"type": "string"}, {"type": "integer"}]}]
+
+
+# -- exponential shapes (issue 31): a small text whose regex or automaton grows exponentially with its depth ----
+def nested_schema(shape: str, depth: int, width: int, min_count: int) -> dict[str, Any]:
+    """`depth` levels of `shape`, each writing the level below about `width` times (or branching `width` ways):
+    arrays with small maxItems, free-form maps with small maxProperties, anyOf / oneOf branches through $refs,
+    all-optional members (their orders multiply), tuples of the level below, and strings whose pattern is a bounded
+    repetition of bounded repetitions."""
+    if shape == "pattern":
+        return {"type": "string", "pattern": nested_repetition(depth, width)}
+    ref = "#/$defs/d{}"
+    defs: dict[str, Any] = {"d0": {"type": "integer"}}
+    for k in range(depth):
+        below = {"$ref": ref.format(k)}
+        if shape == "arrays":
+            level: dict[str, Any] = {"type": "array", "items": below, "maxItems": width + 1}
+            if min_count:
+                level["minItems"] = min(min_count, width + 1)
+        elif shape == "maps":
+            level = {"type": "object", "additionalProperties": below, "maxProperties": width + 1}
+        elif shape in ("anyOf", "oneOf"):
+            level = {shape: [{"type": "array", "items": below, "minItems": 1, "maxItems": 1}]
+                     + [{"type": "object", "properties": {f"k{i}": below}, "required": [f"k{i}"]}
+                        for i in range(width)]}
+        elif shape == "optional":
+            level = {"type": "object", "properties": {f"p{i}": below for i in range(width + 2)}}
+        else:
+            assert shape == "tuple", shape
+            level = {"type": "array", "prefixItems": [below] * (width + 1), "minItems": min_count}
+        defs[f"d{k + 1}"] = level
+    return {"$defs": defs, "$ref": ref.format(depth)}
+
+
+def nested_repetition(depth: int, width: int) -> str:
+    """((a{0,w}b){0,w}c){0,w}...: an automaton of ~w^depth states from a few dozen characters."""
+    out = "a"
+    for k in range(depth):
+        out = f"(?:{out}{{0,{width + 1}}}{'bcdefghij'[k % 9]})"
+    return out
+
+
+SCHEMA_SHAPES = ("arrays", "maps", "anyOf", "oneOf", "optional", "tuple", "pattern")
+EXPANDING_SCHEMAS = st.builds(nested_schema, st.sampled_from(SCHEMA_SHAPES), st.integers(6, 40),
+                              st.integers(1, 3), st.integers(0, 2))
+EXPANDING_REGEXES = (st.builds(nested_repetition, st.integers(2, 6), st.integers(2, 40))
+                     | st.builds(lambda k: f"(a|b)*a(a|b){{{k}}}", st.integers(8, 30))
+                     | st.builds(lambda k, w: f"(?:[a-z]{{0,{w}}}[0-9]){{0,{k}}}", st.integers(2, 60),
+                                 st.integers(2, 60)))
 SCHEMAS = st.sampled_from(EMPTY_LANGUAGE + [{}, True, {"type": "object"}, {"type": "string", "maxLength": 0},
                                             {"type": "array", "items": {"type": "integer"}, "maxItems": 10**9},
                                             {"type": "string", "pattern": "[^\\s\\S]"},

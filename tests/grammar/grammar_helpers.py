@@ -54,6 +54,24 @@ def json_schema_format(schema: Any, name: str = "t") -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
 
 
+def lowered(spec: Any) -> Any:
+    """`spec` with the regex a compile worker would build for it (lowered here, raising the worker's
+    GrammarError); None stays None."""
+    import dataclasses
+
+    from grammar.lowering import lower_spec
+
+    return None if spec is None else dataclasses.replace(spec, regex=lower_spec(spec))
+
+
+def admit(response_format: Any, *options: Any) -> Any:
+    """What admission + the worker's lowering make of a response_format: the spec with its regex, or the
+    GrammarError either raises."""
+    from grammar import parse_response_format
+
+    return lowered(parse_response_format(response_format, *options))
+
+
 def walk_and_validate(compiler: Any, schema: Any, walks: int = 5, seed: int = 0, max_tokens: int = 3000) -> int:
     """Compile `schema`, run random constrained generations, assert every finished
     output validates (Draft 2020-12, formats asserted).  Returns the finished count."""

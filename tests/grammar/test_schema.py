@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from grammar_helpers import json_schema_format, matches
+from grammar_helpers import admit, json_schema_format, matches
 
-from grammar import GrammarError, GrammarSpec, parse_response_format
+from grammar import GrammarError, GrammarSpec
 
 
 def regex_of(schema: object) -> str:
-    spec = parse_response_format(json_schema_format(schema))
+    spec = admit(json_schema_format(schema))
     assert spec is not None
     return spec.regex
 
@@ -22,13 +22,13 @@ def accepts(schema: object, text: str) -> bool:
 
 # -- response_format object ------------------------------------------------------------
 def test_text_and_none_mean_unconstrained() -> None:
-    assert parse_response_format(None) is None
-    assert parse_response_format({"type": "text"}) is None
+    assert admit(None) is None
+    assert admit({"type": "text"}) is None
 
 
 def test_json_object_spec_is_stable() -> None:
-    a = parse_response_format({"type": "json_object"})
-    b = parse_response_format({"type": "json_object"})
+    a = admit({"type": "json_object"})
+    b = admit({"type": "json_object"})
     assert isinstance(a, GrammarSpec) and a.kind == "json_object" and a.key == b.key
     assert matches(a.regex, '{"a": [1, {"b": null}], "c": "x"}')
     assert not matches(a.regex, "[1]") and not matches(a.regex, '"x"')
@@ -49,14 +49,14 @@ def test_json_object_spec_is_stable() -> None:
 )
 def test_invalid_response_format(rf: object, param: str) -> None:
     with pytest.raises(GrammarError) as info:
-        parse_response_format(rf)  # type: ignore[arg-type]
+        admit(rf)  # type: ignore[arg-type]
     assert info.value.code == "invalid_response_format"
     assert info.value.param == param
     assert info.value.to_dict()["code"] == "invalid_response_format"
 
 
 def test_spec_fields() -> None:
-    spec = parse_response_format(
+    spec = admit(
         {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {"type": "integer"}}}
     )
     assert spec is not None and spec.kind == "json_schema" and spec.name == "n" and spec.strict is True
@@ -67,7 +67,7 @@ def test_spec_fields() -> None:
 # -- metaschema, size, depth -------------------------------------------------------------
 def test_metaschema_violation_is_invalid_json_schema() -> None:
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format({"type": "object", "properties": {"a": {"type": "strnig"}}}))
+        admit(json_schema_format({"type": "object", "properties": {"a": {"type": "strnig"}}}))
     assert info.value.code == "invalid_json_schema"
     assert "#/properties/a/type" in info.value.message
     assert info.value.param == "response_format.json_schema.schema"
@@ -94,7 +94,7 @@ def test_ten_megabyte_schema_rejected_fast(monkeypatch: pytest.MonkeyPatch) -> N
                         lambda *a, **k: pytest.fail("a 10 MB schema reached metaschema validation"))
     _CountingDict.reads = 0
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format(schema))
+        admit(json_schema_format(schema))
     assert info.value.code == "unsupported_json_schema" and "larger than" in info.value.message
     assert _CountingDict.reads < 2_000, f"{_CountingDict.reads} of 50000 property schemas read"
 
@@ -104,7 +104,7 @@ def test_deeply_nested_schema_rejected() -> None:
     for _ in range(200):
         schema = {"type": "array", "items": schema}
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format(schema))
+        admit(json_schema_format(schema))
     assert "deeper" in info.value.message
 
 
@@ -174,7 +174,7 @@ def test_unbounded_required_recursion_is_rejected() -> None:
     schema = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
               "$ref": "#/$defs/n"}
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format(schema))
+        admit(json_schema_format(schema))
     assert "'$ref'" in info.value.message
 
 
@@ -231,7 +231,7 @@ def test_one_of_made_exclusive() -> None:
 def test_not_enforced_or_rejected() -> None:
     assert not accepts({"type": ["string", "integer"], "not": {"type": "integer"}}, "1")
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format({"type": "string", "not": {"pattern": "^a"}}))
+        admit(json_schema_format({"type": "string", "not": {"pattern": "^a"}}))
     assert info.value.code == "unsupported_json_schema" and "'not'" in info.value.message
     assert "#/not" in info.value.message
 
@@ -251,7 +251,7 @@ def test_not_enforced_or_rejected() -> None:
 )
 def test_unsupported_keyword_is_named_with_pointer(schema: object, keyword: str, pointer: str) -> None:
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format(schema))
+        admit(json_schema_format(schema))
     err = info.value
     assert err.code == "unsupported_json_schema"
     assert f"'{keyword}'" in err.message and f"'{pointer}'" in err.message, err.message
@@ -265,7 +265,7 @@ def test_unsupported_optional_member_is_rejected_like_a_required_one() -> None:
     for member, keyword, pointer in cases:
         schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": member}, "required": ["a"]}
         with pytest.raises(GrammarError) as info:
-            parse_response_format(json_schema_format(schema))
+            admit(json_schema_format(schema))
         assert info.value.code == "unsupported_json_schema"
         assert f"'{keyword}'" in info.value.message and f"'{pointer}'" in info.value.message, info.value.message
 
@@ -279,7 +279,7 @@ def test_optional_member_no_value_satisfies_is_left_out_exactly() -> None:
 
 def test_invalid_python_regex_is_invalid_schema() -> None:
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format({"type": "string", "pattern": "a{2,1}"}))
+        admit(json_schema_format({"type": "string", "pattern": "a{2,1}"}))
     assert info.value.code == "invalid_json_schema"
 
 
@@ -291,7 +291,7 @@ def test_unevaluated_properties_sees_only_its_own_subtree() -> None:
     sibling = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"unevaluatedProperties": False}],
                "required": ["a"]}
     with pytest.raises(GrammarError):  # 'a' is unevaluated for the second branch: unsatisfiable
-        parse_response_format(json_schema_format(sibling))
+        admit(json_schema_format(sibling))
 
 
 def test_ids_and_anchors() -> None:
@@ -307,8 +307,8 @@ def test_pruning_keeps_required_members_when_over_budget() -> None:
 
     leaf = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(8)}, "required": ["p0"]}
     schema = {"type": "object", "properties": {f"k{i}": leaf for i in range(6)}, "required": ["k0"]}
-    full = parse_response_format(json_schema_format(schema))
-    small = parse_response_format(json_schema_format(schema), SchemaOptions(target_regex_chars=300))
+    full = admit(json_schema_format(schema))
+    small = admit(json_schema_format(schema), SchemaOptions(target_regex_chars=300))
     assert full is not None and small is not None and len(small.regex) < len(full.regex)
     assert matches(small.regex, '{"k0": {"p0": "x"}}')
     assert matches(full.regex, '{"k0": {"p0": "x", "p3": "y"}}')
@@ -321,7 +321,7 @@ def test_options_scale_with_vocabulary() -> None:
     assert big.target_regex_chars < tiny.target_regex_chars
     assert big.max_string_length < tiny.max_string_length
     schema = {"type": "string", "maxLength": 1000}
-    regex = parse_response_format(json_schema_format(schema), big).regex  # type: ignore[union-attr]
+    regex = admit(json_schema_format(schema), big).regex  # type: ignore[union-attr]
     assert matches(regex, '"' + "a" * big.max_string_length + '"')
     assert not matches(regex, '"' + "a" * (big.max_string_length + 1) + '"')
 
@@ -344,5 +344,5 @@ def test_all_optional_objects_stay_linear() -> None:
 )
 def test_unsatisfiable_or_unenforceable_is_rejected_cleanly(schema: object) -> None:
     with pytest.raises(GrammarError) as info:
-        parse_response_format(json_schema_format(schema))
+        admit(json_schema_format(schema))
     assert info.value.code == "unsupported_json_schema"

@@ -35,7 +35,7 @@ def test_free_masks_ban_only_tokens_running_past_the_trigger() -> None:
 
 def compile_auto(compiler: Any, fmt: Any) -> AutoToolGrammar:
     spec = json_spec(SCHEMA, "tools[0].function.parameters", compiler_options())
-    fn = FunctionSpec("f", spec.regex, spec.schema_json or "{}")
+    fn = FunctionSpec("f", spec.recipe, spec.schema_json or "{}", "tools[0].function.parameters")
     body = compiler.compile(tool_calls_spec(fmt, [fn], parallel=True, after_trigger=True))
     return AutoToolGrammar(body, fmt.trigger.encode(), free_text_masks(compiler.vocab, fmt.trigger))
 

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from grammar.constraints import parse_constraints
+from grammar_helpers import lowered
 from grammar.errors import GrammarError
 from grammar.whitespace import check_whitespace_pattern
 
@@ -30,9 +31,9 @@ def test_other_patterns_are_refused(pattern: object) -> None:
 
 
 def test_the_pattern_is_where_json_allows_whitespace() -> None:
-    default = parse_constraints(None, {"guided_json": SCHEMA}, None)
-    newline = parse_constraints(None, {"guided_json": SCHEMA}, None, whitespace_pattern="\n")
-    indented = parse_constraints({"json": SCHEMA, "whitespace_pattern": "[ \n]*"}, {}, None)
+    default = lowered(parse_constraints(None, {"guided_json": SCHEMA}, None))
+    newline = lowered(parse_constraints(None, {"guided_json": SCHEMA}, None, whitespace_pattern="\n"))
+    indented = lowered(parse_constraints({"json": SCHEMA, "whitespace_pattern": "[ \n]*"}, {}, None))
     assert default is not None and newline is not None and indented is not None
     compact = json.dumps(VALUE, separators=(",", ":"))
     lines = '{\n"a":\n1,\n"b":\n[\ntrue,\nfalse\n]\n}'
