@@ -129,8 +129,9 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):
         await validators_ready(state.aeng.engine)
-    plan = plan_tools(body, state.encoder.tokenizer, state.aeng.engine.schema_options,
-                      state.config.tool_call_parser) if tooled else None
+    # schema checks (metaschema validation: ~3 us per schema byte) run on a worker thread, never on the loop
+    plan = await tokenize_pool.run(plan_tools, body, state.encoder.tokenizer, state.aeng.engine.schema_options,
+                                   state.config.tool_call_parser) if tooled else None
     await check_tool_schemas(plan, state.aeng.engine)   # lowered in a compile worker: their 400s come first
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
     if tooled:

@@ -5,6 +5,7 @@ import asyncio
 from typing import Any
 
 from gateway.errors import invalid
+from gateway.inputs import tokenize_pool
 from gateway.protocol import _SamplingFields
 
 
@@ -57,9 +58,12 @@ async def compile_spec(spec: Any, engine: Any) -> Any:
     return await asyncio.wrap_future(engine.grammar_compiler.submit(spec))
 
 
-async def resolve_constraint(body: _SamplingFields, engine: Any) -> Any:
-    """None (free text) or the compiled grammar every child of the request gets a matcher of."""
-    return await compile_spec(constraint_spec(body, engine), engine)
+async def admit_constraint(body: _SamplingFields, engine: Any) -> Any:
+    """`constraint_spec` off the event loop: its schema checks are linear in the schema but not free (the
+    metaschema validation of a 256 KB schema takes most of a second), so they run on a tokenizer thread."""
+    if not wants_constraint(body):
+        return constraint_spec(body, engine)   # the cheap checks of a body without a constraint
+    return await tokenize_pool.run(constraint_spec, body, engine)
 
 
 async def check_tool_schemas(plan: Any, engine: Any) -> None:
@@ -79,7 +83,7 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any)
     or the request's other constraint; a tool constraint together with another one -> 400."""
     from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
 
-    other = constraint_spec(body, engine)
+    other = await admit_constraint(body, engine)
     if plan is None or not plan.constrained:
         return await compile_spec(other, engine)
     if other is not None:

@@ -204,3 +204,30 @@ def test_fuzzed_exponential_shapes_cost_bounded_time_and_memory(server: ServerPr
     run()
     print(seen)
     assert len(seen) >= EXAMPLES
+
+
+def _large_valid_schema(num_props: int) -> dict[str, Any]:
+    """A schema near the 256 KB admission bound whose metaschema validation costs most of a second."""
+    props = {f"p{i}": {"type": "string", "description": "d" * 50, "enum": ["a", "b"]} for i in range(num_props)}
+    return {"type": "object", "properties": props}
+
+
+@pytest.mark.parametrize("field", ["response_format", "tools"])
+def test_schema_admission_checks_never_stall_the_event_loop(server: ServerProcess, field: str) -> None:
+    """The metaschema check is linear in the schema but not free (~3 us a byte): it runs on a worker thread, so
+    the loop keeps answering /health while a tenant's 250 KB schemas are checked (on the loop, each stalled every
+    connection for ~0.8 s)."""
+    schema = _large_valid_schema(2200)
+    body = _tool_body(schema) if field == "tools" else {
+        **CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+    post(server, ATTACKER, "/v1/chat/completions", body)   # warm-up: imports, the compile's cache entry
+    gaps: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        attacks = [pool.submit(post, server, ATTACKER, "/v1/chat/completions", body) for _ in range(4)]
+        while not all(a.done() for a in attacks):
+            start = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            gaps.append(time.perf_counter() - start)
+        for a in attacks:
+            assert a.result().status_code in (200, 400), a.result().text
+    assert gaps and max(gaps) < 0.4, f"/health took up to {max(gaps):.2f} s while schemas were checked: {gaps}"
