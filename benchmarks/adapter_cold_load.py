@@ -30,7 +30,7 @@ from common import add_model_args, load_format_of, llama3_8b_dir, now, write_res
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 from tiny_models import TinyModelSpec, tiny_model_dir
 from lora_overhead import TARGET_SETS, write_adapter
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import write_results  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 from tiny_models import TinyModelSpec, build_tokenizer, tiny_model_dir  # noqa: E402
 
 LONG = {"model": "tiny", "prompt": "hi", "max_tokens": 7000, "ignore_eos": True, "temperature": 0}

@@ -24,14 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 
 from common import write_results  # noqa: E402
 from tiny_models import TinyModelSpec, tiny_model_dir  # noqa: E402
 
 from core.config import EngineConfig  # noqa: E402
-from core.engine import LLMEngine  # noqa: E402
-from core.sampling import SamplingParams  # noqa: E402
+from core.engine.engine import LLMEngine  # noqa: E402
+from core.sampling.params import SamplingParams  # noqa: E402
 
 
 def saturated(stop: threading.Event, done: list[int]) -> None:

@@ -44,9 +44,9 @@ from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_b
 from core.attention.metadata import AttentionMetadata
 from core.attention.torch_backend import TorchAttentionBackend
 from core.attention.triton_backend import TritonAttentionBackend
-from core.runner import decode_groups
-from grammar.bitmask import allocate_token_bitmask, apply_token_bitmask_torch_
-from grammar.bitmask_triton import apply_token_bitmask_triton_
+from core.execution.runner import decode_groups
+from grammar.matching.bitmask import allocate_token_bitmask, apply_token_bitmask_torch_
+from grammar.matching.bitmask_triton import apply_token_bitmask_triton_
 
 BS = 16
 

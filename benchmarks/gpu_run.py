@@ -62,7 +62,7 @@ STAGES = (
     Stage("env", 30, lambda d: [["gpu_env.py", *_dry(d), *_out("env")]],
           "versions (torch, triton, CUDA, driver, GPU, packages), read bandwidth, bf16 matrix rate"),
     Stage("tests", 480, lambda d: [["gpu_tests.py", *_dry(d), "--timeout-s", "480", *_out("tests")]],
-          "pytest -m gpu (tests/gpu_test_files.py) with the installed torch"),
+          "pytest -m gpu (tests/helpers/gpu_test_files.py) with the installed torch"),
     Stage("kernels", 150, lambda d: [["gpu_kernels.py", *_dry(d), *_out("kernels")]],
           "Triton kernels at 8B serving shapes vs their bytes/FLOP floors"),
     Stage("quant", 150, lambda d: [["quant_layers.py", *_dry(d), *_out("quant")]],

@@ -1,4 +1,4 @@
-"""The test stage of gpu_run.py: the GPU-relevant test files (tests/gpu_test_files.py, marker `gpu`) under pytest
+"""The test stage of gpu_run.py: the GPU-relevant test files (tests/helpers/gpu_test_files.py, marker `gpu`) under pytest
 with the installed torch, their counts written as a result (passed, failed, errors, skipped, the failing ids).
 
 `--dry-run` runs one test of one file of the list (`DRY_RUN_FILE`, `-k DRY_RUN_SELECT`) the same way, on the CPU.
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, write_results
 from gpu_test_files import GPU_TEST_FILES
 
-DRY_RUN_FILE = "tests/adapters/test_lora_bgmv.py"      # small and quick in the CPU interpreter
+DRY_RUN_FILE = "tests/test_adapters/test_lora_bgmv.py"      # small and quick in the CPU interpreter
 DRY_RUN_SELECT = "graph_buffers"                         # -k: one of its tests (under a second)
 
 

@@ -3,7 +3,7 @@
 For every schema of ../shared/jsonschemabench/{Glaiveai2K,Github_trivial,Github_easy,Kubernetes}:
 admission (parse_response_format) + compile with the tiny byte-level BPE tokenizer, then
 `--walks` random constrained generations (a random "model": grammar-allowed tokens chosen
-at random, see grammar/sim.py), each finished output validated with jsonschema Draft
+at random, see tests/helpers/grammar_sim.py), each finished output validated with jsonschema Draft
 2020-12 (formats asserted).
 
   declared coverage = accepted / total
@@ -35,11 +35,11 @@ from jsonschema import Draft202012Validator  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 from tiny_models import build_tokenizer  # noqa: E402
 from grammar import GrammarCompiler, GrammarError, GrammarMatcher, allocate_token_bitmask  # noqa: E402
 from grammar import CompiledGrammar, SchemaOptions, json_object_spec, parse_response_format  # noqa: E402
-from grammar.sim import distances_to_final, random_walk  # noqa: E402
+from grammar_sim import distances_to_final, random_walk  # noqa: E402
 
 FOLDERS = ("Glaiveai2K", "Github_trivial", "Github_easy", "Kubernetes")
 DATA = ROOT.parent / "shared" / "jsonschemabench"

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 
-from grammar.bitmask import allocate_token_bitmask, unpack_bitmask
-from grammar.constraints import parse_constraints
-from grammar.matchers import make_matcher
+from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
+from grammar.specs.constraints import parse_constraints
+from grammar.matching.matchers import make_matcher
 
 
 # Mask times are the filling thread's CPU time: on a shared machine, wall-clock percentiles mostly measure
@@ -102,8 +102,8 @@ def batch_row_times(compiled: Any, vocab_size: int, seed: int, max_steps: int, b
 def bench_vocab(tokenizer_dir: Path, variants: int, walks: int, max_steps: int) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from grammar.compiler import GrammarCompiler
-    from grammar.schema import SchemaOptions
+    from grammar.compile.compiler import GrammarCompiler
+    from grammar.schema.lowering import SchemaOptions
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab = len(tok)

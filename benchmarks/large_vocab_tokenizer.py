@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 from tiny_models import BOS, EOS, PAD, SPECIAL_TOKENS
 
 SUFFIXES = {".py", ".md", ".rst", ".txt", ".pyi", ".c", ".h", ".cpp"}

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_model_args, bench_model_dir, now, write_results
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
-from core.engine import LLMEngine
-from core.sampling import SamplingParams
+from core.engine.engine import LLMEngine
+from core.sampling.params import SamplingParams
 
 BS = 16
 

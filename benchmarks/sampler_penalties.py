@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from core.penalties import PenaltyState  # noqa: E402
-from core.request import Request, RequestStatus  # noqa: E402
-from core.sampler import SamplingBatch, sample  # noqa: E402
-from core.sampling import SamplingParams  # noqa: E402
+from core.sampling.penalties import PenaltyState  # noqa: E402
+from core.engine.request import Request, RequestStatus  # noqa: E402
+from core.sampling.sampler import SamplingBatch, sample  # noqa: E402
+from core.sampling.params import SamplingParams  # noqa: E402
 
 
 def make_requests(batch: int, vocab: int, penalties: bool, rng: random.Random) -> list[Request]:

@@ -25,7 +25,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "tests"))
+sys.path.append(str(ROOT / "tests" / "helpers"))
 sys.path.append(str(ROOT / "tests" / "gateway"))
 import httpx  # noqa: E402
 

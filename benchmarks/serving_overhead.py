@@ -1,6 +1,6 @@
 """Serving overhead: the same requests through the offline engine and through HTTP, side by side (issue 27).
 
-One run builds a 3-layer, 128-wide random model (tests/tiny_models.py), a workload of requests whose prompts
+One run builds a 3-layer, 128-wide random model (tests/helpers/tiny_models.py), a workload of requests whose prompts
 are 16-400 tokens of this repo's Python source and 8-96 new tokens (greedy, ignore_eos, prefix caching off),
 then for each client count C (8, 32, 128):
   * offline: the engine in this process keeps C requests in flight (a new one added as one finishes),
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(ROOT / "tests" / "gateway"))
 
 from common import write_results   # noqa: E402

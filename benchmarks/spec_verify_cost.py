@@ -27,9 +27,9 @@ import torch
 
 from common import add_model_args, bench_model_dir, load_format_of, now, write_results
 from core import LLM
-from core.kernel_compiles import COMPILES
-from core.runner import to_device
-from core.warmup import synthetic_batch
+from core.startup.kernel_compiles import COMPILES
+from core.execution.runner import to_device
+from core.startup.warmup import synthetic_batch
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -6,7 +6,7 @@ large vocabulary leaves most sampled ids without text (they decode to nothing), 
 chunks then measures the wrong thing (issue 33: TTFT/ITL off by 10-100x).
 
 Layout, deterministic for a given size:
-  ids 0-6        the special tokens of tests/tiny_models.py (<pad> <s> </s> and the chat markers)
+  ids 0-6        the special tokens of tests/helpers/tiny_models.py (<pad> <s> </s> and the chat markers)
   next 128 ids   the ASCII bytes 0x00-0x7F (as GPT-2's byte-to-unicode characters)
   then merges    every 2-character string of printable ASCII and '\\n', then 3-character strings over
                  [ a-z0-9"{}:,.], then ' ' + 3 lowercase letters, then 4 lowercase letters, ... until the size.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # tests/helpers/tiny_models.py
 from tiny_models import BOS, CHAT_MARKERS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
 
 PRINTABLE = [c for c in string.printable if c not in "\t\r\x0b\x0c"]   # 95 printable characters + '\n'
@@ -83,7 +83,7 @@ def vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def build_synthetic_tokenizer(out_dir: str | Path, vocab_size: int) -> Path:
-    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (as tests/tiny_models.py does)."""
+    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (as tests/helpers/tiny_models.py does)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     out = Path(out_dir)

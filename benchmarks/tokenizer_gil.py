@@ -23,7 +23,7 @@ TEXT = "def handler(request, *args):\n    return request.user.name + ' said: ' +
 def gil_hold(num_chars: int = 2_000_000) -> dict[str, Any]:
     """The longest gap of a thread that sleeps 1 ms at a time while another thread encodes a `num_chars` text:
     `tokenizers.Tokenizer.encode` against transformers' fast-tokenizer `encode` (what the gateway calls)."""
-    from core.tokenizer_load import load_tokenizer
+    from core.models.tokenizer_load import load_tokenizer
 
     tok = load_tokenizer(ROOT / "core" / "demo_model")
     text = (TEXT * (num_chars // len(TEXT) + 1))[:num_chars]

@@ -1,6 +1,6 @@
 """loraplex engine core: paged KV cache, radix prefix cache, continuous batching."""
-from core.llm import LLM
-from core.outputs import CompletionOutput, RequestOutput
-from core.sampling import SamplingParams
+from core.engine.llm import LLM
+from core.engine.outputs import CompletionOutput, RequestOutput
+from core.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

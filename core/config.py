@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.family_config import (
+from core.models.family_config import (
     GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, rope_fields, text_config,
 )
 

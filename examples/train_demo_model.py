@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/tiny_models.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))   # test-model builders: tests/helpers/tiny_models.py
 from tiny_models import BOS, EOS, PAD, build_tokenizer, iter_stdlib_text, special_token_ids  # noqa: E402
 
 

@@ -23,16 +23,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.errors import RequestRejected
-from core.outputs import RequestDelta
-from core.sampling import SamplingParams
-from gateway.auth import Principal
+from core.engine.outputs import RequestDelta
+from core.sampling.params import SamplingParams
+from gateway.tenancy.auth import Principal
 from gateway.http.body import parse_body as parse_json_body
 from gateway.http.body import read_body
 from gateway.http.cancel import run_until_disconnect
 from gateway.http.context import metered, request_context
 from gateway.http.deadline import Deadline
 from gateway.outputs.echo import add_prompt_logprobs, apply_echo, echo_texts
-from gateway.engine_client.engine_client_view import refresh_engine_state
+from gateway.engine_client.model_view import refresh_engine_state
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.outputs.generation import (
     abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -56,7 +56,7 @@ from gateway.inputs.sampling_defaults import RequestDefaults
 from gateway.server.state import GatewayState
 from gateway.inputs import tokenize_pool
 from gateway.routes.tokenize import tokenize_routes
-from gateway.streaming import SSEResponse, StreamInfo, chat_events, completion_events
+from gateway.outputs.streaming import SSEResponse, StreamInfo, chat_events, completion_events
 from gateway.tools.tool_output import tool_chat_body, tool_chat_events
 from gateway.tools.tools import chat_prompt as tools_chat_prompt
 from gateway.tools.tools import plan_tools, uses_tools
@@ -301,7 +301,7 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if state.config.admin_token:
-        from gateway.admin import admin_routes
+        from gateway.routes.admin import admin_routes
 
         routes += admin_routes()
     app = Starlette(routes=routes, middleware=[Middleware(GatewayMiddleware, state=state)],

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
     model_arg = resolve_model(args, parser)
     if model_arg is None:
-        from core.llm import DEMO_MODEL_DIR
+        from core.engine.llm import DEMO_MODEL_DIR
 
         model, default_name = str(DEMO_MODEL_DIR), DEMO_SERVED_NAME
     else:
@@ -147,8 +147,8 @@ def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def _check_compile_limits(parser: argparse.ArgumentParser) -> None:
-    """The grammar compile limits' environment variables (grammar/compile_limits.py), named when bad."""
-    from grammar.compile_limits import CompileLimits
+    """The grammar compile limits' environment variables (grammar/compile/limits.py), named when bad."""
+    from grammar.compile.limits import CompileLimits
 
     try:
         CompileLimits.from_env()

@@ -12,10 +12,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from adapters.errors import AdapterError
-from core.async_engine import EngineDeadError, EngineWarmingError
+from core.engine.async_engine import EngineDeadError, EngineWarmingError
 from grammar.errors import GrammarError
 from core.errors import RequestFault, RequestRejected
-from core.sampling import SamplingParamsError
+from core.sampling.params import SamplingParamsError
 from gateway.http.cancel import ClientDisconnected
 
 log = logging.getLogger("loraplex.gateway")
@@ -103,7 +103,7 @@ def from_exception(exc: BaseException) -> APIError:
         return from_validation_error(exc)
     if isinstance(exc, RequestRejected):
         return invalid(exc.message, param=exc.param, code=exc.code)
-    if isinstance(exc, RequestFault):   # this request alone failed inside the engine step (core/step_faults.py)
+    if isinstance(exc, RequestFault):   # this request alone failed inside the engine step (core/engine/fault_isolation.py)
         return APIError(exc.status, exc.message, code=exc.code, param=exc.param)
     if isinstance(exc, AdapterError):   # an adapter read on first use failed: as the admin API reports it
         return APIError(exc.status, exc.message, code=exc.code, param="model")

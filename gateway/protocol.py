@@ -85,7 +85,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     skip_special_tokens: Optional[bool] = None
-    # vLLM constraint spellings (validated in grammar/constraints.py; at most one per request)
+    # vLLM constraint spellings (validated in grammar/specs/constraints.py; at most one per request)
     structured_outputs: Optional[dict[str, Any]] = None
     guided_choice: Optional[Any] = None
     guided_regex: Optional[Any] = None
@@ -94,7 +94,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     min_tokens: Optional[int] = None
-    guided_whitespace_pattern: Optional[Any] = None   # JSON whitespace in schema output (grammar/whitespace.py)
+    guided_whitespace_pattern: Optional[Any] = None   # JSON whitespace in schema output (grammar/regex/whitespace.py)
     include_stop_str_in_output: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
 

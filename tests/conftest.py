@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # test helpers: `from testlib import ...`
 
 import torch
 
@@ -20,7 +23,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The `gpu` marker (pyproject.toml) on every test of tests/gpu_test_files.py's files."""
+    """The `gpu` marker (pyproject.toml) on every test of tests/helpers/gpu_test_files.py's files."""
     gpu_files = {_ROOT / f for f in GPU_TEST_FILES}
     for item in items:
         if Path(str(item.fspath)).resolve() in gpu_files:

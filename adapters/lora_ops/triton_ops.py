@@ -4,7 +4,7 @@ One launch per op covers every slot group and every slice of a fused linear. Til
 small closed table (`SEGMENT_CONFIGS`), never from a step's exact shape: a new constexpr would make
 Triton compile a new variant in the middle of serving. BLOCK_R is fixed per stack (the pool's max rank),
 BLOCK_M and the K split each take one of two values, so a stack has 4 shrink and 2 expand variants,
-all compiled at start-up (`core/warmup.py`). The kernels' loops stop at each slot's real rank.
+all compiled at start-up (`core/startup/warmup.py`). The kernels' loops stop at each slot's real rank.
 """
 
 from __future__ import annotations

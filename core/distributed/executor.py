@@ -27,7 +27,7 @@ from core.distributed.lora import ShardedSlotPool
 from core.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group, step_timeout_s
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.distributed.worker import worker_main
-from core.runner import HostBatch
+from core.execution.runner import HostBatch
 
 log = logging.getLogger("loraplex.tp")
 MONITOR_INTERVAL_S = 0.2

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from adapters.adapter import LoRAAdapter
-from adapters.dims import BaseModelDims
-from adapters.layers import LoRALinear, apply_lora_wrappers
+from adapters.layers.dims import BaseModelDims
+from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
 from adapters.lora_ops.dispatch import expand, select_backend, shrink
-from adapters.slots import LoRASlotPool
+from adapters.slots.slot_pool import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
 

@@ -1,4 +1,4 @@
-"""The engine's parts under tensor parallelism: the driver's side of `core.engine_setup.build_engine_parts`."""
+"""The engine's parts under tensor parallelism: the driver's side of `core.engine.setup.build_engine_parts`."""
 from __future__ import annotations
 
 import logging
@@ -9,10 +9,10 @@ from core.config import EngineConfig
 from core.distributed.executor import TPExecutor
 from core.distributed.rank_state import allocate_kv, build_rank_model, rank_device
 from core.distributed.shard import TPShard, check_tp_divisible
-from core.engine_setup import EngineParts, build_registry, load_eos_ids, num_kv_blocks, resolve_model_files
-from core.kv_cache_manager import KVCacheManager
-from core.metrics import EngineStats
-from core.scheduler import Scheduler
+from core.engine.setup import EngineParts, build_registry, load_eos_ids, num_kv_blocks, resolve_model_files
+from core.kv.kv_cache_manager import KVCacheManager
+from core.engine.stats import EngineStats
+from core.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("loraplex.tp")
 

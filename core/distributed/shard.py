@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from adapters.adapter import LoRAAdapter, LoRAModule
-from adapters.dims import CHECKPOINT_FUSED, BaseModelDims
+from adapters.layers.dims import CHECKPOINT_FUSED, BaseModelDims
 from core.config import ModelConfig
 from core.models.loader import _STACKED, checkpoint_name
 

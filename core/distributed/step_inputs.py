@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.distributed.lora import SlotOp
-from core.pending import Fixup
-from core.runner import HostBatch
+from core.execution.pending import Fixup
+from core.execution.runner import HostBatch
 
 
 @dataclass(frozen=True)

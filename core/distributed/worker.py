@@ -22,12 +22,12 @@ from core.config import EngineConfig, ModelConfig
 from core.distributed.parallel_state import TPGroup, init_tp_group
 from core.distributed.rank_state import RankState, allocate_kv, build_rank_model, rank_device
 from core.distributed.shard import TPShard
-from core.cuda_graphs import DecodeGraphRunner
+from core.execution.cuda_graphs import DecodeGraphRunner
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
-from core.engine_setup import num_kv_blocks, resolve_device, resolve_dtype
-from core.pending import fixup_to_device, patch_inputs
-from core.runner import graph_sample_rows, host_to_device, to_device
-from core.warmup import dummy_forward, lora_variants
+from core.engine.setup import num_kv_blocks, resolve_device, resolve_dtype
+from core.execution.pending import fixup_to_device, patch_inputs
+from core.execution.runner import graph_sample_rows, host_to_device, to_device
+from core.startup.warmup import dummy_forward, lora_variants
 
 
 def _exit_with_parent(parent_pid: int) -> None:

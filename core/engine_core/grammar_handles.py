@@ -18,7 +18,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RemoteMatcher:
-    spec: Any                          # grammar.spec.GrammarSpec (a plain dataclass)
+    spec: Any                          # grammar.specs.spec.GrammarSpec (a plain dataclass)
     stop_token_ids: tuple[int, ...]
 
 
@@ -27,7 +27,7 @@ class RemoteTriggered:
     """A triggered grammar as it crosses: free text until `trigger` (or the token `end_id`), then `body` (a
     spec, or another `RemoteTriggered`). `reasoning`: `--reasoning-parser`'s gate (`ReasoningGrammar`: EOS
     masked while reasoning), else `tool_choice: "auto"` (`AutoToolGrammar`)."""
-    body: Any                          # grammar.spec.GrammarSpec | RemoteTriggered
+    body: Any                          # grammar.specs.spec.GrammarSpec | RemoteTriggered
     trigger: bytes
     end_id: int | None = None
     reasoning: bool = False
@@ -52,7 +52,7 @@ class RemoteGrammar:
 def to_wire(matcher: Any) -> Any:
     """A matcher the API process built, in a form that pickles (the remote handles are sent as they are)."""
     grammar = getattr(matcher, "grammar", None)
-    if grammar is not None and getattr(grammar, "free", None) is not None:   # grammar.triggered.TriggeredMatcher
+    if grammar is not None and getattr(grammar, "free", None) is not None:   # grammar.matching.triggered.TriggeredMatcher
         return RemoteTriggeredMatcher(_grammar_to_wire(grammar), tuple(matcher.stop_token_ids))
     return matcher
 
@@ -60,7 +60,7 @@ def to_wire(matcher: Any) -> Any:
 def _grammar_to_wire(grammar: Any) -> Any:
     if isinstance(grammar, RemoteGrammar):
         return grammar.spec
-    from grammar.tool_calls import ReasoningGrammar   # an AutoToolGrammar (tools: auto) or its reasoning gate
+    from grammar.specs.tool_calls import ReasoningGrammar   # an AutoToolGrammar (tools: auto) or its reasoning gate
 
     return RemoteTriggered(_grammar_to_wire(grammar.body), grammar.trigger, grammar.end_id,
                            isinstance(grammar, ReasoningGrammar))
@@ -68,7 +68,7 @@ def _grammar_to_wire(grammar: Any) -> Any:
 
 def materialize(grammar: Any, compiler: Any) -> Any:
     """The engine process's real matcher for a remote handle (each compile is a cache hit after the command)."""
-    from grammar.matchers import make_matcher
+    from grammar.matching.matchers import make_matcher
 
     if isinstance(grammar, RemoteMatcher):
         return make_matcher(compiler.submit(grammar.spec).result(), grammar.stop_token_ids)
@@ -80,8 +80,8 @@ def materialize(grammar: Any, compiler: Any) -> Any:
 def _grammar(wire: Any, compiler: Any) -> Any:
     if not isinstance(wire, RemoteTriggered):
         return compiler.submit(wire).result()
-    from grammar.tool_calls import AutoToolGrammar, ReasoningGrammar
-    from grammar.triggered import free_text_masks
+    from grammar.specs.tool_calls import AutoToolGrammar, ReasoningGrammar
+    from grammar.matching.triggered import free_text_masks
 
     cls = ReasoningGrammar if wire.reasoning else AutoToolGrammar
     free = free_text_masks(compiler.vocab, wire.trigger.decode())

@@ -1,5 +1,5 @@
 """The engine-core process: owns the `LLMEngine` (scheduler, KV cache, model, adapter slots, grammar masks)
-and runs its step loop, fed over ZMQ by the API process (`gateway/engine_client/engine_client.py`).
+and runs its step loop, fed over ZMQ by the API process (`gateway/engine_client/client.py`).
 
 Each turn drains every queued `EngineInput` (adds, aborts, commands), runs one engine step if anything is
 unfinished, and sends one `EngineOutput` with that step's deltas, the command replies and, every
@@ -23,7 +23,7 @@ from core.engine_core.grammar_handles import materialize
 from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, EngineInput,
                                        EngineOutput, Reply, dumps, encode_delta, loads)
 from core.engine_core.stats import snapshot_stats
-from core.outputs import RequestDelta
+from core.engine.outputs import RequestDelta
 
 log = logging.getLogger("loraplex.engine_core")
 
@@ -103,7 +103,7 @@ class EngineCore:
 
     def _reply_now(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
         """`stats`: a fresh snapshot and the adapter entries (a scrape after a response counts it). `call`:
-        test-only, `fn(core, *args)` on the engine thread between steps (tests/gateway/engine_probe.py)."""
+        test-only, `fn(core, *args)` on the engine thread between steps (tests/helpers/engine_probe.py)."""
         try:
             if op == "stats":
                 self._adapters = adapter_entries(self.engine.registry)
@@ -227,7 +227,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
     core = EngineCore(None, pull, push)
     code = 0
     try:
-        from core.engine import LLMEngine
+        from core.engine.engine import LLMEngine
 
         _run_test_hook()
         try:

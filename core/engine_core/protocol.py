@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from core.outputs import RequestDelta
+from core.engine.outputs import RequestDelta
 
 STATS_INTERVAL_S = 0.05     # seconds between stats snapshots while busy (idle: every heartbeat)
 HEARTBEAT_S = 0.5           # an idle engine still reports this often

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from core.engine_core.protocol import AdapterStats, SpecStats, Stats
-from core.kernel_compiles import COMPILES
+from core.startup.kernel_compiles import COMPILES
 
 
 def _copy(items: Iterable[Any]) -> list[Any]:

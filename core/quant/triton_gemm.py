@@ -5,7 +5,7 @@ each), unpacked and scaled per [BLOCK_N, BLOCK_K] tile in registers, and fed to 
 accumulation; the float weight never exists in memory. Group of input column k: `g_idx[k]` (act-order) or
 k // group_size. Tile configs come from a fixed table keyed by a bucket of the token count, so the variants
 are few and the start-up warm-up forwards (decode and prefill sizes) compile every one before traffic.
-Tested in the Triton interpreter against the torch dequantize-then-matmul path (tests/test_quant_triton.py).
+Tested in the Triton interpreter against the torch dequantize-then-matmul path (tests/test_core/quant/test_quant_triton.py).
 """
 from __future__ import annotations
 

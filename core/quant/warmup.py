@@ -1,4 +1,4 @@
-"""Start-up launches of every dequantizing-GEMM variant a quantized model can use (core/warmup.py calls this).
+"""Start-up launches of every dequantizing-GEMM variant a quantized model can use (core/startup/warmup.py calls this).
 
 A variant is one (layer shape, bits, g_idx, dtype, tile config) combination; the token count is not
 specialized, so one launch per tile config of each distinct quantized layer compiles everything. The kernel

@@ -8,9 +8,9 @@ from typing import Any, Iterable
 
 import torch
 
-from core.kv_cache_manager import KVCacheManager
-from core.outputs import RequestDelta
-from core.request import Request, RequestStatus
+from core.kv.kv_cache_manager import KVCacheManager
+from core.engine.outputs import RequestDelta
+from core.engine.request import Request, RequestStatus
 from core.spec.config import SpeculativeConfig
 from core.spec.forced_text import JumpForward
 from core.spec.grammar_drafts import ProposeRest, grammar_drafts, supports_drafts

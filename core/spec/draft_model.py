@@ -16,15 +16,15 @@ from typing import Any
 import torch
 
 from core.attention.backend import get_attention_backend
-from core.block_allocator import BlockAllocator
+from core.kv.block_allocator import BlockAllocator
 from core.config import ModelConfig
-from core.kv_cache_manager import cdiv
+from core.kv.kv_cache_manager import cdiv
 from core.models.loader import load_model, resolve_model_path
 from core.models.rope import rope_row_offset
-from core.request import Request
-from core.runner import prepare_batch, to_device
+from core.engine.request import Request
+from core.execution.runner import prepare_batch, to_device
 from core.spec.config import SpeculativeConfig
-from core.tokenizer_load import load_tokenizer
+from core.models.tokenizer_load import load_tokenizer
 
 
 class DraftModelError(ValueError):

@@ -1,4 +1,4 @@
-"""The engine step's side of speculative decoding (kept out of `core/engine.py`): building the decoder, the
+"""The engine step's side of speculative decoding (kept out of `core/engine/engine.py`): building the decoder, the
 logits layout of a step with drafts, verifying the drafts and sampling the plain rows of that step.
 
 A step with drafts computes the logits of every row it samples in one LM-head pass (`DraftLayout`): the last
@@ -14,15 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.outputs import RequestDelta
-from core.request import Request
-from core.runner import HostBatch, host_to_device
-from core.sample_step import sample_logits
-from core.sampler import logprob_entries
+from core.engine.outputs import RequestDelta
+from core.engine.request import Request
+from core.execution.runner import HostBatch, host_to_device
+from core.sampling.stage import sample_logits
+from core.sampling.sampler import logprob_entries
 from core.spec.config import SpeculativeConfig
 from core.spec.decoder import SpecDecoder
-from core.step_faults import fault_of, is_fatal
-from core.stops import append_token
+from core.engine.fault_isolation import fault_of, is_fatal
+from core.sampling.stops import append_token
 
 
 def build_spec_decoder(config: Any, parts: Any) -> SpecDecoder | None:
@@ -79,7 +79,7 @@ def sample_drafts(eng: Any, host: HostBatch, hidden: torch.Tensor,
 
 def sample_positions(eng: Any, reqs: list[Request],
                      logits: torch.Tensor) -> tuple[list[int], list[Any], dict[int, Any]]:
-    """One position of the speculating rows through a plain step's sampling stage (`core/sample_step.py`:
+    """One position of the speculating rows through a plain step's sampling stage (`core/sampling/stage.py`:
     grammar masks, penalties, logit_bias, min_tokens, the keyed sampler, log-probs, per-row faults)."""
     tokens, lps, culprits = sample_logits(eng, reqs, logits)
     host_tokens = tokens.tolist()

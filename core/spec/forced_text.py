@@ -68,7 +68,7 @@ class JumpForward:
 
     def _token_bytes(self, compiled: Any) -> list[bytes | None]:
         if self._bytes is None:
-            from grammar.vocab import build_token_vocab
+            from grammar.compile.vocab import build_token_vocab
 
             vocab = build_token_vocab(self.tokenizer, compiled.vocab_size, list(compiled.eos_token_ids))
             table: list[bytes | None] = [None] * compiled.vocab_size

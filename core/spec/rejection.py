@@ -8,7 +8,7 @@ emit argmax p at the first mismatch (and as the bonus).
 
 Deterministic proposals (n-gram, a greedy draft) have a one-hot q: acceptance is then p_j(x_j) and the
 residual is p_j without x_j, renormalized. That is exactly "draw y ~ p_j, accept iff y == x_j, else emit y":
-the engine verifies that way with its keyed Gumbel-max sampler (`core/sampler.py`), so a seeded request
+the engine verifies that way with its keyed Gumbel-max sampler (`core/sampling/sampler.py`), so a seeded request
 gets, token for token, what it gets without speculation (`core/spec/verify.py`).
 
 Randomness comes from one `torch.Generator` per row (seeded per request), so a row's outcome never depends

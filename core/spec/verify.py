@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from core.kv_cache_manager import KVCacheManager
-from core.outputs import RequestDelta
-from core.request import Request
+from core.kv.kv_cache_manager import KVCacheManager
+from core.engine.outputs import RequestDelta
+from core.engine.request import Request
 from core.spec.grammar_drafts import matchers_along
 from core.spec.stats import SpecStats
 

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 
-from core.outputs import RequestDelta
+from core.engine.outputs import RequestDelta
 from gateway.errors import CTX_SCOPE_KEY, APIError, from_exception
 
 log = logging.getLogger("loraplex.gateway")

@@ -11,7 +11,7 @@ from gateway.protocol import _SamplingFields
 
 def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
     """Admission (synchronous, cheap): the one GrammarSpec of the body, or None; GrammarError -> 400."""
-    from grammar.constraints import GUIDED_FIELDS, parse_constraints
+    from grammar.specs.constraints import GUIDED_FIELDS, parse_constraints
 
     rf = body.response_format
     if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
@@ -26,7 +26,7 @@ def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
 
 
 def wants_constraint(body: _SamplingFields) -> bool:
-    from grammar.constraints import GUIDED_FIELDS
+    from grammar.specs.constraints import GUIDED_FIELDS
 
     rf = body.response_format
     return not ((rf is None or rf.type == "text") and body.structured_outputs is None
@@ -45,7 +45,7 @@ async def validators_ready(engine: Any = None) -> None:
     if engine is not None:
         engine.grammar_compiler.warm_lowering()
     if not _validators_ready:
-        from grammar.schema import warm_validators
+        from grammar.schema.lowering import warm_validators
 
         await asyncio.to_thread(warm_validators)
         _validators_ready = True
@@ -72,7 +72,7 @@ async def check_tool_schemas(plan: Any, engine: Any) -> None:
     as when admission lowered them. Remembered per tool set (`GrammarCompiler.check`)."""
     if plan is None or not plan.checked:
         return
-    from grammar.tool_calls import tool_calls_spec
+    from grammar.specs.tool_calls import tool_calls_spec
 
     await asyncio.wrap_future(engine.grammar_compiler.check(
         tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
@@ -81,7 +81,7 @@ async def check_tool_schemas(plan: Any, engine: Any) -> None:
 async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any) -> Any:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
-    from grammar.tool_calls import AutoToolGrammar, tool_calls_spec
+    from grammar.specs.tool_calls import AutoToolGrammar, tool_calls_spec
 
     other = await admit_constraint(body, engine)
     if plan is None or not plan.constrained:
@@ -94,7 +94,7 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any)
     compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled
-    from grammar.triggered import free_text_masks
+    from grammar.matching.triggered import free_text_masks
 
     compiler = engine.grammar_compiler
     free = await asyncio.to_thread(free_text_masks, compiler.vocab, plan.fmt.trigger)

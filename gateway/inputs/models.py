@@ -30,7 +30,7 @@ class ResolvedModel:
 class ServedModels:
     base_name: str
     root: str                       # the model's path or hub id: server side only, never in a card (`cards`)
-    registry: Any = None            # adapters.registry.AdapterRegistry (None: base only)
+    registry: Any = None            # adapters.registry.registry.AdapterRegistry (None: base only)
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()   # --served-model-name a b: `b` names the base too (answers say `a`, as vLLM)
 

@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 from typing import Any, Optional
 
-from core.sampling import SamplingParams
+from core.sampling.params import SamplingParams
 from gateway.errors import invalid
 from gateway.inputs.penalties import penalty_fields
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, ResponseFormat, _SamplingFields

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.sampling import SamplingParams
+from core.sampling.params import SamplingParams
 from gateway.errors import invalid
 
 GENERATION_CONFIG = "generation_config.json"

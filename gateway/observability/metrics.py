@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from core.engine_core.stats import snapshot_stats
-from gateway.engine_client.engine_client_view import refresh_engine_state
+from gateway.engine_client.model_view import refresh_engine_state
 from gateway.http.context import ABORT_REASONS
 
 log = logging.getLogger("loraplex.gateway")
@@ -38,7 +38,7 @@ class EngineCollector(Collector):
         self.max_loras = max_loras
 
     def _stats(self) -> Stats | None:
-        # gateway/engine_client/engine_client_view.py: the engine process reports
+        # gateway/engine_client/model_view.py: the engine process reports
         if hasattr(self.engine, "stats_snapshot"):
             return self.engine.stats_snapshot
         return snapshot_stats(self.engine)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.outputs import TokenLogprob
+from core.engine.outputs import TokenLogprob
 from gateway.inputs import tokenize_pool
 from gateway.outputs.generation import Child, ChoiceResult
 from gateway.protocol import CompletionRequest

@@ -6,10 +6,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from core.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
-from core.llm import child_params
-from core.outputs import RequestDelta, TokenLogprob
-from core.sampling import SamplingParams
+from core.engine.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
+from core.engine.llm import child_params
+from core.engine.outputs import RequestDelta, TokenLogprob
+from core.sampling.params import SamplingParams
 from gateway.observability.metrics import GatewayMetrics, RequestTimer
 
 
@@ -53,7 +53,7 @@ def engine_kwargs_for(child: Child, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Per-child engine arguments: a fresh grammar matcher for constrained requests."""
     if "compiled_grammar" not in kwargs:
         return kwargs
-    from grammar.matchers import make_matcher
+    from grammar.matching.matchers import make_matcher
 
     kwargs = dict(kwargs)
     compiled = kwargs.pop("compiled_grammar")

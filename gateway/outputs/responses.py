@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from core.outputs import TokenLogprob
+from core.engine.outputs import TokenLogprob
 from gateway.outputs.generation import ChoiceResult
 
 

@@ -11,11 +11,11 @@ import dataclasses
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from core.outputs import RequestDelta
+from core.engine.outputs import RequestDelta
 from gateway.outputs.generation import ChoiceResult
 from gateway.reasoning.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningTags, last_prompt_tag,
                                          reasoning_tags, split_output, state_after)
-from gateway.streaming import StreamInfo
+from gateway.outputs.streaming import StreamInfo
 
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
 Events = Callable[[StreamInfo, Deltas], AsyncIterator[bytes]]
@@ -83,8 +83,8 @@ class ReasoningRequest:
         """The request's constraint applied after `</think>` unless the prompt closed the reasoning (`gates`)."""
         if not self.gates(compiled is not None):
             return compiled
-        from grammar.tool_calls import ReasoningGrammar
-        from grammar.triggered import free_text_masks
+        from grammar.specs.tool_calls import ReasoningGrammar
+        from grammar.matching.triggered import free_text_masks
 
         free = await asyncio.to_thread(free_text_masks, engine.grammar_compiler.vocab, self.tags.end)
         return ReasoningGrammar(compiled, self.tags.end.encode(), free, self.tags.end_id)

@@ -10,12 +10,12 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from core.outputs import RequestDelta
+from core.engine.outputs import RequestDelta
 from gateway.outputs.generation import ChoiceResult
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.reasoning.reasoning_output import reasoning_item
 from gateway.routes.responses_api import Origins, ResponsesChatRequest, ResponsesRequest, responses_error
-from gateway.streaming import StreamInfo
+from gateway.outputs.streaming import StreamInfo
 from gateway.tools.tool_output import _ChoiceStream
 from gateway.tools.tool_parse import final_calls
 from gateway.tools.tools import ToolPlan

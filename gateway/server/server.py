@@ -26,17 +26,17 @@ log = logging.getLogger("loraplex.gateway")
 
 
 def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
-    # the engine core in its own process, fed over ZMQ (gateway/engine_client/engine_client.py)
+    # the engine core in its own process, fed over ZMQ (gateway/engine_client/client.py)
     if config.engine_process:
-        from gateway.engine_client.engine_client import EngineClient
+        from gateway.engine_client.client import EngineClient
 
         client = EngineClient(config.engine_config(), log_level, on_warmup_progress=WarmupPrinter(),
                               on_ready=print_ready)
         client.start()
         client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
         return client
-    from core.async_engine import AsyncEngine
-    from core.engine import LLMEngine
+    from core.engine.async_engine import AsyncEngine
+    from core.engine.engine import LLMEngine
 
     engine = LLMEngine(config.engine_config())
     aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)

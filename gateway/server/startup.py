@@ -1,7 +1,7 @@
 """Start-up failures that happen after the listener is up: a clear message on stderr and a non-zero exit.
 
 The engine thread warms up (compiles every kernel variant and, on CUDA, self-checks each against its torch
-path: `core/kernel_selfcheck.py`) while uvicorn already answers /health with 503 `warming_up`. If the
+path: `core/startup/kernel_selfcheck.py`) while uvicorn already answers /health with 503 `warming_up`. If the
 warm-up raises (a `KernelSelfCheckError` naming the kernel and its torch switch, an out-of-memory, a failed
 compile), the engine loop stops before it ever served; this watcher prints the reason on stderr and shuts
 uvicorn down, and `serve` returns 1, instead of a live process answering 503 forever.

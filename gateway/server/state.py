@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.async_engine import AsyncEngine
-from gateway.auth import Authenticator
+from core.engine.async_engine import AsyncEngine
+from gateway.tenancy.auth import Authenticator
 from gateway.server.config import ServerConfig
 from gateway.server.lifecycle import Lifecycle
 from gateway.tenancy.limits import QueueGate, TenantLimits

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gateway.auth import Principal
+from gateway.tenancy.auth import Principal
 from gateway.errors import invalid, too_many_requests
 from gateway.tenancy.tenants import Tenant
 

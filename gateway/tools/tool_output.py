@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable
 
-from core.outputs import RequestDelta
+from core.engine.outputs import RequestDelta
 from gateway.outputs.generation import ChoiceResult, usage
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.outputs.responses import TokenTexts, chat_body, chat_chunk, chat_logprobs
-from gateway.streaming import StreamInfo, _framed, sse
+from gateway.outputs.streaming import StreamInfo, _framed, sse
 from gateway.tools.tool_parse import final_calls, new_call_id, parse_calls
 from gateway.tools.tools import ToolPlan
 

@@ -1,6 +1,6 @@
 """Model text -> OpenAI tool calls, whole or while streaming.
 
-Constrained decoding writes calls in the exact layout of grammar/tool_calls.py, so parsing is a scan:
+Constrained decoding writes calls in the exact layout of grammar/specs/tool_calls.py, so parsing is a scan:
 content up to the trigger, then `open name mid ARGS close` repeated with the separator.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from grammar.tool_calls import ToolCallFormat
+from grammar.specs.tool_calls import ToolCallFormat
 
 _DECODER = json.JSONDecoder()
 PYTHON_TAG = "<|python_tag|>"

@@ -18,7 +18,7 @@ from typing import Any
 from gateway.errors import invalid
 from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
-from grammar.tool_calls import FunctionSpec, ToolCallFormat, detect_format
+from grammar.specs.tool_calls import FunctionSpec, ToolCallFormat, detect_format
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TOOL_KEYS = {"type", "function"}
@@ -84,7 +84,7 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any,
                parser: str | None = None) -> ToolPlan | None:
     """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
     server's `--tool-call-parser` family (None: the one the chat template shows)."""
-    from grammar.constraints import json_spec
+    from grammar.specs.constraints import json_spec
 
     tools = body.tools or []
     fns = [_check_tool(i, t) for i, t in enumerate(tools)]
@@ -162,7 +162,7 @@ HERMES_SYSTEM = (
 
 def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
     """For a template without tool syntax: Hermes text in plain system / assistant / user turns."""
-    from grammar.tool_calls import HERMES
+    from grammar.specs.tool_calls import HERMES
 
     out = []
     for msg in conv:

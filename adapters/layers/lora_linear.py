@@ -1,0 +1,118 @@
+"""LoRA wrappers for the base model's fused linears; the model code stays free of LoRA.
+
+    pool = LoRASlotPool(max_loras, max_lora_rank, dims, device, dtype)
+    apply_lora_wrappers(model, pool)        # once, after the base weights are loaded
+    pool.context.set_batch(token_slots)     # every step, before the forward
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from adapters.layers.dims import GROUP_ATTRS
+from adapters.lora_ops import add_lora
+from adapters.slots.slot_pool import LoRASlotPool
+
+SliceSpec = tuple[str, int, int]  # (HF module name, output column offset, output size)
+
+
+class LoRALinear(nn.Module):
+    """base(x) plus, for every LoRA token of the step, the LoRA delta of each output slice."""
+
+    def __init__(self, base: nn.Module, slices: Sequence[SliceSpec], pool: LoRASlotPool,
+                 layer_idx: int) -> None:
+        super().__init__()
+        names = tuple(name for name, _, _ in slices)
+        group = next((g for g, buf in pool.groups.items() if buf.group.slices == names), None)
+        if group is None:
+            raise ValueError(f"no LoRA group for slices {names}")
+        grp = pool.groups[group].group
+        y_offset = slices[0][1]
+        if [(o - y_offset, n) for _, o, n in slices] != list(zip(grp.slice_offsets, grp.slice_sizes)):
+            raise ValueError(f"slices {list(slices)} do not match the pool layout {grp.slice_spec()}")
+        if base.in_features != grp.in_features or base.out_features < y_offset + grp.out_features:
+            raise ValueError(f"linear {base.in_features}->{base.out_features} does not fit LoRA "
+                             f"group {group} ({grp.in_features}->{grp.out_features})")
+        self.base = base
+        self.group = group
+        self.layer_idx = layer_idx
+        self.y_offset = y_offset
+        self.context = pool.context
+        self.stack = pool.stack(layer_idx, group)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.base, "weight", None)   # None over a quantized base (no float weight in memory)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        meta = self.context.meta
+        if meta is None or not meta.has_lora:
+            return y  # base-only step: no extra work
+        x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+        y2 = y.view(-1, y.shape[-1])  # [T, out]
+        add_lora(y2, x2, self.stack, meta, self.y_offset, backend=self.context.backend)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"group={self.group}, layer={self.layer_idx}, y_offset={self.y_offset}"
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or a layer standing for one (a quantized base: core.quant.linear.QuantLinear) that has
+    `in_features`, `out_features` and `bias`; LoRA adds to its (dequantized) output the same way."""
+    return isinstance(module, nn.Linear) or (isinstance(getattr(module, "in_features", None), int)
+                                             and isinstance(getattr(module, "out_features", None), int)
+                                             and hasattr(module, "bias"))
+
+
+def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
+    for owner in (model, getattr(model, "model", None)):
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if layers is not None:
+            return layers
+    raise ValueError("model has no `layers` (nor `model.layers`) to wrap")
+
+
+def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
+    """Swap qkv_proj, o_proj, gate_up_proj and down_proj of every layer for LoRALinear.
+    Idempotent: already wrapped linears are left alone."""
+    layers = _decoder_layers(model)
+    if len(layers) != pool.dims.num_layers:
+        raise ValueError(f"model has {len(layers)} layers, the pool {pool.dims.num_layers}")
+    for idx, layer in enumerate(layers):
+        for group, (parent_name, attr) in GROUP_ATTRS.items():
+            parent = getattr(layer, parent_name)
+            module = getattr(parent, attr)
+            if isinstance(module, LoRALinear):
+                continue
+            if not is_linear(module):
+                raise TypeError(f"layers[{idx}].{parent_name}.{attr} is {type(module).__name__}, "
+                                "expected a linear layer")
+            spec = pool.groups[group].group.slice_spec()
+            setattr(parent, attr, LoRALinear(module, spec, pool, idx))
+
+
+def remove_lora_wrappers(model: nn.Module) -> None:
+    """Put the plain base linears back."""
+    for layer in _decoder_layers(model):
+        for parent_name, attr in GROUP_ATTRS.values():
+            parent = getattr(layer, parent_name)
+            module = getattr(parent, attr)
+            if isinstance(module, LoRALinear):
+                setattr(parent, attr, module.base)

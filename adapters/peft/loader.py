@@ -1,0 +1,265 @@
+"""Load a PEFT LoRA adapter (local dir or hub id) into host memory, validated against the base.
+
+    adapter = load_peft_adapter("path/or/org-name", dims, max_lora_rank=64)
+
+Errors are `AdapterError(message, code, status)`: 404 when the path / hub id is not found,
+400 for everything else (bad config, unsupported feature, rank too large, wrong base,
+corrupt weights). Files are opened through `adapters/peft/adapter_files.py`: by path for a folder the operator
+named, beneath its `--lora-dir` without following links for a directory entry (`adapters/registry/folder_files.py`).
+Messages name files, never the folder's path: tenants read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import BinaryIO, Mapping, Optional, Union
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import load_file
+
+from adapters.adapter import LoRAAdapter, LoRAModule
+from adapters.peft.adapter_files import AdapterFiles, PathFiles
+from adapters.layers.dims import CHECKPOINT_FUSED, BaseModelDims
+from adapters.errors import (
+    CODE_CORRUPT, CODE_INVALID, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH,
+    CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, AdapterNotFoundError,
+)
+from adapters.peft.config import PeftLoRAConfig, parse_peft_config
+
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+BIN_NAME = "adapter_model.bin"
+
+_KEY_RE = re.compile(
+    r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
+    r"(?P<name>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj))"
+    r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$"
+)
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+_HUB_ID_RE = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _invalid(msg: str, code: str = CODE_INVALID) -> AdapterError:
+    return AdapterError(msg, code=code, status=400)
+
+
+def resolve_adapter_dir(source: Union[str, os.PathLike], revision: Optional[str] = None,
+                        allow_download: bool = True) -> str:
+    """Local directory of the adapter: the path itself, else a hub snapshot (cache first)."""
+    text = os.fspath(source)
+    path = os.path.expanduser(text)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise _invalid(f"adapter path {text!r} is not a directory")
+    looks_local = os.path.isabs(path) or text.startswith((".", "~")) or not _HUB_ID_RE.match(text)
+    if looks_local:
+        raise AdapterNotFoundError(f"adapter path {text!r} not found")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
+        raise AdapterNotFoundError(f"adapter {text!r} not found locally") from exc
+    patterns = [CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME, "added_tokens.json"]
+    attempts = [True, False] if allow_download else [True]
+    for local_only in attempts:
+        try:
+            return snapshot_download(text, revision=revision, allow_patterns=patterns,
+                                     local_files_only=local_only)
+        except Exception:  # noqa: BLE001 - any hub failure means "not found" for us
+            continue
+    raise AdapterNotFoundError(f"adapter {text!r} not found locally or on the hub")
+
+
+MAX_JSON_BYTES = 16 << 20   # adapter_config.json / added_tokens.json: real ones are a few KiB
+_ABSENT = object()          # `_read_json`: no such file
+
+
+def _describe(exc: BaseException) -> str:
+    """A library error without the file's path (a tenant may read it): OSError's text names the file."""
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return str(exc) or type(exc).__name__
+
+
+def _open(files: AdapterFiles, fname: str, code: str = CODE_INVALID) -> BinaryIO | None:
+    try:
+        return files.open(fname)
+    except OSError as exc:   # permissions, I/O: the file's path stays out of the message
+        raise _invalid(f"cannot read {fname}: {_describe(exc)}", code) from exc
+
+
+def _read_json(files: AdapterFiles, fname: str) -> object:
+    f = _open(files, fname)
+    if f is None:
+        return _ABSENT
+    try:
+        with f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+        return json.loads(data.decode("utf-8"))
+    except (OSError, ValueError) as exc:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _invalid(f"cannot read {fname}: {_describe(exc)}") from exc
+
+
+def _read_config(files: AdapterFiles) -> dict:
+    raw = _read_json(files, CONFIG_NAME)
+    if raw is _ABSENT:
+        raise _invalid(f"not a PEFT adapter: {CONFIG_NAME} is missing")
+    return raw  # type: ignore[return-value]  # parse_peft_config checks it is an object
+
+
+def _check_added_tokens(files: AdapterFiles) -> None:
+    try:
+        added = _read_json(files, "added_tokens.json")
+    except AdapterError as exc:
+        if exc.status != 400:   # a --lora-dir file that left its folder: as absent as the adapter
+            raise
+        added = True            # unreadable: refused as if it added tokens
+    if added is not _ABSENT and added:
+        raise _invalid("adapters with added tokens (added_tokens.json) are not supported",
+                       CODE_UNSUPPORTED_FEATURE)
+
+
+def _load_safetensors(f: BinaryIO) -> dict[str, torch.Tensor]:
+    """The tensors of an open safetensors file: memory-mapped through /proc/self/fd (the very file opened,
+    whatever its path became since), else read whole."""
+    proc = f"/proc/self/fd/{f.fileno()}"
+    if os.path.exists(proc):
+        return load_file(proc, device="cpu")
+    return load_safetensors_bytes(f.read())
+
+
+def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
+    f = _open(files, SAFETENSORS_NAME, CODE_CORRUPT)
+    if f is not None:
+        with f:
+            try:
+                return _load_safetensors(f)
+            except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
+                raise _invalid(f"cannot read {SAFETENSORS_NAME} (corrupt?): {_describe(exc)}", CODE_CORRUPT) from exc
+    f = _open(files, BIN_NAME, CODE_CORRUPT)
+    if f is None:
+        raise _invalid(f"no {SAFETENSORS_NAME} or {BIN_NAME} in the adapter folder")
+    with f:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise _invalid(f"cannot read {BIN_NAME} (corrupt?): {_describe(exc)}", CODE_CORRUPT) from exc
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise _invalid(f"{BIN_NAME} is not a state dict of tensors", CODE_CORRUPT)
+    return dict(state)
+
+
+def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterError:
+    if "lora_magnitude_vector" in key:
+        return _invalid("DoRA adapters are not supported", CODE_UNSUPPORTED_FEATURE)
+    if "embed_tokens" in key or "lm_head" in key:
+        # Embedding / lm_head weights are [vocab, hidden]: another vocab size means resized.
+        resized = tensor.dim() == 2 and int(tensor.shape[0]) != dims.vocab_size
+        what = "resized embeddings / added tokens" if resized else "embedding or lm_head weights"
+        return _invalid(f"adapter contains {what} ({key}); only LoRA on q/k/v/o/gate/up/down is "
+                        "supported", CODE_UNSUPPORTED_FEATURE)
+    if key.endswith(".bias"):
+        return _invalid(f"adapter has a bias ({key}); only bias='none' is supported",
+                        CODE_UNSUPPORTED_FEATURE)
+    return _invalid(f"unsupported adapter weight {key!r}: only LoRA A/B on "
+                    "q/k/v/o/gate/up/down_proj of decoder layers is supported", CODE_UNSUPPORTED_TARGET)
+
+
+def _module_key(module_path: str) -> str:
+    """PEFT saves `base_model.model.<name in the base model>`; rank/alpha patterns match the latter."""
+    prefix = "base_model.model."
+    return module_path[len(prefix):] if module_path.startswith(prefix) else module_path
+
+
+def build_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
+                  max_lora_rank: int) -> dict[tuple[int, str], LoRAModule]:
+    pairs: dict[tuple[int, str], dict[str, object]] = {}
+    for key, tensor in state.items():
+        m = _KEY_RE.match(key)
+        if m is None or m["parent"] != _PARENT[m["name"]]:
+            raise _reject_key(key, tensor, dims)
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            raise _invalid(f"{key} must be a 2-D floating point tensor", CODE_CORRUPT)
+        entry = pairs.setdefault((int(m["layer"]), m["name"]), {"key": _module_key(m["module"])})
+        if m["ab"] in entry:
+            raise _invalid(f"duplicate LoRA {m['ab']} weight for {entry['key']}")
+        entry[m["ab"]] = tensor
+    if not pairs:
+        raise _invalid("adapter has no LoRA weights for q/k/v/o/gate/up/down_proj",
+                       CODE_UNSUPPORTED_TARGET)
+    modules: dict[tuple[int, str], LoRAModule] = {}
+    for (layer, name), entry in sorted(pairs.items()):
+        mkey = str(entry["key"])
+        if "A" not in entry or "B" not in entry:
+            raise _invalid(f"{mkey} has lora_A without lora_B or the reverse")
+        a, b = entry["A"], entry["B"]
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        if layer >= dims.num_layers:
+            raise _invalid(f"{mkey}: layer {layer} does not exist in the base model "
+                           f"({dims.num_layers} layers); wrong base model?", CODE_SHAPE_MISMATCH)
+        rank = int(a.shape[0])
+        if rank > max_lora_rank:
+            raise _invalid(f"{mkey} has rank {rank} > max_lora_rank {max_lora_rank}",
+                           CODE_RANK_TOO_LARGE)
+        in_f, out_f = dims.module_shape(name)
+        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+            raise _invalid(
+                f"{mkey}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
+                f"model (expected [r, {in_f}] / [{out_f}, r]); adapter for a different base model?",
+                CODE_SHAPE_MISMATCH)
+        if cfg.rank_for(mkey) != rank:
+            raise _invalid(f"{mkey}: weights have rank {rank} but the config says "
+                           f"{cfg.rank_for(mkey)}", CODE_SHAPE_MISMATCH)
+        module = LoRAModule(lora_a=a.contiguous(), lora_b=b.contiguous(), scaling=cfg.scaling_for(mkey, rank))
+        for part, part_module in _split_fused(name, module, dims):
+            if (layer, part) in modules:
+                raise _invalid(f"{mkey}: layer {layer} has LoRA on both {part} and a fused module holding it")
+            modules[(layer, part)] = part_module
+    return modules
+
+
+def _split_fused(name: str, module: LoRAModule, dims: BaseModelDims) -> list[tuple[str, LoRAModule]]:
+    """A checkpoint-fused module (Phi-3 qkv_proj / gate_up_proj) as its slices: B's rows per slice, A shared
+    (B_slice @ A is exactly the slice of the fused delta)."""
+    if name not in CHECKPOINT_FUSED:
+        return [(name, module)]
+    parts, start = [], 0
+    for part in CHECKPOINT_FUSED[name]:
+        size = dims.module_shape(part)[1]
+        parts.append((part, LoRAModule(module.lora_a, module.lora_b[start:start + size].contiguous(),
+                                       module.scaling)))
+        start += size
+    return parts
+
+
+def load_peft_adapter(
+    source: Union[str, os.PathLike, AdapterFiles],
+    dims: BaseModelDims,
+    max_lora_rank: int,
+    *,
+    revision: Optional[str] = None,
+    allow_download: bool = True,
+) -> LoRAAdapter:
+    """Read and validate a PEFT LoRA adapter; the tensors stay on the CPU in their saved dtype. `source` is a
+    path or hub id, or an `AdapterFiles` (a `--lora-dir` entry opened without following links). Error
+    messages name files, never the folder's path (only `resolve_adapter_dir` echoes the path it was given)."""
+    if isinstance(source, AdapterFiles):
+        files = source
+    else:
+        files = PathFiles(resolve_adapter_dir(source, revision, allow_download), label=os.fspath(source))
+    raw = _read_config(files)
+    cfg = parse_peft_config(raw)
+    _check_added_tokens(files)
+    state = _read_weights(files)
+    modules = build_modules(state, cfg, dims, max_lora_rank)
+    return LoRAAdapter(
+        source=files.label, path=files.path, modules=modules,
+        base_model_name_or_path=cfg.base_model_name_or_path, config=raw,
+    )

@@ -1,0 +1,205 @@
+"""Device slot pool: `max_loras` slots of stacked LoRA weights for every target module.
+
+Buffers are allocated once, at `max_rank`, for all 7 target modules (grouped as the fused
+linears qkv / o / gate_up / down), so loading an adapter with a larger rank or new target
+modules never reallocates or overlaps a shared buffer. Per group:
+    a        [L, S, slots, R, in]      (S = slices: 3 for qkv, 2 for gate_up, else 1)
+    b        [L, slots, out_total, R]  (rows of slice s at its output column offset)
+    ranks    [L, S, slots] int32       (0 = module not targeted: costs nothing, adds nothing)
+    scalings [L, S, slots] float32
+with CPU mirrors of ranks/scalings so the host never reads them back from the device.
+Adapters are keyed by an id the caller chooses (use the generation id of a load, never the
+name, so a reload with new weights never reuses a stale slot).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Collection, Hashable, Optional, Union
+
+import torch
+
+from adapters.adapter import LoRAAdapter
+from adapters.layers.context import LoRAContext
+from adapters.layers.dims import MODULE_TO_GROUP, BaseModelDims, FusedGroup, fused_groups
+from adapters.errors import (
+    CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, CODE_UNSUPPORTED_TARGET, AdapterError, SlotPoolError, SlotPoolFullError,
+)
+from adapters.lora_ops import LoRAStack
+from adapters.slots.integrity import check_pool_integrity
+
+
+@dataclass(eq=False)
+class GroupBuffers:
+    group: FusedGroup
+    a: torch.Tensor  # [L, S, slots, R, in]
+    b: torch.Tensor  # [L, slots, out_total, R]
+    ranks: torch.Tensor  # [L, S, slots] int32, device
+    scalings: torch.Tensor  # [L, S, slots] float32, device
+    ranks_host: torch.Tensor  # [L, S, slots] int32, CPU mirror
+    scalings_host: torch.Tensor  # [L, S, slots] float32, CPU mirror
+    stacks: list[LoRAStack]  # per layer, views into the buffers above
+
+
+class LoRASlotPool:
+    def __init__(self, num_slots: int, max_rank: int, dims: BaseModelDims,
+                 device: Union[torch.device, str] = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if num_slots <= 0 or max_rank <= 0:
+            raise ValueError("num_slots and max_rank must be positive")
+        self.num_slots, self.max_rank, self.dims = num_slots, max_rank, dims
+        self.device, self.dtype = torch.device(device), dtype
+        self.context = LoRAContext(self.device, num_slots)
+        self.groups: dict[str, GroupBuffers] = {}
+        L = dims.num_layers
+        for name, grp in fused_groups(dims).items():
+            S = len(grp.slices)
+            kw = dict(device=self.device)
+            a = torch.zeros(L, S, num_slots, max_rank, grp.in_features, dtype=dtype, **kw)
+            b = torch.zeros(L, num_slots, grp.out_features, max_rank, dtype=dtype, **kw)
+            ranks = torch.zeros(L, S, num_slots, dtype=torch.int32, **kw)
+            scal = torch.zeros(L, S, num_slots, dtype=torch.float32, **kw)
+            rh = torch.zeros(L, S, num_slots, dtype=torch.int32)
+            sh = torch.zeros(L, S, num_slots, dtype=torch.float32)
+            stacks = [LoRAStack(a[i], b[i], ranks[i], scal[i], grp.slice_offsets, grp.slice_sizes,
+                                ranks_host=rh[i], scalings_host=sh[i]) for i in range(L)]
+            self.groups[name] = GroupBuffers(grp, a, b, ranks, scal, rh, sh, stacks)
+        self._slot_ids: list[Optional[Hashable]] = [None] * num_slots
+        self._slot_adapters: list[Optional[LoRAAdapter]] = [None] * num_slots
+        self._lru: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
+        self._pins = [0] * num_slots
+
+    # ---- lookups ---------------------------------------------------------------------
+    def stack(self, layer_idx: int, group: str) -> LoRAStack:
+        return self.groups[group].stacks[layer_idx]
+
+    def slot_of(self, adapter_id: Hashable) -> Optional[int]:
+        return self._lru.get(adapter_id)
+
+    def adapter_id_of(self, slot: int) -> Optional[Hashable]:
+        return self._slot_ids[slot]
+
+    @property
+    def loaded_ids(self) -> list[Hashable]:
+        """Loaded adapter ids, least recently used first."""
+        return list(self._lru)
+
+    @property
+    def num_free(self) -> int:
+        return self._slot_ids.count(None)
+
+    def is_pinned(self, slot: int) -> bool:
+        return self._pins[slot] > 0
+
+    # ---- pinning (slots used by the current step are never evicted) ------------------
+    def pin(self, slot: int) -> None:
+        if self._slot_ids[slot] is None:
+            raise SlotPoolError(f"cannot pin empty slot {slot}")
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        if self._pins[slot] <= 0:
+            raise SlotPoolError(f"slot {slot} is not pinned")
+        self._pins[slot] -= 1
+
+    def unpin_all(self) -> None:
+        self._pins = [0] * self.num_slots
+
+    def touch(self, adapter_id: Hashable) -> None:
+        if adapter_id in self._lru:
+            self._lru.move_to_end(adapter_id)
+
+    # ---- load / unload -------------------------------------------------------------------
+    def check_compatible(self, adapter: LoRAAdapter) -> None:
+        """Raise AdapterError (400) if the adapter cannot live in this pool."""
+        if adapter.max_rank > self.max_rank:
+            raise AdapterError(f"adapter rank {adapter.max_rank} > max_lora_rank {self.max_rank}",
+                               CODE_RANK_TOO_LARGE)
+        for (layer, name), mod in adapter.modules.items():
+            if name not in MODULE_TO_GROUP:
+                raise AdapterError(f"unsupported target module {name!r}", CODE_UNSUPPORTED_TARGET)
+            in_f, out_f = self.dims.module_shape(name)
+            if not 0 <= layer < self.dims.num_layers or tuple(mod.lora_a.shape) != (mod.rank, in_f) \
+                    or tuple(mod.lora_b.shape) != (out_f, mod.rank):
+                raise AdapterError(f"adapter module ({layer}, {name}) does not fit the base model",
+                                   CODE_SHAPE_MISMATCH)
+
+    def _victim(self, protected: Collection[int]) -> Optional[int]:
+        if None in self._slot_ids:
+            return self._slot_ids.index(None)
+        for slot in self._lru.values():  # least recently used first
+            if self._pins[slot] == 0 and slot not in protected:
+                return slot
+        return None
+
+    def can_load(self, adapter_id: Hashable, protected: Collection[int] = ()) -> bool:
+        """True if `adapter_id` is loaded or a slot is free or evictable right now."""
+        return adapter_id in self._lru or self._victim(protected) is not None
+
+    def load(self, adapter_id: Hashable, adapter: LoRAAdapter, *, pin: bool = False,
+             protected: Collection[int] = (), non_blocking: bool = False) -> int:
+        """Slot holding `adapter_id`, loading it (evicting the LRU unpinned slot) if needed.
+        `non_blocking`: the A/B copies may run asynchronously (pinned host copies; see slot_fill.py)."""
+        slot = self._lru.get(adapter_id)
+        if slot is None:
+            self.check_compatible(adapter)
+            slot = self._victim(protected)
+            if slot is None:
+                raise SlotPoolFullError(f"all {self.num_slots} LoRA slots are pinned by the current step")
+            if self._slot_ids[slot] is not None:
+                self._forget(slot)  # evict; _write_slot zeroes the whole slot anyway
+            self._write_slot(slot, adapter, non_blocking)
+            self._slot_ids[slot], self._slot_adapters[slot] = adapter_id, adapter
+            self._lru[adapter_id] = slot
+        self._lru.move_to_end(adapter_id)
+        if pin:
+            self.pin(slot)
+        return slot
+
+    def unload(self, slot: int) -> None:
+        adapter_id = self._slot_ids[slot]
+        if adapter_id is None:
+            raise SlotPoolError(f"slot {slot} is empty")
+        if self._pins[slot]:
+            raise SlotPoolError(f"slot {slot} is pinned by the current step")
+        self._clear_slot(slot)
+        self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        del self._lru[self._slot_ids[slot]]
+        self._slot_ids[slot], self._slot_adapters[slot] = None, None
+
+    def unload_adapter(self, adapter_id: Hashable) -> bool:
+        slot = self._lru.get(adapter_id)
+        if slot is None:
+            return False
+        self.unload(slot)
+        return True
+
+    def _clear_slot(self, slot: int) -> None:
+        for buf in self.groups.values():
+            buf.a[:, :, slot].zero_()  # [L, S, R, in]
+            buf.b[:, slot].zero_()  # [L, N, R]
+            for t in (buf.ranks, buf.scalings, buf.ranks_host, buf.scalings_host):
+                t[:, :, slot] = 0
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
+        """Zero the whole slot (untargeted modules stay zero with rank 0), then copy."""
+        self._clear_slot(slot)
+        for (layer, name), mod in adapter.modules.items():
+            gname, s = MODULE_TO_GROUP[name]
+            buf = self.groups[gname]
+            off, size, r = buf.group.slice_offsets[s], buf.group.slice_sizes[s], mod.rank
+            buf.a[layer, s, slot, :r].copy_(mod.lora_a, non_blocking=non_blocking)  # [r, in]
+            buf.b[layer, slot, off:off + size, :r].copy_(mod.lora_b, non_blocking=non_blocking)  # [out_s, r]
+            buf.ranks_host[layer, s, slot] = r
+            buf.scalings_host[layer, s, slot] = mod.scaling
+        for buf in self.groups.values():
+            buf.ranks[:, :, slot].copy_(buf.ranks_host[:, :, slot])
+            buf.scalings[:, :, slot].copy_(buf.scalings_host[:, :, slot])
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_integrity(self, deep: bool = True) -> None:
+        """Raise SlotPoolIntegrityError on any broken invariant. `deep` also compares the
+        device weights with the loaded adapters (slow: tests and debugging only)."""
+        check_pool_integrity(self, deep)

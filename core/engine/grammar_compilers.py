@@ -1,0 +1,41 @@
+"""The engine's grammar compiler and schema-lowering limits, built on first use (thread-safe).
+
+The gateway compiles request constraints on its own threads through `LLMEngine.grammar_compiler`; the
+compiles (a schema's lowering to a regex included) run in the compiler's worker processes under the limits of
+`grammar/compile/limits.py` (compile timeout, worker memory, regex budget; read from the environment when the
+engine is built, so a bad value is a start-up error); the engine thread only ever sees compiled grammars.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+from grammar.compile.limits import CompileLimits
+
+
+class GrammarCompilers:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.limits = CompileLimits.from_env()
+        self._compiler: Any = None
+        self._schema_options: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                from grammar.compile.compiler import GrammarCompiler
+
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                 compile_timeout_s=self.limits.compile_timeout_s,
+                                                 worker_memory_bytes=self.limits.worker_memory_bytes)
+            return self._compiler
+
+    @property
+    def schema_options(self) -> Any:
+        with self._lock:
+            if self._schema_options is None:
+                self._schema_options = self.limits.schema_options(self.vocab_size)
+            return self._schema_options

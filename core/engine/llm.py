@@ -1,0 +1,140 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the style of vLLM."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from core.config import CacheConfig, EngineConfig, SchedulerConfig
+from core.engine.engine import LLMEngine
+from core.engine.stats import Metric, engine_metrics
+from core.engine.outputs import CompletionOutput, RequestOutput
+from core.sampling.params import SamplingParams
+from core.spec.config import SpeculativeConfig
+from grammar.matching.matcher import GrammarMatcher
+
+PromptType = Union[str, list[int], dict[str, Any]]
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"   # core/demo_model (package data)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: one sequence each, seeds derived so the n differ yet stay reproducible."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", seed: int = 0,
+                 lora_modules: dict[str, str] | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
+                 max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
+                 scheduling_policy: str = "fcfs", enforce_eager: bool = False,
+                 async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), tensor_parallel_size: int = 1,
+                 warmup: bool = True, quantization: str | None = None,
+                 speculative_config: dict[str, Any] | str | None = None) -> None:
+        """`warmup=False` skips the start-up kernel warm-up (`LLMEngine.warmup`): the first steps then compile
+        Triton kernels as they meet them. `speculative_config`: vLLM's dict (`core/spec/config.py`)."""
+        config = EngineConfig(
+            model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, policy=scheduling_policy),
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+            lora_modules=tuple((lora_modules or {}).items()), lora_dirs=tuple(str(d) for d in lora_dirs),
+            load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+            speculative=SpeculativeConfig.parse(speculative_config))
+        self.engine = LLMEngine(config)
+        if warmup:
+            self.engine.warmup()
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        return None, list(prompt)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | None | Sequence[str | None] = None,
+                 response_format: dict[str, Any] | None | Sequence[dict[str, Any] | None] = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        num = len(prompts)
+        params = self._per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
+        loras = self._per_prompt(lora, num, "lora")
+        formats = self._per_prompt(response_format, num, "response_format")
+        entries = [self.engine.resolve_lora(name) for name in loras]
+        compiled = [self._compile(f) for f in formats]
+
+        engine = self.engine
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[int, int]] = {}
+        try:
+            for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
+                text, ids = self._encode(prompt)
+                results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
+                                             outputs=[], finished=False))
+                for j in range(p.n):
+                    rid = f"{results[-1].request_id}-{j}"
+                    matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
+                    engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
+                    children[rid] = (i, j)
+                    results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
+                                                                logprobs=[] if p.logprobs is not None else None))
+        except BaseException:   # one prompt rejected at admission (RequestRejected): none of them runs
+            for rid in children:
+                engine.abort_request(rid)
+            raise
+        errors: list[str] = []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                if delta.error is not None:
+                    errors.append(f"request {delta.request_id}: {delta.error}")
+                i, j = children[delta.request_id]
+                out = results[i].outputs[j]
+                out.text += delta.new_text
+                out.token_ids.extend(delta.new_token_ids)
+                if out.logprobs is not None:
+                    out.logprobs.extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None:
+                    results[i].prompt_logprobs = delta.prompt_logprobs
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    results[i].num_cached_tokens = delta.num_cached_tokens
+        for r in results:
+            r.finished = True
+        if errors:  # every request has ended (the engine is clean); report what failed
+            raise RuntimeError("; ".join(errors))
+        return results
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges as vLLM's `LLM.get_metrics()` returns them (Counter / Gauge /
+        Vector objects with `.name`, `.labels`, `.value` or `.values`), named as `/metrics` names them."""
+        return engine_metrics(self.engine)
+
+    def _compile(self, response_format: dict[str, Any] | None) -> Any:
+        """None for free text, else the compiled grammar (raises grammar.GrammarError if unsupported)."""
+        from grammar import parse_response_format
+
+        spec = parse_response_format(response_format, self.engine.schema_options)
+        return None if spec is None else self.engine.grammar_compiler.compile(spec)
+
+    @staticmethod
+    def _per_prompt(value: Any, num: int, name: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != num:
+                raise ValueError(f"{name} has {len(value)} entries for {num} prompts")
+            return list(value)
+        return [value] * num

@@ -1,0 +1,1 @@
+"""Running a step on the device: the flat batch and model call, CUDA graphs, pending tokens, LoRA step work."""

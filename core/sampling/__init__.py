@@ -1,0 +1,1 @@
+"""Sampling: parameters, the batched sampler, penalties, grammar masks, prompt logprobs, stops, detokenizing."""

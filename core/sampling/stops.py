@@ -1,0 +1,72 @@
+"""What one sampled token does to its request: grammar advance, detokenization, stop decision, the delta out.
+
+Order of the checks (first match wins): a grammar decides alone (EOS and stop tokens count only in its final
+states; stop strings are not applied, they could cut the JSON; "only EOS left" ends the request without
+another forward); else EOS (unless `ignore_eos`), a stop string or stop token id; else `max_tokens` or the
+context limit (`length`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from core.engine import faults
+from core.engine.outputs import RequestDelta
+from core.sampling.prompt_logprobs import wants_prompt_logprobs
+from core.engine.request import Request, RequestStatus
+from core.sampling.grammar_masks import advance_grammar
+
+
+def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Feeds the appended `token` to the request's grammar and detokenizer; the finish status, if it ends."""
+    params = req.sampling_params
+    if req.grammar is not None:
+        done = advance_grammar(req, token)
+        if not req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
+            _detokenize(req, token)
+        status = RequestStatus.FINISHED_STOPPED if done else None
+    elif token in req.eos_token_ids and not params.ignore_eos:
+        _detokenize(req, token)
+        status = RequestStatus.FINISHED_STOPPED
+    elif _detokenize(req, token) or token in params.stop_token_ids:
+        status = RequestStatus.FINISHED_STOPPED
+    else:
+        status = None
+    if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len):
+        status = RequestStatus.FINISHED_LENGTH
+    if faults.ACTIVE:
+        faults.hit("stop", req)
+    return status
+
+
+def _detokenize(req: Request, token: int) -> bool:
+    if faults.ACTIVE:
+        faults.hit("detokenize", req)
+    return req.detokenizer.add_token(token)
+
+
+def append_token(req: Request, token: int, logprob: Any, max_model_len: int,
+                 finish: Callable[[Request, RequestStatus], None], stats: Any) -> RequestDelta:
+    """Appends a sampled token to its request: grammar, detokenization, stop decision (`finish` ends it)."""
+    now = time.monotonic()
+    if req.first_token_time is None:
+        req.first_token_time = now
+        stats.observe_ttft(now - req.arrival_time)
+    req.append_token(token)
+    stats.num_generation_tokens += 1
+    status = stop_status(req, token, max_model_len)
+    if status is not None:
+        finish(req, status)
+        stats.observe_e2e(now - req.arrival_time)
+    return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
+
+
+def make_delta(req: Request, tokens: list[int], logprobs: list, finished: bool) -> RequestDelta:
+    """The output event of a request for this step (prompt log-probs ride on its first token)."""
+    return RequestDelta(
+        request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
+        finished=finished, finish_reason=req.status.value if finished else None,
+        num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
+        prompt_logprobs=(req.prompt_logprobs or [None] * req.num_prompt_tokens)
+        if req.num_output_tokens == len(tokens) and wants_prompt_logprobs(req) else None)

@@ -1,0 +1,68 @@
+"""Admission checks of one request against the model's context, its vocabulary and the KV pool.
+
+Every id and count that indexes a tensor is bounded here, before the request reaches the engine step (where
+an out-of-range index would fail the whole batch): prompt ids against the embedding; `stop_token_ids` and
+`logit_bias` ids against the logits' width (the tensors they index: the min-tokens ban list, the bias rows,
+the grammar bitmask); both are the model's `vocab_size`, which may exceed the tokenizer's size (padded
+embeddings: the model can sample those ids, and the detokenizer takes them). The numbers of log-probabilities
+are at most the vocabulary (the server's `--max-logprobs` caps them first)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from core.errors import RequestRejected
+from core.sampling.params import SamplingParams
+
+
+def _out_of_range(ids: Sequence[int], limit: int) -> int | None:
+    return next((t for t in ids if not 0 <= t < limit), None)
+
+
+def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """A prompt id outside the embedding would fail the forward of every request batched with it (and on a
+    GPU end the CUDA context): refused at admission."""
+    if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        raise RequestRejected(f"prompt token id {_out_of_range(prompt_token_ids, vocab_size)} is outside the "
+                              f"vocabulary [0, {vocab_size})", "invalid_value", "prompt")
+
+
+def check_token_bounds(params: SamplingParams, vocab_size: int) -> None:
+    """Raises RequestRejected naming the field for an id or a count that would index past the logits."""
+    bad = _out_of_range(params.stop_token_ids, vocab_size)
+    if bad is not None:
+        raise RequestRejected(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              "invalid_value", "stop_token_ids")
+    bad = _out_of_range([t for t, _ in params.logit_bias], vocab_size)
+    if bad is not None:
+        raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              "invalid_value", "logit_bias")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= vocab_size:
+            raise RequestRejected(f"{name} ({k}) must be in [0, the vocabulary size {vocab_size}]",
+                                  "invalid_value", name)
+
+
+def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, vocab_size: int,
+                  block_size: int, num_kv_blocks: int) -> int:
+    """Raises RequestRejected (HTTP 400) for a request that can never run; returns its resolved max_tokens."""
+    if num_prompt_tokens == 0:
+        raise RequestRejected("the prompt is empty", "invalid_prompt", "prompt")
+    remaining = max_model_len - num_prompt_tokens
+    max_tokens = params.max_tokens if params.max_tokens is not None else remaining
+    if remaining < 1 or num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestRejected(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+            f"the completion). Please reduce the length of the prompt or completion.",
+            "context_length_exceeded", "prompt")
+    if params.min_tokens > max_tokens:
+        raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                              "invalid_value", "min_tokens")
+    check_token_bounds(params, vocab_size)
+    num_blocks = -(-(num_prompt_tokens + max_tokens) // block_size)
+    if num_blocks > num_kv_blocks:
+        raise RequestRejected(
+            f"the request needs {num_blocks} KV blocks but the whole cache has {num_kv_blocks}; "
+            f"reduce the prompt or max_tokens", "context_length_exceeded", "max_tokens")
+    return max_tokens

@@ -1,0 +1,291 @@
+"""Iteration-level scheduler: one token budget over running requests first, then waiting ones.
+
+Running requests (decodes and unfinished chunked prefills) are served first, so prefills can never
+starve decode. Waiting requests are admitted in priority order (longest cached prefix first, with an
+aging bound so cold requests never starve) while the token budget, `max_num_seqs` and KV blocks allow.
+When blocks run out, the newest running request is preempted (recompute: it keeps its tokens, drops
+its KV, and goes back to the front of the queue).
+
+Policy "fair" also splits each step's token budget and the running slots between the active tenants
+(core/scheduling/fair_share.py): running requests are visited lowest-virtual-counter tenant first (so the newest
+request of the tenant with the highest counter is the one preempted for blocks), every tenant computes at
+most its token share, admits only within its slot share, and a tenant over its slot share gives up its
+newest running request when another tenant's waiting request has no slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from core.config import SchedulerConfig
+from core.kv.kv_cache_manager import KVCacheManager
+from core.scheduling.fair_share import StepShares, plan_shares
+from core.scheduling.fairness import VirtualTokenCounter
+from core.engine.request import Request, RequestStatus
+from core.scheduling.waiting_queue import WaitingQueue
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num new tokens)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    adapters: set[Any] = field(default_factory=set)
+    shares: StepShares | None = None     # policy "fair": the step's token and slot shares per tenant (as left)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 8) -> None:
+        self.cfg = cfg
+        self.max_loras = max_loras
+        self.on_finish: Callable[[Request], None] | None = None
+        self.adapter_ready: Callable[[Any], bool] | None = None   # False: the adapter is loading; skip it
+        self.kv = kv
+        self.max_model_len = max_model_len
+        if cfg.policy not in ("fcfs", "fair"):
+            raise ValueError(f"unknown scheduling policy {cfg.policy!r} (fcfs | fair)")
+        self.fairness = VirtualTokenCounter() if cfg.policy == "fair" else None
+        self.waiting = WaitingQueue(kv, fairness=self.fairness)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- queue management -----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        req.arrival_step = self.num_steps
+        self.requests[req.request_id] = req
+        if self.fairness is not None:
+            self.fairness.on_arrival(req)
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Ends a request in any state and releases everything it holds."""
+        assert status.finished
+        req.drop_spec_tokens()
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.kv.cache_computed_blocks(req)
+            self.kv.free(req)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+        if self.fairness is not None:
+            self.fairness.on_finish(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    # ---- one step -------------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        req.drop_spec_tokens()
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(req)
+
+    def _select_adapters(self) -> set[Any]:
+        """Adapters of running requests (admission keeps them at most `max_loras`)."""
+        adapters = {r.lora_slot_key for r in self.running if r.lora_slot_key is not None}
+        assert len(adapters) <= self.max_loras, "more adapters running than LoRA slots"
+        return adapters
+
+    def _adapter_allowed(self, req: Request, adapters: set[Any]) -> bool:
+        key = req.lora_slot_key
+        if key is None or key in adapters:
+            return True
+        if len(adapters) < self.max_loras:
+            adapters.add(key)
+            return True
+        return False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        adapters = self._select_adapters()
+        out.adapters = adapters
+        shares = out.shares = self._plan_fair_step(out) if self.fairness is not None else None
+        num_slot_preemptions = len(out.preempted)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            if req.ends_by_length_once_resolved(self.max_model_len) or not self._adapter_allowed(req, adapters):
+                index += 1
+                continue
+            cap = budget if shares is None else min(budget, shares.tokens_left(req))
+            if cap <= 0:
+                index += 1      # its tenant used its share of this step's budget
+                continue
+            if req.num_spec_tokens:
+                self._fit_drafts(req, cap)
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            assert num_new > 0, "a running request with nothing to compute"
+            if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
+                index += 1      # its token may end it: wait for it rather than preempt or evict for it
+                continue
+            while not self.kv.can_allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if shares is not None:
+                    shares.on_preempt(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            self.kv.allocate(req, num_new)
+            out.scheduled.append((req, num_new))
+            req.last_scheduled_step = self.num_steps
+            budget -= num_new
+            if shares is not None:
+                shares.charge(req, num_new)
+            index += 1
+
+        if len(out.preempted) == num_slot_preemptions:   # none for blocks: there may be room for waiting ones
+            self._admit_waiting(out, budget, adapters)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        self.num_steps += 1
+        return out
+
+    def _ready(self, req: Request) -> bool:
+        """False while the request's adapter is being read (or waits for host room)."""
+        return req.lora_slot_key is None or self.adapter_ready is None or self.adapter_ready(req.lora_slot_key)
+
+    def _plan_fair_step(self, out: SchedulerOutput) -> StepShares:
+        """Policy "fair": visits running requests lowest-counter tenant first, computes this step's shares, and
+        preempts the newest running requests of tenants over their slot share while tenants under theirs have
+        waiting requests and no free slot (never a request with a token in flight)."""
+        fairness = self.fairness
+        assert fairness is not None
+        self.running.sort(key=lambda r: fairness.counters.get(fairness.key(r), 0.0))   # stable: admission order
+        self.waiting.prepare(self.num_steps)
+        shares, waiting_ready = plan_shares(self.running, self.waiting, self._ready, self.cfg.max_num_batched_tokens,
+                                            self.cfg.max_num_seqs, fairness)
+        need = shares.slots_wanted(waiting_ready) - (self.cfg.max_num_seqs - len(self.running))
+        while need > 0:
+            victim = next((r for tenant in shares.over_share() for r in reversed(self.running)
+                           if fairness.key(r) == tenant and not r.num_pending_tokens), None)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt(victim)
+            shares.on_preempt(victim)
+            out.preempted.append(victim)
+            need -= 1
+        return shares
+
+    def _fit_drafts(self, req: Request, budget: int) -> None:
+        """Drops draft tokens (from the end) until the request's k+1 positions fit the token budget and the
+        blocks available: drafts never cause a preemption."""
+        while req.num_spec_tokens:
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new <= budget and self.kv.can_allocate(req, num_new):
+                return
+            req.drop_spec_tokens(1)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[Any]) -> None:
+        shares = out.shares
+        if shares is None:
+            self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            if not self._ready(req):
+                continue    # its adapter is being read (or waits for host room): it holds back no one
+            if shares is not None and not shares.may_admit(req):
+                continue    # its tenant holds its share of the running slots or used its share of the budget
+            if not self._adapter_allowed(req, adapters):
+                if self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
+                    break   # an aged request waits for a slot: stop admitting others so running adapters drain
+                continue
+            assert not req.num_pending_tokens, "a waiting request with a token in flight"
+            if not req.block_ids:
+                num_cached = self.kv.match_prefix(req)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = num_cached
+                if self._shares_uncached_prefix(req, prefilling):
+                    self.kv.free(req)   # in-batch dedup: compute the shared prefix once, match it next step
+                    req.num_computed_tokens = 0
+                    continue
+            cap = budget if shares is None else min(budget, shares.tokens_left(req))
+            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
+            if not self.kv.can_allocate(req, num_new):
+                self.kv.free(req)       # give back the matched prefix while it waits
+                req.num_computed_tokens = 0
+                break
+            self.kv.allocate(req, num_new)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            req.last_scheduled_step = self.num_steps
+            prefilling.append(req)
+            budget -= num_new
+            if shares is not None:
+                shares.on_admit(req)
+                shares.charge(req, num_new)
+
+    def _shares_uncached_prefix(self, req: Request, prefilling: list[Request]) -> bool:
+        """True if a request computing its prompt now covers at least one more full block of req's prompt."""
+        if self.kv.prefix_cache is None or self.num_steps - req.arrival_step >= self.waiting.max_wait_steps:
+            return False
+        bs = self.kv.block_size
+        start = req.num_computed_tokens
+        end = start + bs
+        if end >= req.num_prompt_tokens:
+            return False
+        mine = req.all_token_ids[start:end]
+        return any(other.namespace == req.namespace and other.num_prompt_tokens > end
+                   and other.all_token_ids[start:end] == mine and other.all_token_ids[:start] == req.all_token_ids[:start]
+                   for other in prefilling)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advances progress of the scheduled requests (called before new tokens are appended; with async
+        scheduling, after the previous step's tokens are read, so a request that they ended is skipped)."""
+        for req, num_new in out.scheduled:
+            if req.status.finished:
+                continue
+            if self.fairness is not None:
+                self.fairness.charge(req, num_new)
+            req.num_computed_tokens += num_new
+            if not req.num_spec_tokens:   # draft positions are cached after verification, if accepted
+                self.kv.cache_computed_blocks(req)
+
+    def check_integrity(self) -> None:
+        live = list(self.running) + list(self.waiting)
+        assert len(live) == len(self.requests), "request bookkeeping mismatch"
+        for req in self.waiting:
+            assert req.status == RequestStatus.WAITING and not req.block_ids
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            assert req.num_computed_tokens <= req.num_tokens - req.num_pending_tokens, "computed a token in flight"
+        assert len(self.running) <= self.cfg.max_num_seqs, "more running requests than max_num_seqs"
+        if self.fairness is not None:
+            self.fairness.check_integrity(live)
+        self.kv.check_integrity(live)

@@ -1,0 +1,1 @@
+"""Start-up: kernel warm-up, the kernel self-check and the count of Triton JIT compiles."""

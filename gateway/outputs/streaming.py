@@ -1,0 +1,151 @@
+"""Server-sent events: `data: {json}\\n\\n` chunks, `data: [DONE]`, and aborting everything on client disconnect."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from core.engine.outputs import RequestDelta
+from gateway.http.cancel import ClientDisconnected, run_until_disconnect
+from gateway.errors import CTX_SCOPE_KEY, from_exception
+from gateway.outputs.echo import prompt_entries
+from gateway.outputs.generation import Child, usage
+from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
+from gateway.outputs.responses import TokenTexts, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs
+
+log = logging.getLogger("loraplex.gateway")
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    request_id: str
+    created: int
+    model: str
+    children: list[Child]
+    include_usage: bool
+    texts: TokenTexts | None     # set when logprobs were requested
+    echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/outputs/echo.py)
+    reasoning: Any = None           # --reasoning-parser: the request's ReasoningRequest (reasoning_output.py)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: `usage` on every chunk
+
+    def running_usage(self, index: int, num_output_tokens: int) -> dict[str, Any] | None:
+        """vLLM's continuous usage of choice `index` (its prompt, its tokens so far); None when not asked for."""
+        if not self.continuous_usage:
+            return None
+        prompt = len(next(c for c in self.children if c.index == index).prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
+                "total_tokens": prompt + num_output_tokens}
+
+
+async def _framed(chunks: AsyncIterator[bytes], deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    """The stream's frame: chunks, an in-band error if one happens (the headers are already sent), and
+    `data: [DONE]`; closing the deltas aborts every unfinished engine request."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        yield sse(from_exception(exc).body())
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
+    yield DONE
+
+
+async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    outputs: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    children = {c.index: c for c in info.children}
+    async for index, d in deltas:
+        text, entries = d.new_text, d.new_logprobs
+        if info.echo is not None and index not in outputs:   # the first chunk of a choice carries the prompt
+            child = children[index]
+            text, entries = info.echo[child.prompt_index] + text, prompt_entries(child, d.prompt_logprobs) + entries
+        outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
+        # with continuous usage, a token whose text is still pending (part of a character, a held-back stop
+        # string) gets its chunk too: the count is what the client reads
+        if not (text or d.finished or entries or (info.continuous_usage and d.new_token_ids)):
+            continue
+        logprobs = None
+        if info.texts is not None:
+            logprobs = completion_logprobs(entries, info.texts, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": d.finish_reason if d.finished else None}
+        yield sse(completion_chunk(info.request_id, info.created, info.model, [choice],
+                                   info.running_usage(index, d.num_output_tokens)))
+    if info.include_usage:
+        yield sse(completion_chunk(info.request_id, info.created, info.model, [],
+                                   usage(info.children, sum(outputs.values()), cached)))
+
+
+async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    outputs: dict[int, int] = {}
+    for child in info.children:
+        role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [role], info.running_usage(child.index, 0)))
+    cached: dict[int, int] = {}
+    async for index, d in deltas:
+        outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
+        reasoning = delta_reasoning(d)
+        if not (d.new_text or reasoning or d.finished or d.new_logprobs or (info.continuous_usage and d.new_token_ids)):
+            continue
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if d.new_text:
+            delta["content"] = d.new_text
+        choice = {"index": index, "delta": delta,
+                  "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
+                  "finish_reason": d.finish_reason if d.finished else None}
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
+                             info.running_usage(index, d.num_output_tokens)))
+    if info.include_usage:
+        yield sse(chat_chunk(info.request_id, info.created, info.model, [], add_reasoning_usage(
+            info.reasoning, usage(info.children, sum(outputs.values()), cached))))
+
+
+def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    return _framed(_completion_chunks(info, deltas), deltas)
+
+
+def chat_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
+    return _framed(_chat_chunks(info, deltas), deltas)
+
+
+class SSEResponse(Response):
+    """Streams `events`; if the client disconnects, stops and closes `events` (which aborts the engine requests)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        # no super().__init__: it would declare `content-length: 0`
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self.events = events
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await run_until_disconnect(receive, self._stream(send))
+        except (ClientDisconnected, OSError):
+            log.debug("client disconnected during a stream; its requests were aborted")
+            ctx = scope.get(CTX_SCOPE_KEY)   # counted as aborted, not as the 200 already sent (http/middleware.py)
+            if ctx is not None:
+                ctx.abort("disconnect")
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]

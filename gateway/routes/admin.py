@@ -1,0 +1,76 @@
+"""Admin API (only with `--admin-token`): hot-load and unload LoRA adapters without a restart.
+
+`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` reads and validates the adapter on a worker
+thread (the engine keeps serving), then registers it under a fresh generation id.
+`POST /v1/unload_lora_adapter {"lora_name"}` removes the name at once; in-flight requests finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from adapters.errors import AdapterError
+from gateway.tenancy.auth import bearer_token
+from gateway.http.body import load_json_object, read_body
+from gateway.errors import APIError, api_endpoint, invalid
+
+
+def _check_admin(request: Request) -> None:
+    token = bearer_token(request)
+    expected = request.app.state.gateway.config.admin_token
+    if token is None or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise APIError(401, "A valid admin token is required: send `Authorization: Bearer <admin token>`.",
+                       code="invalid_admin_token")
+
+
+async def _body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
+    data = load_json_object(await read_body(request))   # 400 on bad JSON / lone surrogates, 413 if huge
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise invalid(f"unknown field {unknown[0]!r}", param=unknown[0])
+    for name in fields:
+        if not isinstance(data.get(name), str) or not data[name]:
+            raise invalid(f"{name} must be a non-empty string", param=name)
+    return data
+
+
+def _adapter_error(exc: AdapterError, param: str) -> APIError:
+    return APIError(exc.status, exc.message, code=exc.code, param=param)
+
+
+@api_endpoint
+async def load_lora_adapter(request: Request) -> Response:
+    _check_admin(request)
+    data = await _body(request, ("lora_name", "lora_path"))
+    state = request.app.state.gateway
+    name = data["lora_name"]
+    if state.models.is_base(name):
+        raise invalid(f"{name!r} is the base model's name", param="lora_name", code="duplicate_adapter")
+    try:
+        entry = await asyncio.to_thread(state.aeng.engine.load_lora, name, data["lora_path"])
+    except AdapterError as exc:
+        raise _adapter_error(exc, "lora_name" if exc.code in ("duplicate_adapter", "invalid_adapter_name")
+                             else "lora_path") from None
+    return JSONResponse({"status": "ok", "lora_name": entry.name, "lora_path": entry.path,
+                         "generation_id": entry.generation_id})
+
+
+@api_endpoint
+async def unload_lora_adapter(request: Request) -> Response:
+    _check_admin(request)
+    data = await _body(request, ("lora_name",))
+    try:
+        request.app.state.gateway.aeng.engine.unload_lora(data["lora_name"])
+    except AdapterError as exc:
+        raise _adapter_error(exc, "lora_name") from None
+    return JSONResponse({"status": "ok", "lora_name": data["lora_name"]})
+
+
+def admin_routes() -> list[Any]:
+    return [Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]

@@ -1,0 +1,1 @@
+"""Context-free grammars (GBNF) compiled by xgrammar: the grammar, its worker side, the emptiness check."""

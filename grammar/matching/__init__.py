@@ -1,0 +1,1 @@
+"""Run-time matching: compiled grammars, per-request matchers, triggered matchers, token bitmasks."""

@@ -1,0 +1,185 @@
+"""Trigger-then-grammar matching (`tool_choice: "auto"`), as XGrammar's structural tags do.
+
+A `TriggeredMatcher` is a two-state machine with GrammarMatcher's interface:
+  FREE        every token is allowed (EOS ends the request) except a token that would write the trigger and
+              then run past it: the call's text after the trigger must come from the call grammar.  Only the
+              longest suffix of the text that is a prefix of the trigger matters (`tail`), so the free-text
+              masks are cached per tail, shared by all requests (`FreeTextMasks`).
+  CONSTRAINED the text just ended with the trigger: a GrammarMatcher over the call grammar takes over; in a
+              final state (the calls are closed) EOS / a stop token ends the request.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from grammar.matching.compiled import bitmask_words, copy_mask_row
+from grammar.matching.matcher import GrammarMatcher
+
+
+def longest_prefix_suffix(text: bytes, trigger: bytes) -> bytes:
+    """The longest suffix of `text` that is a proper prefix of `trigger`."""
+    for k in range(min(len(text), len(trigger) - 1), 0, -1):
+        if text.endswith(trigger[:k]):
+            return text[-k:]
+    return b""
+
+
+class FreeTextMasks:
+    """int32 masks of the FREE state, one per tail (<= len(trigger) of them), computed once per tokenizer."""
+
+    def __init__(self, token_bytes: list[bytes], vocab_size: int, trigger: bytes) -> None:
+        assert trigger, "an empty trigger"
+        self.token_bytes = token_bytes          # [vocab_size] bytes of each id (b"" for special tokens)
+        self.vocab_size = vocab_size
+        self.trigger = trigger
+        last = trigger[-1:]
+        # only a token holding the trigger's last byte can complete the trigger (and maybe run past it)
+        self._candidates = [i for i, b in enumerate(token_bytes) if last in b]
+        self._masks: dict[bytes, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def for_vocab(vocab: Any, trigger: str) -> "FreeTextMasks":
+        token_bytes = [b""] * vocab.vocab_size
+        for token_id, data in vocab.tokens:
+            if 0 <= token_id < vocab.vocab_size:
+                token_bytes[token_id] = data
+        return FreeTextMasks(token_bytes, vocab.vocab_size, trigger.encode())
+
+    def overshoots(self, tail: bytes, token_id: int) -> bool:
+        text = tail + self.token_bytes[token_id]
+        at = text.find(self.trigger)
+        return at >= 0 and at + len(self.trigger) < len(text)
+
+    def mask(self, tail: bytes) -> torch.Tensor:
+        mask = self._masks.get(tail)
+        if mask is None:
+            words = np.full(bitmask_words(self.vocab_size), 0xFFFFFFFF, dtype=np.uint32)  # [num_words] all allowed
+            if self.vocab_size % 32:
+                words[-1] = np.uint32((1 << (self.vocab_size % 32)) - 1)
+            banned = np.array([t for t in self._candidates if self.overshoots(tail, t)], dtype=np.int64)
+            if banned.size:
+                bits = np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32))
+                np.bitwise_and.at(words, banned >> 5, ~bits)
+            mask = torch.from_numpy(words.view(np.int32).copy())  # int32 [num_words]
+            with self._lock:
+                self._masks[tail] = mask
+        return mask
+
+
+class TriggeredMatcher:
+    """FREE until the trigger, then the call grammar (see the module docstring)."""
+
+    def __init__(self, grammar: Any, stop_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+        self.grammar = grammar                  # grammar.specs.tool_calls.AutoToolGrammar
+        self.free: FreeTextMasks = grammar.free
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._stops = frozenset(grammar.body.eos_token_ids) | frozenset(stop_token_ids)
+        self.tail = b""
+        self.inner: GrammarMatcher | None = None
+        self.num_accepted = 0
+        self._terminated = False
+
+    @property
+    def triggered(self) -> bool:
+        return self.inner is not None
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.inner is not None:
+            ok = self.inner.accept_token(token_id)
+            self.num_accepted += ok
+            return ok
+        if self._terminated or not 0 <= token_id < self.free.vocab_size:
+            return False
+        self.num_accepted += 1
+        if token_id in self._stops:
+            self._terminated = True
+            return True
+        text = self.tail + self.free.token_bytes[token_id]
+        at = text.find(self.free.trigger)
+        if at >= 0:
+            if at + len(self.free.trigger) != len(text):
+                self.num_accepted -= 1
+                return False            # masked: the call's text must come from the grammar
+            self._trigger()
+        else:
+            self.tail = longest_prefix_suffix(text, self.free.trigger)
+        return True
+
+    def _trigger(self) -> None:
+        from grammar.matching.matchers import make_matcher   # the body may be a triggered grammar itself (tools: auto)
+
+        self.inner = make_matcher(self.grammar.body, self.stop_token_ids)
+        self.tail = b""
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated() if self.inner is not None else self._terminated
+
+    def ended_by_stop_token(self) -> bool:
+        return self.inner.ended_by_stop_token() if self.inner is not None else self._terminated
+
+    def only_eos_allowed(self) -> bool:
+        return self.inner is not None and self.inner.only_eos_allowed()
+
+    def is_final(self) -> bool:
+        return self.inner.is_final() if self.inner is not None else True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.inner is not None:
+            self.inner.fill_bitmask(bitmask, row)
+            return
+        copy_mask_row(bitmask, row, self.free.mask(self.tail))
+
+    def reset(self) -> None:
+        self.tail, self.inner, self.num_accepted, self._terminated = b"", None, 0, False
+
+
+class ReasoningMatcher(TriggeredMatcher):
+    """Free reasoning until the end-of-reasoning tag (`</think>`: its text, or its id when it is one token,
+    special or not), then the request's constraint. EOS and stop tokens are masked while reasoning: the output
+    cannot end before the constrained part (max_tokens inside the reasoning -> `length`)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.inner is None:
+            if token_id in self._stops:
+                return False
+            if token_id == self.grammar.end_id:
+                self.num_accepted += 1
+                self._trigger()
+                return True
+        return super().accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.inner is not None and self.inner.is_terminated()
+
+    def ended_by_stop_token(self) -> bool:
+        return self.inner is not None and self.inner.ended_by_stop_token()
+
+    def is_final(self) -> bool:
+        return self.inner is not None and self.inner.is_final()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        super().fill_bitmask(bitmask, row)
+        if self.inner is None:
+            for token_id in self._stops:
+                if 0 <= token_id < self.free.vocab_size:
+                    word = np.array([~(1 << (token_id & 31)) & 0xFFFFFFFF], dtype=np.uint32).view(np.int32)
+                    bitmask[row, token_id >> 5] &= int(word[0])
+
+
+_FREE_MASKS: dict[tuple[str, str], FreeTextMasks] = {}
+_FREE_LOCK = threading.Lock()
+
+
+def free_text_masks(vocab: Any, trigger: str) -> FreeTextMasks:
+    """The shared FreeTextMasks of (tokenizer fingerprint, trigger)."""
+    key = (vocab.fingerprint, trigger)
+    with _FREE_LOCK:
+        masks = _FREE_MASKS.get(key)
+        if masks is None:
+            masks = _FREE_MASKS[key] = FreeTextMasks.for_vocab(vocab, trigger)
+        return masks

@@ -1,0 +1,1 @@
+"""IR and patterns -> regex text (outlines-core syntax): builder, strings, numbers, whitespace."""

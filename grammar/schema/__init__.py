@@ -1,0 +1,1 @@
+"""JSON schema -> intermediate representation (IR): metaschema, normalization, the never-violate rule."""

@@ -1,0 +1,1 @@
+"""Request formats -> a GrammarSpec: response_format, vLLM's constraint spellings, tool calls."""

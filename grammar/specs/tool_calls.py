@@ -1,0 +1,165 @@
+"""Function-call grammars: the call syntax of a chat-template family, lowered to one outlines-core regex.
+
+A call is `open + name + mid + ARGS + close` where ARGS is the regex of the function's `parameters` schema
+(the same lowering and 400 rules as response_format). The call regex is composed in a compile worker from the
+functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admission never lowers a schema.  Families:
+  hermes       (Hermes, Qwen2.5; also the default): <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
+  llama3_json  (Llama 3.1/3.2 JSON tool calling):   {"name": "f", "parameters": {...}}   (calls joined by "; ")
+`required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
+it emits the family's trigger (the start of `open`), then constrains the rest of the call (grammar/matching/triggered.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from grammar.specs.constraints import escape_literal
+from grammar.errors import GrammarError
+from grammar.compile.lowering import RegexBudgetError, SchemaRecipe, with_param
+from grammar.specs.spec import GrammarSpec, recipe_spec
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    family: str
+    open: str        # text before the function name
+    mid: str         # between the name and the arguments object
+    close: str       # after the arguments object
+    separator: str   # between parallel calls
+    trigger: str     # `auto`: the text that opens a call (a prefix of `open`)
+
+    def call_text(self, name: str, arguments_json: str) -> str:
+        return f"{self.open}{name}{self.mid}{arguments_json}{self.close}"
+
+
+HERMES = ToolCallFormat("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n",
+                        "<tool_call>")
+LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '", "parameters": ', "}", "; ", '{"name": "')
+FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON)}
+
+
+def detect_format(chat_template: str | None) -> tuple[ToolCallFormat, bool]:
+    """(format, template_renders_tools): the family whose tool syntax the template text shows; a template
+    without tool syntax gets HERMES, rendered by the gateway's fallback (gateway/tools/tools.py)."""
+    text = chat_template or ""
+    if "<tool_call>" in text:
+        return HERMES, True
+    if "<|python_tag|>" in text or ('"parameters"' in text and "tools" in text):
+        return LLAMA3_JSON, True
+    return HERMES, False
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    name: str
+    schema: SchemaRecipe     # the `parameters` schema, lowered in a compile worker
+    schema_json: str         # canonical `parameters` text (response validation in tests)
+    param: str = "tools"     # the request field a lowering error names: tools[i].function.parameters
+
+
+def _one_call(fmt: ToolCallFormat, name: str, args_regex: str, skip: int = 0) -> str:
+    head = (fmt.open + name + fmt.mid)[skip:]
+    return f"{escape_literal(head)}(?:{args_regex}){escape_literal(fmt.close)}"
+
+
+def _any_call(fmt: ToolCallFormat, functions: list[tuple[str, str]], skip: int = 0) -> str:
+    return "|".join(f"(?:{_one_call(fmt, name, args, skip)})" for name, args in functions)
+
+
+def calls_regex(fmt: ToolCallFormat, functions: list[tuple[str, str]], parallel: bool, skip: int = 0) -> str:
+    """One call (or, with `parallel`, one or more joined by the separator) of the (name, arguments regex)
+    `functions`; `skip` drops that many leading characters of the first call (the trigger the model already
+    wrote, in `auto` mode)."""
+    first = f"(?:{_any_call(fmt, functions, skip)})"
+    if not parallel:
+        return first
+    return f"{first}(?:{escape_literal(fmt.separator)}(?:{_any_call(fmt, functions)}))*"
+
+
+@dataclass(frozen=True)
+class ToolCallsRecipe:
+    """The call grammar as a compile worker builds it: every function's `parameters` schema is lowered in the
+    request's order (a bad one is a 400 naming it, callable or not), the callable ones within one regex budget
+    in all (their `max_regex_chars`), then composed by `calls_regex`."""
+
+    fmt: ToolCallFormat
+    functions: tuple[FunctionSpec, ...]   # every function of the request, in its order
+    callable: tuple[str, ...]             # the names the call grammar allows
+    parallel: bool
+    skip: int
+
+    @property
+    def identity(self) -> str:
+        parts = [repr(self.fmt), str(self.parallel), str(self.skip), *self.callable]
+        parts += [f"{f.name}\0{f.param}\0{f.schema.identity}" for f in self.functions]
+        return "tool_calls\0" + "\0".join(parts)
+
+    def lower(self) -> str:
+        """The call regex (or "" when no function is callable: a check of the schemas only)."""
+        calls = [f for f in self.functions if f.name in self.callable]
+        budget = min((f.schema.options.max_regex_chars for f in calls), default=0)
+        used = 0
+        regexes: dict[str, str] = {}
+        for fn in self.functions:
+            is_callable = fn.name in self.callable
+            try:
+                regex = fn.schema.lower(budget - used if is_callable else None)
+            except RegexBudgetError as e:
+                if not is_callable or used == 0:
+                    raise with_param(e, fn.param) from None
+                raise GrammarError(f"the tools' parameters schemas are too complex: the call grammar's regex "
+                                   f"would exceed {budget} characters (the limit for this model)",
+                                   "unsupported_json_schema", fn.param, "#") from None
+            except GrammarError as e:
+                raise with_param(e, fn.param) from None
+            if is_callable:
+                regexes[fn.name] = regex
+                used += len(regex)
+        if not calls:
+            return ""
+        return calls_regex(self.fmt, [(f.name, regexes[f.name]) for f in calls], self.parallel, self.skip)
+
+
+def tool_calls_spec(fmt: ToolCallFormat, functions: list[FunctionSpec], parallel: bool,
+                    after_trigger: bool = False, checked: list[FunctionSpec] | None = None) -> GrammarSpec:
+    """`required` / named: the whole output is calls of `functions`; `after_trigger` (auto): what follows the
+    trigger. `checked`: every function of the request in its order (default: `functions`), lowered for its 400
+    even when it is not callable (tool_choice names another, or "none": `GrammarCompiler.check`)."""
+    skip = len(fmt.trigger) if after_trigger else 0
+    every = tuple(checked) if checked is not None else tuple(functions)
+    recipe = ToolCallsRecipe(fmt, every, tuple(f.name for f in functions), parallel, skip)
+    return recipe_spec("tool_calls", recipe, param="tools")
+
+
+@dataclass(eq=False)
+class AutoToolGrammar:
+    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`). `end_id`: only for
+    ReasoningGrammar, a token id that also fires the trigger (a special `</think>` has no grammar bytes)."""
+
+    body: Any                # CompiledGrammar of tool_calls_spec(..., after_trigger=True)
+    trigger: bytes
+    free: Any                # grammar.matching.triggered.FreeTextMasks shared by every request of this tokenizer
+    end_id: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.body.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> Any:
+        return self.body.eos_token_ids
+
+    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
+        from grammar.matching.triggered import TriggeredMatcher
+
+        return TriggeredMatcher(self, stop_token_ids)
+
+
+class ReasoningGrammar(AutoToolGrammar):
+    """`--reasoning-parser`: free reasoning, then after the end tag (`free.trigger`, or the token `end_id`) the
+    request's constraint `body` (a compiled grammar, or a tool grammar: calls, or text-then-calls)."""
+
+    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
+        from grammar.matching.triggered import ReasoningMatcher
+
+        return ReasoningMatcher(self, stop_token_ids)

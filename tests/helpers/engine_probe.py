@@ -1,0 +1,170 @@
+"""Reads and test hooks that run on the engine's loop thread, between two steps, wherever the engine runs.
+
+Every function takes the engine's host, which has `.engine` (the `LLMEngine`) and `.hooks` (callables run on
+the loop thread before each step): `core.engine.async_engine.AsyncEngine` in-process, or the engine process's
+`core.engine_core.proc.EngineCore`. `InProcessServer.call(fn, *args)` (tests/helpers/inprocess_server.py) runs
+`fn(host, *args)` there: directly on the engine thread in-process, or as the engine process's test-only `call`
+command (the function pickles by reference: this module is imported in the engine process too). So the
+fault hooks (`core/engine/faults.py`) and the leak checks reach the engine through the process boundary.
+"""
+from __future__ import annotations
+
+import hashlib
+import traceback
+from typing import Any
+
+from core.engine import faults
+
+
+# ---- engine state -------------------------------------------------------------------------
+def leftovers(host: Any) -> dict[str, Any]:
+    """What the engine still holds once idle (checks the pool's integrity first)."""
+    eng = host.engine
+    eng.check_integrity()
+    live = {e.generation_id for e in eng.registry.entries()}
+    stale: dict[str, int] = {}
+    cache = eng.kv.prefix_cache
+    if cache is not None:
+        for ns, root in cache.roots.items():
+            if ns != "base" and ns not in live:
+                stack, blocks = list(root.children.values()), 0
+                while stack:
+                    node = stack.pop()
+                    blocks += len(node.blocks)
+                    stack.extend(node.children.values())
+                if blocks:
+                    stale[ns] = blocks
+    return {
+        "usage": eng.kv.usage(),
+        "requests": len(eng.scheduler.requests),
+        "running": eng.scheduler.num_running,
+        "waiting": eng.scheduler.num_waiting,
+        "adapters_in_flight": {e.name: e.num_in_flight for e in eng.registry.entries() if e.num_in_flight},
+        "slots": [s for s in eng.lora_pool.loaded_ids if s not in live],
+        "stale_namespaces": stale,
+        "preemptions": eng.scheduler.num_preemptions,
+        "steps": eng.scheduler.num_steps,
+        "penalty_rows": len(eng.penalties._slot_of),
+    }
+
+
+def scheduler_counts(host: Any) -> tuple[int, int, int]:
+    """(requests, running, waiting) in the scheduler."""
+    sched = host.engine.scheduler
+    return len(sched.requests), sched.num_running, sched.num_waiting
+
+
+def num_preemptions(host: Any) -> int:
+    return int(host.engine.scheduler.num_preemptions)
+
+
+def async_scheduling(host: Any) -> bool:
+    return bool(host.engine.async_scheduling)
+
+
+# ---- integrity checks during a run ----------------------------------------------------------
+class IntegrityWatch:
+    """An engine hook: `check_integrity()` every few loop iterations while the soak runs; keeps the failures."""
+
+    def __init__(self, engine: Any, every: int) -> None:
+        self.engine = engine
+        self.every = every
+        self.calls = 0
+        self.checks = 0
+        self.failures: list[str] = []
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        self.checks += 1
+        try:
+            self.engine.check_integrity()
+        except Exception:  # noqa: BLE001 - recorded, asserted on by the test
+            if len(self.failures) < 5:
+                self.failures.append(f"step {self.engine.scheduler.num_steps}: {traceback.format_exc()}")
+
+
+def start_watch(host: Any, every: int) -> None:
+    host.hooks.append(IntegrityWatch(host.engine, every))
+
+
+def stop_watch(host: Any) -> tuple[int, list[str]]:
+    """Removes the watch; (checks run, failures)."""
+    watch = next(h for h in host.hooks if isinstance(h, IntegrityWatch))
+    host.hooks.remove(watch)
+    return watch.checks, watch.failures
+
+
+# ---- fault hooks (core/engine/faults.py) in the engine's process ----------------------------------
+class PromptMarker:
+    """Matches the engine requests whose prompt starts with `word` (decoded with the engine's tokenizer)."""
+
+    def __init__(self, tokenizer: Any, word: str) -> None:
+        self.tokenizer, self.word = tokenizer, word
+
+    def __call__(self, req: Any) -> bool:
+        return self.word in self.tokenizer.decode(req.prompt_token_ids[:24], skip_special_tokens=True)
+
+
+def arm_marker(host: Any, stage: str, word: str) -> None:
+    faults.inject(stage, PromptMarker(host.engine.tokenizer, word))
+
+
+def hashed_stage(seed: int, rate: float, stages: tuple[str, ...], request_id: str) -> str | None:
+    """The stage at which this engine request fails, if any: a pure function of the seed and the id."""
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    if digest[0] >= rate * 256:
+        return None
+    return stages[digest[1] % len(stages)]
+
+
+class HashedFault:
+    def __init__(self, seed: int, rate: float, stages: tuple[str, ...], stage: str) -> None:
+        self.seed, self.rate, self.stages, self.stage = seed, rate, stages, stage
+
+    def __call__(self, req: Any) -> bool:
+        return hashed_stage(self.seed, self.rate, self.stages, req.request_id) == self.stage
+
+
+def arm_hashed(host: Any, seed: int, rate: float, stages: tuple[str, ...]) -> None:
+    for stage in stages:
+        faults.inject(stage, HashedFault(seed, rate, stages, stage))
+
+
+def fault_hits(host: Any) -> dict[str, set[str]]:
+    return {stage: set(ids) for stage, ids in faults.hits.items()}
+
+
+def clear_faults(host: Any) -> None:
+    faults.clear()
+
+
+# ---- start-up hooks (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:<name>, called before the engine is built) ----
+def wrong_bitmask_kernel() -> None:
+    """The Triton bitmask kernel forgets the last constrained row: the start-up self-check must refuse it."""
+    from grammar.matching import bitmask_triton
+
+    apply = bitmask_triton.apply_token_bitmask_triton_
+    bitmask_triton.apply_token_bitmask_triton_ = lambda logits, mask, rows: apply(logits, mask, rows[:-1])
+
+
+def lowering_refused(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a schema was lowered in a serving process (the compile workers lower them)")
+
+
+def forbid_lowering() -> None:
+    """Issue 31: no schema is lowered to a regex in the engine process (its compile workers do it)."""
+    from grammar.regex.builder import RegexBuilder
+    from grammar.schema.lowering import Lowerer
+
+    Lowerer.lower_root = lowering_refused   # type: ignore[method-assign]
+    RegexBuilder.build = lowering_refused   # type: ignore[method-assign]
+
+
+def lowering_forbidden(host: Any) -> bool:
+    """Whether `forbid_lowering` (or a test's patch with `lowering_refused`) is in force in this process."""
+    from grammar.regex.builder import RegexBuilder
+    from grammar.schema.lowering import Lowerer
+
+    return Lowerer.lower_root is lowering_refused and RegexBuilder.build is lowering_refused

@@ -1,0 +1,22 @@
+"""The test files whose code paths change on a GPU (Triton kernels compiled instead of interpreted, CUDA graphs,
+async scheduling, FP8 tensor cores): conftest.py marks their tests `gpu`, and the `tests` stage of
+benchmarks/gpu_run.py runs them on a lent GPU (`pytest -m gpu`). Paths are relative to the repository root;
+tests/test_benchmarks/test_gpu_run.py checks that each exists."""
+from __future__ import annotations
+
+GPU_TEST_FILES: tuple[str, ...] = (
+    "tests/test_core/attention/test_triton_attention.py",
+    "tests/test_core/attention/test_triton_window.py",
+    "tests/test_core/models/test_fused_ops.py",
+    "tests/test_core/execution/test_decode_graphs.py",
+    "tests/test_core/engine/test_async_scheduling.py",
+    "tests/test_core/startup/test_kernel_warmup.py",
+    "tests/test_core/startup/test_kernel_selfcheck.py",
+    "tests/test_core/startup/test_kernel_variants.py",
+    "tests/test_core/quant/test_quant_triton.py",
+    "tests/test_core/quant/test_quant_fp8.py",
+    "tests/test_core/spec/test_spec_warmup.py",
+    "tests/test_adapters/test_lora_bgmv.py",
+    "tests/test_adapters/test_lora_bgmv_split.py",
+    "tests/test_adapters/test_lora_ops_triton.py",
+)

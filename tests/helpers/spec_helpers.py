@@ -1,0 +1,67 @@
+"""Helpers of the speculative decoding tests: an oracle proposer and a radix-cache content check."""
+from __future__ import annotations
+
+from core.engine.request import Request
+
+
+class OracleDrafts:
+    """Proposes a known continuation (the output without speculation), wrong at some positions, so that
+    random tiny models (which the n-gram proposer rarely predicts) exercise full accepts, partial rejects
+    and bonus tokens. Keyed by (adapter name or None, prompt) -> output token ids."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.refs: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
+        self.num_calls = 0
+
+    def release_finished(self) -> None:
+        pass
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, ks):
+            self.num_calls += 1
+            name = req.lora_slot_key.name if req.lora_slot_key is not None else None
+            ref = self.refs.get((name, tuple(req.prompt_token_ids)), [])
+            m = req.num_output_tokens
+            drafts = list(ref[m:m + k])
+            if drafts and self.num_calls % 3 == 1:       # a wrong token in the middle: a partial accept
+                j = len(drafts) // 2
+                drafts[j] = (drafts[j] + 1) % self.vocab_size
+            out.append(drafts)
+        return out
+
+
+def cached_sequences(kv) -> list[tuple[str, list[int]]]:
+    """Every root-to-node token sequence held by the radix tree, with its namespace."""
+    cache = kv.prefix_cache
+    out = []
+    for node in cache._nodes():
+        tokens: list[int] = []
+        n = node
+        while n is not None and n.parent is not None:
+            tokens = list(n.tokens) + tokens
+            n = n.parent
+        ns = next((name for name, root in cache.roots.items() if root is n), None)
+        out.append((ns, tokens))
+    return out
+
+
+def assert_cache_holds_only_real_tokens(kv, sequences: list[tuple[str, list[int]]]) -> None:
+    """Every cached sequence is a prefix of some request's prompt + output in its namespace."""
+    for ns, tokens in cached_sequences(kv):
+        assert any(ns == n and seq[:len(tokens)] == tokens for n, seq in sequences), (ns, tokens)
+
+
+def record_step_inputs(monkeypatch) -> list:
+    """Records every `StepInputs` the tensor-parallel driver sends its workers (a list that fills as it runs)."""
+    from core.distributed.step_inputs import StepInputs
+
+    sent: list[StepInputs] = []
+    real = StepInputs.from_host
+
+    def from_host(*args, **kw) -> StepInputs:
+        sent.append(real(*args, **kw))
+        return sent[-1]
+    monkeypatch.setattr(StepInputs, "from_host", staticmethod(from_host))
+    return sent

@@ -1,0 +1,179 @@
+"""peft_loader validation: every rejection is an AdapterError with a status and a reason."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from adapters.layers.dims import BaseModelDims  # noqa: E402
+from adapters.errors import AdapterError  # noqa: E402
+from adapters.peft.loader import load_peft_adapter  # noqa: E402
+
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+                                   vocab_size=64, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg).eval(), BaseModelDims.from_hf_config(cfg)
+
+
+def save_peft(base_model, path, safe=True, **kw):
+    kw.setdefault("r", 8)
+    kw.setdefault("target_modules", ALL7)
+    pm = peft.get_peft_model(copy.deepcopy(base_model), peft.LoraConfig(init_lora_weights=False, **kw))
+    pm.save_pretrained(path, safe_serialization=safe)
+    return path
+
+
+@pytest.fixture(scope="module")
+def good_dir(base, tmp_path_factory):
+    return save_peft(base[0], tmp_path_factory.mktemp("good"))
+
+
+def clone(src, tmp_path):
+    dst = tmp_path / "adapter"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path, **changes):
+    cfg_path = path / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(changes)
+    cfg_path.write_text(json.dumps(cfg))
+
+
+def expect_error(path, dims, status=400, code=None, match=None, max_rank=64, **kw):
+    with pytest.raises(AdapterError) as info:
+        load_peft_adapter(path, dims, max_rank, **kw)
+    err = info.value
+    assert err.status == status, err
+    if code:
+        assert err.code == code, err
+    if match:
+        assert match.lower() in err.message.lower(), err
+    return err
+
+
+def test_good_adapter_loads(base, good_dir):
+    ad = load_peft_adapter(str(good_dir), base[1], 64)
+    assert len(ad.modules) == 14 and ad.max_rank == 8
+    assert ad.module(0, "q_proj").lora_a.shape == (8, 32)
+    assert ad.module(1, "down_proj").lora_b.shape == (32, 8)
+
+
+def test_bin_weights_load_like_safetensors(base, good_dir, tmp_path):
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    (path / "adapter_model.safetensors").unlink()
+    torch.save(state, path / "adapter_model.bin")
+    ad = load_peft_adapter(path, base[1], 64)
+    ref = load_peft_adapter(good_dir, base[1], 64)
+    for key, mod in ref.modules.items():
+        assert torch.equal(ad.modules[key].lora_a, mod.lora_a)
+        assert torch.equal(ad.modules[key].lora_b, mod.lora_b)
+    (path / "adapter_model.bin").write_bytes(b"\x80\x02garbage")
+    expect_error(path, base[1], code="corrupt_adapter_weights")
+
+
+def test_missing_paths_are_404(base, tmp_path):
+    expect_error(tmp_path / "does-not-exist", base[1], status=404, code="adapter_not_found")
+    expect_error("./nope/adapter", base[1], status=404)
+    expect_error("no-such-org/no-such-adapter-xyz", base[1], status=404, allow_download=False)
+
+
+def test_dir_without_files(base, good_dir, tmp_path):
+    expect_error(tmp_path, base[1], match="adapter_config.json")
+    path = clone(good_dir, tmp_path)
+    (path / "adapter_model.safetensors").unlink()
+    expect_error(path, base[1], match="adapter_model")
+    (path / "adapter_config.json").write_text("{not json")
+    expect_error(path, base[1], match="adapter_config.json")
+
+
+@pytest.mark.parametrize("mode", ["garbage", "truncated"])
+def test_corrupt_safetensors(base, good_dir, tmp_path, mode):
+    path = clone(good_dir, tmp_path)
+    f = path / "adapter_model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(b"this is not safetensors" * 10 if mode == "garbage" else data[: len(data) // 2])
+    expect_error(path, base[1], code="corrupt_adapter_weights")
+
+
+def test_rank_too_large(base, good_dir):
+    expect_error(good_dir, base[1], max_rank=4, code="lora_rank_too_large", match="rank 8")
+
+
+def test_wrong_base_shapes(base, good_dir):
+    dims = base[1]
+    wider = BaseModelDims(**{**dims.__dict__, "hidden_size": 64})
+    expect_error(good_dir, wider, code="adapter_shape_mismatch")
+    fewer_kv = BaseModelDims(**{**dims.__dict__, "num_kv_heads": 1})
+    expect_error(good_dir, fewer_kv, code="adapter_shape_mismatch", match="k_proj")
+    one_layer = BaseModelDims(**{**dims.__dict__, "num_layers": 1})
+    expect_error(good_dir, one_layer, code="adapter_shape_mismatch", match="layer 1")
+
+
+def test_dora_rejected(base, tmp_path):
+    path = save_peft(base[0], tmp_path / "dora", use_dora=True)
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="dora")
+    edit_config(path, use_dora=False)  # config lies: the magnitude vectors still give it away
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="dora")
+
+
+def test_modules_to_save_rejected(base, tmp_path):
+    path = save_peft(base[0], tmp_path / "mts", target_modules=["q_proj"], modules_to_save=["lm_head"])
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="modules_to_save")
+    edit_config(path, modules_to_save=None)
+    expect_error(path, base[1], match="lm_head")
+
+
+def test_unsupported_targets_and_features(base, good_dir, tmp_path):
+    path = save_peft(base[0], tmp_path / "lmhead", target_modules=["q_proj", "lm_head"])
+    expect_error(path, base[1], code="unsupported_target_modules", match="lm_head")
+    path = clone(good_dir, tmp_path)
+    for change, match in [
+        (dict(bias="all"), "bias"),
+        (dict(peft_type="IA3"), "peft_type"),
+        (dict(init_lora_weights="pissa"), "pissa"),
+        (dict(trainable_token_indices=[1, 2]), "tokens"),
+        (dict(lora_bias=True), "bias"),
+    ]:
+        edit_config(path, **change)
+        expect_error(path, base[1], code="unsupported_adapter_feature", match=match)
+        shutil.copy(good_dir / "adapter_config.json", path / "adapter_config.json")
+
+
+def test_resized_embeddings_and_added_tokens(base, good_dir, tmp_path):
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    state["base_model.model.model.embed_tokens.weight"] = torch.zeros(66, 32)  # vocab 64 -> 66
+    save_file(state, path / "adapter_model.safetensors")
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="resized")
+    path2 = tmp_path / "tok"
+    shutil.copytree(good_dir, path2)
+    (path2 / "added_tokens.json").write_text(json.dumps({"<new>": 64}))
+    expect_error(path2, base[1], code="unsupported_adapter_feature", match="added tokens")
+
+
+def test_inconsistent_weights(base, good_dir, tmp_path):
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    state.pop(key)
+    save_file(state, path / "adapter_model.safetensors")
+    expect_error(path, base[1], match="lora_a without lora_b")
+    path2 = tmp_path / "rank"
+    shutil.copytree(good_dir, path2)
+    edit_config(path2, r=4)  # weights are rank 8
+    expect_error(path2, base[1], code="adapter_shape_mismatch", match="config says 4")

@@ -1,0 +1,296 @@
+"""Triton attention backend (KV store, paged attention, split-KV reduce) against the torch reference.
+
+With CUDA the kernels run compiled on the GPU. Without it they run in the Triton interpreter on
+CPU tensors: TRITON_INTERPRET=1 is set before triton is imported (the decorator reads it), and the
+kernel module is re-imported if something decorated it earlier. The interpreter computes bf16
+`tl.dot` wrongly (Triton 3.9: relative error ~1e9 on a 16x32x16 dot; fp16 is exact), so the backend
+upcasts tiles to fp32 there (see core/attention/triton_kernels.py); the native low-precision `tl.dot`
+path (UPCAST off) is covered on CPU with fp16 (`upcast=False`), and the GPU tile configs and split-KV
+are forced through the backend's overrides. Shapes are tiny: the interpreter runs every program in Python.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and type(triton.language.zeros).__name__ != "InterpretedFunction":
+    # triton's own @jit helpers (tl.zeros, tl.sum, ...) are decorated when triton is first imported
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module): "
+                "the interpreter cannot run; run this file on its own", allow_module_level=True)
+if "core.attention.triton_kernels" in sys.modules:  # decorated earlier under other settings
+    importlib.reload(sys.modules["core.attention.triton_kernels"])
+    importlib.reload(sys.modules["core.attention.triton_backend"])
+
+from core.attention.metadata import AttentionMetadata  # noqa: E402
+from core.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from core.attention.triton_backend import DECODE_CONFIG, PREFILL_CONFIG, TritonAttentionBackend  # noqa: E402
+from core.execution.runner import decode_groups  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BS = 16
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, seed: int, spare_blocks: int = 3):
+    """seqs: (num_cached, num_new) each; num_new == 1 -> decode. Returns q, k, v, caches, metadata.
+
+    Blocks are a random permutation of the pool; the whole pool (cached prefixes included) is random."""
+    gen = torch.Generator().manual_seed(seed)
+    decodes = sorted((s for s in seqs if s[1] == 1), key=lambda s: s[0])
+    prefills = [s for s in seqs if s[1] > 1]
+    ordered = decodes + prefills
+    nblocks = [-(-(c + n) // BS) for c, n in ordered]
+    pool = sum(nblocks) + spare_blocks
+    perm = torch.randperm(pool, generator=gen)
+    tables, off = [], 0
+    for nb in nblocks:
+        tables.append(perm[off:off + nb])
+        off += nb
+    num_tokens = sum(n for _, n in ordered)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(pool, BS, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(pool, BS, num_kv_heads, head_dim, generator=gen)
+    slots = []
+    for (c, n), t in zip(ordered, tables):
+        pos = torch.arange(c, c + n)
+        slots.append(t[pos // BS] * BS + pos % BS)
+    nd = len(decodes)
+    ctx = torch.tensor([c + n for c, n in ordered], dtype=torch.int64)
+    width = max(nblocks[:nd], default=0)
+    dec_tables = torch.zeros(nd, width, dtype=torch.int64)
+    for i in range(nd):
+        dec_tables[i, :nblocks[i]] = tables[i]
+    starts = torch.cumsum(torch.tensor([0] + [n for _, n in ordered]), 0).tolist()
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(DEVICE) if slots else torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        num_decode_tokens=nd,
+        decode_block_tables=dec_tables.to(DEVICE),
+        decode_context_lens=ctx[:nd].to(DEVICE),
+        decode_groups=decode_groups(ctx[:nd].numpy(), BS, min_size=2),
+        prefill_query_starts=starts[nd:-1],
+        prefill_query_lens=[n for _, n in prefills],
+        prefill_context_lens=ctx[nd:].tolist(),
+        prefill_block_tables=[t.to(DEVICE) for t in tables[nd:]],
+        block_size=BS,
+    )
+    return [x.to(dtype).to(DEVICE) for x in (q, k, v, k_cache, v_cache)], meta
+
+
+def run_both(seqs, num_heads, num_kv_heads, head_dim=32, dtype=torch.float32, seed=0, backend=None, **extras):
+    """`extras`: the per-layer attention options (window, softcap) given to both backends."""
+    (q, k, v, kc, vc), meta = make_batch(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
+    scale = head_dim ** -0.5
+    backend = backend or TritonAttentionBackend()
+    kc_t, vc_t = kc.clone(), vc.clone()
+    out = backend.forward(q, k, v, kc_t, vc_t, meta, scale, **extras)
+    # reference in fp32 on upcast inputs (bf16/fp16: the kernel must be as close as rounding allows)
+    kc_r, vc_r = kc.float().clone(), vc.float().clone()
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc_r, vc_r, meta, scale, **extras)
+    assert torch.equal(kc_t.float(), kc_r) and torch.equal(vc_t.float(), vc_r), "KV store differs"
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item() if ref.numel() else 0.0
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+    return out, ref
+
+
+PREFILL_NO_CACHE = [(0, 2), (0, 5), (0, 16), (0, 17), (0, 33)]
+PREFILL_CACHED = [(16, 5), (15, 2), (17, 16), (32, 31), (3, 29), (1, 15)]
+DECODE = [(0, 1), (14, 1), (15, 1), (16, 1), (39, 1), (63, 1), (64, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (8, 1), (6, 2)])  # GQA 1, 4, 8 and 3 (padded)
+def test_mixed_batch_gqa(heads: int, kv_heads: int) -> None:
+    run_both(DECODE + PREFILL_CACHED + PREFILL_NO_CACHE[:2], heads, kv_heads, seed=heads * 10 + kv_heads)
+
+
+@pytest.mark.parametrize("seqs", [PREFILL_NO_CACHE, PREFILL_CACHED, DECODE], ids=["prefill", "cached", "decode"])
+def test_one_kind_only(seqs: list[tuple[int, int]]) -> None:
+    run_both(seqs, 4, 2, seed=len(seqs))
+
+
+def test_single_sequences_at_block_boundaries() -> None:
+    """Chunk boundaries at and around block edges, one sequence per batch."""
+    for i, seq in enumerate([(15, 2), (16, 16), (16, 17), (31, 2), (0, 48), (47, 1), (48, 1)]):
+        run_both([seq], 4, 2, seed=100 + i)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision(dtype: torch.dtype) -> None:
+    run_both(DECODE[:4] + PREFILL_CACHED[:3], 8, 2, dtype=dtype, seed=7)
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_head_dims(head_dim: int) -> None:
+    run_both([(5, 1), (20, 1), (16, 9)], 4, 1, head_dim=head_dim, seed=head_dim)
+
+
+def test_split_kv_decode() -> None:
+    """Long contexts through the split path: forced with a small partition and a large program target."""
+    backend = TritonAttentionBackend(min_partition=32, target_programs=10**6, max_splits=8)
+    seqs = [(3, 1), (40, 1), (200, 1), (255, 1), (256, 1), (300, 1), (17, 12)]
+    (q, k, v, kc, vc), meta = make_batch(seqs, 8, 2, 32, torch.float32, seed=3)
+    km = backend.kernel_meta(meta, 2, 4, DEVICE)
+    assert km.max_splits == 8 and km.num_split_tokens >= 3   # long decodes split
+    assert int(km.num_splits[km.num_splits.shape[0] - 1]) == 1  # the prefill does not
+    run_both(seqs, 8, 2, seed=3, backend=backend)
+    run_both(seqs, 8, 2, dtype=torch.bfloat16, seed=4, backend=backend)
+    # more splits than tiles in a short context: empty partitions must not poison the reduce
+    run_both([(2, 1), (30, 1)], 4, 1, seed=5, backend=TritonAttentionBackend(min_partition=1, target_programs=10**6))
+
+
+LONG_DECODE = [(3, 1), (130, 1), (200, 1), (300, 1)]   # contexts across several 128-key tiles
+
+
+def gpu_backend(kind: str, split: bool = False, upcast: bool | None = None) -> TritonAttentionBackend:
+    """The GPU's tile config for `kind` (decode-only or with prefill), forced under the interpreter too;
+    `split` forces split-KV on every decode (target_programs far above the work items)."""
+    cfg = DECODE_CONFIG if kind == "decode" else PREFILL_CONFIG
+    extra = dict(min_partition=64, target_programs=10**6, max_splits=4) if split else {}
+    backend = TritonAttentionBackend(**cfg, **extra, upcast=upcast)
+    assert backend.config(kind != "decode", interp=True) == cfg
+    return backend
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-kv"])
+def test_gpu_decode_tile_config(split: bool) -> None:
+    """Decode-only steps on the GPU's 16 x 128 tiles (masked tails, full tiles), with and without splits."""
+    backend = gpu_backend("decode", split)
+    (q, k, v, kc, vc), meta = make_batch(LONG_DECODE, 8, 2, 32, torch.float32, seed=21)
+    km = backend.kernel_meta(meta, 2, 4, DEVICE)
+    assert (km.max_splits > 1) == split and km.block_q == 1
+    if split:
+        assert km.num_split_tokens >= 2
+    run_both(LONG_DECODE, 8, 2, seed=21, backend=backend)
+
+
+def test_gpu_prefill_tile_config() -> None:
+    """Mixed batches on the GPU's 64 x 64 prefill tiles: block_q covers 16 tokens of a GQA-4 group."""
+    backend = gpu_backend("prefill")
+    seqs = DECODE[:3] + [(17, 16), (70, 40), (0, 33)]
+    (q, k, v, kc, vc), meta = make_batch(seqs, 8, 2, 32, torch.float32, seed=22)
+    assert backend.kernel_meta(meta, 2, 4, DEVICE).block_q == PREFILL_CONFIG["block_m"] // 4
+    run_both(seqs, 8, 2, seed=22, backend=backend)
+
+
+@pytest.mark.parametrize("kind,split", [("decode", False), ("decode", True), ("prefill", False)])
+def test_native_fp16_dot(kind: str, split: bool) -> None:
+    """UPCAST off: fp16 tiles straight into `tl.dot` with fp32 accumulation (the GPU's tensor-core path; the
+    interpreter computes fp16 dots exactly, bf16 ones not at all), on the GPU tile configs."""
+    backend = gpu_backend(kind, split, upcast=False)
+    seqs = LONG_DECODE if kind == "decode" else DECODE[:2] + [(17, 16), (0, 33)]
+    run_both(seqs, 8, 2, dtype=torch.float16, seed=23, backend=backend)
+
+
+def test_kernel_meta_reused_across_layers() -> None:
+    backend = TritonAttentionBackend()
+    (q, k, v, kc, vc), meta = make_batch(DECODE[:3] + PREFILL_CACHED[:2], 4, 2, 32, torch.float32, seed=9)
+    a = backend.kernel_meta(meta, 2, 2, DEVICE)
+    assert backend.kernel_meta(meta, 2, 2, DEVICE) is a
+    assert a.work.shape == (3, a.num_items) and a.block_tables.dtype == torch.int32
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(5, 3, 32, generator=gen).to(DEVICE)
+    v = torch.randn(5, 3, 32, generator=gen).to(DEVICE)
+    kc = torch.randn(4, BS, 3, 32, generator=gen).to(DEVICE)
+    vc = torch.randn(4, BS, 3, 32, generator=gen).to(DEVICE)
+    slots = torch.tensor([17, -1, 0, 63, 40], device=DEVICE)
+    kc2, vc2 = kc.clone(), vc.clone()
+    TritonAttentionBackend.store_kv(k, v, kc2, vc2, slots)
+    keep = slots >= 0
+    kc.view(-1, 3, 32)[slots[keep]] = k[keep]
+    vc.view(-1, 3, 32)[slots[keep]] = v[keep]
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+def test_empty_batch() -> None:
+    (q, k, v, kc, vc), meta = make_batch([], 4, 2, 32, torch.float32, seed=0)
+    out = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1)
+    assert out.shape == (0, 4, 32)
+
+
+def test_engine_greedy_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny model end to end through the interpreter: chunked prefill (budget 20), a prefix hit, mixed
+    decode + prefill steps, decode; same greedy tokens as the torch backend (~10 s on CPU)."""
+    from core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from core.engine.engine import LLMEngine
+    from core.sampling.params import SamplingParams
+    from tiny_models import TinyModelSpec, tiny_model_dir
+
+    path = tiny_model_dir(TinyModelSpec())
+    prompts = [[5, 17, 99, 3, 42, 8, 61, 7] * 3, [5, 17, 99, 3, 42, 8, 61, 7] * 3 + [11, 12], [300, 301, 302],
+               list(range(400, 437))]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+
+    def generate(kind: str) -> dict[str, list[int]]:
+        monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", kind)
+        engine = LLMEngine(EngineConfig(
+            model=str(path), dtype="float32", device=str(DEVICE),
+            cache=CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=True),
+            scheduler=SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=8)))
+        assert type(engine.parts.model.model.layers[0].self_attn.backend).__name__.lower().startswith(kind)
+        out: dict[str, list[int]] = {}
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, params)
+            out[str(i)] = []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                out[delta.request_id].extend(delta.new_token_ids)
+        return out
+
+    got = generate("triton")
+    assert got == generate("torch")
+    assert all(len(ids) == 10 for ids in got.values())
+
+
+@pytest.mark.parametrize("cap,heads,kv_heads", [(1, 8, 2), (8, 8, 2), (4, 6, 2)])
+def test_padded_graph_decode(cap: int, heads: int, kv_heads: int) -> None:
+    """The CUDA-graph decode layout: a batch padded to 8 rows (slot -1, context 1, table row 0) over
+    persistent-buffer metadata whose work list holds every (seq, split < cap); items past a sequence's
+    split count must exit without writing. Real rows equal the torch reference; the padding stores nothing."""
+    seqs = [(3, 1), (40, 1), (200, 1), (255, 1), (300, 1)]
+    size, head_dim = 8, 32
+    (q, k, v, kc, vc), meta = make_batch(seqs, heads, kv_heads, head_dim, torch.float32, seed=cap + heads)
+    backend = TritonAttentionBackend(min_partition=32, target_programs=10**6, max_splits=cap)
+    n = len(seqs)
+    ctx = meta.decode_context_lens.cpu().numpy()
+    splits = backend.graph_decode_splits(ctx, decode_groups(ctx, BS, min_size=2), size, kv_heads, cap, BS, DEVICE)
+    assert (splits <= cap).all() and (cap == 1 or splits.max() > 1)
+    splits[0] = 1  # a one-split row under a cap > 1: its items 1.. must not overwrite its output
+    seq_lens = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    seq_lens[:n] = meta.decode_context_lens.to(torch.int32)
+    num_splits = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    num_splits[:n] = torch.from_numpy(splits).to(torch.int32)
+    width = meta.decode_block_tables.shape[1] + 3
+    tables = torch.zeros(size, width, dtype=torch.int32, device=DEVICE)
+    tables[:n, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    slots = torch.full((size,), -1, dtype=torch.int64, device=DEVICE)
+    slots[:n] = meta.slot_mapping
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(size - n, *x.shape[1:], device=DEVICE)])
+
+    graph_meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=size, decode_block_tables=tables, decode_context_lens=seq_lens,
+        prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+        block_size=BS, kernel_meta=backend.graph_kernel_meta(size, cap, seq_lens, tables, num_splits))
+    kc_t, vc_t = kc.clone(), vc.clone()
+    out = backend.forward(pad(q), pad(k), pad(v), kc_t, vc_t, graph_meta, head_dim ** -0.5)
+    kc_r, vc_r = kc.clone(), vc.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, kc_r, vc_r, meta, head_dim ** -0.5)
+    assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r), "padded rows wrote KV"
+    err = ((out[:n] - ref).norm() / ref.norm()).item()
+    assert err < TOL[torch.float32], f"relative error {err:.2e}"

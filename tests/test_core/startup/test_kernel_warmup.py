@@ -1,0 +1,112 @@
+"""Zero compiles while serving: the start-up warm-up launches every Triton kernel variant the engine can use.
+
+In the CPU interpreter every launch's specialization key (constexprs, integer and pointer-alignment
+specializations, launch options: exactly what Triton's JIT cache is keyed on) is recorded, first during the
+warm-up, then during a randomized mixed workload: prefill chunks of many sizes up to the token budget,
+decode batches of 1..max_num_seqs on the padded (CUDA-graph) path, 0..max_loras adapters of ranks 4-64 in a
+step, JSON-schema rows. Every key of the workload must be one the warm-up compiled.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+from core import LLM, SamplingParams  # noqa: E402
+from core.execution.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
+from kernel_recorder import KernelRecorder  # noqa: E402
+from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
+from testlib import PROMPTS, encode, model_dir  # noqa: E402
+
+MODEL = "llama_gqa_1layer"     # one layer: the launch keys of every layer are the same
+ADAPTERS = {"t-qv4": "qv_r4", "t-all8": "all7_r8", "t-kod16": "rs_kod_r16", "t-r64": "qkvo_gu_r64"}
+SIZES = (1, 2, 4, 8)
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+    "type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"], "additionalProperties": False}}}
+FAMILIES = {"paged_attention_kernel", "reduce_splits_kernel", "store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
+            "lora_shrink_kernel", "lora_expand_kernel", "bgmv_shrink_kernel", "bgmv_expand_kernel",
+            "_apply_bitmask_kernel"}
+
+
+@pytest.fixture()
+def triton_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("LORAPLEX_ATTENTION_BACKEND", "LORAPLEX_LORA_BACKEND", "LORAPLEX_FUSED_OPS",
+                "LORAPLEX_BITMASK_BACKEND"):
+        monkeypatch.setenv(var, "triton")
+
+
+def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams], list[str | None], list[dict | None]]:
+    rng = random.Random(seed)
+    path = model_dir(MODEL)
+    prompts, params, loras, formats = [], [], [], []
+    for i in range(8):
+        text = "".join(rng.choice(PROMPTS) for _ in range(3))
+        ids = encode(path, text)
+        prompts.append(ids[:rng.randint(1, min(len(ids), 40))])
+        params.append(SamplingParams(max_tokens=rng.randint(2, 7), temperature=rng.choice([0.0, 0.8]),
+                                     seed=rng.randint(0, 99)))
+        loras.append(rng.choice([None, *ADAPTERS]))
+        formats.append(SCHEMA if i % 4 == 1 else None)
+    return prompts, params, loras, formats
+
+
+def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatch, triton_everywhere: None) -> None:
+    rec = KernelRecorder.install(monkeypatch)
+    mods = {name: str(adapter_dir(MODEL, a)) for name, a in ADAPTERS.items()}
+    with torch_threads(1):
+        llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", lora_modules=mods, max_loras=4,
+                  max_lora_rank=64, max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=128, warmup=False)
+        engine = llm.engine
+        assert not engine.ready and not rec.keys
+        # split-KV as on a GPU (the interpreter's default never splits), at the tiny model's context lengths
+        backend = engine.model.model.layers[0].self_attn.backend
+        backend.target_programs, backend.min_partition = 64, 16
+        # the padded decode path the GPU captures as graphs, run without capture on the CPU
+        pool = engine.lora_pool
+        engine.graphs = DecodeGraphRunner(
+            engine.model, engine.kv_caches, backend, engine.block_size,
+            engine.max_model_len, SIZES, lora=GraphLoRABuffers(SIZES[-1], pool.num_slots, engine.device),
+            lora_context=pool.context, use_graphs=False)
+        report = engine.warmup()
+        # 4 forwards (decode, mixed; each with and without split-KV) + 4 fused linears x (4 table configs + BGMV)
+        assert engine.ready and report.num_variants == 4 + 4 * 5 and report.num_graphs == 2 * len(SIZES)
+        warm = set(rec.keys)
+        rec.reset()
+        prompts, params, loras, formats = workload(0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora=loras, response_format=formats)
+        # then short prompts on every adapter: their prefills fit one step, the rest are decode-only LoRA steps
+        short = [encode(model_dir(MODEL), t)[:4] for t in PROMPTS[:len(ADAPTERS) + 1]]
+        outs += llm.generate([{"prompt_token_ids": p} for p in short], SamplingParams(max_tokens=5, temperature=0.0),
+                             lora=[None, *ADAPTERS])
+        assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    assert engine.graphs.num_runs > 0, "the workload never took the padded decode path"
+    assert FAMILIES <= rec.kernels(), f"kernels never launched by the workload: {FAMILIES - rec.kernels()}"
+    new = rec.keys - warm
+    assert not new, "launch keys the warm-up did not compile:\n" + "\n".join(repr(k) for k in sorted(new, key=repr))
+    engine.check_integrity()
+
+
+def test_compile_counter_counts_after_the_warmup_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counter behind loraplex:kernel_compiles_after_warmup_total, through Triton's own JIT cache hook."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from core.startup.kernel_compiles import CompileCounter
+
+    seen: list[str] = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["fn"].name))
+    counter = CompileCounter()
+    assert counter.install() and counter.after_warmup == 0
+    knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="warm_kernel"))
+    counter.mark_warmup_end()
+    assert counter.total == 1 and counter.after_warmup == 0
+    knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="late_kernel"))
+    assert counter.after_warmup == 1 and counter.names == {"warm_kernel": 1, "late_kernel": 1}
+    assert seen == ["warm_kernel", "late_kernel"], "a hook installed before ours must still run"

@@ -1,0 +1,146 @@
+"""Request parsing, sampling-parameter mapping and error formatting, without a server."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from core.sampling.params import SamplingParamsError
+from gateway.errors import APIError, from_exception
+from gateway.inputs.params import chat_sampling_params, completion_sampling_params, resolve_response_format
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def completion(**kw: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hi", **kw})
+
+
+def chat(**kw: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def api_error(fn: Any, *args: Any) -> APIError:
+    with pytest.raises((APIError, ValidationError, SamplingParamsError)) as info:
+        fn(*args)
+    return from_exception(info.value)
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_prompt_forms(prompt: Any) -> None:
+    assert completion(prompt=prompt).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", [{"a": 1}, ["a", 1], [1.5], [[1], "a"], True, None])
+def test_bad_prompt_forms(prompt: Any) -> None:
+    err = api_error(lambda: completion(prompt=prompt))
+    assert err.status == 400 and err.param == "prompt"
+
+
+def test_unknown_field_is_named() -> None:
+    err = api_error(lambda: completion(foo=1, bar=2))
+    assert err.status == 400 and err.param == "foo" and "foo" in err.message and "bar" in err.message
+    err = api_error(lambda: chat(messages=[{"role": "user", "content": "x", "extra": 1}]))
+    assert err.param == "messages.0.extra"
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", "5"), ("max_tokens", 5.5), ("temperature", "0.1"),
+                                         ("n", "2"), ("stream", 1), ("seed", 1.0), ("stop", 5),
+                                         ("stop_token_ids", ["a"]), ("logprobs", True)])
+def test_strict_types(field: str, value: Any) -> None:
+    err = api_error(lambda: completion(**{field: value}))
+    assert err.status == 400 and err.param.split(".")[0] == field and err.type == "invalid_request_error"
+
+
+def test_completion_sampling_mapping() -> None:
+    p = completion_sampling_params(completion(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=9, stop="##",
+                                              stop_token_ids=[2], n=2, ignore_eos=True, logprobs=3))
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.n) == (7, 0.0, 0.5, 3, 9, 2)
+    assert p.stop == ("##",) and p.stop_token_ids == (2,) and p.ignore_eos and p.logprobs == 3
+    defaults = completion_sampling_params(completion())
+    assert defaults.max_tokens is None and defaults.temperature == 1.0 and defaults.n == 1
+    assert defaults.logprobs is None and defaults.stop == ()
+    assert completion_sampling_params(completion(max_completion_tokens=4)).max_tokens == 4
+    assert completion_sampling_params(completion(best_of=2, n=2)).n == 2
+    nulls = completion_sampling_params(completion(n=None, stream=None, temperature=None, stop=None, echo=None))
+    assert nulls.n == 1 and nulls.temperature == 1.0
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"),
+    ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"logit_bias": {"1": 200.0}}, "logit_bias"), ({"logit_bias": {"+1": 2.0}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -2.1}, "presence_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"logprobs": 9}, "logprobs"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
+])
+def test_completion_rejections(kw: dict[str, Any], param: str) -> None:
+    err = api_error(lambda: completion_sampling_params(completion(**kw)))
+    assert err.status == 400 and err.param == param, err.message
+
+
+def test_zero_penalties_and_empty_logit_bias_are_accepted() -> None:
+    completion_sampling_params(completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="u"))
+
+
+def test_penalty_fields_map_to_sampling_params() -> None:
+    p = completion_sampling_params(completion(presence_penalty=1, frequency_penalty=-0.5, repetition_penalty=1.1,
+                                              logit_bias={"7": 5, "9": -100}, min_p=0.05, min_tokens=2, echo=True,
+                                              logprobs=1))
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1.0, -0.5, 1.1)
+    assert p.logit_bias == ((7, 5.0), (9, -100.0)) and p.min_p == 0.05 and p.min_tokens == 2
+    assert p.prompt_logprobs == 1 and completion_sampling_params(completion(echo=True)).prompt_logprobs is None
+    assert chat(messages=[{"role": "developer", "content": "x"}]).messages[0].role == "developer"
+
+
+def test_chat_parsing_and_mapping() -> None:
+    body = chat(messages=[{"role": "system", "content": "s"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": None}], logprobs=True, top_logprobs=4,
+                max_completion_tokens=5, stream=True, stream_options={"include_usage": True})
+    assert [m.text() for m in body.messages] == ["s", "ab", ""]
+    assert body.include_usage
+    p = chat_sampling_params(body)
+    assert p.logprobs == 4 and p.max_tokens == 5
+    assert chat_sampling_params(chat(logprobs=True)).logprobs == 0
+    assert chat_sampling_params(chat()).logprobs is None
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"messages": []}, "messages"), ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+])   # tools / tool_choice / parallel_tool_calls: gateway/tools/tools.py (tests/test_gateway/structured/test_server_tools.py)
+def test_chat_rejections(kw: dict[str, Any], param: str | None) -> None:
+    err = api_error(lambda: chat_sampling_params(chat(**kw)))
+    assert err.status == 400
+    if param is not None:
+        assert err.param == param, err.message
+
+
+def test_response_format_hook() -> None:
+    import asyncio
+
+    def run(fmt):
+        return asyncio.run(resolve_response_format(fmt, engine=None))  # text never touches the engine
+
+    assert run(completion(response_format={"type": "text"}).response_format) is None
+    assert run(None) is None
+    err = api_error(lambda: run(completion(response_format={"type": "json_schema"}).response_format))
+    assert err.status == 400 and err.param == "response_format.json_schema"
+    bad = api_error(lambda: completion(response_format={"type": "xml"}))
+    assert bad.param == "response_format.type"
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                        "strict": True}})
+    assert body.response_format is not None and body.response_format.json_schema is not None
+    assert body.response_format.json_schema.schema_ == {"type": "object"}
+
+
+def test_unexpected_errors_do_not_leak() -> None:
+    err = from_exception(RuntimeError("secret internal detail"))
+    assert err.status == 500 and "secret" not in err.message
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}

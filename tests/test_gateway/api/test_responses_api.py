@@ -1,0 +1,199 @@
+"""`POST /v1/responses` (stateless), `/ping` and `/version` against one real `loraplex serve` (tiny random Llama,
+CPU, a Hermes/Qwen2.5 chat template, an API key): over HTTP and through the stock `openai` client
+(`client.responses.create`, streaming included). A response is the chat completion of the same conversation."""
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from testlib import CHAT_TEMPLATES
+from jsonschema import Draft202012Validator
+
+openai = pytest.importorskip("openai")
+
+from gateway_server import ServerProcess, model_with_chat_template  # noqa: E402
+
+TEMPLATE = CHAT_TEMPLATES / "hermes_qwen.jinja"
+KEY = "sk-responses"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    path = model_with_chat_template(tmp_path_factory.mktemp("responses"), TEMPLATE)
+    proc = ServerProcess(path, "--max-model-len", "1024", "--served-model-name", "tiny", "--api-key", KEY)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120, headers=AUTH) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(http: httpx.Client, path: str, status: int = 200, **body: Any) -> dict[str, Any]:
+    resp = http.post(path, json={"model": "tiny", **body})
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def chat_text(http: httpx.Client, messages: list[dict[str, Any]], **body: Any) -> dict[str, Any]:
+    return post(http, "/v1/chat/completions", messages=messages, temperature=0, **body)
+
+
+def test_ping_and_version(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.url}/ping").status_code == 200           # no key needed, as /health
+    assert httpx.post(f"{server.url}/ping").status_code == 200          # SageMaker's POST
+    assert httpx.get(f"{server.url}/version").json() == {"version": metadata.version("loraplex")}
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert {"/v1/responses", "/ping", "/version"} <= set(paths)
+
+
+def test_string_input_is_a_user_turn(http: httpx.Client, client: "openai.OpenAI") -> None:
+    ref = chat_text(http, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                    max_tokens=8)
+    out = client.responses.create(model="tiny", input="Hello", instructions="Be brief.", max_output_tokens=8,
+                                  temperature=0)
+    assert out.object == "response" and out.model == "tiny" and out.id.startswith("resp")
+    assert out.output_text == ref["choices"][0]["message"]["content"]
+    assert out.usage.input_tokens == ref["usage"]["prompt_tokens"]
+    assert out.usage.output_tokens == ref["usage"]["completion_tokens"]
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+    finished = "incomplete" if ref["choices"][0]["finish_reason"] == "length" else "completed"
+    assert out.status == finished and out.instructions == "Be brief."
+    if finished == "incomplete":
+        assert out.incomplete_details.reason == "max_output_tokens"
+
+
+def test_message_list_with_function_call_items(http: httpx.Client) -> None:
+    args = json.dumps({"city": "Paris", "unit": "c"})
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    ref = chat_text(http, messages, max_tokens=6, tools=[{"type": "function", "function": {
+        k: v for k, v in TOOL.items() if k != "type"}}], tool_choice="none")
+    out = post(http, "/v1/responses", input=items, tools=[TOOL], tool_choice="none", max_output_tokens=6,
+               temperature=0)
+    assert out["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+    (message,) = out["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["content"][0]["text"] == ref["choices"][0]["message"]["content"]
+
+
+def test_required_tool_call_is_a_function_call_item(client: "openai.OpenAI") -> None:
+    out = client.responses.create(model="tiny", input="Weather in Paris?", tools=[TOOL], tool_choice="required",
+                                  max_output_tokens=80, temperature=0)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    for call in calls:
+        assert call.call_id.startswith("call_")
+        assert Draft202012Validator(WEATHER).is_valid(json.loads(call.arguments))
+    named = client.responses.create(model="tiny", input="Weather?", tools=[TOOL], max_output_tokens=80,
+                                    tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    assert [item.type for item in named.output] == ["function_call"]
+
+
+def test_text_format_json_schema(client: "openai.OpenAI") -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    out = client.responses.create(model="tiny", input="A person:", text={"format": fmt}, max_output_tokens=60,
+                                  temperature=0)
+    assert out.status == "completed"
+    Draft202012Validator(PERSON).validate(json.loads(out.output_text))
+    assert out.text.format.type == "json_schema"
+
+
+def test_stream_events(client: "openai.OpenAI", http: httpx.Client) -> None:
+    whole = post(http, "/v1/responses", input="def main(", max_output_tokens=10, temperature=0)
+    events = list(client.responses.create(model="tiny", input="def main(", max_output_tokens=10, temperature=0,
+                                          stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    expected = whole["output"][0]["content"][0]["text"]
+    assert text == expected == events[-4].text
+    final = events[-1].response
+    assert final.output_text == expected and final.usage.output_tokens == whole["usage"]["output_tokens"]
+
+
+def test_stream_function_call_events(client: "openai.OpenAI") -> None:
+    events = list(client.responses.create(model="tiny", input="Weather?", tools=[TOOL], tool_choice="required",
+                                          max_output_tokens=80, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert "response.output_text.delta" not in types
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added and all(e.item.type == "function_call" for e in added)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == "".join(e.arguments for e in done)
+    for e in done:
+        assert Draft202012Validator(WEATHER).is_valid(json.loads(e.arguments))
+    assert types[-1] == "response.completed"
+    assert [item.type for item in events[-1].response.output] == ["function_call"] * len(done)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_unsupported_is_400_naming_the_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
+    assert error["param"] == param, error
+
+
+CALL_ITEMS = [{"type": "message", "role": "user", "content": "weather?"},
+              {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{oops"},
+              {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+    ({"tools": [{**TOOL, "parameters": {"type": "object", "required": 5}}]}, "tools[0].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": 5}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "nope"}}}}, "text.format.schema"),
+    ({"instructions": "Be brief.", "input": CALL_ITEMS}, "input[1].arguments"),
+    ({"max_output_tokens": 5000}, "input"),
+])
+def test_errors_name_the_responses_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    """An error raised by the chat path underneath names the field of the Responses body the client sent
+    (`tools[0].name`, not the chat shape's `tools[0].function.name`), in `param` and in the message."""
+    error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
+    assert error["param"] == param, error
+    for chat_only in ("messages", "response_format", ".function", "max_tokens"):
+        assert chat_only not in error["message"], error
+
+
+def test_auth_and_model_resolution_as_chat(server: ServerProcess, http: httpx.Client) -> None:
+    assert httpx.post(f"{server.url}/v1/responses", json={"model": "tiny", "input": "hi"}).status_code == 401
+    assert post(http, "/v1/responses", 404, input="hi", model="nope")["error"]["code"] == "model_not_found"
+    assert post(http, "/v1/responses", input="hi", store=False, max_output_tokens=2)["store"] is False

@@ -1,0 +1,79 @@
+"""LORAPLEX_BITMASK_BACKEND: the torch path of the bitmask apply (any device) and the Triton kernel agree, and
+the switch picks the path it names (the torch one is what the start-up self-check points to on a GPU whose
+kernel failed)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from grammar.matching import bitmask as bm  # noqa: E402
+from grammar.matching import bitmask_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture()
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Which implementation each apply ran."""
+    seen: list[str] = []
+    triton_apply, torch_apply = bitmask_triton.apply_token_bitmask_triton_, bm.apply_token_bitmask_torch_
+
+    def spy_triton(*args: object) -> None:
+        seen.append("triton")
+        triton_apply(*args)
+
+    def spy_torch(*args: object) -> None:
+        seen.append("torch")
+        torch_apply(*args)
+
+    monkeypatch.setattr(bitmask_triton, "apply_token_bitmask_triton_", spy_triton)
+    monkeypatch.setattr(bm, "apply_token_bitmask_torch_", spy_torch)
+    return seen
+
+
+def _apply(backend: str, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None,
+           monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", backend)
+    out = logits.clone()
+    bm.apply_token_bitmask_(out, mask, rows)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [77, 128, 1000])
+@pytest.mark.parametrize("use_rows", [False, True])
+def test_torch_and_triton_paths_agree(vocab: int, use_rows: bool, calls: list[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if not bitmask_triton.interpreting() and DEVICE == "cpu":
+        pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen).to(DEVICE)
+    mask = torch.randint(-(2 ** 31), 2 ** 31 - 1, (5, (vocab + 31) // 32), generator=gen,
+                         dtype=torch.int64).to(torch.int32).to(DEVICE)
+    mask[1] = -1                                                       # a row that allows everything
+    rows = torch.tensor([4, 0, 1], device=DEVICE) if use_rows else None
+    by_torch = _apply("torch", logits, mask, rows, monkeypatch)
+    by_triton = _apply("triton", logits, mask, rows, monkeypatch)
+    assert calls == ["torch", "triton"]
+    assert torch.equal(by_torch, by_triton)
+    masked = torch.isinf(by_torch)
+    assert masked.any() and not masked.all()                           # the masks did something
+    if use_rows:
+        assert not masked[[2, 3]].any()                                # rows not listed are untouched
+
+
+def test_the_switch(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    logits, mask = torch.zeros(1, 40), torch.zeros(1, 2, dtype=torch.int32)
+    for value, expected in (("", "torch"), ("auto", "torch"), ("torch", "torch"), (" Torch ", "torch")):
+        monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", value)
+        assert bm.bitmask_backend(logits) == expected               # CPU logits: auto is torch
+    cuda_logits = SimpleNamespace(is_cuda=True)                      # all the choice reads of the logits
+    for value, expected in (("", "triton"), ("torch", "torch"), ("triton", "triton")):
+        monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", value)
+        assert bm.bitmask_backend(cuda_logits) == expected          # type: ignore[arg-type]  # auto: triton
+    monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="LORAPLEX_BITMASK_BACKEND must be auto, torch or triton"):
+        bm.bitmask_backend(logits)

@@ -1,0 +1,153 @@
+"""choice / regex / GBNF grammar constraints: admission errors (400 with `param`), and random constrained walks
+whose outputs are one of the choices, full-match the regex, and parse with the grammar."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
+from grammar.specs.constraints import escape_literal, parse_constraints
+from grammar_helpers import lowered
+from grammar.errors import GrammarError
+from grammar.matching.matchers import make_matcher
+
+CHOICES = ["yes", "no", "maybe so", "a.b*c", "(x|y)", "tab\there"]
+REGEXES = [r"[a-z]{2,5}-[0-9]{3}", r"(?:ab|cd)+x?", r"\d{4}-\d{2}-\d{2}", r"[A-Z][a-z]* (is|was) (good|bad)\."]
+GRAMMAR = r'''
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+'''
+
+
+def walk(compiler: Any, spec: Any, seed: int, max_tokens: int = 60) -> tuple[str, bool]:
+    """Random allowed tokens until the matcher ends; (text, ended)."""
+    tok_vocab = compiler.vocab_size
+    matcher = make_matcher(compiler.compile(spec), ())
+    rng = random.Random(seed)
+    ids: list[int] = []
+    eos = set(compiler.eos_token_ids)
+    while not matcher.is_terminated() and len(ids) < max_tokens:
+        bitmask = allocate_token_bitmask(1, tok_vocab)
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = unpack_bitmask(bitmask, tok_vocab)[0].nonzero().flatten().tolist()
+        assert allowed, "a dead end"
+        token = rng.choice(allowed)
+        assert matcher.accept_token(token)
+        ids.append(token)
+    return compiler.decode([t for t in ids if t not in eos]), matcher.is_terminated()
+
+
+@pytest.fixture(scope="module")
+def decode_compiler(compiler: Any, bpe_tokenizer: Any) -> Any:
+    compiler.decode = lambda ids: bpe_tokenizer.decode(ids)
+    return compiler
+
+
+def test_escape_literal_round_trips() -> None:
+    import re
+    for text in CHOICES + ["\\", "[]{}^$", "é ü"]:
+        assert re.fullmatch(escape_literal(text), text)
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided"])
+def test_choice_outputs_are_choices(decode_compiler: Any, field: str) -> None:
+    spec = (parse_constraints({"choice": CHOICES}, {}, None) if field == "structured_outputs"
+            else parse_constraints(None, {"guided_choice": CHOICES}, None))
+    seen = set()
+    for seed in range(12):
+        text, ended = walk(decode_compiler, spec, seed)
+        assert ended and text in CHOICES and spec.validate_output(text)
+        seen.add(text)
+    assert len(seen) > 2
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_regex_outputs_full_match(decode_compiler: Any, pattern: str) -> None:
+    import re
+    spec = parse_constraints({"regex": pattern}, {}, None)
+    for seed in range(4):
+        text, ended = walk(decode_compiler, spec, seed)
+        if ended:
+            assert re.fullmatch(pattern, text), (pattern, text)
+
+
+def test_grammar_outputs_parse(decode_compiler: Any) -> None:
+    from grammar.cfg.cfg_grammar import grammar_accepts
+
+    spec = parse_constraints(None, {"guided_grammar": GRAMMAR}, None)
+    num_ended = 0
+    for seed in range(6):
+        text, ended = walk(decode_compiler, spec, seed)
+        if ended:
+            num_ended += 1
+            assert grammar_accepts(GRAMMAR, text), text
+        else:  # a prefix of a sentence
+            assert text.strip() and set(text) <= set("0123456789+-*/()")
+    assert num_ended >= 2
+    assert not grammar_accepts(GRAMMAR, "1+")
+
+
+@pytest.mark.parametrize("so, guided, rf, param, code", [
+    ({"regex": "a(b"}, {}, None, "structured_outputs.regex", "invalid_regex"),
+    (None, {"guided_regex": r"(?=a)b"}, None, "guided_regex", "invalid_regex"),
+    (None, {"guided_regex": r"(a)\1"}, None, "guided_regex", "invalid_regex"),
+    ({"choice": []}, {}, None, "structured_outputs.choice", "invalid_structured_outputs"),
+    (None, {"guided_choice": ["a", 3]}, None, "guided_choice", "invalid_structured_outputs"),
+    ({"regex": "a", "choice": ["a"]}, {}, None, "structured_outputs.choice", "invalid_structured_outputs"),
+    (None, {"guided_regex": "a", "guided_json": {}}, None, "guided_json", "invalid_structured_outputs"),
+    ({"json": {"type": "object"}}, {}, {"type": "json_object"}, "structured_outputs.json",
+     "invalid_structured_outputs"),
+    ({"bogus": 1}, {}, None, "structured_outputs.bogus", "invalid_structured_outputs"),
+    ({"json": {"type": "number", "multipleOf": 0.01}}, {}, None, "structured_outputs.json",
+     "unsupported_json_schema"),
+    (None, {"guided_json": "{not json"}, None, "guided_json", "invalid_structured_outputs"),
+    (None, {"guided_grammar": ""}, None, "guided_grammar", "invalid_grammar"),
+])
+def test_admission_errors_name_the_field(so: Any, guided: Any, rf: Any, param: str, code: str) -> None:
+    with pytest.raises(GrammarError) as info:   # at admission, or where a compile worker lowers the schema
+        lowered(parse_constraints(so, guided, rf))
+    assert info.value.param == param and info.value.code == code, info.value
+
+
+def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
+    """Parsed at admission once xgrammar is loaded in the process, else by the compile worker: a 400 either way."""
+    for text in ("root ::= undefined_rule", 'root ::= "a" |'):
+        with pytest.raises(GrammarError) as info:
+            decode_compiler.compile(parse_constraints(None, {"guided_grammar": text}, None))
+        assert info.value.code == "invalid_grammar" and info.value.param == "guided_grammar"
+    assert decode_compiler.compile(parse_constraints({"regex": "ok+"}, {}, None)) is not None
+
+
+def test_json_through_structured_outputs(decode_compiler: Any) -> None:
+    import json
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = parse_constraints({"json": schema}, {}, None)
+    assert spec.kind == "json_schema"
+    for seed in range(3):
+        text, ended = walk(decode_compiler, spec, seed, max_tokens=200)
+        if ended:
+            assert isinstance(json.loads(text)["a"], int)
+
+
+def test_grammar_compile_timeout_is_a_400_and_the_pool_keeps_serving(bpe_tokenizer: Any) -> None:
+    from grammar.compile.compiler import GrammarCompiler
+
+    rules = "\n".join(f'r{i} ::= "w{i}" [a-z]{{0,40}} ("x" r{i + 1})?' for i in range(400))
+    slow = parse_constraints(None, {"guided_grammar": f"root ::= r0\n{rules}\nr400 ::= \"end\""}, None)
+    compiler = GrammarCompiler(bpe_tokenizer, len(bpe_tokenizer), [bpe_tokenizer.eos_token_id],
+                               compile_timeout_s=0.02, num_workers=1)
+    try:
+        with pytest.raises(GrammarError) as info:
+            compiler.compile(slow)
+        assert info.value.code == "grammar_compile_timeout" and info.value.param == "guided_grammar"
+        # the killed worker is replaced: the next compile is served (a regex: no second multi-second
+        # grammar-library import in the new worker)
+        assert compiler.compile(parse_constraints(None, {"guided_regex": "a[bc]"}, None)) is not None
+        assert compiler._pool.restarts == 1
+        assert not compiler._pool._workers[0].cfg_ready   # the replacement loads the grammar library again
+    finally:
+        compiler.close()
