@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from family_models import PHI3_SPEC, gemma_dir
 from testlib import SPECS
 from tiny_models import TinyModelSpec, tiny_model_dir
 
@@ -104,13 +105,9 @@ def base_dir(name: str) -> Path:
     if name == "qwen3":
         return tiny_model_dir(TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=5))
     if name == "gemma2":
-        from family_models import gemma_dir
-
         return gemma_dir("gemma2")
     if name == "phi3":   # the Phi-3 family test's model: fused qkv_proj / gate_up_proj, longrope
-        from test_family_phi3 import SPEC
-
-        return tiny_model_dir(SPEC)
+        return tiny_model_dir(PHI3_SPEC)
     if name == "phi3_unaligned":   # q | k | v = 48 | 12 | 12 rows: v starts at row 60, inside an 8-code packed
         # word of the output dim; gate | up = 104 | 104: under TP=2 each rank's part starts at row 52 (inside too)
         return tiny_model_dir(TinyModelSpec(arch="phi3", hidden_size=48, intermediate_size=104, num_heads=4,

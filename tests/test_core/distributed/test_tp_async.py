@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from core import LLM, SamplingParams  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
-from test_lora_engine import check_mixed, generate, make_llm, prompt_ids, reference  # noqa: E402
+from lora_engine_cases import check_mixed, generate, make_llm, prompt_ids, reference  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa"

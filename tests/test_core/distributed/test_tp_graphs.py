@@ -18,7 +18,7 @@ from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from lora_fixtures import peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
-from test_lora_engine import LORAS, NAMES, make_llm, prompt_ids  # noqa: E402
+from lora_engine_cases import LORAS, NAMES, make_llm, prompt_ids  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa_1layer"   # one layer: the interpreter runs every kernel in Python, each layer the same way

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from core import LLM, SamplingParams  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
 from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens, record_step_inputs  # noqa: E402
-from test_lora_engine import make_llm, mixed_batch, reference  # noqa: E402
-from test_tp_parity import JSON_FORMAT, SCHEMA  # noqa: E402
+from lora_engine_cases import make_llm, mixed_batch, reference  # noqa: E402
+from tp_cases import JSON_FORMAT, SCHEMA  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa"

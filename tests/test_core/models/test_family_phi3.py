@@ -28,15 +28,9 @@ from family_parity import GREEDY, MAX_TOKENS, check_family, greedy_with_margin, 
 from lora_fixtures import _fresh_base, _save_adapter  # noqa: E402
 from lora_tree import _peft_model  # noqa: E402
 from testlib import PROMPTS, _hf_model, encode  # noqa: E402
-from tiny_models import TinyModelSpec, tiny_model_dir  # noqa: E402
+from family_models import PHI3_ORIGINAL, PHI3_ROTARY_DIM, PHI3_SPEC  # noqa: E402
+from tiny_models import tiny_model_dir  # noqa: E402
 
-ORIGINAL = 40          # original_max_position_embeddings; max_position_embeddings 256: factor 6.4
-ROTARY_DIM = 12        # head_dim 16 * partial_rotary_factor 0.75
-LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL,
-            "short_factor": tuple(1.0 + 0.2 * i for i in range(ROTARY_DIM // 2)),
-            "long_factor": tuple(3.0 + 2.0 * i for i in range(ROTARY_DIM // 2))}
-SPEC = TinyModelSpec(arch="phi3", num_heads=4, num_kv_heads=2, rope_scaling=LONGROPE, partial_rotary_factor=0.75,
-                     original_max_position_embeddings=ORIGINAL, max_position_embeddings=256, seed=7)
 # 13 tokens + 16 fit the original context (short factors); 32 + 16 do not (long factors, though the
 # prompt alone fits: HF would switch mid-request); 97 never fits (long everywhere, HF agrees as it is)
 TEXTS = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
@@ -45,7 +39,7 @@ FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 @pytest.fixture(scope="module")
 def path() -> Path:
-    return tiny_model_dir(SPEC)
+    return tiny_model_dir(PHI3_SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +57,7 @@ def hf_rope_factors(model: torch.nn.Module, which: str) -> Iterator[None]:
     rotaries = [m for m in model.modules() if hasattr(m, "original_inv_freq")]
     saved = [(r.original_inv_freq, getattr(r, "long_inv_freq", None)) for r in rotaries]
     for r in rotaries:
-        seq_len = ORIGINAL + 1 if which == "long" else None
+        seq_len = PHI3_ORIGINAL + 1 if which == "long" else None
         r.original_inv_freq = r.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](r.config, None, seq_len=seq_len)[0]
     try:
         yield
@@ -77,14 +71,14 @@ def _model(path: Path, adapter: Path | None) -> torch.nn.Module:
 
 
 def admission_rule_reference(path: Path, adapter: Path | None, ids: list[int]) -> list[int]:
-    which = "long" if len(ids) + MAX_TOKENS > ORIGINAL else "short"
+    which = "long" if len(ids) + MAX_TOKENS > PHI3_ORIGINAL else "short"
     with hf_rope_factors(_model(path, adapter), which):
         return reference(path, adapter, ids)
 
 
 def test_config_reads_the_phi3_features(path: Path) -> None:
     cfg = ModelConfig.from_path(path)
-    assert cfg.model_type == "phi3" and cfg.rotary_dim == ROTARY_DIM < cfg.head_dim
+    assert cfg.model_type == "phi3" and cfg.rotary_dim == PHI3_ROTARY_DIM < cfg.head_dim
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
     assert "longrope" in cfg.describe() and "partial rotary" in cfg.describe()
 
@@ -103,7 +97,7 @@ def test_long_and_short_factors_never_share_prefix_cache(path: Path) -> None:
     """The same prompt admitted with short (max_tokens 4) then long (max_tokens 16) factors: no cache hit,
     and each equals its own reference."""
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8)
-    ids = encode(path, PROMPTS[2])                    # 32 tokens: + 4 fits ORIGINAL, + 16 does not
+    ids = encode(path, PROMPTS[2])                    # 32 tokens: + 4 fits PHI3_ORIGINAL, + 16 does not
     short = llm.generate([{"prompt_token_ids": ids}], GREEDY.__class__(max_tokens=4, temperature=0.0))[0]
     long = llm.generate([{"prompt_token_ids": ids}], GREEDY)[0]
     again = llm.generate([{"prompt_token_ids": ids}], GREEDY)[0]

@@ -59,28 +59,3 @@ def test_unimplemented_rope_type_is_a_start_up_error(path: Path, tmp_path: Path)
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
         LLM(str(tmp_path / "m"), dtype="float32", device="cpu", num_kv_blocks=16)
-
-
-@pytest.mark.parametrize("long", [False, True])
-def test_partial_longrope_rotary_triton_matches_torch(long: bool) -> None:
-    """Phi-4-mini's shape of rope (12 of 16 channels, longrope's stacked tables, a row offset): the Triton
-    rotary kernel (interpreted on the CPU) equals the torch path; the passed-through channels are untouched."""
-    from core.models.rope import PartialRotaryEmbedding
-    from test_fused_ops import close, run
-
-    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 16,
-               "short_factor": [1.0 + 0.2 * i for i in range(6)], "long_factor": [3.0 + 2.0 * i for i in range(6)]}
-    rope = PartialRotaryEmbedding(12, 64, 10000.0, scaling, 64)
-    assert rope.cos.shape == (128, 12)                                   # [2 * P, rotary_dim]
-    g = torch.Generator().manual_seed(3)
-    positions = torch.randint(0, 64, (5,), generator=g) + (64 if long else 0)
-    qkv = torch.randn(5, (4 + 2 * 2) * 16, generator=g)                  # [T, (H + 2 Hkv) * D]
-
-    def apply(qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _ = qkv.split([64, 32, 32], dim=-1)
-        return rope.to(qkv.device)(positions, q.view(5, 4, 16), k.view(5, 2, 16))   # [T, H, D], [T, Hkv, D]
-
-    ref_q, ref_k = run("torch", apply, qkv, positions)
-    assert torch.equal(ref_q[..., 12:], qkv[:, :64].view(5, 4, 16)[..., 12:])
-    for got, ref in zip(run("triton", apply, qkv, positions), (ref_q, ref_k)):
-        close(got, ref, torch.float32)

@@ -8,7 +8,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 from spec_helpers import OracleDrafts  # noqa: E402
-from test_lora_engine import LORAS, make_llm, mixed_batch, reference  # noqa: E402
+from lora_engine_cases import LORAS, make_llm, mixed_batch, reference  # noqa: E402
 from core import SamplingParams  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
 

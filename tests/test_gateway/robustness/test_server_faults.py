@@ -19,14 +19,12 @@ import pytest
 import engine_probe as probe
 from fault_client import Outcome, Template, send, templates
 from inprocess_server import InProcessServer
-from test_soak import ADAPTERS, MODEL, soak_server, SERVED
-from lora_fixtures import adapter_dir
+from soak_setup import ADAPTERS, MODEL, SERVED, lora_modules, soak_server
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[InProcessServer]:
-    mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = soak_server(mods, num_kv_blocks=64, max_num_batched_tokens=256)
+    srv = soak_server(lora_modules(ADAPTERS), num_kv_blocks=64, max_num_batched_tokens=256)
     assert srv.engine_process
     try:
         yield srv

@@ -27,8 +27,7 @@ import pytest
 import engine_probe as probe
 from fault_client import Outcome, Template, send, templates
 from inprocess_server import InProcessServer
-from test_soak import ADAPTERS, INTEGRITY_EVERY_STEPS, MODEL, SERVED, soak_server
-from lora_fixtures import adapter_dir
+from soak_setup import ADAPTERS, INTEGRITY_EVERY_STEPS, SERVED, lora_modules, soak_server
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_FAULT_SOAK_REQUESTS", "150"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_FAULT_SOAK_SECONDS", "20"))
@@ -53,8 +52,7 @@ def soak_templates() -> list[Template]:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
-    mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = soak_server(mods, num_kv_blocks=16, async_scheduling=request.param)
+    srv = soak_server(lora_modules(ADAPTERS), num_kv_blocks=16, async_scheduling=request.param)
     assert srv.engine_process
     try:
         yield srv

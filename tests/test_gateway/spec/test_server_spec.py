@@ -17,8 +17,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from testlib import model_dir  # noqa: E402
 from gateway_server import ServerProcess, loraplex_command, metric_value  # noqa: E402
-from lora_fixtures import adapter_dir  # noqa: E402
-from test_server_lora import MAX_TOKENS, MODEL, PROMPTS, norm, reference_text  # noqa: E402
+from lora_fixtures import adapter_dir, norm_text  # noqa: E402
+from served_lora_cases import MAX_TOKENS, MODEL, PROMPTS, reference_text  # noqa: E402
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 
@@ -35,8 +35,8 @@ def complete(server: ServerProcess, model: str, prompt: str, **kw) -> str:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **kw)
     if kw.get("stream"):
-        return norm("".join(c.choices[0].text for c in out))
-    return norm(out.choices[0].text)
+        return norm_text("".join(c.choices[0].text for c in out))
+    return norm_text(out.choices[0].text)
 
 
 def test_base_and_adapter_rows_share_batches_and_match_peft(server: ServerProcess) -> None:
