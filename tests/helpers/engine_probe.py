@@ -48,6 +48,12 @@ def leftovers(host: Any) -> dict[str, Any]:
     }
 
 
+def adapter_slots(host: Any, names: tuple[str, ...]) -> dict[str, int | None]:
+    """The device slot each named adapter sits in now (None: in none); tests/helpers/lora_slots.py."""
+    eng = host.engine
+    return {name: eng.lora_pool.slot_of(eng.registry.get(name).generation_id) for name in names}
+
+
 def scheduler_counts(host: Any) -> tuple[int, int, int]:
     """(requests, running, waiting) in the scheduler."""
     sched = host.engine.scheduler

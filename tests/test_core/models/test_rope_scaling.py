@@ -1,7 +1,7 @@
 """YaRN rope scaling (Qwen2.5 / Qwen3's long-context setting) on a tiny Qwen3: NTK-by-parts frequencies and
 the attention factor (mscale) that scales cos and sin, as HF transformers computes them. The engine equals
-HF / PEFT greedy (check_family); each part switched off in HF gives other tokens; a rope type we do not
-implement is a clear start-up error. Longrope: tests/test_core/models/test_family_phi3.py."""
+HF / PEFT greedy (check_family, three adapters in slots 0-2), whose precondition is that each part switched
+off in HF gives other tokens; a rope type we do not implement is a clear start-up error. Longrope: tests/test_core/models/test_family_phi3.py."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 from core import LLM  # noqa: E402
-from family_parity import MAX_TOKENS, check_family, greedy_with_margin  # noqa: E402
+from family_parity import MAX_TOKENS, check_family, family_adapters, greedy_with_margin  # noqa: E402
 from lora_fixtures import ALL7  # noqa: E402
 from lora_tree import write_adapter  # noqa: E402
 from testlib import PROMPTS, _hf_model, encode  # noqa: E402
@@ -34,12 +34,13 @@ def path() -> Path:
 
 
 def test_yarn_matches_hf_and_peft(path: Path, tmp_path: Path) -> None:
+    for part in ("attention_factor", "frequencies"):   # the precondition: without each part HF gives other tokens
+        assert_yarn_part_changes_the_reference(path, part)
     adapter = write_adapter(tmp_path / "all7", path, 8, ALL7, seed=45, b_mult=0.7)
-    check_family(path, {"yarn-all7": adapter}, TEXTS, prefix=True)
+    check_family(path, family_adapters(path, tmp_path, "yarn", adapter, seeds=(54, 52)), TEXTS, prefix=True)
 
 
-@pytest.mark.parametrize("part", ["attention_factor", "frequencies"])
-def test_each_yarn_part_changes_the_reference(path: Path, part: str) -> None:
+def assert_yarn_part_changes_the_reference(path: Path, part: str) -> None:
     ids = [encode(path, t) for t in TEXTS]
     full = [greedy_with_margin(_hf_model(str(path)), p, MAX_TOKENS)[0] for p in ids]
     model = copy.deepcopy(_hf_model(str(path)))
@@ -49,7 +50,8 @@ def test_each_yarn_part_changes_the_reference(path: Path, part: str) -> None:
         rotary.attention_scaling = 1.0
     else:  # plain rope frequencies, the attention factor kept
         rotary.inv_freq.copy_(1.0 / (SPEC.rope_theta ** (torch.arange(0, 32, 2).float() / 32)))
-    assert any(greedy_with_margin(model, p, MAX_TOKENS)[0] != ref for p, ref in zip(ids, full))
+    assert any(greedy_with_margin(model, p, MAX_TOKENS)[0] != ref for p, ref in zip(ids, full)), \
+        f"test setup: switching {part} off in HF does not change its tokens"
 
 
 def test_unimplemented_rope_type_is_a_start_up_error(path: Path, tmp_path: Path) -> None:
