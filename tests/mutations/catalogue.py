@@ -131,6 +131,20 @@ MUTATIONS: tuple[Mutation, ...] = (
               "self.text = self.text[:start + length]"),),
         STOP_TESTS),
     Mutation(
+        "spaces-between-special-tokens-dropped", "the gateway drops `spaces_between_special_tokens: false` (the "
+        "engine always spaces adjacent added tokens)",
+        (Edit("gateway/inputs/params.py",
+              "spaces_between_special_tokens=body.spaces_between_special_tokens is not False,",
+              "spaces_between_special_tokens=True,"),),
+        ("tests/test_gateway/api/test_vllm_request_fields.py::"
+         "test_spaces_between_special_tokens_joins_adjacent_added_tokens",)),
+    Mutation(
+        "spec-accept-ignores-draft-probs", "speculative rejection sampling accepts a drafted token with probability "
+        "p(x), not min(1, p(x) / q(x))",
+        (Edit("core/spec/rejection.py", "accept = u_accept * q_x.double() < p_x.double()",
+              "accept = u_accept < p_x.double()"),),
+        ("tests/test_core/spec/test_spec_rejection.py",)),
+    Mutation(
         "sampler-top-p-off", "top_p is ignored (the whole distribution is sampled)",
         (Edit("core/sampling/sampler.py", "need_top_p=any(p.top_p < 1.0 for p in ps)", "need_top_p=False"),),
         ("tests/test_core/sampling/test_sampling.py",)),

@@ -84,7 +84,11 @@ def test_completion_rejections(kw: dict[str, Any], param: str) -> None:
 
 
 def test_zero_penalties_and_empty_logit_bias_are_accepted() -> None:
-    completion_sampling_params(completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="u"))
+    """Neutral values are accepted and mean "off": the parameters of a body without them (the plain sampler runs)."""
+    p = completion_sampling_params(completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="u"))
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
+    assert not p.has_penalties
+    assert p == completion_sampling_params(completion())
 
 
 def test_penalty_fields_map_to_sampling_params() -> None:

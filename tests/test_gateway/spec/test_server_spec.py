@@ -53,14 +53,14 @@ def test_base_and_adapter_rows_share_batches_and_match_peft(server: ServerProces
 
 
 def test_json_schema_validates(server: ServerProcess) -> None:
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}},
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999}, "y": {"type": "boolean"}},
               "required": ["x", "y"], "additionalProperties": False}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.chat.completions.create(
         model="a", messages=[{"role": "user", "content": "json"}], max_tokens=40, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
-    if out.choices[0].finish_reason == "stop":
-        assert set(json.loads(out.choices[0].message.content)) == {"x", "y"}
+    assert out.choices[0].finish_reason == "stop", out.choices[0]
+    assert set(json.loads(out.choices[0].message.content)) == {"x", "y"}
 
 
 def test_bad_config_stops_startup_naming_the_field() -> None:
