@@ -197,6 +197,37 @@ def test_unload_while_in_flight() -> None:
     assert_idle_and_sound(llm)
 
 
+def test_reload_while_the_old_weights_run_never_shares_their_kv() -> None:
+    """The anchors' stale-KV bug: a reload under the same name while a request of the old weights still runs
+    (its prompt blocks are in the radix tree). The new weights' request on the same prompt gets no prefix hit
+    (namespaces are generation ids, never names) and the new weights' tokens; the old request finishes with
+    the old weights'."""
+    model = "llama_gqa"
+    llm = make_llm(model, names={"tenant-a": "qv_r4"})
+    engine = llm.engine
+    ids = prompt_ids(model)[4]                      # several full blocks
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
+    engine.add_request("old", ids, GREEDY, lora=engine.resolve_lora("tenant-c"))
+    outputs: dict[str, list[int]] = {"old": [], "new": []}
+    cached: dict[str, int] = {}
+    for _ in range(2):                              # the prefill (its blocks go into the tree) and a decode step
+        for d in engine.step():
+            outputs[d.request_id] += d.new_token_ids
+    assert engine.has_unfinished_requests()
+    engine.unload_lora("tenant-c")
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8_v2")))
+    engine.add_request("new", ids, GREEDY, lora=engine.resolve_lora("tenant-c"))
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            outputs[d.request_id] += d.new_token_ids
+            cached[d.request_id] = d.num_cached_tokens
+        engine.check_integrity()
+    assert cached["new"] == 0, "the reloaded adapter hit the old weights' KV"
+    assert outputs["new"] == reference(model, "tenant-c", ids, {"tenant-c": "all7_r8_v2"})
+    assert outputs["old"] == reference(model, "tenant-c", ids, {"tenant-c": "all7_r8"})
+    assert_idle_and_sound(llm)
+
+
 def test_unload_between_resolve_and_admission() -> None:
     """The gateway resolves a name, then the engine thread admits the request: an unload in between is a 404
     for that request (its slot and host copy may already be freed), never a request that waits forever."""
