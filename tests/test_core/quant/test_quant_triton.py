@@ -48,7 +48,7 @@ def test_fp8_scaled_mm_matches_emulation(static: bool) -> None:
     same arithmetic: e4m3 activations per token (or one static scale), e4m3 weights per channel. On the CPU to
     fp32 rounding; on a GPU to 2e-3, the tolerance PyTorch's own row-wise `_scaled_mm` test holds cuBLAS's fp32
     output to (Hopper's FP8 tensor cores accumulate with fewer bits than fp32), far below the error of
-    activations left unquantized (~3e-2 here)."""
+    activations left unquantized (here 0.12 median, 0.5 max absolute on outputs of median 5.5)."""
     from core.quant.fp8_mm import emulate, scaled_mm
 
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) < (8, 9):
