@@ -3,6 +3,12 @@ interpreter without one) against the torch path (dequantize, then matmul): 4 and
 g_idx, both tile configs, ragged shapes; and the FP8 `torch._scaled_mm` path against its torch emulation."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +20,21 @@ from core.quant.triton_gemm import tile_config, wq_matmul  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
+ROOT = Path(__file__).resolve().parents[3]
+# compiles the kernel for an H100 (sm_90) without a GPU (ptxas ships with triton) and prints its dots' TTGIR
+COMPILE_FOR_H100 = """
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from core.quant.triton_gemm import _wq_gemm_kernel as kernel
+
+params = list(inspect.signature(kernel.fn).parameters)
+sig = dict(zip(params, ["*fp32", "*i32", "*fp32", "*u8", "*i32", "*fp32"] + ["i32"] * 9 + ["constexpr"] * 5))
+consts = {"BITS": 4, "HAS_GIDX": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
+src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+print(json.dumps(re.findall(r"tt\\.dot\\b[^:]*", triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttgir"])))
+"""
 
 
 def _layer(bits: int, act_order: bool, out_f: int, in_f: int, gs: int, seed: int) -> QuantLinear:
@@ -36,6 +57,18 @@ def test_triton_gemm_matches_torch_path(bits: int, act_order: bool, num_tokens: 
     x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)).to(DEVICE)
     y = wq_matmul(x, q.qweight, q.scales, q.zeros, q.g_idx, bits, 128, 80)
     torch.testing.assert_close(y, x @ q.dequantize().t(), rtol=1e-4, atol=1e-4)
+
+
+def test_fp32_activations_never_take_tf32_dots() -> None:
+    """Compiled for an H100 (no GPU needed): fp32 activations get exact fp32 dots. Triton's default for fp32 dots
+    on a GPU is TF32 (10-bit mantissas: ~2e-3 absolute error here, the comparison above fails on a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}       # a real compile, not the interpreter
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dots = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert dots and not any("tf32" in d for d in dots), dots
 
 
 def test_tile_table_has_two_variants() -> None:
