@@ -9,10 +9,11 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # test helpers: `fr
 
 import torch
 
+from kernel_device import kernel_device as _kernel_device, use_interpreter_without_gpu
+
 # Without a GPU, every Triton kernel in the suite runs in the interpreter; set before anything imports
-# triton, so the order test modules are collected in never matters.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# triton, so the order test modules are collected in never matters (tests/helpers/kernel_device.py).
+use_interpreter_without_gpu(os.environ)
 
 import pytest
 
@@ -34,6 +35,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.fspath)).resolve() in gpu_files:
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture()
+def kernel_device() -> torch.device:
+    """The device of every tensor a test hands a Triton kernel: cuda with a GPU, else cpu (the interpreter).
+    Per test (it costs nothing): a session-wide value would outlive a test that patched CUDA's presence."""
+    return _kernel_device()
 
 
 @pytest.fixture(scope="session", params=["llama_gqa", "qwen2_tied"])
