@@ -36,8 +36,10 @@ LORA_PARITY_TESTS = (
     "tests/test_core/quant/test_quant_phi3.py",
     "tests/test_core/quant/test_quant_fp8.py",
     "tests/test_core/quant/test_quant_tp.py",
+    "tests/test_core/quant/test_quant_server.py",
     "tests/test_core/engine/test_fault_isolation.py",
     "tests/test_gateway/robustness/test_server_faults.py",
+    "tests/test_gateway/robustness/test_soak_faults.py",
     "tests/test_adapters/test_lora_engine.py",
     "tests/test_core/spec/test_spec_lora.py",
 )
