@@ -31,7 +31,7 @@ def _tp_llm(name: str, size: int, **kw) -> Iterator[LLM]:
     try:
         yield llm
     finally:
-        llm.engine.tp.shutdown()
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")

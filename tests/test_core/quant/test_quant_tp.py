@@ -32,7 +32,7 @@ def test_tp2_matches_references(name: str) -> None:
                             lora=[None, None, "tenant", "tenant"])
         assert [o.token_ids for o in outs] == expected
     finally:
-        llm.engine.tp.shutdown()
+        llm.shutdown()
 
 
 def test_shard_off_group_boundary_is_a_startup_error() -> None:
