@@ -21,11 +21,8 @@ from core.errors import RequestFault
 from core.execution.lora_step import StepAdapters
 from core.execution.model_runner import ModelRunner
 from core.execution.pending import PendingStep
-from core.execution.runner import prepare_batch
 from core.execution.step_io import ForwardOutput, StepBatch, StepResult
-from core.sampling.grammar_masks import GrammarMasks
 from core.sampling.params import SamplingParams
-from core.sampling.prompt_logprobs import plan_prompt_logprobs
 from core.sampling.stage import SamplingStage
 from core.sampling.stops import append_token, make_delta
 from core.scheduling.admission import check_prompt_ids, check_request, new_request
@@ -55,8 +52,7 @@ class LLMEngine:
         self.adapters = StepAdapters(self.registry, self.lora_pool, self.kv.prefix_cache)
         self._grammars = GrammarCompilers(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(config, p)           # execute
-        self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device,
-                                     GrammarMasks(self.model_config.vocab_size))
+        self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device)   # sample
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
@@ -245,7 +241,7 @@ class LLMEngine:
                 self.registry.wait_for_loads(0.02)   # only adapter loads can make progress: do not spin
             self._update(pending, out)
             return None
-        host = prepare_batch(sched.scheduled, self.block_size)
+        host = self.runner.prepare(sched.scheduled)
         token_slots, failed = self.adapters.token_slots(host.requests, host.num_new)
         if failed:  # skip this forward: fail the requests of unreadable adapters, the rest run next step
             self._update(pending, out)
@@ -254,7 +250,7 @@ class LLMEngine:
                 [r for r in host.requests if r.lora_slot_key in failed and not r.status.finished],
                 f"the weights of adapter(s) {names} could not be read")
             return None
-        return StepBatch(host, token_slots, plan_prompt_logprobs(host), self.spec.layout(host))
+        return StepBatch.plan(host, token_slots, self.spec.layout(host))
 
     def _sample(self, batch: StepBatch, fwd: ForwardOutput, out: list[RequestDelta]) -> StepResult | None:
         """The step's tokens, one per sampled row (None: no row samples). A step with drafts verifies them first

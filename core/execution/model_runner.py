@@ -14,10 +14,10 @@ import torch
 
 from core.distributed.executor import TPExecutor
 from core.engine import faults
-from core.engine.request import PENDING_TOKEN
+from core.engine.request import PENDING_TOKEN, Request
 from core.execution.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.execution.pending import PendingStep, fixup_to_device
-from core.execution.runner import graph_sample_rows, to_device
+from core.execution.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
 from core.execution.step_io import ForwardOutput, StepBatch
 from core.sampling.prompt_logprobs import record_prompt_logprobs
 
@@ -41,6 +41,10 @@ class ModelRunner:
             return 0
         self.executor.capture_graphs(self.graphs.sizes, self.graphs.use_graphs, self.graphs.lora is not None)
         return self.graphs.capture()
+
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> HostBatch:
+        """The flat batch of the scheduled (request, new tokens) pairs (`core/execution/runner.py`)."""
+        return prepare_batch(scheduled, self.block_size)
 
     def execute(self, batch: StepBatch, pending: PendingStep | None, share_tokens: bool) -> ForwardOutput:
         """Queues the forward (nothing here waits for the device) and the prompt log-probs of its rows.

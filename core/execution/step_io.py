@@ -18,7 +18,7 @@ import torch
 from core.engine.request import Request
 from core.errors import RequestFault
 from core.execution.runner import HostBatch
-from core.sampling.prompt_logprobs import PromptLogprobPlan
+from core.sampling.prompt_logprobs import PromptLogprobPlan, plan_prompt_logprobs
 
 Logprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # chosen [N], top values [N, k], top ids [N, k]
 
@@ -38,6 +38,11 @@ class StepBatch:
     token_slots: np.ndarray | None            # [T] LoRA slot per token (-1: base); None: no adapter this step
     prompt_plan: PromptLogprobPlan | None     # prompt rows whose log-probs are computed (before sampling)
     drafts: DraftLayout | None                # a step with speculative drafts (None: the plain layout)
+
+    @staticmethod
+    def plan(host: HostBatch, token_slots: np.ndarray | None, drafts: DraftLayout | None) -> "StepBatch":
+        """The batch with the rows of its prompt log-probs planned."""
+        return StepBatch(host, token_slots, plan_prompt_logprobs(host), drafts)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from core.engine.fault_isolation import find_culprits
 from core.engine.request import Request
 from core.errors import RequestFault
 from core.execution.step_io import StepResult
-from core.sampling.grammar_masks import TokenMasker
+from core.sampling.grammar_masks import GrammarMasks, TokenMasker
 from core.sampling.penalties import PenaltyState
 from core.sampling.sampler import SamplingBatch, compute_logprobs, sample
 
@@ -28,8 +28,11 @@ class LogitsHead(Protocol):
 
 
 class SamplingStage:
-    def __init__(self, head: LogitsHead, vocab_size: int, device: torch.device, masks: TokenMasker) -> None:
-        self.head, self.vocab_size, self.device, self.masks = head, vocab_size, device, masks
+    def __init__(self, head: LogitsHead, vocab_size: int, device: torch.device,
+                 masks: TokenMasker | None = None) -> None:
+        """`masks`: the constrained rows' token masks (default: the requests' grammar matchers)."""
+        self.head, self.vocab_size, self.device = head, vocab_size, device
+        self.masks = masks if masks is not None else GrammarMasks(vocab_size)
         self.penalties = PenaltyState(vocab_size, device)
 
     def release(self, request_id: str) -> None:

@@ -5,11 +5,14 @@ by the module (it spawns a worker process; one TP engine per process at a time).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import jsonschema
+import psutil
 import pytest
+import torch
 
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered
 from core import LLM, SamplingParams
@@ -26,12 +29,16 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema"
 
 
 def _tp_llm(name: str, size: int, **kw) -> Iterator[LLM]:
-    llm = LLM(str(model_dir(name)), dtype="float32", device="cpu", num_kv_blocks=256, tensor_parallel_size=size,
-              **kw)
+    """The engine; its shutdown leaves no worker process, thread or process group behind."""
+    path = model_dir(name)
+    threads, children = set(threading.enumerate()), {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=256, tensor_parallel_size=size, **kw)
     try:
         yield llm
     finally:
         llm.shutdown()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+    assert not set(threading.enumerate()) - threads and not torch.distributed.is_initialized()
 
 
 @pytest.fixture(scope="module")
