@@ -41,15 +41,27 @@ def _copy(dest: torch.Tensor, piece: torch.Tensor, name: str) -> None:
     dest.copy_(piece)
 
 
-def _read_piece(sl: Any, shard: TPShard, target: str, hf_module: str | None) -> torch.Tensor:
+def _check_dim(sl: Any, dim: int, expected: int, name: str) -> None:
+    """The whole checkpoint tensor's size along the dim a rank slices (a slice alone would not see a wrong one)."""
+    if sl.get_shape()[dim] != expected:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {sl.get_shape()}; the model expects {expected} "
+                         f"along dim {dim}")
+
+
+def _read_piece(sl: Any, shard: TPShard, target: str, hf_module: str | None, name: str) -> torch.Tensor:
     """Reads only this rank's part of one checkpoint tensor (`sl`: a safetensors slice)."""
+    dims = BaseModelDims.from_model_config(shard.cfg)
     if hf_module is not None:                                     # column-parallel slice of a fused linear
+        _check_dim(sl, 0, dims.module_shape(hf_module)[1], name)
         start, size = shard.out_range(hf_module)
         return sl[start:start + size]
     if target.endswith(("o_proj.weight", "down_proj.weight")):   # row-parallel: input columns
-        start, size = shard.in_range(target.split(".")[-2])
+        module = target.split(".")[-2]
+        _check_dim(sl, 1, dims.module_shape(module)[0], name)
+        start, size = shard.in_range(module)
         return sl[:, start:start + size]
     if target.endswith(_VOCAB_PARAMS):
+        _check_dim(sl, 0, shard.cfg.vocab_size, name)
         return sl[shard.vocab_start:shard.vocab_start + shard.num_vocab_rows]
     return sl[:]
 
@@ -62,8 +74,7 @@ def _load_fused_in_file(param: torch.Tensor, sl: Any, shard: TPShard, fused: str
         start, size = shard.out_range(module)
         _copy(param.narrow(0, _fused_dest(shard, fused, idx), size), sl[offset + start:offset + start + size], name)
         offset += dims.module_shape(module)[1]
-    if sl.get_shape()[0] != offset:
-        raise ValueError(f"checkpoint tensor {name!r} has {sl.get_shape()[0]} rows; the model expects {offset}")
+    _check_dim(sl, 0, offset, name)
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard, skip: frozenset[str] = frozenset()) -> None:
@@ -98,7 +109,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard, skip: 
                         _load_fused_in_file(params[target], f.get_slice(file_name), shard, module, file_name)
                         loaded.update(f"{target}#{i}" for i in range(len(CHECKPOINT_FUSED[module])))
                         continue
-                    piece = _read_piece(f.get_slice(file_name), shard, target, hf_module)
+                    piece = _read_piece(f.get_slice(file_name), shard, target, hf_module, file_name)
                     param = params[target]
                     if fused is not None:
                         dest = param.narrow(0, _fused_dest(shard, fused, idx), shard.out_range(hf_module)[1])

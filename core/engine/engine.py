@@ -98,6 +98,8 @@ class LLMEngine:
         """Queues a request; `lora` is a registry entry (None = the base model); `tenant` feeds fair scheduling.
         `lora_held`: the caller already holds `lora` for this request (`registry.acquire`); the request takes
         the hold over, and gives it back if it is rejected."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
         try:
             max_tokens = self.check_request(len(prompt_token_ids), params)
             check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
@@ -196,6 +198,8 @@ class LLMEngine:
         `core/execution/pending.py`); otherwise those of this one. A request whose own state raises fails alone; a
         failure of the whole step fails the requests of the step (`core/engine/fault_isolation.py`) where the
         executor can contain it (one rank), and ends the engine otherwise."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
         self.adapters.release_unloaded()
         out = self._pump_adapter_loads()
         pending, self._pending = self._pending, None

@@ -8,9 +8,7 @@ into the inputs on the device (`core/execution/pending.py`).
 """
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from core.distributed.executor import TPExecutor
 from core.engine import faults
@@ -21,10 +19,13 @@ from core.execution.runner import HostBatch, graph_sample_rows, prepare_batch, t
 from core.execution.step_io import ForwardOutput, StepBatch
 from core.sampling.prompt_logprobs import record_prompt_logprobs
 
+if TYPE_CHECKING:
+    from core.config import EngineConfig
+    from core.engine.setup import EngineParts
+
 
 class ModelRunner:
-    def __init__(self, config: Any, parts: Any) -> None:
-        """`config`: the EngineConfig; `parts`: the EngineParts (model, KV caches, LoRA pool, executor)."""
+    def __init__(self, config: EngineConfig, parts: EngineParts) -> None:
         self.config, self.parts = config, parts
         self.model, self.kv_caches, self.lora_pool = parts.model, parts.kv_caches, parts.lora_pool
         self.executor: TPExecutor = parts.executor

@@ -18,7 +18,7 @@ rows of those logits and never calls the LM head again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +37,10 @@ from core.spec.decoder import SpecDecoder
 from core.spec.draft_model import DraftProposer
 from core.spec.stats import SpecStats
 from core.spec.verify import AppendToken
+
+if TYPE_CHECKING:
+    from core.config import EngineConfig
+    from core.engine.setup import EngineParts
 
 
 @dataclass
@@ -178,7 +182,7 @@ class SpecStage:
         return self._fail(req, fault_of(req, "token handling", exc))
 
 
-def build_speculator(config: Any, parts: Any, sampler: SamplingStage, append: AppendToken,
+def build_speculator(config: EngineConfig, parts: EngineParts, sampler: SamplingStage, append: AppendToken,
                      fail: Callable[[Request, RequestFault], RequestDelta]) -> Speculator:
     """The speculator of `config.speculative` (`NoSpeculation` when off). Under tensor parallelism a draft model
     runs whole (unsharded) on the driver rank only, like vLLM's `draft_tensor_parallel_size=1`."""
