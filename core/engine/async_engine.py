@@ -54,8 +54,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
                  on_warmup_progress: Callable[[int, int, float], None] | None = None,
                  on_ready: Callable[[Any], None] | None = None,
-                 switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S, owns_engine: bool = True) -> None:
+        """`owns_engine`: `shutdown()` also releases the engine (False: a caller that lent it keeps using it)."""
         self.engine = engine
+        self.owns_engine = owns_engine
         self.switch_interval_s = switch_interval_s   # None: leave the interpreter's switch interval alone
         self._switch_interval_before: float | None = None
         self.on_warmup_progress = on_warmup_progress
@@ -82,11 +84,20 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the loop, then releases the engine it owns (`LLMEngine.shutdown`: threads, compile workers,
+        tensor-parallel workers, device memory). A step that does not end (a collective a lost worker never joins)
+        is ended by stopping the workers first."""
         self._stop = True
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.engine.registry.shutdown()     # queued adapter reads are cancelled
+        if self._thread.is_alive() and self.owns_engine:
+            self.engine.executor.shutdown(graceful=False)
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s; the engine is not released", 2 * timeout)
+        elif self.owns_engine:
+            self.engine.shutdown(graceful=self.error is None)
         if self._switch_interval_before is not None and sys.getswitchinterval() == self.switch_interval_s:
             sys.setswitchinterval(self._switch_interval_before)   # a host process gets its own setting back
             self._switch_interval_before = None

@@ -239,8 +239,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         core.engine = engine
         core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device),
                             "adapters": adapter_entries(engine.registry)})
-        if engine.tp is not None:
-            engine.tp.on_failure.append(_exit_on_tp_failure)
+        engine.executor.on_failure.append(_exit_on_tp_failure)   # (one rank: never called)
         # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
         # the main thread measured up to 30x slower on a loaded 2-core host (benchmarks/serving_overhead.py)
         failure: list[BaseException] = []
@@ -250,10 +249,8 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         if failure:
             raise failure[0]
     except BaseException as exc:   # noqa: BLE001 - report, then exit non-zero
-        tp = core.engine.tp if core.engine is not None else None
-        deadline = time.monotonic() + 3.0
-        while tp is not None and tp.failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)   # a collective that failed on a lost worker: its monitor names the worker, then exits
+        if core.engine is not None:   # a collective that failed on a lost worker: name the worker, then exit
+            core.engine.executor.blame_dead_worker(grace_s=3.0)
         log.error("engine core crashed: %s", traceback.format_exc())
         try:
             core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(_describe(exc))))
@@ -261,11 +258,8 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
             pass
         code = 1
     finally:
-        eng = core.engine
-        if eng is not None:
-            eng.registry.shutdown()
-            if eng.tp is not None:
-                eng.tp.shutdown(graceful=code == 0)
+        if core.engine is not None:
+            core.engine.shutdown(graceful=code == 0)
         push.close()
         pull.close(0)
         ctx.term()

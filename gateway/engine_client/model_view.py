@@ -93,7 +93,7 @@ class EngineView:
         self.kv = PoolView(0, self.block_size)       # num_blocks: from the engine's `info` event
         self.registry = RemoteRegistry(command, config.lora_dirs)   # a mirror of the engine's adapters
         self.lora_pool = None
-        self.tp = None                                # tensor-parallel workers are the engine process's children
+        self.executor = None                          # tensor-parallel workers are the engine process's children
         self.stats_snapshot: Stats | None = None
         self.refresh: Callable[[], Awaitable[None]] | None = None   # EngineClient.refresh: fresh stats now
         self.ready = False

@@ -140,7 +140,5 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
         return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
     finally:
         aeng.shutdown()
-        if aeng.engine.tp is not None:
-            aeng.engine.tp.shutdown(graceful=aeng.error is None)
         if server is not None:
             cancel_hard_exit(server)   # the shutdown did not block: no hard exit of the hosting process

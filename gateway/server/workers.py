@@ -39,7 +39,7 @@ def cancel_hard_exit(server: Any) -> None:
 
 def watch_workers(aeng: Any, server: Any, exit_fn: Callable[[Any], None] = exit_later) -> Callable[[], bool]:
     """Wires the failure paths; returns a probe: did the engine loop or the tensor-parallel group fail?"""
-    tp = aeng.engine.tp
+    tp = aeng.engine.executor
 
     def on_dead(exc: BaseException) -> None:
         log.error("the engine loop stopped (%s); failing open requests and exiting", exc)

@@ -44,7 +44,7 @@ def leftovers(host: Any) -> dict[str, Any]:
         "stale_namespaces": stale,
         "preemptions": eng.scheduler.num_preemptions,
         "steps": eng.scheduler.num_steps,
-        "penalty_rows": len(eng.penalties._slot_of),
+        "penalty_rows": len(eng.sampler.penalties._slot_of),
     }
 
 

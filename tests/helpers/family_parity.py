@@ -68,8 +68,7 @@ def check_family(path: Path, adapters: dict[str, Path], texts: list[str], prefix
     try:
         _check_rounds(llm, path, adapters, texts, prefix, reference_fn)
     finally:
-        if llm.engine.tp is not None:
-            llm.engine.tp.shutdown()
+        llm.engine.executor.shutdown()   # the workers (no-op at one rank); the engine stays readable
     return llm
 
 

@@ -50,7 +50,7 @@ class InProcessServer:
         import uvicorn
 
         from core.config import ModelConfig
-        from core.engine.setup import kv_bytes_per_block
+        from core.kv.pool_size import kv_bytes_per_block
         from gateway.app import build_app
         from gateway.server.config import ServerConfig
         from gateway.server.state import GatewayState

@@ -5,7 +5,11 @@
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterator
+
+import psutil
+import torch
 
 from core import LLM, SamplingParams
 from testlib import encode, hf_greedy, model_dir
@@ -20,12 +24,16 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema"
 
 
 def tp_llm(name: str, size: int, **kw) -> Iterator[LLM]:
+    """The engine; its shutdown leaves no worker process, thread or process group behind."""
+    threads, children = set(threading.enumerate()), {p.pid for p in psutil.Process().children(recursive=True)}
     llm = LLM(str(model_dir(name)), dtype="float32", device="cpu", num_kv_blocks=256, tensor_parallel_size=size,
               **kw)
     try:
         yield llm
     finally:
-        llm.engine.tp.shutdown()
+        llm.shutdown()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+    assert not set(threading.enumerate()) - threads and not torch.distributed.is_initialized()
 
 
 def check_hf(llm: LLM, name: str, prompts: list[str]) -> None:

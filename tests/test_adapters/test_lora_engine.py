@@ -260,7 +260,7 @@ def test_request_submitted_before_unload_finishes() -> None:
     engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
     entry = engine.resolve_lora("tenant-c")
     ids = prompt_ids(model)[0]
-    aeng = AsyncEngine(engine)
+    aeng = AsyncEngine(engine, owns_engine=False)     # the engine is checked after the loop stops
     gate, parked = threading.Event(), threading.Event()
 
     def park() -> None:                                # holds the engine thread between two iterations

@@ -32,11 +32,11 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
         try:
             yield engine
         finally:
-            engine.engine.tp.shutdown()
+            engine.shutdown()
 
 
 def test_async_is_on_under_tp(llm: LLM) -> None:
-    assert llm.engine.tp is not None and llm.engine.async_scheduling
+    assert llm.engine.executor.has_workers and llm.engine.async_scheduling
 
 
 def test_mixed_adapters_match_peft(llm: LLM) -> None:

@@ -23,7 +23,7 @@ def llm() -> Iterator[LLM]:
         try:
             yield engine
         finally:
-            engine.engine.tp.shutdown()
+            engine.shutdown()
 
 
 def test_mixed_adapters_match_peft_with_evictions(llm: LLM) -> None:

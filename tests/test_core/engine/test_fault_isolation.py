@@ -134,7 +134,7 @@ class Harness:
             eng = self.engine
             eng.check_integrity()
             holds = {e.name: e.num_in_flight for e in eng.registry.entries() if e.num_in_flight}
-            return len(eng.scheduler.requests), eng.kv.usage(), holds, len(eng.penalties._slot_of)
+            return len(eng.scheduler.requests), eng.kv.usage(), holds, len(eng.sampler.penalties._slot_of)
         assert self.on_engine_thread(state) == (0, 0.0, {}, 0)
         assert self.aeng.alive and self.aeng.num_in_flight == 0
 

@@ -28,7 +28,7 @@ def test_tp2_matches_references(name: str) -> None:
     try:
         check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in (PROMPTS[0], PROMPTS[2])], MAX_TOKENS)
     finally:
-        llm.engine.tp.shutdown()
+        llm.shutdown()
 
 
 def test_shard_off_group_boundary_is_a_startup_error() -> None:

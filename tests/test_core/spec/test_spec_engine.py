@@ -20,7 +20,7 @@ def with_oracle(engine: LLMEngine, path: Path, prompts: list[list[int]]) -> Orac
     oracle = OracleDrafts(engine.model_config.vocab_size)
     for ids in prompts:
         oracle.refs[(None, tuple(ids))] = hf_greedy(path, ids, MAX_TOKENS)
-    engine.spec.draft = oracle
+    engine.spec.decoder.draft = oracle
     return oracle
 
 

@@ -159,7 +159,7 @@ def test_greedy_schema_outputs_equal_no_speculation_and_validate(pair) -> None:
     params = SamplingParams(max_tokens=80, temperature=0.0)
     check_same(plain, spec, params)
     first = stats.num_accepted_tokens
-    assert spec.engine.spec.jump.num_remembered > 0                         # the target's tokenizations
+    assert spec.engine.spec.decoder.jump.num_remembered > 0                         # the target's tokenizations
     check_same(plain, spec, params)                                         # again, with the memory
     assert stats.num_accepted_tokens - first > first > 0
 
