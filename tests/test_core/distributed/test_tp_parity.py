@@ -43,9 +43,9 @@ def test_llama_tp2_staggered_batch_matches_hf(llama_tp2: LLM) -> None:
 
 def test_json_schema_same_as_tp1(llama_tp2: LLM) -> None:
     prompts = ["data = ", "def f(x):", "person:"]
-    one = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=256)
     params = SamplingParams(max_tokens=80, temperature=0.0)
-    ref = one.generate(prompts, params, response_format=JSON_FORMAT)
+    with LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=256) as one:
+        ref = one.generate(prompts, params, response_format=JSON_FORMAT)
     got = llama_tp2.generate(prompts, params, response_format=JSON_FORMAT)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
