@@ -1,8 +1,11 @@
-"""The engine loop in one background thread, with thread-safe submission and per-request streams.
+"""The engine loop in one background thread, with thread-safe submission and per-request streams: the
+in-process `core.engine.interface.ServingEngine` (`--engine-process off`; the engine process's client,
+gateway/engine_client/client.py, is the other).
 
 The asyncio server never touches tensors: it submits requests and aborts through locked lists, and
 receives `RequestDelta`s on a per-request asyncio.Queue, handed over in one batch per step with
-`call_soon_threadsafe`.
+`call_soon_threadsafe` (`core/engine/streams.py`). Under tensor parallelism the loop owns its executor's
+failure wiring (a lost worker fails the engine; a dead loop fails the group) and its shutdown.
 
 The engine thread shares the GIL with the server's event loop. Most torch ops release the GIL while they run,
 and the engine thread must then win it back from whichever thread took it: with CPython's default 5 ms switch
