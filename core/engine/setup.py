@@ -27,6 +27,7 @@ from core.scheduling.context_limit import check_max_model_len
 from core.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger("loraplex.engine")
+TOKENIZER_FILES = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")   # what a tokenizer loads from a hub id
 
 
 @dataclass
@@ -94,13 +95,20 @@ def load_engine_tokenizer(config: EngineConfig, model_dir: Path) -> Any:
     if config.tokenizer is not None:
         revision = config.revision if config.tokenizer == config.model else None
         tok_dir = resolve_model_path(config.tokenizer, revision, config.download_dir,
-                                     patterns=("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"))
+                                     patterns=TOKENIZER_FILES)
     tokenizer = load_tokenizer(tok_dir, trust_remote_code=config.trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loraplex needs a fast (tokenizers-backed) tokenizer")
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     return tokenizer
+
+
+def load_model_tokenizer(config: EngineConfig) -> Any:
+    """The engine's tokenizer without its model (the API process of an engine in its own process): only the
+    tokenizer's files are fetched for a hub id."""
+    model_dir = resolve_model_path(config.model, config.revision, config.download_dir, patterns=TOKENIZER_FILES)
+    return load_engine_tokenizer(config, model_dir)
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:

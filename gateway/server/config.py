@@ -47,12 +47,6 @@ def parse_lora_spec(text: str) -> tuple[str, str, str | None]:
     return name.strip(), path.strip(), None
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`NAME=PATH` (or the JSON form) -> (name, path)."""
-    name, path, _ = parse_lora_spec(text)
-    return name, path
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     model: str                      # what the engine loads (a local dir or a hub id)

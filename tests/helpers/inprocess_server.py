@@ -67,8 +67,7 @@ class InProcessServer:
         self.config = config
         self.engine_process = engine_process
         self.aeng = self._start_engine(config)
-        self.engine = self.aeng.engine
-        assert self.engine.kv.num_blocks == num_kv_blocks
+        assert self.aeng.facts.num_kv_blocks == num_kv_blocks
         self.state = GatewayState.build(config, self.aeng)
         app = build_app(self.state)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

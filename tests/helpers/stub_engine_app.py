@@ -5,10 +5,11 @@
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
-
+import msgspec
 from starlette.testclient import TestClient
+
+from core.engine.interface import WarmupProgress
+from fake_engine import IDLE_STATS, FakeEngine
 
 from gateway.app import build_app
 from gateway.inputs.models import ServedModels
@@ -33,21 +34,15 @@ class FakeTokenizer:
         return 100
 
 
-def fake_engine() -> Any:
-    scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-    kv = SimpleNamespace(usage=lambda: 0.25, block_size=16, num_blocks=64, num_prefix_queries_tokens=10,
-                         num_prefix_hit_tokens=4)
-    stats = SimpleNamespace(num_prompt_tokens=7, num_generation_tokens=3)
-    return SimpleNamespace(scheduler=scheduler, kv=kv, stats=stats, tokenizer=FakeTokenizer(),
-                           check_request=lambda n, p: None)
+STATS = msgspec.structs.replace(IDLE_STATS, kv_usage=0.25, num_prompt_tokens=7, num_generation_tokens=3,
+                                num_prefix_queries_tokens=10, num_prefix_hit_tokens=4)
 
 
 def client(alive: bool = True, api_key: str | None = None, ready: bool | None = None) -> TestClient:
-    engine = fake_engine()
+    engine = FakeEngine(FakeTokenizer(), alive=alive, ready=ready, stats=STATS,
+                        warmup_progress=WarmupProgress(7, 24, 3.14))
     config = ServerConfig(model="/models/base", served_model_name="base", api_key=api_key)
-    aeng = SimpleNamespace(alive=alive, ready=alive if ready is None else ready, warmup_progress=(7, 24, 3.14),
-                           engine=engine)
-    state = GatewayState(config=config, aeng=aeng,  # type: ignore[arg-type]
-                         models=ServedModels("base", "/models/base"), encoder=PromptEncoder(engine.tokenizer, 100),
-                         texts=TokenTexts(engine.tokenizer), metrics=GatewayMetrics(engine, max_loras=8))
+    state = GatewayState(config=config, aeng=engine, models=ServedModels("base", "/models/base"),
+                         encoder=PromptEncoder(engine.tokenizer, 100), texts=TokenTexts(engine.tokenizer),
+                         metrics=GatewayMetrics(engine, max_loras=8))
     return TestClient(build_app(state))

@@ -22,7 +22,8 @@ import torch
 
 from core import LLM, SamplingParams
 from core.engine import faults
-from core.engine.async_engine import AsyncEngine, EngineDeadError
+from core.engine.async_engine import AsyncEngine
+from core.engine.interface import EngineDeadError
 from core.errors import RequestFault, RequestRejected
 from core.engine.request import Request
 from core.engine.fault_isolation import MAX_FAILED_STEPS

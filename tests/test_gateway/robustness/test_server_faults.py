@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import types
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -149,3 +149,61 @@ def test_a_dead_engine_loop_ends_the_server() -> None:
         assert exits == [uvicorn_server] and failed() and not aeng.alive
     finally:
         aeng.shutdown()
+
+
+class FakeExecutor:
+    """What the in-process engine wires of `core.distributed.executor.TPExecutor`: its failure callbacks and
+    liveness checks, the blame of a dead worker, and its shutdown (no worker, no step)."""
+
+    def __init__(self) -> None:
+        self.on_failure: list[Any] = []
+        self.liveness_checks: list[Any] = []
+        self.failure: str | None = None
+        self.shutdowns: list[bool] = []
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            for callback in list(self.on_failure):
+                callback(reason)
+
+    def blame_dead_worker(self, grace_s: float) -> str | None:
+        return None
+
+    def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
+        self.shutdowns.append(graceful)
+
+
+def test_a_lost_tensor_parallel_worker_ends_an_in_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine-process off` under TP: the engine (not the gateway) wires its executor. A lost worker fails
+    every open and new request, `on_dead` ends the server once, and the engine's shutdown stops the workers
+    (not gracefully after a failure)."""
+    from core import LLM
+    from core.engine.async_engine import AsyncEngine
+    from core.engine.interface import EngineDeadError
+    from core.sampling.params import SamplingParams
+    from gateway.server.workers import watch_workers
+    from testlib import model_dir
+
+    llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", num_kv_blocks=16)
+    tp = FakeExecutor()
+    monkeypatch.setattr(llm.engine, "tp", tp)
+    aeng = AsyncEngine(llm.engine)
+    uvicorn_server, exits = types.SimpleNamespace(should_exit=False), []
+    failed = watch_workers(aeng, uvicorn_server, exit_fn=exits.append)
+    aeng.start()
+    try:
+        assert aeng.ready and not failed() and [check() for check in tp.liveness_checks] == [None]
+        tp.fail("tensor-parallel worker rank 1 (pid 4242) exited with code -9")
+        assert exits == [uvicorn_server] and failed() and not aeng.alive and "rank 1" in str(aeng.error)
+
+        async def submit() -> None:
+            aeng.submit("late", [1, 2, 3], SamplingParams(max_tokens=2))
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(submit())
+        aeng.fail("again")
+        assert exits == [uvicorn_server]   # once
+    finally:
+        aeng.shutdown()
+    assert tp.shutdowns == [False]

@@ -84,7 +84,7 @@ def num_requests(srv: InProcessServer) -> int:
 
 
 def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:
-    tok = srv.engine.tokenizer
+    tok = srv.aeng.tokenizer
     token_prompts = tuple(tuple(tok.encode(p)) for p in PROMPTS)
     kwargs: dict[str, Any] = dict(
         base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=num_requests(srv),
