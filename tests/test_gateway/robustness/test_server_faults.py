@@ -187,7 +187,7 @@ def test_a_lost_tensor_parallel_worker_ends_an_in_process_engine(monkeypatch: py
 
     llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", num_kv_blocks=16)
     tp = FakeExecutor()
-    monkeypatch.setattr(llm.engine, "tp", tp)
+    monkeypatch.setattr(llm.engine, "executor", tp)   # the driver-side executor the loop wires
     aeng = AsyncEngine(llm.engine)
     uvicorn_server, exits = types.SimpleNamespace(should_exit=False), []
     failed = watch_workers(aeng, uvicorn_server, exit_fn=exits.append)
