@@ -1,6 +1,6 @@
 """Batched multi-LoRA ops for a flat batch: per-step metadata, shrink, expand."""
 
-from adapters.lora_ops.dispatch import add_lora, expand, select_backend, shrink, triton_available
+from adapters.lora_ops.dispatch import add_lora, expand, select_backend, shrink
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 
@@ -11,5 +11,4 @@ __all__ = [
     "expand",
     "select_backend",
     "shrink",
-    "triton_available",
 ]

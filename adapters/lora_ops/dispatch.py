@@ -1,14 +1,12 @@
 """Backend choice for the LoRA ops: Triton kernels on CUDA, the torch reference elsewhere.
 
 `LORAPLEX_LORA_BACKEND=torch|triton` overrides the automatic choice (e.g. to debug a
-kernel against the reference on the same GPU).
+kernel against the reference on the same GPU); environment/backends.py makes the choice.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
@@ -16,48 +14,25 @@ from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_b
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import torch_add_lora_gathered, torch_expand, torch_shrink
+from environment.backends import Backend, interpreting, kernel_backend, triton_available
+from environment.variables import LORA_BACKEND
 
 # CPU: many small groups (a decode batch spread over many adapters) take the gathered BGMV path
 GATHER_MIN_GROUPS = 4
 GATHER_MAX_TOKENS_PER_GROUP = 8
 
-Backend = Literal["torch", "triton"]
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the install
-        return False
-    return True
-
-
-def _auto_choice() -> bool:
-    return (os.environ.get("LORAPLEX_LORA_BACKEND") or "auto") == "auto"
-
-
-def _interpreting() -> bool:
-    """Under TRITON_INTERPRET the decode (CUDA-graph) path runs its Triton kernels on the CPU (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
 
 def select_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
-    choice = backend or os.environ.get("LORAPLEX_LORA_BACKEND") or "auto"
-    if choice == "auto":
-        return "triton" if t.is_cuda and triton_available() else "torch"
-    if choice not in ("torch", "triton"):
-        raise ValueError(f"unknown LoRA backend {choice!r} (expected auto, torch or triton)")
-    if choice == "triton" and not triton_available():
-        raise RuntimeError("LoRA backend 'triton' requested but triton cannot be imported")
-    return choice  # type: ignore[return-value]
+    """The path of the segmented ops on `t`: `backend` (auto|torch|triton), else LORAPLEX_LORA_BACKEND (read once)."""
+    return kernel_backend("lora", t.device.type, backend)
 
 
 def decode_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
     """The backend of the fused decode (BGMV) ops: as `select_backend`, except that the automatic choice
-    also takes the Triton kernels under TRITON_INTERPRET (they run in the CPU interpreter)."""
+    also takes the Triton kernels in Triton's CPU interpreter (the decode-graph path's kernels, in tests)."""
     chosen = select_backend(t, backend)
-    if chosen == "torch" and backend is None and _auto_choice() and _interpreting() and triton_available():
+    if chosen == "torch" and backend is None and LORA_BACKEND.get() == "auto" and interpreting() \
+            and triton_available():
         return "triton"
     return chosen
 

@@ -9,7 +9,6 @@ all compiled at start-up (`core/startup/warmup.py`). The kernels' loops stop at 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +18,7 @@ import triton
 from adapters.lora_ops import triton_kernels as K
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
+from environment.backends import interpreting
 
 BLOCK_M_SMALL, BLOCK_M_LARGE = 16, 64    # groups of <= 16 tokens (decode rows in mixed steps) / longer chunks
 SPLIT_K_OPTIONS = (1, 4)                 # 4 when the grid is small and K is long
@@ -35,21 +35,17 @@ class SegmentConfig:
 SEGMENT_CONFIGS = tuple(SegmentConfig(m, k) for m in (BLOCK_M_SMALL, BLOCK_M_LARGE) for k in SPLIT_K_OPTIONS)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def block_r(stack: LoRAStack) -> int:
     """Rank tile of shrink: the pool's max rank as a power of two in [16, 64] (larger ranks loop)."""
     return max(16, min(64, triton.next_power_of_2(stack.max_rank)))
 
 
 def _block_k() -> int:
-    return 32 if _interpreting() else 64
+    return 32 if interpreting() else 64
 
 
 def _block_n() -> int:
-    return 32 if _interpreting() else 64
+    return 32 if interpreting() else 64
 
 
 def choose_config(stack: LoRAStack, meta: LoRABatchMeta) -> SegmentConfig:
@@ -71,7 +67,7 @@ def _active_max_rank(stack: LoRAStack, meta: LoRABatchMeta) -> int:
 
 
 def _dot_fp32(t: torch.Tensor) -> bool:
-    return _interpreting() or t.dtype == torch.float32
+    return interpreting() or t.dtype == torch.float32
 
 
 def triton_shrink(

@@ -49,15 +49,15 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
         model.lm_head.weight = model.model.embed_tokens.weight
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
-        quantize_dummy(model, model_dir, config.quantization)
+        quantize_dummy(model, model_dir, config.quantization.method)
     else:
-        quant = detect_quantization(model_dir, config.quantization)
+        quant = detect_quantization(model_dir, config.quantization.method)
         skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()
         load_sharded_weights(model, model_dir, shard, skip)
         if quant:
             finish_quantized(model, quant)
     model.eval()
-    pool = ShardedSlotPool(config.max_loras, config.max_lora_rank, shard, device, dtype, journal=tp.is_driver)
+    pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype, journal=tp.is_driver)
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])
 

@@ -18,7 +18,7 @@ log = logging.getLogger("loraplex.tp")
 
 
 def build_tp_engine_parts(config: EngineConfig) -> EngineParts:
-    world_size = config.tensor_parallel_size
+    world_size = config.parallel.tensor_parallel_size
     f = resolve_model_files(config)
     cfg, dtype, max_model_len = f.cfg, f.dtype, f.max_model_len
     check_tp_divisible(cfg, world_size)
@@ -40,7 +40,7 @@ def build_tp_engine_parts(config: EngineConfig) -> EngineParts:
         raise
     executor.attach(state.lora_pool)
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.max_loras)
+    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.lora.max_loras)
     torch.manual_seed(config.seed)
     log.info("tensor parallel %d: %d KV blocks per rank (%d of %d KV heads each)", world_size, num_blocks,
              shard.num_kv_heads, cfg.num_kv_heads)

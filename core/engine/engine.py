@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 from typing import Any
 
@@ -34,6 +33,7 @@ from core.spec.engine_step import DraftLayout, build_spec_decoder, draft_layout,
 from core.sampling.stops import append_token, make_delta
 from core.engine.fault_isolation import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
 from core.startup.warmup import ProgressFn, WarmupReport, run_warmup
+from environment.variables import ASYNC_SCHEDULING
 
 log = logging.getLogger("loraplex.engine")
 
@@ -59,8 +59,9 @@ class LLMEngine:
         self.graphs: DecodeGraphRunner | None = None   # captured by `warmup()` (CUDA, unless enforce_eager)
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
-        auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
+        # (--async-scheduling on|off, else LORAPLEX_ASYNC_SCHEDULING 0|1, else on with CUDA)
+        self.async_scheduling = next(choice for choice in (config.async_scheduling, ASYNC_SCHEDULING.get(),
+                                                           self.device.type == "cuda") if choice is not None)
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
         self._num_failed_steps = 0                     # whole-step failures in a row (core/engine/fault_isolation.py)

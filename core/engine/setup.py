@@ -143,21 +143,21 @@ def load_engine_tokenizer(config: EngineConfig, model_dir: Path) -> Any:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         from core.distributed.setup import build_tp_engine_parts
 
         return build_tp_engine_parts(config)
     f = resolve_model_files(config)
     cfg, device, dtype, max_model_len = f.cfg, f.device, f.dtype, f.max_model_len
     model = load_model(f.model_dir, cfg, get_attention_backend(device), max_model_len, dtype, device,
-                       load_format=config.load_format, quantization=config.quantization)
+                       load_format=config.load_format, quantization=config.quantization.method)
     lora_pool, registry = build_lora(config, cfg, model, device, dtype)
     num_blocks = num_kv_blocks(config, cfg, dtype, device, max_model_len)
     shape = (num_blocks, config.cache.block_size, cfg.num_kv_heads, cfg.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                  for _ in range(cfg.num_layers)]
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.max_loras)
+    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.lora.max_loras)
     torch.manual_seed(config.seed)
     return EngineParts(model_dir=f.model_dir, model_config=cfg, model=model, tokenizer=f.tokenizer, device=device,
                        dtype=dtype, kv_caches=kv_caches, kv=kv, scheduler=scheduler, max_model_len=max_model_len,
@@ -170,9 +170,10 @@ def build_registry(config: EngineConfig, cfg: ModelConfig, device: torch.device,
     from adapters.layers.dims import BaseModelDims
     from adapters.registry.registry import AdapterRegistry
 
-    registry = AdapterRegistry(BaseModelDims.from_model_config(cfg), config.max_lora_rank, config.max_cpu_loras,
-                               lora_dirs=config.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda")
-    for name, path in config.lora_modules:
+    lora = config.lora
+    registry = AdapterRegistry(BaseModelDims.from_model_config(cfg), lora.max_lora_rank, lora.max_cpu_loras,
+                               lora_dirs=lora.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda")
+    for name, path in lora.lora_modules:
         registry.load(name, path)
     return registry
 
@@ -184,7 +185,7 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM, 
     from adapters.layers.lora_linear import apply_lora_wrappers
     from adapters.slots.slot_pool import LoRASlotPool
 
-    pool = LoRASlotPool(config.max_loras, config.max_lora_rank, BaseModelDims.from_model_config(cfg), device=device,
-                        dtype=dtype)
+    pool = LoRASlotPool(config.lora.max_loras, config.lora.max_lora_rank, BaseModelDims.from_model_config(cfg),
+                        device=device, dtype=dtype)
     apply_lora_wrappers(model, pool)
     return pool, build_registry(config, cfg, device, dtype)

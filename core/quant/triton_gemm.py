@@ -9,10 +9,11 @@ Tested in the Triton interpreter against the torch dequantize-then-matmul path (
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
+
+from environment.backends import kernel_backend
 
 try:  # optional: CPU-only installs use the torch path
     import triton
@@ -27,14 +28,9 @@ def _jit(fn: Callable[..., Any]) -> Any:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (triton off CUDA needs
-    TRITON_INTERPRET=1: the kernel runs in the interpreter; tests only)."""
-    choice = os.environ.get("LORAPLEX_QUANT_GEMM", "auto").strip().lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"LORAPLEX_QUANT_GEMM must be auto, torch or triton, not {choice!r}")
-    if triton is None or choice == "torch":
-        return False
-    return x.is_cuda or choice == "triton"
+    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (environment/backends.py;
+    triton off CUDA needs TRITON_INTERPRET=1: the kernel runs in the interpreter; tests only)."""
+    return kernel_backend("quant_gemm", x.device.type) == "triton"
 
 
 @_jit

@@ -19,16 +19,16 @@ from core.engine.request import Request
 from core.execution.runner import HostBatch, host_to_device
 from core.sampling.stage import sample_logits
 from core.sampling.sampler import logprob_entries
-from core.spec.config import SpeculativeConfig
+from core.config import EngineConfig
 from core.spec.decoder import SpecDecoder
 from core.engine.fault_isolation import fault_of, is_fatal
 from core.sampling.stops import append_token
 
 
-def build_spec_decoder(config: Any, parts: Any) -> SpecDecoder | None:
+def build_spec_decoder(config: EngineConfig, parts: Any) -> SpecDecoder | None:
     """The decoder for `config.speculative` (None: off). Under tensor parallelism a draft model runs whole
     (unsharded) on the driver rank only, like vLLM's `draft_tensor_parallel_size=1`."""
-    spec = SpeculativeConfig.parse(config.speculative)
+    spec = config.speculative
     if spec is None:
         return None
     draft = None

@@ -91,7 +91,7 @@ class EngineView:
         self.eos_token_ids = load_eos_ids(files.model_dir, files.tokenizer)
         self.block_size = config.cache.block_size
         self.kv = PoolView(0, self.block_size)       # num_blocks: from the engine's `info` event
-        self.registry = RemoteRegistry(command, config.lora_dirs)   # a mirror of the engine's adapters
+        self.registry = RemoteRegistry(command, config.lora.lora_dirs)   # a mirror of the engine's adapters
         self.lora_pool = None
         self.tp = None                                # tensor-parallel workers are the engine process's children
         self.stats_snapshot: Stats | None = None

@@ -30,7 +30,7 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
     if config.engine_process:
         from gateway.engine_client.client import EngineClient
 
-        client = EngineClient(config.engine_config(), log_level, on_warmup_progress=WarmupPrinter(),
+        client = EngineClient(config.engine, log_level, on_warmup_progress=WarmupPrinter(),
                               on_ready=print_ready)
         client.start()
         client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
@@ -38,7 +38,7 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
     from core.engine.async_engine import AsyncEngine
     from core.engine.engine import LLMEngine
 
-    engine = LLMEngine(config.engine_config())
+    engine = LLMEngine(config.engine)
     aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)
     aeng.start()   # the engine thread warms up first: /health answers 503 until it is done
     # the grammar vocabulary and the json_object grammar are built in the background at start-up
@@ -101,7 +101,7 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
     try:
         aeng = _start_engine(config, log_level)
     except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
-        print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
+        print(f"loraplex: cannot start with model {config.engine.model!r}: {exc}", file=sys.stderr)
         return 1
     server: GatewayServer | None = None
     try:

@@ -47,10 +47,10 @@ class GatewayState:
         engine = aeng.engine
         return GatewayState(
             config=config, aeng=aeng,
-            models=ServedModels(config.served_model_name, root=config.model, registry=engine.registry,
+            models=ServedModels(config.served_model_name, root=config.engine.model, registry=engine.registry,
                                 aliases=config.served_model_aliases),
             encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len),
             texts=TokenTexts(engine.tokenizer),
-            metrics=GatewayMetrics(engine, config.max_loras),
+            metrics=GatewayMetrics(engine, config.engine.lora.max_loras),
             defaults=load_request_defaults(config.generation_config, engine.parts.model_dir, config.max_logprobs,
                                            engine.model_config.vocab_size))

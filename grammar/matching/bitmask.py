@@ -2,18 +2,17 @@
 
 Rows of unconstrained requests stay all ones (-1).  `apply_token_bitmask_` masks the
 logits in place in one batched op: a Triton kernel on CUDA, torch ops elsewhere.
-`LORAPLEX_BITMASK_BACKEND=torch|triton` overrides the choice (`bitmask_backend`): torch runs the
-reference on any device (e.g. on a GPU whose Triton kernel failed the start-up self-check); triton off
+`LORAPLEX_BITMASK_BACKEND=torch|triton` overrides the choice (`bitmask_backend`, environment/backends.py): torch
+runs the reference on any device (e.g. on a GPU whose Triton kernel failed the start-up self-check); triton off
 CUDA needs TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from environment.backends import kernel_backend
 from grammar.matching.compiled import bitmask_words
 
 
@@ -98,20 +97,9 @@ def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor, rows
 
 
 def bitmask_backend(logits: torch.Tensor) -> str:
-    """"triton" or "torch": the path `apply_token_bitmask_` takes for `logits` (env LORAPLEX_BITMASK_BACKEND,
+    """"triton" or "torch": the path `apply_token_bitmask_` takes for `logits` (LORAPLEX_BITMASK_BACKEND, read once;
     auto by default: the Triton kernel for CUDA logits when triton imports, torch otherwise)."""
-    choice = os.environ.get("LORAPLEX_BITMASK_BACKEND", "").strip().lower() or "auto"
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"LORAPLEX_BITMASK_BACKEND must be auto, torch or triton, not {choice!r}")
-    if choice == "torch":
-        return "torch"
-    from grammar.matching.bitmask_triton import interpreting, triton_available
-
-    if choice == "auto":
-        return "triton" if logits.is_cuda and triton_available() else "torch"
-    if not triton_available() or not (logits.is_cuda or interpreting()):
-        raise ValueError("LORAPLEX_BITMASK_BACKEND=triton needs triton and CUDA logits (or TRITON_INTERPRET=1 for tests)")
-    return "triton"
+    return kernel_backend("bitmask", logits.device.type)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:

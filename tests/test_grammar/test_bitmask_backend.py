@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from environment.backends import interpreting  # noqa: E402
+from envlib import setenv  # noqa: E402
 from grammar.matching import bitmask as bm  # noqa: E402
 from grammar.matching import bitmask_triton  # noqa: E402
 
@@ -37,7 +39,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _apply(backend: str, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None,
            monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", backend)
+    setenv(monkeypatch, "LORAPLEX_BITMASK_BACKEND", backend)
     out = logits.clone()
     bm.apply_token_bitmask_(out, mask, rows)
     return out
@@ -47,7 +49,7 @@ def _apply(backend: str, logits: torch.Tensor, mask: torch.Tensor, rows: torch.T
 @pytest.mark.parametrize("use_rows", [False, True])
 def test_torch_and_triton_paths_agree(vocab: int, use_rows: bool, calls: list[str],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    if not bitmask_triton.interpreting() and DEVICE == "cpu":
+    if not interpreting() and DEVICE == "cpu":
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=gen).to(DEVICE)
@@ -68,12 +70,12 @@ def test_torch_and_triton_paths_agree(vocab: int, use_rows: bool, calls: list[st
 def test_the_switch(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     logits, mask = torch.zeros(1, 40), torch.zeros(1, 2, dtype=torch.int32)
     for value, expected in (("", "torch"), ("auto", "torch"), ("torch", "torch"), (" Torch ", "torch")):
-        monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", value)
+        setenv(monkeypatch, "LORAPLEX_BITMASK_BACKEND", value)
         assert bm.bitmask_backend(logits) == expected               # CPU logits: auto is torch
-    cuda_logits = SimpleNamespace(is_cuda=True)                      # all the choice reads of the logits
+    cuda_logits = SimpleNamespace(device=SimpleNamespace(type="cuda"))   # all the choice reads of the logits
     for value, expected in (("", "triton"), ("torch", "torch"), ("triton", "triton")):
-        monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", value)
+        setenv(monkeypatch, "LORAPLEX_BITMASK_BACKEND", value)
         assert bm.bitmask_backend(cuda_logits) == expected          # type: ignore[arg-type]  # auto: triton
-    monkeypatch.setenv("LORAPLEX_BITMASK_BACKEND", "cuda")
+    setenv(monkeypatch, "LORAPLEX_BITMASK_BACKEND", "cuda")
     with pytest.raises(ValueError, match="LORAPLEX_BITMASK_BACKEND must be auto, torch or triton"):
         bm.bitmask_backend(logits)

@@ -1,4 +1,5 @@
-"""Per-request fault isolation at the `AsyncEngine` level (`core/engine/fault_isolation.py`, hooks in `core/engine/faults.py`).
+"""Per-request fault isolation at the `AsyncEngine` level (`core/engine/fault_isolation.py`; faults armed by
+tests/helpers/fault_injector.py in the hooks of `core/engine/faults.py`).
 
 A mixed batch (base model, two LoRA adapters, a JSON schema, penalties + logit bias + min_tokens, log-probs and
 prompt log-probs) runs once clean; then a fault is injected into one row at one stage of the step, and:
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from core import LLM, SamplingParams
-from core.engine import faults
+import fault_injector as faults
 from core.engine.async_engine import AsyncEngine, EngineDeadError
 from core.errors import RequestFault, RequestRejected
 from core.engine.request import Request

@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 from core.errors import RequestRejected
 from gateway.inputs import tokenize_pool
 from gateway.app import build_app
+from core.config import EngineConfig
 from gateway.server.config import ServerConfig
 from gateway.errors import APIError
 from gateway.observability.metrics import GatewayMetrics
@@ -167,7 +168,7 @@ def app_client(tokenizer: Any) -> TestClient:
                              num_generation_tokens=0), tokenizer=tokenizer, check_request=stop_here,
                              max_model_len=MAX_MODEL_LEN)
     aeng = SimpleNamespace(alive=True, ready=True, warmup_progress=(0, 0, 0.0), engine=engine)
-    config = ServerConfig(model="/models/base", served_model_name="base")
+    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base")
     state = GatewayState(config=config, aeng=aeng,  # type: ignore[arg-type]
                          models=ServedModels("base", "/models/base"), encoder=encoder(tokenizer),
                          texts=TokenTexts(tokenizer), metrics=GatewayMetrics(engine, max_loras=8))

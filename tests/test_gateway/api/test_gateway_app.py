@@ -9,6 +9,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import build_app
+from core.config import EngineConfig
 from gateway.server.config import ServerConfig
 from gateway.observability.metrics import GatewayMetrics
 from gateway.inputs.models import ServedModels
@@ -43,7 +44,7 @@ def fake_engine() -> Any:
 
 def client(alive: bool = True, api_key: str | None = None, ready: bool | None = None) -> TestClient:
     engine = fake_engine()
-    config = ServerConfig(model="/models/base", served_model_name="base", api_key=api_key)
+    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base", api_key=api_key)
     aeng = SimpleNamespace(alive=alive, ready=alive if ready is None else ready, warmup_progress=(7, 24, 3.14),
                            engine=engine)
     state = GatewayState(config=config, aeng=aeng,  # type: ignore[arg-type]
