@@ -60,8 +60,8 @@ class LLMEngine:
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         # (--async-scheduling on|off, else LORAPLEX_ASYNC_SCHEDULING 0|1, else on with CUDA)
-        self.async_scheduling = next(choice for choice in (config.async_scheduling, ASYNC_SCHEDULING.get(),
-                                                           self.device.type == "cuda") if choice is not None)
+        async_choice = config.async_scheduling if config.async_scheduling is not None else ASYNC_SCHEDULING.get()
+        self.async_scheduling = async_choice if async_choice is not None else self.device.type == "cuda"
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device)
         self._num_failed_steps = 0                     # whole-step failures in a row (core/engine/fault_isolation.py)
