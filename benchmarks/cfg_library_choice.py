@@ -3,7 +3,7 @@
 `python benchmarks/cfg_library_choice.py --tokenizer DIR [--tokenizer DIR2]` (local HF tokenizer dirs, e.g. the
 stdlib-trained BPE tokenizers of tiny_models.build_tokenizer at 32k / 128k).  Prints a markdown table.
 Each grammar is walked along a valid sentence: at every step the mask is filled (timed), then the sentence's
-next token is consumed.  The numbers explain why grammar/cfg/cfg_grammar.py uses llguidance (see README).
+next token is consumed.  The numbers explain why grammar/cfg/cfg_grammar.py uses xgrammar (see benchmarks/README.md).
 """
 from __future__ import annotations
 

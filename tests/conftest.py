@@ -13,10 +13,11 @@ os.environ["LORAPLEX_TESTS_DIR"] = str(Path(__file__).resolve().parent)
 
 import torch
 
+from kernel_device import kernel_device as _kernel_device, use_interpreter_without_gpu
+
 # Without a GPU, every Triton kernel in the suite runs in the interpreter; set before anything imports
-# triton, so the order test modules are collected in never matters.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# triton, so the order test modules are collected in never matters (tests/helpers/kernel_device.py).
+use_interpreter_without_gpu(os.environ)
 
 import pytest
 
@@ -43,6 +44,13 @@ def _fresh_environment() -> Iterator[None]:
     variables.reset()
     yield
     variables.reset()
+
+
+@pytest.fixture()
+def kernel_device() -> torch.device:
+    """The device of every tensor a test hands a Triton kernel: cuda with a GPU, else cpu (the interpreter).
+    Per test (it costs nothing): a session-wide value would outlive a test that patched CUDA's presence."""
+    return _kernel_device()
 
 
 @pytest.fixture(scope="session", params=["llama_gqa", "qwen2_tied"])

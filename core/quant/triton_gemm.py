@@ -2,10 +2,12 @@
 
 The packed codes are read straight from device memory (4-bit: 8 to an int32 along the input; 8-bit: one byte
 each), unpacked and scaled per [BLOCK_N, BLOCK_K] tile in registers, and fed to `tl.dot` with fp32
-accumulation; the float weight never exists in memory. Group of input column k: `g_idx[k]` (act-order) or
-k // group_size. Tile configs come from a fixed table keyed by a bucket of the token count, so the variants
-are few and the start-up warm-up forwards (decode and prefill sizes) compile every one before traffic.
-Tested in the Triton interpreter against the torch dequantize-then-matmul path (tests/test_core/quant/test_quant_triton.py).
+accumulation (fp32 activations: exact fp32 dots, never TF32); the float weight never exists in memory. Group of
+input column k: `g_idx[k]` (act-order) or k // group_size. Tile configs come from a fixed table keyed by a bucket
+of the token count, so the variants are few and the start-up warm-up forwards (decode and prefill sizes) compile
+every one before traffic.
+Tested (compiled on a GPU, in the Triton interpreter without one) against the torch dequantize-then-matmul path
+(tests/test_core/quant/test_quant_triton.py).
 """
 from __future__ import annotations
 
@@ -63,7 +65,10 @@ def _wq_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, y_ptr, M, N, K,
         scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wmask, other=0.0)
         zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask, other=0)
         w = ((code.to(tl.float32) - zero.to(tl.float32)) * scale.to(tl.float32)).to(x.dtype)  # [BN, BK]
-        acc += tl.dot(x, tl.trans(w))
+        if x.dtype == tl.float32:   # exact fp32 (a GPU's default for fp32 dots is TF32), as the torch path
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:                       # bf16 / fp16: the tensor cores, fp32 accumulation
+            acc += tl.dot(x, tl.trans(w))
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 

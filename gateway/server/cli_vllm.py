@@ -2,7 +2,7 @@
 
 Each flag either does what it does in vLLM, is accepted because loraplex always behaves that way (said in
 its help), or is refused with the reason; anything else stays argparse's "unrecognized arguments" error.
-README "Coming from vLLM" lists them all.
+docs/cli.md ("Coming from vLLM") lists them all.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     """The positional model and vLLM's flags on the `serve` subcommand."""
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` (same as --model)")
-    g = s.add_argument_group("vLLM compatibility (README: Coming from vLLM)")
+    g = s.add_argument_group("vLLM compatibility (docs/cli.md: Coming from vLLM)")
     g.add_argument("--enable-lora", action="store_true", help=f"{ALWAYS}: adapters are always on")
     g.add_argument("--chat-template", type=_typed(load_chat_template, "chat template"), default=None,
                    metavar="FILE_OR_TEMPLATE", help="a Jinja chat template (file or text) replacing the tokenizer's")

@@ -1,6 +1,6 @@
 """Context-free grammars (GBNF, as llama.cpp and XGrammar accept) compiled by `xgrammar`.
 
-Why xgrammar (measured by benchmarks/cfg_library_choice.py, see README): its per-row mask is 5-20x faster
+Why xgrammar (measured by benchmarks/cfg_library_choice.py, see benchmarks/README.md): its per-row mask is 5-20x faster
 than llguidance's on our 32k / 128k tokenizers (it precomputes the masks of context-independent tokens per
 grammar position at compile time) and a compiled grammar serializes to JSON, so it compiles in the existing
 worker processes (hard timeout, de-dup, cache) and is rebuilt here without recompiling.

@@ -30,7 +30,7 @@ class CompileLimits:
     compile_timeout_s: float = 10.0
     # The worker's own footprint is ~0.35 GB of address space with a 128k vocabulary (0.15 GB resident) and the
     # largest JSONSchemaBench index needs < 0.3 GB more: 4 GiB leaves >10x room for a legitimate index while a
-    # schema whose expansion explodes stops at 4 GiB instead of the machine's memory (README "Structured output").
+    # schema whose expansion explodes stops at 4 GiB instead of the machine's memory (docs/structured-output.md).
     worker_memory_bytes: int = 4096 << 20
     max_regex_chars: int | None = None   # None: SchemaOptions.for_vocab_size's
 

@@ -1,16 +1,12 @@
 """The fused BGMV decode kernels (one shrink + one expand launch per fused linear, per-row slots) against the
-torch references: compiled on a GPU, in the CPU interpreter otherwise. Garbage (NaN) past each slot's rank
-proves the kernels never read beyond a row's real rank."""
+torch references, on `kernel_device()`: compiled on a GPU, in the CPU interpreter otherwise. Garbage (NaN) past
+each slot's rank proves the kernels never read beyond a row's real rank."""
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
@@ -19,8 +15,9 @@ from adapters.lora_ops.bgmv import (  # noqa: E402
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = kernel_device()
 
 
 def nan_stack(num_slots: int, r_max: int, in_f: int, outs: tuple[int, ...], ranks: list[list[int]],
@@ -77,8 +74,8 @@ def test_bgmv_equals_reference(case: int, k_split_cols: int) -> None:
     triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
     ref = reference(y0, x, stack, slots)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    base = slots < 0
-    assert torch.equal(out[torch.from_numpy(base)], y0[torch.from_numpy(base)]), "base rows must be untouched"
+    base = torch.from_numpy(slots < 0).to(DEVICE)
+    assert torch.equal(out[base], y0[base]), "base rows must be untouched"
     out_t = y0.clone()
     torch_bgmv_add_lora(out_t, x, stack, meta)
     torch.testing.assert_close(out_t, ref, rtol=1e-5, atol=1e-5)

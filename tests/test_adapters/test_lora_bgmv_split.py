@@ -5,7 +5,6 @@ backends (Triton compiled on a GPU, in the CPU interpreter otherwise); NaN past 
 read beyond a row's real rank, padding rows (slot -1) must come out untouched."""
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,8 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from adapters.layers.context import LoRAContext  # noqa: E402

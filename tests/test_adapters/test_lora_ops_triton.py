@@ -1,23 +1,16 @@
-"""Triton shrink/expand kernels against the torch reference: compiled on a GPU when there is one, else in the
-CPU interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
-
-import importlib
-import os
-import sys
+"""Triton shrink/expand kernels against the torch reference, on `kernel_device()`: compiled on a GPU when there
+is one, else in the CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported)."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported and the kernels decorated
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and "adapters.lora_ops.triton_kernels" in sys.modules:  # decorated without it
-    importlib.reload(sys.modules["adapters.lora_ops.triton_kernels"])
+pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora, expand, shrink  # noqa: E402
 from adapters.lora_ops.triton_ops import SEGMENT_CONFIGS, triton_expand, triton_shrink  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
+
+DEVICE = kernel_device()
 
 
 def make_stack(slots, r_max, in_f, outs, ranks, dtype, seed=0, host_mirror=True):

@@ -1,48 +1,25 @@
-"""The Triton apply kernel against the torch path.
-
-Without CUDA the kernel runs in the Triton interpreter: TRITON_INTERPRET=1 is set while
-the kernel module is (re)imported (Triton decides at decoration time) and restored
-afterwards, so other test modules' kernels are unaffected.  With CUDA it runs compiled.
-"""
+"""The Triton apply kernel against the torch path, on `kernel_device()`: compiled with CUDA, in the Triton
+interpreter on CPU tensors without it (tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported)."""
 
 from __future__ import annotations
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
+from environment.backends import triton_available  # noqa: E402
+from grammar.matching import bitmask_triton  # noqa: E402
 from grammar.matching.bitmask import apply_token_bitmask_torch_  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def kernel_module():  # noqa: ANN201
-    previous = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if "grammar.matching.bitmask_triton" in sys.modules:
-            module = importlib.reload(sys.modules["grammar.matching.bitmask_triton"])
-        else:
-            module = importlib.import_module("grammar.matching.bitmask_triton")
-        yield module
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-        importlib.reload(module)  # leave a normally decorated kernel behind
+DEVICE = kernel_device()
 
 
 @pytest.mark.parametrize("vocab, block", [(100, 64), (300, 128), (64, 64)])
 @pytest.mark.parametrize("use_rows", [False, True])
-def test_triton_kernel_matches_torch(kernel_module, vocab: int, block: int, use_rows: bool) -> None:  # noqa: ANN001
+def test_triton_kernel_matches_torch(vocab: int, block: int, use_rows: bool) -> None:
+    assert triton_available()
     gen = torch.Generator().manual_seed(vocab + block)
     logits = torch.randn(4, vocab, generator=gen)
     words = (vocab + 31) // 32
@@ -51,6 +28,6 @@ def test_triton_kernel_matches_torch(kernel_module, vocab: int, block: int, use_
     expected = logits.clone()
     apply_token_bitmask_torch_(expected, bitmask, rows)
     got = logits.to(DEVICE)
-    kernel_module.apply_token_bitmask_triton_(got, bitmask.to(DEVICE), None if rows is None else rows.to(DEVICE),
-                                              block=block)
+    bitmask_triton.apply_token_bitmask_triton_(got, bitmask.to(DEVICE), None if rows is None else rows.to(DEVICE),
+                                               block=block)
     assert torch.equal(got.cpu(), expected)

@@ -1,40 +1,30 @@
 """Triton attention backend (KV store, paged attention, split-KV reduce) against the torch reference.
 
-With CUDA the kernels run compiled on the GPU. Without it they run in the Triton interpreter on
-CPU tensors: TRITON_INTERPRET=1 is set before triton is imported (the decorator reads it), and the
-kernel module is re-imported if something decorated it earlier. The interpreter computes bf16
-`tl.dot` wrongly (Triton 3.9: relative error ~1e9 on a 16x32x16 dot; fp16 is exact), so the backend
-upcasts tiles to fp32 there (see core/attention/triton_kernels.py); the native low-precision `tl.dot`
-path (UPCAST off) is covered on CPU with fp16 (`upcast=False`), and the GPU tile configs and split-KV
-are forced through the backend's overrides. Shapes are tiny: the interpreter runs every program in Python.
+The kernels run on `kernel_device()` (tests/helpers/kernel_device.py): compiled on CUDA tensors with a GPU,
+in the Triton interpreter on CPU tensors without one (tests/conftest.py sets TRITON_INTERPRET=1 before
+anything imports triton). The interpreter computes bf16 `tl.dot` wrongly (Triton 3.9: relative error ~1e9
+on a 16x32x16 dot; fp16 is exact), so the backend upcasts tiles to fp32 there (see
+core/attention/triton_kernels.py); the native low-precision `tl.dot` path (UPCAST off) is covered on CPU
+with fp16 (`upcast=False`), and the GPU tile configs and split-KV (on or off) are forced through the
+backend's overrides, so every test takes the same path on either device. Shapes are tiny: the interpreter
+runs every program in Python.
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and type(triton.language.zeros).__name__ != "InterpretedFunction":
-    # triton's own @jit helpers (tl.zeros, tl.sum, ...) are decorated when triton is first imported
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module): "
-                "the interpreter cannot run; run this file on its own", allow_module_level=True)
-if "core.attention.triton_kernels" in sys.modules:  # decorated earlier under other settings
-    importlib.reload(sys.modules["core.attention.triton_kernels"])
-    importlib.reload(sys.modules["core.attention.triton_backend"])
+pytest.importorskip("triton")
 
 from core.attention.metadata import AttentionMetadata  # noqa: E402
 from core.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from core.attention.triton_backend import DECODE_CONFIG, PREFILL_CONFIG, TritonAttentionBackend  # noqa: E402
 from core.execution.runner import decode_groups  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = kernel_device()
 BS = 16
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -155,9 +145,10 @@ LONG_DECODE = [(3, 1), (130, 1), (200, 1), (300, 1)]   # contexts across several
 
 def gpu_backend(kind: str, split: bool = False, upcast: bool | None = None) -> TritonAttentionBackend:
     """The GPU's tile config for `kind` (decode-only or with prefill), forced under the interpreter too;
-    `split` forces split-KV on every decode (target_programs far above the work items)."""
+    `split` forces split-KV on every decode (target_programs far above the work items), else it is forced
+    off: the split policy depends on the device (`test_split_policy_depends_on_the_device`)."""
     cfg = DECODE_CONFIG if kind == "decode" else PREFILL_CONFIG
-    extra = dict(min_partition=64, target_programs=10**6, max_splits=4) if split else {}
+    extra = dict(min_partition=64, target_programs=10**6, max_splits=4) if split else dict(max_splits=1)
     backend = TritonAttentionBackend(**cfg, **extra, upcast=upcast)
     assert backend.config(kind != "decode", interp=True) == cfg
     return backend
@@ -173,6 +164,24 @@ def test_gpu_decode_tile_config(split: bool) -> None:
     if split:
         assert km.num_split_tokens >= 2
     run_both(LONG_DECODE, 8, 2, seed=21, backend=backend)
+
+
+def test_split_policy_depends_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default split policy at an H100's scale: the target is 2 x 132 SMs = 264 programs, LONG_DECODE's
+    batch launches 4 sequences x 2 KV heads = 8, so each decode group may split into min(32, ceil(264 / 8),
+    ceil(group length / 256)): the short group (contexts 4 and 131) stays whole, the long one (201 and 301,
+    19 blocks = 304 positions) splits in 2. The interpreter's target is 0: never a split. This is why the
+    one-pass case of `test_gpu_decode_tile_config` forces `max_splits=1` rather than relying on the device."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    default = TritonAttentionBackend(**DECODE_CONFIG)
+    assert default.graph_max_splits(4, 2, torch.device("cuda")) == 32      # ceil(264 / 8) = 33, capped at 32
+    assert default.graph_max_splits(4, 2, torch.device("cpu")) == 1
+    _, meta = make_batch(LONG_DECODE, 8, 2, 32, torch.float32, seed=21)
+    h100 = TritonAttentionBackend(**DECODE_CONFIG, target_programs=264).kernel_meta(meta, 2, 4, DEVICE)
+    assert h100.num_splits.tolist() == [1, 1, 2, 2] and h100.max_splits == 2 and h100.num_split_tokens == 2
+    km = default.kernel_meta(meta, 2, 4, DEVICE)                           # 264 on CUDA (the patched 132 SMs)
+    assert km.num_splits.tolist() == ([1, 1, 2, 2] if DEVICE.type == "cuda" else [1, 1, 1, 1])
+    assert gpu_backend("decode").kernel_meta(meta, 2, 4, DEVICE).max_splits == 1
 
 
 def test_gpu_prefill_tile_config() -> None:

@@ -1,13 +1,13 @@
-"""Sliding-window attention and attention-logit soft-capping in the Triton paged-attention kernel (interpreted
-on the CPU without CUDA) against the torch reference: prefill, chunked prefill over a cached prefix longer
-than the window, decode, split-KV decode and the GPU tile configs; plus the torch reference itself against
-a dense masked softmax (the window really cuts keys off)."""
+"""Sliding-window attention and attention-logit soft-capping in the Triton paged-attention kernel (on
+`kernel_device()`: compiled with CUDA, interpreted on the CPU without it) against the torch reference: prefill,
+chunked prefill over a cached prefix longer than the window, decode, split-KV decode and the GPU tile configs;
+plus the torch reference itself against a dense masked softmax (the window really cuts keys off)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_triton_attention import (  # noqa: E402  (sets TRITON_INTERPRET / skips as that module does)
+from test_triton_attention import (  # noqa: E402
     DECODE, PREFILL_CACHED, PREFILL_NO_CACHE, TritonAttentionBackend, gpu_backend, make_batch, run_both,
 )
 from core.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -42,7 +42,7 @@ def test_torch_reference_is_a_dense_windowed_softmax() -> None:
     vals = vc.index_select(0, meta.prefill_block_tables[0]).reshape(-1, 1, 16)[:64]   # [L, 1, D]
     scores = torch.einsum("nhd,ld->hnl", q, keys[:, 0]) * 0.25                         # [H, n, L]
     scores = torch.tanh(scores / 2.0) * 2.0
-    q_pos, k_pos = torch.arange(24, 64)[:, None], torch.arange(64)[None, :]
+    q_pos, k_pos = torch.arange(24, 64, device=q.device)[:, None], torch.arange(64, device=q.device)[None, :]
     scores = scores.masked_fill(~((k_pos <= q_pos) & (k_pos > q_pos - 10)), float("-inf"))
     ref = torch.einsum("hnl,ld->nhd", scores.softmax(-1), vals[:, 0])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
+from kernel_device import kernel_device
 
 pytest.importorskip("triton")
 pytest.importorskip("peft")
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+              pytest.mark.skipif(kernel_device().type == "cuda", reason="the TP ranks here are CPU processes (gloo): "
+                                 "their Triton kernels run only in the interpreter, i.e. without a GPU")]
 
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402

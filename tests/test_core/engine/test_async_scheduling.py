@@ -1,6 +1,7 @@
 """Async scheduling: step t+1 is launched before step t's tokens are read (`core/execution/pending.py`).
 
-On the CPU nothing overlaps (the copies are synchronous), but the whole hand-off runs: requests carry a
+The engines run on `kernel_device()`: on a GPU the steps really overlap (non-blocking copies, kernels queued
+ahead); on the CPU nothing overlaps (the copies are synchronous), but the whole hand-off runs: requests carry a
 placeholder token, the next step's input ids are patched from the previous step's token tensor, stops
 and grammars are applied one step late, and rows of requests that just ended are dropped. Outputs must
 equal HF transformers / PEFT and the synchronous engine exactly, with integrity checked after every step.
@@ -18,6 +19,7 @@ from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine.engine import LLMEngine
 from core.engine.request import PENDING_TOKEN
 from format_checks import strict_validate
+from kernel_device import kernel_device
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -30,7 +32,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def make_engine(path: Path, async_scheduling: bool, num_blocks: int = 256, budget: int = 2048,
                 prefix: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu", async_scheduling=async_scheduling,
+        model=str(path), dtype="float32", device=str(kernel_device()), async_scheduling=async_scheduling,
         cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
 
@@ -122,7 +124,7 @@ def test_mixed_workload_equals_sync() -> None:
               SamplingParams(max_tokens=1, temperature=0.0)]
     results = []
     for async_scheduling in (False, True):
-        llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=40, max_num_seqs=5, max_loras=2,
+        llm = LLM(str(path), dtype="float32", device=str(kernel_device()), num_kv_blocks=40, max_num_seqs=5, max_loras=2,
                   lora_modules=loras, async_scheduling=async_scheduling)
         assert llm.engine.async_scheduling is async_scheduling
         outs = llm.generate(prompts, params, lora=lora, response_format=formats)

@@ -22,14 +22,15 @@ from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner, default_capture_sizes  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
 
-CUDA = torch.cuda.is_available()
+DEVICE = kernel_device()
+CUDA = DEVICE.type == "cuda"    # real graphs are captured; without CUDA the padded path runs eagerly
 # one layer on the CPU (the interpreter runs every kernel in Python; each layer takes the same path), the
 # two-layer model where real kernels run
 MODEL = "llama_gqa" if CUDA else "llama_gqa_1layer"
-DEVICE = "cuda" if CUDA else "cpu"
 SIZES = (1, 2, 4, 8)
 FALLBACK_SIZES = (1, 2, 4)   # below max_num_seqs 8: decode steps of 5-8 rows run eagerly
 NAMES = {"tenant-a": "qv_r4", "tenant-b": "all7_r8"}
@@ -46,7 +47,7 @@ def graph_llm(model: str, monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...
     """`max_num_seqs` 8; decode graphs of `sizes` (smaller than the default set: steps above the largest size
     fall back to the eager path)."""
     monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", "triton")
-    llm = LLM(str(model_dir(model)), dtype="float32", device=DEVICE, max_num_seqs=8, num_kv_blocks=256, **kwargs)
+    llm = LLM(str(model_dir(model)), dtype="float32", device=str(DEVICE), max_num_seqs=8, num_kv_blocks=256, **kwargs)
     engine = llm.engine
     if CUDA:
         assert engine.graphs is not None and engine.graphs.sizes == SIZES
@@ -115,7 +116,7 @@ def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_schedu
 def test_lora_rows_sorted_by_slot(seed: int) -> None:
     """Every fill: the row order is a permutation sorted by slot with base and padding rows last."""
     rng = np.random.default_rng(seed)
-    bufs = GraphLoRABuffers(64, 5, "cpu")
+    bufs = GraphLoRABuffers(64, 5, DEVICE)
     for _ in range(20):
         size = int(rng.choice([1, 2, 8, 33, 64]))
         n = int(rng.integers(1, size + 1))

@@ -1,38 +1,27 @@
 """Fused RMSNorm / rotary / SiLU-and-mul: the Triton kernels against the torch path (the reference).
 
-With CUDA the kernels run compiled on the GPU (inputs built on the CPU, then moved). Without it they
-run in the Triton interpreter on CPU tensors (LORAPLEX_FUSED_OPS=triton): TRITON_INTERPRET=1 is set
-before triton is imported, and core.models.fused_ops is re-imported if it was decorated earlier.
-Shapes are tiny: the interpreter runs every program in Python. The interpreter truncates fp32 -> bf16
-casts (the GPU rounds to nearest, and then matches the torch path bit for bit in nearly every element), so
-bf16 compares within a couple of bf16 ulps.
+The kernels run on `kernel_device()` (tests/helpers/kernel_device.py): compiled with CUDA (inputs built on
+the CPU, then moved), in the Triton interpreter on CPU tensors without it (LORAPLEX_FUSED_OPS=triton;
+tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton). Shapes are tiny: the interpreter
+runs every program in Python. The interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest, and
+then matches the torch path bit for bit in nearly every element), so bf16 compares within a couple of bf16 ulps.
 """
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and type(triton.language.zeros).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module): "
-                "the interpreter cannot run; run this file on its own", allow_module_level=True)
-if "core.models.fused_ops" in sys.modules:  # decorated earlier under other settings
-    importlib.reload(sys.modules["core.models.fused_ops"])
+pytest.importorskip("triton")
 
 from core.models import fused_ops  # noqa: E402
 from environment import variables  # noqa: E402
 from envlib import delenv, setenv  # noqa: E402
 from core.models.rope import RotaryEmbedding  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
+DEVICE = kernel_device()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -142,8 +131,8 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.zeros(2)
     delenv(monkeypatch, "LORAPLEX_FUSED_OPS")
     assert not fused_ops.use_triton(cpu)
-    if CUDA:
-        assert fused_ops.use_triton(cpu.cuda())
+    if DEVICE.type == "cuda":
+        assert fused_ops.use_triton(cpu.to(DEVICE))
     setenv(monkeypatch, "LORAPLEX_FUSED_OPS", "torch")
     assert not fused_ops.use_triton(cpu.to(DEVICE))
     setenv(monkeypatch, "LORAPLEX_FUSED_OPS", "triton")

@@ -1,5 +1,6 @@
 """The start-up warm-up compiles every variant of the dequantizing GEMM a quantized model launches while
-serving (both tile configs; the token count is not specialized), recorded in the Triton interpreter."""
+serving (both tile configs; the token count is not specialized), recorded on `kernel_device()` (compiled on a
+GPU, in the Triton interpreter without one)."""
 from __future__ import annotations
 
 import random
@@ -12,18 +13,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 import kernel_recorder  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from kernel_recorder import KernelRecorder  # noqa: E402
 from quant_layouts import layout_model  # noqa: E402
 from testlib import PROMPTS, encode  # noqa: E402
 
 
 def test_warmup_covers_quantized_gemm_variants(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LORAPLEX_QUANT_GEMM", "triton")   # the GPU path, in the interpreter
+    monkeypatch.setenv("LORAPLEX_QUANT_GEMM", "triton")   # the GPU path (on the CPU: in the interpreter)
     monkeypatch.setattr(kernel_recorder, "KERNEL_MODULES", ("core.quant.triton_gemm",))
     rec = KernelRecorder.install(monkeypatch)
     path, _ = layout_model("gptq_w4_g32_sym_act")
-    llm = LLM(str(path), dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=48,
-              num_kv_blocks=128, warmup=False)
+    # enforce_eager: a replayed CUDA graph launches nothing through Python, so every step runs eagerly (recorded)
+    llm = LLM(str(path), dtype="float32", device=str(kernel_device()), max_num_seqs=8, max_num_batched_tokens=48,
+              num_kv_blocks=128, warmup=False, enforce_eager=True)
     llm.engine.warmup()
     warm = set(rec.keys)
     rec.reset()

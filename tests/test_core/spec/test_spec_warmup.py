@@ -1,4 +1,5 @@
-"""Speculative decoding on the CUDA paths (issue 26 item 7), checked in the CPU interpreter.
+"""Speculative decoding on the CUDA paths (issue 26 item 7), on `kernel_device()` (compiled on a GPU, the CPU
+interpreter without one).
 
 - A step with drafts never replays a decode graph: its rows carry k+1 query tokens, so it runs eagerly on the
   mixed prefill/decode path; plain decode steps of the same engine still take the (padded) graph path.
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from core.startup.warmup import forward_shapes  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from kernel_recorder import KernelRecorder  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
 from testlib import PROMPTS, encode, model_dir  # noqa: E402
@@ -38,7 +40,7 @@ def triton_attention(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def spec_llm(spec: dict | None, **kw) -> LLM:
     """max_num_seqs 4, the padded decode path the GPU captures (run without capture), split-KV as on a GPU."""
-    llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32,
+    llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(kernel_device()), max_num_seqs=4, max_num_batched_tokens=32,
               num_kv_blocks=128, warmup=False, speculative_config=spec, **kw)
     eng = llm.engine
     backend = eng.model.model.layers[0].self_attn.backend
@@ -68,7 +70,8 @@ def test_steps_with_drafts_run_eagerly(triton_attention: None) -> None:
         run = eng.graphs.run
         eng.graphs.run = lambda host, *a, **k: (graph_batches.append(host), run(host, *a, **k))[1]
         got = generate(llm)
-        want = generate(LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", num_kv_blocks=128, warmup=False))
+        want = generate(LLM(str(model_dir(MODEL)), dtype="float32", device=str(kernel_device()), num_kv_blocks=128,
+                            warmup=False))
     assert got == want
     assert eng.spec.stats.num_drafts > 0 and graph_batches, "no verification step or no graph-path step"
     assert all(not r.num_spec_tokens for host in graph_batches for r in host.requests)

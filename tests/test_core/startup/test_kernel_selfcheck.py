@@ -1,4 +1,5 @@
-"""The start-up kernel self-check (`core/startup/kernel_selfcheck.py`) in the Triton interpreter on the CPU.
+"""The start-up kernel self-check (`core/startup/kernel_selfcheck.py`) on `kernel_device()`: compiled on a GPU,
+in the Triton interpreter on the CPU without one.
 
 One engine (a one-layer model, one adapter on every projection, split-KV as on a GPU) with every part on
 its Triton path: the real kernels pass; a kernel made wrong on purpose (attention, LoRA segmented expand,
@@ -22,6 +23,7 @@ from core import LLM  # noqa: E402
 from core.startup.kernel_selfcheck import KernelCheck, KernelSelfCheck, KernelSelfCheckError, max_abs_error, \
     selfcheck_enabled  # noqa: E402
 from envlib import setenv  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from kernel_recorder import KernelRecorder  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
 from testlib import model_dir  # noqa: E402
@@ -41,7 +43,7 @@ def engine() -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp, torch_threads(1):
         for var in SWITCHES:
             mp.setenv(var, "triton")
-        llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu",
+        llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(kernel_device()),
                   lora_modules={"t-all8": str(adapter_dir(MODEL, "all7_r8"))}, max_loras=1, max_lora_rank=8,
                   max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64, warmup=False)
         backend = llm.engine.model.model.layers[0].self_attn.backend

@@ -4,7 +4,8 @@ Triton compiles a new variant of a kernel when a pointer argument's 16-byte alig
 constexpr does). Per-step metadata is packed into one buffer per step for a single host->device copy;
 if its segments started at offsets that depend on the batch, steps would stall on compiles mid-serving
 (the cause of the p99 inter-token latency spikes of the first GPU serving sweep). These tests drive
-random batches through the packers and check every segment a kernel reads starts on a 16-byte boundary.
+random batches through the packers (onto `kernel_device()`: pinned, non-blocking copies on a GPU) and check
+every segment a kernel reads starts on a 16-byte boundary.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from adapters.lora_ops.metadata import LoRABatchMeta
 from core.attention.triton_backend import TritonAttentionBackend
 from core.execution.packing import aligned_offsets, pack_aligned
 from core.execution.runner import HostBatch, to_device
+from kernel_device import kernel_device
+
+DEVICE = kernel_device()
 
 
 def byte_offset(t: torch.Tensor) -> int:
@@ -64,7 +68,7 @@ def random_host_batch(rng: random.Random, block_size: int = 16) -> HostBatch:
 def test_step_inputs_and_attention_metadata_are_aligned(seed: int) -> None:
     rng = random.Random(seed)
     host = random_host_batch(rng)
-    batch = to_device(host, 16, torch.device("cpu"))
+    batch = to_device(host, 16, DEVICE)
     n_dec = host.num_decode
     assert_aligned(input_ids=batch.input_ids, positions=batch.positions, slot_mapping=batch.meta.slot_mapping,
                    logits_indices=batch.logits_indices, decode_context_lens=batch.meta.decode_context_lens)
@@ -74,7 +78,7 @@ def test_step_inputs_and_attention_metadata_are_aligned(seed: int) -> None:
     assert batch.logits_indices.tolist() == (host.cu[1:][host.samples] - 1).tolist()
 
     backend = TritonAttentionBackend(target_programs=10 ** 6, min_partition=32, max_splits=8)
-    km = backend.kernel_meta(batch.meta, num_kv_heads=2, g_p2=4, device=torch.device("cpu"))
+    km = backend.kernel_meta(batch.meta, num_kv_heads=2, g_p2=4, device=DEVICE)
     assert_aligned(q_starts=km.q_starts, q_lens=km.q_lens, num_splits=km.num_splits, work=km.work)
     q_lens = [1] * n_dec + host.num_new[n_dec:].tolist()
     assert km.q_lens.tolist() == q_lens and km.seq_lens.tolist() == host.context_lens.tolist()
@@ -88,7 +92,7 @@ def test_step_inputs_and_attention_metadata_are_aligned(seed: int) -> None:
 def test_lora_metadata_is_aligned(seed: int) -> None:
     rng = random.Random(seed)
     slots = [rng.choice([-1, 0, 1, 2, 5]) for _ in range(rng.randint(1, 40))]
-    meta = LoRABatchMeta.build(slots, num_slots=8)
+    meta = LoRABatchMeta.build(slots, DEVICE, num_slots=8)
     assert_aligned(token_ids=meta.token_ids, group_slots=meta.group_slots, group_starts=meta.group_starts,
                    group_sizes=meta.group_sizes)
     lora_pos = [i for i, s in enumerate(slots) if s >= 0]

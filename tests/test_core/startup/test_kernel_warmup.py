@@ -1,10 +1,11 @@
 """Zero compiles while serving: the start-up warm-up launches every Triton kernel variant the engine can use.
 
-In the CPU interpreter every launch's specialization key (constexprs, integer and pointer-alignment
-specializations, launch options: exactly what Triton's JIT cache is keyed on) is recorded, first during the
-warm-up, then during a randomized mixed workload: prefill chunks of many sizes up to the token budget,
-decode batches of 1..max_num_seqs on the padded (CUDA-graph) path, 0..max_loras adapters of ranks 4-64 in a
-step, JSON-schema rows. Every key of the workload must be one the warm-up compiled.
+On `kernel_device()` (compiled on a GPU, the CPU interpreter without one) every launch's specialization key
+(constexprs, integer and pointer-alignment specializations, launch options: exactly what Triton's JIT cache is
+keyed on) is recorded, first during the warm-up, then during a randomized mixed workload: prefill chunks of many
+sizes up to the token budget, decode batches of 1..max_num_seqs on the padded (CUDA-graph) path, run without
+capture so each step's launches are seen, 0..max_loras adapters of ranks 4-64 in a step, JSON-schema rows.
+Every key of the workload must be one the warm-up compiled.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from kernel_recorder import KernelRecorder  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
 from testlib import PROMPTS, encode, model_dir  # noqa: E402
@@ -60,14 +62,14 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
     rec = KernelRecorder.install(monkeypatch)
     mods = {name: str(adapter_dir(MODEL, a)) for name, a in ADAPTERS.items()}
     with torch_threads(1):
-        llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", lora_modules=mods, max_loras=4,
+        llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(kernel_device()), lora_modules=mods, max_loras=4,
                   max_lora_rank=64, max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=128, warmup=False)
         engine = llm.engine
         assert not engine.ready and not rec.keys
         # split-KV as on a GPU (the interpreter's default never splits), at the tiny model's context lengths
         backend = engine.model.model.layers[0].self_attn.backend
         backend.target_programs, backend.min_partition = 64, 16
-        # the padded decode path the GPU captures as graphs, run without capture on the CPU
+        # the padded decode path the GPU captures as graphs, run without capture (every launch recorded)
         pool = engine.lora_pool
         engine.graphs = DecodeGraphRunner(
             engine.model, engine.kv_caches, backend, engine.block_size,

@@ -27,7 +27,7 @@ from gateway.server.lifecycle import GatewayServer, Lifecycle
 from gateway.server.listeners import ListenError, bind_ports
 from gateway_server import free_port, loraplex_command
 
-FAIL_FAST_S = 5.0     # generous for a loaded 2-core CI machine; measured ~0.5 s (README: `loraplex serve` flags)
+FAIL_FAST_S = 5.0     # generous for a loaded 2-core CI machine; measured ~0.5 s (docs/cli.md: Ports first)
 HANG_S = 30.0         # what a server that reads the model first gets before it is killed
 
 

@@ -1,8 +1,8 @@
 """`loraplex serve` refuses to start when the kernel self-check fails: exit status 1, the kernel and its torch
 switch on stderr, never a live server answering 503 (`gateway/server/startup.py`).
 
-`gateway.cli.main` on a thread of the test, every part on its Triton path in the interpreter and the self-check
-forced on, with the bitmask kernel made wrong: in the engine process (the default; the wrong kernel is put there
+`gateway.cli.main` on a thread of the test, every part on its Triton path (on `kernel_device()`: compiled on a
+GPU, in the interpreter without one) and the self-check forced on, with the bitmask kernel made wrong: in the engine process (the default; the wrong kernel is put there
 by the test-only `LORAPLEX_ENGINE_TEST_HOOK`, the failure crosses the process boundary) and with
 `--engine-process off`. The same run with the switch the error names starts and serves."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from engine_probe import wrong_bitmask_kernel  # noqa: E402
 from gateway.cli import main  # noqa: E402
 from gateway_server import free_port  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from testlib import model_dir  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def triton_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _argv(port: int, *extra: str) -> list[str]:
-    return ["serve", "--model", str(model_dir("llama_gqa_1layer")), "--port", str(port), "--device", "cpu",
+    return ["serve", "--model", str(model_dir("llama_gqa_1layer")), "--port", str(port), "--device", kernel_device().type,
             "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--kv-cache-memory", "1MB",
             *extra]
 
