@@ -102,7 +102,7 @@ def main() -> None:
     num_in = sum(len(p) for p, _ in work)
     import os
 
-    from environment import variables
+    from core.environment import variables
 
     ours: dict[str, float] = {}
     modes = {"auto": None, "on": True, "off": False}

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
                          SchedulerConfig)
-from environment.variables import ENGINE_PROCESS, check_all
+from core.environment.variables import ENGINE_PROCESS, check_all
 from gateway.server.cli_vllm import (add_vllm_arguments, lora_modules, prefix_caching, resolve_model, served_names,
                                      vllm_engine_fields, vllm_server_fields)
 from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
@@ -153,7 +153,7 @@ def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def _check_environment(parser: argparse.ArgumentParser) -> None:
-    """Every LORAPLEX_* variable (environment/variables.py), checked before anything starts: a bad one is named."""
+    """Every LORAPLEX_* variable (core/environment/variables.py), checked before anything starts: a bad one is named."""
     errors = check_all()
     if errors:
         parser.error("; ".join(errors))

@@ -21,7 +21,7 @@ use_interpreter_without_gpu(os.environ)
 
 import pytest
 
-from environment import variables
+from core.environment import variables
 from gpu_test_files import GPU_TEST_FILES
 from testlib import model_dir
 
@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _fresh_environment() -> Iterator[None]:
-    """The product reads each LORAPLEX_* variable once (environment/variables.py): every test starts and ends
+    """The product reads each LORAPLEX_* variable once (core/environment/variables.py): every test starts and ends
     with those reads forgotten, so a variable a test sets (monkeypatch) is what the product sees, and no test's
     value outlives it. A test that changes a variable twice calls `variables.reset()` itself (envlib.setenv)."""
     variables.reset()

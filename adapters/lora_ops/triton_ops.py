@@ -18,7 +18,6 @@ import triton
 from adapters.lora_ops import triton_kernels as K
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
-from environment.backends import interpreting
 
 BLOCK_M_SMALL, BLOCK_M_LARGE = 16, 64    # groups of <= 16 tokens (decode rows in mixed steps) / longer chunks
 SPLIT_K_OPTIONS = (1, 4)                 # 4 when the grid is small and K is long
@@ -40,12 +39,18 @@ def block_r(stack: LoRAStack) -> int:
     return max(16, min(64, triton.next_power_of_2(stack.max_rank)))
 
 
-def _block_k() -> int:
-    return 32 if interpreting() else 64
+def _interpreted(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on `t` runs in Triton's CPU interpreter: compiled kernels take CUDA tensors only,
+    so a kernel given a tensor anywhere else can only be running interpreted (TRITON_INTERPRET=1: tests)."""
+    return t.device.type != "cuda"
 
 
-def _block_n() -> int:
-    return 32 if interpreting() else 64
+def _block_k(t: torch.Tensor) -> int:
+    return 32 if _interpreted(t) else 64
+
+
+def _block_n(t: torch.Tensor) -> int:
+    return 32 if _interpreted(t) else 64
 
 
 def choose_config(stack: LoRAStack, meta: LoRABatchMeta) -> SegmentConfig:
@@ -53,7 +58,7 @@ def choose_config(stack: LoRAStack, meta: LoRABatchMeta) -> SegmentConfig:
     block_m = BLOCK_M_SMALL if meta.max_group_size <= BLOCK_M_SMALL else BLOCK_M_LARGE
     m_blocks = triton.cdiv(meta.max_group_size, block_m)
     programs = m_blocks * triton.cdiv(stack.max_rank, block_r(stack)) * meta.num_groups * stack.num_slices
-    long_k = stack.in_features >= 4 * SPLIT_K_OPTIONS[-1] * _block_k()
+    long_k = stack.in_features >= 4 * SPLIT_K_OPTIONS[-1] * _block_k(stack.lora_a)
     split_k = SPLIT_K_OPTIONS[-1] if programs < MIN_PROGRAMS and long_k else SPLIT_K_OPTIONS[0]
     return SegmentConfig(block_m, split_k)
 
@@ -67,7 +72,7 @@ def _active_max_rank(stack: LoRAStack, meta: LoRABatchMeta) -> int:
 
 
 def _dot_fp32(t: torch.Tensor) -> bool:
-    return interpreting() or t.dtype == torch.float32
+    return _interpreted(t) or t.dtype == torch.float32
 
 
 def triton_shrink(
@@ -101,7 +106,7 @@ def triton_shrink(
         *stack.lora_a.stride(),
         *out.stride(),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=_block_k(),
+        BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=_block_k(x),
         SPLIT_K=cfg.split_k, DOT_FP32=_dot_fp32(x),
     )
     return out
@@ -122,7 +127,7 @@ def triton_expand(
         raise ValueError("LoRA slices exceed the output width")
     cfg = config or choose_config(stack, meta)
     assert cfg in SEGMENT_CONFIGS, f"{cfg} is not in the warm-up table"
-    block_n = _block_n()
+    block_n = _block_n(y)
     m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)
     n_blocks = triton.cdiv(max(stack.slice_sizes), block_n)
     grid = (m_blocks * n_blocks, meta.num_groups, S)

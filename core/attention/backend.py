@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from core.attention.metadata import AttentionMetadata
-from environment.backends import kernel_backend
+from core.environment.backends import kernel_backend
 
 
 class AttentionBackend(ABC):
@@ -30,7 +30,7 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
     """Triton on CUDA when triton imports, torch otherwise; LORAPLEX_ATTENTION_BACKEND=torch|triton overrides
-    (environment/backends.py; triton off CUDA needs TRITON_INTERPRET=1: the CPU interpreter, tests only)."""
+    (core/environment/backends.py; triton off CUDA needs TRITON_INTERPRET=1: the CPU interpreter, tests only)."""
     from core.attention.torch_backend import TorchAttentionBackend
 
     if kernel_backend("attention", torch.device(device).type) == "torch":

@@ -24,7 +24,7 @@ from core.attention import triton_kernels as K
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 from core.execution.packing import aligned_offsets, pack_aligned
-from environment.backends import interpreting
+from core.environment.backends import interpreting
 
 LOG2E = 1.4426950408889634
 # block_m = query rows per tile (BLOCK_Q tokens x the padded GQA group), tile_n = keys per KV tile (for

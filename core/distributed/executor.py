@@ -28,7 +28,7 @@ from core.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_g
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.distributed.worker import worker_main
 from core.execution.runner import HostBatch
-from environment.variables import TP_START_TIMEOUT_S
+from core.environment.variables import TP_START_TIMEOUT_S
 
 log = logging.getLogger("loraplex.tp")
 MONITOR_INTERVAL_S = 0.2

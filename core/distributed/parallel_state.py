@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from environment.variables import TP_STEP_TIMEOUT_S
+from core.environment.variables import TP_STEP_TIMEOUT_S
 
 IDLE_TIMEOUT = timedelta(days=3650)
 

@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
+from adapters.lora_ops import LoRABackends
 from core.attention.backend import get_attention_backend
 from core.config import EngineConfig
 from core.distributed.layers import parallelize_model
 from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard, load_sharded_weights
+from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
 from core.models.registry import model_class
 from core.models.loader import init_dummy_weights
@@ -57,7 +59,8 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
         if quant:
             finish_quantized(model, quant)
     model.eval()
-    pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype, journal=tp.is_driver)
+    pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype, journal=tp.is_driver,
+                           backends=LoRABackends(*lora_backends(device.type)))
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])
 

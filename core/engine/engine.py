@@ -33,7 +33,7 @@ from core.spec.engine_step import DraftLayout, build_spec_decoder, draft_layout,
 from core.sampling.stops import append_token, make_delta
 from core.engine.fault_isolation import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
 from core.startup.warmup import ProgressFn, WarmupReport, run_warmup
-from environment.variables import ASYNC_SCHEDULING
+from core.environment.variables import ASYNC_SCHEDULING
 
 log = logging.getLogger("loraplex.engine")
 

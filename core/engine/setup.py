@@ -11,6 +11,7 @@ import torch
 
 from core.attention.backend import get_attention_backend
 from core.config import EngineConfig, ModelConfig
+from core.environment.backends import lora_backends
 from core.scheduling.context_limit import check_max_model_len
 from core.kv.kv_cache_manager import KVCacheManager
 from core.engine.stats import EngineStats
@@ -183,9 +184,10 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, model: LlamaForCausalLM, 
     """Device slot pool + wrappers on the fused linears + the registry with the start-up adapters."""
     from adapters.layers.dims import BaseModelDims
     from adapters.layers.lora_linear import apply_lora_wrappers
+    from adapters.lora_ops import LoRABackends
     from adapters.slots.slot_pool import LoRASlotPool
 
     pool = LoRASlotPool(config.lora.max_loras, config.lora.max_lora_rank, BaseModelDims.from_model_config(cfg),
-                        device=device, dtype=dtype)
+                        device=device, dtype=dtype, backends=LoRABackends(*lora_backends(device.type)))
     apply_lora_wrappers(model, pool)
     return pool, build_registry(config, cfg, device, dtype)

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from environment.variables import ENGINE_TEST_HOOK, TESTS_DIR
+from core.environment.variables import ENGINE_TEST_HOOK, TESTS_DIR
 
 REPO_TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"   # core/engine_core/ -> the repository's tests/
 

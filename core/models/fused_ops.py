@@ -7,7 +7,7 @@ Each public function has two paths:
   tensor dtype wherever the torch ops round (bf16 products, the residual sum, the cast before the
   norm weight), so results match the reference up to reduction order and transcendental ulps.
 
-`use_triton` picks the path (environment/backends.py, family "fused"): Triton for CUDA tensors when triton
+`use_triton` picks the path (core/environment/backends.py, family "fused"): Triton for CUDA tensors when triton
 imports, torch otherwise; LORAPLEX_FUSED_OPS=torch|triton overrides, read once (triton off CUDA needs
 TRITON_INTERPRET=1, set before this module is imported: the kernels then run in the CPU interpreter; tests only).
 The Triton paths are CUDA-graph safe: no host syncs, every branch is on shapes and dtypes only.
@@ -19,7 +19,7 @@ from typing import Any, Callable, overload
 import torch
 import torch.nn.functional as F
 
-from environment.backends import kernel_backend
+from core.environment.backends import kernel_backend
 
 try:  # optional: CPU-only installs run the torch path
     import triton

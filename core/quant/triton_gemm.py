@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from environment.backends import kernel_backend
+from core.environment.backends import kernel_backend
 
 try:  # optional: CPU-only installs use the torch path
     import triton
@@ -30,7 +30,7 @@ def _jit(fn: Callable[..., Any]) -> Any:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (environment/backends.py;
+    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (core/environment/backends.py;
     triton off CUDA needs TRITON_INTERPRET=1: the kernel runs in the interpreter; tests only)."""
     return kernel_backend("quant_gemm", x.device.type) == "triton"
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import ModelConfig
-from environment.variables import ALLOW_LONG_MAX_MODEL_LEN
+from core.environment.variables import ALLOW_LONG_MAX_MODEL_LEN
 
 log = logging.getLogger("loraplex.engine")
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from environment.backends import FAMILIES
-from environment.variables import KERNEL_SELFCHECK
+from core.environment.backends import FAMILIES
+from core.environment.variables import KERNEL_SELFCHECK
 
 log = logging.getLogger("loraplex.kernels")
 
 # rtol of the comparison by the model's dtype (see the module docstring)
 RTOL: dict[torch.dtype, float] = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
-# kernel family (environment/backends.py) -> what it covers; its switch set to torch runs it on the torch path
+# kernel family (core/environment/backends.py) -> what it covers; its switch set to torch runs it on the torch path
 CHECKED_FAMILIES: dict[str, str] = {
     "attention": "paged attention",
     "fused": "the fused RMSNorm / rotary / SiLU-and-mul ops",

@@ -12,6 +12,7 @@ from core.scheduling.admission import check_request
 from core.config import EngineConfig
 from core.engine_core.grammar_handles import RemoteGrammar
 from core.engine_core.protocol import Stats
+from core.engine.grammar_compilers import compile_limits
 from core.engine.setup import load_eos_ids, resolve_model_files
 from core.sampling.params import SamplingParams
 from gateway.engine_client.registry_mirror import RemoteRegistry
@@ -105,9 +106,7 @@ class EngineView:
     def schema_options(self) -> Any:
         """The same lowering options the engine process's compiler lowers with (grammar/compile/limits.py)."""
         if self._schema_options is None:
-            from grammar.compile.limits import CompileLimits
-
-            self._schema_options = CompileLimits.from_env().schema_options(self.model_config.vocab_size)
+            self._schema_options = compile_limits().schema_options(self.model_config.vocab_size)
         return self._schema_options
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -13,17 +13,21 @@ compile worker process (grammar/compile/pool.py), never in the API process or th
                     vocabulary: ~4x the size whose index builds in ~2 s); the builder stops as soon as a partial
                     regex passes it (400 `unsupported_json_schema` naming it). LORAPLEX_GRAMMAR_MAX_REGEX_CHARS
                     overrides it (the target size optional members are pruned toward shrinks with it).
-The variables are declared (type, bounds) in environment/variables.py; a bad value is a start-up error naming
+grammar reads no environment: the variables are declared (type, bounds) in core/environment/variables.py, and
+each process that compiles or lowers (the engine, the API process) builds its `CompileLimits` from them
+(core/engine/grammar_compilers.py `compile_limits`) and hands them down; a compile worker gets its memory limit
+on its command line and its regex budget in each lowering's options. A bad value is a start-up error naming
 the variable.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from environment.variables import GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_MAX_REGEX_CHARS, GRAMMAR_WORKER_MEMORY_MB
-
+MAX_COMPILE_TIMEOUT_S = 3600.0   # the bounds a configured limit must keep (core/environment/variables.py checks them)
+MIN_WORKER_MEMORY_MB = 256       # below this a worker cannot even import its libraries
+MIN_REGEX_CHARS = 1000
 
 @dataclass(frozen=True)
 class CompileLimits:
@@ -33,23 +37,6 @@ class CompileLimits:
     # schema whose expansion explodes stops at 4 GiB instead of the machine's memory (docs/structured-output.md).
     worker_memory_bytes: int = 4096 << 20
     max_regex_chars: int | None = None   # None: SchemaOptions.for_vocab_size's
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "CompileLimits":
-        """The limits the variables set (environment/variables.py: read once), or those of `environ` if given."""
-        def value(var: Any) -> Any:
-            return var.get() if environ is None else var.read(environ)
-
-        out = cls()
-        timeout, memory_mb, chars = (value(v) for v in (GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_WORKER_MEMORY_MB,
-                                                         GRAMMAR_MAX_REGEX_CHARS))
-        if timeout is not None:
-            out = dataclasses.replace(out, compile_timeout_s=timeout)
-        if memory_mb is not None:
-            out = dataclasses.replace(out, worker_memory_bytes=memory_mb << 20)
-        if chars is not None:
-            out = dataclasses.replace(out, max_regex_chars=chars)
-        return out
 
     def schema_options(self, vocab_size: int) -> Any:
         """The lowering options of a model with `vocab_size` tokens under these limits."""

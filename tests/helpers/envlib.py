@@ -1,10 +1,10 @@
-"""Setting a LORAPLEX_* variable inside a test: the product reads each variable once (environment/variables.py),
+"""Setting a LORAPLEX_* variable inside a test: the product reads each variable once (core/environment/variables.py),
 so these forget what was read; tests/conftest.py forgets it again after every test."""
 from __future__ import annotations
 
 import pytest
 
-from environment import variables
+from core.environment import variables
 
 
 def setenv(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:

@@ -8,7 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from environment.backends import triton_available  # noqa: E402
+from core.environment.backends import triton_available  # noqa: E402
 from grammar.matching import bitmask_triton  # noqa: E402
 from grammar.matching.bitmask import apply_token_bitmask_torch_  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from core.models import fused_ops  # noqa: E402
-from environment import variables  # noqa: E402
+from core.environment import variables  # noqa: E402
 from envlib import delenv, setenv  # noqa: E402
 from core.models.rope import RotaryEmbedding  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402

@@ -1,8 +1,9 @@
-"""One backend selection (environment/backends.py) for every kernel family, and no environment read in a step.
+"""One backend selection (core/environment/backends.py) for every kernel family, and no environment read in a step.
 
 Each family's switch picks the same way (auto: Triton on CUDA when triton imports; torch; triton, refused off
-CUDA unless Triton interprets); every kernel family's own choice is that selection; an engine step (fused ops,
-LoRA dispatch, bitmask apply, attention) reads no variable: they were read once, before."""
+CUDA unless Triton interprets); every kernel family's own choice is that selection (the LoRA and bitmask paths
+are resolved in core and handed to adapters / grammar); an engine step (fused ops, LoRA dispatch, bitmask apply,
+attention) reads no variable: they were read once, before."""
 from __future__ import annotations
 
 import os
@@ -11,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from environment import backends
-from environment.backends import FAMILIES, kernel_backend
+from adapters.lora_ops import LoRABackends
+from core.environment import backends
+from core.environment.backends import FAMILIES, kernel_backend
 from envlib import setenv
 
 
@@ -51,14 +53,14 @@ def test_an_explicit_choice_wins_and_is_checked(monkeypatch: pytest.MonkeyPatch)
 
 def test_each_kernel_family_uses_the_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     """The families' own entry points follow their switch (a CPU tensor: torch unless forced)."""
-    from adapters.lora_ops.dispatch import select_backend
     from core.models import fused_ops
     from core.quant import triton_gemm
-    from grammar.matching.bitmask import bitmask_backend
+    from core.sampling.grammar_masks import bitmask_backend
 
     x = torch.zeros(2)
     picks = {"fused": lambda: fused_ops.use_triton(x), "quant_gemm": lambda: triton_gemm.use_triton(x),
-             "lora": lambda: select_backend(x) == "triton", "bitmask": lambda: bitmask_backend(x) == "triton"}
+             "lora": lambda: backends.lora_backends(x.device.type)[0] == "triton",
+             "bitmask": lambda: bitmask_backend(x) == "triton"}
     for family, uses_triton in picks.items():
         assert not uses_triton(), family
         if backends.triton_available() and backends.interpreting():
@@ -68,6 +70,27 @@ def test_each_kernel_family_uses_the_selection(monkeypatch: pytest.MonkeyPatch) 
     from core.attention.backend import get_attention_backend
 
     assert type(get_attention_backend(torch.device("cpu"))).__name__ == "TorchAttentionBackend"
+
+
+@pytest.mark.parametrize("value, interpreting, expected", [
+    ("auto", False, ("torch", "torch")), ("auto", True, ("torch", "triton")), ("torch", True, ("torch", "torch")),
+    ("triton", True, ("triton", "triton")),
+])
+def test_the_lora_paths(value: str, interpreting: bool, expected: tuple[str, str],
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(segmented, decode) of a CPU slot pool: auto under the interpreter also runs the decode (CUDA-graph path)
+    kernels, so the CPU tests exercise them; an explicit torch or triton holds for both."""
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    monkeypatch.setattr(backends, "interpreting", lambda: interpreting)
+    setenv(monkeypatch, "LORAPLEX_LORA_BACKEND", value)
+    assert backends.lora_backends("cpu") == expected
+    assert backends.lora_backends("cuda") == (("torch", "torch") if value == "torch" else ("triton", "triton"))
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
+    if value == "triton":
+        with pytest.raises(ValueError, match="LORAPLEX_LORA_BACKEND=triton needs triton"):
+            backends.lora_backends("cpu")
+    else:
+        assert backends.lora_backends("cpu") == ("torch", "torch")
 
 
 class Reads:
@@ -106,6 +129,7 @@ def test_an_engine_step_reads_no_variable(env_reads: Reads) -> None:
     json_object = {"type": "json_object"}
     run = dict(lora=["a", None], response_format=[json_object, None])   # LoRA ops, a grammar mask, fused ops
     llm.generate(["a b c", "d e"], params, **run)   # every variable read once
+    assert llm.engine.lora_pool.context.backends == LoRABackends(*backends.lora_backends("cpu"))   # handed down
     env_reads.on = True
     out = llm.generate(["a b c", "d e"], params, **run)
     env_reads.on = False

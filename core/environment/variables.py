@@ -1,6 +1,6 @@
 """Every environment variable the product reads, declared once: name, type, default, meaning (docs/environment.md).
 
-    from environment import variables as env
+    from core.environment import variables as env
     if env.FUSED_OPS.get() == "torch": ...
 
 `get()` reads the variable on first use and keeps the value for the life of the process: no hot path reads
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 from typing import Callable, Generic, Mapping, TypeVar
+
+from grammar.compile.limits import MAX_COMPILE_TIMEOUT_S, MIN_REGEX_CHARS, MIN_WORKER_MEMORY_MB
 
 T = TypeVar("T")
 _UNSET: object = object()
@@ -52,7 +54,7 @@ class EnvVar(Generic[T]):
         return f"EnvVar({self.name})"
 
 
-# ---- parsers: each raises ValueError with the text that follows the variable's name ----------------------
+# ---- parsers: each raises ValueError with the text that follows the variable's name --------------------------
 def _choice(*values: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.lower()
@@ -100,8 +102,8 @@ def _worker_memory_mb(raw: str) -> int:
 
 def _regex_chars(raw: str) -> int:
     value = int(_number(int, raw))
-    if value < 1000:
-        raise ValueError(f"must be at least 1000 characters, got {value}")
+    if value < MIN_REGEX_CHARS:
+        raise ValueError(f"must be at least {MIN_REGEX_CHARS} characters, got {value}")
     return value
 
 
@@ -116,7 +118,7 @@ def _text(raw: str) -> str:
     return raw
 
 
-# ---- kernel backends (environment/backends.py) -------------------------------------------------------------
+# ---- kernel backends (core/environment/backends.py) ----------------------------------------------------------
 _BACKEND = "auto|torch|triton"
 _BACKEND_DOC = ("auto: the Triton kernels for CUDA tensors when triton imports, the torch path otherwise; torch: "
                 "the torch path on any device; triton: the kernels (off CUDA only under TRITON_INTERPRET=1, tests)")
@@ -158,16 +160,17 @@ ENGINE_PROCESS = EnvVar("LORAPLEX_ENGINE_PROCESS", "0|1", True, "1",
                         "the default of --engine-process: 1 = the engine core in its own process, 0 = a thread "
                         "of the API process; the flag wins", _bool)
 
-# ---- grammar compile limits (grammar/compile/limits.py) ------------------------------------------------------
-MIN_WORKER_MEMORY_MB = 256   # below this a compile worker cannot even import its libraries
+# ---- grammar compile limits (grammar/compile/limits.py; read by core/engine and gateway) ---------------------
 GRAMMAR_COMPILE_TIMEOUT_S = EnvVar("LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S", "seconds", None, "10",
                                    "CPU seconds one constraint's compile may take in its worker (wall-clock "
-                                   "backstop 4x); past it: 400 grammar_compile_timeout", _seconds(0, 3600))
+                                   "backstop 4x); past it: 400 grammar_compile_timeout",
+                                   _seconds(0, MAX_COMPILE_TIMEOUT_S))
 GRAMMAR_WORKER_MEMORY_MB = EnvVar("LORAPLEX_GRAMMAR_WORKER_MEMORY_MB", "MiB", None, "4096",
                                   "memory limit of each grammar compile worker (0: none; else at least "
                                   f"{MIN_WORKER_MEMORY_MB})", _worker_memory_mb)
 GRAMMAR_MAX_REGEX_CHARS = EnvVar("LORAPLEX_GRAMMAR_MAX_REGEX_CHARS", "characters", None, "by vocabulary size",
-                                 "the most characters a JSON schema's regex may have (at least 1000)", _regex_chars)
+                                 "the most characters a JSON schema's regex may have (at least "
+                                 f"{MIN_REGEX_CHARS})", _regex_chars)
 
 # ---- tests only ----------------------------------------------------------------------------------------------
 ENGINE_TEST_HOOK = EnvVar("LORAPLEX_ENGINE_TEST_HOOK", "module:function", None, "unset",

@@ -1,6 +1,7 @@
 """Configuration in one place (issue 32): every environment variable the product reads is declared in
-environment/variables.py (type, default, meaning), read there and nowhere else, read once, and documented in
-docs/environment.md; a bad value is named, and `loraplex serve` refuses it before it starts anything."""
+core/environment/variables.py (type, default, meaning), read there and nowhere else, read once, and documented in
+docs/environment.md; a bad value is named, and `loraplex serve` refuses it before it starts anything. grammar/ and
+adapters/ take what the environment says from their callers: they never import core (nor gateway)."""
 from __future__ import annotations
 
 import ast
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from environment import variables
-from environment.variables import ALL, FUSED_OPS, GRAMMAR_WORKER_MEMORY_MB, EnvVar, check_all
+from core.environment import variables
+from core.environment.variables import ALL, FUSED_OPS, GRAMMAR_WORKER_MEMORY_MB, EnvVar, check_all
 from envlib import setenv
 
-ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("core", "adapters", "grammar", "gateway", "environment")
-THE_MODULE = ROOT / "environment" / "variables.py"
+ROOT = Path(__file__).resolve().parents[3]
+PRODUCT = ("core", "adapters", "grammar", "gateway")
+THE_MODULE = ROOT / "core" / "environment" / "variables.py"
 DOCS = ROOT / "docs" / "environment.md"
 NAME = re.compile(r"\bLORAPLEX_[A-Z0-9_]*[A-Z0-9]\b")
 ENV_APIS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
@@ -37,22 +38,51 @@ def environment_reads(path: Path) -> list[str]:
     return found
 
 
+def imported_packages(path: Path) -> list[tuple[str, int]]:
+    """The top-level package of every import statement in `path` (module level or in a function), with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name.partition(".")[0], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module.partition(".")[0], node.lineno))
+    return found
+
+
 def names_in(paths: list[Path]) -> set[str]:
     return {name for p in paths for name in NAME.findall(p.read_text())}
 
 
 def test_only_the_one_module_reads_the_environment() -> None:
     reads = [r for p in product_files() if p != THE_MODULE for r in environment_reads(p)]
-    assert not reads, "the environment is read outside environment/variables.py (declare the variable there):\n" \
+    assert not reads, "the environment is read outside core/environment/variables.py (declare the variable there):\n" \
                       + "\n".join(reads)
     assert environment_reads(THE_MODULE), "the scan finds nothing, even where the environment is read"
+
+
+def test_the_product_has_exactly_its_four_packages() -> None:
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages == set(PRODUCT), "the top level is core/, adapters/, grammar/ and gateway/ (and no other package)"
+
+
+@pytest.mark.parametrize("lower, upper", [("grammar", ("core", "gateway")), ("adapters", ("core", "gateway")),
+                                          ("core", ("gateway",))])
+def test_imports_flow_down(lower: str, upper: tuple[str, ...]) -> None:
+    """gateway -> core -> grammar / adapters, never back up: what the environment says reaches grammar and adapters
+    as arguments (the LoRA and bitmask paths, the compile limits), never through an import of core."""
+    files = sorted((ROOT / lower).rglob("*.py"))
+    assert files
+    up = [f"{p.relative_to(ROOT)}:{line}: imports {package}" for p in files
+          for package, line in imported_packages(p) if package in upper]
+    assert not up, "\n".join(up)
+    assert any(package == lower for p in files for package, _ in imported_packages(p)), "the scan finds no import"
 
 
 def test_every_variable_the_product_names_is_declared() -> None:
     declared = {var.name for var in ALL}
     assert len(declared) == len(ALL)
     named = names_in([p for p in product_files() if p != THE_MODULE])
-    assert named - declared == set(), "named in the product but not declared in environment/variables.py"
+    assert named - declared == set(), "named in the product but not declared in core/environment/variables.py"
     assert {v.name for v in ALL if v.name.startswith("LORAPLEX_")} <= names_in([THE_MODULE])
 
 
