@@ -51,7 +51,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, num_steps: int, vocab: int) -
         engine.step()
         step_times.append(time.perf_counter() - start)
     replay = float("nan")
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     if graphs is not None and (size := graphs.padded_size(batch)) is not None:
         graph, _ = graphs.graphs[(size, False)]
         start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             "read_bandwidth_gb_s": bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9, "weight_bytes": w_bytes,
             "kv_bytes_per_token": kv_per_token,
             "enforce_eager": args.enforce_eager, "async_scheduling": llm.engine.async_scheduling, "points": points,
-            "graph_memory_mib": graphs.memory_bytes / 2 ** 20 if (graphs := llm.engine.graphs) else None,
+            "graph_memory_mib": graphs.memory_bytes / 2 ** 20 if (graphs := llm.engine.runner.graphs) else None,
             "graph_capture_s": graphs.capture_s if graphs else None}
     write_results(args.name or f"decode_roofline_{args.device}", data,
                   [("read bandwidth (roofline)", f"{bw / 1e9:.0f} GB/s"),

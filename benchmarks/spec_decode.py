@@ -103,8 +103,8 @@ class _Out:
 
 def forget_tokenizations(llm: LLM) -> None:
     """Cold jump-forward: the speculative engine forgets the tokenizations it saw (a schema's first request)."""
-    if llm.engine.spec is not None and llm.engine.spec.jump is not None:
-        llm.engine.spec.jump.forget()
+    if llm.engine.spec.enabled and llm.engine.spec.decoder.jump is not None:
+        llm.engine.spec.decoder.jump.forget()
 
 
 def check_schema(outs: list) -> bool:

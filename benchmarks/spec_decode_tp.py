@@ -18,19 +18,20 @@ import torch
 
 from common import write_results
 from core import LLM, SamplingParams
+from core.spec.engine_step import NoSpeculation
 from spec_decode import SCHEMA, SOURCES, edit_prompts, run, spec_snapshot
 
 
 def compare(name: str, llm: LLM, prompts: list[str], params: SamplingParams, batch: int, **kw) -> dict:
-    decoder = llm.engine.spec
+    speculator, off = llm.engine.spec, NoSpeculation()
     timed: dict[bool, list] = {False: [], True: []}
     for speculate in (False, True):   # first-call costs
-        llm.engine.spec = decoder if speculate else None
+        llm.engine.spec = speculator if speculate else off
         run(llm, prompts[:1], params, 1, **kw)
     before = spec_snapshot(llm)
     for _ in range(2):
         for speculate in (False, True):
-            llm.engine.spec = decoder if speculate else None
+            llm.engine.spec = speculator if speculate else off
             timed[speculate].append(run(llm, prompts, params, batch, **kw))
     (t0, n0, ref), (t1, n1, got) = (min(timed[s], key=lambda r: r[0]) for s in (False, True))
     after = spec_snapshot(llm)
@@ -62,8 +63,7 @@ def main() -> None:
                 compare("c: JSON schema, jump-forward + n-gram", llm, json_prompts,
                         SamplingParams(max_tokens=96, temperature=0.0), 1, response_format=SCHEMA)]
     finally:
-        if llm.engine.tp is not None:
-            llm.engine.tp.shutdown()
+        llm.shutdown()
     n = args.tensor_parallel_size
     table = [(f"TP={n} {r['workload']} @ batch {r['batch']}",
               f"{r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} tok/s ({r['speedup']:.2f}x), acceptance "

@@ -61,9 +61,9 @@ def measure(llm: LLM, batch: int, context: int, k: int, repeats: int) -> dict[st
     with torch.inference_mode():
         out["decode_eager_s"] = timed(eager([context] * batch, [], False), repeats)
         out["verify_eager_s"] = timed(eager([], [(context - k - 1, k + 1)] * batch, True), repeats)
-        if eng.graphs is not None and eng.graphs.padded_size(batch) is not None:
+        if eng.runner.graphs is not None and eng.runner.graphs.padded_size(batch) is not None:
             host = synthetic_batch([context] * batch, [], bs)
-            out["decode_graph_s"] = timed(lambda: model.compute_logits(eng.graphs.run(host, None)), repeats)
+            out["decode_graph_s"] = timed(lambda: model.compute_logits(eng.runner.graphs.run(host, None)), repeats)
     # what plain serving runs: the graph where there is one; also the break-even tokens per verification
     out["verify_over_decode"] = out["verify_eager_s"] / out.get("decode_graph_s", out["decode_eager_s"])
     return out

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.engine.interface import CompiledConstraint
 from core.errors import RequestRejected
 from core.engine.outputs import RequestDelta
 from core.sampling.params import SamplingParams
@@ -32,10 +33,9 @@ from gateway.http.cancel import run_until_disconnect
 from gateway.http.context import metered, request_context
 from gateway.http.deadline import Deadline
 from gateway.outputs.echo import add_prompt_logprobs, apply_echo, echo_texts
-from gateway.engine_client.model_view import refresh_engine_state
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.outputs.generation import (
-    abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
+    EngineArgs, abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
 )
 from gateway.observability.metrics import CONTENT_TYPE
 from gateway.http.middleware import LIVENESS_PATH, GatewayMiddleware
@@ -82,13 +82,9 @@ async def parse_body(request: Request, model: type[M], prompt_param: str) -> M:
     return parse_json_body(await read_body(request, limit, prompt_param), model)
 
 
-def _engine_kwargs(model: ResolvedModel, grammar: Any, principal: Principal) -> dict[str, Any]:
-    kwargs = model.engine_kwargs()
-    if grammar is not None:
-        kwargs["compiled_grammar"] = grammar   # each child gets its own matcher (gateway/outputs/generation.py)
-    if principal.tenant is not None:
-        kwargs["tenant"] = principal.tenant.name   # the scheduler's fair policy shares throughput by tenant
-    return kwargs
+def _engine_args(model: ResolvedModel, grammar: CompiledConstraint | None, principal: Principal) -> EngineArgs:
+    return EngineArgs(lora=model.adapter, compiled_grammar=grammar,
+                      tenant=principal.tenant.name if principal.tenant is not None else None)
 
 
 @dataclass(frozen=True)
@@ -126,19 +122,20 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
+    aeng = state.aeng
     tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):
-        await validators_ready(state.aeng.engine)
+        await validators_ready(aeng)
     # schema checks (metaschema validation: ~3 us per schema byte) run on a worker thread, never on the loop
-    plan = await tokenize_pool.run(plan_tools, body, state.encoder.tokenizer, state.aeng.engine.schema_options,
+    plan = await tokenize_pool.run(plan_tools, body, state.encoder.tokenizer, aeng.facts.schema_options,
                                    state.config.tool_call_parser) if tooled else None
-    await check_tool_schemas(plan, state.aeng.engine)   # lowered in a compile worker: their 400s come first
+    await check_tool_schemas(plan, aeng)   # lowered in a compile worker: their 400s come first
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
     if tooled:
         prompts = [await tokenize_pool.run(tools_chat_prompt, state.encoder, body, plan)]
     else:
         prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
-    grammar = await resolve_tool_constraint(body, state.aeng.engine, plan)
+    grammar = await resolve_tool_constraint(body, aeng, plan)
     if kind.bind is not None:
         kind = dataclasses.replace(kind, **kind.bind(body, plan))
     elif plan is not None and plan.constrained:
@@ -146,18 +143,18 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     tags = tags_for(state) if kind.prefix != "cmpl" else None
     if tags is not None:   # --reasoning-parser: gateway/reasoning/reasoning_output.py
         reasoning = ReasoningRequest(tags, prompts[0], state.encoder.tokenizer, params.skip_special_tokens)
-        grammar = await reasoning.gate(grammar, state.aeng.engine)
+        grammar = await reasoning.gate(grammar, aeng)
         wrap = reasoning.response if kind.bind is None else reasoning.responses_response
         kind = dataclasses.replace(kind, events=reasoning.events(kind.events), response=wrap(kind.response))
-    kwargs = _engine_kwargs(model, grammar, principal)
+    args = _engine_args(model, grammar, principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
-    params = state.defaults.fit_context(params, body, prompts, state.aeng.engine)
+    params = state.defaults.fit_context(params, body, prompts, aeng.facts.max_model_len)
     children = make_children(request_id, prompts, params)
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
     echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
     try:
-        max_tokens = admit(state.aeng, children)
+        max_tokens = admit(aeng, children)
     except RequestRejected as exc:
         if exc.param == "prompt" and kind.prefix != "cmpl":   # a chat request's prompt is its messages
             exc.param = "messages"
@@ -169,13 +166,13 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         ctx.cleanups.append(release)
     assert state.queue is not None
     ctx.cleanups.append(state.queue.reserve(len(children)))
-    sources = submit_children(state.aeng, children, kwargs)      # errors here are still the response's status
-    ctx.cleanups.append(lambda: abort_children(state.aeng, children))   # e.g. a response that never started
+    sources = submit_children(aeng, children, args)      # errors here are still the response's status
+    ctx.cleanups.append(lambda: abort_children(aeng, children))   # e.g. a response that never started
     ctx.admitted, ctx.num_choices = True, len(children)
     ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None
-    merged = merge_children(state.aeng, children, sources, state.metrics)
+    merged = merge_children(aeng, children, sources, state.metrics)
     if body.stream:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
                           continuous_usage=body.continuous_usage)
@@ -217,7 +214,7 @@ async def create_response(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state = _state(request)
     principal = _principal(request, state)
-    await refresh_engine_state(state.aeng.engine)   # an engine process's adapters as they are now
+    await state.aeng.refresh()   # an engine process's adapters as they are now
     cards = await asyncio.to_thread(state.models.cards, principal.models)   # may scan --lora-dir folders
     return JSONResponse({"object": "list", "data": cards})
 
@@ -226,7 +223,7 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request) -> Response:
     state = _state(request)
     principal = _principal(request, state)
-    await refresh_engine_state(state.aeng.engine)
+    await state.aeng.refresh()
     return JSONResponse(state.models.card(request.path_params["model_id"], principal.models))
 
 

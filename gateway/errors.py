@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from adapters.errors import AdapterError
-from core.engine.async_engine import EngineDeadError, EngineWarmingError
+from core.engine.interface import EngineDeadError, EngineWarmingError
 from grammar.errors import GrammarError
 from core.errors import RequestFault, RequestRejected
 from core.sampling.params import SamplingParamsError

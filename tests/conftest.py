@@ -28,6 +28,12 @@ from testlib import model_dir
 _ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="the long variants, run by hand (docs/testing.md): the request-body fuzz test runs "
+                          "1,000 hypothesis examples per route instead of 50")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The `gpu` marker (pyproject.toml) on every test of tests/helpers/gpu_test_files.py's files."""
     gpu_files = {_ROOT / f for f in GPU_TEST_FILES}

@@ -84,14 +84,6 @@ def torch_expand(
     y.index_copy_(0, idx, rows)
 
 
-def torch_add_lora(
-    y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta, y_offset: int = 0,
-) -> None:
-    """y += LoRA(x) for every LoRA token (shrink then expand)."""
-    h = torch_shrink(x, stack, meta)  # [S, T_lora, R]
-    torch_expand(y, h, stack, meta, y_offset)
-
-
 def torch_add_lora_gathered(
     y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta, y_offset: int = 0,
 ) -> None:

@@ -60,4 +60,5 @@ class LoaderPool:
             return len(self._in_flight)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Cancels the queued reads and waits for the running ones: no loader thread is left."""
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -87,10 +87,6 @@ class LoRASlotPool:
         """Loaded adapter ids, least recently used first."""
         return list(self._lru)
 
-    @property
-    def num_free(self) -> int:
-        return self._slot_ids.count(None)
-
     def is_pinned(self, slot: int) -> bool:
         return self._pins[slot] > 0
 

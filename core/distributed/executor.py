@@ -1,7 +1,11 @@
-"""The driver side of tensor parallelism: spawns the workers, sends each step's inputs, watches them.
+"""The engine's executor: the driver side of tensor parallelism. It spawns the workers, sends each step's inputs,
+watches them.
 
-Rank 0 is the driver process itself (the engine thread runs rank 0's shard between `send_step` and the
-sampler), so a step costs one broadcast of its host inputs plus the collectives inside the forward.
+Every engine has one. Rank 0 is the driver process itself (the engine thread runs rank 0's shard between
+`send_step` and the sampler), so a step costs one broadcast of its host inputs plus the collectives inside the
+forward. A single-rank engine is the executor of size 1: no process group, no worker, no monitor thread; its
+step messages and token sharing are no-ops, and a step that fails can be contained (`contains_step_failures`:
+with workers, a failed step may have left the ranks out of lock step, so it ends the engine).
 A monitor thread checks the workers every `MONITOR_INTERVAL_S`; a dead worker marks the executor
 failed with the reason, logs it and calls `on_failure` (the server then fails pending requests, turns
 /health to 503 and exits non-zero). A hung worker surfaces as a collective timeout on the driver after
@@ -47,6 +51,17 @@ def _free_port() -> int:
 class TPExecutor:
     def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int, device: torch.device) -> None:
         self.world_size = config.parallel.tensor_parallel_size
+        self.procs: list[Any] = []
+        self.failure: str | None = None
+        self.on_failure: list[Callable[[str], None]] = []
+        self.liveness_checks: list[Callable[[], str | None]] = []   # more reasons to fail (the engine loop)
+        self.lora_pool: ShardedSlotPool | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self._monitor: threading.Thread | None = None
+        self.tp = TPGroup.single()
+        if self.world_size == 1:
+            return
         ctx = mp.get_context("spawn")
         self._ready = ctx.Queue()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -56,18 +71,22 @@ class TPExecutor:
         for p in self.procs:
             p.start()
         log.info("tensor parallel: %d ranks; worker pids %s", self.world_size, [p.pid for p in self.procs])
-        self.failure: str | None = None
-        self.on_failure: list[Callable[[str], None]] = []
-        self.liveness_checks: list[Callable[[], str | None]] = []   # more reasons to fail (the engine loop)
-        self.lora_pool: ShardedSlotPool | None = None
-        self._stop = threading.Event()
-        self._closed = False
-        self._monitor: threading.Thread | None = None
         try:
-            self.tp: TPGroup = self._join_group(init_method, device)
+            self.tp = self._join_group(init_method, device)
         except BaseException:
             self.shutdown(graceful=False)
             raise
+
+    @property
+    def has_workers(self) -> bool:
+        """Ranks 1..N-1 run in other processes (tensor parallelism)."""
+        return bool(self.procs)
+
+    @property
+    def contains_step_failures(self) -> bool:
+        """Whether the engine may go on after a step that raised (failing that step's requests): only without
+        workers, whose collectives a failed step may have left unpaired."""
+        return not self.has_workers
 
     def _join_group(self, init_method: str, device: torch.device) -> TPGroup:
         """Rank 0's rendezvous, in a helper thread so that a worker dying before it joins is an error
@@ -90,10 +109,6 @@ class TPExecutor:
         if "error" in box:
             raise box["error"]
         return box["tp"]
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [int(p.pid) for p in self.procs if p.pid is not None]
 
     # ---- start-up ---------------------------------------------------------------------------
     def wait_ready(self) -> None:
@@ -119,6 +134,8 @@ class TPExecutor:
     def attach(self, lora_pool: ShardedSlotPool) -> None:
         """Ready to serve: remember rank 0's slot pool (its journal travels with each step); start the monitor."""
         self.lora_pool = lora_pool
+        if not self.has_workers:
+            return
         self._monitor = threading.Thread(target=self._watch, name="loraplex-tp-monitor", daemon=True)
         self._monitor.start()
 
@@ -131,21 +148,29 @@ class TPExecutor:
     def send_step(self, host: HostBatch, token_slots: np.ndarray | None, **how: Any) -> None:
         """Sends the step's inputs (and the LoRA slot writes since the last one) to every worker; `how`: the
         `StepInputs` fields that say what the workers do around the forward (graph, fixup, logits, tokens)."""
+        if not self.has_workers:
+            return
         assert self.lora_pool is not None, "send_step before attach"
         self._send(StepInputs.from_host(host, token_slots, self.lora_pool.take_journal(), **how))
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """Broadcasts a step's sampled tokens [N] (int64, on the device) to the workers, without a host sync:
         with async scheduling the next step's inputs take them before the driver has read them."""
+        if not self.has_workers:
+            return
         assert tokens.dtype == torch.int64 and tokens.dim() == 1, "sampled tokens are one int64 per row"
         self.tp.broadcast_tensor(tokens)
 
     def warmup_forwards(self, shapes: list[tuple[list[int], list[tuple[int, int]]]]) -> None:
         """Tells the workers to run the warm-up's dummy forwards (the driver runs the same ones next)."""
+        if not self.has_workers:
+            return
         self._send(WarmupForwards(tuple((tuple(d), tuple(p)) for d, p in shapes)))
 
     def capture_graphs(self, sizes: tuple[int, ...], use_graphs: bool, with_lora: bool) -> None:
         """Tells the workers to build and capture their decode graphs (the driver captures the same next)."""
+        if not self.has_workers:
+            return
         self._send(CaptureGraphs(tuple(sizes), use_graphs, with_lora))
 
     # ---- liveness -------------------------------------------------------------------------------
@@ -158,6 +183,8 @@ class TPExecutor:
     def blame_dead_worker(self, grace_s: float) -> str | None:
         """After a failed collective: the dead worker, if one died (waiting up to `grace_s` for its exit to be
         seen: the peer's reset often arrives first), reported through `fail`; None if every worker lives."""
+        if not self.has_workers:
+            return None
         deadline = time.monotonic() + grace_s
         while True:
             reason = self._dead_worker()
@@ -189,12 +216,17 @@ class TPExecutor:
 
     # ---- shutdown -------------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
-        """Stops the workers (a None step when all is well; terminate otherwise) and leaves the groups."""
+        """Stops the workers (a None step when all is well; terminate otherwise) and leaves the groups. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        if graceful and self.failure is None and getattr(self, "tp", None) is not None \
+        self.lora_pool = None
+        if not self.has_workers:
+            return
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout_s)
+        if graceful and self.failure is None \
                 and all(p.is_alive() for p in self.procs):
             try:
                 self.tp.broadcast_object(None)

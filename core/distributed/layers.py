@@ -6,7 +6,8 @@ attention and MLP already compute on this rank's shard; `parallelize_model` then
 - `qkv_proj`, `gate_up_proj` -> ColumnParallelLinear (no communication: the output stays sharded)
 - `embed_tokens`             -> VocabParallelEmbedding (rows of its vocabulary range; one all-reduce)
 - `lm_head`                  -> ParallelLMHead (its vocabulary range; logits gathered on rank 0 only)
-Every module stays an `nn.Linear` where it was one, so LoRA wrappers attach as they do at N=1.
+Every module stays an `nn.Linear` where it was one, so LoRA wrappers attach as they do at N=1. A single
+rank's shard is the whole model: nothing is swapped (no collective to run, no vocabulary to mask).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def _row(linear: nn.Linear, tp: TPGroup) -> RowParallelLinear:
 
 def parallelize_model(model: nn.Module, shard: TPShard, tp: TPGroup) -> None:
     """Swaps the linears and the embedding of a model built from `shard.local_config()` (on the meta device)."""
+    if shard.world_size == 1:
+        return
     hidden = shard.cfg.hidden_size
     device = model.lm_head.weight.device
     for layer in model.model.layers:

@@ -6,9 +6,10 @@
   ([S, T_lora, R], small) is all-reduced, then B (whole) is applied once to the replicated output. Decode
   batches with per-row slots (`DecodeLoRAMeta`, the CUDA-graph path) do the same with the BGMV halves.
 
-`ShardedSlotPool` holds this rank's slices in the same slot layout as at N=1. On the driver it also
-journals every slot write and clear; the journal travels with the next step, and each worker applies
-it to its own pool, so slots, hot loads and evictions are identical on every rank.
+`ShardedSlotPool` holds this rank's slices in the same slot layout as at N=1. On the driver of several ranks it
+also journals every slot write and clear; the journal travels with the next step, and each worker applies
+it to its own pool, so slots, hot loads and evictions are identical on every rank. At N=1 it is the plain
+`LoRASlotPool` (whole adapters, no journal) and the wrappers are the plain ones.
 """
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ class RowParallelLoRALinear(LoRALinear):
 
 def apply_tp_lora_wrappers(model: nn.Module, pool: ShardedSlotPool, tp: TPGroup) -> None:
     apply_lora_wrappers(model, pool)
+    if tp.world_size == 1:
+        return
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallelLoRALinear(layer.self_attn.o_proj, tp)
         layer.mlp.down_proj = RowParallelLoRALinear(layer.mlp.down_proj, tp)

@@ -6,6 +6,8 @@ Two groups over the same ranks:
   timeout, so a hung rank turns into an error on the others instead of a hang.
 - `cpu_group` (gloo, no practical timeout): the driver's per-step messages; a worker may wait in it for
   as long as the server is idle.
+
+A single rank (`TPGroup.single()`) has no process group: every collective returns its input at once.
 """
 from __future__ import annotations
 
@@ -33,17 +35,21 @@ class TPGroup:
     device_group: Any
     cpu_group: Any
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
+    @staticmethod
+    def single() -> "TPGroup":
+        """The group of a single-rank engine: no process group, no communication."""
+        return TPGroup(rank=0, world_size=1, device_group=None, cpu_group=None)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns `t`."""
-        dist.all_reduce(t, group=self.device_group)
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.device_group)
         return t
 
     def gather_to_driver(self, t: torch.Tensor) -> torch.Tensor | None:
         """Concatenates every rank's `t` along the last dim on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return t
         t = t.contiguous()
         if self.rank == 0:
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
@@ -54,16 +60,21 @@ class TPGroup:
 
     def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's `t` into every rank's `t` (same shape and dtype), on the device group; returns `t`."""
-        dist.broadcast(t, src=0, group=self.device_group)
+        if self.world_size > 1:
+            dist.broadcast(t, src=0, group=self.device_group)
         return t
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends `obj` to every rank; the others receive it (blocks while the driver is idle)."""
+        if self.world_size == 1:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def min_int(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())

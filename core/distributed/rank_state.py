@@ -1,4 +1,8 @@
-"""What every rank builds for itself: its model shard, its LoRA slot pool and the KV pool of its KV heads."""
+"""What every rank builds for itself: its model shard, its LoRA slot pool and the KV pool of its KV heads.
+
+`build_rank_model` is the one model loader: the driver and the workers of a tensor-parallel engine, a single-rank
+engine (a shard of world size 1: the whole model) and the speculative draft model all load through it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,12 +17,13 @@ from core.config import EngineConfig
 from core.distributed.layers import parallelize_model
 from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
-from core.distributed.shard import TPShard, load_sharded_weights
+from core.distributed.shard import TPShard
+from core.distributed.weights import load_weights
 from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
-from core.models.registry import model_class
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
+from core.models.registry import model_class
 from core.models.rope import layer_rotaries
 from core.quant.config import detect_quantization
 from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
@@ -36,10 +41,11 @@ class RankState:
     last_tokens: torch.Tensor | None = None  # the last step's sampled tokens [N] (async scheduling)
 
 
-def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device,
-                     dtype: torch.dtype, max_model_len: int) -> RankState:
-    """The model built from the rank's local config on the meta device, parallelized, then loaded
-    with its slices only; LoRA wrappers over a sharded slot pool. The KV pool comes later (`allocate_kv`)."""
+def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device, dtype: torch.dtype,
+                     max_model_len: int, load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
+    """The model built from the rank's local config on the meta device (no random init), parallelized (at
+    N > 1), then filled with its slices only: checkpoint weights, quantized ones included, or random weights
+    (`load_format="dummy"`, online FP8 included)."""
     local = shard.local_config()
     with torch.device("meta"), skip_param_init():
         model = model_class(local)(local, get_attention_backend(device), max_model_len)
@@ -49,18 +55,26 @@ def build_rank_model(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
         layer.self_attn.rotary = rotary.to(device)
     if local.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if config.load_format == "dummy":
+    if load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
-        quantize_dummy(model, model_dir, config.quantization.method)
+        quantize_dummy(model, model_dir, quantization)
     else:
-        quant = detect_quantization(model_dir, config.quantization.method)
+        quant = detect_quantization(model_dir, quantization)
         skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()
-        load_sharded_weights(model, model_dir, shard, skip)
+        load_weights(model, model_dir, shard, skip)
         if quant:
             finish_quantized(model, quant)
-    model.eval()
-    pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype, journal=tp.is_driver,
-                           backends=LoRABackends(*lora_backends(device.type)))
+    return model.eval()
+
+
+def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device,
+                     dtype: torch.dtype, max_model_len: int) -> RankState:
+    """The rank's model with LoRA wrappers over its slot pool (the driver of several ranks journals the pool's
+    writes for the workers). The KV pool comes later (`allocate_kv`), once every rank knows its size."""
+    model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
+                             config.quantization.method)
+    pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,
+                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)))
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])
 
@@ -71,7 +85,3 @@ def allocate_kv(state: RankState, num_blocks: int, block_size: int) -> None:
     state.kv_caches = [(torch.zeros(shape, dtype=state.dtype, device=state.device),
                         torch.zeros(shape, dtype=state.dtype, device=state.device))
                        for _ in range(local.num_layers)]
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device

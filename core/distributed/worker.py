@@ -20,11 +20,12 @@ import torch
 
 from core.config import EngineConfig, ModelConfig
 from core.distributed.parallel_state import TPGroup, init_tp_group
-from core.distributed.rank_state import RankState, allocate_kv, build_rank_model, rank_device
+from core.distributed.rank_state import RankState, allocate_kv, build_rank_state
 from core.distributed.shard import TPShard
 from core.execution.cuda_graphs import DecodeGraphRunner
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
-from core.engine.setup import num_kv_blocks, resolve_device, resolve_dtype
+from core.kv.pool_size import num_kv_blocks
+from core.models.device import rank_device, resolve_device, resolve_dtype
 from core.execution.pending import fixup_to_device, patch_inputs
 from core.execution.runner import graph_sample_rows, host_to_device, to_device
 from core.startup.warmup import dummy_forward, lora_variants
@@ -44,11 +45,11 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
     torch.set_num_threads(num_threads)
     try:
         cfg = ModelConfig.from_path(model_dir)
-        device = rank_device(resolve_device(config.device), rank)
+        device = rank_device(resolve_device(config.device), rank, world_size)
         dtype = resolve_dtype(config.dtype, cfg, device)
         tp = init_tp_group(rank, world_size, init_method, device)
         shard = TPShard(cfg, rank, world_size)
-        state = build_rank_model(config, Path(model_dir), shard, tp, device, dtype, max_model_len)
+        state = build_rank_state(config, Path(model_dir), shard, tp, device, dtype, max_model_len)
         local_blocks = num_kv_blocks(config, shard.local_config(), dtype, device, max_model_len)
     except BaseException:
         ready.put(("error", rank, traceback.format_exc()))

@@ -1,8 +1,11 @@
-"""The engine loop in one background thread, with thread-safe submission and per-request streams.
+"""The engine loop in one background thread, with thread-safe submission and per-request streams: the
+in-process `core.engine.interface.ServingEngine` (`--engine-process off`; the engine process's client,
+gateway/engine_client/client.py, is the other).
 
 The asyncio server never touches tensors: it submits requests and aborts through locked lists, and
 receives `RequestDelta`s on a per-request asyncio.Queue, handed over in one batch per step with
-`call_soon_threadsafe`.
+`call_soon_threadsafe` (`core/engine/streams.py`). Under tensor parallelism the loop owns its executor's
+failure wiring (a lost worker fails the engine; a dead loop fails the group) and its shutdown.
 
 The engine thread shares the GIL with the server's event loop. Most torch ops release the GIL while they run,
 and the engine thread must then win it back from whichever thread took it: with CPython's default 5 ms switch
@@ -15,6 +18,7 @@ Only an engine in its own process removes the contention.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
@@ -22,12 +26,20 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from adapters.registry.registry import AdapterRegistry, LoadedAdapter
 from core.engine.engine import LLMEngine
+from core.engine.interface import (AdapterEntry, EngineDeadError, EngineFacts, EngineWarmingError,
+                                   GrammarCompilerHandle, Matcher, Tokenizer, WarmupProgress, engine_facts)
 from core.engine.outputs import RequestDelta
+from core.engine.streams import RequestStreams, error_delta
+from core.engine_core.protocol import Stats
+from core.engine_core.stats import snapshot_stats
 from core.sampling.params import SamplingParams
+from core.startup.warmup import WarmupReport
 
 log = logging.getLogger("loraplex.engine")
 SWITCH_INTERVAL_S = 0.001   # see the module docstring; measured in benchmarks/gil_contention.py
+BLAME_GRACE_S = 2.0         # after a crashed step: how long to wait for a lost tensor-parallel worker's exit
 
 
 @dataclass
@@ -38,55 +50,94 @@ class _Submission:
     kwargs: dict[str, Any]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop is gone (HTTP 503)."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside a healthy engine (HTTP 500)."""
-
-
-class EngineWarmingError(RuntimeError):
-    """The engine is still compiling its kernels at start-up (HTTP 503, retry later)."""
-
-
 class AsyncEngine:
+    """`core.engine.interface.ServingEngine` over an `LLMEngine` driven by a thread of this process."""
+
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
                  on_warmup_progress: Callable[[int, int, float], None] | None = None,
-                 on_ready: Callable[[Any], None] | None = None,
-                 switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
+                 on_ready: Callable[[WarmupReport], None] | None = None,
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S, owns_engine: bool = True) -> None:
+        """`owns_engine`: `shutdown()` also releases the engine (False: a caller that lent it keeps using it)."""
         self.engine = engine
+        self.owns_engine = owns_engine
         self.switch_interval_s = switch_interval_s   # None: leave the interpreter's switch interval alone
         self._switch_interval_before: float | None = None
         self.on_warmup_progress = on_warmup_progress
         self.on_ready = on_ready                 # called with the engine's WarmupReport once it serves
-        self.warmup_progress: tuple[int, int, float] = (0, 0, 0.0)   # variants done, total, seconds
+        self._warmup = WarmupProgress()
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._adds: list[_Submission] = []
         self._aborts: list[str] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestDelta]]] = {}
+        self._streams = RequestStreams(lambda: self.alive)
         self._stop = False
-        self._closed = False      # under `_lock`: no stream may be registered any more (the loop ended)
-        self.error: BaseException | None = None
+        self._dead = False        # under `_lock`: `_die` ran (on_dead called once)
         self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the loop dies (server exit)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self.hooks: list[Callable[[], None]] = []   # run on the engine thread before each step
+
+    # ---- model, tokenizer, grammar, adapters ---------------------------------------------
+    @functools.cached_property
+    def facts(self) -> EngineFacts:
+        return engine_facts(self.engine)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def grammar_compiler(self) -> GrammarCompilerHandle:
+        return self.engine.grammar_compiler
+
+    @property
+    def adapters(self) -> AdapterRegistry:
+        return self.engine.registry
+
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def stats(self) -> Stats:
+        """Read here, on the caller's thread (`core/engine_core/stats.py` copies what the loop mutates)."""
+        return snapshot_stats(self.engine)
+
+    async def refresh(self) -> None:
+        """Nothing to do: the state is read directly."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
             self._switch_interval_before = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval_s)   # never raised: a host process may want it lower
+        executor = self.engine.executor   # a lost tensor-parallel worker ends the engine; a dead loop fails the group
+        executor.on_failure.append(self.fail)
+        executor.liveness_checks.append(lambda: None if self.error is None else f"the engine loop stopped: {self.error}")
         self._thread.start()
 
+    def warm_grammar_in_background(self) -> None:
+        """Builds the grammar vocabulary and the json_object grammar on a background thread (the server does this
+        at start-up, as the engine process does)."""
+        threading.Thread(target=lambda: self.engine.grammar_compiler.warmup_json_object(), name="grammar-warmup",
+                         daemon=True).start()
+
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the loop, then releases the engine it owns (`LLMEngine.shutdown`: threads, compile workers,
+        tensor-parallel workers, device memory). A step that does not end (a collective a lost worker never joins)
+        is ended by stopping the workers first."""
         self._stop = True
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.engine.registry.shutdown()     # queued adapter reads are cancelled
+        if self._thread.is_alive() and self.owns_engine:
+            self.engine.executor.shutdown(graceful=False)
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s; the engine is not released", 2 * timeout)
+        elif self.owns_engine:
+            self.engine.shutdown(graceful=self.error is None)
         if self._switch_interval_before is not None and sys.getswitchinterval() == self.switch_interval_s:
             sys.setswitchinterval(self._switch_interval_before)   # a host process gets its own setting back
             self._switch_interval_before = None
@@ -96,9 +147,21 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def warmed_up(self) -> bool:
+        return self.engine.ready
+
+    @property
     def ready(self) -> bool:
         """Alive and past the start-up kernel warm-up (what /health reports as 200)."""
         return self.alive and self.engine.ready
+
+    @property
+    def warmup_progress(self) -> WarmupProgress:
+        return self._warmup
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._streams.error
 
     @property
     def num_in_flight(self) -> int:
@@ -106,47 +169,51 @@ class AsyncEngine:
 
     def fail(self, reason: str) -> None:
         """Marks the loop dead from outside (a lost tensor-parallel worker): /health fails, every open
-        stream gets the error, new requests get 503."""
+        stream gets the error, new requests get 503, `on_dead` runs."""
+        self._die(RuntimeError(reason), f"engine failure: {reason}")
+
+    def _die(self, exc: BaseException, message: str, blame_workers: bool = False) -> None:
+        """The loop is gone for good (once): no stream can be opened, every open one gets `message`, then
+        `on_dead` runs (the server exits non-zero: nothing would serve again). `blame_workers`: a crashed step
+        may have been a collective broken by a lost tensor-parallel worker, named in the log if one died."""
         self._stop = True
         self._wakeup.set()
-        self._close(RuntimeError(reason), f"engine failure: {reason}")
-
-    def _close(self, error: BaseException | None, message: str) -> None:
-        """No stream can be registered from now on (`submit` checks under the same lock), and every open one
-        gets `message`: a submission racing the end of the loop gets an error, never a hang."""
+        self._streams.close(exc, message)
         with self._lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self._closed = True
-            ids = list(self._streams)
-        self._deliver([_error_delta(rid, message, EngineDeadError(message)) for rid in ids])
+            first, self._dead = not self._dead, True
+        if not first:
+            return
+        if blame_workers:
+            self.engine.executor.blame_dead_worker(grace_s=BLAME_GRACE_S)
+        for callback in self.on_dead:
+            callback(exc)
 
     # ---- submission (event-loop side) -----------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               **kwargs: Any) -> asyncio.Queue[RequestDelta]:
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        return self.facts.check_request(num_prompt_tokens, params)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+               lora: AdapterEntry | None = None, grammar: Matcher | None = None,
+               tenant: str | None = None) -> asyncio.Queue[RequestDelta]:
         """Validates synchronously (raises RequestRejected) and queues the request for the engine thread."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         if not self.engine.ready:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
-        self.engine.check_request(len(prompt_token_ids), params)
-        lora = kwargs.get("lora")
+        self.check_request(len(prompt_token_ids), params)
+        kwargs: dict[str, Any] = {"grammar": grammar, "tenant": tenant}
         if lora is not None:   # held from now on: an unload before the engine thread admits it cannot 404 it
+            assert isinstance(lora, LoadedAdapter), "an adapter entry of another engine"
             self.engine.registry.acquire(lora)     # (unloaded already: AdapterError 404, before any response)
-            kwargs = {**kwargs, "lora_held": True}
+            kwargs.update(lora=lora, lora_held=True)
         try:
-            queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-            with self._lock:
-                if self._closed:
-                    raise EngineDeadError("the engine loop is not running")
-                assert request_id not in self._streams, f"duplicate request id {request_id}"
-                self._streams[request_id] = (loop, queue)
-                self._adds.append(_Submission(request_id, list(prompt_token_ids), params, kwargs))
+            queue = self._streams.open(request_id, "the engine loop is not running")
         except BaseException:
             if lora is not None:
                 self.engine.registry.release(lora)
             raise
+        with self._lock:
+            self._adds.append(_Submission(request_id, list(prompt_token_ids), params, kwargs))
         self._wakeup.set()
         return queue
 
@@ -162,44 +229,15 @@ class AsyncEngine:
         async for delta in self.stream(request_id, queue):
             yield delta
 
-    async def stream(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> AsyncIterator[RequestDelta]:
+    def stream(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> AsyncIterator[RequestDelta]:
         """The deltas of a submitted request (`submit`'s queue); leaving early aborts it."""
-        finished = False
-        try:
-            while not finished:
-                delta = await queue.get()
-                if delta.error is not None:
-                    finished = True
-                    if delta.exception is not None and (self.alive or isinstance(delta.exception, EngineDeadError)):
-                        raise delta.exception
-                    raise (RequestFailedError if self.alive else EngineDeadError)(delta.error)
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return self._streams.read(request_id, queue, self.abort)
 
     # ---- engine thread --------------------------------------------------------------------
     def _warmup_progress(self, done: int, total: int, seconds: float) -> None:
-        self.warmup_progress = (done, total, seconds)
+        self._warmup = WarmupProgress(done, total, seconds)
         if self.on_warmup_progress is not None:
             self.on_warmup_progress(done, total, seconds)
-
-    def _deliver(self, deltas: list[RequestDelta]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]] = {}
-        with self._lock:
-            for d in deltas:
-                entry = self._streams.get(d.request_id)
-                if entry is None:
-                    continue
-                if d.finished:
-                    del self._streams[d.request_id]
-                by_loop.setdefault(entry[0], []).append((entry[1], d))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
     def _drain_submissions(self) -> list[RequestDelta]:
         with self._lock:
@@ -210,7 +248,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, **s.kwargs)
             except Exception as exc:  # rejected late (its adapter hold was given back): tell the waiting client
-                out.append(_error_delta(s.request_id, str(exc), exc))
+                out.append(error_delta(s.request_id, str(exc), exc))
         for rid in aborts:
             delta = self.engine.abort_request(rid)
             if delta is not None:
@@ -233,21 +271,9 @@ class AsyncEngine:
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
                 if deltas:
-                    self._deliver(deltas)
+                    self._streams.deliver(deltas)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             log.error("engine loop crashed: %s", traceback.format_exc())
-            self._close(exc, f"engine failure: {exc}")
-            for callback in self.on_dead:   # the server exits non-zero: nothing would serve again
-                callback(exc)
+            self._die(exc, f"engine failure: {exc}", blame_workers=True)
         else:
-            self._close(None, "the server is shutting down")
-
-
-def _put_all(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
-
-
-def _error_delta(request_id: str, message: str, exc: BaseException | None = None) -> RequestDelta:
-    return RequestDelta(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason=None,
-                        num_prompt_tokens=0, num_output_tokens=0, error=message, exception=exc)
+            self._streams.close(None, "the server is shutting down")

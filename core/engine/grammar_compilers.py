@@ -39,10 +39,13 @@ class GrammarCompilers:
         self._compiler: Any = None
         self._schema_options: Any = None
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def compiler(self) -> Any:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shut down: no grammar can be compiled")
             if self._compiler is None:
                 from grammar.compile.compiler import GrammarCompiler
 
@@ -50,6 +53,13 @@ class GrammarCompilers:
                                                  compile_timeout_s=self.limits.compile_timeout_s,
                                                  worker_memory_bytes=self.limits.worker_memory_bytes)
             return self._compiler
+
+    def close(self) -> None:
+        """Stops the compiler's worker processes and threads (if it was ever built); idempotent."""
+        with self._lock:
+            compiler, self._compiler, self._closed = self._compiler, None, True
+        if compiler is not None:
+            compiler.close()
 
     @property
     def schema_options(self) -> Any:

@@ -121,6 +121,18 @@ class LLM:
             raise RuntimeError("; ".join(errors))
         return results
 
+    def shutdown(self) -> None:
+        """Frees what the engine holds (`LLMEngine.shutdown`): device memory, the adapter loader threads, the grammar
+        compile workers and the tensor-parallel workers; a second `LLM` can then be built in this process.
+        Idempotent; the object cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges as vLLM's `LLM.get_metrics()` returns them (Counter / Gauge /
         Vector objects with `.name`, `.labels`, `.value` or `.values`), named as `/metrics` names them."""

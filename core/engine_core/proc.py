@@ -20,11 +20,12 @@ import traceback
 from typing import Any, Callable
 
 from core.engine_core.grammar_handles import materialize
-from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, EngineInput,
-                                       EngineOutput, Reply, dumps, encode_delta, loads)
-from core.engine_core.stats import snapshot_stats
+from core.engine.interface import engine_facts
+from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, AdapterRow,
+                                       EngineInput, EngineOutput, Reply, StartupInfo, dumps, encode_delta, loads)
 from core.engine_core.test_hook import run_test_hook
-from core.engine.outputs import RequestDelta
+from core.engine_core.stats import snapshot_stats
+from core.engine.streams import error_delta
 
 log = logging.getLogger("loraplex.engine_core")
 
@@ -35,7 +36,7 @@ class EngineCore:
         self._replies: list[Reply] = []          # finished asynchronously (grammar compiles), sent next turn
         self._replies_lock = threading.Lock()
         self._num_compiling = 0                  # compiles and adapter commands still running
-        self._adapters: list[tuple[str, str, str, int]] | None = None
+        self._adapters: list[AdapterRow] | None = None
         self._last_stats = 0.0
         self._stop = False
         self.hooks: list[Callable[[], None]] = []   # test-only: run on the loop thread before each step
@@ -72,9 +73,7 @@ class EngineCore:
                     kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
                 eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
             except Exception as exc:   # rejected late: that request's error alone
-                deltas.append(RequestDelta(request_id=add.request_id, new_token_ids=[], new_text="", finished=True,
-                                           finish_reason=None, num_prompt_tokens=0, num_output_tokens=0,
-                                           error=str(exc), exception=exc))
+                deltas.append(error_delta(add.request_id, str(exc), exc))
         for rid in msg.aborts:
             delta = eng.abort_request(rid)
             if delta is not None:
@@ -185,7 +184,7 @@ def _serve(core: EngineCore, failure: list[BaseException]) -> None:
         failure.append(exc)
 
 
-def adapter_entries(registry: Any) -> list[tuple[str, str, str, int]]:
+def adapter_entries(registry: Any) -> list[AdapterRow]:
     """(name, path, generation id, created) of every registered adapter (the API process mirrors them)."""
     return [(e.name, e.path, e.generation_id, e.created) for e in registry.entries()]
 
@@ -238,10 +237,8 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
             code = 1
             return
         core.engine = engine
-        core.event("info", {"num_blocks": engine.kv.num_blocks, "device": str(engine.device),
-                            "adapters": adapter_entries(engine.registry)})
-        if engine.tp is not None:
-            engine.tp.on_failure.append(_exit_on_tp_failure)
+        core.event("info", StartupInfo(engine_facts(engine), adapter_entries(engine.registry)))
+        engine.executor.on_failure.append(_exit_on_tp_failure)   # (one rank: never called)
         # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
         # the main thread measured up to 30x slower on a loaded 2-core host (benchmarks/serving_overhead.py)
         failure: list[BaseException] = []
@@ -251,10 +248,8 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         if failure:
             raise failure[0]
     except BaseException as exc:   # noqa: BLE001 - report, then exit non-zero
-        tp = core.engine.tp if core.engine is not None else None
-        deadline = time.monotonic() + 3.0
-        while tp is not None and tp.failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)   # a collective that failed on a lost worker: its monitor names the worker, then exits
+        if core.engine is not None:   # a collective that failed on a lost worker: name the worker, then exit
+            core.engine.executor.blame_dead_worker(grace_s=3.0)
         log.error("engine core crashed: %s", traceback.format_exc())
         try:
             core.event("failed", ("crash", exc if _picklable(exc) else RuntimeError(_describe(exc))))
@@ -262,11 +257,8 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
             pass
         code = 1
     finally:
-        eng = core.engine
-        if eng is not None:
-            eng.registry.shutdown()
-            if eng.tp is not None:
-                eng.tp.shutdown(graceful=code == 0)
+        if core.engine is not None:
+            core.engine.shutdown(graceful=code == 0)
         push.close()
         pull.close(0)
         ctx.term()

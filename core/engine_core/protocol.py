@@ -9,11 +9,15 @@ exception, `SamplingParams`, grammar handles, command arguments) travel as pickl
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from core.engine.outputs import RequestDelta
+
+if TYPE_CHECKING:   # core.engine.interface reads `Stats` from here
+    from core.engine.interface import EngineFacts
 
 STATS_INTERVAL_S = 0.05     # seconds between stats snapshots while busy (idle: every heartbeat)
 HEARTBEAT_S = 0.5           # an idle engine still reports this often
@@ -91,12 +95,23 @@ class Stats(msgspec.Struct, array_like=True):
     spec: SpecStats | None = None            # None: speculative decoding off
 
 
+AdapterRow = tuple[str, str, str, int]   # (name, path, generation id, created) of a registered adapter
+
+
+@dataclass(frozen=True)
+class StartupInfo:
+    """The `info` event's payload: the model is loaded (the warm-up comes next)."""
+    facts: EngineFacts                 # computed by `core.engine.interface.engine_facts`, as in-process
+    adapters: list[AdapterRow]
+
+
 class EngineOutput(msgspec.Struct, array_like=True):
     deltas: list[Delta] = []
     replies: list[Reply] = []
     stats: Stats | None = None
-    event: str | None = None          # "info" | "progress" | "ready" | "failed"
-    payload: bytes | None = None      # the event's pickled data
+    event: str | None = None          # "info" | "adapters" | "progress" | "ready" | "failed"
+    payload: bytes | None = None      # the event's pickled data: StartupInfo | list[AdapterRow] |
+    #                                   (done, total, seconds) | WarmupReport | (stage, exception)
 
 
 def dumps(obj: Any) -> bytes:

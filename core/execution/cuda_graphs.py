@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from core.attention.metadata import AttentionMetadata
-from core.engine.setup import CUDA_GRAPH_RESERVE_BYTES
+from core.kv.pool_size import CUDA_GRAPH_RESERVE_BYTES
 from core.execution.runner import HostBatch, decode_groups
 
 log = logging.getLogger("loraplex.cuda_graphs")

@@ -1,5 +1,5 @@
-"""The engine's per-step adapter work: start host loads for waiting requests, load the step's adapters into
-device slots, map tokens to slots.
+"""The engine's per-step adapter work (`StepAdapters`): forget unloaded adapters, start host loads for waiting
+requests, load the step's adapters into device slots, map tokens to slots.
 
 The model never sees this: the slot of every token goes to the LoRA context (`adapters/`), which the
 wrapped linear layers read. No file is read here: host copies come from the registry's loader pool.
@@ -12,8 +12,12 @@ from typing import Any, Iterable
 import numpy as np
 
 from adapters.errors import AdapterError
-from adapters.registry.registry import LoadedAdapter
+from adapters.registry.registry import AdapterRegistry, LoadedAdapter
+from adapters.slots.slot_fill import SlotFiller
+from adapters.slots.slot_pool import LoRASlotPool
 from core.engine.request import Request
+from core.kv.radix_cache import RadixCache
+from core.models.rope import rope_namespace
 
 log = logging.getLogger("loraplex.engine")
 MAX_PUMPED = 4096   # waiting requests looked at per step for adapters to load
@@ -71,3 +75,29 @@ def lora_token_slots(filler: Any, registry: Any, reqs: list[Request],
         lora_pool.unpin_all()
         return None, failed
     return np.repeat(np.asarray(per_req, dtype=np.int64), num_new_tokens), []
+
+
+class StepAdapters:
+    """The adapter work of each step, over the registry (host copies), the device slot pool and the prefix cache
+    (None: prefix caching off)."""
+
+    def __init__(self, registry: AdapterRegistry, pool: LoRASlotPool, prefix_cache: RadixCache | None) -> None:
+        self.registry, self.pool, self.prefix_cache = registry, pool, prefix_cache
+        self.filler = SlotFiller(pool)
+
+    def release_unloaded(self) -> None:
+        """Adapters unloaded with no request left: their device slot and their prefix-cache namespaces go."""
+        for entry in self.registry.take_released():
+            self.pool.unload_adapter(entry.generation_id)
+            if self.prefix_cache is not None:
+                for offset in (0, 1):    # KV rotated with the short and with the long rope factors
+                    self.prefix_cache.clear_namespace(rope_namespace(entry.namespace, offset))
+
+    def failed_loads(self, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:
+        """Starts the waiting requests' adapter loads; the requests whose adapter could not be read."""
+        return pump_adapter_loads(self.registry, waiting)
+
+    def token_slots(self, reqs: list[Request],
+                    num_new_tokens: np.ndarray) -> tuple[np.ndarray | None, list[LoadedAdapter]]:
+        """See `lora_token_slots`."""
+        return lora_token_slots(self.filler, self.registry, reqs, num_new_tokens)

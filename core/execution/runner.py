@@ -46,10 +46,6 @@ class ModelInput:
     positions: torch.Tensor               # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor          # [N] row of each sampled request's last token
-    requests: list[Request]               # batch order
-    num_new_tokens: list[int]             # batch order
-    sample_requests: list[Request]        # requests that sample a token this step, in logits order
-    token_starts: list[int]               # first flat index of each request
 
 
 def decode_groups(context_lens: np.ndarray, block_size: int, max_ratio: float = 1.5,
@@ -117,7 +113,7 @@ def graph_sample_rows(host: HostBatch, device: torch.device) -> torch.Tensor | N
 
 
 def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelInput:
-    num_decode, reqs = host.num_decode, host.requests
+    num_decode = host.num_decode
     ctx, tables = host.context_lens, host.tables
     decode_blocks = int(-(-ctx[:num_decode].max() // block_size)) if num_decode else 0
     pre_blocks = [-(-int(c) // block_size) for c in ctx[num_decode:]]
@@ -145,13 +141,4 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelIn
         positions=packed[offs[1]:offs[1] + t],
         meta=meta,
         logits_indices=packed[offs[3]:offs[3] + n],
-        requests=reqs,
-        num_new_tokens=host.num_new.tolist(),
-        sample_requests=[reqs[i] for i in host.samples],
-        token_starts=host.cu[:-1].tolist(),
     )
-
-
-def build_model_input(scheduled: list[tuple[Request, int]], block_size: int,
-                      device: torch.device) -> ModelInput:
-    return to_device(prepare_batch(scheduled, block_size), block_size, device)

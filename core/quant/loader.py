@@ -1,12 +1,13 @@
 """Quantized checkpoints into the model: QuantLinear in place of the targeted nn.Linear, filled from the files.
 
-    skip = prepare_quantized(model, model_dir, scheme, dtype, device)   # before the normal weight loading
-    load_weights(model, model_dir, skip=skip)                            # biases, norms, embeddings, lm_head
-    finish_quantized(model, scheme)                                      # online FP8; pick the CPU kernels
+    skip = prepare_quantized(model, model_dir, scheme, dtype, device, shard)   # before the normal weight loading
+    load_weights(model, model_dir, shard, skip=skip)                         # biases, norms, embeddings, lm_head
+    finish_quantized(model, scheme)                                          # online FP8; pick the CPU kernels
 
-With tensor parallelism (`shard`: a TPShard) each rank keeps only its rows (column-parallel q/k/v, gate/up)
-or input columns (row-parallel o, down) of codes, scales, zeros and g_idx; a row-parallel split must fall on
-group boundaries, otherwise start-up fails naming the module.
+(`core/distributed/rank_state.py` runs these.) With tensor parallelism (`shard`: a TPShard of several ranks)
+each rank keeps only its rows (column-parallel q/k/v, gate/up) or input columns (row-parallel o, down) of
+codes, scales, zeros and g_idx; a row-parallel split must fall on group boundaries, otherwise start-up fails
+naming the module. A single rank (no shard, or a shard of world size 1) keeps whole tensors.
 
 Checkpoints that store q/k/v (gate/up) already fused (Phi-3 `qkv_proj`, `gate_up_proj`, quantized as one linear)
 are read whole into the canonical, unpacked form and cut there into each part's (rank's) rows, so a part
@@ -151,6 +152,8 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
     checkpoint tensor names consumed (the normal loader skips them). Online FP8 swaps nothing here."""
     if scheme.fmt == "fp8-online":
         return frozenset()
+    if shard is not None and shard.world_size == 1:
+        shard = None                     # a single rank keeps whole tensors (no column cut on group boundaries)
     cfg = model.config if shard is None else shard.cfg
     index = _tensor_index(model_dir)
     consumed: set[str] = set()

@@ -2,9 +2,12 @@
 
 The model never sees the grammar; this module only touches the logits of rows whose request carries
 a `grammar.GrammarMatcher`, with one batched bitmask apply per step, on the path LORAPLEX_BITMASK_BACKEND names
-for the logits' device (`bitmask_backend`: the Triton kernel for CUDA logits by default, torch otherwise).
+for the logits' device (`bitmask_backend`: the Triton kernel for CUDA logits by default, torch otherwise). The
+sampling stage takes its masks through `TokenMasker` (`GrammarMasks` here).
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -19,6 +22,27 @@ class GrammarViolation(RuntimeError):
 
 
 TokenMasks = tuple[torch.Tensor, torch.Tensor]   # bitmask [N, ceil(V/32)] int32, constrained rows [R] int64
+
+
+class TokenMasker(Protocol):
+    """What the sampling stage asks of structured generation: the masks of a batch's rows, then their apply."""
+
+    def fill(self, reqs: list[Request]) -> TokenMasks | None: ...
+
+    def apply(self, logits: torch.Tensor, masks: TokenMasks | None) -> None: ...
+
+
+class GrammarMasks:
+    """`TokenMasker` of the requests' grammar matchers over a vocabulary of `vocab_size` logits."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def fill(self, reqs: list[Request]) -> TokenMasks | None:
+        return fill_token_masks(reqs, self.vocab_size)
+
+    def apply(self, logits: torch.Tensor, masks: TokenMasks | None) -> None:
+        apply_token_masks(logits, masks)
 
 
 def fill_token_masks(reqs: list[Request], vocab_size: int) -> TokenMasks | None:

@@ -5,12 +5,19 @@ an out-of-range index would fail the whole batch): prompt ids against the embedd
 `logit_bias` ids against the logits' width (the tensors they index: the min-tokens ban list, the bias rows,
 the grammar bitmask); both are the model's `vocab_size`, which may exceed the tokenizer's size (padded
 embeddings: the model can sample those ids, and the detokenizer takes them). The numbers of log-probabilities
-are at most the vocabulary (the server's `--max-logprobs` caps them first)."""
+are at most the vocabulary (the server's `--max-logprobs` caps them first).
+
+`new_request` builds an admitted request's engine state (its rope table, prefix-cache namespace, detokenizer)."""
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
+from core.config import ModelConfig
+from core.engine.request import Request
 from core.errors import RequestRejected
+from core.models.rope import rope_namespace, rope_row_offset
+from core.sampling.detokenizer import IncrementalDetokenizer
 from core.sampling.params import SamplingParams
 
 
@@ -66,3 +73,20 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
             f"the request needs {num_blocks} KV blocks but the whole cache has {num_kv_blocks}; "
             f"reduce the prompt or max_tokens", "context_length_exceeded", "max_tokens")
     return max_tokens
+
+
+def new_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, max_tokens: int,
+                seed: int, model_config: ModelConfig, max_model_len: int, eos_token_ids: frozenset[int],
+                tokenizer: Any, lora: Any = None, grammar: Any = None, tenant: str | None = None) -> Request:
+    """The engine state of an admitted request (`check_request` resolved `max_tokens`); `lora`: a registry entry
+    (None: the base model), whose generation id names the request's prefix-cache namespace."""
+    rope_offset = rope_row_offset(model_config, max_model_len, len(prompt_token_ids) + max_tokens)
+    req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                  max_tokens=max_tokens, seed=seed, eos_token_ids=eos_token_ids,
+                  namespace=rope_namespace(lora.namespace if lora is not None else "base", rope_offset),
+                  lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset)
+    # constrained requests never cut their text at stop strings (the grammar ends them)
+    detok_params = params if grammar is None else dataclasses.replace(params, stop=())
+    req.detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, detok_params,
+                                             use_prompt_context=grammar is None)
+    return req

@@ -42,9 +42,6 @@ class WaitingQueue:
     def remove(self, req: Request) -> None:
         self._queue.remove(req)
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
     def pop(self) -> Request:
         return self._queue.popleft()
 

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from core.attention.backend import get_attention_backend
-from core.kv.block_allocator import BlockAllocator
 from core.config import ModelConfig
+from core.distributed.parallel_state import TPGroup
+from core.distributed.rank_state import build_rank_model
+from core.distributed.shard import TPShard
+from core.kv.block_allocator import BlockAllocator
 from core.kv.kv_cache_manager import cdiv
-from core.models.loader import load_model, resolve_model_path
+from core.models.loader import resolve_model_path
 from core.models.rope import rope_row_offset
 from core.engine.request import Request
 from core.execution.runner import prepare_batch, to_device
@@ -70,8 +72,8 @@ class DraftProposer:
         path = resolve_model_path(spec.model, None, config.download_dir)
         cfg = ModelConfig.from_path(path)
         check_same_vocabulary(parts.tokenizer, parts.model_config, load_tokenizer(path), cfg)
-        model = load_model(path, cfg, get_attention_backend(parts.device), parts.max_model_len, parts.dtype,
-                           parts.device)
+        model = build_rank_model(path, TPShard(cfg, 0, 1), TPGroup.single(), parts.device, parts.dtype,
+                                 parts.max_model_len)   # whole, on the driver rank only
         return DraftProposer(model, cfg, parts.kv.num_blocks, config.cache.block_size, parts.device, parts.dtype,
                              parts.max_model_len)
 

@@ -35,6 +35,7 @@ import torch
 
 log = logging.getLogger("loraplex.kernels")
 
+from core.startup.kernel_compiles import COMPILES
 from core.startup.kernel_selfcheck import KernelSelfCheck, selfcheck_enabled
 from core.execution.runner import HostBatch, to_device
 from core.sampling.grammar_masks import apply_token_masks, bitmask_backend
@@ -83,7 +84,7 @@ Shape = tuple[str, list[int], list[tuple[int, int]]]     # (label, decode contex
 
 def forward_shapes(engine: Any) -> list[Shape]:
     """The dummy steps whose forwards launch every attention / fused-op variant (none without Triton)."""
-    k = engine.spec.config.num_speculative_tokens if getattr(engine, "spec", None) is not None else 0
+    k = engine.spec.num_speculative_tokens
     return model_shapes(engine.model, engine.model_config.num_kv_heads, engine.block_size, engine.max_model_len,
                         engine.device, k)
 
@@ -226,13 +227,13 @@ def kernel_variants(engine: Any) -> list[KernelVariant]:
     forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p),
                               lambda chk, d=d, p=p, n=name: _dummy_step(engine, d, p, n, chk))
                 for name, d, p in forward_shapes(engine)]
-    draft = getattr(getattr(engine, "spec", None), "draft", None)
+    draft = engine.spec.draft
     if draft is not None and hasattr(draft, "kv_caches"):   # draft_model (tests may plug in other proposers)
         forwards += [KernelVariant("draft", name, lambda d=d, p=p: dummy_forward(
                          draft.model, draft.kv_caches, None, draft.block_size, draft.device, d, p))
                      for name, d, p in model_shapes(draft.model, draft.cfg.num_kv_heads, draft.block_size,
                                                     draft.max_positions, draft.device,
-                                                    engine.spec.config.num_speculative_tokens)]
+                                                    engine.spec.num_speculative_tokens)]
     quant = [KernelVariant("quant_gemm", label, run)
              for label, run in quant_gemm_warmups(engine.model, engine.device)]
     return forwards + quant + lora_variants(engine.model, engine.lora_pool)
@@ -241,15 +242,23 @@ def kernel_variants(engine: Any) -> list[KernelVariant]:
 def run_warmup(engine: Any, progress: ProgressFn | None = None, selfcheck: bool | None = None) -> WarmupReport:
     """Launches every variant (and, with the self-check on, compares each with its torch path: raises
     `KernelSelfCheckError` on a mismatch), then captures the decode graphs; reports counts and seconds.
-    `selfcheck`: None = LORAPLEX_KERNEL_SELFCHECK / the device decide."""
-    from core.startup.kernel_compiles import COMPILES
+    `selfcheck`: None = LORAPLEX_KERNEL_SELFCHECK / the device decide. Later Triton compiles count as stalls
+    (`core/startup/kernel_compiles.py`)."""
+    if engine.device.type == "cuda":
+        COMPILES.install()
+    try:
+        return _run_warmup(engine, progress, selfcheck)
+    finally:
+        COMPILES.mark_warmup_end()
 
+
+def _run_warmup(engine: Any, progress: ProgressFn | None, selfcheck: bool | None) -> WarmupReport:
     start = time.monotonic()
     compiles_before = COMPILES.total
     variants = kernel_variants(engine)
     check = KernelSelfCheck() if (selfcheck_enabled(engine.device) if selfcheck is None else selfcheck) else None
-    if getattr(engine, "tp", None) is not None:   # the workers run the same dummy forwards (collectives pair up), then their LoRA
-        engine.tp.warmup_forwards([(d, p) for _, d, p in forward_shapes(engine)])
+    # the workers run the same dummy forwards (collectives pair up), then their LoRA
+    engine.executor.warmup_forwards([(d, p) for _, d, p in forward_shapes(engine)])
     with torch.inference_mode():
         for i, variant in enumerate(variants):
             if check is not None and variant.check is not None:

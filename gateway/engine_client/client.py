@@ -1,5 +1,9 @@
-"""The API process's handle on the engine-core process: the interface of `core.engine.async_engine.AsyncEngine`
-(submit / abort / generate / stream / alive / ready / num_in_flight / fail / warmup_progress), over ZMQ.
+"""The API process's handle on the engine-core process: `core.engine.interface.ServingEngine` over ZMQ.
+
+Start-up: the engine process loads the model and sends its `info` event, a `StartupInfo` whose `EngineFacts`
+(context length, vocabulary, EOS ids, KV pool, schema-lowering limits) it computed with the code the in-process
+engine uses (`core.engine.interface.engine_facts`): admission checks here read those, never values resolved
+again in this process. The tokenizer is loaded here (the same loader, its files only), while the engine loads.
 
 Sends: every add, abort and command of one event-loop turn go out as one `EngineInput` (flushed by a
 `call_soon`). Receives: a thread blocks on the engine's socket, decodes each step's `EngineOutput` (msgspec,
@@ -14,45 +18,54 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.process
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from adapters.errors import AdapterError
-from core.engine.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
 from core.config import EngineConfig
+from core.engine.interface import (AdapterEntry, EngineDeadError, EngineFacts, EngineWarmingError, Matcher,
+                                   Tokenizer, WarmupProgress)
+from core.engine.outputs import RequestDelta
+from core.engine.setup import load_model_tokenizer
+from core.engine.streams import RequestStreams
 from core.engine_core.grammar_handles import to_wire
 from core.engine_core.protocol import (INPUT_ENCODER, OUTPUT_DECODER, AddRequest, Command, EngineInput,
-                                       EngineOutput, decode_delta, dumps, loads)
-from core.engine.outputs import RequestDelta
+                                       EngineOutput, StartupInfo, Stats, decode_delta, dumps, loads)
 from core.sampling.params import SamplingParams
-from gateway.engine_client.model_view import EngineView
+from core.startup.warmup import WarmupReport
+from gateway.engine_client.registry_mirror import RemoteAdapter, RemoteRegistry
+from gateway.engine_client.remote_compiler import RemoteCompiler
 
 log = logging.getLogger("loraplex.gateway")
-Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestDelta]"]
+CommandFuture = concurrent.futures.Future   # an engine command's reply: the value is the command's own
 
 
 class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "warning",
                  on_warmup_progress: Callable[[int, int, float], None] | None = None,
-                 on_ready: Callable[[Any], None] | None = None) -> None:
-        self.engine: EngineView   # built by `start`, while the engine process boots
+                 on_ready: Callable[[WarmupReport], None] | None = None) -> None:
         self.config, self.log_level = config, log_level
         self.on_warmup_progress, self.on_ready = on_warmup_progress, on_ready
         self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the engine process dies
-        self.warmup_progress: tuple[int, int, float] = (0, 0, 0.0)
-        self.error: BaseException | None = None
-        self._streams: dict[str, Stream] = {}
-        self._closed = False      # under `_lock`: no stream may be registered any more (the engine is gone)
+        self._warmup = WarmupProgress()
+        self._facts: EngineFacts | None = None          # from the engine's `info` event
+        self._compiler: RemoteCompiler | None = None    # built with the facts
+        self._tokenizer: Tokenizer = None               # loaded by `start`
+        self._registry = RemoteRegistry(self.command, config.lora.lora_dirs)   # a mirror of the engine's adapters
+        self._stats: Stats | None = None                # the engine's latest report
+        self._warmed_up = False
+        self._streams = RequestStreams(lambda: self.alive)
         self._adapter_of: dict[str, str] = {}   # request id -> adapter name, while it runs
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()           # the push socket
         self._pending = EngineInput([], [], [])   # under `_pending_lock`: sent in order, one batch per loop turn
         self._pending_lock = threading.Lock()
         self._flush_scheduled = False
-        self._commands: dict[int, concurrent.futures.Future[Any]] = {}
+        self._commands: dict[int, CommandFuture[Any]] = {}
         self._command_ids = itertools.count()
         self._stop = False
-        self._proc: Any = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
         self._thread = threading.Thread(target=self._receive_loop, name="loraplex-engine-client", daemon=True)
         self._started = threading.Event()     # the engine's `info` (model loaded) or `failed` event arrived
 
@@ -73,18 +86,18 @@ class EngineClient:
         self._proc = ctx.Process(target=proc.main, args=(self.config, in_addr, out_addr, self.log_level),
                                  name="loraplex-engine-core", daemon=False)   # its TP workers are its children
         self._proc.start()
-        try:   # the model's files here (tokenizer, config) while the engine process imports and loads
-            self.engine = EngineView(self.config, self.command)
+        try:   # the tokenizer here while the engine process imports and loads the model
+            self._tokenizer = load_model_tokenizer(self.config)
         except BaseException:
             self._proc.kill()
             self._proc.join(5.0)
             self._close_sockets()
             raise
-        self.engine.refresh = self.refresh
         self._thread.start()
 
     def wait_started(self, timeout_s: float = 3600.0) -> None:
         """Blocks until the engine process has loaded the model; raises its load error (bad files: exit 1)."""
+        assert self._proc is not None, "wait_started before start"
         while not self._started.wait(0.2):
             timeout_s -= 0.2
             if timeout_s <= 0 or not self._proc.is_alive():
@@ -112,12 +125,62 @@ class EngineClient:
         self._pull.close(0)
         self._ctx.term()
 
+    # ---- model, tokenizer, grammar, adapters (after `wait_started`) -------------------------------
+    @property
+    def facts(self) -> EngineFacts:
+        if self._facts is None:
+            raise EngineDeadError("the engine process has not reported its model yet")
+        return self._facts
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def grammar_compiler(self) -> RemoteCompiler:
+        if self._compiler is None:
+            raise EngineDeadError("the engine process has not reported its model yet")
+        return self._compiler
+
+    @property
+    def adapters(self) -> RemoteRegistry:
+        return self._registry
+
+    def load_lora(self, name: str, path: str) -> RemoteAdapter:
+        """Blocking (the admin route runs it on a worker thread): the engine reads and registers it."""
+        return self._registry.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._registry.unload(name)
+
+    def stats(self) -> Stats | None:
+        return self._stats
+
+    # ---- state ----------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self.error is None and self._proc is not None and self._proc.is_alive()
 
-    ready = AsyncEngine.ready                   # alive and past the engine's warm-up
-    num_in_flight = AsyncEngine.num_in_flight
+    @property
+    def warmed_up(self) -> bool:
+        return self._warmed_up
+
+    @property
+    def ready(self) -> bool:
+        """Alive and past the engine's warm-up."""
+        return self.alive and self._warmed_up
+
+    @property
+    def warmup_progress(self) -> WarmupProgress:
+        return self._warmup
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._streams.error
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
 
     def fail(self, reason: str) -> None:
         """Marks the engine dead from outside: open streams get the error, new requests 503."""
@@ -125,7 +188,7 @@ class EngineClient:
 
     def _die(self, exc: BaseException) -> None:
         first = self.error is None
-        self._close(exc, f"engine failure: {exc}")
+        self._streams.close(exc, f"engine failure: {exc}")   # no stream opened from now on; open ones get it
         for future in list(self._commands.values()):
             if not future.done():
                 future.set_exception(EngineDeadError(str(exc)))
@@ -133,35 +196,31 @@ class EngineClient:
             for callback in self.on_dead:   # the server exits non-zero: nothing would serve again
                 callback(exc)
 
-    _close = AsyncEngine._close    # no stream registered from now on; every open one gets the error
-
     # ---- submission (event-loop side) -----------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               **kwargs: Any) -> "asyncio.Queue[RequestDelta]":
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        return self.facts.check_request(num_prompt_tokens, params)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+               lora: AdapterEntry | None = None, grammar: Matcher | None = None,
+               tenant: str | None = None) -> "asyncio.Queue[RequestDelta]":
+        """`grammar` (a matcher, or a remote handle of one) crosses as `to_wire` sends it."""
         if not self.alive:
             raise EngineDeadError("the engine process is not running")
-        if not self.engine.ready:
+        if not self._warmed_up:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
-        self.engine.check_request(len(prompt_token_ids), params)
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._closed:
-                raise EngineDeadError("the engine process is not running")
-            assert request_id not in self._streams, f"duplicate request id {request_id}"
-            self._streams[request_id] = (loop, queue)
-        extra = {k: v for k, v in kwargs.items() if v is not None and k != "lora_held"}
-        if "lora" in extra:   # the engine resolves and holds the adapter by name when it admits the request
-            lora = extra["lora"]
+        self.check_request(len(prompt_token_ids), params)
+        queue = self._streams.open(request_id, "the engine process is not running")
+        extra: dict[str, Any] = {} if tenant is None else {"tenant": tenant}
+        if lora is not None:   # the engine resolves and holds the adapter by name when it admits the request
+            assert isinstance(lora, RemoteAdapter), "an adapter entry of another engine"
             try:   # unloaded since its name was resolved: a 404 before any response byte, as in-process
-                self.engine.registry.check_current(lora)
+                self._registry.check_current(lora)
             except BaseException:
-                with self._lock:
-                    self._streams.pop(request_id, None)
+                self._streams.discard(request_id)
                 raise
             extra["lora"] = self._adapter_of[request_id] = lora.name
-        if "grammar" in extra:
-            extra["grammar"] = to_wire(extra["grammar"])
+        if grammar is not None:
+            extra["grammar"] = to_wire(grammar)
         add = AddRequest(request_id, list(prompt_token_ids), dumps(params), dumps(extra) if extra else None)
         with self._pending_lock:
             self._pending.adds.append(add)
@@ -173,13 +232,16 @@ class EngineClient:
             self._pending.aborts.append(request_id)
         self._schedule_flush()
 
+    def stream(self, request_id: str, queue: "asyncio.Queue[RequestDelta]") -> AsyncIterator[RequestDelta]:
+        """The same stream semantics as the in-process loop: an error delta raises, leaving early aborts."""
+        return self._streams.read(request_id, queue, self.abort)
+
     def command(self, op: str, args: tuple[Any, ...],
-                on_reply: Callable[["concurrent.futures.Future[Any]"], None] | None = None
-                ) -> "concurrent.futures.Future[Any]":
+                on_reply: Callable[[CommandFuture[Any]], None] | None = None) -> CommandFuture[Any]:
         """An engine command (grammar compile, adapter load/unload, stats); thread-safe; the future holds the
         reply. It goes out at once with every add and abort queued before it, in that order (an unload issued
         after a submission reaches the engine after that request)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future: CommandFuture[Any] = concurrent.futures.Future()
         if on_reply is not None:   # runs on the receiving thread, in the order of the engine's messages
             future.add_done_callback(on_reply)
         if not self.alive:
@@ -202,11 +264,11 @@ class EngineClient:
         except (asyncio.TimeoutError, EngineDeadError):
             pass
 
-    def _take_stats(self, future: "concurrent.futures.Future[Any]") -> None:
+    def _take_stats(self, future: CommandFuture[Any]) -> None:
         if not future.cancelled() and future.exception() is None:
             stats, entries = future.result()
-            self.engine.stats_snapshot = stats
-            self.engine.registry.sync(entries)
+            self._stats = stats
+            self._registry.sync(entries)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
         """Test-only: `fn(engine_core, *args)` on the engine process's loop thread between steps (`fn` pickles
@@ -247,20 +309,16 @@ class EngineClient:
                         return
                     self._push.poll(50, zmq.POLLOUT)
 
-    # the same stream semantics as the in-process loop: an error delta raises, leaving early aborts
-    generate = AsyncEngine.generate
-    stream = AsyncEngine.stream
-    _deliver = AsyncEngine._deliver
-
     # ---- receiving (client thread) --------------------------------------------------------
     def _receive_loop(self) -> None:
+        assert self._proc is not None
         while not self._stop:
             if self._pull.poll(200):
                 try:
                     self._handle(OUTPUT_DECODER.decode(self._pull.recv(copy=False).buffer))
                 except Exception:   # noqa: BLE001 - one bad message must not silence the engine for good
                     log.exception("engine client: cannot handle an engine message")
-            elif self.error is None and self._proc is not None and not self._proc.is_alive():
+            elif self.error is None and not self._proc.is_alive():
                 code = self._proc.exitcode
                 if not self._stop:
                     log.error("the engine process exited (code %s); failing open requests", code)
@@ -271,7 +329,7 @@ class EngineClient:
         if out.event is not None:
             self._event(out.event, loads(out.payload) if out.payload is not None else None)
         if out.stats is not None:
-            self.engine.stats_snapshot = out.stats
+            self._stats = out.stats
         for reply in out.replies:
             future = self._commands.pop(reply.command_id, None)
             if future is not None and not future.done():
@@ -282,26 +340,27 @@ class EngineClient:
             for d in deltas:
                 name = self._adapter_of.pop(d.request_id, None) if d.finished or d.error else None
                 if name is not None and isinstance(d.exception, AdapterError):
-                    self.engine.registry.remember_failure(name, d.exception)
-            self._deliver(deltas)
+                    self._registry.remember_failure(name, d.exception)
+            self._streams.deliver(deltas)
 
-    def _event(self, kind: str, payload: Any) -> None:
+    def _event(self, kind: str, payload: Any) -> None:   # the payload's type is the event's (protocol.py)
         if kind == "adapters":
-            self.engine.registry.sync(payload)
+            self._registry.sync(payload)
         elif kind == "info":
-            self.engine.kv.num_blocks = payload["num_blocks"]
-            self.engine.registry.sync(payload["adapters"])
+            info: StartupInfo = payload
+            self._compiler = RemoteCompiler(self.command, self._tokenizer, info.facts)
+            self._facts = info.facts
+            self._registry.sync(info.adapters)
             self._started.set()
         elif kind == "progress":
-            self.warmup_progress = payload
+            self._warmup = WarmupProgress(*payload)
             if self.on_warmup_progress is not None:
                 self.on_warmup_progress(*payload)
         elif kind == "ready":
-            self.engine.ready = True
+            self._warmed_up = True
             if self.on_ready is not None:
                 self.on_ready(payload)
         elif kind == "failed":
             stage, exc = payload
             self._die(exc)
             self._started.set()
-

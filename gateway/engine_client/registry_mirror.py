@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from adapters.errors import AdapterError
 from adapters.registry.lora_dirs import FailedReads, LoraDirectories
+from core.engine_core.protocol import AdapterRow
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class RemoteRegistry:
         self._epochs: dict[str, int] = {}      # name -> admin unloads so far
         self._num_unloading: dict[str, int] = {}   # name -> admin unloads waiting for the engine's reply
 
-    def sync(self, entries: list[tuple[str, str, str, int]]) -> None:
+    def sync(self, entries: list[AdapterRow]) -> None:
         """The engine's entries (its `adapters` event)."""
         with self._lock:
             self._by_name = {n: RemoteAdapter(n, p, g, c, self._epochs.get(n, 0)) for n, p, g, c in entries}

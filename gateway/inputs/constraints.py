@@ -1,17 +1,22 @@
-"""The request's output constraint (response_format, structured_outputs, guided_*, tools) -> a compiled grammar."""
+"""The request's output constraint (response_format, structured_outputs, guided_*, tools) -> a compiled grammar
+(opaque here: `CompiledConstraint`; the gateway only hands it to the engine, a matcher per child)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+from core.engine.interface import CompiledConstraint, ServingEngine
 from gateway.errors import invalid
 from gateway.inputs import tokenize_pool
 from gateway.protocol import _SamplingFields
+from gateway.tools.tools import ToolPlan
+from grammar.schema.lowering import SchemaOptions
+from grammar.specs.constraints import GUIDED_FIELDS, parse_constraints
+from grammar.specs.spec import GrammarSpec
 
 
-def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
-    """Admission (synchronous, cheap): the one GrammarSpec of the body, or None; GrammarError -> 400."""
-    from grammar.specs.constraints import GUIDED_FIELDS, parse_constraints
+def constraint_spec(body: _SamplingFields, options: SchemaOptions) -> GrammarSpec | None:
+    """Admission (synchronous, cheap): the one GrammarSpec of the body, or None; GrammarError -> 400.
+    `options`: the engine's schema lowering limits (`EngineFacts.schema_options`)."""
 
     rf = body.response_format
     if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
@@ -21,13 +26,10 @@ def constraint_spec(body: _SamplingFields, engine: Any) -> Any:
         return None   # free text: never touches the engine
     rf_dict = None if rf is None else rf.model_dump(by_alias=True, exclude_none=True)
     guided = {name: getattr(body, name) for name in GUIDED_FIELDS}
-    return parse_constraints(body.structured_outputs, guided, rf_dict, engine.schema_options,
-                             body.guided_whitespace_pattern)
+    return parse_constraints(body.structured_outputs, guided, rf_dict, options, body.guided_whitespace_pattern)
 
 
 def wants_constraint(body: _SamplingFields) -> bool:
-    from grammar.specs.constraints import GUIDED_FIELDS
-
     rf = body.response_format
     return not ((rf is None or rf.type == "text") and body.structured_outputs is None
                 and body.guided_whitespace_pattern is None
@@ -37,7 +39,7 @@ def wants_constraint(body: _SamplingFields) -> bool:
 _validators_ready = False
 
 
-async def validators_ready(engine: Any = None) -> None:
+async def validators_ready(engine: ServingEngine | None = None) -> None:
     """jsonschema is imported on first use (with its optional format packages that takes seconds): the first
     request that needs schema checks loads it on a worker thread, so the event loop never stalls on it. With
     `engine`, its compile workers import the schema lowering (jsonschema too) at the same time."""
@@ -51,22 +53,22 @@ async def validators_ready(engine: Any = None) -> None:
         _validators_ready = True
 
 
-async def compile_spec(spec: Any, engine: Any) -> Any:
+async def compile_spec(spec: GrammarSpec | None, engine: ServingEngine) -> CompiledConstraint | None:
     """Off the event loop: the compiler's workers (timeout, de-dup, cache); a failure is a GrammarError (400)."""
     if spec is None:
         return None
     return await asyncio.wrap_future(engine.grammar_compiler.submit(spec))
 
 
-async def admit_constraint(body: _SamplingFields, engine: Any) -> Any:
+async def admit_constraint(body: _SamplingFields, engine: ServingEngine) -> GrammarSpec | None:
     """`constraint_spec` off the event loop: its schema checks are linear in the schema but not free (the
     metaschema validation of a 256 KB schema takes most of a second), so they run on a tokenizer thread."""
     if not wants_constraint(body):
-        return constraint_spec(body, engine)   # the cheap checks of a body without a constraint
-    return await tokenize_pool.run(constraint_spec, body, engine)
+        return constraint_spec(body, engine.facts.schema_options)   # the cheap checks of a body without one
+    return await tokenize_pool.run(constraint_spec, body, engine.facts.schema_options)
 
 
-async def check_tool_schemas(plan: Any, engine: Any) -> None:
+async def check_tool_schemas(plan: ToolPlan | None, engine: ServingEngine) -> None:
     """Every tool's `parameters` lowered in a compile worker (callable or not, also with tool_choice "none"):
     a schema the lowering refuses is a 400 naming `tools[i].function.parameters` before the prompt is rendered,
     as when admission lowered them. Remembered per tool set (`GrammarCompiler.check`)."""
@@ -78,7 +80,8 @@ async def check_tool_schemas(plan: Any, engine: Any) -> None:
         tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
 
 
-async def resolve_tool_constraint(body: _SamplingFields, engine: Any, plan: Any) -> Any:
+async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
+                                  plan: ToolPlan | None) -> CompiledConstraint | None:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
     from grammar.specs.tool_calls import AutoToolGrammar, tool_calls_spec

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.errors import AdapterError
+from core.engine.interface import AdapterCatalog, AdapterEntry
 from gateway.errors import APIError, invalid, model_not_found
 from gateway.tenancy.tenants import model_allowed
 
@@ -19,18 +20,14 @@ class ResolvedModel:
     """What a request's `model` names: the base (adapter None) or one adapter (a registry entry)."""
 
     name: str
-    adapter: Any = None
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments for `AsyncEngine.generate`."""
-        return {"lora": self.adapter} if self.adapter is not None else {}
+    adapter: AdapterEntry | None = None
 
 
 @dataclass
 class ServedModels:
     base_name: str
     root: str                       # the model's path or hub id: server side only, never in a card (`cards`)
-    registry: Any = None            # adapters.registry.registry.AdapterRegistry (None: base only)
+    registry: AdapterCatalog | None = None   # the engine's adapters (None: base only)
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()   # --served-model-name a b: `b` names the base too (answers say `a`, as vLLM)
 

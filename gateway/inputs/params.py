@@ -1,37 +1,17 @@
-"""From a validated request body to engine inputs: `SamplingParams` and the response-format (grammar) hook."""
+"""From a validated request body to engine inputs: `SamplingParams` (the output constraint: constraints.py)."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 from core.sampling.params import SamplingParams
 from gateway.errors import invalid
 from gateway.inputs.penalties import penalty_fields
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, ResponseFormat, _SamplingFields
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, _SamplingFields
 from gateway.inputs.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
 
 NO_DEFAULTS = RequestDefaults()
 MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
-
-
-async def resolve_response_format(response_format: Optional[ResponseFormat], engine: Any) -> Any:
-    """The grammar hook: None (unconstrained) or the compiled grammar every child gets a matcher of.
-
-    Admission is cheap and synchronous (schema checks -> 400 `unsupported_json_schema` naming the keyword);
-    compilation runs on the compiler's workers, de-duplicated and cached, with a timeout (-> 400)."""
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_schema" and response_format.json_schema is None:
-        raise invalid("response_format.json_schema is required when type is 'json_schema'",
-                      param="response_format.json_schema")
-    from grammar import parse_response_format
-
-    spec = parse_response_format(response_format.model_dump(by_alias=True, exclude_none=True), engine.schema_options)
-    if spec is None:
-        return None
-    compiler = engine.grammar_compiler
-    return await asyncio.wrap_future(compiler.submit(spec))
 
 
 def _check_common(body: _SamplingFields) -> None:

@@ -35,6 +35,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
+from core.engine.interface import Tokenizer
+
 log = logging.getLogger("loraplex.gateway")
 
 JSON_BYTES_PER_CHAR = 12      # the most JSON bytes one str character takes: "\ud83d\ude00" (a surrogate-pair escape)
@@ -170,7 +172,7 @@ class CharBound:
         return None if chars is None else BODY_PROMPTS * JSON_BYTES_PER_CHAR * chars + BODY_SLACK_BYTES
 
 
-def char_bound(tokenizer: Any, max_model_len: int) -> CharBound:
+def char_bound(tokenizer: Tokenizer, max_model_len: int) -> CharBound:
     """The bound for a transformers fast tokenizer (read once at start-up from its `tokenizer.json`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.engine.interface import Tokenizer
 from gateway.errors import APIError, invalid
 from gateway.inputs.prompt_bound import CharBound, char_bound
 from gateway.protocol import ChatMessage, PromptInput
@@ -53,7 +54,7 @@ def context_exceeded(message: str, param: str) -> APIError:
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
         # ids the model can embed *and* the tokenizer can decode
         self.vocab_limit = min(int(vocab_size), len(tokenizer))

@@ -47,13 +47,14 @@ class RequestDefaults:
                 out[name] = value
         return out
 
-    def fit_context(self, params: SamplingParams, body: Any, prompts: list[list[int]], engine: Any) -> SamplingParams:
+    def fit_context(self, params: SamplingParams, body: Any, prompts: list[list[int]],
+                    max_model_len: int) -> SamplingParams:
         """A default `max_tokens` never makes a request too long: it shrinks to what the longest prompt leaves
         of the engine's `max_model_len`."""
         default = self.get("max_tokens")
         if default is None or body.effective_max_tokens() is not None or not prompts:
             return params
-        room = engine.max_model_len - max(len(p) for p in prompts)
+        room = max_model_len - max(len(p) for p in prompts)
         if 1 <= room < default and params.min_tokens <= room:
             return dataclasses.replace(params, max_tokens=room)
         return params

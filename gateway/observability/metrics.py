@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from core.engine_core.protocol import AdapterStats, SpecStats, Stats
-from core.engine_core.stats import snapshot_stats
-from gateway.engine_client.model_view import refresh_engine_state
-from gateway.http.context import ABORT_REASONS
+from core.engine.interface import ServingEngine
+from core.engine_core.protocol import AdapterStats, SpecStats
+from gateway.http.context import ABORT_REASONS, RequestContext
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -29,22 +28,16 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 
 class EngineCollector(Collector):
-    """The engine's scheduler, KV pool and counters when Prometheus scrapes: one snapshot, read in the engine's
-    process (`core/engine_core/stats.py`): here for an in-process engine, or the engine process's report,
-    asked for by the scrape (`GatewayMetrics.render_current`)."""
+    """The engine's scheduler, KV pool and counters when Prometheus scrapes: one snapshot (`ServingEngine.stats`),
+    read in the engine's process (`core/engine_core/stats.py`): here for an in-process engine, or the engine
+    process's report, asked for by the scrape (`GatewayMetrics.render_current`)."""
 
-    def __init__(self, engine: Any, max_loras: int) -> None:
+    def __init__(self, engine: ServingEngine, max_loras: int) -> None:
         self.engine = engine
         self.max_loras = max_loras
 
-    def _stats(self) -> Stats | None:
-        # gateway/engine_client/model_view.py: the engine process reports
-        if hasattr(self.engine, "stats_snapshot"):
-            return self.engine.stats_snapshot
-        return snapshot_stats(self.engine)
-
     def collect(self) -> Iterator[Metric]:
-        st = self._stats()
+        st = self.engine.stats()
         if st is None:   # an engine process that has not reported yet
             return
         yield GaugeMetricFamily("loraplex:num_requests_running", "Requests in the running batch.",
@@ -116,7 +109,7 @@ def _adapter_metrics(st: AdapterStats | None) -> Iterator[Metric]:
 class GatewayMetrics:
     """One registry per app (no global state): engine gauges and counters, request latency histograms."""
 
-    def __init__(self, engine: Any, max_loras: int) -> None:
+    def __init__(self, engine: ServingEngine, max_loras: int) -> None:
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, max_loras))
@@ -144,8 +137,8 @@ class GatewayMetrics:
     def observe_abort(self, reason: str) -> None:
         self.aborted.labels(reason=reason).inc()
 
-    def observe_tenant_request(self, ctx: Any) -> None:
-        """One finished API request (a `gateway.http.context.RequestContext` whose caller was authenticated).
+    def observe_tenant_request(self, ctx: RequestContext) -> None:
+        """One finished API request (its caller was authenticated).
         `model` is the served name it resolved to, else "unknown" (client-chosen names never become labels)."""
         tenant = ctx.tenant
         self.tenant_requests.labels(tenant=tenant, model=ctx.model or "unknown",
@@ -157,7 +150,7 @@ class GatewayMetrics:
     async def render_current(self, redact: bool = False) -> bytes:
         """`render` after the engine reported its state as it is now (an engine process: answered between two
         steps, at most `EngineClient.refresh`'s timeout)."""
-        await refresh_engine_state(self.engine)
+        await self.engine.refresh()
         return self.render(redact)
 
     def render(self, redact: bool = False) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.engine.interface import Tokenizer
 from core.engine.outputs import TokenLogprob
 from gateway.inputs import tokenize_pool
 from gateway.outputs.generation import Child, ChoiceResult
@@ -13,7 +14,7 @@ from gateway.protocol import CompletionRequest
 from gateway.outputs.responses import TokenTexts, finite
 
 
-async def echo_texts(tokenizer: Any, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+async def echo_texts(tokenizer: Tokenizer, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
     """The prompt text of each prompt (a string prompt as sent, token ids decoded on a tokenizer thread);
     None without echo."""
     if not body.echo:

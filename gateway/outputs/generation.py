@@ -6,11 +6,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from core.engine.async_engine import AsyncEngine, EngineDeadError, EngineWarmingError
+from core.engine.interface import AdapterEntry, CompiledConstraint, EngineDeadError, EngineWarmingError, ServingEngine
 from core.engine.llm import child_params
 from core.engine.outputs import RequestDelta, TokenLogprob
 from core.sampling.params import SamplingParams
 from gateway.observability.metrics import GatewayMetrics, RequestTimer
+from grammar.matching.matchers import make_matcher
 
 
 def new_request_id(prefix: str) -> str:
@@ -39,51 +40,49 @@ def make_children(request_id: str, prompts: list[list[int]], params: SamplingPar
     return children
 
 
-def admit(aeng: AsyncEngine, children: list[Child]) -> list[int]:
+@dataclass(frozen=True)
+class EngineArgs:
+    """What every child of one API request takes to the engine besides its prompt and params."""
+
+    lora: AdapterEntry | None = None     # None: the base model
+    compiled_grammar: CompiledConstraint | None = None   # None: free text; each child gets a matcher of it
+    tenant: str | None = None            # the scheduler's fair policy shares throughput by tenant
+
+
+def admit(aeng: ServingEngine, children: list[Child]) -> list[int]:
     """Synchronous admission before anything is streamed: 503 if the loop is dead, 400 if a child can never fit.
     Returns each child's resolved max_tokens (without one: the context its prompt leaves)."""
     if not aeng.alive:
         raise EngineDeadError("the engine loop is not running")
     if not aeng.ready:
         raise EngineWarmingError("the engine is warming up")
-    return [aeng.engine.check_request(len(child.prompt_token_ids), child.params) for child in children]
+    return [aeng.check_request(len(child.prompt_token_ids), child.params) for child in children]
 
 
-def engine_kwargs_for(child: Child, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Per-child engine arguments: a fresh grammar matcher for constrained requests."""
-    if "compiled_grammar" not in kwargs:
-        return kwargs
-    from grammar.matching.matchers import make_matcher
-
-    kwargs = dict(kwargs)
-    compiled = kwargs.pop("compiled_grammar")
-    kwargs["grammar"] = make_matcher(compiled, child.params.stop_token_ids)
-    return kwargs
-
-
-def submit_children(aeng: AsyncEngine, children: list[Child],
-                    kwargs: dict[str, Any]) -> list[asyncio.Queue[RequestDelta]]:
+def submit_children(aeng: ServingEngine, children: list[Child], args: EngineArgs) -> list[asyncio.Queue[RequestDelta]]:
     """Submits every child now, before any response byte: an adapter unloaded since its name was resolved is the
     request's 404, never an error event inside a 200 stream. On a failure the children already submitted are
     aborted. Returns each child's delta queue (read them with `merge_children`)."""
     queues: list[asyncio.Queue[RequestDelta]] = []
     try:
-        for child in children:
-            queues.append(aeng.submit(child.request_id, child.prompt_token_ids, child.params,
-                                      **engine_kwargs_for(child, kwargs)))
+        for child in children:   # a constrained child gets a fresh matcher of its own
+            grammar = None if args.compiled_grammar is None else make_matcher(args.compiled_grammar,
+                                                                               child.params.stop_token_ids)
+            queues.append(aeng.submit(child.request_id, child.prompt_token_ids, child.params, lora=args.lora,
+                                      grammar=grammar, tenant=args.tenant))
     except BaseException:
         abort_children(aeng, children[:len(queues)])
         raise
     return queues
 
 
-def abort_children(aeng: AsyncEngine, children: list[Child]) -> None:
+def abort_children(aeng: ServingEngine, children: list[Child]) -> None:
     """Aborts the children (a no-op for those that already finished)."""
     for child in children:
         aeng.abort(child.request_id)
 
 
-async def _pump(aeng: AsyncEngine, child: Child, source: asyncio.Queue[RequestDelta],
+async def _pump(aeng: ServingEngine, child: Child, source: asyncio.Queue[RequestDelta],
                 queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]]) -> None:
     try:
         async for delta in aeng.stream(child.request_id, source):
@@ -94,7 +93,7 @@ async def _pump(aeng: AsyncEngine, child: Child, source: asyncio.Queue[RequestDe
         queue.put_nowait((child.index, None, exc))
 
 
-async def merge_children(aeng: AsyncEngine, children: list[Child], sources: list[asyncio.Queue[RequestDelta]],
+async def merge_children(aeng: ServingEngine, children: list[Child], sources: list[asyncio.Queue[RequestDelta]],
                          metrics: GatewayMetrics | None = None) -> AsyncIterator[tuple[int, RequestDelta]]:
     """Yields (choice index, delta) from all submitted children as they arrive; closing it aborts every
     unfinished child."""
@@ -156,7 +155,7 @@ def usage(children: list[Child], num_completion_tokens: int,
     """Prompt tokens count once per prompt (not once per sample); completions sum over all choices.
     `cached` (choice index -> prompt tokens served from the prefix cache) counts the first sample of each
     prompt, as the prompt itself."""
-    first = {}
+    first: dict[int, Child] = {}   # prompt index -> its first child
     for c in children:
         first.setdefault(c.prompt_index, c)
     prompt_tokens = sum(len(c.prompt_token_ids) for c in first.values())

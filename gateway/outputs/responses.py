@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
+from core.engine.interface import Tokenizer
 from core.engine.outputs import TokenLogprob
 from gateway.outputs.generation import ChoiceResult
 
@@ -16,7 +17,7 @@ def finite(logprob: float) -> float:
 class TokenTexts:
     """The text of single tokens (for logprobs), cached per id."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.text = functools.lru_cache(maxsize=65536)(self._decode)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from core.engine.interface import Tokenizer
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 REASONING, CONTENT, MAYBE = "reasoning", "content", "maybe"
 Decode = Callable[[list[int]], str]
@@ -33,7 +35,7 @@ class ReasoningTags:
     skipped_ids: frozenset[int] = frozenset()   # tag ids the detokenizer drops (special tokens)
 
 
-def reasoning_tags(parser: str, tokenizer: Any) -> ReasoningTags:
+def reasoning_tags(parser: str, tokenizer: Tokenizer) -> ReasoningTags:
     """The parser's tags with their single-token ids (if the vocabulary has them) for `tokenizer`."""
     assert parser in REASONING_PARSERS, parser
     vocab = tokenizer.get_vocab()

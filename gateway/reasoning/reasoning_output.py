@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from core.engine.interface import CompiledConstraint, ServingEngine, Tokenizer
 from core.engine.outputs import RequestDelta
 from gateway.outputs.generation import ChoiceResult
 from gateway.reasoning.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningTags, last_prompt_tag,
                                          reasoning_tags, split_output, state_after)
 from gateway.outputs.streaming import StreamInfo
+
+if TYPE_CHECKING:   # the state holds the routes' shared objects; nothing here builds one
+    from gateway.server.state import GatewayState
 
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
 Events = Callable[[StreamInfo, Deltas], AsyncIterator[bytes]]
@@ -27,7 +31,7 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def tags_for(state: Any) -> ReasoningTags | None:
+def tags_for(state: GatewayState) -> ReasoningTags | None:
     """The server's reasoning tags (None without --reasoning-parser), built once."""
     parser = state.config.reasoning_parser
     if parser is None:
@@ -41,7 +45,7 @@ def tags_for(state: Any) -> ReasoningTags | None:
 class ReasoningRequest:
     """One chat request's reasoning split: one splitter per choice, all starting where the prompt leaves off."""
 
-    def __init__(self, tags: ReasoningTags, prompt_ids: list[int], tokenizer: Any, skip_special: bool) -> None:
+    def __init__(self, tags: ReasoningTags, prompt_ids: list[int], tokenizer: Tokenizer, skip_special: bool) -> None:
         self.tags = tags
         self.skip_special = skip_special
         self._tokenizer = tokenizer
@@ -79,8 +83,9 @@ class ReasoningRequest:
         self.state = REASONING
         return True
 
-    async def gate(self, compiled: Any, engine: Any) -> Any:
-        """The request's constraint applied after `</think>` unless the prompt closed the reasoning (`gates`)."""
+    async def gate(self, compiled: CompiledConstraint | None, engine: ServingEngine) -> CompiledConstraint | None:
+        """The request's constraint (None: free text) applied after `</think>` unless the prompt closed the
+        reasoning (`gates`)."""
         if not self.gates(compiled is not None):
             return compiled
         from grammar.specs.tool_calls import ReasoningGrammar

@@ -52,7 +52,7 @@ async def load_lora_adapter(request: Request) -> Response:
     if state.models.is_base(name):
         raise invalid(f"{name!r} is the base model's name", param="lora_name", code="duplicate_adapter")
     try:
-        entry = await asyncio.to_thread(state.aeng.engine.load_lora, name, data["lora_path"])
+        entry = await asyncio.to_thread(state.aeng.load_lora, name, data["lora_path"])
     except AdapterError as exc:
         raise _adapter_error(exc, "lora_name" if exc.code in ("duplicate_adapter", "invalid_adapter_name")
                              else "lora_path") from None
@@ -65,7 +65,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     _check_admin(request)
     data = await _body(request, ("lora_name",))
     try:
-        request.app.state.gateway.aeng.engine.unload_lora(data["lora_name"])
+        request.app.state.gateway.aeng.unload_lora(data["lora_name"])
     except AdapterError as exc:
         raise _adapter_error(exc, "lora_name") from None
     return JSONResponse({"status": "ok", "lora_name": data["lora_name"]})

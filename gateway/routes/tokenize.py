@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 from pydantic import Field
 from starlette.requests import Request
@@ -19,6 +19,9 @@ from gateway.http.body import load_json_object, parse_body, read_body
 from gateway.errors import api_endpoint, invalid
 from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatMessage, _Strict
+
+if TYPE_CHECKING:   # the routes read the app's state; nothing here builds one
+    from gateway.server.state import GatewayState
 
 M = TypeVar("M")
 
@@ -50,7 +53,8 @@ def _tokenize_body(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatR
     return (TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest).model_validate(obj)
 
 
-async def _authorized_body(request: Request, parse: Callable[[bytes], M], prompt_param: str | None) -> tuple[Any, M]:
+async def _authorized_body(request: Request, parse: Callable[[bytes], M],
+                           prompt_param: str | None) -> tuple[GatewayState, M]:
     """401 for a bad key (before the body is read), 400 for a bad body, 404 for a model the key cannot see:
     as /v1/completions. Returns the gateway state and the body (refused by size before it is parsed)."""
     state = request.app.state.gateway
@@ -84,7 +88,7 @@ def _text(encoder: PromptEncoder, tokens: list[int]) -> str:
 async def tokenize(request: Request) -> Response:
     state, body = await _authorized_body(request, _tokenize_body, "prompt")
     answer = await tokenize_pool.run(_tokens, state.encoder, body)
-    return JSONResponse({"count": answer["count"], "max_model_len": state.aeng.engine.max_model_len,
+    return JSONResponse({"count": answer["count"], "max_model_len": state.aeng.facts.max_model_len,
                          "tokens": answer["tokens"], "token_strs": answer["token_strs"]})
 
 

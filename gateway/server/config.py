@@ -45,12 +45,6 @@ def parse_lora_spec(text: str) -> tuple[str, str, str | None]:
     return name.strip(), path.strip(), None
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`NAME=PATH` (or the JSON form) -> (name, path)."""
-    name, path, _ = parse_lora_spec(text)
-    return name, path
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """The server's own settings; the engine's are its `EngineConfig`, built once by the CLI."""

@@ -1,16 +1,16 @@
-"""Builds the engine and its loop thread, then runs uvicorn until interrupted."""
+"""Builds the engine (its own process, or a loop thread here), then runs uvicorn until interrupted."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 import sys
-import threading
 import time
-from typing import Any
 
 import uvicorn
 
 from adapters.errors import AdapterError
+from core.engine.interface import ServingEngine
+from core.startup.warmup import WarmupReport
 from gateway.app import build_app
 from gateway.server.config import ServerConfig
 from gateway.server.lifecycle import GatewayServer
@@ -25,9 +25,9 @@ from gateway.server.workers import cancel_hard_exit, watch_workers
 log = logging.getLogger("loraplex.gateway")
 
 
-def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
-    # the engine core in its own process, fed over ZMQ (gateway/engine_client/client.py)
-    if config.engine_process:
+def _start_engine(config: ServerConfig, log_level: str = "warning") -> ServingEngine:
+    """The one place that knows both engines; the gateway talks to either through `ServingEngine`."""
+    if config.engine_process:   # the engine core in its own process, fed over ZMQ (gateway/engine_client/client.py)
         from gateway.engine_client.client import EngineClient
 
         client = EngineClient(config.engine, log_level, on_warmup_progress=WarmupPrinter(),
@@ -41,9 +41,7 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> Any:
     engine = LLMEngine(config.engine)
     aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)
     aeng.start()   # the engine thread warms up first: /health answers 503 until it is done
-    # the grammar vocabulary and the json_object grammar are built in the background at start-up
-    threading.Thread(target=lambda: engine.grammar_compiler.warmup_json_object(), name="grammar-warmup",
-                     daemon=True).start()
+    aeng.warm_grammar_in_background()   # as the engine process does at start-up
     return aeng
 
 
@@ -59,7 +57,7 @@ class WarmupPrinter:
             print(f"loraplex: warm-up: {done}/{total} kernel variants compiled ({seconds:.1f} s)", flush=True)
 
 
-def print_ready(report: Any) -> None:
+def print_ready(report: WarmupReport) -> None:
     checked = f", {report.num_kernel_checks} kernel outputs self-checked" if report.num_kernel_checks else ""
     print(f"loraplex: warm-up done: {report.num_variants} kernel variants and {report.num_graphs} decode graphs in "
           f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles{checked}); ready", flush=True)
@@ -105,7 +103,7 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
         return 1
     server: GatewayServer | None = None
     try:
-        engine = aeng.engine
+        facts = aeng.facts
         try:
             state = GatewayState.build(config, aeng)
         except TenantFileError as exc:
@@ -116,8 +114,8 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
             return 1
         app = build_app(state)
         banner = (f"loraplex: serving {' / '.join(map(repr, config.served_model_names))} on {config.url} "
-                  f"(device {engine.device}, max_model_len {engine.max_model_len}, "
-                  f"{engine.kv.num_blocks} KV blocks of {engine.block_size}; loaded in {time.monotonic() - t0:.1f}s)"
+                  f"(device {facts.device}, max_model_len {facts.max_model_len}, "
+                  f"{facts.num_kv_blocks} KV blocks of {facts.block_size}; loaded in {time.monotonic() - t0:.1f}s)"
                   + (f"; sampling defaults from {state.defaults.source}: {dict(state.defaults.sampling)}"
                      if state.defaults.sampling else ""))
         if config.metrics_url is not None:
@@ -139,8 +137,6 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
             pass
         return 1 if workers_failed() or warmup_failed() else (0 if server.started else 1)
     finally:
-        aeng.shutdown()
-        if aeng.engine.tp is not None:
-            aeng.engine.tp.shutdown(graceful=aeng.error is None)
+        aeng.shutdown()   # in-process: its tensor-parallel workers too
         if server is not None:
             cancel_hard_exit(server)   # the shutdown did not block: no hard exit of the hosting process

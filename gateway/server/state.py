@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.engine.async_engine import AsyncEngine
+from core.engine.interface import ServingEngine
 from gateway.tenancy.auth import Authenticator
 from gateway.server.config import ServerConfig
 from gateway.server.lifecycle import Lifecycle
@@ -21,7 +21,7 @@ from gateway.tenancy.tenants import load_tenant_file
 @dataclass
 class GatewayState:
     config: ServerConfig
-    aeng: AsyncEngine
+    aeng: ServingEngine
     models: ServedModels
     encoder: PromptEncoder
     texts: TokenTexts
@@ -43,14 +43,14 @@ class GatewayState:
             self.lifecycle = Lifecycle(self.config.shutdown_timeout)
 
     @staticmethod
-    def build(config: ServerConfig, aeng: AsyncEngine) -> "GatewayState":
-        engine = aeng.engine
+    def build(config: ServerConfig, aeng: ServingEngine) -> "GatewayState":
+        facts = aeng.facts
         return GatewayState(
             config=config, aeng=aeng,
-            models=ServedModels(config.served_model_name, root=config.engine.model, registry=engine.registry,
+            models=ServedModels(config.served_model_name, root=config.engine.model, registry=aeng.adapters,
                                 aliases=config.served_model_aliases),
-            encoder=PromptEncoder(engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len),
-            texts=TokenTexts(engine.tokenizer),
-            metrics=GatewayMetrics(engine, config.engine.lora.max_loras),
-            defaults=load_request_defaults(config.generation_config, engine.parts.model_dir, config.max_logprobs,
-                                           engine.model_config.vocab_size))
+            encoder=PromptEncoder(aeng.tokenizer, facts.vocab_size, facts.max_model_len),
+            texts=TokenTexts(aeng.tokenizer),
+            metrics=GatewayMetrics(aeng, config.engine.lora.max_loras),
+            defaults=load_request_defaults(config.generation_config, facts.model_dir, config.max_logprobs,
+                                           facts.vocab_size))

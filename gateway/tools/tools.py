@@ -15,9 +15,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.engine.interface import Tokenizer
 from gateway.errors import invalid
+from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
+from grammar.schema.lowering import SchemaOptions
 from grammar.specs.tool_calls import FunctionSpec, ToolCallFormat, detect_format
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -80,7 +83,7 @@ def _tool_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def plan_tools(body: ChatCompletionRequest, tokenizer: Any, options: Any,
+def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: SchemaOptions,
                parser: str | None = None) -> ToolPlan | None:
     """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
     server's `--tool-call-parser` family (None: the one the chat template shows)."""
@@ -189,10 +192,8 @@ def uses_tools(body: ChatCompletionRequest) -> bool:
     return any(m.role == "tool" or m.tool_calls is not None for m in body.messages)
 
 
-def chat_prompt(encoder: Any, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
     """Token ids of the chat prompt, tools and tool turns included."""
-    from gateway.inputs.prompts import template_options
-
     conv = conversation(body, plan)
     options = template_options(body)
     renders = plan.renders_tools if plan is not None else detect_format(

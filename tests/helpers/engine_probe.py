@@ -48,8 +48,14 @@ def leftovers(host: Any) -> dict[str, Any]:
         "stale_namespaces": stale,
         "preemptions": eng.scheduler.num_preemptions,
         "steps": eng.scheduler.num_steps,
-        "penalty_rows": len(eng.penalties._slot_of),
+        "penalty_rows": len(eng.sampler.penalties._slot_of),
     }
+
+
+def adapter_slots(host: Any, names: tuple[str, ...]) -> dict[str, int | None]:
+    """The device slot each named adapter sits in now (None: in none); tests/helpers/lora_slots.py."""
+    eng = host.engine
+    return {name: eng.lora_pool.slot_of(eng.registry.get(name).generation_id) for name in names}
 
 
 def scheduler_counts(host: Any) -> tuple[int, int, int]:

@@ -1,8 +1,10 @@
-"""Tiny checkpoints of the Gemma family for tests/test_core/models/test_family_gemma.py (beside tests/helpers/tiny_models.py).
+"""Tiny checkpoints of the Gemma and Phi-3 families for tests/test_core/models/test_family_*.py and the quantized
+tests (beside tests/helpers/tiny_models.py).
 
     gemma_dir("gemma2") / gemma_dir("gemma3_text")     # saved by Gemma2ForCausalLM / Gemma3ForCausalLM
     gemma3_multimodal_dir()                            # the gemma3_text weights inside a checkpoint saved by
                                                        # Gemma3ForConditionalGeneration (tiny SigLIP tower)
+    tiny_model_dir(PHI3_SPEC)                          # Phi-3 / Phi-4-mini: fused qkv / gate_up, longrope
 """
 from __future__ import annotations
 
@@ -30,6 +32,15 @@ GEMMA_SPECS: dict[str, TinyModelSpec] = {
                                  extra_config={"query_pre_attn_scalar": 24, "sliding_window": WINDOW,
                                                "rope_local_base_freq": 100.0, "layer_types": LAYER_TYPES}),
 }
+
+PHI3_ORIGINAL = 40          # original_max_position_embeddings; max_position_embeddings 256: factor 6.4
+PHI3_ROTARY_DIM = 12        # head_dim 16 * partial_rotary_factor 0.75
+PHI3_LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": PHI3_ORIGINAL,
+                 "short_factor": tuple(1.0 + 0.2 * i for i in range(PHI3_ROTARY_DIM // 2)),
+                 "long_factor": tuple(3.0 + 2.0 * i for i in range(PHI3_ROTARY_DIM // 2))}
+PHI3_SPEC = TinyModelSpec(arch="phi3", num_heads=4, num_kv_heads=2, rope_scaling=PHI3_LONGROPE,
+                          partial_rotary_factor=0.75, original_max_position_embeddings=PHI3_ORIGINAL,
+                          max_position_embeddings=256, seed=7)
 
 
 def gemma_norms(model: Any, spec: TinyModelSpec) -> None:

@@ -34,7 +34,8 @@ class Template:
 
 
 def templates(adapters: tuple[str, ...]) -> list[Template]:
-    """One template per kind of row; the prompt of each starts with its own marker."""
+    """One template per kind of row (greedy rows of the base and of each adapter, then the rows with features);
+    the prompt of each starts with its own marker."""
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     return [
         Template("base", "alpha def fibonacci(n):\n    "),
@@ -45,7 +46,8 @@ def templates(adapters: tuple[str, ...]) -> list[Template]:
             ("repetition_penalty", 1.3), ("frequency_penalty", 0.5), ("logit_bias", {"5": 2.0}), ("min_tokens", 4))),
         Template("logprobs", "foxtrot while True:\n", extra=(("logprobs", 2),)),
         Template("seeded", "golf x = [", adapters[0], extra=(("temperature", 0.8), ("top_p", 0.9), ("seed", 7))),
-    ]
+    ] + [Template(f"adapter{i}", f"{marker} while True:\n", name)   # more adapters: more device slots in use
+         for i, (marker, name) in enumerate(zip(("hotel", "india", "juliett"), adapters[2:]), start=2)]
 
 
 @dataclass

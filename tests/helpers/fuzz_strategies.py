@@ -9,9 +9,17 @@ value, on a rich valid body), the strategies the random part.
 from __future__ import annotations
 
 import json
+import os
+import random
 from typing import Any
 
 from hypothesis import strategies as st
+
+def fuzz_seed() -> int:
+    """`LORAPLEX_FUZZ_SEED` when set (replays a run), else a fresh seed per run: print it, and name it in failures."""
+    env = os.environ.get("LORAPLEX_FUZZ_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**32)
+
 
 TOKENIZER_VOCAB = 512   # tests/helpers/tiny_models.py's tokenizer
 MODEL_VOCAB = 544       # the checkpoint's logits are wider (padded embeddings, as many real checkpoints)

@@ -53,7 +53,7 @@ class InProcessServer:
         import uvicorn
 
         from core.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-        from core.engine.setup import kv_bytes_per_block
+        from core.kv.pool_size import kv_bytes_per_block
         from gateway.app import build_app
         from gateway.server.config import ServerConfig
         from gateway.server.state import GatewayState
@@ -74,8 +74,7 @@ class InProcessServer:
         self.config = config
         self.engine_process = engine_process
         self.aeng = self._start_engine(config)
-        self.engine = self.aeng.engine
-        assert self.engine.kv.num_blocks == num_kv_blocks
+        assert self.aeng.facts.num_kv_blocks == num_kv_blocks
         self.state = GatewayState.build(config, self.aeng)
         app = build_app(self.state)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from testlib import _hf_model, model_dir
+from testlib import _hf_model, _tokenizer, model_dir
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -180,3 +180,18 @@ def peft_greedy(model: str, adapter: str | None, prompt_ids: list[int], max_new_
 def peft_greedy_margin(model: str, adapter: str | None, prompt_ids: list[int], max_new_tokens: int) -> float:
     """Smallest top-1 minus top-2 logit gap over the reference's greedy steps."""
     return _greedy(model, adapter, tuple(prompt_ids), max_new_tokens)[1]
+
+
+def norm_text(text: str) -> str:
+    """The server's incremental detokenizer never emits the bytes of an unfinished UTF-8 character at the
+    end of the output (tokenizers' DecodeStream), while a one-shot `decode` writes them as U+FFFD: the
+    random tiny model often ends on such a byte token, so both sides drop trailing U+FFFD."""
+    return text.rstrip("\ufffd")
+
+
+def peft_text(model: str, adapter: str | None, prompt: str, max_new_tokens: int) -> str:
+    """`PeftModel` (or bare base) greedy continuation of the text `prompt`, decoded by the model's tokenizer
+    (`norm_text`): what a served greedy completion must return."""
+    tok = _tokenizer(str(model_dir(model)))
+    ids = peft_greedy(model, adapter, tok.encode(prompt), max_new_tokens)
+    return norm_text(tok.decode(ids, skip_special_tokens=True))

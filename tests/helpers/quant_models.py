@@ -3,7 +3,7 @@
     path = ct_model("w4a16_asym_g32")      # config.json quantization_config + packed safetensors (cached)
     ref = ct_reference_dir("w4a16_asym_g32")   # a plain HF checkpoint: compressed-tensors' own decompression
     adapter = save_all7_adapter(ref)       # a PEFT LoRA on all seven projections
-    check_mixed_batch(llm, ref, adapter, prompts)   # base + LoRA rows in one batch == HF / PEFT greedy
+    check_mixed_batch(llm, ref, adapter, prompts)   # base + three adapters' rows in one batch == HF / PEFT greedy
 
 No calibration data: scales and zero points come from each weight's min / max through compressed-tensors'
 `calculate_qparams`, then its ModelCompressor packs the model and writes `quantization_config`, as
@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from family_models import PHI3_SPEC, gemma_dir
+from lora_slots import adapter_slots, assert_adapters_matter, assert_slots_spread
 from testlib import SPECS
 from tiny_models import TinyModelSpec, tiny_model_dir
 
@@ -104,13 +107,9 @@ def base_dir(name: str) -> Path:
     if name == "qwen3":
         return tiny_model_dir(TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, seed=5))
     if name == "gemma2":
-        from family_models import gemma_dir
-
         return gemma_dir("gemma2")
     if name == "phi3":   # the Phi-3 family test's model: fused qkv_proj / gate_up_proj, longrope
-        from test_family_phi3 import SPEC
-
-        return tiny_model_dir(SPEC)
+        return tiny_model_dir(PHI3_SPEC)
     if name == "phi3_unaligned":   # q | k | v = 48 | 12 | 12 rows: v starts at row 60, inside an 8-code packed
         # word of the output dim; gate | up = 104 | 104: under TP=2 each rank's part starts at row 52 (inside too)
         return tiny_model_dir(TinyModelSpec(arch="phi3", hidden_size=48, intermediate_size=104, num_heads=4,
@@ -193,43 +192,93 @@ def ct_reference_dir(name: str) -> Path:
     return out
 
 
-def save_all7_adapter(ref_dir: Path, seed: int = 12) -> Path:
-    """A PEFT LoRA (rank 8, all seven projections, random non-zero A and B) made on the reference model."""
-    key = f"{ref_dir.name}__all7"
+def _fused_names(ref_dir: Path, targets: list[str]) -> list[str]:
+    """Phi-3 checkpoints hold q/k/v and gate/up fused: PEFT targets the fused names there."""
+    if json.loads((ref_dir / "config.json").read_text())["model_type"] != "phi3":
+        return targets
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}
+    return list(dict.fromkeys(fused.get(t, t) for t in targets))
+
+
+def _save_peft_adapter(ref_dir: Path, kind: str, kwargs: dict[str, Any], b_mult: float, seed: int) -> Path:
+    key = f"{ref_dir.name}__{kind}"
     if key in _DIRS:
         return _DIRS[key]
     import copy
 
-    from lora_fixtures import ALL7, _save_adapter
+    from lora_fixtures import _save_adapter
     from testlib import _hf_model
 
-    targets = ALL7
-    if json.loads((ref_dir / "config.json").read_text())["model_type"] == "phi3":   # the same seven, fused names
-        targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-    out = _save_adapter(copy.deepcopy(_hf_model(str(ref_dir))), dict(r=8, lora_alpha=16, target_modules=targets),
-                        0.5, seed, _root() / key)
+    kwargs = dict(kwargs, target_modules=_fused_names(ref_dir, kwargs["target_modules"]))
+    out = _save_adapter(copy.deepcopy(_hf_model(str(ref_dir))), kwargs, b_mult, seed, _root() / key)
     _DIRS[key] = out
     return out
+
+
+def save_all7_adapter(ref_dir: Path, seed: int = 12) -> Path:
+    """A PEFT LoRA (rank 8, all seven projections, random non-zero A and B) made on the reference model."""
+    from lora_fixtures import ALL7
+
+    return _save_peft_adapter(ref_dir, f"all7_s{seed}", dict(r=8, lora_alpha=16, target_modules=ALL7), 0.5, seed)
+
+
+SLOT_ADAPTER_KINDS: dict[str, tuple[dict[str, Any], float]] = {
+    "attn-r4": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), 1.5),
+    "mlp-r16": (dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]), 1.0),
+}
+SLOT_ADAPTER_SEEDS = range(16, 24)
+
+
+def slot_adapters(ref_dir: Path, prompts: list[list[int]], max_tokens: int, min_margin: float) -> dict[str, Path]:
+    """Two more PEFT LoRAs made on the reference model, for the slots around the tested one (served name ->
+    folder): rank 4 on q/v (`attn-r4-s<seed>`), rank 16 rsLoRA on the MLP (`mlp-r16-s<seed>`). Each takes the
+    first seed of SLOT_ADAPTER_SEEDS whose greedy references of `prompts` clear `min_margin` and differ from
+    the base model's (deterministic: the same seeds for the same model and prompts)."""
+    base = [reference_greedy(ref_dir, None, ids, max_tokens)[0] for ids in prompts]
+    out: dict[str, Path] = {}
+    for kind, (kwargs, b_mult) in SLOT_ADAPTER_KINDS.items():
+        for seed in SLOT_ADAPTER_SEEDS:
+            path = _save_peft_adapter(ref_dir, f"{kind}_s{seed}", kwargs, b_mult, seed)
+            refs = [reference_greedy(ref_dir, path, ids, max_tokens) for ids in prompts]
+            if min(m for _, m in refs) > min_margin and [t for t, _ in refs] != base:
+                out[f"{kind}-s{seed}"] = path
+                break
+        else:
+            raise AssertionError(f"test setup: no seed in {SLOT_ADAPTER_SEEDS} gives {kind} clear references")
+    return out
+
+
+@lru_cache(maxsize=16)
+def _peft_on(ref_dir: Path, adapter: Path) -> torch.nn.Module:
+    import copy
+
+    from peft import PeftModel
+
+    from testlib import _hf_model
+
+    return PeftModel.from_pretrained(copy.deepcopy(_hf_model(str(ref_dir))), str(adapter)).eval()
 
 
 def reference_greedy(ref_dir: Path, adapter: Path | None, prompt_ids: list[int],
                      max_new_tokens: int) -> tuple[list[int], float]:
     """HF (or PEFT over HF) fp32 greedy tokens of the reference, and the smallest top-1/top-2 logit gap."""
-    import copy
+    tokens, margin = _reference_greedy(ref_dir, adapter, tuple(prompt_ids), max_new_tokens)
+    return list(tokens), margin
 
+
+@lru_cache(maxsize=1024)
+def _reference_greedy(ref_dir: Path, adapter: Path | None, prompt_ids: tuple[int, ...],
+                      max_new_tokens: int) -> tuple[tuple[int, ...], float]:
     from testlib import _hf_model
 
-    model = _hf_model(str(ref_dir))
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(copy.deepcopy(model), str(adapter)).eval()
+    model = _hf_model(str(ref_dir)) if adapter is None else _peft_on(ref_dir, adapter)
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     margin = min(float(torch.topk(lg[0].float(), 2).values.diff().abs()) for lg in out.logits)
-    return out.sequences[0, len(prompt_ids):].tolist(), margin
+    return tuple(out.sequences[0, len(prompt_ids):].tolist()), margin
 
 
 def fp8_online_reference_dir(base: Path) -> Path:
@@ -256,19 +305,33 @@ def fp8_online_reference_dir(base: Path) -> Path:
 
 def check_mixed_batch(llm: Any, ref: Path, adapter: Path, prompts: list[list[int]], max_tokens: int = 12,
                       min_margin: float = 1e-3) -> list[list[int]]:
-    """Base rows and `tenant` LoRA rows of `prompts` in one batch equal HF / PEFT greedy on `ref`; returns the
-    expected tokens (base rows first). The references must be clear of argmax ties, the adapter must matter."""
+    """Base rows, `tenant` LoRA rows and the rows of two more adapters (hot-loaded here, `slot_adapters`)
+    of `prompts` in one batch equal HF / PEFT greedy on `ref`: the three adapters sit in three device slots
+    (tests/helpers/lora_slots.py; in the rows' order `tenant` takes slot 1). Returns the expected tokens of
+    the base rows, then of the `tenant` rows. The references must be clear of argmax ties, and each adapter
+    must change the output."""
     from core import SamplingParams
 
-    expected = []
-    for lora in (None, adapter):
+    extra = slot_adapters(ref, prompts, max_tokens, min_margin)
+    for name, path in extra.items():
+        if llm.engine.registry.get(name) is None:
+            llm.engine.load_lora(name, str(path))
+    first, last = extra
+    adapters: dict[str | None, Path | None] = {None: None, first: extra[first], "tenant": adapter, last: extra[last]}
+    expected: dict[str | None, list[list[int]]] = {}
+    for name, path in adapters.items():
+        expected[name] = []
         for ids in prompts:
-            tokens, margin = reference_greedy(ref, lora, ids, max_tokens)
-            assert margin > min_margin, f"test setup: reference margin {margin}"
-            expected.append(tokens)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * 2],
-                        SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                        lora=[None] * len(prompts) + ["tenant"] * len(prompts))
-    assert [o.token_ids for o in outs] == expected
-    assert expected[:len(prompts)] != expected[len(prompts):]      # the adapter changes the output
-    return expected
+            tokens, margin = reference_greedy(ref, path, ids, max_tokens)
+            assert margin > min_margin, f"test setup: reference margin {margin} ({name})"
+            expected[name].append(tokens)
+    assert_adapters_matter(expected[None], {n: e for n, e in expected.items() if n is not None})
+    loras = [name for name in adapters for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * len(adapters)],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0), lora=loras)
+    slots = adapter_slots(llm.engine, [n for n in adapters if n is not None])
+    for i, (name, out) in enumerate(zip(loras, outs)):
+        want = expected[name][i % len(prompts)]
+        assert out.token_ids == want, f"row {i} lora={name} (slot {slots.get(name)})\n expected {want}\n got {out.token_ids}"
+    assert_slots_spread(slots)
+    return expected[None] + expected["tenant"]

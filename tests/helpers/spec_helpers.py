@@ -1,7 +1,34 @@
-"""Helpers of the speculative decoding tests: an oracle proposer and a radix-cache content check."""
+"""Helpers of the speculative decoding tests: an engine with n-gram drafts, an oracle proposer and a radix-cache
+content check."""
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
+from core import SamplingParams
+from core.config import CacheConfig, EngineConfig, SchedulerConfig
+from core.engine.engine import LLMEngine
 from core.engine.request import Request
+from core.spec import SpeculativeConfig
+from testlib import PROMPTS, encode
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+NGRAM4 = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+
+
+def make_engine(path: Path, num_blocks: int = 256, budget: int = 2048, prefix: bool = True,
+                spec: SpeculativeConfig | None = NGRAM4) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(path), dtype="float32", device="cpu", speculative=spec,
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+
+
+def prompts_for(path: Path, num: int = 10, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [encode(path, p) for p in PROMPTS]
+    return [base[i % len(base)] + [rng.randrange(10, 500) for _ in range(rng.randint(0, 30))] for i in range(num)]
 
 
 class OracleDrafts:

@@ -15,27 +15,7 @@ from adapters.lora_ops.bgmv import (  # noqa: E402
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
-from kernel_device import kernel_device  # noqa: E402
-
-DEVICE = kernel_device()
-
-
-def nan_stack(num_slots: int, r_max: int, in_f: int, outs: tuple[int, ...], ranks: list[list[int]],
-              dtype: torch.dtype = torch.float32, seed: int = 0) -> LoRAStack:
-    g = torch.Generator().manual_seed(seed)
-    S = len(outs)
-    a = torch.randn(S, num_slots, r_max, in_f, generator=g) * 0.5      # [S, slots, R, in]
-    b = torch.randn(num_slots, sum(outs), r_max, generator=g) * 0.5    # [slots, N, R]
-    for s in range(S):
-        off = sum(outs[:s])
-        for k in range(num_slots):
-            a[s, k, ranks[s][k]:] = float("nan")
-            b[k, off:off + outs[s], ranks[s][k]:] = float("nan")
-    scal = torch.rand(S, num_slots, generator=g) + 0.5
-    return LoRAStack(lora_a=a.to(dtype).to(DEVICE), lora_b=b.to(dtype).to(DEVICE),
-                     ranks=torch.tensor(ranks, dtype=torch.int32, device=DEVICE), scalings=scal.to(DEVICE),
-                     slice_offsets=tuple(sum(outs[:s]) for s in range(S)), slice_sizes=outs,
-                     ranks_host=torch.tensor(ranks, dtype=torch.int32), scalings_host=scal)
+from lora_nan_stacks import DEVICE, nan_stack  # noqa: E402
 
 
 def reference(y0: torch.Tensor, x: torch.Tensor, stack: LoRAStack, slots: np.ndarray) -> torch.Tensor:

@@ -20,7 +20,7 @@ from adapters.lora_ops import LoRABackends, LoRABatchMeta, LoRAStack, add_lora  
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, bgmv_config  # noqa: E402
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink  # noqa: E402
 from core.distributed.lora import RowParallelLoRALinear  # noqa: E402
-from test_lora_bgmv import DEVICE, nan_stack  # noqa: E402
+from lora_nan_stacks import DEVICE, nan_stack  # noqa: E402
 
 BACKENDS = ["torch", "triton"]
 CASES = [  # (slots, r_max, in, outs, ranks per slice x slot, y_offset)

@@ -14,85 +14,19 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from adapters.errors import (  # noqa: E402
     CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, AdapterError, AdapterNotFoundError,
 )
-from testlib import PROMPTS, encode, model_dir  # noqa: E402
-from core import LLM, SamplingParams  # noqa: E402
-from lora_fixtures import (  # noqa: E402
-    adapter_dir, corrupt_adapter_dir, peft_greedy, peft_greedy_margin, torch_threads, wrong_base_adapter_dir,
+from testlib import encode, model_dir  # noqa: E402
+from core import LLM  # noqa: E402
+from lora_engine_cases import (  # noqa: E402
+    GREEDY, LORAS, NAMES, SYSTEM, TEXTS, assert_idle_and_sound, check_mixed, generate, make_llm, mixed_batch,
+    prompt_ids, reference,
 )
-
-MAX_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-MIN_MARGIN = 1e-3  # fp32 engine vs PEFT differ by ~1e-5 in the logits; references must be clear of ties
-SYSTEM = "# You are a helpful assistant that writes short, correct Python code.\n" * 2
-# chosen so every reference (base and each adapter, both models) has a top-1/top-2 gap > MIN_MARGIN
-TEXTS = [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[7], SYSTEM + "def add(a, b):", SYSTEM + "# sort a list"]
-# served name -> fixture adapter (ranks 4 / 8 / 16; q,v / all seven / rsLoRA on k,o,down)
-NAMES = {"tenant-a": "qv_r4", "tenant-b": "all7_r8", "tenant-d": "rs_kod_r16"}
-LORAS: list[str | None] = [None, *NAMES]
+from lora_fixtures import adapter_dir, corrupt_adapter_dir, torch_threads, wrong_base_adapter_dir  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     with torch_threads(1):  # tiny model: one thread is as fast when idle and far faster on a busy box
         yield
-
-
-def prompt_ids(model: str) -> list[list[int]]:
-    return [encode(model_dir(model), t) for t in TEXTS]
-
-
-def reference(model: str, lora: str | None, ids: list[int], names: dict[str, str] = NAMES) -> list[int]:
-    adapter = None if lora is None else names[lora]
-    margin = peft_greedy_margin(model, adapter, ids, MAX_TOKENS)
-    assert margin > MIN_MARGIN, f"test setup: PEFT greedy top-1/top-2 gap {margin} too small ({adapter})"
-    return peft_greedy(model, adapter, ids, MAX_TOKENS)
-
-
-def make_llm(model: str, names: dict[str, str] | None = None, **kw) -> LLM:
-    names = NAMES if names is None else names
-    args = dict(dtype="float32", device="cpu", max_loras=8, max_lora_rank=64, max_num_batched_tokens=2048,
-                num_kv_blocks=256, enable_prefix_caching=True)
-    args.update(kw)
-    return LLM(model=str(model_dir(model)), lora_modules={n: str(adapter_dir(model, a)) for n, a in names.items()},
-               **args)
-
-
-def generate(llm: LLM, prompts: list[list[int]], loras: list[str | None]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora=loras)
-    assert len(outs) == len(prompts)
-    for out in outs:
-        assert out.finish_reason in ("stop", "length")
-    return [list(o.token_ids) for o in outs]
-
-
-def assert_idle_and_sound(llm: LLM) -> None:
-    assert not llm.engine.has_unfinished_requests()
-    llm.engine.check_integrity()
-    assert llm.engine.kv.usage() == 0.0
-
-
-def mixed_batch(model: str) -> tuple[list[list[int]], list[str | None]]:
-    """Every prompt under the base and under every adapter, interleaved: p0/base, p0/a, ..., p1/base, ..."""
-    prompts, loras = [], []
-    for ids in prompt_ids(model):
-        for lora in LORAS:
-            prompts.append(ids)
-            loras.append(lora)
-    return prompts, loras
-
-
-def check_mixed(model: str, llm: LLM, rounds: int = 1) -> list[list[int]]:
-    prompts, loras = mixed_batch(model)
-    for r in range(rounds):  # a second round runs against a warm prefix cache in every namespace
-        got = generate(llm, prompts, loras)
-        for i, (ids, lora, out) in enumerate(zip(prompts, loras, got)):
-            expected = reference(model, lora, ids)
-            assert out == expected, (
-                f"round {r} request {i}: model={model} lora={lora} ({NAMES.get(lora or '', 'base')}) "
-                f"prompt={TEXTS[i // len(LORAS)]!r}\n expected {expected}\n got      {out}")
-        llm.engine.check_integrity()
-    assert_idle_and_sound(llm)
-    return got
 
 
 # ---- 1. all adapters and the base mixed in one batch, prefix caching on --------------------------
@@ -263,6 +197,37 @@ def test_unload_while_in_flight() -> None:
     assert_idle_and_sound(llm)
 
 
+def test_reload_while_the_old_weights_run_never_shares_their_kv() -> None:
+    """The anchors' stale-KV bug: a reload under the same name while a request of the old weights still runs
+    (its prompt blocks are in the radix tree). The new weights' request on the same prompt gets no prefix hit
+    (namespaces are generation ids, never names) and the new weights' tokens; the old request finishes with
+    the old weights'."""
+    model = "llama_gqa"
+    llm = make_llm(model, names={"tenant-a": "qv_r4"})
+    engine = llm.engine
+    ids = prompt_ids(model)[4]                      # several full blocks
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
+    engine.add_request("old", ids, GREEDY, lora=engine.resolve_lora("tenant-c"))
+    outputs: dict[str, list[int]] = {"old": [], "new": []}
+    cached: dict[str, int] = {}
+    for _ in range(2):                              # the prefill (its blocks go into the tree) and a decode step
+        for d in engine.step():
+            outputs[d.request_id] += d.new_token_ids
+    assert engine.has_unfinished_requests()
+    engine.unload_lora("tenant-c")
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8_v2")))
+    engine.add_request("new", ids, GREEDY, lora=engine.resolve_lora("tenant-c"))
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            outputs[d.request_id] += d.new_token_ids
+            cached[d.request_id] = d.num_cached_tokens
+        engine.check_integrity()
+    assert cached["new"] == 0, "the reloaded adapter hit the old weights' KV"
+    assert outputs["new"] == reference(model, "tenant-c", ids, {"tenant-c": "all7_r8_v2"})
+    assert outputs["old"] == reference(model, "tenant-c", ids, {"tenant-c": "all7_r8"})
+    assert_idle_and_sound(llm)
+
+
 def test_unload_between_resolve_and_admission() -> None:
     """The gateway resolves a name, then the engine thread admits the request: an unload in between is a 404
     for that request (its slot and host copy may already be freed), never a request that waits forever."""
@@ -295,7 +260,7 @@ def test_request_submitted_before_unload_finishes() -> None:
     engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
     entry = engine.resolve_lora("tenant-c")
     ids = prompt_ids(model)[0]
-    aeng = AsyncEngine(engine)
+    aeng = AsyncEngine(engine, owns_engine=False)     # the engine is checked after the loop stops
     gate, parked = threading.Event(), threading.Event()
 
     def park() -> None:                                # holds the engine thread between two iterations

@@ -6,7 +6,7 @@ import torch
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
 from adapters.lora_ops.dispatch import GATHER_MIN_GROUPS
 from adapters.lora_ops.torch_ops import torch_add_lora_gathered
-from test_lora_ops_torch import naive
+from lora_dense_reference import naive
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

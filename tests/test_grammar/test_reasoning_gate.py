@@ -11,7 +11,7 @@ from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.specs.constraints import json_spec
 from grammar.specs.tool_calls import HERMES, ReasoningGrammar
 from grammar.matching.triggered import free_text_masks
-from test_triggered import SCHEMA, compile_auto, compiler_options, drive
+from triggered_grammar import SCHEMA, compile_auto, compiler_options, drive
 
 
 def gated(compiler: Any, body: Any, end_id: int | None = None) -> ReasoningGrammar:

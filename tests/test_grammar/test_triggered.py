@@ -2,20 +2,15 @@
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
 import torch
 from jsonschema import Draft202012Validator
 
-from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
-from grammar.specs.constraints import json_spec
-from grammar.specs.tool_calls import HERMES, LLAMA3_JSON, AutoToolGrammar, FunctionSpec, tool_calls_spec
-from grammar.matching.triggered import FreeTextMasks, TriggeredMatcher, free_text_masks, longest_prefix_suffix
-
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
-          "required": ["a"], "additionalProperties": False}
-
+from grammar.matching.bitmask import unpack_bitmask
+from grammar.specs.tool_calls import HERMES, LLAMA3_JSON
+from grammar.matching.triggered import FreeTextMasks, longest_prefix_suffix
+from triggered_grammar import SCHEMA, compile_auto, drive
 
 def test_longest_prefix_suffix() -> None:
     assert longest_prefix_suffix(b"hello <tool", b"<tool_call>") == b"<tool"
@@ -31,37 +26,6 @@ def test_free_masks_ban_only_tokens_running_past_the_trigger() -> None:
     assert allowed(b"") == everything - {10}             # "<tool_call>\n" runs past the trigger
     assert allowed(b"<tool") == everything - {2, 10}     # "_call>\n{" would write "\n{" past it
     assert allowed(b"<tool_call") == everything - {9, 10}  # ">" completes it exactly (allowed), ">\n{" does not
-
-
-def compile_auto(compiler: Any, fmt: Any) -> AutoToolGrammar:
-    spec = json_spec(SCHEMA, "tools[0].function.parameters", compiler_options())
-    fn = FunctionSpec("f", spec.recipe, spec.schema_json or "{}", "tools[0].function.parameters")
-    body = compiler.compile(tool_calls_spec(fmt, [fn], parallel=True, after_trigger=True))
-    return AutoToolGrammar(body, fmt.trigger.encode(), free_text_masks(compiler.vocab, fmt.trigger))
-
-
-def compiler_options() -> Any:
-    from grammar.specs.spec import DEFAULT_OPTIONS
-    return DEFAULT_OPTIONS
-
-
-def drive(matcher: TriggeredMatcher, compiler: Any, ids: list[int], seed: int) -> list[int]:
-    """Feeds `ids` (each must be allowed), then random allowed tokens until the matcher ends."""
-    out, rng = [], random.Random(seed)
-    for t in ids:
-        bitmask = allocate_token_bitmask(1, compiler.vocab_size)
-        matcher.fill_bitmask(bitmask, 0)
-        assert unpack_bitmask(bitmask, compiler.vocab_size)[0, t], t
-        assert matcher.accept_token(t)
-        out.append(t)
-    while not matcher.is_terminated() and len(out) < 400:
-        bitmask = allocate_token_bitmask(1, compiler.vocab_size)
-        matcher.fill_bitmask(bitmask, 0)
-        allowed = unpack_bitmask(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist()
-        t = rng.choice(allowed)
-        assert matcher.accept_token(t)
-        out.append(t)
-    return out
 
 
 def test_trigger_switches_to_the_call_grammar(compiler: Any, bpe_tokenizer: Any) -> None:

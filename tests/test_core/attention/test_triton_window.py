@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_triton_attention import (  # noqa: E402
-    DECODE, PREFILL_CACHED, PREFILL_NO_CACHE, TritonAttentionBackend, gpu_backend, make_batch, run_both,
+from attention_cases import (  # noqa: E402
+    DECODE, PREFILL_CACHED, PREFILL_NO_CACHE, gpu_backend, make_batch, run_both,
 )
 from core.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from core.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 EXTRAS = [dict(window=5), dict(window=16), dict(softcap=2.0), dict(window=7, softcap=3.0)]
 IDS = ["w5", "w16", "cap2", "w7-cap3"]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from core import LLM, SamplingParams  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
-from test_lora_engine import check_mixed, generate, make_llm, prompt_ids, reference  # noqa: E402
+from lora_engine_cases import check_mixed, generate, make_llm, prompt_ids, reference  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa"
@@ -32,11 +32,11 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
         try:
             yield engine
         finally:
-            engine.engine.tp.shutdown()
+            engine.shutdown()
 
 
 def test_async_is_on_under_tp(llm: LLM) -> None:
-    assert llm.engine.tp is not None and llm.engine.async_scheduling
+    assert llm.engine.executor.has_workers and llm.engine.async_scheduling
 
 
 def test_mixed_adapters_match_peft(llm: LLM) -> None:

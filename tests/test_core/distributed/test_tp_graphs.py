@@ -21,7 +21,7 @@ from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from lora_fixtures import peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
-from test_lora_engine import LORAS, NAMES, make_llm, prompt_ids  # noqa: E402
+from lora_engine_cases import LORAS, NAMES, make_llm, prompt_ids  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa_1layer"   # one layer: the interpreter runs every kernel in Python, each layer the same way
@@ -38,14 +38,14 @@ def llm() -> Iterator[LLM]:
         try:
             eng = engine.engine
             backend = eng.model.model.layers[0].self_attn.backend
-            eng.graphs = DecodeGraphRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len,
+            eng.runner.graphs = DecodeGraphRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len,
                                            SIZES, lora=GraphLoRABuffers(SIZES[-1], eng.lora_pool.num_slots,
                                                                         eng.device),
                                            lora_context=eng.lora_pool.context, use_graphs=False)
             assert eng.capture_decode_graphs() == 2 * len(SIZES)     # with and without LoRA, on both ranks
             yield engine
         finally:
-            engine.engine.tp.shutdown()
+            engine.shutdown()
 
 
 def test_warmup_ran_forwards_on_every_rank(llm: LLM) -> None:
@@ -56,12 +56,12 @@ def test_warmup_ran_forwards_on_every_rank(llm: LLM) -> None:
 def test_staggered_batch_matches_hf(llm: LLM) -> None:
     path = model_dir(MODEL)
     prompts = [encode(path, p) + [10 + i, 20 + i] for i, p in enumerate(PROMPTS[:6])]
-    runs_before = llm.engine.graphs.num_runs
+    runs_before = llm.engine.runner.graphs.num_runs
     outputs = run_staggered(llm.engine, prompts, SamplingParams(max_tokens=10, temperature=0.0), check=True)
     for i, ids in enumerate(prompts):
         assert peft_greedy_margin(MODEL, None, ids, 10) > 1e-3, "test setup: reference near a tie"
         assert outputs[str(i)] == hf_greedy(path, ids, 10), f"request {i}"
-    assert llm.engine.graphs.num_runs > runs_before and llm.engine.graphs.num_fallbacks > 0
+    assert llm.engine.runner.graphs.num_runs > runs_before and llm.engine.runner.graphs.num_fallbacks > 0
     assert llm.engine.kv.usage() == 0.0
 
 
@@ -71,7 +71,7 @@ def test_mixed_adapters_match_peft(llm: LLM) -> None:
     BGMV kernels, steps of 5-8 rows run eagerly."""
     prompts = [p for p in prompt_ids(MODEL)[:2] for _ in LORAS]
     loras = LORAS * 2
-    graphs = llm.engine.graphs
+    graphs = llm.engine.runner.graphs
     runs_before, fallbacks_before = graphs.num_runs, graphs.num_fallbacks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0.0),
                         lora=loras)

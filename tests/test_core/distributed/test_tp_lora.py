@@ -13,7 +13,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from core import LLM  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
-from test_lora_engine import NAMES, check_mixed, generate, make_llm, prompt_ids, reference  # noqa: E402
+from lora_engine_cases import NAMES, check_mixed, generate, make_llm, prompt_ids, reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def llm() -> Iterator[LLM]:
         try:
             yield engine
         finally:
-            engine.engine.tp.shutdown()
+            engine.shutdown()
 
 
 def test_mixed_adapters_match_peft_with_evictions(llm: LLM) -> None:

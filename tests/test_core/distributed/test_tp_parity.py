@@ -15,42 +15,20 @@ from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 from core.distributed.shard import TPShard, check_tp_divisible
+from tp_cases import GREEDY, JSON_FORMAT, SCHEMA, check_hf, tp_llm
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                    "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
-JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
-
-
-def _tp_llm(name: str, size: int, **kw) -> Iterator[LLM]:
-    llm = LLM(str(model_dir(name)), dtype="float32", device="cpu", num_kv_blocks=256, tensor_parallel_size=size,
-              **kw)
-    try:
-        yield llm
-    finally:
-        llm.engine.tp.shutdown()
 
 
 @pytest.fixture(scope="module")
 def llama_tp2() -> Iterator[LLM]:
-    yield from _tp_llm("llama_gqa", 2, max_num_batched_tokens=48)    # small budget: chunked prefills
-
-
-def _check_hf(llm: LLM, name: str, prompts: list[str]) -> None:
-    path = model_dir(name)
-    outs = llm.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(path, encode(path, prompt), 24), (name, prompt)
+    yield from tp_llm("llama_gqa", 2, max_num_batched_tokens=48)    # small budget: chunked prefills
 
 
 def test_llama_tp2_matches_hf_with_prefix_cache(llama_tp2: LLM) -> None:
-    _check_hf(llama_tp2, "llama_gqa", PROMPTS)
+    check_hf(llama_tp2, "llama_gqa", PROMPTS)
     again = llama_tp2.generate(PROMPTS[6:7], GREEDY)[0]               # the same prompt: a prefix-cache hit
     assert again.num_cached_tokens > 0
-    _check_hf(llama_tp2, "llama_gqa", PROMPTS[6:7])
+    check_hf(llama_tp2, "llama_gqa", PROMPTS[6:7])
     llama_tp2.engine.check_integrity()
 
 
@@ -65,9 +43,9 @@ def test_llama_tp2_staggered_batch_matches_hf(llama_tp2: LLM) -> None:
 
 def test_json_schema_same_as_tp1(llama_tp2: LLM) -> None:
     prompts = ["data = ", "def f(x):", "person:"]
-    one = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=256)
     params = SamplingParams(max_tokens=80, temperature=0.0)
-    ref = one.generate(prompts, params, response_format=JSON_FORMAT)
+    with LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=256) as one:
+        ref = one.generate(prompts, params, response_format=JSON_FORMAT)
     got = llama_tp2.generate(prompts, params, response_format=JSON_FORMAT)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER

@@ -18,10 +18,11 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 from core import LLM, SamplingParams  # noqa: E402
+from core.spec.engine_step import NoSpeculation  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
 from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens, record_step_inputs  # noqa: E402
-from test_lora_engine import make_llm, mixed_batch, reference  # noqa: E402
-from test_tp_parity import JSON_FORMAT, SCHEMA  # noqa: E402
+from lora_engine_cases import make_llm, mixed_batch, reference  # noqa: E402
+from tp_cases import JSON_FORMAT, SCHEMA  # noqa: E402
 from testlib import PROMPTS, encode, hf_greedy, model_dir, run_staggered  # noqa: E402
 
 MODEL = "llama_gqa"
@@ -39,7 +40,7 @@ def llm() -> Iterator[LLM]:
         try:
             yield engine
         finally:
-            engine.engine.tp.shutdown()
+            engine.shutdown()
 
 
 @contextmanager
@@ -47,17 +48,17 @@ def oracle(llm: LLM, refs: dict) -> Iterator[OracleDrafts]:
     """Proposes from `refs` ((adapter, prompt ids) -> output ids) instead of the n-gram lookup."""
     drafts = OracleDrafts(llm.engine.model_config.vocab_size)
     drafts.refs = refs
-    llm.engine.spec.draft = drafts
+    llm.engine.spec.decoder.draft = drafts
     try:
         yield drafts
     finally:
-        llm.engine.spec.draft = None
+        llm.engine.spec.decoder.draft = None
 
 
 @contextmanager
 def speculation_off(llm: LLM) -> Iterator[None]:
-    """The same engine without speculation (its decoder detached: nothing proposes, every step is plain)."""
-    spec, llm.engine.spec = llm.engine.spec, None
+    """The same engine without speculation (its speculator detached: nothing proposes, every step is plain)."""
+    spec, llm.engine.spec = llm.engine.spec, NoSpeculation()
     try:
         yield
     finally:

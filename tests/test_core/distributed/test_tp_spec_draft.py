@@ -40,8 +40,8 @@ def test_preempted_speculation_matches_hf(method: str, prefix: bool, monkeypatch
         prompts = _prompts()
         refs = {(None, tuple(ids)): hf_greedy(path, ids, MAX_TOKENS) for ids in prompts}
         if method == "oracle":
-            engine.spec.draft = OracleDrafts(engine.model_config.vocab_size)
-            engine.spec.draft.refs = refs
+            engine.spec.decoder.draft = OracleDrafts(engine.model_config.vocab_size)
+            engine.spec.decoder.draft.refs = refs
         outputs = run_staggered(engine, prompts, GREEDY, check=True)
         for i, ids in enumerate(prompts):
             assert outputs[str(i)] == refs[(None, tuple(ids))], f"request {i}"
@@ -57,7 +57,7 @@ def test_preempted_speculation_matches_hf(method: str, prefix: bool, monkeypatch
             engine.spec.propose([])     # the next step frees the draft KV of requests that ended
             assert not engine.spec.draft.shadows and engine.spec.draft.allocator.num_used_blocks == 0
     finally:
-        engine.tp.shutdown()
+        engine.shutdown()
     # the workers joined one logits gather per step with drafts: over every draft position
     with_drafts = [s for s in sent if s.logit_rows is not None]
     assert with_drafts and all(not s.use_graph and len(s.logit_rows) > len(s.samples) for s in with_drafts)

@@ -7,19 +7,9 @@ from pathlib import Path
 import pytest
 
 from testlib import PROMPTS, SPECS, encode, hf_greedy, model_dir, run_staggered
-from core import LLM, SamplingParams
-from core.config import CacheConfig, EngineConfig, SchedulerConfig
-from core.engine.engine import LLMEngine
+from core import LLM
+from engine_builders import GREEDY, make_engine
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
-
-
-def make_engine(path: Path, num_blocks: int = 256, budget: int = 2048, prefix: bool = True,
-                max_num_seqs: int = 256) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu",
-        cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)))
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -1,8 +1,10 @@
 """Per-request fault isolation at the `AsyncEngine` level (`core/engine/fault_isolation.py`; faults armed by
 tests/helpers/fault_injector.py in the hooks of `core/engine/faults.py`).
 
-A mixed batch (base model, two LoRA adapters, a JSON schema, penalties + logit bias + min_tokens, log-probs and
-prompt log-probs) runs once clean; then a fault is injected into one row at one stage of the step, and:
+A mixed batch (base model, three LoRA adapters in three device slots, a JSON schema, penalties + logit bias +
+min_tokens, log-probs and prompt log-probs) runs once clean, its greedy base and adapter rows equal to HF / PEFT
+(so "the clean tokens" are right, in every slot); then a fault is injected into one row at one stage of the
+step, and:
 that request alone fails (a `RequestFault`), every other row gives exactly its clean tokens, the engine serves
 on, and nothing leaks (`check_integrity`, no KV block in use, no adapter hold, no penalty row). With async
 scheduling on and off. A failure of the whole step (the forward) fails the requests of that step only; a
@@ -21,12 +23,14 @@ import torch
 
 from core import LLM, SamplingParams
 import fault_injector as faults
-from core.engine.async_engine import AsyncEngine, EngineDeadError
+from core.engine.async_engine import AsyncEngine
+from core.engine.interface import EngineDeadError
 from core.errors import RequestFault, RequestRejected
 from core.engine.request import Request
 from core.engine.fault_isolation import MAX_FAILED_STEPS
 from grammar.matching.matcher import GrammarMatcher
-from lora_fixtures import adapter_dir
+from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin
+from lora_slots import adapter_slots, assert_slots_spread
 from testlib import model_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -35,6 +39,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+ADAPTERS = {"a": "qv_r4", "b": "all7_r8", "c": "rs_kod_r16"}   # served name -> lora_fixtures adapter
+MIN_MARGIN = 1e-3
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ ROWS: dict[str, Row] = {
     "base": Row("def fibonacci(n):\n    "),
     "lora_a": Row("import os\nimport sys\n\n", lora="a"),
     "lora_b": Row("class Cache:\n    def __init__(self, size):\n", lora="b"),
+    "lora_c": Row("# Copyright 2001 Python Software Foundation\n", lora="c"),
     "json": Row("A person as JSON: ", replace(GREEDY, max_tokens=30), schema=True),
     "penalty": Row("for i in range(10):\n    print(i * i)\n", replace(
         GREEDY, repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={5: 2.0}, min_tokens=4)),
@@ -129,7 +136,7 @@ class Harness:
             eng = self.engine
             eng.check_integrity()
             holds = {e.name: e.num_in_flight for e in eng.registry.entries() if e.num_in_flight}
-            return len(eng.scheduler.requests), eng.kv.usage(), holds, len(eng.penalties._slot_of)
+            return len(eng.scheduler.requests), eng.kv.usage(), holds, len(eng.sampler.penalties._slot_of)
         assert self.on_engine_thread(state) == (0, 0.0, {}, 0)
         assert self.aeng.alive and self.aeng.num_in_flight == 0
 
@@ -144,18 +151,32 @@ def _submit(harness: Harness, tag: str, name: str, row: Row) -> tuple[str, tuple
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     llm = LLM(str(model_dir(MODEL)), dtype="float32", device="cpu", num_kv_blocks=256, async_scheduling=request.param,
-              lora_modules={"a": str(adapter_dir(MODEL, "qv_r4")), "b": str(adapter_dir(MODEL, "all7_r8"))})
+              lora_modules={name: str(adapter_dir(MODEL, a)) for name, a in ADAPTERS.items()})
     aeng = AsyncEngine(llm.engine)
     aeng.start()
     h = Harness(llm, aeng, {})
     try:
         clean = h.run(ROWS, "clean")
         assert all(isinstance(v, list) and v for v in clean.values()), clean
+        assert_clean_rows_match_references(h, clean)
         h.clean = clean  # type: ignore[assignment]
         yield h
     finally:
         faults.clear()
         aeng.shutdown()
+
+
+def assert_clean_rows_match_references(h: Harness, clean: dict[str, Any]) -> None:
+    """The clean greedy rows of the base and of each adapter equal HF / PEFT, and the adapters sat in three
+    device slots: the outputs every fault test compares against are right in each slot, not just self-consistent."""
+    for name, row in ROWS.items():
+        if row.params is not GREEDY or row.schema:
+            continue
+        adapter = None if row.lora is None else ADAPTERS[row.lora]
+        ids = h._request(row)[0]
+        assert peft_greedy_margin(MODEL, adapter, ids, GREEDY.max_tokens) > MIN_MARGIN, f"test setup: {name} near a tie"
+        assert clean[name] == peft_greedy(MODEL, adapter, ids, GREEDY.max_tokens), name
+    assert_slots_spread(h.on_engine_thread(lambda: adapter_slots(h.engine, ADAPTERS)))
 
 
 @pytest.fixture(autouse=True)

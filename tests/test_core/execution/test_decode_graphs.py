@@ -50,16 +50,16 @@ def graph_llm(model: str, monkeypatch: pytest.MonkeyPatch, sizes: tuple[int, ...
     llm = LLM(str(model_dir(model)), dtype="float32", device=str(DEVICE), max_num_seqs=8, num_kv_blocks=256, **kwargs)
     engine = llm.engine
     if CUDA:
-        assert engine.graphs is not None and engine.graphs.sizes == SIZES
+        assert engine.runner.graphs is not None and engine.runner.graphs.sizes == SIZES
     if not CUDA or sizes != SIZES:
         backend = engine.model.model.layers[0].self_attn.backend
         pool = engine.lora_pool
-        engine.graphs = DecodeGraphRunner(
+        engine.runner.graphs = DecodeGraphRunner(
             engine.model, engine.kv_caches, backend, engine.block_size, engine.max_model_len, sizes,
             lora=GraphLoRABuffers(sizes[-1], pool.num_slots, engine.device), lora_context=pool.context,
             use_graphs=CUDA)
         if CUDA:
-            engine.graphs.capture()
+            engine.runner.graphs.capture()
     return llm
 
 
@@ -87,7 +87,7 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
     for out, ids, sp in zip(outs, prompts, params):
         assert peft_greedy_margin(model, None, ids, sp.max_tokens) > 1e-3, "test setup: reference near a tie"
         assert out.outputs[0].token_ids == hf_greedy(path, ids, sp.max_tokens), out.request_id
-    runner = llm.engine.graphs
+    runner = llm.engine.runner.graphs
     assert (runner.num_replays if CUDA else runner.num_runs) > 0
     assert runner.num_fallbacks > 0, "no decode step above the largest graph: the eager fallback never ran"
     assert not llm.engine.has_unfinished_requests()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from testlib import encode, hf_greedy, model_dir
-from test_engine_parity import GREEDY, make_engine, run_staggered
+from engine_builders import GREEDY, make_engine
+from testlib import encode, hf_greedy, run_staggered
 
 SYSTEM = "# You are a helpful assistant that writes short, correct Python code.\n" * 3
 

@@ -1,12 +1,14 @@
 """Gemma 2, Gemma 3 text, and the text model of a multimodal Gemma 3 checkpoint: the engine equals HF
-transformers greedy (base) and `PeftModel` greedy (LoRA on all seven projections) in one batch, with chunked
-prefill, preemption, prefix cache on and off (cached prefixes longer than the window), TP=2. The prompts are
-longer than the sliding window (8) of the first layer; each feature switched off in HF gives other tokens."""
+transformers greedy (base) and `PeftModel` greedy (three adapters in slots 0-2: LoRA on all seven projections,
+on q/v, on the MLP) in one batch, with chunked prefill, preemption, prefix cache on and off (cached prefixes
+longer than the window), TP=2. The prompts are longer than the sliding window (8) of the first layer. The
+parity's precondition: each feature switched off in HF gives other tokens."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -16,13 +18,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from core import LLM, SamplingParams  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
-from family_models import GEMMA_SPECS, WINDOW, gemma3_multimodal_dir, gemma_dir  # noqa: E402
-from family_parity import MAX_TOKENS, check_family, greedy_with_margin  # noqa: E402
+from family_models import WINDOW, gemma3_multimodal_dir, gemma_dir  # noqa: E402
+from family_parity import MAX_TOKENS, check_family, family_adapters, greedy_with_margin  # noqa: E402
 from lora_fixtures import ALL7, _save_adapter  # noqa: E402
 from lora_tree import write_adapter  # noqa: E402
 from testlib import PROMPTS, _hf_model, encode  # noqa: E402
 
 TEXTS = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]     # 13, 32 and 97 tokens: all longer than the window
+FEATURES = {"gemma2": ("sliding_window", "attn_softcap", "query_pre_attn_scalar", "embed_scale"),
+            "gemma3_text": ("sliding_window", "qk_norm", "local_rope"), "gemma3": ()}
+LANGUAGE_MODEL = r".*language_model.*\."     # the multimodal model's vision tower has q/k/v_proj too
 
 
 def _path(name: str) -> Path:
@@ -33,10 +38,26 @@ def _adapter(name: str, out: Path) -> Path:
     path = _path(name)
     if name != "gemma3":
         return write_adapter(out, path, 8, ALL7, seed=47, b_mult=0.5)
-    # the multimodal model's language-model projections only (the vision tower has q/k/v_proj too)
-    target = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    # the multimodal model's language-model projections only
+    target = LANGUAGE_MODEL + "(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     base = copy.deepcopy(_hf_model(str(path)))
     return _save_adapter(base, dict(r=8, lora_alpha=16, target_modules=target), 0.5, 48, out)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Path]]:
+    """name -> its three adapters (built once per module)."""
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(name: str) -> dict[str, Path]:
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"{name}_adapters")
+            kw = {} if name != "gemma3" else dict(attn_targets=LANGUAGE_MODEL + "(q_proj|v_proj)",
+                                                  mlp_targets=LANGUAGE_MODEL + "(gate_proj|up_proj|down_proj)")
+            made[name] = family_adapters(_path(name), out, name, _adapter(name, out / "all7"), seeds=(54, 50),
+                                            **kw)
+        return made[name]
+    return get
 
 
 def test_configs_read_the_gemma_features() -> None:
@@ -53,13 +74,16 @@ def test_configs_read_the_gemma_features() -> None:
 
 @pytest.mark.parametrize("prefix", [True, False])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gemma3"])
-def test_gemma_matches_hf_and_peft(name: str, prefix: bool, tmp_path: Path) -> None:
-    check_family(_path(name), {f"{name}-all7": _adapter(name, tmp_path / "a")}, TEXTS, prefix)
+def test_gemma_matches_hf_and_peft(name: str, prefix: bool, adapters: Callable[[str], dict[str, Path]]) -> None:
+    if prefix:   # the precondition (once per model): without each feature HF gives other tokens
+        for feature in FEATURES[name]:
+            assert_feature_changes_the_reference(name, feature)
+    check_family(_path(name), adapters(name), TEXTS, prefix)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
-def test_gemma_tp2_matches_hf_and_peft(name: str, tmp_path: Path) -> None:
-    check_family(_path(name), {f"{name}-all7": _adapter(name, tmp_path / "a")}, TEXTS[1:], True, tensor_parallel_size=2)
+def test_gemma_tp2_matches_hf_and_peft(name: str, adapters: Callable[[str], dict[str, Path]]) -> None:
+    check_family(_path(name), adapters(name), TEXTS[1:], True, tensor_parallel_size=2)
 
 
 def _switched_off(name: str, feature: str) -> torch.nn.Module:
@@ -87,17 +111,13 @@ def _switched_off(name: str, feature: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("name,feature", [
-    ("gemma2", "sliding_window"), ("gemma2", "attn_softcap"),
-    ("gemma2", "query_pre_attn_scalar"), ("gemma2", "embed_scale"),
-    ("gemma3_text", "sliding_window"), ("gemma3_text", "qk_norm"), ("gemma3_text", "local_rope"),
-])
-def test_each_feature_changes_the_reference(name: str, feature: str) -> None:
+def assert_feature_changes_the_reference(name: str, feature: str) -> None:
     path = _path(name)
     ids = [encode(path, t) for t in TEXTS]
     full = [greedy_with_margin(_hf_model(str(path)), p, MAX_TOKENS)[0] for p in ids]
     off = _switched_off(name, feature)
-    assert any(greedy_with_margin(off, p, MAX_TOKENS)[0] != ref for p, ref in zip(ids, full)), feature
+    assert any(greedy_with_margin(off, p, MAX_TOKENS)[0] != ref for p, ref in zip(ids, full)), \
+        f"test setup: switching {feature} off in HF does not change {name}'s tokens"
 
 
 def test_final_logit_softcap_shapes_the_logprobs() -> None:

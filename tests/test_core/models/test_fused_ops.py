@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from core.models import fused_ops  # noqa: E402
 from core.environment import variables  # noqa: E402
 from envlib import delenv, setenv  # noqa: E402
-from core.models.rope import RotaryEmbedding  # noqa: E402
+from core.models.rope import PartialRotaryEmbedding, RotaryEmbedding  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
@@ -114,6 +114,28 @@ def test_rotary(num_tokens: int, head_dim: int, num_kv_heads: int, dtype: torch.
     out = run("triton", lambda qkv, p: rope.to(p.device)(p, *views(qkv)), qkv, positions)
     close(out[0], ref_q, dtype)
     close(out[1], ref_k, dtype)
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_partial_longrope_rotary_triton_matches_torch(long: bool) -> None:
+    """Phi-4-mini's shape of rope (12 of 16 channels, longrope's stacked tables, a row offset): the Triton
+    rotary kernel (interpreted on the CPU) equals the torch path; the passed-through channels are untouched."""
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 16,
+               "short_factor": [1.0 + 0.2 * i for i in range(6)], "long_factor": [3.0 + 2.0 * i for i in range(6)]}
+    rope = PartialRotaryEmbedding(12, 64, 10000.0, scaling, 64)
+    assert rope.cos.shape == (128, 12)                                   # [2 * P, rotary_dim]
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 64, (5,), generator=g) + (64 if long else 0)
+    qkv = torch.randn(5, (4 + 2 * 2) * 16, generator=g)                  # [T, (H + 2 Hkv) * D]
+
+    def apply(qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = qkv.split([64, 32, 32], dim=-1)
+        return rope.to(qkv.device)(positions, q.view(5, 4, 16), k.view(5, 2, 16))   # [T, H, D], [T, Hkv, D]
+
+    ref_q, ref_k = run("torch", apply, qkv, positions)
+    assert torch.equal(ref_q[..., 12:], qkv[:, :64].view(5, 4, 16)[..., 12:])
+    for got, ref in zip(run("triton", apply, qkv, positions), (ref_q, ref_k)):
+        close(got, ref, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

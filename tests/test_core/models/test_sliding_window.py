@@ -1,6 +1,6 @@
 """Real sliding-window attention on Mistral (every layer, window 8) and Qwen3 (`layer_types`: one full and one
 sliding layer): equal to HF / PEFT greedy with prompts several windows long, chunked prefill, preemption and
-prefix-cache hits longer than the window; the context is max_position_embeddings, not the window."""
+prefix-cache hits longer than the window (three adapters in slots 0-2); the context is max_position_embeddings, not the window."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +11,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 from core.config import ModelConfig  # noqa: E402
-from family_parity import check_family  # noqa: E402
+from family_parity import check_family, family_adapters  # noqa: E402
 from lora_fixtures import ALL7  # noqa: E402
 from lora_tree import write_adapter  # noqa: E402
 from testlib import PROMPTS  # noqa: E402
@@ -32,5 +32,5 @@ def test_sliding_window_matches_hf_and_peft(name: str, tmp_path: Path) -> None:
     path = tiny_model_dir(SPECS[name])
     assert ModelConfig.from_path(path).layer_windows == WINDOWS[name]
     adapter = write_adapter(tmp_path / "a", path, 8, ALL7, seed=49, b_mult=0.7)
-    llm = check_family(path, {f"{name}-all7": adapter}, TEXTS, prefix=True)
+    llm = check_family(path, family_adapters(path, tmp_path, name, adapter, seeds=(54, 51)), TEXTS, prefix=True)
     assert llm.engine.max_model_len == SPECS[name].max_position_embeddings

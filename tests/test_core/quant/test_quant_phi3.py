@@ -76,7 +76,7 @@ def test_tp2_splits_fused_packed_tensors_per_rank(name: str) -> None:
     try:
         check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in TEXTS[1:]])
     finally:
-        llm.engine.tp.shutdown()
+        llm.shutdown()
 
 
 UNALIGNED = ["w4a16_asym_g4_phi3_unaligned", "gptq_w4_ch_asym_phi3_unaligned", "awq_w4_g4_phi3_unaligned"]
@@ -97,5 +97,4 @@ def test_part_boundaries_inside_packed_words(name: str, tp: int) -> None:
             _check_fused_weights(llm, ref)
         check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in TEXTS[:2]])
     finally:
-        if llm.engine.tp is not None:
-            llm.engine.tp.shutdown()
+        llm.shutdown()

@@ -1,6 +1,7 @@
 """Quantized bases under tensor parallelism (gloo, CPU, fp32, N=2): packed codes, scales, zero points and
-g_idx sharded consistently; base and LoRA rows in one batch equal the single-device references; a shard that
-does not fall on group boundaries is a start-up error naming the module."""
+g_idx sharded consistently; base rows and the rows of three adapters (three device slots) in one batch equal
+the single-device references; a shard that does not fall on group boundaries is a start-up error naming the
+module."""
 from __future__ import annotations
 
 import pytest
@@ -10,13 +11,12 @@ pytest.importorskip("compressed_tensors")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-from core import LLM, SamplingParams  # noqa: E402
+from core import LLM  # noqa: E402
 from quant_layouts import layout_model  # noqa: E402
-from quant_models import ct_model, ct_reference_dir, reference_greedy, save_all7_adapter  # noqa: E402
+from quant_models import check_mixed_batch, ct_model, ct_reference_dir, save_all7_adapter  # noqa: E402
 from testlib import PROMPTS, encode  # noqa: E402
 
 MAX_TOKENS = 10
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 @pytest.mark.parametrize("name", ["w4a16_asym_g32", "gptq_w4_g32_sym_act"])
@@ -26,13 +26,9 @@ def test_tp2_matches_references(name: str) -> None:
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
               lora_modules={"tenant": str(adapter)})
     try:
-        prompts = [encode(path, t) for t in (PROMPTS[0], PROMPTS[2])]
-        expected = [reference_greedy(ref, lora, ids, MAX_TOKENS)[0] for lora in (None, adapter) for ids in prompts]
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * 2], GREEDY,
-                            lora=[None, None, "tenant", "tenant"])
-        assert [o.token_ids for o in outs] == expected
+        check_mixed_batch(llm, ref, adapter, [encode(path, t) for t in (PROMPTS[0], PROMPTS[2])], MAX_TOKENS)
     finally:
-        llm.engine.tp.shutdown()
+        llm.shutdown()
 
 
 def test_shard_off_group_boundary_is_a_startup_error() -> None:

@@ -1,5 +1,6 @@
-"""vLLM's detokenization fields in core/sampling/detokenizer.py: `include_stop_str_in_output` (the matched stop string
-ends the text; nothing is held back while streaming) and `spaces_between_special_tokens=False` (adjacent added
+"""vLLM's detokenization fields in core/sampling/detokenizer.py: stop strings (cut from the text, also when they span
+tokens), `include_stop_str_in_output` (the matched stop string ends the text; nothing is held back while
+streaming) and `spaces_between_special_tokens=False` (adjacent added
 tokens are joined without the space a decoder puts before each token)."""
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def test_stop_string_cut_or_kept(wordpiece: Any) -> None:
     # the earliest match wins; a stop inside the token that completes it ends the text right after it
     both, _, _ = run(wordpiece, words, SamplingParams(stop=("here", "world"), include_stop_str_in_output=True))
     assert both == "hello world"
+
+
+def test_stop_string_across_tokens(wordpiece: Any) -> None:
+    """A stop string that starts in one token's text and ends in a later one's is found (and cut there)."""
+    words = ["hello", "world", "stop", "here", "hello"]
+    cut, deltas, stopped = run(wordpiece, words, SamplingParams(stop=("ld st",)))
+    assert stopped and cut == "hello wor" and "".join(deltas) == cut
+    kept, _, stopped = run(wordpiece, words, SamplingParams(stop=("rld stop he",), include_stop_str_in_output=True))
+    assert stopped and kept == "hello world stop he"
 
 
 def test_spaces_between_special_tokens(wordpiece: Any) -> None:

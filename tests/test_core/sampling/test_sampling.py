@@ -50,6 +50,20 @@ def test_sampler_distribution_top_k_top_p() -> None:
     assert p[2:].sum() == 0 and abs(p[0] - 0.625) < 0.03
 
 
+def test_top_p_and_top_k_reach_the_sampler(llm: LLM) -> None:
+    """End to end (request parameters -> the step's sampling batch -> the sampler): a top_p so small, or a top_k
+    of 1, that only the most likely token is left makes seeded sampling at temperature 1 greedy; without them
+    the same seeds give other tokens."""
+    greedy = llm.generate(["def f(x):"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+
+    def sampled(**kw: float) -> list[list[int]]:
+        params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True, **kw) for s in range(4)]
+        return [o.token_ids for o in llm.generate(["def f(x):"] * 4, params)]
+    assert sampled(top_p=1e-6) == [greedy.token_ids] * 4
+    assert sampled(top_k=1) == [greedy.token_ids] * 4
+    assert all(ids != greedy.token_ids for ids in sampled())
+
+
 def test_hashed_uniform_is_uniform_and_pure() -> None:
     u = hashed_uniform(torch.tensor([1, 2**40 + 5]), torch.tensor([0, 3]), 50000)
     assert u.min() > 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01

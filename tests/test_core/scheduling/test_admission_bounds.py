@@ -72,7 +72,7 @@ def test_ids_between_the_tokenizer_and_the_logits_are_valid_stops_and_biases(llm
 
 
 def test_async_engine_rejects_at_submit_and_keeps_serving(llm: LLM) -> None:
-    aeng = AsyncEngine(llm.engine)
+    aeng = AsyncEngine(llm.engine, owns_engine=False)   # the module's engine serves the other tests too
 
     async def scenario() -> list[int]:
         with pytest.raises(RequestRejected) as info:

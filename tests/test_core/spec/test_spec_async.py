@@ -41,12 +41,12 @@ def test_async_steps_only_while_no_running_request_speculates() -> None:
 
 def test_a_step_without_drafts_runs_the_plain_step(monkeypatch) -> None:
     """With a speculative config but no request speculating, a step never enters the verification path."""
-    import core.engine.engine as engine_module
+    import core.spec.engine_step as engine_step
 
     def boom(*args, **kwargs):
         raise AssertionError("a step without drafts entered the speculative path")
-    monkeypatch.setattr(engine_module, "draft_layout", boom)
-    monkeypatch.setattr(engine_module, "sample_drafts", boom)
+    monkeypatch.setattr(engine_step, "draft_layout", boom)
+    monkeypatch.setattr(engine_step.SpecStage, "verify", boom)
     kw = dict(dtype="float32", device="cpu", num_kv_blocks=128, warmup=False)
     spec = LLM(**kw, speculative_config=NGRAM)
     eng = spec.engine

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from test_spec_engine import MAX_TOKENS, GREEDY, make_engine, prompts_for
+from spec_helpers import GREEDY, MAX_TOKENS, make_engine, prompts_for
 from testlib import hf_greedy, model_dir, run_staggered
 from core.spec import SpeculativeConfig
 from core.spec.draft_model import DraftModelError

@@ -3,42 +3,24 @@ oracle drafts that are partly wrong), with and without the prefix cache, across 
 preemption; rejected drafts never reach the radix cache and leave no KV block behind."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from spec_helpers import OracleDrafts, assert_cache_holds_only_real_tokens
+from spec_helpers import (
+    GREEDY, MAX_TOKENS, OracleDrafts, assert_cache_holds_only_real_tokens, make_engine, prompts_for,
+)
 from testlib import PROMPTS, encode, hf_greedy, run_staggered
 from core import SamplingParams
-from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine.engine import LLMEngine
 from core.spec import SpeculativeConfig
-
-MAX_TOKENS = 24
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-NGRAM4 = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
-
-
-def make_engine(path: Path, num_blocks: int = 256, budget: int = 2048, prefix: bool = True,
-                spec: SpeculativeConfig | None = NGRAM4) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(path), dtype="float32", device="cpu", speculative=spec,
-        cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
-
-
-def prompts_for(path: Path, num: int = 10, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    base = [encode(path, p) for p in PROMPTS]
-    return [base[i % len(base)] + [rng.randrange(10, 500) for _ in range(rng.randint(0, 30))] for i in range(num)]
 
 
 def with_oracle(engine: LLMEngine, path: Path, prompts: list[list[int]]) -> OracleDrafts:
     oracle = OracleDrafts(engine.model_config.vocab_size)
     for ids in prompts:
         oracle.refs[(None, tuple(ids))] = hf_greedy(path, ids, MAX_TOKENS)
-    engine.spec.draft = oracle
+    engine.spec.decoder.draft = oracle
     return oracle
 
 

@@ -139,11 +139,15 @@ def test_each_draft_position_gets_the_mask_of_its_state(pair, grammar) -> None:
 def check_same(plain: LLM, spec: LLM, params: SamplingParams) -> list:
     a = plain.generate(PROMPTS, params, response_format=SCHEMA)
     b = spec.generate(PROMPTS, params, response_format=SCHEMA)
+    num_validated = 0
     for x, y in zip(a, b):
         for ox, oy in zip(x.outputs, y.outputs):
             assert oy.token_ids == ox.token_ids and oy.text == ox.text
+            assert (ox.finish_reason, oy.finish_reason) in (("stop", "stop"), ("length", "length"))
             if ox.finish_reason == "stop":
                 jsonschema.validate(json.loads(oy.text), SCHEMA["json_schema"]["schema"])
+                num_validated += 1
+    assert num_validated > 0, "no output ended with stop: nothing was validated"
     spec.engine.check_integrity()
     assert spec.engine.kv.usage() == 0.0
     return b
@@ -155,7 +159,7 @@ def test_greedy_schema_outputs_equal_no_speculation_and_validate(pair) -> None:
     params = SamplingParams(max_tokens=80, temperature=0.0)
     check_same(plain, spec, params)
     first = stats.num_accepted_tokens
-    assert spec.engine.spec.jump.num_remembered > 0                         # the target's tokenizations
+    assert spec.engine.spec.decoder.jump.num_remembered > 0                         # the target's tokenizations
     check_same(plain, spec, params)                                         # again, with the memory
     assert stats.num_accepted_tokens - first > first > 0
 

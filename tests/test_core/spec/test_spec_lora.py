@@ -8,7 +8,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 from spec_helpers import OracleDrafts  # noqa: E402
-from test_lora_engine import LORAS, make_llm, mixed_batch, reference  # noqa: E402
+from lora_engine_cases import LORAS, make_llm, mixed_batch, reference  # noqa: E402
 from core import SamplingParams  # noqa: E402
 from lora_fixtures import torch_threads  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_mixed_adapters_with_drafts_match_peft() -> None:
     oracle = OracleDrafts(llm.engine.model_config.vocab_size)
     for ids, lora in zip(prompts, loras):
         oracle.refs[(lora, tuple(ids))] = reference(model, lora, ids)
-    llm.engine.spec.draft = oracle
+    llm.engine.spec.decoder.draft = oracle
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=loras)
     for ids, lora, out in zip(prompts, loras, outs):

@@ -91,9 +91,10 @@ def test_json_schema_jump_forward(pair: tuple[LLM, LLM]) -> None:
     forced = stats.num_forced_tokens
     outs = same(plain, spec, SamplingParams(max_tokens=80, temperature=0.0), prompts=PROMPTS[:2],
                 response_format=SCHEMA)
-    for o in outs:
-        if o.outputs[0].finish_reason == "stop":
-            assert set(json.loads(o.outputs[0].text)) == {"name", "age", "tags"}
+    finished = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert finished, "no output ended with stop: nothing was validated"
+    for out in finished:
+        assert set(json.loads(out.text)) == {"name", "age", "tags"}
     assert stats.num_forced_tokens > forced
 
 

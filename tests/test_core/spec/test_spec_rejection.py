@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.spec import rejection
 from core.spec.rejection import rejection_sample, row_generator
 
 CHI2_CRIT_DF4_P001 = 18.467
@@ -61,11 +62,21 @@ def test_emitted_tokens_follow_the_target(one_hot: bool) -> None:
     assert bool((tokens[num < 3, 2] == -1).all())
 
 
-def test_a_broken_sampler_fails_the_bound() -> None:
-    """The test has teeth: emitting the draft's own distribution instead of the residual is caught."""
-    g = torch.Generator().manual_seed(1)
-    wrong = torch.multinomial(Q[0].float(), NUM_ROWS, replacement=True, generator=g)
-    assert chi2(torch.bincount(wrong, minlength=V).double(), P[0]) > CHI2_CRIT_DF4_P001
+# wrong residuals (the distribution drawn from after a rejection), planted into the project's sampler
+WRONG_RESIDUALS = {
+    "target": lambda p, q: p,                        # forgets the residual: draws from p again
+    "draft": lambda p, q: q,                         # emits the draft's own distribution
+    "unclamped": lambda p, q: (p - q).abs() / (p - q).abs().sum(dim=-1, keepdim=True),   # |p - q|, not max(0, p - q)
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_RESIDUALS))
+def test_a_wrong_rejection_sampler_fails_the_bound(wrong: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test has teeth: `rejection_sample` itself, with a wrong residual planted, lands above the bound
+    where the real one stays below it (test_emitted_tokens_follow_the_target)."""
+    monkeypatch.setattr(rejection, "_residual", WRONG_RESIDUALS[wrong])
+    tokens, _, _ = run(Q)
+    assert chi2(torch.bincount(tokens[:, 0], minlength=V).double(), P[0]) > CHI2_CRIT_DF4_P001
 
 
 def test_greedy_rows_match_argmax_and_seeded_rows_reproduce() -> None:

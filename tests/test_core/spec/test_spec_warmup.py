@@ -45,7 +45,7 @@ def spec_llm(spec: dict | None, **kw) -> LLM:
     eng = llm.engine
     backend = eng.model.model.layers[0].self_attn.backend
     backend.target_programs, backend.min_partition = 64, 16
-    eng.graphs = DecodeGraphRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len, SIZES,
+    eng.runner.graphs = DecodeGraphRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len, SIZES,
                                    use_graphs=False)
     return llm
 
@@ -67,15 +67,15 @@ def test_steps_with_drafts_run_eagerly(triton_attention: None) -> None:
         llm = spec_llm(NGRAM)
         eng = llm.engine
         graph_batches = []
-        run = eng.graphs.run
-        eng.graphs.run = lambda host, *a, **k: (graph_batches.append(host), run(host, *a, **k))[1]
+        run = eng.runner.graphs.run
+        eng.runner.graphs.run = lambda host, *a, **k: (graph_batches.append(host), run(host, *a, **k))[1]
         got = generate(llm)
         want = generate(LLM(str(model_dir(MODEL)), dtype="float32", device=str(kernel_device()), num_kv_blocks=128,
                             warmup=False))
     assert got == want
     assert eng.spec.stats.num_drafts > 0 and graph_batches, "no verification step or no graph-path step"
     assert all(not r.num_spec_tokens for host in graph_batches for r in host.requests)
-    assert eng.graphs.num_verify_steps >= eng.spec.stats.num_drafts / 4 > 0   # up to 4 rows per step
+    assert eng.runner.graphs.num_verify_steps >= eng.spec.stats.num_drafts / 4 > 0   # up to 4 rows per step
 
 
 def test_warmup_runs_verification_shapes(triton_attention: None) -> None:
@@ -100,6 +100,6 @@ def test_speculative_serving_launches_only_warmed_up_variants(monkeypatch: pytes
         warm = set(rec.keys)
         rec.reset()
         generate(llm)
-    assert llm.engine.spec.stats.num_drafts > 0 and llm.engine.graphs.num_runs > 0
+    assert llm.engine.spec.stats.num_drafts > 0 and llm.engine.runner.graphs.num_runs > 0
     new = rec.keys - warm
     assert not new, "launch keys the warm-up did not compile:\n" + "\n".join(repr(k) for k in sorted(new, key=repr))

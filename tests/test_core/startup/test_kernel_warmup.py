@@ -71,7 +71,7 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
         backend.target_programs, backend.min_partition = 64, 16
         # the padded decode path the GPU captures as graphs, run without capture (every launch recorded)
         pool = engine.lora_pool
-        engine.graphs = DecodeGraphRunner(
+        engine.runner.graphs = DecodeGraphRunner(
             engine.model, engine.kv_caches, backend, engine.block_size,
             engine.max_model_len, SIZES, lora=GraphLoRABuffers(SIZES[-1], pool.num_slots, engine.device),
             lora_context=pool.context, use_graphs=False)
@@ -87,7 +87,7 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
         outs += llm.generate([{"prompt_token_ids": p} for p in short], SamplingParams(max_tokens=5, temperature=0.0),
                              lora=[None, *ADAPTERS])
         assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
-    assert engine.graphs.num_runs > 0, "the workload never took the padded decode path"
+    assert engine.runner.graphs.num_runs > 0, "the workload never took the padded decode path"
     assert FAMILIES <= rec.kernels(), f"kernels never launched by the workload: {FAMILIES - rec.kernels()}"
     new = rec.keys - warm
     assert not new, "launch keys the warm-up did not compile:\n" + "\n".join(repr(k) for k in sorted(new, key=repr))

@@ -7,7 +7,6 @@ import json
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from gateway.inputs.prompts import PromptEncoder
 from gateway.protocol import ChatMessage
 from gateway.outputs.responses import TokenTexts
 from gateway.server.state import GatewayState
+from fake_engine import FakeEngine
 
 MAX_MODEL_LEN = 16
 
@@ -161,15 +161,9 @@ def app_client(tokenizer: Any) -> TestClient:
     def stop_here(num_tokens: int, params: Any) -> None:
         raise RequestRejected(f"tokenized to {num_tokens}", "stop_here", "prompt")
 
-    scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-    kv = SimpleNamespace(usage=lambda: 0.0, block_size=16, num_blocks=64, num_prefix_queries_tokens=0,
-                         num_prefix_hit_tokens=0)
-    engine = SimpleNamespace(scheduler=scheduler, kv=kv, stats=SimpleNamespace(num_prompt_tokens=0,
-                             num_generation_tokens=0), tokenizer=tokenizer, check_request=stop_here,
-                             max_model_len=MAX_MODEL_LEN)
-    aeng = SimpleNamespace(alive=True, ready=True, warmup_progress=(0, 0, 0.0), engine=engine)
+    engine = FakeEngine(tokenizer, max_model_len=MAX_MODEL_LEN, check_request=stop_here)
     config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base")
-    state = GatewayState(config=config, aeng=aeng,  # type: ignore[arg-type]
+    state = GatewayState(config=config, aeng=engine,
                          models=ServedModels("base", "/models/base"), encoder=encoder(tokenizer),
                          texts=TokenTexts(tokenizer), metrics=GatewayMetrics(engine, max_loras=8))
     return TestClient(build_app(state))

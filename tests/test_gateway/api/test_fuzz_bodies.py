@@ -5,10 +5,12 @@ rejects always gets a 400; after every body the server is healthy and still serv
 
 Two parts per route: a deterministic sweep (each field x each of its extreme values, on a valid body with
 `min_tokens`, penalties, a bias and logprobs, so every id reaches the code that indexes with it) and a seeded
-hypothesis run. The seed is fixed in CI and printed; `LORAPLEX_FUZZ_SEED=<int>` runs another one and
-`LORAPLEX_FUZZ_EXAMPLES=<n>` more examples per route, e.g.
+hypothesis run of 50 examples. Each run draws a fresh seed (so CI explores new bodies every time), prints it
+and names it in every failure; `LORAPLEX_FUZZ_SEED=<int>` replays one. `--slow` (run by hand) fuzzes 1,000
+examples per route, `LORAPLEX_FUZZ_EXAMPLES=<n>` any number, e.g.
 
-    LORAPLEX_FUZZ_SEED=7 LORAPLEX_FUZZ_EXAMPLES=2000 pytest tests/test_gateway/api/test_fuzz_bodies.py -s
+    LORAPLEX_FUZZ_SEED=7 pytest tests/test_gateway/api/test_fuzz_bodies.py -s          # replay a failure
+    pytest tests/test_gateway/api/test_fuzz_bodies.py --slow -s -k fuzzed              # the long run
 
 The model's logits (544) are wider than its tokenizer (512): ids between the two are valid stop / bias ids but
 not prompt ids. Bounded: `--max-model-len 64`, a 5 s request timeout.
@@ -25,12 +27,15 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from fuzz_strategies import CONSTRAINED, EXTREMES, FLOAT_FIELDS, MODEL_VOCAB, ROUTES, SWEPT, bodies, encode
+from fuzz_strategies import (
+    CONSTRAINED, EXTREMES, FLOAT_FIELDS, MODEL_VOCAB, ROUTES, SWEPT, bodies, encode, fuzz_seed,
+)
 from gateway_server import ServerProcess
 from tiny_models import TinyModelSpec, tiny_model_dir
 
-SEED = int(os.environ.get("LORAPLEX_FUZZ_SEED", "20261124"))
-EXAMPLES = int(os.environ.get("LORAPLEX_FUZZ_EXAMPLES", "50"))
+SEED = fuzz_seed()
+EXAMPLES = 50          # per route and run; --slow: SLOW_EXAMPLES; LORAPLEX_FUZZ_EXAMPLES overrides both
+SLOW_EXAMPLES = 1000
 ADMIN = "fuzz-admin-token"
 GENERATION = ("/v1/completions", "/v1/chat/completions")   # /v1/responses answers {"output": [...]}
 SCHEMA_CHECKED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -54,6 +59,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                          "--request-timeout", "5", "--admin-token", ADMIN)
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def num_examples(request: pytest.FixtureRequest) -> int:
+    """Hypothesis examples per route: 50, 1,000 with `--slow`, or LORAPLEX_FUZZ_EXAMPLES."""
+    env = os.environ.get("LORAPLEX_FUZZ_EXAMPLES")
+    return int(env) if env else SLOW_EXAMPLES if request.config.getoption("--slow") else EXAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -203,12 +215,12 @@ def test_field_extremes_never_5xx(path: str, http: httpx.Client, validators: dic
 
 
 @pytest.mark.parametrize("path", sorted(ROUTES))
-def test_fuzzed_bodies_never_5xx(path: str, http: httpx.Client, validators: dict[str, Any]) -> None:
+def test_fuzzed_bodies_never_5xx(path: str, http: httpx.Client, validators: dict[str, Any], num_examples: int) -> None:
     send = Sender(http, path, validators)
-    print(f"fuzz seed {SEED}, {EXAMPLES} examples ({path}); LORAPLEX_FUZZ_SEED / LORAPLEX_FUZZ_EXAMPLES")
+    print(f"fuzz seed {SEED}, {num_examples} examples ({path}); LORAPLEX_FUZZ_SEED={SEED} replays this run")
 
     @seed(SEED)
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=num_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(raw=bodies(path))
     def run(raw: bytes) -> None:
         send(raw)
@@ -218,7 +230,8 @@ def test_fuzzed_bodies_never_5xx(path: str, http: httpx.Client, validators: dict
           f"{len(send.statuses['accepted'])} schema-valid ({sorted(set(send.statuses['accepted']))}); "
           f"slowest {send.slowest}")
     if send.validator is not None:      # the 400 promise and the accepted path were both exercised
-        assert len(send.statuses["rejected"]) >= EXAMPLES // 10 and send.statuses["accepted"], send.statuses
+        assert len(send.statuses["rejected"]) >= num_examples // 10 and send.statuses["accepted"], \
+            (send.statuses, RERUN)
 
 
 def test_oversized_body_is_413(http: httpx.Client) -> None:

@@ -1,6 +1,7 @@
 """Request parsing, sampling-parameter mapping and error formatting, without a server."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -8,8 +9,10 @@ from pydantic import ValidationError
 
 from core.sampling.params import SamplingParamsError
 from gateway.errors import APIError, from_exception
-from gateway.inputs.params import chat_sampling_params, completion_sampling_params, resolve_response_format
+from gateway.inputs.constraints import resolve_tool_constraint
+from gateway.inputs.params import chat_sampling_params, completion_sampling_params
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from fake_engine import FakeEngine
 
 
 def completion(**kw: Any) -> CompletionRequest:
@@ -84,7 +87,11 @@ def test_completion_rejections(kw: dict[str, Any], param: str) -> None:
 
 
 def test_zero_penalties_and_empty_logit_bias_are_accepted() -> None:
-    completion_sampling_params(completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="u"))
+    """Neutral values are accepted and mean "off": the parameters of a body without them (the plain sampler runs)."""
+    p = completion_sampling_params(completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="u"))
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
+    assert not p.has_penalties
+    assert p == completion_sampling_params(completion())
 
 
 def test_penalty_fields_map_to_sampling_params() -> None:
@@ -122,15 +129,18 @@ def test_chat_rejections(kw: dict[str, Any], param: str | None) -> None:
         assert err.param == param, err.message
 
 
-def test_response_format_hook() -> None:
-    import asyncio
+def test_response_format_without_a_constraint_never_reaches_the_compiler() -> None:
+    """The routes' constraint step (`resolve_tool_constraint`, no tools): text or no response_format is free
+    text; json_schema without its schema is a 400 naming it; neither reaches the compiler (the stand-in
+    engine's fails the test)."""
+    engine = FakeEngine(None)
 
-    def run(fmt):
-        return asyncio.run(resolve_response_format(fmt, engine=None))  # text never touches the engine
+    def run(body: Any) -> Any:
+        return asyncio.run(resolve_tool_constraint(body, engine, None))
 
-    assert run(completion(response_format={"type": "text"}).response_format) is None
-    assert run(None) is None
-    err = api_error(lambda: run(completion(response_format={"type": "json_schema"}).response_format))
+    assert run(completion(response_format={"type": "text"})) is None
+    assert run(completion()) is None and run(chat(response_format={"type": "text"})) is None
+    err = api_error(lambda: run(completion(response_format={"type": "json_schema"})))
     assert err.status == 400 and err.param == "response_format.json_schema"
     bad = api_error(lambda: completion(response_format={"type": "xml"}))
     assert bad.param == "response_format.type"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gateway_app import client
+from stub_engine_app import client
 
 
 @pytest.mark.parametrize("alive, ready, draining, health, live", [

@@ -16,7 +16,7 @@ from testlib import CHAT_TEMPLATES
 
 openai = pytest.importorskip("openai")
 
-from gateway_server import ServerProcess, model_with_chat_template  # noqa: E402
+from gateway_server import ServerProcess, model_with_chat_template, tiny_model  # noqa: E402
 
 TEMPLATE = CHAT_TEMPLATES / "thinking_kwarg.jinja"
 THINK_OFF = "<think>\n\n</think>\n\n"
@@ -187,11 +187,38 @@ def test_json_whitespace_pattern(http: httpx.Client) -> None:
              structured_outputs={"json": schema, "whitespace_pattern": "\\s*"}, **base)
 
 
-def test_spaces_between_special_tokens_accepted(http: httpx.Client) -> None:
-    base = {"prompt": "x = 1", "max_tokens": 6, "temperature": 0, "skip_special_tokens": False}
-    default = post(http, "/v1/completions", **base)["choices"][0]
-    joined = post(http, "/v1/completions", spaces_between_special_tokens=False, **base)["choices"][0]
-    assert joined["text"].replace(" ", "") == default["text"].replace(" ", "")
+def spaced_decoder_model(root: Path) -> Path:
+    """The tiny model with a tokenizer whose decoder writes a space before every token (WordPiece's), as the
+    tokenizers spaces_between_special_tokens is about do; the byte-level decoder of the other tests writes none."""
+    path = tiny_model(root)
+    tokenizer_file = path / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text())
+    spec["decoder"] = {"type": "WordPiece", "prefix": "##", "cleanup": False}
+    tokenizer_file.write_text(json.dumps(spec))
+    return path
+
+
+def test_spaces_between_special_tokens_joins_adjacent_added_tokens(tmp_path: Path) -> None:
+    """Adjacent added tokens (a logit bias makes every output token `<|user|>`): spaced by default, joined with
+    `spaces_between_special_tokens: false`, over HTTP and streamed."""
+    server = ServerProcess(spaced_decoder_model(tmp_path), "--max-model-len", "256", "--served-model-name", "tiny")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            marker = post(http, "/tokenize", prompt="<|user|>", add_special_tokens=False)["tokens"]
+            assert len(marker) == 1, marker
+            base = {"prompt": "x = 1", "max_tokens": 4, "temperature": 0, "skip_special_tokens": False,
+                    "logit_bias": {str(marker[0]): 100}}
+            default = post(http, "/v1/completions", **base)["choices"][0]["text"]
+            assert default.split() == ["<|user|>"] * 4 and "<|user|> <|user|>" in default, default
+            joined = post(http, "/v1/completions", spaces_between_special_tokens=False, **base)["choices"][0]["text"]
+            assert joined.strip() == "<|user|>" * 4, joined
+            events = stream_events(http, "/v1/completions", spaces_between_special_tokens=False, **base)
+            assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == joined
+            hidden = post(http, "/v1/completions", **{**base, "skip_special_tokens": True,
+                                                     "spaces_between_special_tokens": False})["choices"][0]["text"]
+            assert "<|user|>" not in hidden
+    finally:
+        server.stop()
 
 
 def stream_events(http: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:

@@ -155,7 +155,7 @@ def test_defaults_fill_only_omitted_fields() -> None:
 
 def test_default_max_tokens_fits_the_context() -> None:
     defaults = RequestDefaults((("max_tokens", 50),))
-    ctx64 = SimpleNamespace(max_model_len=64)
+    ctx64 = 64   # max_model_len
     body = CompletionRequest(prompt="x")
     params = completion_sampling_params(body, defaults)
     assert defaults.fit_context(params, body, [[1] * 10], ctx64).max_tokens == 50

@@ -17,21 +17,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
 
-from testlib import _tokenizer, model_dir  # noqa: E402
+from testlib import model_dir  # noqa: E402
 from gateway_server import ServerProcess, metric_value  # noqa: E402
 from lora_fixtures import (  # noqa: E402
-    _fill_lora, _fresh_base, adapter_dir, corrupt_adapter_dir, peft_greedy, wrong_base_adapter_dir,
+    _fill_lora, _fresh_base, adapter_dir, corrupt_adapter_dir, norm_text, wrong_base_adapter_dir,
 )
+from served_lora_cases import MAX_TOKENS, MODEL, PROMPTS, reference_text  # noqa: E402
 
-MODEL = "llama_gqa"
 TOKEN = "sekret"
-MAX_TOKENS = 12
-PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import os\nimport sys\n\n",
-    "class Cache:\n    def __init__(self, size):\n        self.size = size\n",
-    "while True:\n    line = stream.readline()\n",
-]
 # served name -> lora_fixtures adapter (None = the base model)
 START = {"a": "qv_r4", "b": "all7_r8"}
 
@@ -48,21 +41,6 @@ def rank32_adapter_dir(root: Path) -> Path:
         _fill_lora(pm, 0.5, 41)
         pm.save_pretrained(str(out), safe_serialization=True)
     return out
-
-
-def norm(text: str) -> str:
-    """The server's incremental detokenizer never emits the bytes of an unfinished UTF-8 character at the
-    end of the output (tokenizers' DecodeStream), while a one-shot `decode` writes them as U+FFFD: the
-    random tiny model often ends on such a byte token, so both sides drop trailing U+FFFD."""
-    return text.rstrip("\ufffd")
-
-
-def reference_text(adapter: str | None, prompt: str) -> str:
-    """PEFT (or bare base) greedy continuation of `prompt`, decoded by the model's tokenizer."""
-    path = model_dir(MODEL)
-    tok = _tokenizer(str(path))
-    ids = peft_greedy(MODEL, adapter, tok.encode(prompt), MAX_TOKENS)
-    return norm(tok.decode(ids, skip_special_tokens=True))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +78,7 @@ def client(server: ServerProcess) -> "openai.OpenAI":
 def complete(client: "openai.OpenAI", model: str, prompt: str, **kw: Any) -> str:
     out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **kw)
     assert out.model == model
-    return norm(out.choices[0].text)
+    return norm_text(out.choices[0].text)
 
 
 def admin(server: ServerProcess, route: str, body: dict[str, Any], token: str | None = TOKEN) -> httpx.Response:
@@ -146,7 +124,7 @@ def test_concurrent_mixed_batch(server: ServerProcess) -> None:
             outs = await asyncio.gather(*[
                 ac.completions.create(model=name, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
                 for name, p in jobs])
-        return [norm(o.choices[0].text) for o in outs]
+        return [norm_text(o.choices[0].text) for o in outs]
 
     assert asyncio.run(run()) == expected
 
@@ -156,7 +134,7 @@ def test_stream_with_adapter(server: ServerProcess, client: "openai.OpenAI") -> 
     chunks = list(client.completions.create(model="b", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert all(c.model == "b" for c in chunks)
-    assert norm("".join(c.choices[0].text for c in chunks if c.choices)) == reference_text("all7_r8", prompt)
+    assert norm_text("".join(c.choices[0].text for c in chunks if c.choices)) == reference_text("all7_r8", prompt)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
@@ -204,7 +182,7 @@ def test_hot_load_use_unload_reload(server: ServerProcess, client: "openai.OpenA
     assert card.root == "c" and card.parent == server.model
     assert complete(client, "c", prompt) == ref2  # new weights, no stale KV from the first "c"
     stream = client.completions.create(model="c", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
-    assert norm("".join(c.choices[0].text for c in stream if c.choices)) == ref2
+    assert norm_text("".join(c.choices[0].text for c in stream if c.choices)) == ref2
     # the other adapters are untouched
     assert complete(client, "a", prompt) == reference_text("qv_r4", prompt)
     resp = admin(server, "unload_lora_adapter", {"lora_name": "c"})
@@ -225,7 +203,7 @@ def test_more_adapters_than_slots(server: ServerProcess) -> None:
                 ac.post("/v1/completions", json={"model": name, "prompt": p, "max_tokens": MAX_TOKENS,
                                                  "temperature": 0}) for name, p in jobs])
         assert all(r.status_code == 200 for r in resps), [r.text for r in resps]
-        return [norm(r.json()["choices"][0]["text"]) for r in resps]
+        return [norm_text(r.json()["choices"][0]["text"]) for r in resps]
 
     try:
         assert asyncio.run(run()) == expected
@@ -298,4 +276,4 @@ def test_admin_routes_absent_without_admin_token(servers: tuple[ServerProcess, S
     out = httpx.post(f"{proc.url}/v1/completions", timeout=60,
                      json={"model": "a", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
     assert out.status_code == 200
-    assert norm(out.json()["choices"][0]["text"]) == reference_text("qv_r4", PROMPTS[0])
+    assert norm_text(out.json()["choices"][0]["text"]) == reference_text("qv_r4", PROMPTS[0])

@@ -21,6 +21,7 @@ from gateway.http.middleware import GatewayMiddleware
 from gateway.observability.metrics import GatewayMetrics
 from gateway.server.lifecycle import Lifecycle
 from gateway.outputs.streaming import SSEResponse
+from fake_engine import FakeEngine
 
 REASONS = ("disconnect", "timeout", "shutdown")
 
@@ -53,7 +54,7 @@ def logs() -> Iterator[dict[str, Lines]]:
 
 
 def make_state() -> SimpleNamespace:
-    engine = SimpleNamespace(stats_snapshot=None)   # an engine process that has not reported: no engine families
+    engine = FakeEngine(None, stats=None)   # an engine process that has not reported: no engine families
     return SimpleNamespace(lifecycle=Lifecycle(shutdown_timeout_s=1.0), metrics=GatewayMetrics(engine, 1),
                            config=SimpleNamespace(log_requests=True))
 

@@ -45,16 +45,9 @@ from gateway_server import metric_value  # noqa: E402
 from inprocess_server import InProcessServer  # noqa: E402
 from lora_fixtures import adapter_dir  # noqa: E402
 from soak_client import PROMPTS, SoakConfig, SoakStats, run_soak  # noqa: E402
-
-MODEL = "llama_gqa"
-SERVED = "tiny-soak"
-ADMIN_TOKEN = "soak-admin-token"
-ADAPTERS = {"a": "qv_r4", "b": "all7_r8"}
-HOT = "hot"
-HOT_ADAPTERS = ("rs_kod_r16", "all7_r8_v2")   # reloads change rank and target modules
-BLOCK_SIZE = 16
-NUM_KV_BLOCKS = 32                            # ~ 16 requests of ~2 blocks: the workload preempts
-MAX_BATCHED_TOKENS = 32                       # longer prompts are prefilled in chunks
+from soak_setup import (  # noqa: E402
+    ADAPTERS, ADMIN_TOKEN, HOT, HOT_ADAPTERS, INTEGRITY_EVERY_STEPS, MODEL, SERVED, lora_modules, soak_server,
+)
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
 # the async-scheduling run replays the same mix, shorter: what it adds (a token in flight across aborts,
@@ -65,13 +58,6 @@ SEED = int(os.environ.get("LORAPLEX_SOAK_SEED", "0"))
 CONCURRENCY = 24
 MAX_THREAD_GROWTH = 4
 MAX_RSS_GROWTH = 300 * 2**20
-INTEGRITY_EVERY_STEPS = 25
-
-def soak_server(lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int = NUM_KV_BLOCKS,
-                max_num_batched_tokens: int = MAX_BATCHED_TOKENS, **overrides: Any) -> InProcessServer:
-    """The soak's configuration: the tiny Llama, a small KV pool and token budget, the admin token."""
-    return InProcessServer(MODEL, SERVED, lora_modules, num_kv_blocks, max_num_batched_tokens, ADMIN_TOKEN,
-                           block_size=BLOCK_SIZE, **overrides)
 
 
 @pytest.fixture(scope="module", params=[(True, False), (False, True)],
@@ -84,8 +70,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
     access = logging.getLogger("loraplex.access")
     old_level = access.level
     access.setLevel(logging.CRITICAL + 1)   # no access log lines for thousands of requests
-    mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = soak_server(mods, engine_process=engine_process, async_scheduling=async_scheduling)
+    srv = soak_server(lora_modules(ADAPTERS), engine_process=engine_process, async_scheduling=async_scheduling)
     assert srv.call(probe.async_scheduling) is async_scheduling
     try:
         yield srv
@@ -99,7 +84,7 @@ def num_requests(srv: InProcessServer) -> int:
 
 
 def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:
-    tok = srv.engine.tokenizer
+    tok = srv.aeng.tokenizer
     token_prompts = tuple(tuple(tok.encode(p)) for p in PROMPTS)
     kwargs: dict[str, Any] = dict(
         base_url=srv.url, base_model=SERVED, adapters=tuple(ADAPTERS), num_requests=num_requests(srv),

@@ -4,7 +4,8 @@ fifth of them (tests/helpers/fault_injector.py, chosen by a hash of the engine r
 the engine's process by tests/helpers/engine_probe.py).
 
 Afterwards: every request whose fault was raised got an error naming it (a 500, or an in-band error event then
-`[DONE]` in a stream), every other request got exactly the output of its clean run, none hung (each answered
+`[DONE]` in a stream), every other request got exactly the output of its clean run (whose greedy base and
+adapter rows, three adapters over the two device slots, are HF / PEFT's), none hung (each answered
 within its timeout), `check_integrity()` held on the engine thread every few steps, and once idle no KV block,
 request, stream, adapter hold or penalty row is left; the server then still serves.
 
@@ -27,14 +28,16 @@ import pytest
 import engine_probe as probe
 from fault_client import Outcome, Template, send, templates
 from inprocess_server import InProcessServer
-from test_soak import ADAPTERS, INTEGRITY_EVERY_STEPS, MODEL, SERVED, soak_server
-from lora_fixtures import adapter_dir
+from lora_fixtures import peft_greedy_margin, peft_text
+from soak_setup import ADAPTERS, INTEGRITY_EVERY_STEPS, MODEL, SERVED, lora_modules, soak_server
+from testlib import encode, model_dir
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_FAULT_SOAK_REQUESTS", "150"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_FAULT_SOAK_SECONDS", "20"))
 SEED = int(os.environ.get("LORAPLEX_FAULT_SOAK_SEED", "0"))
 CONCURRENCY = 16
 FAULT_RATE = 0.2
+SLOT_ADAPTERS = {**ADAPTERS, "c": "rs_kod_r16"}   # three adapters over max_loras 2: slot 1 is always in use
 STAGES = ("grammar_fill", "penalties", "sampling", "grammar_advance", "detokenize", "stop")   # not `forward`:
 # a forward failure fails its whole step (tests/test_core/engine/test_fault_isolation.py), not one request
 
@@ -43,7 +46,7 @@ def soak_templates() -> list[Template]:
     """The templates of tests/helpers/fault_client.py with prompts 1 or 4 times as long and up to 16 tokens:
     with 16 KV blocks and a 32-token budget, the workload preempts and prefills in chunks."""
     out = []
-    for t in templates(tuple(ADAPTERS)):
+    for t in templates(tuple(SLOT_ADAPTERS)):
         extra = dict(t.extra)
         extra.setdefault("max_tokens", 16)
         for k in (1, 4):
@@ -53,8 +56,7 @@ def soak_templates() -> list[Template]:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
 def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
-    mods = tuple((name, str(adapter_dir(MODEL, a))) for name, a in ADAPTERS.items())
-    srv = soak_server(mods, num_kv_blocks=16, async_scheduling=request.param)
+    srv = soak_server(lora_modules(SLOT_ADAPTERS), num_kv_blocks=16, async_scheduling=request.param)
     assert srv.engine_process
     try:
         yield srv
@@ -96,9 +98,23 @@ def _clean_outputs(srv: InProcessServer) -> dict[str, str]:
     return asyncio.run(main())
 
 
+def _assert_greedy_rows_match_peft(clean: dict[str, str]) -> None:
+    """The clean greedy rows of the base and of each adapter are HF / PEFT's text (so "its clean output" is right
+    in every slot, not just self-consistent)."""
+    for tpl in soak_templates():
+        extra = dict(tpl.extra)
+        if set(extra) != {"max_tokens"}:     # rows with penalties, schemas, sampling: compared with themselves
+            continue
+        adapter = SLOT_ADAPTERS[tpl.model] if tpl.model else None
+        margin = peft_greedy_margin(MODEL, adapter, encode(model_dir(MODEL), tpl.prompt), extra["max_tokens"])
+        assert margin > 1e-3, f"test setup: {tpl.name} near a tie"
+        assert clean[tpl.name] == peft_text(MODEL, adapter, tpl.prompt, extra["max_tokens"]), tpl.name
+
+
 def test_soak_with_faults(server: InProcessServer) -> None:
     print(f"\nfault soak: seed {SEED} (LORAPLEX_FAULT_SOAK_SEED), async scheduling {server.config.engine.async_scheduling}")
     clean = _clean_outputs(server)
+    _assert_greedy_rows_match_peft(clean)
     server.call(probe.clear_faults)
     server.call(probe.arm_hashed, SEED, FAULT_RATE, STAGES)
     server.call(probe.start_watch, INTEGRITY_EVERY_STEPS)

@@ -66,7 +66,7 @@ def test_unload_after_resolve_is_a_404_before_the_response(app_state: Any, strea
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway.app import build_app
 
-    engine = app_state.aeng.engine
+    engine = app_state.aeng
     engine.load_lora("hot", str(adapter_dir(MODEL, "qv_r4")))
     resolve = app_state.models.resolve
 
@@ -82,7 +82,7 @@ def test_unload_after_resolve_is_a_404_before_the_response(app_state: Any, strea
         assert resp.status_code == 404, resp.text
         assert resp.json()["error"]["code"] == "model_not_found"
         assert post(client, "tiny", stream).status_code == 200
-    assert engine.registry.get("hot") is None
+    assert engine.adapters.lookup("hot") is None
     assert app_state.aeng.num_in_flight == 0
     left = engine_leftovers(app_state)
     assert (left["requests"], left["adapters_in_flight"], left["slots"]) == (0, {}, []), left
@@ -93,7 +93,7 @@ def test_unload_after_submit_lets_the_request_finish(app_state: Any, stream: boo
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from gateway.app import build_app
 
-    engine = app_state.aeng.engine
+    engine = app_state.aeng
     engine.load_lora("hot", str(adapter_dir(MODEL, "qv_r4")))
     aeng, submit = app_state.aeng, app_state.aeng.submit
     unloaded: list[str] = []
@@ -113,7 +113,7 @@ def test_unload_after_submit_lets_the_request_finish(app_state: Any, stream: boo
         assert '"error"' not in resp.text and len(unloaded) == 1, resp.text
         assert post(client, "hot", stream).status_code == 404   # gone for later requests
         assert post(client, "tiny", stream).status_code == 200  # a step: the engine frees the adapter's slot
-    assert engine.registry.get("hot") is None
+    assert engine.adapters.lookup("hot") is None
     assert aeng.num_in_flight == 0
     left = engine_leftovers(app_state)
     assert (left["requests"], left["adapters_in_flight"], left["slots"]) == (0, {}, []), left

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 
 from testlib import model_dir  # noqa: E402
 from gateway_server import ServerProcess, loraplex_command, metric_value  # noqa: E402
-from lora_fixtures import adapter_dir  # noqa: E402
-from test_server_lora import MAX_TOKENS, MODEL, PROMPTS, norm, reference_text  # noqa: E402
+from lora_fixtures import adapter_dir, norm_text  # noqa: E402
+from served_lora_cases import MAX_TOKENS, MODEL, PROMPTS, reference_text  # noqa: E402
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 
@@ -35,8 +35,8 @@ def complete(server: ServerProcess, model: str, prompt: str, **kw) -> str:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **kw)
     if kw.get("stream"):
-        return norm("".join(c.choices[0].text for c in out))
-    return norm(out.choices[0].text)
+        return norm_text("".join(c.choices[0].text for c in out))
+    return norm_text(out.choices[0].text)
 
 
 def test_base_and_adapter_rows_share_batches_and_match_peft(server: ServerProcess) -> None:
@@ -53,14 +53,14 @@ def test_base_and_adapter_rows_share_batches_and_match_peft(server: ServerProces
 
 
 def test_json_schema_validates(server: ServerProcess) -> None:
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}},
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999}, "y": {"type": "boolean"}},
               "required": ["x", "y"], "additionalProperties": False}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.chat.completions.create(
         model="a", messages=[{"role": "user", "content": "json"}], max_tokens=40, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
-    if out.choices[0].finish_reason == "stop":
-        assert set(json.loads(out.choices[0].message.content)) == {"x", "y"}
+    assert out.choices[0].finish_reason == "stop", out.choices[0]
+    assert set(json.loads(out.choices[0].message.content)) == {"x", "y"}
 
 
 def test_bad_config_stops_startup_naming_the_field() -> None:

@@ -180,6 +180,7 @@ def test_constraints_on_completions_and_chat(server: ServerProcess, client: "ope
 
     choices = ["red", "green", "blue sky"]
     grammar = 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'
+    num_grammar_stops = 0
     for seed in range(3):
         out = client.completions.create(model=server.model, prompt="color:", max_tokens=16, seed=seed,
                                         extra_body={"guided_choice": choices})
@@ -191,6 +192,8 @@ def test_constraints_on_completions_and_chat(server: ServerProcess, client: "ope
                                         extra_body={"structured_outputs": {"grammar": grammar}})
         if out.choices[0].finish_reason == "stop":
             assert grammar_accepts(grammar, out.choices[0].text), out.choices[0].text
+            num_grammar_stops += 1
+    assert num_grammar_stops > 0, "no grammar output ended with stop: nothing was validated"
     out = client.completions.create(model=server.model, prompt="x", max_tokens=60, seed=0,
                                     extra_body={"guided_json": {"type": "object", "properties": {
                                         "n": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["n"], "additionalProperties": False}})

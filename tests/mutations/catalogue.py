@@ -1,0 +1,153 @@
+"""The bugs tests/mutations/mutation_check.py plants, one at a time, on the paths that matter most, and the test
+files that must catch each.
+
+A mutation is a list of exact text edits (each `old` must occur exactly once in its file, so a refactor that
+moves the code makes the check fail loudly instead of planting nothing). Keep `tests` to the files that
+exercise the path: the check runs only those, so it stays minutes, not hours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str   # relative to the repository root
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    description: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]   # test files (or node ids) that must catch it
+
+
+LORA_PARITY_TESTS = (
+    "tests/test_core/models/test_family_qwen3.py",
+    "tests/test_core/models/test_family_gemma.py",
+    "tests/test_core/models/test_family_phi3.py",
+    "tests/test_core/models/test_rope_scaling.py",
+    "tests/test_core/models/test_sliding_window.py",
+    "tests/test_core/quant/test_quant_ct.py",
+    "tests/test_core/quant/test_quant_gptq_awq.py",
+    "tests/test_core/quant/test_quant_phi3.py",
+    "tests/test_core/quant/test_quant_fp8.py",
+    "tests/test_core/quant/test_quant_tp.py",
+    "tests/test_core/quant/test_quant_server.py",
+    "tests/test_core/engine/test_fault_isolation.py",
+    "tests/test_gateway/robustness/test_server_faults.py",
+    "tests/test_gateway/robustness/test_soak_faults.py",
+    "tests/test_adapters/test_lora_engine.py",
+    "tests/test_core/spec/test_spec_lora.py",
+)
+GRAMMAR_TESTS = (
+    "tests/test_grammar/test_matcher.py",
+    "tests/test_core/sampling/test_structured_engine.py",
+    "tests/test_core/engine/test_fault_isolation.py",
+)
+PENALTY_TESTS = ("tests/test_core/sampling/test_penalties.py",)
+STOP_TESTS = (
+    "tests/test_core/sampling/test_sampling.py",
+    "tests/test_core/sampling/test_detokenizer_fields.py",
+)
+FAULT_TESTS = ("tests/test_core/engine/test_fault_isolation.py",)
+NAMESPACE_TESTS = ("tests/test_adapters/test_lora_engine.py",)
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "lora-slot1-expand", "torch_expand skips the adapter in device slot 1 (its delta never reaches the output)",
+        (Edit("adapters/lora_ops/torch_ops.py",
+              "    delta: Optional[torch.Tensor] = None\n    for g, slot in enumerate(meta.group_slots_host):\n",
+              "    delta: Optional[torch.Tensor] = None\n    for g, slot in enumerate(meta.group_slots_host):\n"
+              "        if slot == 1:\n            continue\n"),),
+        LORA_PARITY_TESTS),
+    Mutation(
+        "lora-rslora-scaling", "rsLoRA scaled by alpha / r instead of alpha / sqrt(r)",
+        (Edit("adapters/peft/config.py", "return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank",
+              "return alpha / rank"),),
+        ("tests/test_adapters/test_lora_engine.py", "tests/test_core/models/test_family_qwen3.py")),
+    Mutation(
+        "grammar-mask-wrong-row", "each constrained request's bitmask is written at its index among the constrained "
+        "rows, not at its row of the batch",
+        (Edit("core/sampling/grammar_masks.py", "        reqs[i].grammar.fill_bitmask(bitmask, i)\n",
+              "        reqs[i].grammar.fill_bitmask(bitmask, rows.index(i))\n"),),
+        GRAMMAR_TESTS),
+    Mutation(
+        "grammar-eos-anywhere", "EOS allowed in every grammar state, not only in final ones",
+        (Edit("grammar/matching/compiled.py", "            np.bitwise_and.at(words, eos >> 5, ~bits)\n",
+              "            np.bitwise_or.at(words, eos >> 5, bits)\n"),
+         Edit("grammar/matching/compiled.py", "                if self.is_final(state):\n"
+              "                    ids = np.concatenate(", "                if True:\n                    ids = np.concatenate(")),
+        GRAMMAR_TESTS),
+    Mutation(
+        "fault-token-handling-fails-step", "a request whose token handling raises fails the whole step "
+        "(every request in it) instead of itself",
+        (Edit("core/engine/engine.py", "                out.append(self._fail(r, fault_of(r, \"token handling\", exc)))\n",
+              "                raise\n"),),
+        FAULT_TESTS),
+    Mutation(
+        "fault-sampling-rows-shift", "after a row fails in the sampling stage, the kept rows' tokens are written "
+        "in order from row 0 (rows after the failed one take a neighbour's token)",
+        (Edit("core/sampling/stage.py", "        tokens.index_copy_(0, idx, kept_tokens)\n",
+              "        tokens[:len(keep)] = kept_tokens\n"),),
+        FAULT_TESTS),
+    Mutation(
+        "prefix-namespace-by-name", "the prefix-cache namespace of an adapter is its name, not its generation id "
+        "(a reload under the same name reuses the old weights' KV)",
+        (Edit("adapters/registry/registry.py", "    def namespace(self) -> str:\n        return self.generation_id\n",
+              "    def namespace(self) -> str:\n        return self.name\n"),),
+        NAMESPACE_TESTS),
+    Mutation(
+        "prefix-namespace-shared", "every request uses the base model's prefix-cache namespace (adapters reuse the "
+        "base model's KV)",
+        (Edit("core/engine/engine.py", 'rope_namespace(lora.namespace if lora is not None else "base", rope_offset)',
+              'rope_namespace("base", rope_offset)'),),
+        NAMESPACE_TESTS),
+    Mutation(
+        "penalty-repetition-inverted", "repetition penalty multiplies positive logits and divides negative ones",
+        (Edit("core/sampling/penalties.py", "torch.where(x > 0, x / batch.repetition, x * batch.repetition)",
+              "torch.where(x > 0, x * batch.repetition, x / batch.repetition)"),),
+        PENALTY_TESTS),
+    Mutation(
+        "penalty-frequency-as-presence", "frequency penalty applied once per seen token, not per occurrence",
+        (Edit("core/sampling/penalties.py", "x.sub_(counts * batch.frequency)", "x.sub_(in_output * batch.frequency)"),),
+        PENALTY_TESTS),
+    Mutation(
+        "penalty-min-tokens-off", "min_tokens bans nothing: EOS and stop tokens can end the output early",
+        (Edit("core/sampling/penalties.py", "        if r.num_output_tokens < p.min_tokens and not r.status.finished:\n",
+              "        if False:\n"),),
+        PENALTY_TESTS),
+    Mutation(
+        "stop-string-across-tokens", "a stop string is searched for only in the text of the newest token (one that "
+        "spans two tokens is missed)",
+        (Edit("core/sampling/detokenizer.py", "        search_from = max(0, len(self.text) - self._search_back)\n",
+              "        search_from = len(self.text)\n"),),
+        STOP_TESTS),
+    Mutation(
+        "stop-string-kept", "the matched stop string stays in the output text",
+        (Edit("core/sampling/detokenizer.py",
+              "self.text = self.text[:start + length] if self._include_stop else self.text[:start]",
+              "self.text = self.text[:start + length]"),),
+        STOP_TESTS),
+    Mutation(
+        "spaces-between-special-tokens-dropped", "the gateway drops `spaces_between_special_tokens: false` (the "
+        "engine always spaces adjacent added tokens)",
+        (Edit("gateway/inputs/params.py",
+              "spaces_between_special_tokens=body.spaces_between_special_tokens is not False,",
+              "spaces_between_special_tokens=True,"),),
+        ("tests/test_gateway/api/test_vllm_request_fields.py::"
+         "test_spaces_between_special_tokens_joins_adjacent_added_tokens",)),
+    Mutation(
+        "spec-accept-ignores-draft-probs", "speculative rejection sampling accepts a drafted token with probability "
+        "p(x), not min(1, p(x) / q(x))",
+        (Edit("core/spec/rejection.py", "accept = u_accept * q_x.double() < p_x.double()",
+              "accept = u_accept < p_x.double()"),),
+        ("tests/test_core/spec/test_spec_rejection.py",)),
+    Mutation(
+        "sampler-top-p-off", "top_p is ignored (the whole distribution is sampled)",
+        (Edit("core/sampling/sampler.py", "need_top_p=any(p.top_p < 1.0 for p in ps)", "need_top_p=False"),),
+        ("tests/test_core/sampling/test_sampling.py",)),
+)
