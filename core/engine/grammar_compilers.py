@@ -18,7 +18,7 @@ from grammar.compile.limits import CompileLimits
 
 def compile_limits(environ: Mapping[str, str] | None = None) -> CompileLimits:
     """The limits LORAPLEX_GRAMMAR_* set (read once), or those of `environ` if given; unset ones keep
-    CompileLimits' defaults. The engine's compiler and the API process's schema lowering both take these."""
+    CompileLimits' defaults: the engine's compiler and schema lowering take these."""
     variables = (GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_WORKER_MEMORY_MB, GRAMMAR_MAX_REGEX_CHARS)
     timeout, memory_mb, chars = (var.get() if environ is None else var.read(environ) for var in variables)
     limits = CompileLimits()
