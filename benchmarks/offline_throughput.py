@@ -102,10 +102,13 @@ def main() -> None:
     num_in = sum(len(p) for p, _ in work)
     import os
 
+    from core.environment import variables
+
     ours: dict[str, float] = {}
     modes = {"auto": None, "on": True, "off": False}
     for backend in args.attention_backends.split(","):
         os.environ["LORAPLEX_ATTENTION_BACKEND"] = backend
+        variables.reset()   # the product reads it once: read this run's value
         for mode in args.async_scheduling.split(","):
             key = backend if args.async_scheduling == "auto" else f"{backend}, async scheduling {mode}"
             ours[key] = run_loraplex(model, work, args.device, args.dtype, load_format, args.repeats,

@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses for the engine: model, cache, scheduler and the whole engine."""
+"""Frozen configuration dataclasses for the engine: model, cache, scheduler, LoRA, parallelism, quantization and
+the whole engine. Imports no torch: `loraplex serve` builds the EngineConfig while it parses its flags."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,9 @@ from typing import Any
 from core.models.family_config import (
     GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, rope_fields, text_config,
 )
+from core.spec.config import SpeculativeConfig
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"   # the embedded demo model (package data)
 
 
 @dataclass(frozen=True)
@@ -148,27 +152,42 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Adapters: device slots, host LRU, the largest rank, and the adapters served from the start."""
+    max_loras: int = 8                     # device slots: distinct adapters in one step
+    max_cpu_loras: int = 64                # adapters kept in host memory (LRU)
+    max_lora_rank: int = 64
+    lora_modules: tuple[tuple[str, str], ...] = ()   # (name, path) loaded at start-up
+    lora_dirs: tuple[str, ...] = ()        # every adapter folder below these is served by its relative path
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1          # > 1: the model sharded over that many ranks (core/distributed/)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str | None = None              # vLLM's --quantization: checked against the checkpoint (core/quant/)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    served_model_name: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    max_loras: int = 8
-    max_cpu_loras: int = 64
-    max_lora_rank: int = 64
-    lora_modules: tuple[tuple[str, str], ...] = ()
-    lora_dirs: tuple[str, ...] = ()    # every adapter folder below these is served by its relative path
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None   # None: no speculative decoding
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     load_format: str = "auto"          # "dummy": random weights of the config's shape (benchmarks)
     enforce_eager: bool = False        # CUDA: no decode graphs (every step runs the model eagerly)
     async_scheduling: bool | None = None   # launch step t+1 before reading step t's tokens (None: on CUDA)
-    tensor_parallel_size: int = 1      # > 1: the model sharded over that many ranks (core/distributed/)
-    speculative: Any = None            # core.spec.SpeculativeConfig, its JSON or dict (None: no speculation)
     tokenizer: str | None = None       # a tokenizer dir or hub id (None: the model's own)
     revision: str | None = None        # hub revision of `model` (branch, tag or commit; None: main)
     download_dir: str | None = None    # HF cache dir for hub ids (None: HF_HUB_CACHE)
     trust_remote_code: bool = False    # lets a tokenizer's own code run; models always use ours
     chat_template: str | None = None   # replaces the tokenizer's chat template
-    quantization: str | None = None    # vLLM's --quantization: checked against the checkpoint (core/quant/)

@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gateway.server.cli_vllm import add_vllm_arguments, lora_modules, resolve_model, served_names, vllm_fields
+from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
+                         SchedulerConfig)
+from core.environment.variables import ENGINE_PROCESS, check_all
+from gateway.server.cli_vllm import (add_vllm_arguments, lora_modules, prefix_caching, resolve_model, served_names,
+                                     vllm_engine_fields, vllm_server_fields)
 from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
 from gateway.server.listeners import ListenError, bind_ports
 
@@ -103,10 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
+    """The server's config and, inside it, the engine's (built here, once). Imports no torch."""
     model_arg = resolve_model(args, parser)
     if model_arg is None:
-        from core.engine.llm import DEMO_MODEL_DIR
-
         model, default_name = str(DEMO_MODEL_DIR), DEMO_SERVED_NAME
     else:
         model = default_name = model_arg
@@ -116,29 +119,32 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     _check_ports(args, parser)
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
-    _check_compile_limits(parser)
+    _check_environment(parser)
     if args.tenant_keys is not None:
         _check_tenant_file(args, parser)
     elif args.admin_token is not None and args.admin_token == args.api_key:
         parser.error("--admin-token must differ from --api-key (the admin token is never an API key)")
-    return ServerConfig(
-        model=model, served_model_name=names[0], served_model_aliases=names[1:], host=args.host, port=args.port,
-        metrics_port=args.metrics_port,
-        device=args.device, dtype=args.dtype, seed=args.seed, lora_modules=lora_modules(args, model, names, parser),
-        lora_dirs=tuple(args.lora_dir),
-        max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        api_key=args.api_key, tenant_keys=args.tenant_keys,
-        admin_token=args.admin_token, scheduling_policy=args.scheduling_policy,
-        max_queue_len=args.max_queue_len or None, request_timeout=args.request_timeout or None,
-        shutdown_timeout=args.shutdown_timeout,
-        enforce_eager=args.enforce_eager, load_format=args.load_format,
+    engine = EngineConfig(
+        model=model, dtype=args.dtype, device=args.device, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=prefix_caching(args, parser)),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len, policy=args.scheduling_policy),
+        lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+                        max_lora_rank=args.max_lora_rank, lora_modules=lora_modules(args, model, names, parser),
+                        lora_dirs=tuple(args.lora_dir)),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        speculative=args.speculative_config, quantization=QuantizationConfig(method=args.quantization),
+        load_format=args.load_format, enforce_eager=args.enforce_eager,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        speculative_config=args.speculative_config, engine_process=engine_process_enabled(args.engine_process),
-        **vllm_fields(args, parser))
+        **vllm_engine_fields(args))
+    return ServerConfig(
+        engine=engine, served_model_name=names[0], served_model_aliases=names[1:], host=args.host, port=args.port,
+        metrics_port=args.metrics_port, api_key=args.api_key, tenant_keys=args.tenant_keys,
+        admin_token=args.admin_token, max_queue_len=args.max_queue_len or None,
+        request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
+        engine_process=engine_process_enabled(args.engine_process), **vllm_server_fields(args, parser))
 
 
 def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -146,14 +152,11 @@ def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         parser.error("--metrics-port must differ from --port")
 
 
-def _check_compile_limits(parser: argparse.ArgumentParser) -> None:
-    """The grammar compile limits' environment variables (grammar/compile/limits.py), named when bad."""
-    from grammar.compile.limits import CompileLimits
-
-    try:
-        CompileLimits.from_env()
-    except ValueError as exc:
-        parser.error(str(exc))
+def _check_environment(parser: argparse.ArgumentParser) -> None:
+    """Every LORAPLEX_* variable (core/environment/variables.py), checked before anything starts: a bad one is named."""
+    errors = check_all()
+    if errors:
+        parser.error("; ".join(errors))
 
 
 def _speculative_config(text: str) -> Any:
@@ -169,7 +172,7 @@ def engine_process_enabled(flag: str | None) -> bool:
     """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (0: off, 1: on), default on."""
     if flag is not None:
         return flag == "on"
-    return os.environ.get("LORAPLEX_ENGINE_PROCESS", "1").strip().lower() not in ("0", "off", "false", "no")
+    return ENGINE_PROCESS.get()
 
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

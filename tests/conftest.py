@@ -4,8 +4,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # test helpers: `from testlib import ...`
+# this process and every server / engine process it starts is the test suite's: the one place the engine accepts
+# a LORAPLEX_ENGINE_TEST_HOOK from (core/engine_core/test_hook.py)
+os.environ["LORAPLEX_TESTS_DIR"] = str(Path(__file__).resolve().parent)
 
 import torch
 
@@ -17,6 +21,7 @@ use_interpreter_without_gpu(os.environ)
 
 import pytest
 
+from core.environment import variables
 from gpu_test_files import GPU_TEST_FILES
 from testlib import model_dir
 
@@ -35,6 +40,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.fspath)).resolve() in gpu_files:
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_environment() -> Iterator[None]:
+    """The product reads each LORAPLEX_* variable once (core/environment/variables.py): every test starts and ends
+    with those reads forgotten, so a variable a test sets (monkeypatch) is what the product sees, and no test's
+    value outlives it. A test that changes a variable twice calls `variables.reset()` itself (envlib.setenv)."""
+    variables.reset()
+    yield
+    variables.reset()
 
 
 @pytest.fixture()

@@ -6,7 +6,8 @@ The runner sets it once per step, before the forward:
     logits = model(...)
     pool.context.clear()                  # optional; a stale batch is caught by a size check
 
-With no batch set (or no LoRA token in it) every wrapper returns the base output untouched.
+With no batch set (or no LoRA token in it) every wrapper returns the base output untouched. `backends` names the
+path the wrappers' ops take (the engine resolves it for the device: core/environment/backends.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from typing import Optional, Union
 
 import torch
 
-from adapters.lora_ops import LoRABatchMeta
+from adapters.lora_ops import LoRABackends, LoRABatchMeta
 from adapters.lora_ops.metadata import SlotsLike
 
 
 class LoRAContext:
     def __init__(self, device: Union[torch.device, str], num_slots: int,
-                 backend: Optional[str] = None) -> None:
+                 backends: LoRABackends = LoRABackends()) -> None:
         self.device = torch.device(device)
         self.num_slots = num_slots
-        self.backend = backend  # None = auto (Triton on CUDA, torch elsewhere)
+        self.backends = backends
         self._meta: Optional[LoRABatchMeta] = None
 
     @property

@@ -66,7 +66,7 @@ class LoRALinear(nn.Module):
             return y  # base-only step: no extra work
         x2 = x.reshape(-1, x.shape[-1])  # [T, in]
         y2 = y.view(-1, y.shape[-1])  # [T, out]
-        add_lora(y2, x2, self.stack, meta, self.y_offset, backend=self.context.backend)
+        add_lora(y2, x2, self.stack, meta, self.y_offset, backend=self.context.backends.for_meta(meta))
         return y
 
     def extra_repr(self) -> str:

@@ -14,30 +14,28 @@ to the host, so the padded decode batch of a CUDA graph goes through unchanged.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_expand, triton_bgmv_shrink
-from adapters.lora_ops.dispatch import decode_backend
+from adapters.lora_ops.dispatch import Backend, check_backend
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import compute_dtype
 
 
 def bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
-                backend: Optional[str] = None) -> torch.Tensor:
+                backend: Backend = "torch") -> torch.Tensor:
     """x [B, in] -> h (float32, layout of the chosen backend): x[row] @ A_slot(row)^T for every slice."""
     meta.check_num_tokens(x.shape[0])
-    if decode_backend(x, backend) == "triton":
+    if check_backend(backend) == "triton":
         return triton_bgmv_shrink(x, stack, meta)
     return torch_bgmv_shrink(x, stack, meta)
 
 
 def bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
-                y_offset: int = 0, backend: Optional[str] = None) -> None:
+                y_offset: int = 0, backend: Backend = "torch") -> None:
     """In place: y[row, y_offset + off_s : ... + size_s] += scale * h[s, row] @ B_slot(row)_s^T per LoRA row."""
     meta.check_num_tokens(y.shape[0])
-    if decode_backend(y, backend) == "triton":
+    if check_backend(backend) == "triton":
         triton_bgmv_expand(y, h, stack, meta, y_offset)
     else:
         torch_bgmv_expand(y, h, stack, meta, y_offset)

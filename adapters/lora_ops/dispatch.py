@@ -1,14 +1,15 @@
-"""Backend choice for the LoRA ops: Triton kernels on CUDA, the torch reference elsewhere.
+"""The path each LoRA op takes, as its caller names it: the Triton kernels or the torch reference.
 
-`LORAPLEX_LORA_BACKEND=torch|triton` overrides the automatic choice (e.g. to debug a
-kernel against the reference on the same GPU).
+adapters reads no environment and probes nothing: the engine (core) resolves LORAPLEX_LORA_BACKEND for the
+pool's device once (core/environment/backends.py `lora_backends`) and hands the result to the slot pool's
+`LoRAContext` as a `LoRABackends`; the wrappers pass it to these ops. A direct caller (tests, benchmarks)
+names the path; unnamed, it is the torch reference, which runs on any device.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import Literal, Optional
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -22,56 +23,44 @@ GATHER_MIN_GROUPS = 4
 GATHER_MAX_TOKENS_PER_GROUP = 8
 
 Backend = Literal["torch", "triton"]
+BACKENDS: tuple[Backend, ...] = ("torch", "triton")
 
 
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the install
-        return False
-    return True
+def check_backend(backend: str) -> Backend:
+    """`backend` itself when it names a path ("torch" or "triton"), else ValueError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {backend!r} (expected torch or triton)")
+    return backend  # type: ignore[return-value]
 
 
-def _auto_choice() -> bool:
-    return (os.environ.get("LORAPLEX_LORA_BACKEND") or "auto") == "auto"
+@dataclass(frozen=True)
+class LoRABackends:
+    """The paths of one pool's LoRA ops, resolved by the engine for the pool's device: `segmented` for the
+    grouped metadata of prefill and mixed steps (`LoRABatchMeta`), `decode` for the fused decode (BGMV) ops of
+    padded decode batches (`DecodeLoRAMeta`, the CUDA-graph path). Triton off CUDA runs only in Triton's CPU
+    interpreter (tests); the engine checks that before it names it."""
+    segmented: Backend = "torch"
+    decode: Backend = "torch"
 
+    def __post_init__(self) -> None:
+        check_backend(self.segmented)
+        check_backend(self.decode)
 
-def _interpreting() -> bool:
-    """Under TRITON_INTERPRET the decode (CUDA-graph) path runs its Triton kernels on the CPU (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-def select_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
-    choice = backend or os.environ.get("LORAPLEX_LORA_BACKEND") or "auto"
-    if choice == "auto":
-        return "triton" if t.is_cuda and triton_available() else "torch"
-    if choice not in ("torch", "triton"):
-        raise ValueError(f"unknown LoRA backend {choice!r} (expected auto, torch or triton)")
-    if choice == "triton" and not triton_available():
-        raise RuntimeError("LoRA backend 'triton' requested but triton cannot be imported")
-    return choice  # type: ignore[return-value]
-
-
-def decode_backend(t: torch.Tensor, backend: Optional[str] = None) -> Backend:
-    """The backend of the fused decode (BGMV) ops: as `select_backend`, except that the automatic choice
-    also takes the Triton kernels under TRITON_INTERPRET (they run in the CPU interpreter)."""
-    chosen = select_backend(t, backend)
-    if chosen == "torch" and backend is None and _auto_choice() and _interpreting() and triton_available():
-        return "triton"
-    return chosen
+    def for_meta(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> Backend:
+        """The path of a step with this metadata."""
+        return self.decode if isinstance(meta, DecodeLoRAMeta) else self.segmented
 
 
 def shrink(
     x: torch.Tensor,  # [T, in]
     stack: LoRAStack,
     meta: LoRABatchMeta,
-    out: Optional[torch.Tensor] = None,
-    backend: Optional[str] = None,
+    out: torch.Tensor | None = None,
+    backend: Backend = "torch",
 ) -> torch.Tensor:
     """[T, in] x A^T -> [S, T_lora, R] float32 (rows in the meta's grouped token order;
     only the first `rank` columns of each (slice, slot) are meaningful)."""
-    if select_backend(x, backend) == "triton":
+    if check_backend(backend) == "triton":
         from adapters.lora_ops.triton_ops import triton_shrink
         return triton_shrink(x, stack, meta, out)
     return torch_shrink(x, stack, meta, out)
@@ -83,10 +72,10 @@ def expand(
     stack: LoRAStack,
     meta: LoRABatchMeta,
     y_offset: int = 0,
-    backend: Optional[str] = None,
+    backend: Backend = "torch",
 ) -> None:
     """In place: y[t, y_offset + off_s : ... + size_s] += scale * h[s] @ B_s^T per LoRA token."""
-    if select_backend(y, backend) == "triton":
+    if check_backend(backend) == "triton":
         from adapters.lora_ops.triton_ops import triton_expand
         triton_expand(y, h, stack, meta, y_offset)
         return
@@ -99,18 +88,19 @@ def add_lora(
     stack: LoRAStack,
     meta: LoRABatchMeta | DecodeLoRAMeta,
     y_offset: int = 0,
-    backend: Optional[str] = None,
+    backend: Backend = "torch",
 ) -> None:
     """y += LoRA(x) for all slices of `stack`; no-op when the step has no LoRA token.
     Decode metadata (one row per token, per-row slots) takes the fused BGMV kernels; the grouped
     metadata of prefill and mixed steps takes the segmented shrink/expand."""
+    check_backend(backend)
     if not meta.has_lora:
         return
     meta.check_num_tokens(x.shape[0])
     if y.shape[0] != x.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
     if isinstance(meta, DecodeLoRAMeta):
-        if decode_backend(x, backend) == "triton":
+        if backend == "triton":
             triton_bgmv_add_lora(y, x, stack, meta, y_offset)
         elif x.is_cuda:   # the torch path inside a CUDA graph (LORAPLEX_LORA_BACKEND=torch): no read-back to the host
             from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
@@ -119,10 +109,9 @@ def add_lora(
         else:
             torch_bgmv_add_lora(y, x, stack, meta, y_offset)
         return
-    chosen = select_backend(x, backend)
-    if chosen == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
+    if backend == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
             meta.num_lora_tokens <= GATHER_MAX_TOKENS_PER_GROUP * meta.num_groups:
         torch_add_lora_gathered(y, x, stack, meta, y_offset)
         return
-    h = shrink(x, stack, meta, backend=chosen)  # [S, T_lora, R]
-    expand(y, h, stack, meta, y_offset, backend=chosen)
+    h = shrink(x, stack, meta, backend=backend)  # [S, T_lora, R]
+    expand(y, h, stack, meta, y_offset, backend=backend)

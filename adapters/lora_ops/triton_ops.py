@@ -9,7 +9,6 @@ all compiled at start-up (`core/startup/warmup.py`). The kernels' loops stop at 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,21 +34,23 @@ class SegmentConfig:
 SEGMENT_CONFIGS = tuple(SegmentConfig(m, k) for m in (BLOCK_M_SMALL, BLOCK_M_LARGE) for k in SPLIT_K_OPTIONS)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def block_r(stack: LoRAStack) -> int:
     """Rank tile of shrink: the pool's max rank as a power of two in [16, 64] (larger ranks loop)."""
     return max(16, min(64, triton.next_power_of_2(stack.max_rank)))
 
 
-def _block_k() -> int:
-    return 32 if _interpreting() else 64
+def _interpreted(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on `t` runs in Triton's CPU interpreter: compiled kernels take CUDA tensors only,
+    so a kernel given a tensor anywhere else can only be running interpreted (TRITON_INTERPRET=1: tests)."""
+    return t.device.type != "cuda"
 
 
-def _block_n() -> int:
-    return 32 if _interpreting() else 64
+def _block_k(t: torch.Tensor) -> int:
+    return 32 if _interpreted(t) else 64
+
+
+def _block_n(t: torch.Tensor) -> int:
+    return 32 if _interpreted(t) else 64
 
 
 def choose_config(stack: LoRAStack, meta: LoRABatchMeta) -> SegmentConfig:
@@ -57,7 +58,7 @@ def choose_config(stack: LoRAStack, meta: LoRABatchMeta) -> SegmentConfig:
     block_m = BLOCK_M_SMALL if meta.max_group_size <= BLOCK_M_SMALL else BLOCK_M_LARGE
     m_blocks = triton.cdiv(meta.max_group_size, block_m)
     programs = m_blocks * triton.cdiv(stack.max_rank, block_r(stack)) * meta.num_groups * stack.num_slices
-    long_k = stack.in_features >= 4 * SPLIT_K_OPTIONS[-1] * _block_k()
+    long_k = stack.in_features >= 4 * SPLIT_K_OPTIONS[-1] * _block_k(stack.lora_a)
     split_k = SPLIT_K_OPTIONS[-1] if programs < MIN_PROGRAMS and long_k else SPLIT_K_OPTIONS[0]
     return SegmentConfig(block_m, split_k)
 
@@ -71,7 +72,7 @@ def _active_max_rank(stack: LoRAStack, meta: LoRABatchMeta) -> int:
 
 
 def _dot_fp32(t: torch.Tensor) -> bool:
-    return _interpreting() or t.dtype == torch.float32
+    return _interpreted(t) or t.dtype == torch.float32
 
 
 def triton_shrink(
@@ -105,7 +106,7 @@ def triton_shrink(
         *stack.lora_a.stride(),
         *out.stride(),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=_block_k(),
+        BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=_block_k(x),
         SPLIT_K=cfg.split_k, DOT_FP32=_dot_fp32(x),
     )
     return out
@@ -126,7 +127,7 @@ def triton_expand(
         raise ValueError("LoRA slices exceed the output width")
     cfg = config or choose_config(stack, meta)
     assert cfg in SEGMENT_CONFIGS, f"{cfg} is not in the warm-up table"
-    block_n = _block_n()
+    block_n = _block_n(y)
     m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)
     n_blocks = triton.cdiv(max(stack.slice_sizes), block_n)
     grid = (m_blocks * n_blocks, meta.num_groups, S)

@@ -26,7 +26,7 @@ from adapters.layers.dims import MODULE_TO_GROUP, BaseModelDims, FusedGroup, fus
 from adapters.errors import (
     CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, CODE_UNSUPPORTED_TARGET, AdapterError, SlotPoolError, SlotPoolFullError,
 )
-from adapters.lora_ops import LoRAStack
+from adapters.lora_ops import LoRABackends, LoRAStack
 from adapters.slots.integrity import check_pool_integrity
 
 
@@ -44,12 +44,15 @@ class GroupBuffers:
 
 class LoRASlotPool:
     def __init__(self, num_slots: int, max_rank: int, dims: BaseModelDims,
-                 device: Union[torch.device, str] = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: Union[torch.device, str] = "cpu", dtype: torch.dtype = torch.float32,
+                 backends: LoRABackends = LoRABackends()) -> None:
+        """`backends`: the path of the LoRA ops on `device` (the engine resolves LORAPLEX_LORA_BACKEND; by default
+        the torch reference)."""
         if num_slots <= 0 or max_rank <= 0:
             raise ValueError("num_slots and max_rank must be positive")
         self.num_slots, self.max_rank, self.dims = num_slots, max_rank, dims
         self.device, self.dtype = torch.device(device), dtype
-        self.context = LoRAContext(self.device, num_slots)
+        self.context = LoRAContext(self.device, num_slots, backends)
         self.groups: dict[str, GroupBuffers] = {}
         L = dims.num_layers
         for name, grp in fused_groups(dims).items():

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from core.attention.metadata import AttentionMetadata
+from core.environment.backends import kernel_backend
 
 
 class AttentionBackend(ABC):
@@ -28,29 +29,12 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA when triton imports, torch otherwise; LORAPLEX_ATTENTION_BACKEND=torch|triton overrides.
-
-    Forcing triton off CUDA needs TRITON_INTERPRET=1 (the kernels then run in the CPU interpreter: tests only).
-    """
-    import os
-
+    """Triton on CUDA when triton imports, torch otherwise; LORAPLEX_ATTENTION_BACKEND=torch|triton overrides
+    (core/environment/backends.py; triton off CUDA needs TRITON_INTERPRET=1: the CPU interpreter, tests only)."""
     from core.attention.torch_backend import TorchAttentionBackend
 
-    choice = os.environ.get("LORAPLEX_ATTENTION_BACKEND", "").strip().lower()
-    if choice not in ("", "auto", "torch", "triton"):
-        raise ValueError(f"LORAPLEX_ATTENTION_BACKEND must be torch or triton, not {choice!r}")
-    if choice == "torch":
+    if kernel_backend("attention", torch.device(device).type) == "torch":
         return TorchAttentionBackend()
-    if choice == "triton":
-        from core.attention.triton_backend import TritonAttentionBackend, interpreting
+    from core.attention.triton_backend import TritonAttentionBackend
 
-        if torch.device(device).type != "cuda" and not interpreting():
-            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
-        return TritonAttentionBackend()
-    if torch.device(device).type == "cuda":
-        try:
-            from core.attention.triton_backend import TritonAttentionBackend
-        except ImportError:
-            return TorchAttentionBackend()
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
+    return TritonAttentionBackend()

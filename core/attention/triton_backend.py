@@ -24,6 +24,7 @@ from core.attention import triton_kernels as K
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 from core.execution.packing import aligned_offsets, pack_aligned
+from core.environment.backends import interpreting
 
 LOG2E = 1.4426950408889634
 # block_m = query rows per tile (BLOCK_Q tokens x the padded GQA group), tile_n = keys per KV tile (for
@@ -33,11 +34,6 @@ LOG2E = 1.4426950408889634
 # 2 stages beat 128-row tiles and 3 stages (243 TFLOP/s at 2048 fresh tokens vs 288 for torch flash SDPA).
 DECODE_CONFIG = {"block_m": 16, "tile_n": 128, "num_warps": 4, "num_stages": 2}
 PREFILL_CONFIG = {"block_m": 64, "tile_n": 64, "num_warps": 4, "num_stages": 2}
-
-
-def interpreting() -> bool:
-    """True when the kernels were decorated under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
-    return type(K.paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
 @dataclass

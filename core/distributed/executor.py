@@ -32,10 +32,10 @@ from core.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_g
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.distributed.worker import worker_main
 from core.execution.runner import HostBatch
+from core.environment.variables import TP_START_TIMEOUT_S
 
 log = logging.getLogger("loraplex.tp")
 MONITOR_INTERVAL_S = 0.2
-START_TIMEOUT_S = float(os.environ.get("LORAPLEX_TP_START_TIMEOUT_S", "900"))
 
 
 class WorkerFailure(RuntimeError):
@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 class TPExecutor:
     def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int, device: torch.device) -> None:
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.parallel.tensor_parallel_size
         self.procs: list[Any] = []
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
@@ -114,7 +114,8 @@ class TPExecutor:
     def wait_ready(self) -> None:
         """Waits until every worker has loaded its shard; a worker error or death is a start-up error."""
         pending = set(range(1, self.world_size))
-        deadline = time.monotonic() + START_TIMEOUT_S
+        start_timeout_s = TP_START_TIMEOUT_S.get()
+        deadline = time.monotonic() + start_timeout_s
         while pending:
             try:
                 kind, rank, detail = self._ready.get(timeout=MONITOR_INTERVAL_S)
@@ -123,7 +124,8 @@ class TPExecutor:
                 if dead is not None:
                     raise WorkerFailure(f"{dead} during start-up")
                 if time.monotonic() > deadline:
-                    raise WorkerFailure(f"tensor-parallel workers {sorted(pending)} not ready after {START_TIMEOUT_S:.0f}s")
+                    raise WorkerFailure(f"tensor-parallel workers {sorted(pending)} not ready after "
+                                        f"{start_timeout_s:.0f}s")
                 continue
             if kind == "error":
                 raise WorkerFailure(f"tensor-parallel worker rank {rank} failed to start:\n{detail}")

@@ -23,7 +23,7 @@ from adapters.layers.dims import BaseModelDims
 from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
-from adapters.lora_ops.dispatch import expand, select_backend, shrink
+from adapters.lora_ops.dispatch import LoRABackends, expand, shrink
 from adapters.slots.slot_pool import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
@@ -33,9 +33,9 @@ SlotOp = tuple[str, int, Any]   # ("write", slot, (source, path, modules)) | ("c
 
 class ShardedSlotPool(LoRASlotPool):
     def __init__(self, num_slots: int, max_rank: int, shard: TPShard, device: torch.device,
-                 dtype: torch.dtype, journal: bool) -> None:
+                 dtype: torch.dtype, journal: bool, backends: LoRABackends) -> None:
         super().__init__(num_slots, max_rank, BaseModelDims.from_model_config(shard.local_config()),
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, backends=backends)
         self.shard = shard
         self._journal: list[SlotOp] | None = [] if journal else None
 
@@ -85,12 +85,12 @@ class RowParallelLoRALinear(LoRALinear):
         x2 = x.reshape(-1, x.shape[-1])                               # [T, in / N]
         y2 = y.view(-1, y.shape[-1])                                  # [T, out]
         meta.check_num_tokens(x2.shape[0])
+        backend = self.context.backends.for_meta(meta)
         if isinstance(meta, DecodeLoRAMeta):                          # padded decode batch (CUDA graphs)
-            h = bgmv_shrink(x2, self.stack, meta, self.context.backend)   # partial sums, backend layout
+            h = bgmv_shrink(x2, self.stack, meta, backend)            # partial sums, backend layout
             self.tp.all_reduce(h)
-            bgmv_expand(y2, h, self.stack, meta, self.y_offset, self.context.backend)
+            bgmv_expand(y2, h, self.stack, meta, self.y_offset, backend)
             return y
-        backend = select_backend(x2, self.context.backend)
         h = torch.zeros(self.stack.num_slices, meta.num_lora_tokens, self.stack.max_rank,
                         dtype=torch.float32, device=x2.device)        # [S, T_lora, R]
         shrink(x2, self.stack, meta, out=h, backend=backend)

@@ -11,7 +11,6 @@ A single rank (`TPGroup.single()`) has no process group: every collective return
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from core.environment.variables import TP_STEP_TIMEOUT_S
+
 IDLE_TIMEOUT = timedelta(days=3650)
 
 
 def step_timeout_s() -> float:
     """Seconds one collective may wait for the other ranks (LORAPLEX_TP_STEP_TIMEOUT_S, default 120)."""
-    return float(os.environ.get("LORAPLEX_TP_STEP_TIMEOUT_S", "120"))
+    return TP_STEP_TIMEOUT_S.get()
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from adapters.lora_ops import LoRABackends
 from core.attention.backend import get_attention_backend
 from core.config import EngineConfig
 from core.distributed.layers import parallelize_model
@@ -18,6 +19,7 @@ from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
 from core.distributed.weights import load_weights
+from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
@@ -70,9 +72,9 @@ def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     """The rank's model with LoRA wrappers over its slot pool (the driver of several ranks journals the pool's
     writes for the workers). The KV pool comes later (`allocate_kv`), once every rank knows its size."""
     model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
-                             config.quantization)
-    pool = ShardedSlotPool(config.max_loras, config.max_lora_rank, shard, device, dtype,
-                           journal=tp.rank == 0 and tp.world_size > 1)
+                             config.quantization.method)
+    pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,
+                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)))
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])
 

@@ -114,7 +114,7 @@ def warmup_rank(state: RankState, command: WarmupForwards, block_size: int) -> N
     for decode_lens, chunks in command.shapes:
         dummy_forward(state.model, state.kv_caches, state.lora_pool, block_size, state.device, list(decode_lens),
                       list(chunks))
-    for variant in lora_variants(state.model, state.lora_pool, state.device):
+    for variant in lora_variants(state.model, state.lora_pool):
         variant.run()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import random
 from typing import Any
 
@@ -29,6 +28,7 @@ from core.scheduling.admission import check_prompt_ids, check_request, new_reque
 from core.scheduling.scheduler import SchedulerOutput
 from core.spec.engine_step import build_speculator
 from core.startup.warmup import ProgressFn, WarmupReport, run_warmup
+from core.environment.variables import ASYNC_SCHEDULING
 
 log = logging.getLogger("loraplex.engine")
 
@@ -55,8 +55,9 @@ class LLMEngine:
         self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device)   # sample
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
-        auto = {"1": True, "0": False}.get(os.environ.get("LORAPLEX_ASYNC_SCHEDULING", ""), self.device.type == "cuda")
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
+        # (--async-scheduling on|off, else LORAPLEX_ASYNC_SCHEDULING 0|1, else on with CUDA)
+        async_choice = config.async_scheduling if config.async_scheduling is not None else ASYNC_SCHEDULING.get()
+        self.async_scheduling = async_choice if async_choice is not None else self.device.type == "cuda"
         self._pending: PendingStep | None = None       # the last step's tokens, still on the device
         self._num_failed_steps = 0                     # whole-step failures in a row (core/engine/fault_isolation.py)
         self._step_requests: list[Request] = []        # the requests scheduled in the running step

@@ -1,9 +1,9 @@
-"""Test-only fault injection: one hook per engine stage, keyed by request id.
+"""Fault hooks: the places in the engine step where a test may make one request fail.
 
-Tests arm a fault with `inject(stage, key)`: `key` is a request id, or a predicate on the engine's `Request`
-(an HTTP test does not know the ids the gateway gives). The engine calls `hit(stage, req)` at each stage only
-while `ACTIVE` is set (one module-global read per stage when no test uses it), and the armed stage raises
-`InjectedFault` for the matching requests. Stages, in step order:
+Each stage calls `if faults.ACTIVE: faults.hit(stage, req)` (or `hit_any` for a batch): one module-global read
+per stage while nothing is installed, which is always the case outside the tests. The test suite's fault
+injector (tests/helpers/fault_injector.py) installs itself with `install(fn)`; `fn(stage, req)` then runs
+at each stage and raises for the requests it chose. Stages, in step order:
 
 - `forward`: before the model forward (a failure of the whole step: every request of the step fails)
 - `prompt_logprobs`: a request's prompt log-probs
@@ -14,50 +14,34 @@ while `ACTIVE` is set (one module-global read per stage when no test uses it), a
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional
 
 STAGES = ("forward", "prompt_logprobs", "grammar_fill", "penalties", "sampling", "grammar_advance", "detokenize",
           "stop")
-Key = Union[str, Callable[[Any], bool]]
+Hook = Callable[[str, Any], None]
 
 ACTIVE = False
-_lock = threading.Lock()
-_armed: dict[str, list[Key]] = {}
-hits: dict[str, set[str]] = {}          # stage -> ids of the requests a fault was raised for
+_hook: Optional[Hook] = None
 
 
-class InjectedFault(RuntimeError):
-    """The fault a test armed (never raised in production: nothing arms one)."""
+def install(hook: Hook) -> None:
+    """From now on `hook(stage, req)` runs at every stage (tests only)."""
+    global ACTIVE, _hook
+    _hook = hook
+    ACTIVE = True
 
 
-def inject(stage: str, key: Key) -> None:
-    global ACTIVE
-    assert stage in STAGES, f"unknown stage {stage!r} (one of {STAGES})"
-    with _lock:
-        _armed.setdefault(stage, []).append(key)
-        ACTIVE = True
-
-
-def clear() -> None:
-    global ACTIVE
-    with _lock:
-        _armed.clear()
-        hits.clear()
-        ACTIVE = False
-
-
-def _matches(key: Key, req: Any) -> bool:
-    return key == req.request_id if isinstance(key, str) else bool(key(req))
+def uninstall() -> None:
+    global ACTIVE, _hook
+    ACTIVE = False
+    _hook = None
 
 
 def hit(stage: str, req: Any) -> None:
-    """Raises the armed fault of `stage` for `req` (call only under `if faults.ACTIVE`)."""
-    keys = _armed.get(stage)
-    if keys and any(_matches(k, req) for k in keys):
-        with _lock:
-            hits.setdefault(stage, set()).add(req.request_id)
-        raise InjectedFault(f"injected fault in stage {stage!r} for request {req.request_id}")
+    """Runs the installed hook for `req` at `stage` (call only under `if faults.ACTIVE`)."""
+    hook = _hook
+    if hook is not None:
+        hook(stage, req)
 
 
 def hit_any(stage: str, reqs: list[Any]) -> None:

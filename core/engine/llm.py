@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 from typing import Any, Sequence, Union
 
-from core.config import CacheConfig, EngineConfig, SchedulerConfig
+from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
+                         SchedulerConfig)
 from core.engine.engine import LLMEngine
 from core.engine.stats import Metric, engine_metrics
 from core.engine.outputs import CompletionOutput, RequestOutput
@@ -15,7 +15,6 @@ from core.spec.config import SpeculativeConfig
 from grammar.matching.matcher import GrammarMatcher
 
 PromptType = Union[str, list[int], dict[str, Any]]
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"   # core/demo_model (package data)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -35,8 +34,9 @@ class LLM:
                  async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), tensor_parallel_size: int = 1,
                  warmup: bool = True, quantization: str | None = None,
                  speculative_config: dict[str, Any] | str | None = None) -> None:
-        """`warmup=False` skips the start-up kernel warm-up (`LLMEngine.warmup`): the first steps then compile
-        Triton kernels as they meet them. `speculative_config`: vLLM's dict (`core/spec/config.py`)."""
+        """vLLM's flat keyword arguments, mapped onto the nested `EngineConfig`. `warmup=False` skips the start-up
+        kernel warm-up (`LLMEngine.warmup`): the first steps then compile Triton kernels as they meet them.
+        `speculative_config`: vLLM's dict (`core/spec/config.py`)."""
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -44,11 +44,13 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, policy=scheduling_policy),
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
-            lora_modules=tuple((lora_modules or {}).items()), lora_dirs=tuple(str(d) for d in lora_dirs),
-            load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-            speculative=SpeculativeConfig.parse(speculative_config))
+            lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+                            lora_modules=tuple((lora_modules or {}).items()),
+                            lora_dirs=tuple(str(d) for d in lora_dirs)),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            speculative=SpeculativeConfig.parse(speculative_config),
+            quantization=QuantizationConfig(method=quantization),
+            load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()

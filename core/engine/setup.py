@@ -11,6 +11,7 @@ import torch
 
 from adapters.layers.dims import BaseModelDims
 from adapters.registry.registry import AdapterRegistry
+from core.environment.backends import lora_backends
 from core.config import EngineConfig, ModelConfig
 from core.distributed.executor import TPExecutor
 from core.distributed.lora import ShardedSlotPool
@@ -115,7 +116,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     """The engine's parts on the executor of `tensor_parallel_size` ranks (1: this process alone, no worker):
     rank 0's model shard, LoRA slot pool and KV pool (every rank holds the same number of blocks, of its own KV
     heads), the adapter registry, the KV manager and the scheduler."""
-    world_size = config.tensor_parallel_size
+    world_size = config.parallel.tensor_parallel_size
     f = resolve_model_files(config)
     cfg, dtype, max_model_len = f.cfg, f.dtype, f.max_model_len
     check_tp_divisible(cfg, world_size)
@@ -137,7 +138,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise
     executor.attach(state.lora_pool)
     kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.max_loras)
+    scheduler = Scheduler(config.scheduler, kv, max_model_len, max_loras=config.lora.max_loras)
     torch.manual_seed(config.seed)
     if world_size > 1:
         logger.info("tensor parallel %d: %d KV blocks per rank (%d of %d KV heads each)", world_size, num_blocks,
@@ -150,10 +151,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def build_registry(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> AdapterRegistry:
     """The adapter registry (`--lora-dir`s, host LRU, loader pool) with the start-up adapters read."""
-    registry = AdapterRegistry(BaseModelDims.from_model_config(cfg), config.max_lora_rank, config.max_cpu_loras,
-                               lora_dirs=config.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda")
+    lora = config.lora
+    registry = AdapterRegistry(BaseModelDims.from_model_config(cfg), lora.max_lora_rank, lora.max_cpu_loras,
+                               lora_dirs=lora.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda")
     try:
-        for name, path in config.lora_modules:
+        for name, path in lora.lora_modules:
             registry.load(name, path)
     except BaseException:
         registry.shutdown()

@@ -23,6 +23,7 @@ from core.engine_core.grammar_handles import materialize
 from core.engine.interface import engine_facts
 from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, AdapterRow,
                                        EngineInput, EngineOutput, Reply, StartupInfo, dumps, encode_delta, loads)
+from core.engine_core.test_hook import run_test_hook
 from core.engine_core.stats import snapshot_stats
 from core.engine.streams import error_delta
 
@@ -226,10 +227,10 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
     core = EngineCore(None, pull, push)
     code = 0
     try:
-        from core.engine.engine import LLMEngine
-
-        _run_test_hook()
         try:
+            run_test_hook()   # the test suite's hook (core/engine_core/test_hook.py); refused elsewhere, first
+            from core.engine.engine import LLMEngine
+
             engine = LLMEngine(config)
         except (FileNotFoundError, ValueError, OSError) as exc:
             core.event("failed", ("load", exc if _picklable(exc) else RuntimeError(str(exc))))
@@ -263,17 +264,6 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         ctx.term()
         sys.stdout.flush()
         os._exit(code)
-
-
-def _run_test_hook() -> None:
-    """Test-only: `LORAPLEX_ENGINE_TEST_HOOK=module:function` is called in this process before the engine is
-    built (a test's monkeypatches do not cross the spawn: e.g. a wrong kernel for the self-check test)."""
-    spec = os.environ.get("LORAPLEX_ENGINE_TEST_HOOK")
-    if spec:
-        import importlib
-
-        module, _, name = spec.partition(":")
-        getattr(importlib.import_module(module), name)()
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,18 +7,19 @@ Each public function has two paths:
   tensor dtype wherever the torch ops round (bf16 products, the residual sum, the cast before the
   norm weight), so results match the reference up to reduction order and transcendental ulps.
 
-`use_triton` picks the path: Triton for CUDA tensors when triton imports, torch otherwise;
-LORAPLEX_FUSED_OPS=torch|triton overrides (triton off CUDA needs TRITON_INTERPRET=1, set before
-this module is imported: the kernels then run in the CPU interpreter; tests only).
+`use_triton` picks the path (core/environment/backends.py, family "fused"): Triton for CUDA tensors when triton
+imports, torch otherwise; LORAPLEX_FUSED_OPS=torch|triton overrides, read once (triton off CUDA needs
+TRITON_INTERPRET=1, set before this module is imported: the kernels then run in the CPU interpreter; tests only).
 The Triton paths are CUDA-graph safe: no host syncs, every branch is on shapes and dtypes only.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, overload
 
 import torch
 import torch.nn.functional as F
+
+from core.environment.backends import kernel_backend
 
 try:  # optional: CPU-only installs run the torch path
     import triton
@@ -110,16 +111,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the ops on `t` take the Triton path (see the module docstring)."""
-    choice = os.environ.get("LORAPLEX_FUSED_OPS", "").strip().lower()
-    if choice in ("", "auto"):
-        return t.is_cuda and triton is not None
-    if choice == "torch":
-        return False
-    if choice != "triton":
-        raise ValueError(f"LORAPLEX_FUSED_OPS must be auto, torch or triton, not {choice!r}")
-    if triton is None or (not t.is_cuda and type(_rms_norm_kernel).__name__ != "InterpretedFunction"):
-        raise ValueError("LORAPLEX_FUSED_OPS=triton needs triton and a CUDA tensor (or TRITON_INTERPRET=1 for tests)")
-    return True
+    return kernel_backend("fused", t.device.type) == "triton"
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,7 +3,6 @@ weights for `load_format="dummy"`. The model is built and filled by `core/distri
 loader for every tensor-parallel size, a single rank included)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,13 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         return path
     if path.exists() or model.startswith((".", "/")):
         raise FileNotFoundError(f"model path {model!r} is not a directory")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     kwargs = {"revision": revision, "cache_dir": download_dir, "allow_patterns": list(patterns)}
     try:
         return Path(snapshot_download(model, local_files_only=True, **kwargs))
     except Exception as exc:
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
+        if constants.HF_HUB_OFFLINE:   # huggingface_hub's reading of HF_HUB_OFFLINE (no download allowed)
             where = f" in {download_dir}" if download_dir else ""
             raise FileNotFoundError(f"{model!r} (revision {revision or 'main'}) is not in the HF cache{where} "
                                     f"and HF_HUB_OFFLINE=1: {exc}") from None

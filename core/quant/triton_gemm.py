@@ -11,10 +11,11 @@ Tested (compiled on a GPU, in the Triton interpreter without one) against the to
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
+
+from core.environment.backends import kernel_backend
 
 try:  # optional: CPU-only installs use the torch path
     import triton
@@ -29,14 +30,9 @@ def _jit(fn: Callable[..., Any]) -> Any:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (triton off CUDA needs
-    TRITON_INTERPRET=1: the kernel runs in the interpreter; tests only)."""
-    choice = os.environ.get("LORAPLEX_QUANT_GEMM", "auto").strip().lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"LORAPLEX_QUANT_GEMM must be auto, torch or triton, not {choice!r}")
-    if triton is None or choice == "torch":
-        return False
-    return x.is_cuda or choice == "triton"
+    """CUDA tensors when triton imports; LORAPLEX_QUANT_GEMM=torch|triton overrides (core/environment/backends.py;
+    triton off CUDA needs TRITON_INTERPRET=1: the kernel runs in the interpreter; tests only)."""
+    return kernel_backend("quant_gemm", x.device.type) == "triton"
 
 
 @_jit

@@ -1,8 +1,9 @@
 """The engine's side of structured generation: mask the logits of constrained rows, advance matchers.
 
 The model never sees the grammar; this module only touches the logits of rows whose request carries
-a `grammar.GrammarMatcher`, with one batched bitmask apply per step. The sampling stage takes its masks through
-`TokenMasker` (`GrammarMasks` here).
+a `grammar.GrammarMatcher`, with one batched bitmask apply per step, on the path LORAPLEX_BITMASK_BACKEND names
+for the logits' device (`bitmask_backend`: the Triton kernel for CUDA logits by default, torch otherwise). The
+sampling stage takes its masks through `TokenMasker` (`GrammarMasks` here).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Protocol
 import torch
 
 from core.engine import faults
+from core.environment.backends import Backend, kernel_backend
 from core.errors import RequestFault
 from core.engine.request import Request
 
@@ -63,6 +65,11 @@ def fill_token_masks(reqs: list[Request], vocab_size: int) -> TokenMasks | None:
     return bitmask, torch.tensor(rows, dtype=torch.int64)
 
 
+def bitmask_backend(logits: torch.Tensor) -> Backend:
+    """The path of the bitmask apply on `logits` (LORAPLEX_BITMASK_BACKEND, read once; core/environment/backends.py)."""
+    return kernel_backend("bitmask", logits.device.type)
+
+
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None) -> None:
     """logits [N, V] of the sampled rows, masked in place where the request is constrained."""
     if masks is None:
@@ -73,7 +80,7 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None) -> None:
     if logits.is_cuda:
         bitmask, rows = bitmask.pin_memory(), rows.pin_memory()
     apply_token_bitmask_(logits, bitmask.to(logits.device, non_blocking=True),
-                         rows.to(logits.device, non_blocking=True))
+                         rows.to(logits.device, non_blocking=True), backend=bitmask_backend(logits))
 
 
 

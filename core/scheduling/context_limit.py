@@ -6,15 +6,14 @@ stretches it to. A rope type whose context extension is computed differently add
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from core.config import ModelConfig
+from core.environment.variables import ALLOW_LONG_MAX_MODEL_LEN
 
 log = logging.getLogger("loraplex.engine")
 
-ALLOW_LONG_ENV = "LORAPLEX_ALLOW_LONG_MAX_MODEL_LEN"   # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, with our prefix
 # rope types whose `factor` multiplies the trained context (vLLM's rule); llama3 (and longrope) configs
 # already state their extended length in max_position_embeddings
 _FACTOR_SCALED = frozenset({"linear", "dynamic", "yarn"})
@@ -52,9 +51,9 @@ def check_max_model_len(requested: int | None, cfg: ModelConfig) -> None:
         return
     message = (f"--max-model-len {requested} is greater than the model's maximum context of "
                f"{limit.num_tokens} tokens ({limit.reason})")
-    if os.environ.get(ALLOW_LONG_ENV, "").strip().lower() in ("1", "true"):
-        log.warning("%s; allowed by %s=1: outputs past %d tokens may be wrong", message, ALLOW_LONG_ENV,
-                    limit.num_tokens)
+    if ALLOW_LONG_MAX_MODEL_LEN.get():   # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, with our prefix
+        log.warning("%s; allowed by %s=1: outputs past %d tokens may be wrong", message,
+                    ALLOW_LONG_MAX_MODEL_LEN.name, limit.num_tokens)
         return
-    raise ValueError(f"{message}. Lower --max-model-len, or set {ALLOW_LONG_ENV}=1 to allow it anyway "
-                     f"(the model may produce wrong outputs or NaNs past its trained context)")
+    raise ValueError(f"{message}. Lower --max-model-len, or set {ALLOW_LONG_MAX_MODEL_LEN.name}=1 to allow it "
+                     f"anyway (the model may produce wrong outputs or NaNs past its trained context)")

@@ -32,7 +32,6 @@ from core.execution.step_io import DraftLayout
 from core.kv.kv_cache_manager import KVCacheManager
 from core.sampling.sampler import logprob_entries
 from core.sampling.stage import SamplingStage
-from core.spec.config import SpeculativeConfig
 from core.spec.decoder import SpecDecoder
 from core.spec.draft_model import DraftProposer
 from core.spec.stats import SpecStats
@@ -186,7 +185,7 @@ def build_speculator(config: EngineConfig, parts: EngineParts, sampler: Sampling
                      fail: Callable[[Request, RequestFault], RequestDelta]) -> Speculator:
     """The speculator of `config.speculative` (`NoSpeculation` when off). Under tensor parallelism a draft model
     runs whole (unsharded) on the driver rank only, like vLLM's `draft_tensor_parallel_size=1`."""
-    spec = SpeculativeConfig.parse(config.speculative)
+    spec = config.speculative
     if spec is None:
         return NoSpeculation()
     draft = DraftProposer.build(spec, config, parts) if spec.method == "draft_model" else None

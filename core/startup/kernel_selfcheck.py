@@ -23,22 +23,24 @@ of tensor parallelism (rank 0 checks its own shard's kernels).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
+
+from core.environment.backends import FAMILIES
+from core.environment.variables import KERNEL_SELFCHECK
 
 log = logging.getLogger("loraplex.kernels")
 
 # rtol of the comparison by the model's dtype (see the module docstring)
 RTOL: dict[torch.dtype, float] = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
-# kernel family -> (environment switch, the value that runs it on the torch path, what it covers)
-SWITCHES: dict[str, tuple[str, str, str]] = {
-    "attention": ("LORAPLEX_ATTENTION_BACKEND", "torch", "paged attention"),
-    "fused": ("LORAPLEX_FUSED_OPS", "torch", "the fused RMSNorm / rotary / SiLU-and-mul ops"),
-    "lora": ("LORAPLEX_LORA_BACKEND", "torch", "the LoRA ops"),
-    "bitmask": ("LORAPLEX_BITMASK_BACKEND", "torch", "the grammar bitmask apply"),
+# kernel family (core/environment/backends.py) -> what it covers; its switch set to torch runs it on the torch path
+CHECKED_FAMILIES: dict[str, str] = {
+    "attention": "paged attention",
+    "fused": "the fused RMSNorm / rotary / SiLU-and-mul ops",
+    "lora": "the LoRA ops",
+    "bitmask": "the grammar bitmask apply",
 }
 
 
@@ -50,9 +52,9 @@ class KernelSelfCheckError(RuntimeError):
         lines = [f"kernel self-check failed on {device}: {len(failures)} of {num_checks} Triton kernel checks "
                  f"differ from the torch reference, so this server would produce wrong tokens:"]
         for f in failures:
-            var, value, what = SWITCHES[f.family]
             lines.append(f"  {f.kernel}: max abs error {f.max_abs_error:.3g} > tolerance {f.tolerance:.3g} "
-                         f"(inputs {f.dtype}); run {what} on the torch path with {var}={value}")
+                         f"(inputs {f.dtype}); run {CHECKED_FAMILIES[f.family]} on the torch path with "
+                         f"{FAMILIES[f.family].name}=torch")
         lines.append("Set the switch(es) above and start again (or LORAPLEX_KERNEL_SELFCHECK=0 to skip the "
                      "check: not recommended), and please report the GPU, driver and Triton version.")
         super().__init__("\n".join(lines))
@@ -61,7 +63,7 @@ class KernelSelfCheckError(RuntimeError):
 @dataclass(frozen=True)
 class KernelCheck:
     kernel: str           # kernel name and variant, e.g. "paged_attention_kernel [decode+split]"
-    family: str           # key of SWITCHES
+    family: str           # key of CHECKED_FAMILIES
     dtype: str
     max_abs_error: float
     tolerance: float
@@ -73,9 +75,7 @@ class KernelCheck:
 
 def selfcheck_enabled(device: torch.device) -> bool:
     """LORAPLEX_KERNEL_SELFCHECK: auto (CUDA only), 1 (wherever Triton kernels run), 0 (never)."""
-    choice = os.environ.get("LORAPLEX_KERNEL_SELFCHECK", "").strip().lower() or "auto"
-    if choice not in ("auto", "0", "1"):
-        raise ValueError(f"LORAPLEX_KERNEL_SELFCHECK must be auto, 0 or 1, not {choice!r}")
+    choice = KERNEL_SELFCHECK.get()
     return choice == "1" or (choice == "auto" and device.type == "cuda")
 
 
@@ -101,7 +101,7 @@ class KernelSelfCheck:
     def compare(self, kernel: str, family: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
                 exact: bool = False) -> None:
         """Records got (the Triton output) against want (the torch path's), at `dtype`'s tolerance."""
-        assert family in SWITCHES, family
+        assert family in CHECKED_FAMILIES, family
         err, scale = max_abs_error(got, want)
         tol = 0.0 if exact else RTOL.get(dtype, RTOL[torch.float32]) * scale
         self.checks.append(KernelCheck(kernel, family, str(dtype).removeprefix("torch."), err, tol))

@@ -38,7 +38,7 @@ log = logging.getLogger("loraplex.kernels")
 from core.startup.kernel_compiles import COMPILES
 from core.startup.kernel_selfcheck import KernelSelfCheck, selfcheck_enabled
 from core.execution.runner import HostBatch, to_device
-from core.sampling.grammar_masks import apply_token_masks
+from core.sampling.grammar_masks import apply_token_masks, bitmask_backend
 
 ProgressFn = Callable[[int, int, float], None]     # (variants done, total, seconds since the start)
 
@@ -132,7 +132,7 @@ def dummy_forward(model: Any, kv_caches: Any, lora_pool: Any, block_size: int, d
 def _dummy_step(engine: Any, decode_lens: list[int], prefill_chunks: list[tuple[int, int]], label: str = "",
                 check: KernelSelfCheck | None = None) -> None:
     from core.startup.kernel_checks import check_bitmask, forward_hooks
-    from grammar.matching.bitmask import allocate_token_bitmask, bitmask_backend
+    from grammar.matching.bitmask import allocate_token_bitmask
 
     with forward_hooks(check, engine, label) if check is not None else nullcontext():
         logits = dummy_forward(engine.model, engine.kv_caches, engine.lora_pool, engine.block_size, engine.device,
@@ -144,15 +144,13 @@ def _dummy_step(engine: Any, decode_lens: list[int], prefill_chunks: list[tuple[
         apply_token_masks(logits, masks)
 
 
-def lora_variants(model: Any, pool: Any, device: torch.device) -> list[KernelVariant]:
+def lora_variants(model: Any, pool: Any) -> list[KernelVariant]:
     """The LoRA kernel variants of one rank's fused linears, on scratch stacks (no collective)."""
     if pool is None:
         return []
     from adapters.layers.lora_linear import LoRALinear
-    from adapters.lora_ops import select_backend
 
-    probe = torch.empty(1, device=device)
-    if select_backend(probe, pool.context.backend) != "triton":
+    if pool.context.backends.segmented != "triton":
         return []
     from adapters.lora_ops.triton_ops import SEGMENT_CONFIGS
 
@@ -238,7 +236,7 @@ def kernel_variants(engine: Any) -> list[KernelVariant]:
                                                     engine.spec.num_speculative_tokens)]
     quant = [KernelVariant("quant_gemm", label, run)
              for label, run in quant_gemm_warmups(engine.model, engine.device)]
-    return forwards + quant + lora_variants(engine.model, engine.lora_pool, engine.device)
+    return forwards + quant + lora_variants(engine.model, engine.lora_pool)
 
 
 def run_warmup(engine: Any, progress: ProgressFn | None = None, selfcheck: bool | None = None) -> WarmupReport:

@@ -53,7 +53,7 @@ class EngineClient:
         self._facts: EngineFacts | None = None          # from the engine's `info` event
         self._compiler: RemoteCompiler | None = None    # built with the facts
         self._tokenizer: Tokenizer = None               # loaded by `start`
-        self._registry = RemoteRegistry(self.command, config.lora_dirs)   # a mirror of the engine's adapters
+        self._registry = RemoteRegistry(self.command, config.lora.lora_dirs)   # a mirror of the engine's adapters
         self._stats: Stats | None = None                # the engine's latest report
         self._warmed_up = False
         self._streams = RequestStreams(lambda: self.alive)

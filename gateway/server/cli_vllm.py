@@ -165,20 +165,27 @@ def lora_modules(args: argparse.Namespace, model: str, names: tuple[str, ...],
     return pairs
 
 
-def vllm_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """ServerConfig fields set by the vLLM flags (besides the model, served names and adapters)."""
+def prefix_caching(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """--no-prefix-caching and vLLM's --[no-]enable-prefix-caching: on unless one turns it off."""
+    if args.enable_prefix_caching is not None and args.no_prefix_caching and args.enable_prefix_caching:
+        parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
+    return not args.no_prefix_caching and args.enable_prefix_caching is not False
+
+
+def vllm_engine_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields set by the vLLM flags (the tokenizer and where the model comes from)."""
+    return dict(chat_template=args.chat_template, tokenizer=args.tokenizer, revision=args.revision,
+                download_dir=args.download_dir, trust_remote_code=args.trust_remote_code)
+
+
+def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """ServerConfig fields set by the vLLM flags (besides the served names)."""
     if args.enable_chunked_prefill is False:
         parser.error("--no-enable-chunked-prefill: loraplex always chunks prefills (within "
                      "--max-num-batched-tokens); it cannot be turned off")
-    if args.enable_prefix_caching is not None and args.no_prefix_caching and args.enable_prefix_caching:
-        parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
     if args.max_logprobs is not None and args.max_logprobs < -1:
         parser.error("--max-logprobs must be >= 0, or -1 for the whole vocabulary")
-    return dict(chat_template=args.chat_template, generation_config=args.generation_config,
-                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                log_requests=args.enable_log_requests,
-                max_logprobs=args.max_logprobs, tokenizer=args.tokenizer, revision=args.revision,
-                download_dir=args.download_dir, trust_remote_code=args.trust_remote_code,
-                uvicorn_log_level=args.uvicorn_log_level,
-                enable_prefix_caching=not args.no_prefix_caching and args.enable_prefix_caching is not False,
+    return dict(generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser, log_requests=args.enable_log_requests,
+                max_logprobs=args.max_logprobs, uvicorn_log_level=args.uvicorn_log_level,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

@@ -30,7 +30,7 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> ServingEn
     if config.engine_process:   # the engine core in its own process, fed over ZMQ (gateway/engine_client/client.py)
         from gateway.engine_client.client import EngineClient
 
-        client = EngineClient(config.engine_config(), log_level, on_warmup_progress=WarmupPrinter(),
+        client = EngineClient(config.engine, log_level, on_warmup_progress=WarmupPrinter(),
                               on_ready=print_ready)
         client.start()
         client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
@@ -38,7 +38,7 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> ServingEn
     from core.engine.async_engine import AsyncEngine
     from core.engine.engine import LLMEngine
 
-    engine = LLMEngine(config.engine_config())
+    engine = LLMEngine(config.engine)
     aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)
     aeng.start()   # the engine thread warms up first: /health answers 503 until it is done
     aeng.warm_grammar_in_background()   # as the engine process does at start-up
@@ -99,7 +99,7 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
     try:
         aeng = _start_engine(config, log_level)
     except (FileNotFoundError, ValueError, OSError, AdapterError) as exc:
-        print(f"loraplex: cannot start with model {config.model!r}: {exc}", file=sys.stderr)
+        print(f"loraplex: cannot start with model {config.engine.model!r}: {exc}", file=sys.stderr)
         return 1
     server: GatewayServer | None = None
     try:

@@ -47,10 +47,10 @@ class GatewayState:
         facts = aeng.facts
         return GatewayState(
             config=config, aeng=aeng,
-            models=ServedModels(config.served_model_name, root=config.model, registry=aeng.adapters,
+            models=ServedModels(config.served_model_name, root=config.engine.model, registry=aeng.adapters,
                                 aliases=config.served_model_aliases),
             encoder=PromptEncoder(aeng.tokenizer, facts.vocab_size, facts.max_model_len),
             texts=TokenTexts(aeng.tokenizer),
-            metrics=GatewayMetrics(aeng, config.max_loras),
+            metrics=GatewayMetrics(aeng, config.engine.lora.max_loras),
             defaults=load_request_defaults(config.generation_config, facts.model_dir, config.max_logprobs,
                                            facts.vocab_size))

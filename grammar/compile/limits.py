@@ -13,20 +13,21 @@ compile worker process (grammar/compile/pool.py), never in the API process or th
                     vocabulary: ~4x the size whose index builds in ~2 s); the builder stops as soon as a partial
                     regex passes it (400 `unsupported_json_schema` naming it). LORAPLEX_GRAMMAR_MAX_REGEX_CHARS
                     overrides it (the target size optional members are pruned toward shrinks with it).
-A bad value is a start-up error naming the variable.
+grammar reads no environment: the variables are declared (type, bounds) in core/environment/variables.py, and
+each process that compiles or lowers (the engine, the API process) builds its `CompileLimits` from them
+(core/engine/grammar_compilers.py `compile_limits`) and hands them down; a compile worker gets its memory limit
+on its command line and its regex budget in each lowering's options. A bad value is a start-up error naming
+the variable.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-TIMEOUT_ENV = "LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S"
-MEMORY_ENV = "LORAPLEX_GRAMMAR_WORKER_MEMORY_MB"
-REGEX_ENV = "LORAPLEX_GRAMMAR_MAX_REGEX_CHARS"
-MIN_WORKER_MEMORY_MB = 256   # below this a worker cannot even import its libraries
-
+MAX_COMPILE_TIMEOUT_S = 3600.0   # the bounds a configured limit must keep (core/environment/variables.py checks them)
+MIN_WORKER_MEMORY_MB = 256       # below this a worker cannot even import its libraries
+MIN_REGEX_CHARS = 1000
 
 @dataclass(frozen=True)
 class CompileLimits:
@@ -37,28 +38,6 @@ class CompileLimits:
     worker_memory_bytes: int = 4096 << 20
     max_regex_chars: int | None = None   # None: SchemaOptions.for_vocab_size's
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "CompileLimits":
-        env = os.environ if environ is None else environ
-        out = cls()
-        timeout = _number(env, TIMEOUT_ENV, float)
-        if timeout is not None:
-            if not 0 < timeout <= 3600:
-                raise ValueError(f"{TIMEOUT_ENV} must be in (0, 3600] seconds, got {timeout}")
-            out = dataclasses.replace(out, compile_timeout_s=timeout)
-        memory = _number(env, MEMORY_ENV, int)
-        if memory is not None:
-            if memory != 0 and memory < MIN_WORKER_MEMORY_MB:
-                raise ValueError(f"{MEMORY_ENV} must be 0 (no limit) or at least {MIN_WORKER_MEMORY_MB} MiB, "
-                                 f"got {memory}")
-            out = dataclasses.replace(out, worker_memory_bytes=memory << 20)
-        chars = _number(env, REGEX_ENV, int)
-        if chars is not None:
-            if chars < 1000:
-                raise ValueError(f"{REGEX_ENV} must be at least 1000 characters, got {chars}")
-            out = dataclasses.replace(out, max_regex_chars=chars)
-        return out
-
     def schema_options(self, vocab_size: int) -> Any:
         """The lowering options of a model with `vocab_size` tokens under these limits."""
         from grammar.schema.lowering import SchemaOptions
@@ -68,16 +47,6 @@ class CompileLimits:
             return options
         return dataclasses.replace(options, max_regex_chars=self.max_regex_chars,
                                    target_regex_chars=min(options.target_regex_chars, self.max_regex_chars))
-
-
-def _number(env: Mapping[str, str], name: str, kind: type) -> Any:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
 DEFAULT_LIMITS = CompileLimits()

@@ -1,20 +1,23 @@
 """Batched token bitmasks: int32 [batch, ceil(vocab / 32)], bit t of row r = token t allowed.
 
 Rows of unconstrained requests stay all ones (-1).  `apply_token_bitmask_` masks the
-logits in place in one batched op: a Triton kernel on CUDA, torch ops elsewhere.
-`LORAPLEX_BITMASK_BACKEND=torch|triton` overrides the choice (`bitmask_backend`): torch runs the
-reference on any device (e.g. on a GPU whose Triton kernel failed the start-up self-check); triton off
-CUDA needs TRITON_INTERPRET=1 (tests).
+logits in place in one batched op on the path its caller names: the Triton kernel (CUDA logits, or CPU
+logits under TRITON_INTERPRET=1: tests) or the torch reference on any device (the default). The engine
+resolves LORAPLEX_BITMASK_BACKEND for its logits and passes the path (core/sampling/grammar_masks.py);
+grammar reads no environment.
 """
 
 from __future__ import annotations
 
-import os
+from typing import Literal
 
 import numpy as np
 import torch
 
 from grammar.matching.compiled import bitmask_words
+
+BitmaskBackend = Literal["torch", "triton"]
+BITMASK_BACKENDS: tuple[BitmaskBackend, ...] = ("torch", "triton")
 
 
 def allocate_token_bitmask(
@@ -97,30 +100,16 @@ def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor, rows
     logits.index_copy_(0, rows, sub)
 
 
-def bitmask_backend(logits: torch.Tensor) -> str:
-    """"triton" or "torch": the path `apply_token_bitmask_` takes for `logits` (env LORAPLEX_BITMASK_BACKEND,
-    auto by default: the Triton kernel for CUDA logits when triton imports, torch otherwise)."""
-    choice = os.environ.get("LORAPLEX_BITMASK_BACKEND", "").strip().lower() or "auto"
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"LORAPLEX_BITMASK_BACKEND must be auto, torch or triton, not {choice!r}")
-    if choice == "torch":
-        return "torch"
-    from grammar.matching.bitmask_triton import interpreting, triton_available
-
-    if choice == "auto":
-        return "triton" if logits.is_cuda and triton_available() else "torch"
-    if not triton_available() or not (logits.is_cuda or interpreting()):
-        raise ValueError("LORAPLEX_BITMASK_BACKEND=triton needs triton and CUDA logits (or TRITON_INTERPRET=1 for tests)")
-    return "triton"
-
-
-def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Set logits of disallowed tokens to -inf, in place.
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None,
+                         backend: BitmaskBackend = "torch") -> None:
+    """Set logits of disallowed tokens to -inf, in place, on the `backend` path.
 
     `bitmask` rows align with `logits` rows; `rows` (1-D indices) restricts the apply to
     the constrained rows.  Tokens at or beyond 32 * bitmask.shape[1] are disallowed.
     """
-    if bitmask_backend(logits) == "triton":
+    if backend not in BITMASK_BACKENDS:
+        raise ValueError(f"unknown bitmask backend {backend!r} (expected torch or triton)")
+    if backend == "triton":
         from grammar.matching.bitmask_triton import apply_token_bitmask_triton_
 
         _check(logits, bitmask, rows)

@@ -7,8 +7,6 @@ Tested on CPU with TRITON_INTERPRET=1 against the torch reference.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 try:  # triton is optional (CPU-only installs)
@@ -18,16 +16,6 @@ try:  # triton is optional (CPU-only installs)
     _HAVE_TRITON = True
 except Exception:  # noqa: BLE001
     _HAVE_TRITON = False
-
-
-@lru_cache(maxsize=1)
-def triton_available() -> bool:
-    return _HAVE_TRITON
-
-
-def interpreting() -> bool:
-    """True when the kernel was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
-    return _HAVE_TRITON and type(_apply_bitmask_kernel).__name__ == "InterpretedFunction"
 
 
 if _HAVE_TRITON:

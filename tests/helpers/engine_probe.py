@@ -5,15 +5,19 @@ the loop thread before each step): `core.engine.async_engine.AsyncEngine` in-pro
 `core.engine_core.proc.EngineCore`. `InProcessServer.call(fn, *args)` (tests/helpers/inprocess_server.py) runs
 `fn(host, *args)` there: directly on the engine thread in-process, or as the engine process's test-only `call`
 command (the function pickles by reference: this module is imported in the engine process too). So the
-fault hooks (`core/engine/faults.py`) and the leak checks reach the engine through the process boundary.
+fault injector (tests/helpers/fault_injector.py, in the hooks of `core/engine/faults.py`) and the leak checks
+reach the engine through the process boundary.
 """
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
-from core.engine import faults
+import fault_injector as faults
 
 
 # ---- engine state -------------------------------------------------------------------------
@@ -102,7 +106,7 @@ def stop_watch(host: Any) -> tuple[int, list[str]]:
     return watch.checks, watch.failures
 
 
-# ---- fault hooks (core/engine/faults.py) in the engine's process ----------------------------------
+# ---- fault injection (tests/helpers/fault_injector.py) in the engine's process ----------------------
 class PromptMarker:
     """Matches the engine requests whose prompt starts with `word` (decoded with the engine's tokenizer)."""
 
@@ -147,6 +151,16 @@ def clear_faults(host: Any) -> None:
 
 
 # ---- start-up hooks (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:<name>, called before the engine is built) ----
+def hook_marker(server_pid: int) -> Path:
+    """The file `mark_hook_ran` writes in an engine process started by the server `server_pid`."""
+    return Path(tempfile.gettempdir()) / f"loraplex_test_hook_ran_{server_pid}"
+
+
+def mark_hook_ran() -> None:
+    """Leaves a trace that the hook ran (tests/test_gateway/engine_client/test_engine_test_hook.py)."""
+    hook_marker(os.getppid()).write_text("ran")
+
+
 def wrong_bitmask_kernel() -> None:
     """The Triton bitmask kernel forgets the last constrained row: the start-up self-check must refuse it."""
     from grammar.matching import bitmask_triton

@@ -4,7 +4,7 @@
 penalties + logit bias + min_tokens, log-probs); `send` posts one, streamed or not, and returns its `Outcome`:
 the text, or the OpenAI error it got (a status, or an in-band SSE error event, which must be followed by
 `[DONE]`). Faults are armed in the server's process with a predicate on the engine request
-(`core.engine.faults.inject`), matched by the marker each prompt starts with.
+(`fault_injector.inject`), matched by the marker each prompt starts with.
 """
 from __future__ import annotations
 

@@ -45,11 +45,14 @@ class InProcessServer:
 
     def __init__(self, model: str, served: str, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int,
                  max_num_batched_tokens: int, admin_token: str, engine_process: bool = True, block_size: int = 16,
-                 **overrides: Any) -> None:
+                 max_model_len: int | None = None, async_scheduling: bool | None = None,
+                 **server_overrides: Any) -> None:
+        """The engine: `model` (a tiny test model) on the CPU in fp32 with a pool of `num_kv_blocks`; the server:
+        `served`, the admin token, and any other `ServerConfig` field in `server_overrides`."""
         import torch
         import uvicorn
 
-        from core.config import ModelConfig
+        from core.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
         from core.kv.pool_size import kv_bytes_per_block
         from gateway.app import build_app
         from gateway.server.config import ServerConfig
@@ -57,12 +60,16 @@ class InProcessServer:
 
         port = free_port()
         per_block = kv_bytes_per_block(ModelConfig.from_path(model_dir(model)), block_size, torch.float32)
-        settings: dict[str, Any] = dict(
-            model=str(model_dir(model)), served_model_name=served, host="127.0.0.1", port=port, device="cpu",
-            dtype="float32", lora_modules=lora_modules, max_loras=2, max_lora_rank=64, block_size=block_size,
-            kv_cache_memory=num_kv_blocks * per_block, max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
-            admin_token=admin_token, access_log=False, engine_process=engine_process)
-        settings.update(overrides)
+        engine = EngineConfig(
+            model=str(model_dir(model)), device="cpu", dtype="float32",
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=num_kv_blocks * per_block),
+            scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            lora=LoRAConfig(max_loras=2, max_lora_rank=64, lora_modules=lora_modules),
+            async_scheduling=async_scheduling)
+        settings: dict[str, Any] = dict(engine=engine, served_model_name=served, host="127.0.0.1", port=port,
+                                        admin_token=admin_token, access_log=False, engine_process=engine_process)
+        settings.update(server_overrides)
         config = ServerConfig(**settings)
         self.config = config
         self.engine_process = engine_process
@@ -87,14 +94,14 @@ class InProcessServer:
         if config.engine_process:
             from gateway.engine_client.client import EngineClient
 
-            client = EngineClient(config.engine_config())
+            client = EngineClient(config.engine)
             client.start()
             client.wait_started()
             return client
         from core.engine.async_engine import AsyncEngine
         from core.engine.engine import LLMEngine
 
-        aeng = AsyncEngine(LLMEngine(config.engine_config()))
+        aeng = AsyncEngine(LLMEngine(config.engine))
         aeng.start()
         return aeng
 

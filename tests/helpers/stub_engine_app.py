@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 from starlette.testclient import TestClient
 
+from core.config import EngineConfig
 from core.engine.interface import WarmupProgress
 from fake_engine import IDLE_STATS, FakeEngine
 
@@ -41,7 +42,7 @@ STATS = msgspec.structs.replace(IDLE_STATS, kv_usage=0.25, num_prompt_tokens=7, 
 def client(alive: bool = True, api_key: str | None = None, ready: bool | None = None) -> TestClient:
     engine = FakeEngine(FakeTokenizer(), alive=alive, ready=ready, stats=STATS,
                         warmup_progress=WarmupProgress(7, 24, 3.14))
-    config = ServerConfig(model="/models/base", served_model_name="base", api_key=api_key)
+    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base", api_key=api_key)
     state = GatewayState(config=config, aeng=engine, models=ServedModels("base", "/models/base"),
                          encoder=PromptEncoder(engine.tokenizer, 100), texts=TokenTexts(engine.tokenizer),
                          metrics=GatewayMetrics(engine, max_loras=8))

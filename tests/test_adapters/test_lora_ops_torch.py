@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from adapters.errors import LoRAContextError
-from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora, select_backend
+from adapters.lora_ops import LoRABackends, LoRABatchMeta, LoRAStack, add_lora
 from lora_dense_reference import naive
 
 
@@ -58,9 +58,16 @@ def test_no_lora_is_noop_and_token_count_checked():
 
 
 def test_backend_selection():
-    assert select_backend(torch.zeros(1)) == "torch"
-    with pytest.raises(ValueError):
-        select_backend(torch.zeros(1), "cutlass")
+    """The ops take the path their caller names (the engine resolves LORAPLEX_LORA_BACKEND): the torch reference
+    unless told; a name that is no path is refused, even for a step without LoRA tokens."""
+    stack = LoRAStack.from_slices([torch.randn(2, 8, 16)], [torch.randn(2, 16, 8)], [[8, 8]], [[1.0, 1.0]])
+    with pytest.raises(ValueError, match="unknown LoRA backend 'cutlass'"):
+        add_lora(torch.randn(3, 16), torch.randn(3, 16), stack, LoRABatchMeta.build([-1, -1, -1]), backend="cutlass")
+    with pytest.raises(ValueError, match="unknown LoRA backend 'auto'"):
+        LoRABackends(segmented="auto")   # type: ignore[arg-type]  # the engine resolves auto, adapters never does
+    backends = LoRABackends(segmented="triton")
+    assert backends.for_meta(LoRABatchMeta.build([0, -1])) == "triton" and backends.decode == "torch"
+    assert LoRABackends() == LoRABackends("torch", "torch")
 
 
 def test_stack_validation():

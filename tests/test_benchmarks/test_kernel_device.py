@@ -41,9 +41,11 @@ def test_no_cuda_means_cpu_tensors_and_the_interpreter(monkeypatch: pytest.Monke
 
 def test_this_session_decided_once_before_triton_was_imported() -> None:
     """The conftest asked before any test module imported triton: the kernels were decorated accordingly."""
-    from core.attention.triton_backend import interpreting
+    from core.attention import triton_kernels
+    from core.environment.backends import interpreting
 
-    assert interpreting() == (kd.kernel_device().type == "cpu")
+    decorated_interpreted = type(triton_kernels.paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert interpreting() == decorated_interpreted == (kd.kernel_device().type == "cpu")
 
 
 def test_no_test_file_decides_the_kernel_device_itself() -> None:

@@ -250,7 +250,7 @@ def test_model_server_config_builds_with_the_documented_tenant_file(tmp_path: Pa
     argv[argv.index("--admin-token") + 1] = "an-admin-token-unlike-any-tenant-key"
     parser = build_parser()
     config = config_from_args(parser.parse_args(argv), parser)
-    served = {config.served_model_name, *(name for name, _ in config.lora_modules)}
+    served = {config.served_model_name, *(name for name, _ in config.engine.lora.lora_modules)}
     documented = {model for t in yaml.safe_load(m.group(1))["tenants"].values() for model in t["models"]}
     assert documented <= served, f"the documented tenants use models the Deployment does not serve: {documented - served}"
 

@@ -8,6 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from core.environment.backends import triton_available  # noqa: E402
 from grammar.matching import bitmask_triton  # noqa: E402
 from grammar.matching.bitmask import apply_token_bitmask_torch_  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
@@ -18,7 +19,7 @@ DEVICE = kernel_device()
 @pytest.mark.parametrize("vocab, block", [(100, 64), (300, 128), (64, 64)])
 @pytest.mark.parametrize("use_rows", [False, True])
 def test_triton_kernel_matches_torch(vocab: int, block: int, use_rows: bool) -> None:
-    assert bitmask_triton.triton_available()
+    assert triton_available()
     gen = torch.Generator().manual_seed(vocab + block)
     logits = torch.randn(4, vocab, generator=gen)
     words = (vocab + 31) // 32

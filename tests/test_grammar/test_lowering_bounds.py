@@ -240,31 +240,3 @@ def test_memory_limit_is_a_400_and_a_restarted_worker(bpe_tokenizer: Any) -> Non
             compiler.check_integrity()
     finally:
         compiler.close()
-
-
-# -- the limits' configuration ---------------------------------------------------------------------------------
-def test_compile_limits_from_the_environment() -> None:
-    from grammar.compile.limits import CompileLimits
-
-    assert CompileLimits.from_env({}) == CompileLimits()
-    limits = CompileLimits.from_env({"LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S": "0.5",
-                                     "LORAPLEX_GRAMMAR_WORKER_MEMORY_MB": "512",
-                                     "LORAPLEX_GRAMMAR_MAX_REGEX_CHARS": "30000"})
-    assert (limits.compile_timeout_s, limits.worker_memory_bytes, limits.max_regex_chars) == (0.5, 512 << 20, 30000)
-    options = limits.schema_options(512)
-    assert options.max_regex_chars == 30000 and options.target_regex_chars <= 30000
-    assert CompileLimits.from_env({"LORAPLEX_GRAMMAR_WORKER_MEMORY_MB": "0"}).worker_memory_bytes == 0
-    for name, bad in (("LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S", "0"), ("LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S", "x"),
-                      ("LORAPLEX_GRAMMAR_WORKER_MEMORY_MB", "10"), ("LORAPLEX_GRAMMAR_MAX_REGEX_CHARS", "5")):
-        with pytest.raises(ValueError, match=name):
-            CompileLimits.from_env({name: bad})
-
-
-def test_a_bad_limit_refuses_to_serve(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import build_parser, config_from_args
-
-    monkeypatch.setenv("LORAPLEX_GRAMMAR_WORKER_MEMORY_MB", "lots")
-    parser = build_parser()
-    with pytest.raises(SystemExit) as info:
-        config_from_args(parser.parse_args(["serve"]), parser)
-    assert info.value.code == 2 and "LORAPLEX_GRAMMAR_WORKER_MEMORY_MB" in capsys.readouterr().err

@@ -153,6 +153,7 @@ def test_engine_greedy_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) ->
     from core.config import CacheConfig, EngineConfig, SchedulerConfig
     from core.engine.engine import LLMEngine
     from core.sampling.params import SamplingParams
+    from envlib import setenv
     from tiny_models import TinyModelSpec, tiny_model_dir
 
     path = tiny_model_dir(TinyModelSpec())
@@ -161,7 +162,7 @@ def test_engine_greedy_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) ->
     params = SamplingParams(max_tokens=10, temperature=0.0)
 
     def generate(kind: str) -> dict[str, list[int]]:
-        monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", kind)
+        setenv(monkeypatch, "LORAPLEX_ATTENTION_BACKEND", kind)
         engine = LLMEngine(EngineConfig(
             model=str(path), dtype="float32", device=str(DEVICE),
             cache=CacheConfig(block_size=BS, num_blocks=64, enable_prefix_caching=True),

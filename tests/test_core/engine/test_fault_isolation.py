@@ -1,4 +1,5 @@
-"""Per-request fault isolation at the `AsyncEngine` level (`core/engine/fault_isolation.py`, hooks in `core/engine/faults.py`).
+"""Per-request fault isolation at the `AsyncEngine` level (`core/engine/fault_isolation.py`; faults armed by
+tests/helpers/fault_injector.py in the hooks of `core/engine/faults.py`).
 
 A mixed batch (base model, three LoRA adapters in three device slots, a JSON schema, penalties + logit bias +
 min_tokens, log-probs and prompt log-probs) runs once clean, its greedy base and adapter rows equal to HF / PEFT
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from core import LLM, SamplingParams
-from core.engine import faults
+import fault_injector as faults
 from core.engine.async_engine import AsyncEngine
 from core.engine.interface import EngineDeadError
 from core.errors import RequestFault, RequestRejected

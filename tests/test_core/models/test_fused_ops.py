@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 from core.models import fused_ops  # noqa: E402
+from core.environment import variables  # noqa: E402
+from envlib import delenv, setenv  # noqa: E402
 from core.models.rope import PartialRotaryEmbedding, RotaryEmbedding  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 
@@ -27,15 +29,13 @@ def run(mode: str, fn, *args, **kwargs):
     """Runs `fn` with LORAPLEX_FUSED_OPS=mode on DEVICE (the torch reference runs on the CPU)."""
     device = torch.device("cpu") if mode == "torch" else DEVICE
     moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    old = os.environ.get("LORAPLEX_FUSED_OPS")
-    os.environ["LORAPLEX_FUSED_OPS"] = mode
-    try:
-        out = fn(*moved, **kwargs)
-    finally:
-        if old is None:
-            os.environ.pop("LORAPLEX_FUSED_OPS")
-        else:
-            os.environ["LORAPLEX_FUSED_OPS"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        setenv(mp, "LORAPLEX_FUSED_OPS", mode)
+        try:
+            out = fn(*moved, **kwargs)
+        finally:
+            mp.undo()
+            variables.reset()
     return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
 
@@ -151,15 +151,15 @@ def test_silu_and_mul(num_tokens: int, inter: int, dtype: torch.dtype) -> None:
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.zeros(2)
-    monkeypatch.delenv("LORAPLEX_FUSED_OPS", raising=False)
+    delenv(monkeypatch, "LORAPLEX_FUSED_OPS")
     assert not fused_ops.use_triton(cpu)
     if DEVICE.type == "cuda":
         assert fused_ops.use_triton(cpu.to(DEVICE))
-    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "torch")
+    setenv(monkeypatch, "LORAPLEX_FUSED_OPS", "torch")
     assert not fused_ops.use_triton(cpu.to(DEVICE))
-    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "triton")
+    setenv(monkeypatch, "LORAPLEX_FUSED_OPS", "triton")
     assert fused_ops.use_triton(cpu.to(DEVICE))
-    monkeypatch.setenv("LORAPLEX_FUSED_OPS", "fast")
+    setenv(monkeypatch, "LORAPLEX_FUSED_OPS", "fast")
     with pytest.raises(ValueError):
         fused_ops.use_triton(cpu)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from core.engine.llm import DEMO_MODEL_DIR
+from core.config import DEMO_MODEL_DIR
 from core.models.tokenizer_load import light_config, load_tokenizer
 from testlib import SPECS, model_dir
 

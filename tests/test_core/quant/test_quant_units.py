@@ -158,6 +158,6 @@ def test_cli_quantization_flag() -> None:
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--model", "/m", "--quantization", "gptq"])
-    assert config_from_args(args, parser).engine_config().quantization == "gptq"
+    assert config_from_args(args, parser).engine.quantization.method == "gptq"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "bitsandbytes"])

@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.scheduling.context_limit import ALLOW_LONG_ENV, check_max_model_len, supported_max_len
+from core.scheduling.context_limit import check_max_model_len, supported_max_len
+from envlib import setenv
 from core.engine.setup import resolve_model_files
 from gateway.cli import main
 from tiny_models import TinyModelSpec, tiny_model_dir
 
+ALLOW_LONG_ENV = "LORAPLEX_ALLOW_LONG_MAX_MODEL_LEN"
 BASE: dict[str, Any] = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 4096}
 
@@ -52,7 +54,7 @@ def test_the_environment_variable_turns_the_refusal_into_a_warning(monkeypatch: 
     with caplog.at_level(logging.WARNING, logger="loraplex.engine"):
         check_max_model_len(10_000, cfg())
     assert any("10000" in r.getMessage() and ALLOW_LONG_ENV in r.getMessage() for r in caplog.records)
-    monkeypatch.setenv(ALLOW_LONG_ENV, "0")
+    setenv(monkeypatch, ALLOW_LONG_ENV, "0")
     with pytest.raises(ValueError):
         check_max_model_len(10_000, cfg())
 
@@ -68,7 +70,7 @@ def test_engine_setup_applies_the_check(monkeypatch: pytest.MonkeyPatch) -> None
     assert resolve_model_files(_engine_config(model, 1024)).max_model_len == 1024
     with pytest.raises(ValueError, match="max_position_embeddings=1024"):
         resolve_model_files(_engine_config(model, 2048))
-    monkeypatch.setenv(ALLOW_LONG_ENV, "1")
+    setenv(monkeypatch, ALLOW_LONG_ENV, "1")
     assert resolve_model_files(_engine_config(model, 2048)).max_model_len == 2048
 
 

@@ -84,7 +84,7 @@ def test_disable_by_batch_size_is_decided_at_admission(tiny_model: Path) -> None
 def test_a_fault_in_one_speculating_row_fails_that_request_alone(tiny_model: Path) -> None:
     """Faults raised while a request's drafts are verified (sampling at a later position, token handling)
     fail that request alone; the others keep their exact outputs; nothing leaks."""
-    from core.engine import faults
+    import fault_injector as faults
 
     prompts = prompts_for(tiny_model, num=5, seed=3)
     engine = make_engine(tiny_model)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from core import LLM  # noqa: E402
 from core.startup.kernel_selfcheck import KernelCheck, KernelSelfCheck, KernelSelfCheckError, max_abs_error, \
     selfcheck_enabled  # noqa: E402
+from envlib import setenv  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from kernel_recorder import KernelRecorder  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
@@ -76,7 +77,7 @@ def test_the_real_kernels_pass_on_the_warmup_variants(engine: Any, checked: list
     assert all(c.ok for c in checked[0].checks)
     with_check = set(rec.keys)
     rec.reset()
-    monkeypatch.setenv("LORAPLEX_KERNEL_SELFCHECK", "0")
+    setenv(monkeypatch, "LORAPLEX_KERNEL_SELFCHECK", "0")
     engine.warmup_report = None
     assert engine.warmup().num_kernel_checks == 0 and len(checked) == 1
     assert rec.keys == with_check, "the self-check launched kernel variants the warm-up does not compile"
@@ -140,7 +141,7 @@ def test_a_wrong_kernel_stops_the_engine(engine: Any, checked: list[KernelSelfCh
     assert kernel in message and switch in message and "max abs error" in message and "tolerance" in message
     if broken in ("bitmask", "fused"):   # the switch named starts the same engine (attention's is read at build)
         var, value = switch.split("=")
-        monkeypatch.setenv(var, value)
+        setenv(monkeypatch, var, value)
         report = engine.warmup()
         assert engine.ready and report.num_kernel_checks > 0
 
@@ -159,8 +160,8 @@ def test_comparison_and_tolerances(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [c.ok for c in check.checks] == [True, False, True, False]
     assert check.checks[1] == KernelCheck("b", "lora", "float32", pytest.approx(0.04), pytest.approx(8e-4))
     for value, cuda, cpu in (("", True, False), ("auto", True, False), ("1", True, True), ("0", False, False)):
-        monkeypatch.setenv("LORAPLEX_KERNEL_SELFCHECK", value)
+        setenv(monkeypatch, "LORAPLEX_KERNEL_SELFCHECK", value)
         assert selfcheck_enabled(torch.device("cuda")) is cuda and selfcheck_enabled(torch.device("cpu")) is cpu
-    monkeypatch.setenv("LORAPLEX_KERNEL_SELFCHECK", "yes")
+    setenv(monkeypatch, "LORAPLEX_KERNEL_SELFCHECK", "yes")
     with pytest.raises(ValueError, match="LORAPLEX_KERNEL_SELFCHECK"):
         selfcheck_enabled(torch.device("cpu"))

@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from core.errors import RequestRejected
 from gateway.inputs import tokenize_pool
 from gateway.app import build_app
+from core.config import EngineConfig
 from gateway.server.config import ServerConfig
 from gateway.errors import APIError
 from gateway.observability.metrics import GatewayMetrics
@@ -161,7 +162,7 @@ def app_client(tokenizer: Any) -> TestClient:
         raise RequestRejected(f"tokenized to {num_tokens}", "stop_here", "prompt")
 
     engine = FakeEngine(tokenizer, max_model_len=MAX_MODEL_LEN, check_request=stop_here)
-    config = ServerConfig(model="/models/base", served_model_name="base")
+    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base")
     state = GatewayState(config=config, aeng=engine,
                          models=ServedModels("base", "/models/base"), encoder=encoder(tokenizer),
                          texts=TokenTexts(tokenizer), metrics=GatewayMetrics(engine, max_loras=8))

@@ -9,6 +9,7 @@ import pytest
 from gateway.inputs.prompts import PromptEncoder
 from gateway.protocol import ChatMessage
 from stub_engine_app import client
+from core.config import EngineConfig
 
 
 def test_api_key() -> None:

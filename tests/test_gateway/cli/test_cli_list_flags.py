@@ -20,9 +20,9 @@ def test_lora_dir_takes_several_values_and_repeats(tmp_path: Path) -> None:
     for d in dirs:
         d.mkdir()
     a, b, c = (str(d) for d in dirs)
-    assert parse("--lora-dir", a, b).lora_dirs == (a, b)
-    assert parse("--lora-dir", a, "--lora-dir", b).lora_dirs == (a, b)
-    assert parse("--lora-dir", a, b, "--lora-dir", c, "--port", "9000").lora_dirs == (a, b, c)
+    assert parse("--lora-dir", a, b).engine.lora.lora_dirs == (a, b)
+    assert parse("--lora-dir", a, "--lora-dir", b).engine.lora.lora_dirs == (a, b)
+    assert parse("--lora-dir", a, b, "--lora-dir", c, "--port", "9000").engine.lora.lora_dirs == (a, b, c)
 
 
 def test_lora_dir_checks_every_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,8 +34,8 @@ def test_lora_dir_checks_every_value(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_lora_modules_take_several_values_and_repeat() -> None:
     expected = (("a", "/x"), ("b", "/y"), ("c", "/z"))
-    assert parse("--lora-modules", "a=/x", "b=/y", "c=/z").lora_modules == expected
-    assert parse("--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z").lora_modules == expected
+    assert parse("--lora-modules", "a=/x", "b=/y", "c=/z").engine.lora.lora_modules == expected
+    assert parse("--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z").engine.lora.lora_modules == expected
     with pytest.raises(SystemExit):
         parse("--lora-modules", "a=/x", "--lora-modules", "a=/y")   # a duplicate name across the two forms
 

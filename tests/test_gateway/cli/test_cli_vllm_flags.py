@@ -49,44 +49,44 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--swap-space", "4", "--trust-remote-code", "--enable-prefix-caching",
                 "--served-model-name", "m1", "m2", "--max-logprobs", "40", "--tokenizer", "org/tok",
                 "--revision", "v2", "--download-dir", str(tmp_path), "--max-lora-rank", "16")
-    assert cfg.model == "org/model" and cfg.served_model_names == ("m1", "m2")
+    eng = cfg.engine
+    assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
-    assert cfg.lora_modules == (("a", "/p/a"), ("b", "/p/b"))
-    assert cfg.chat_template == template.read_text() and cfg.generation_config == str(gen)
+    assert eng.lora.lora_modules == (("a", "/p/a"), ("b", "/p/b"))
+    assert eng.chat_template == template.read_text() and cfg.generation_config == str(gen)
     assert cfg.tool_call_parser == "llama3_json" and cfg.log_requests and not cfg.access_log
-    assert cfg.uvicorn_log_level == "info" and cfg.tensor_parallel_size == 2 and cfg.enable_prefix_caching
-    assert cfg.trust_remote_code and cfg.max_logprobs == 40 and cfg.max_lora_rank == 16
-    assert (cfg.tokenizer, cfg.revision, cfg.download_dir) == ("org/tok", "v2", str(tmp_path))
-    eng = cfg.engine_config()
-    assert (eng.model, eng.tokenizer, eng.revision, eng.download_dir) == ("org/model", "org/tok", "v2", str(tmp_path))
-    assert eng.trust_remote_code and eng.chat_template == cfg.chat_template and eng.tensor_parallel_size == 2
+    assert cfg.uvicorn_log_level == "info" and eng.parallel.tensor_parallel_size == 2
+    assert eng.cache.enable_prefix_caching
+    assert eng.trust_remote_code and cfg.max_logprobs == 40 and eng.lora.max_lora_rank == 16
+    assert (eng.tokenizer, eng.revision, eng.download_dir) == ("org/tok", "v2", str(tmp_path))
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
     cfg = parse("--model", "/m")
+    eng = cfg.engine
     assert cfg.served_model_names == ("/m",) and cfg.generation_config == "auto" and cfg.tool_call_parser is None
-    assert cfg.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
-    assert cfg.enable_prefix_caching and cfg.uvicorn_log_level is None and not cfg.trust_remote_code
-    assert (cfg.tokenizer, cfg.revision, cfg.download_dir) == (None, None, None)
+    assert eng.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
+    assert eng.cache.enable_prefix_caching and cfg.uvicorn_log_level is None and not eng.trust_remote_code
+    assert (eng.tokenizer, eng.revision, eng.download_dir) == (None, None, None)
 
 
 def test_positional_model_and_model_flag() -> None:
-    assert parse("/a").model == "/a" and parse("/a").served_model_name == "/a"
-    assert parse("/a", "--model", "/a").model == "/a"
-    assert parse("--model", "/a").model == "/a"
+    assert parse("/a").engine.model == "/a" and parse("/a").served_model_name == "/a"
+    assert parse("/a", "--model", "/a").engine.model == "/a"
+    assert parse("--model", "/a").engine.model == "/a"
 
 
 def test_prefix_caching_spellings() -> None:
-    assert not parse("--no-enable-prefix-caching").enable_prefix_caching
-    assert not parse("--no-prefix-caching").enable_prefix_caching
-    assert parse("--enable-prefix-caching").enable_prefix_caching
+    assert not parse("--no-enable-prefix-caching").engine.cache.enable_prefix_caching
+    assert not parse("--no-prefix-caching").engine.cache.enable_prefix_caching
+    assert parse("--enable-prefix-caching").engine.cache.enable_prefix_caching
 
 
 def test_chat_template_as_text() -> None:
     cfg = parse("--chat-template", "{% for m in messages %}{{ m.content }}\\n{% endfor %}")
-    assert cfg.chat_template == "{% for m in messages %}{{ m.content }}\n{% endfor %}"   # escapes decoded
+    assert cfg.engine.chat_template == "{% for m in messages %}{{ m.content }}\n{% endfor %}"   # escapes decoded
     training = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
-    assert parse("--chat-template", training).chat_template == training   # transformers' own extensions
+    assert parse("--chat-template", training).engine.chat_template == training   # transformers' own extensions
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -117,7 +117,7 @@ def test_base_model_name_may_name_a_served_name_or_the_model() -> None:
     for base in ("alias", "/m"):
         cfg = parse("--model", "/m", "--served-model-name", "first", "alias", "--lora-modules",
                     json.dumps({"name": "a", "path": "/p", "base_model_name": base}))
-        assert cfg.lora_modules == (("a", "/p"),)
+        assert cfg.engine.lora.lora_modules == (("a", "/p"),)
 
 
 # -- what the flags change about requests (the gateway's side; servers prove it end to end) -------------------

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
+                         SchedulerConfig)
 from gateway.cli import build_parser, config_from_args
 from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes
 
@@ -25,31 +27,27 @@ def test_every_contract_flag_parses(tmp_path: Path) -> None:
                 "--max-lora-rank", "16", "--block-size", "32", "--kv-cache-memory", "1GiB", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching",
                 "--api-key", "sk-1", "--tenant-keys", str(tenants), "--admin-token", "adm", "--seed", "3")
-    assert (cfg.model, cfg.served_model_name, cfg.host, cfg.port) == ("some/model", "base", "0.0.0.0", 9001)
-    assert (cfg.device, cfg.dtype, cfg.seed) == ("cpu", "bfloat16", 3)
-    assert (cfg.max_loras, cfg.max_cpu_loras, cfg.max_lora_rank) == (4, 32, 16)
-    assert (cfg.block_size, cfg.kv_cache_memory, cfg.max_num_seqs) == (32, 1 << 30, 8)
-    assert (cfg.max_num_batched_tokens, cfg.max_model_len, cfg.enable_prefix_caching) == (512, 1024, False)
+    assert (cfg.served_model_name, cfg.host, cfg.port) == ("base", "0.0.0.0", 9001)
     assert (cfg.api_key, cfg.tenant_keys, cfg.admin_token) == ("sk-1", tenants, "adm")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.port = 1  # type: ignore[misc]
-    eng = cfg.engine_config()
-    assert eng.model == "some/model" and eng.dtype == "bfloat16" and eng.seed == 3
-    assert eng.cache.block_size == 32 and eng.cache.kv_cache_memory == 1 << 30 and not eng.cache.enable_prefix_caching
-    assert eng.scheduler.max_num_seqs == 8 and eng.scheduler.max_model_len == 1024
-    assert (eng.max_loras, eng.max_cpu_loras, eng.max_lora_rank) == (4, 32, 16)
+    eng = cfg.engine
+    assert (eng.model, eng.device, eng.dtype, eng.seed) == ("some/model", "cpu", "bfloat16", 3)
+    assert eng.cache == CacheConfig(block_size=32, kv_cache_memory=1 << 30, enable_prefix_caching=False)
+    assert eng.scheduler == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024)
+    assert eng.lora == LoRAConfig(max_loras=4, max_cpu_loras=32, max_lora_rank=16)
+    assert eng.parallel == ParallelConfig() and eng.quantization == QuantizationConfig() and eng.speculative is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        eng.lora.max_loras = 1  # type: ignore[misc]
 
 
 def test_defaults() -> None:
-    from core.engine.llm import DEMO_MODEL_DIR
-
     demo = parse()
-    assert demo.model == str(DEMO_MODEL_DIR) and demo.served_model_name == DEMO_SERVED_NAME
-    assert (demo.host, demo.port, demo.device, demo.dtype) == ("127.0.0.1", 8000, "auto", "auto")
-    assert demo.gpu_memory_utilization == 0.9 and demo.kv_cache_memory is None and demo.enable_prefix_caching
-    assert (demo.max_num_seqs, demo.max_num_batched_tokens, demo.max_model_len) == (256, 2048, None)
+    assert demo.engine.model == str(DEMO_MODEL_DIR) and demo.served_model_name == DEMO_SERVED_NAME
+    assert (demo.host, demo.port, demo.engine.device, demo.engine.dtype) == ("127.0.0.1", 8000, "auto", "auto")
+    assert demo.engine == EngineConfig(model=str(DEMO_MODEL_DIR))   # the engine's defaults are the CLI's
     assert parse("--model", "/x/y").served_model_name == "/x/y"
-    assert parse("--gpu-memory-utilization", "0.5").gpu_memory_utilization == 0.5
+    assert parse("--gpu-memory-utilization", "0.5").engine.cache.gpu_memory_utilization == 0.5
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -93,9 +91,8 @@ def test_lora_dir_is_repeatable_and_checked(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     cfg = parse("--lora-dir", str(tmp_path / "a"), "--lora-dir", str(tmp_path / "b"))
-    assert cfg.lora_dirs == (str(tmp_path / "a"), str(tmp_path / "b"))
-    assert cfg.engine_config().lora_dirs == cfg.lora_dirs
-    assert parse().lora_dirs == ()
+    assert cfg.engine.lora.lora_dirs == (str(tmp_path / "a"), str(tmp_path / "b"))
+    assert parse().engine.lora.lora_dirs == ()
     with pytest.raises(SystemExit):
         parse("--lora-dir", str(tmp_path / "missing"))
     assert "--lora-dir" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from core.engine.async_engine import AsyncEngine
 from core.engine.engine import LLMEngine
 from core.engine.interface import ServingEngine
@@ -18,8 +19,8 @@ from core.errors import RequestRejected
 from core.sampling.params import SamplingParams
 from fake_engine import FakeEngine
 from gateway.engine_client.client import EngineClient
-from gateway.server.config import ServerConfig
-from grammar.compile.limits import REGEX_ENV
+from core.environment.variables import GRAMMAR_MAX_REGEX_CHARS
+from envlib import delenv, setenv
 from testlib import model_dir
 
 MODEL = "llama_gqa"
@@ -29,10 +30,10 @@ REGEX_CHARS = 5000   # LORAPLEX_GRAMMAR_MAX_REGEX_CHARS while the engines are bu
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EngineClient, AsyncEngine]]:
-    config = ServerConfig(model=str(model_dir(MODEL)), served_model_name="tiny", device="cpu", dtype="float32",
-                          max_model_len=MAX_MODEL_LEN, kv_cache_memory=2**20).engine_config()
+    config = EngineConfig(model=str(model_dir(MODEL)), device="cpu", dtype="float32",
+                          cache=CacheConfig(kv_cache_memory=2**20), scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(REGEX_ENV, str(REGEX_CHARS))
+        setenv(mp, GRAMMAR_MAX_REGEX_CHARS.name, str(REGEX_CHARS))
         client = EngineClient(config)
         client.start()
         try:
@@ -82,7 +83,7 @@ def test_live_engines_and_the_app_tests_stand_in_are_serving_engines(engines: tu
 def test_the_api_process_reads_the_engines_facts(engines: tuple[EngineClient, AsyncEngine],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     client, local = engines
-    monkeypatch.delenv(REGEX_ENV, raising=False)   # whatever this process would resolve now is not asked
+    delenv(monkeypatch, GRAMMAR_MAX_REGEX_CHARS.name)   # whatever this process would resolve now is not asked
     assert client.facts == local.facts
     facts = client.facts
     assert facts.schema_options.max_regex_chars == REGEX_CHARS

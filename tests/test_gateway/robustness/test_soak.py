@@ -80,7 +80,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
 
 
 def num_requests(srv: InProcessServer) -> int:
-    return NUM_ASYNC_REQUESTS if srv.config.async_scheduling else NUM_REQUESTS
+    return NUM_ASYNC_REQUESTS if srv.config.engine.async_scheduling else NUM_REQUESTS
 
 
 def soak_config(srv: InProcessServer, **overrides: Any) -> SoakConfig:

@@ -1,7 +1,7 @@
 """Soak with faults: random concurrent requests against a server whose engine runs in its own process (16 KV blocks: preemption; a 32-token
 token budget: chunked prefill), with a fault injected at a random stage of the engine step into a random
-fifth of them (`core/engine/faults.py`, chosen by a hash of the engine request id and the seed; armed in the engine's
-process by tests/helpers/engine_probe.py).
+fifth of them (tests/helpers/fault_injector.py, chosen by a hash of the engine request id and the seed; armed in
+the engine's process by tests/helpers/engine_probe.py).
 
 Afterwards: every request whose fault was raised got an error naming it (a 500, or an in-band error event then
 `[DONE]` in a stream), every other request got exactly the output of its clean run (whose greedy base and
@@ -112,7 +112,7 @@ def _assert_greedy_rows_match_peft(clean: dict[str, str]) -> None:
 
 
 def test_soak_with_faults(server: InProcessServer) -> None:
-    print(f"\nfault soak: seed {SEED} (LORAPLEX_FAULT_SOAK_SEED), async scheduling {server.config.async_scheduling}")
+    print(f"\nfault soak: seed {SEED} (LORAPLEX_FAULT_SOAK_SEED), async scheduling {server.config.engine.async_scheduling}")
     clean = _clean_outputs(server)
     _assert_greedy_rows_match_peft(clean)
     server.call(probe.clear_faults)

@@ -27,20 +27,22 @@ MODEL = "llama_gqa"
 
 @pytest.fixture(scope="module", params=[True, False], ids=["engine-process", "in-process"])
 def app_state(request: pytest.FixtureRequest) -> Iterator[Any]:
+    from core.config import CacheConfig, EngineConfig, LoRAConfig
     from core.engine.async_engine import AsyncEngine
     from core.engine.engine import LLMEngine
     from gateway.engine_client.client import EngineClient
     from gateway.server.config import ServerConfig
     from gateway.server.state import GatewayState
 
-    config = ServerConfig(model=str(model_dir(MODEL)), served_model_name="tiny", device="cpu", dtype="float32",
-                          max_loras=2, max_lora_rank=16, kv_cache_memory=2**22, engine_process=request.param)
+    engine = EngineConfig(model=str(model_dir(MODEL)), device="cpu", dtype="float32",
+                          cache=CacheConfig(kv_cache_memory=2**22), lora=LoRAConfig(max_loras=2, max_lora_rank=16))
+    config = ServerConfig(engine=engine, served_model_name="tiny", engine_process=request.param)
     if request.param:
-        aeng: Any = EngineClient(config.engine_config())
+        aeng: Any = EngineClient(config.engine)
         aeng.start()
         aeng.wait_started()
     else:
-        aeng = AsyncEngine(LLMEngine(config.engine_config()))
+        aeng = AsyncEngine(LLMEngine(config.engine))
         aeng.start()
     state = GatewayState.build(config, aeng)
     yield state

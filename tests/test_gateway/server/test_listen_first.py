@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 
+from core.config import EngineConfig
 from gateway.server.config import ServerConfig
 from gateway.server.lifecycle import GatewayServer, Lifecycle
 from gateway.server.listeners import ListenError, bind_ports
@@ -99,8 +100,8 @@ def test_serve_called_directly_binds_first(never_loading_model: Path, busy_port:
     """`gateway.server.server.serve(config)` (an embedding application) binds the ports itself, first."""
     from gateway.server.server import serve
 
-    config = ServerConfig(model=str(never_loading_model), served_model_name="m", port=busy_port, device="cpu",
-                          dtype="float32", engine_process=False)
+    config = ServerConfig(engine=EngineConfig(model=str(never_loading_model), device="cpu", dtype="float32"),
+                          served_model_name="m", port=busy_port, engine_process=False)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(serve(config)), daemon=True)
     thread.start()

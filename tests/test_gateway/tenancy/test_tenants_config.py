@@ -108,10 +108,10 @@ def test_new_operation_flags_parse(tmp_path: Path) -> None:
         ["serve", "--max-queue-len", "8", "--request-timeout", "2.5", "--shutdown-timeout", "3",
          "--no-access-log", "--scheduling-policy", "fair"]), parser)
     assert (cfg.max_queue_len, cfg.request_timeout, cfg.shutdown_timeout) == (8, 2.5, 3.0)
-    assert cfg.access_log is False and cfg.engine_config().scheduler.policy == "fair"
+    assert cfg.access_log is False and cfg.engine.scheduler.policy == "fair"
     default = config_from_args(parser.parse_args(["serve", "--max-queue-len", "0"]), parser)
     assert default.max_queue_len is None and default.request_timeout is None and default.shutdown_timeout == 30
-    assert default.scheduling_policy == "fcfs"
+    assert default.engine.scheduler.policy == "fcfs"
     for bad in (["--max-queue-len", "-1"], ["--request-timeout", "x"], ["--scheduling-policy", "lifo"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *bad])
