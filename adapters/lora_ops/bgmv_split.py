@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_expand, triton_bgmv_shrink
-from adapters.lora_ops.dispatch import Backend, check_backend
+from adapters.lora_ops.backends import Backend, check_backend
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import compute_dtype
 

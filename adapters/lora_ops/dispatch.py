@@ -2,18 +2,17 @@
 
 adapters reads no environment and probes nothing: the engine (core) resolves LORAPLEX_LORA_BACKEND for the
 pool's device once (core/environment/backends.py `lora_backends`) and hands the result to the slot pool's
-`LoRAContext` as a `LoRABackends`; the wrappers pass it to these ops. A direct caller (tests, benchmarks)
+`LoRAContext` as a `LoRABackends` (adapters/lora_ops/backends.py); the wrappers pass it to these ops. A direct caller (tests, benchmarks)
 names the path; unnamed, it is the torch reference, which runs on any device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from adapters.lora_ops.backends import Backend, check_backend
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_bgmv_add_lora
+from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import torch_add_lora_gathered, torch_expand, torch_shrink
@@ -21,35 +20,6 @@ from adapters.lora_ops.torch_ops import torch_add_lora_gathered, torch_expand, t
 # CPU: many small groups (a decode batch spread over many adapters) take the gathered BGMV path
 GATHER_MIN_GROUPS = 4
 GATHER_MAX_TOKENS_PER_GROUP = 8
-
-Backend = Literal["torch", "triton"]
-BACKENDS: tuple[Backend, ...] = ("torch", "triton")
-
-
-def check_backend(backend: str) -> Backend:
-    """`backend` itself when it names a path ("torch" or "triton"), else ValueError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown LoRA backend {backend!r} (expected torch or triton)")
-    return backend  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class LoRABackends:
-    """The paths of one pool's LoRA ops, resolved by the engine for the pool's device: `segmented` for the
-    grouped metadata of prefill and mixed steps (`LoRABatchMeta`), `decode` for the fused decode (BGMV) ops of
-    padded decode batches (`DecodeLoRAMeta`, the CUDA-graph path). Triton off CUDA runs only in Triton's CPU
-    interpreter (tests); the engine checks that before it names it."""
-    segmented: Backend = "torch"
-    decode: Backend = "torch"
-
-    def __post_init__(self) -> None:
-        check_backend(self.segmented)
-        check_backend(self.decode)
-
-    def for_meta(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> Backend:
-        """The path of a step with this metadata."""
-        return self.decode if isinstance(meta, DecodeLoRAMeta) else self.segmented
-
 
 def shrink(
     x: torch.Tensor,  # [T, in]
@@ -61,7 +31,8 @@ def shrink(
     """[T, in] x A^T -> [S, T_lora, R] float32 (rows in the meta's grouped token order;
     only the first `rank` columns of each (slice, slot) are meaningful)."""
     if check_backend(backend) == "triton":
-        from adapters.lora_ops.triton_ops import triton_shrink
+        from adapters.lora_ops.triton_ops import triton_shrink  # optional: triton
+
         return triton_shrink(x, stack, meta, out)
     return torch_shrink(x, stack, meta, out)
 
@@ -76,7 +47,8 @@ def expand(
 ) -> None:
     """In place: y[t, y_offset + off_s : ... + size_s] += scale * h[s] @ B_s^T per LoRA token."""
     if check_backend(backend) == "triton":
-        from adapters.lora_ops.triton_ops import triton_expand
+        from adapters.lora_ops.triton_ops import triton_expand  # optional: triton
+
         triton_expand(y, h, stack, meta, y_offset)
         return
     torch_expand(y, h, stack, meta, y_offset)
@@ -103,8 +75,6 @@ def add_lora(
         if backend == "triton":
             triton_bgmv_add_lora(y, x, stack, meta, y_offset)
         elif x.is_cuda:   # the torch path inside a CUDA graph (LORAPLEX_LORA_BACKEND=torch): no read-back to the host
-            from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
-
             torch_bgmv_expand(y, torch_bgmv_shrink(x, stack, meta), stack, meta, y_offset)
         else:
             torch_bgmv_add_lora(y, x, stack, meta, y_offset)

@@ -1,4 +1,5 @@
-"""Attention backend interface: store new K/V through the slot mapping, attend through block tables."""
+"""Attention backend interface: store new K/V through the slot mapping, attend through block tables.
+The engine picks an implementation with `core.attention.selection.get_attention_backend`."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -6,7 +7,6 @@ from abc import ABC, abstractmethod
 import torch
 
 from core.attention.metadata import AttentionMetadata
-from core.environment.backends import kernel_backend
 
 
 class AttentionBackend(ABC):
@@ -26,15 +26,3 @@ class AttentionBackend(ABC):
         softcap: float | None = None,  # attention-logit soft-capping: softcap * tanh(scores / softcap)
     ) -> torch.Tensor:            # [T, H, D]
         ...
-
-
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA when triton imports, torch otherwise; LORAPLEX_ATTENTION_BACKEND=torch|triton overrides
-    (core/environment/backends.py; triton off CUDA needs TRITON_INTERPRET=1: the CPU interpreter, tests only)."""
-    from core.attention.torch_backend import TorchAttentionBackend
-
-    if kernel_backend("attention", torch.device(device).type) == "torch":
-        return TorchAttentionBackend()
-    from core.attention.triton_backend import TritonAttentionBackend
-
-    return TritonAttentionBackend()

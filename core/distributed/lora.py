@@ -23,7 +23,8 @@ from adapters.layers.dims import BaseModelDims
 from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
-from adapters.lora_ops.dispatch import LoRABackends, expand, shrink
+from adapters.lora_ops.backends import LoRABackends
+from adapters.lora_ops.dispatch import expand, shrink
 from adapters.slots.slot_pool import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from adapters.lora_ops import LoRABackends
-from core.attention.backend import get_attention_backend
+from core.attention.selection import get_attention_backend
 from core.config import EngineConfig
 from core.distributed.layers import parallelize_model
 from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers

@@ -14,8 +14,9 @@ import sys
 from typing import Any
 
 from grammar.errors import GrammarError
+from grammar.regex.whitespace import whitespace_options
 from grammar.schema.lowering import SchemaOptions
-from grammar.specs.spec import DEFAULT_OPTIONS, GrammarSpec, _key, parse_response_format
+from grammar.specs.spec import DEFAULT_OPTIONS, GrammarSpec, spec_key, parse_response_format
 
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 64 << 10
@@ -52,7 +53,7 @@ def choice_spec(choices: Any, param: str) -> GrammarSpec:
     if len(choices) > MAX_CHOICES or sum(map(len, choices)) > MAX_CHOICE_CHARS:
         raise _bad(f"choice allows at most {MAX_CHOICES} strings of {MAX_CHOICE_CHARS} characters in all", param)
     regex = "|".join(f"(?:{escape_literal(c)})" for c in choices)
-    return GrammarSpec("choice", regex, _key("choice", regex), param=param, choices=tuple(choices))
+    return GrammarSpec("choice", regex, spec_key("choice", regex), param=param, choices=tuple(choices))
 
 
 def check_regex(pattern: Any, param: str) -> str:
@@ -75,7 +76,7 @@ def check_regex(pattern: Any, param: str) -> str:
 
 def regex_spec(pattern: Any, param: str) -> GrammarSpec:
     regex = check_regex(pattern, param)
-    return GrammarSpec("regex", regex, _key("regex", regex), param=param)
+    return GrammarSpec("regex", regex, spec_key("regex", regex), param=param)
 
 
 def json_spec(schema: Any, param: str, options: SchemaOptions) -> GrammarSpec:
@@ -103,10 +104,10 @@ def grammar_spec(text: Any, param: str) -> GrammarSpec:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise _bad(f"grammar is longer than {MAX_GRAMMAR_CHARS} characters", param, "invalid_grammar")
     if "xgrammar" in sys.modules:  # parse now when cheap; else the compile worker parses it (also a 400)
-        from grammar.cfg.cfg_grammar import check_grammar
+        from grammar.cfg.cfg_grammar import check_grammar  # torch + xgrammar: only once they are loaded
 
         check_grammar(text, param)
-    return GrammarSpec("grammar", "", _key("grammar", text), param=param, ebnf=text)
+    return GrammarSpec("grammar", "", spec_key("grammar", text), param=param, ebnf=text)
 
 
 def constraint_spec(kind: str, value: Any, param: str, options: SchemaOptions = DEFAULT_OPTIONS) -> GrammarSpec:
@@ -130,8 +131,6 @@ def parse_constraints(structured_outputs: Any, guided: dict[str, Any], response_
                       options: SchemaOptions = DEFAULT_OPTIONS, whitespace_pattern: Any = None) -> GrammarSpec | None:
     """One GrammarSpec from whichever single constraint the request carries; two or more -> 400 naming one.
     `whitespace_pattern`: the top-level `guided_whitespace_pattern` (or `structured_outputs.whitespace_pattern`)."""
-    from grammar.regex.whitespace import whitespace_options
-
     found: list[tuple[str, str, Any]] = []   # (kind, param, value)
     if response_format is not None and not (isinstance(response_format, dict)
                                             and response_format.get("type") == "text"):
@@ -163,14 +162,3 @@ def parse_constraints(structured_outputs: Any, guided: dict[str, Any], response_
     if kind == "response_format":
         return parse_response_format(value, options)
     return constraint_spec(kind, value, param, options)
-
-
-def validate_text(spec: GrammarSpec, text: str) -> bool:
-    """Safety net / test oracle for the regex and grammar kinds."""
-    if spec.kind == "regex":
-        return re.fullmatch(spec.regex, text) is not None
-    if spec.kind == "grammar":
-        from grammar.cfg.cfg_grammar import grammar_accepts
-
-        return grammar_accepts(spec.ebnf or "", text)
-    return True

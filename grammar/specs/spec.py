@@ -50,17 +50,21 @@ class GrammarSpec:
         """Safety net for the engine: does a finished output satisfy the format?"""
         if self.kind == "choice":
             return text in (self.choices or ())
-        if self.kind in ("regex", "grammar", "tool_calls"):
-            from grammar.specs.constraints import validate_text
+        if self.kind == "regex":
+            return re.fullmatch(self.regex, text) is not None
+        if self.kind == "grammar":
+            from grammar.cfg.cfg_grammar import grammar_accepts  # torch + xgrammar: only grammar outputs need them
 
-            return validate_text(self, text)
+            return grammar_accepts(self.ebnf or "", text)
+        if self.kind == "tool_calls":
+            return True
         try:
             value = json.loads(text)
         except ValueError:
             return False
         if self.kind == "json_object":
             return isinstance(value, dict)
-        from jsonschema import Draft202012Validator
+        from jsonschema import Draft202012Validator  # seconds to import (grammar/schema/lowering.py): first use
 
         schema = json.loads(self.schema_json or "true")
         validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
@@ -70,13 +74,14 @@ class GrammarSpec:
             return False
 
 
-def _key(kind: str, regex: str) -> str:
+def spec_key(kind: str, regex: str) -> str:
+    """The compile cache / de-dup key of a format."""
     return hashlib.sha256(f"{kind}\0{regex}".encode()).hexdigest()[:32]
 
 
 def recipe_spec(kind: GrammarKind, recipe: Any, **fields: Any) -> GrammarSpec:
     """The spec of a format a compile worker lowers (`recipe.identity` is hashed, never a regex)."""
-    return GrammarSpec(kind, "", _key(kind, "recipe\0" + recipe.identity), recipe=recipe, **fields)
+    return GrammarSpec(kind, "", spec_key(kind, "recipe\0" + recipe.identity), recipe=recipe, **fields)
 
 
 @lru_cache(maxsize=4)
@@ -84,7 +89,7 @@ def json_object_spec(whitespace: str = DEFAULT_OPTIONS.whitespace) -> GrammarSpe
     """The json_object grammar: an object whose member values nest at most 2 deep."""
     builder = RegexBuilder(whitespace)
     regex = builder.any_object(builder.any_json(JSON_OBJECT_DEPTH))
-    return GrammarSpec("json_object", regex, _key("json_object", regex))
+    return GrammarSpec("json_object", regex, spec_key("json_object", regex))
 
 
 def check_schema_size(schema: Any, max_bytes: int = MAX_SCHEMA_BYTES, max_depth: int = MAX_SCHEMA_DEPTH) -> None:

@@ -67,7 +67,7 @@ def test_each_kernel_family_uses_the_selection(monkeypatch: pytest.MonkeyPatch) 
             setenv(monkeypatch, FAMILIES[family].name, "triton")
             assert uses_triton(), family
     setenv(monkeypatch, "LORAPLEX_ATTENTION_BACKEND", "torch")
-    from core.attention.backend import get_attention_backend
+    from core.attention.selection import get_attention_backend
 
     assert type(get_attention_backend(torch.device("cpu"))).__name__ == "TorchAttentionBackend"
 

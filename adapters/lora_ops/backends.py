@@ -1,0 +1,37 @@
+"""The path a LoRA op takes (`Backend`: the Triton kernels or the torch reference) and the pair of paths one
+slot pool's ops take (`LoRABackends`), as the engine resolved them for the pool's device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from adapters.lora_ops.bgmv import DecodeLoRAMeta
+from adapters.lora_ops.metadata import LoRABatchMeta
+
+Backend = Literal["torch", "triton"]
+BACKENDS: tuple[Backend, ...] = ("torch", "triton")
+
+
+def check_backend(backend: str) -> Backend:
+    """`backend` itself when it names a path ("torch" or "triton"), else ValueError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {backend!r} (expected torch or triton)")
+    return backend  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class LoRABackends:
+    """The paths of one pool's LoRA ops, resolved by the engine for the pool's device: `segmented` for the
+    grouped metadata of prefill and mixed steps (`LoRABatchMeta`), `decode` for the fused decode (BGMV) ops of
+    padded decode batches (`DecodeLoRAMeta`, the CUDA-graph path). Triton off CUDA runs only in Triton's CPU
+    interpreter (tests); the engine checks that before it names it."""
+    segmented: Backend = "torch"
+    decode: Backend = "torch"
+
+    def __post_init__(self) -> None:
+        check_backend(self.segmented)
+        check_backend(self.decode)
+
+    def for_meta(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> Backend:
+        """The path of a step with this metadata."""
+        return self.decode if isinstance(meta, DecodeLoRAMeta) else self.segmented
