@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grammar.matching.triggered import ReasoningGrammar, triggered_grammar
+
 
 @dataclass(frozen=True)
 class RemoteMatcher:
@@ -60,8 +62,6 @@ def to_wire(matcher: Any) -> Any:
 def _grammar_to_wire(grammar: Any) -> Any:
     if isinstance(grammar, RemoteGrammar):
         return grammar.spec
-    from grammar.specs.tool_calls import ReasoningGrammar   # an AutoToolGrammar (tools: auto) or its reasoning gate
-
     return RemoteTriggered(_grammar_to_wire(grammar.body), grammar.trigger, grammar.end_id,
                            isinstance(grammar, ReasoningGrammar))
 
@@ -80,9 +80,5 @@ def materialize(grammar: Any, compiler: Any) -> Any:
 def _grammar(wire: Any, compiler: Any) -> Any:
     if not isinstance(wire, RemoteTriggered):
         return compiler.submit(wire).result()
-    from grammar.specs.tool_calls import AutoToolGrammar, ReasoningGrammar
-    from grammar.matching.triggered import free_text_masks
-
-    cls = ReasoningGrammar if wire.reasoning else AutoToolGrammar
-    free = free_text_masks(compiler.vocab, wire.trigger.decode())
-    return cls(_grammar(wire.body, compiler), wire.trigger, free, wire.end_id)
+    return triggered_grammar(_grammar(wire.body, compiler), compiler.vocab, wire.trigger.decode(), wire.end_id,
+                             wire.reasoning)

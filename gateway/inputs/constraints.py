@@ -84,7 +84,7 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
                                   plan: ToolPlan | None) -> CompiledConstraint | None:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
-    from grammar.specs.tool_calls import AutoToolGrammar, tool_calls_spec
+    from grammar.specs.tool_calls import tool_calls_spec
 
     other = await admit_constraint(body, engine)
     if plan is None or not plan.constrained:
@@ -97,8 +97,6 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
     compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled
-    from grammar.matching.triggered import free_text_masks
+    from grammar.matching.triggered import triggered_grammar  # torch: kept off the CLI's --help path
 
-    compiler = engine.grammar_compiler
-    free = await asyncio.to_thread(free_text_masks, compiler.vocab, plan.fmt.trigger)
-    return AutoToolGrammar(compiled, plan.fmt.trigger.encode(), free)
+    return await asyncio.to_thread(triggered_grammar, compiled, engine.grammar_compiler.vocab, plan.fmt.trigger)

@@ -88,11 +88,10 @@ class ReasoningRequest:
         reasoning (`gates`)."""
         if not self.gates(compiled is not None):
             return compiled
-        from grammar.specs.tool_calls import ReasoningGrammar
-        from grammar.matching.triggered import free_text_masks
+        from grammar.matching.triggered import triggered_grammar  # torch: kept off the CLI's --help path
 
-        free = await asyncio.to_thread(free_text_masks, engine.grammar_compiler.vocab, self.tags.end)
-        return ReasoningGrammar(compiled, self.tags.end.encode(), free, self.tags.end_id)
+        return await asyncio.to_thread(triggered_grammar, compiled, engine.grammar_compiler.vocab, self.tags.end,
+                                       self.tags.end_id, True)
 
     def response(self, inner: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
         def body(request_id: str, created: int, model: str, results: list[ChoiceResult], usage_: dict[str, Any],

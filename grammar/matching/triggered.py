@@ -11,6 +11,7 @@ A `TriggeredMatcher` is a two-state machine with GrammarMatcher's interface:
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,7 @@ class TriggeredMatcher:
     """FREE until the trigger, then the call grammar (see the module docstring)."""
 
     def __init__(self, grammar: Any, stop_token_ids: tuple[int, ...] | list[int] = ()) -> None:
-        self.grammar = grammar                  # grammar.specs.tool_calls.AutoToolGrammar
+        self.grammar = grammar                  # an AutoToolGrammar (below)
         self.free: FreeTextMasks = grammar.free
         self.stop_token_ids = tuple(stop_token_ids)
         self._stops = frozenset(grammar.body.eos_token_ids) | frozenset(stop_token_ids)
@@ -183,3 +184,43 @@ def free_text_masks(vocab: Any, trigger: str) -> FreeTextMasks:
         if masks is None:
             masks = _FREE_MASKS[key] = FreeTextMasks.for_vocab(vocab, trigger)
         return masks
+
+
+@dataclass(eq=False)
+class AutoToolGrammar:
+    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`). `end_id`: only for
+    ReasoningGrammar, a token id that also fires the trigger (a special `</think>` has no grammar bytes)."""
+
+    body: Any                # CompiledGrammar of tool_calls_spec(..., after_trigger=True)
+    trigger: bytes
+    free: FreeTextMasks      # shared by every request of this tokenizer and trigger
+    end_id: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.body.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> Any:
+        return self.body.eos_token_ids
+
+    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
+        return TriggeredMatcher(self, stop_token_ids)
+
+
+class ReasoningGrammar(AutoToolGrammar):
+    """`--reasoning-parser`: free reasoning, then after the end tag (`free.trigger`, or the token `end_id`) the
+    request's constraint `body` (a compiled grammar, or a tool grammar: calls, or text-then-calls)."""
+
+    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
+        return ReasoningMatcher(self, stop_token_ids)
+
+
+def triggered_grammar(body: Any, vocab: Any, trigger: str, end_id: int | None = None,
+                      reasoning: bool = False) -> AutoToolGrammar:
+    """The one assembly of a triggered grammar: free text (the shared `free_text_masks` of `vocab` and `trigger`)
+    until `trigger` (or the token `end_id`), then the compiled `body`. `reasoning`: `--reasoning-parser`'s gate
+    (`ReasoningGrammar`), else `tool_choice: "auto"` (`AutoToolGrammar`). Building the masks walks the
+    vocabulary the first time: API-process callers run this off the event loop."""
+    cls = ReasoningGrammar if reasoning else AutoToolGrammar
+    return cls(body, trigger.encode(), free_text_masks(vocab, trigger), end_id)

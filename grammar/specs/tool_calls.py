@@ -129,37 +129,3 @@ def tool_calls_spec(fmt: ToolCallFormat, functions: list[FunctionSpec], parallel
     every = tuple(checked) if checked is not None else tuple(functions)
     recipe = ToolCallsRecipe(fmt, every, tuple(f.name for f in functions), parallel, skip)
     return recipe_spec("tool_calls", recipe, param="tools")
-
-
-@dataclass(eq=False)
-class AutoToolGrammar:
-    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`). `end_id`: only for
-    ReasoningGrammar, a token id that also fires the trigger (a special `</think>` has no grammar bytes)."""
-
-    body: Any                # CompiledGrammar of tool_calls_spec(..., after_trigger=True)
-    trigger: bytes
-    free: Any                # grammar.matching.triggered.FreeTextMasks shared by every request of this tokenizer
-    end_id: int | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.body.vocab_size)
-
-    @property
-    def eos_token_ids(self) -> Any:
-        return self.body.eos_token_ids
-
-    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
-        from grammar.matching.triggered import TriggeredMatcher
-
-        return TriggeredMatcher(self, stop_token_ids)
-
-
-class ReasoningGrammar(AutoToolGrammar):
-    """`--reasoning-parser`: free reasoning, then after the end tag (`free.trigger`, or the token `end_id`) the
-    request's constraint `body` (a compiled grammar, or a tool grammar: calls, or text-then-calls)."""
-
-    def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
-        from grammar.matching.triggered import ReasoningMatcher
-
-        return ReasoningMatcher(self, stop_token_ids)

@@ -10,10 +10,10 @@ import random
 from typing import Any
 
 from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
-from grammar.matching.triggered import TriggeredMatcher, free_text_masks
+from grammar.matching.triggered import AutoToolGrammar, TriggeredMatcher, free_text_masks, triggered_grammar
 from grammar.specs.constraints import json_spec
 from grammar.specs.spec import DEFAULT_OPTIONS
-from grammar.specs.tool_calls import AutoToolGrammar, FunctionSpec, tool_calls_spec
+from grammar.specs.tool_calls import FunctionSpec, tool_calls_spec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["a"], "additionalProperties": False}
@@ -23,7 +23,7 @@ def compile_auto(compiler: Any, fmt: Any) -> AutoToolGrammar:
     spec = json_spec(SCHEMA, "tools[0].function.parameters", compiler_options())
     fn = FunctionSpec("f", spec.recipe, spec.schema_json or "{}", "tools[0].function.parameters")
     body = compiler.compile(tool_calls_spec(fmt, [fn], parallel=True, after_trigger=True))
-    return AutoToolGrammar(body, fmt.trigger.encode(), free_text_masks(compiler.vocab, fmt.trigger))
+    return triggered_grammar(body, compiler.vocab, fmt.trigger)
 
 
 def compiler_options() -> Any:

@@ -9,7 +9,8 @@ from jsonschema import Draft202012Validator
 
 from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.specs.constraints import json_spec
-from grammar.specs.tool_calls import HERMES, ReasoningGrammar
+from grammar.matching.triggered import ReasoningGrammar
+from grammar.specs.tool_calls import HERMES
 from grammar.matching.triggered import free_text_masks
 from triggered_grammar import SCHEMA, compile_auto, compiler_options, drive
 

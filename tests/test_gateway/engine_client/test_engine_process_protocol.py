@@ -60,7 +60,7 @@ def test_grammar_handles_pickle() -> None:
 def test_reasoning_gate_over_auto_tools_crosses_whole() -> None:
     """`--reasoning-parser` over `tool_choice: "auto"` over a remote call grammar: the wire form keeps both
     triggers, the end tag's id and which gate is the reasoning one."""
-    from grammar.specs.tool_calls import AutoToolGrammar, ReasoningGrammar
+    from grammar.matching.triggered import AutoToolGrammar, ReasoningGrammar
     from grammar.matching.triggered import FreeTextMasks
 
     calls = RemoteGrammar("calls-spec", (2,), 64)
