@@ -16,9 +16,10 @@ added token; a special token that the detokenizer skips is found by its id in th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from core.engine.interface import Tokenizer
+if TYPE_CHECKING:   # the CLI's --help path imports this module and must not import torch
+    from core.engine.interface import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 REASONING, CONTENT, MAYBE = "reasoning", "content", "maybe"

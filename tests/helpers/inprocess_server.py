@@ -45,7 +45,7 @@ class InProcessServer:
 
     def __init__(self, model: str, served: str, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int,
                  max_num_batched_tokens: int, admin_token: str, engine_process: bool = True, block_size: int = 16,
-                 max_model_len: int | None = None, async_scheduling: bool | None = None,
+                 max_model_len: int | None = None, async_scheduling: bool | None = None, max_loras: int = 2,
                  **server_overrides: Any) -> None:
         """The engine: `model` (a tiny test model) on the CPU in fp32 with a pool of `num_kv_blocks`; the server:
         `served`, the admin token, and any other `ServerConfig` field in `server_overrides`."""
@@ -65,7 +65,7 @@ class InProcessServer:
             cache=CacheConfig(block_size=block_size, kv_cache_memory=num_kv_blocks * per_block),
             scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-            lora=LoRAConfig(max_loras=2, max_lora_rank=64, lora_modules=lora_modules),
+            lora=LoRAConfig(max_loras=max_loras, max_lora_rank=64, lora_modules=lora_modules),
             async_scheduling=async_scheduling)
         settings: dict[str, Any] = dict(engine=engine, served_model_name=served, host="127.0.0.1", port=port,
                                         admin_token=admin_token, access_log=False, engine_process=engine_process)

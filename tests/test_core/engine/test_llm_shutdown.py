@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from core import LLM, SamplingParams
+from kernel_device import kernel_device
 from lora_fixtures import adapter_dir
 from testlib import model_dir
 
 MODEL = "llama_gqa"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device().type
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
