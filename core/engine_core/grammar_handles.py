@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grammar.matching.triggered import free_text_masks
+from grammar.specs.tool_calls import AutoToolGrammar, ReasoningGrammar
+
 
 @dataclass(frozen=True)
 class RemoteMatcher:
@@ -60,8 +63,7 @@ def to_wire(matcher: Any) -> Any:
 def _grammar_to_wire(grammar: Any) -> Any:
     if isinstance(grammar, RemoteGrammar):
         return grammar.spec
-    from grammar.specs.tool_calls import ReasoningGrammar   # an AutoToolGrammar (tools: auto) or its reasoning gate
-
+    # an AutoToolGrammar (tools: auto) or its reasoning gate
     return RemoteTriggered(_grammar_to_wire(grammar.body), grammar.trigger, grammar.end_id,
                            isinstance(grammar, ReasoningGrammar))
 
@@ -80,8 +82,6 @@ def materialize(grammar: Any, compiler: Any) -> Any:
 def _grammar(wire: Any, compiler: Any) -> Any:
     if not isinstance(wire, RemoteTriggered):
         return compiler.submit(wire).result()
-    from grammar.specs.tool_calls import AutoToolGrammar, ReasoningGrammar
-    from grammar.matching.triggered import free_text_masks
 
     cls = ReasoningGrammar if wire.reasoning else AutoToolGrammar
     free = free_text_masks(compiler.vocab, wire.trigger.decode())

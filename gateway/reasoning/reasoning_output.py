@@ -17,6 +17,8 @@ from gateway.outputs.generation import ChoiceResult
 from gateway.reasoning.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningTags, last_prompt_tag,
                                          reasoning_tags, split_output, state_after)
 from gateway.outputs.streaming import StreamInfo
+from grammar.matching.triggered import free_text_masks
+from grammar.specs.tool_calls import ReasoningGrammar
 
 if TYPE_CHECKING:   # the state holds the routes' shared objects; nothing here builds one
     from gateway.server.state import GatewayState
@@ -88,8 +90,6 @@ class ReasoningRequest:
         reasoning (`gates`)."""
         if not self.gates(compiled is not None):
             return compiled
-        from grammar.specs.tool_calls import ReasoningGrammar
-        from grammar.matching.triggered import free_text_masks
 
         free = await asyncio.to_thread(free_text_masks, engine.grammar_compiler.vocab, self.tags.end)
         return ReasoningGrammar(compiled, self.tags.end.encode(), free, self.tags.end_id)

@@ -150,7 +150,7 @@ class AutoToolGrammar:
         return self.body.eos_token_ids
 
     def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
-        from grammar.matching.triggered import TriggeredMatcher
+        from grammar.matching.triggered import TriggeredMatcher  # torch: kept out of the CLI's --help path
 
         return TriggeredMatcher(self, stop_token_ids)
 
@@ -160,6 +160,6 @@ class ReasoningGrammar(AutoToolGrammar):
     request's constraint `body` (a compiled grammar, or a tool grammar: calls, or text-then-calls)."""
 
     def new_matcher(self, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
-        from grammar.matching.triggered import ReasoningMatcher
+        from grammar.matching.triggered import ReasoningMatcher  # torch: kept out of the CLI's --help path
 
         return ReasoningMatcher(self, stop_token_ids)
