@@ -25,7 +25,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers")) 
 
 from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.specs.constraints import parse_constraints
-from grammar.matching.matchers import make_matcher
+from grammar.matching.matcher import make_matcher
 
 
 # Mask times are the filling thread's CPU time: on a shared machine, wall-clock percentiles mostly measure

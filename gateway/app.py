@@ -60,6 +60,7 @@ from gateway.outputs.streaming import SSEResponse, StreamInfo, chat_events, comp
 from gateway.tools.tool_output import tool_chat_body, tool_chat_events
 from gateway.tools.tools import chat_prompt as tools_chat_prompt
 from gateway.tools.tools import plan_tools, uses_tools
+from gateway.routes.admin import admin_routes
 
 M = TypeVar("M", bound=BaseModel)
 Events = Callable[[StreamInfo, AsyncIterator[tuple[int, RequestDelta]]], AsyncIterator[bytes]]
@@ -298,8 +299,6 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if state.config.admin_token:
-        from gateway.routes.admin import admin_routes
-
         routes += admin_routes()
     app = Starlette(routes=routes, middleware=[Middleware(GatewayMiddleware, state=state)],
                     exception_handlers={HTTPException: http_exception_handler, Exception: unhandled_exception_handler})

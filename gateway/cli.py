@@ -15,6 +15,8 @@ from gateway.server.cli_vllm import (add_vllm_arguments, lora_modules, prefix_ca
                                      vllm_engine_fields, vllm_server_fields)
 from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
 from gateway.server.listeners import ListenError, bind_ports
+from gateway.tenancy.tenants import TenantFileError, load_tenant_file
+from core.spec import SpeculativeConfig, SpeculativeConfigError
 
 
 def _typed(kind: Callable[[str], object], check: Callable[[object], bool], what: str) -> Callable[[str], object]:
@@ -160,8 +162,6 @@ def _check_environment(parser: argparse.ArgumentParser) -> None:
 
 
 def _speculative_config(text: str) -> Any:
-    from core.spec import SpeculativeConfig, SpeculativeConfigError
-
     try:
         return SpeculativeConfig.parse(text)
     except SpeculativeConfigError as exc:
@@ -177,8 +177,6 @@ def engine_process_enabled(flag: str | None) -> bool:
 
 def _check_tenant_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Validates --tenant-keys at start-up; keys never appear in the messages."""
-    from gateway.tenancy.tenants import TenantFileError, load_tenant_file
-
     try:
         keys = load_tenant_file(args.tenant_keys)
     except TenantFileError as exc:
@@ -204,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         config = config_from_args(args, parser)
-        from gateway.server.server import serve
+        from gateway.server.server import serve  # torch: kept out of the CLI's --help path
 
         return serve(config, log_level=args.log_level, ports=ports)
     except KeyboardInterrupt:  # interrupted while loading the model

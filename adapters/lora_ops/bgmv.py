@@ -77,7 +77,7 @@ def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
     """h [num_k_splits, S, B, BLOCK_R] float32: per K split, x[row] @ A_slot(row)^T of every slice, in one
     launch. Only the first `rank` columns of a LoRA row are written (expand reads no more); rows of slot -1
     are not written. h is linear in x: partial results of A split by input columns add up (row-parallel TP)."""
-    from adapters.lora_ops import bgmv_kernels as K
+    from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert x.stride(1) == 1 and stack.lora_a.stride(3) == 1, "BGMV shrink needs unit x column / A K strides"
     cfg = config or bgmv_config(stack)
@@ -98,7 +98,7 @@ def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
 def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
                        y_offset: int = 0, config: BGMVConfig | None = None) -> None:
     """y[row, y_offset + slice columns] += scale * (sum over K splits of h[:, s, row]) @ B_slot(row)^T."""
-    from adapters.lora_ops import bgmv_kernels as K
+    from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert y.stride(1) == 1 and stack.lora_b.stride(2) == 1, "BGMV expand needs unit y column / B rank strides"
     cfg = config or bgmv_config(stack)

@@ -17,6 +17,7 @@ import re
 from typing import BinaryIO, Mapping, Optional, Union
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 
@@ -60,10 +61,6 @@ def resolve_adapter_dir(source: Union[str, os.PathLike], revision: Optional[str]
     looks_local = os.path.isabs(path) or text.startswith((".", "~")) or not _HUB_ID_RE.match(text)
     if looks_local:
         raise AdapterNotFoundError(f"adapter path {text!r} not found")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
-        raise AdapterNotFoundError(f"adapter {text!r} not found locally") from exc
     patterns = [CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME, "added_tokens.json"]
     attempts = [True, False] if allow_download else [True]
     for local_only in attempts:

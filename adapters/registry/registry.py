@@ -35,7 +35,6 @@ from adapters.registry.loader_pool import LoaderPool, host_copy
 from adapters.registry.entry_read import CODE_CHANGED, read_entry
 from adapters.registry.lora_dirs import AdapterLocation, FailedReads, Fingerprint, LoraDirectories, fingerprint
 from adapters.peft.loader import load_peft_adapter
-from adapters.registry.integrity import check_registry_integrity
 
 Loader = Callable[[Union[str, AdapterFiles], BaseModelDims, int], LoRAAdapter]   # a path, or a --lora-dir entry's files
 log = logging.getLogger("loraplex.adapters")
@@ -307,5 +306,17 @@ class AdapterRegistry:
         self._pool.shutdown()
 
     def check_integrity(self) -> None:
+        """Names, generations, host LRU, loads in flight, the host bound (under the registry's lock)."""
         with self._lock:
-            check_registry_integrity(self)
+            gens = [e.generation_id for e in self._by_name.values()]
+            assert len(set(gens)) == len(gens), "two live adapters share a generation id"
+            for name, entry in self._by_name.items():
+                assert entry.name == name and not entry.unloaded and entry.num_in_flight >= 0
+                assert (entry.adapter is not None) == (entry.generation_id in self._host_lru), entry.name
+                assert entry.loading == (entry.generation_id in self._loading), entry.name
+                assert not (entry.loading and entry.adapter is not None), entry.name
+            for gen_id, entry in self._host_lru.items():
+                assert entry.adapter is not None and entry.generation_id == gen_id
+            for gen_id, entry in self._loading.items():
+                assert entry.loading and entry.adapter is None and gen_id not in self._host_lru
+            assert len(self._host_lru) + len(self._loading) <= self.max_cpu_loras, "host LRU over its bound"

@@ -29,6 +29,7 @@ from core.models.device import rank_device, resolve_device, resolve_dtype
 from core.execution.pending import fixup_to_device, patch_inputs
 from core.execution.runner import graph_sample_rows, host_to_device, to_device
 from core.startup.warmup import dummy_forward, lora_variants
+from adapters.lora_ops.graph_meta import GraphLoRABuffers
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -119,8 +120,6 @@ def warmup_rank(state: RankState, command: WarmupForwards, block_size: int) -> N
 
 
 def capture_rank_graphs(state: RankState, command: CaptureGraphs, block_size: int, max_model_len: int) -> None:
-    from adapters.lora_ops.graph_meta import GraphLoRABuffers
-
     backend = state.model.model.layers[0].self_attn.backend
     pool = state.lora_pool
     lora = GraphLoRABuffers(command.sizes[-1], pool.num_slots, state.device) if command.with_lora else None

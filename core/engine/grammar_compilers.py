@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from core.environment.variables import GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_MAX_REGEX_CHARS, GRAMMAR_WORKER_MEMORY_MB
 from grammar.compile.limits import CompileLimits
+from grammar.compile.compiler import GrammarCompiler
 
 
 def compile_limits(environ: Mapping[str, str] | None = None) -> CompileLimits:
@@ -47,8 +48,6 @@ class GrammarCompilers:
             if self._closed:
                 raise RuntimeError("the engine is shut down: no grammar can be compiled")
             if self._compiler is None:
-                from grammar.compile.compiler import GrammarCompiler
-
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                  compile_timeout_s=self.limits.compile_timeout_s,
                                                  worker_memory_bytes=self.limits.worker_memory_bytes)

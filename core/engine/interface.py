@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 Tokenizer = Any            # the model's transformers fast tokenizer (the API process calls it, never inspects it)
 CompiledConstraint = Any   # a compiled output constraint: outlines-core index, xgrammar grammar, tool-call or
 #                            reasoning wrapper, or the engine process's `RemoteGrammar` handle
-Matcher = Any              # one request's matcher of a compiled constraint (`grammar.matching.matchers.make_matcher`)
+Matcher = Any              # one request's matcher of a compiled constraint (`grammar.matching.matcher.make_matcher`)
 
 
 class EngineDeadError(RuntimeError):

@@ -13,6 +13,7 @@ from core.engine.outputs import CompletionOutput, RequestOutput
 from core.sampling.params import SamplingParams
 from core.spec.config import SpeculativeConfig
 from grammar.matching.matcher import GrammarMatcher
+from grammar import parse_response_format
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -140,8 +141,6 @@ class LLM:
 
     def _compile(self, response_format: dict[str, Any] | None) -> Any:
         """None for free text, else the compiled grammar (raises grammar.GrammarError if unsupported)."""
-        from grammar import parse_response_format
-
         spec = parse_response_format(response_format, self.engine.schema_options)
         return None if spec is None else self.engine.grammar_compiler.compile(spec)
 

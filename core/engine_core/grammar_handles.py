@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grammar.matching.matcher import make_matcher
 from grammar.matching.triggered import ReasoningGrammar, triggered_grammar
 
 
@@ -68,8 +69,6 @@ def _grammar_to_wire(grammar: Any) -> Any:
 
 def materialize(grammar: Any, compiler: Any) -> Any:
     """The engine process's real matcher for a remote handle (each compile is a cache hit after the command)."""
-    from grammar.matching.matchers import make_matcher
-
     if isinstance(grammar, RemoteMatcher):
         return make_matcher(compiler.submit(grammar.spec).result(), grammar.stop_token_ids)
     if isinstance(grammar, RemoteTriggeredMatcher):

@@ -19,6 +19,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+import zmq
+
 from core.engine_core.grammar_handles import materialize
 from core.engine.interface import engine_facts
 from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, AdapterRow,
@@ -26,6 +28,7 @@ from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODE
 from core.engine_core.test_hook import run_test_hook
 from core.engine_core.stats import snapshot_stats
 from core.engine.streams import error_delta
+from adapters.errors import AdapterError
 
 log = logging.getLogger("loraplex.engine_core")
 
@@ -49,8 +52,6 @@ class EngineCore:
 
     # ---- inputs ---------------------------------------------------------------------------
     def _receive(self, timeout_ms: int) -> list[EngineInput]:
-        import zmq
-
         msgs: list[EngineInput] = []
         if timeout_ms > 0 and not self.pull.poll(timeout_ms):
             return msgs
@@ -190,8 +191,6 @@ def adapter_entries(registry: Any) -> list[AdapterRow]:
 
 
 def _resolve_adapter(engine: Any, name: str) -> Any:
-    from adapters.errors import AdapterError
-
     entry = engine.registry.lookup(name)   # a --lora-dir adapter is registered now; a failed one raises
     if entry is None:
         raise AdapterError(f"The model `{name}` does not exist (it was unloaded).", code="model_not_found",
@@ -214,8 +213,6 @@ def _pickled_exc(exc: BaseException) -> bytes:
 
 def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warning") -> None:
     """The process entry point (multiprocessing spawn): builds the engine, warms it up, serves until told."""
-    import zmq
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the API process drains, then sends `shutdown`
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -229,7 +226,7 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
     try:
         try:
             run_test_hook()   # the test suite's hook (core/engine_core/test_hook.py); refused elsewhere, first
-            from core.engine.engine import LLMEngine
+            from core.engine.engine import LLMEngine  # after the test hook: it may patch what the engine's modules bind
 
             engine = LLMEngine(config)
         except (FileNotFoundError, ValueError, OSError) as exc:

@@ -22,6 +22,7 @@ import torch
 from core.attention.metadata import AttentionMetadata
 from core.kv.pool_size import CUDA_GRAPH_RESERVE_BYTES
 from core.execution.runner import HostBatch, decode_groups
+from adapters.lora_ops.graph_meta import GraphLoRABuffers
 
 log = logging.getLogger("loraplex.cuda_graphs")
 
@@ -217,7 +218,7 @@ def build_decode_graphs(config: Any, parts: Any) -> DecodeGraphRunner | None:
     `capture()` runs in the start-up warm-up."""
     if parts.device.type != "cuda" or config.enforce_eager:
         return None
-    from core.attention.triton_backend import TritonAttentionBackend
+    from core.attention.triton_backend import TritonAttentionBackend  # optional: triton
 
     backend = parts.model.model.layers[0].self_attn.backend
     if not isinstance(backend, TritonAttentionBackend):
@@ -226,8 +227,6 @@ def build_decode_graphs(config: Any, parts: Any) -> DecodeGraphRunner | None:
     sizes = default_capture_sizes(config.scheduler.max_num_seqs)
     lora = None
     if parts.lora_pool is not None:
-        from adapters.lora_ops.graph_meta import GraphLoRABuffers
-
         lora = GraphLoRABuffers(sizes[-1], parts.lora_pool.num_slots, parts.device)
     return DecodeGraphRunner(parts.model, parts.kv_caches, backend, config.cache.block_size, parts.max_model_len,
                              sizes, lora=lora, lora_context=parts.lora_pool.context if lora else None)

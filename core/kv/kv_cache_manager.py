@@ -10,6 +10,7 @@ from typing import Iterable
 
 from core.kv.block_allocator import BlockAllocator
 from core.engine.request import Request
+from core.kv.radix_cache import RadixCache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,8 +24,6 @@ class KVCacheManager:
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = None
         if enable_prefix_caching:
-            from core.kv.radix_cache import RadixCache
-
             self.prefix_cache = RadixCache(block_size, self.allocator)
         # request_id -> (locked tree node, number of leading tree blocks in its block table)
         self._tree_refs: dict[str, tuple[object, int]] = {}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import constants, snapshot_download
 
 from core.config import SUPPORTED_MODEL_TYPES
 from core.models.llama import LlamaForCausalLM
@@ -22,7 +23,6 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         return path
     if path.exists() or model.startswith((".", "/")):
         raise FileNotFoundError(f"model path {model!r} is not a directory")
-    from huggingface_hub import constants, snapshot_download
 
     kwargs = {"revision": revision, "cache_dir": download_dir, "allow_patterns": list(patterns)}
     try:

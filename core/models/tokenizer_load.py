@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer, PreTrainedConfig
+
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
@@ -27,8 +29,6 @@ def light_config(model_dir: Path) -> Any | None:
     """A plain `PreTrainedConfig` with the fields AutoTokenizer reads, or None where AutoTokenizer would also look
     at the config's class: no `tokenizer_class` declared in tokenizer_config.json (the class then comes from the
     architecture's mapping), remote code (`auto_map`), or no `model_type`."""
-    from transformers import PreTrainedConfig
-
     model, tok = _read_json(model_dir / "config.json"), _read_json(model_dir / "tokenizer_config.json")
     if model is None or tok is None or "auto_map" in model or "auto_map" in tok or "configuration_files" in model:
         return None   # remote code; or AutoConfig would read another config file
@@ -45,8 +45,6 @@ def light_config(model_dir: Path) -> Any | None:
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
     """`trust_remote_code` lets a tokenizer that ships its own Python (auto_map) run it, as vLLM's flag does."""
-    from transformers import AutoTokenizer
-
     config = light_config(model_dir)
     kwargs = {"trust_remote_code": True} if trust_remote_code else {}
     if config is None:

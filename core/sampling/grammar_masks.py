@@ -15,6 +15,7 @@ from core.engine import faults
 from core.environment.backends import Backend, kernel_backend
 from core.errors import RequestFault
 from core.engine.request import Request
+from grammar.matching.bitmask import allocate_token_bitmask, apply_token_bitmask_
 
 
 class GrammarViolation(RuntimeError):
@@ -51,7 +52,6 @@ def fill_token_masks(reqs: list[Request], vocab_size: int) -> TokenMasks | None:
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.status.finished]
     if not rows:
         return None
-    from grammar.matching.bitmask import allocate_token_bitmask
 
     bitmask = allocate_token_bitmask(len(reqs), vocab_size)               # [N, ceil(V/32)] all ones
     for i in rows:
@@ -74,7 +74,6 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None) -> None:
     """logits [N, V] of the sampled rows, masked in place where the request is constrained."""
     if masks is None:
         return
-    from grammar.matching.bitmask import apply_token_bitmask_
 
     bitmask, rows = masks
     if logits.is_cuda:

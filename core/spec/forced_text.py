@@ -26,6 +26,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from grammar.compile.vocab import build_token_vocab
+
 MAX_ALLOWED = 256           # a state allowing more tokens than this is not searched for forced text
 MAX_FORCED_BYTES = 256      # forced text is followed at most this far
 MAX_STATES = 1 << 16        # per grammar and table: a table past this is cleared (bounded memory)
@@ -68,8 +70,6 @@ class JumpForward:
 
     def _token_bytes(self, compiled: Any) -> list[bytes | None]:
         if self._bytes is None:
-            from grammar.compile.vocab import build_token_vocab
-
             vocab = build_token_vocab(self.tokenizer, compiled.vocab_size, list(compiled.eos_token_ids))
             table: list[bytes | None] = [None] * compiled.vocab_size
             for token_id, data in vocab.tokens:

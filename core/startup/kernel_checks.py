@@ -13,7 +13,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from adapters.lora_ops import bgmv
+from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
+from adapters.lora_ops.torch_ops import torch_expand, torch_shrink
+from core.attention.torch_backend import TorchAttentionBackend
+from core.models import fused_ops
 from core.startup.kernel_selfcheck import KernelSelfCheck
+from grammar.matching import bitmask_triton
+from grammar.matching.bitmask import apply_token_bitmask_torch_
 
 
 def random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -32,9 +39,7 @@ def generator(device: torch.device, seed: int = 0) -> torch.Generator:
 @contextmanager
 def forward_hooks(check: KernelSelfCheck, engine: Any, label: str) -> Iterator[None]:
     """While active, the first attention and fused-op call of each kind in a forward is also checked."""
-    from core.attention.torch_backend import TorchAttentionBackend
-    from core.attention.triton_backend import TritonAttentionBackend
-    from core.models import fused_ops
+    from core.attention.triton_backend import TritonAttentionBackend  # optional: triton
 
     backend = engine.model.model.layers[0].self_attn.backend
     done: set[str] = set()
@@ -121,16 +126,13 @@ def check_bitmask(check: KernelSelfCheck, label: str, logits: torch.Tensor, bitm
                   rows: torch.Tensor) -> None:
     """The bitmask apply as the engine calls it (constrained rows), on random logits and a random mask shaped
     like the warm-up's."""
-    from grammar.matching.bitmask import apply_token_bitmask_torch_
-    from grammar.matching.bitmask_triton import apply_token_bitmask_triton_
-
     gen = generator(logits.device, 1)
     mask = torch.randint(-(2 ** 31), 2 ** 31 - 1, tuple(bitmask.shape), generator=gen, device=logits.device,
                          dtype=torch.int64).to(torch.int32)                                 # [N, W]
     got = random_like(logits, gen)                                                           # [N, V]
     want = got.clone()
     rows = rows.to(logits.device)
-    apply_token_bitmask_triton_(got, mask, rows)
+    bitmask_triton.apply_token_bitmask_triton_(got, mask, rows)   # via the module: the self-check tests replace it
     apply_token_bitmask_torch_(want, mask, rows)
     check.compare(f"_apply_bitmask_kernel [{label}]", "bitmask", got, want, logits.dtype, exact=True)
 
@@ -138,8 +140,7 @@ def check_bitmask(check: KernelSelfCheck, label: str, logits: torch.Tensor, bitm
 def check_lora_segment(check: KernelSelfCheck, label: str, y: torch.Tensor, x: torch.Tensor, stack: Any,
                        meta: Any, y_offset: int, config: Any) -> None:
     """Segmented shrink (vs torch_shrink), then expand of the same h (vs torch_expand), at one table config."""
-    from adapters.lora_ops.torch_ops import torch_expand, torch_shrink
-    from adapters.lora_ops.triton_ops import triton_expand, triton_shrink
+    from adapters.lora_ops.triton_ops import triton_expand, triton_shrink  # optional: triton
 
     h = triton_shrink(x, stack, meta, config=config)                                         # [S, T_lora, R]
     h_ref = torch_shrink(x, stack, meta)                                                     # [S, T_lora, R]
@@ -154,17 +155,14 @@ def check_bgmv(check: KernelSelfCheck, label: str, y: torch.Tensor, x: torch.Ten
                y_offset: int) -> None:
     """The BGMV halves (`bgmv_split`): shrink vs the torch shrink on the rows with a slot, expand of the same
     h vs the torch expand (rows without a slot must stay untouched)."""
-    from adapters.lora_ops.bgmv import triton_bgmv_expand, triton_bgmv_shrink
-    from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
-
     rank = stack.max_rank
     live = torch.nonzero(meta.row_slots >= 0).squeeze(1)                                    # [n]
-    h = triton_bgmv_shrink(x, stack, meta)                                                   # [splits, S, B, BR]
+    h = bgmv.triton_bgmv_shrink(x, stack, meta)                                              # [splits, S, B, BR]
     h_ref = torch_bgmv_shrink(x, stack, meta)                                                # [1, S, B, R]
     check.compare(f"bgmv_shrink_kernel [{label}]", "lora", h.sum(0)[:, live, :rank], h_ref[0][:, live], x.dtype)
     h_in = torch.zeros_like(h)                                                               # [splits, S, B, BR]
     h_in[0, :, :, :rank] = h_ref[0]
     got, want = y.clone(), y.clone()
-    triton_bgmv_expand(got, h_in, stack, meta, y_offset)
+    bgmv.triton_bgmv_expand(got, h_in, stack, meta, y_offset)   # via the module: the self-check tests replace it
     torch_bgmv_expand(want, h_ref, stack, meta, y_offset)
     check.compare(f"bgmv_expand_kernel [{label}]", "lora", got, want, x.dtype)

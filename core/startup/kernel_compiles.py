@@ -27,7 +27,7 @@ class CompileCounter:
         if self.installed:
             return True
         try:
-            from triton import knobs
+            from triton import knobs  # optional: triton
         except Exception:  # pragma: no cover - depends on the install
             return False
         previous = knobs.runtime.jit_cache_hook

@@ -39,6 +39,13 @@ from core.startup.kernel_compiles import COMPILES
 from core.startup.kernel_selfcheck import KernelSelfCheck, selfcheck_enabled
 from core.execution.runner import HostBatch, to_device
 from core.sampling.grammar_masks import apply_token_masks, bitmask_backend
+from core.quant.warmup import quant_gemm_warmups
+from core.startup.kernel_checks import check_bgmv, check_bitmask, check_lora_segment, forward_hooks
+from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_add_lora
+from adapters.lora_ops import LoRABatchMeta, LoRAStack
+from adapters.layers.lora_linear import LoRALinear
+from grammar.matching.bitmask import allocate_token_bitmask
+from core.models.fused_ops import use_triton
 
 ProgressFn = Callable[[int, int, float], None]     # (variants done, total, seconds since the start)
 
@@ -93,8 +100,7 @@ def model_shapes(model: Any, num_kv_heads: int, block_size: int, max_model_len: 
                  num_speculative_tokens: int = 0) -> list[Shape]:
     """`forward_shapes` of one model; with speculation (k > 0) also verification-shaped steps: rows of k+1
     query tokens over a cached context, alone and beside decodes and a prefill chunk."""
-    from core.attention.triton_backend import TritonAttentionBackend
-    from core.models.fused_ops import use_triton
+    from core.attention.triton_backend import TritonAttentionBackend  # optional: triton
 
     backend = model.model.layers[0].self_attn.backend
     triton_attention = isinstance(backend, TritonAttentionBackend)
@@ -131,9 +137,6 @@ def dummy_forward(model: Any, kv_caches: Any, lora_pool: Any, block_size: int, d
 
 def _dummy_step(engine: Any, decode_lens: list[int], prefill_chunks: list[tuple[int, int]], label: str = "",
                 check: KernelSelfCheck | None = None) -> None:
-    from core.startup.kernel_checks import check_bitmask, forward_hooks
-    from grammar.matching.bitmask import allocate_token_bitmask
-
     with forward_hooks(check, engine, label) if check is not None else nullcontext():
         logits = dummy_forward(engine.model, engine.kv_caches, engine.lora_pool, engine.block_size, engine.device,
                                decode_lens, prefill_chunks)
@@ -148,11 +151,10 @@ def lora_variants(model: Any, pool: Any) -> list[KernelVariant]:
     """The LoRA kernel variants of one rank's fused linears, on scratch stacks (no collective)."""
     if pool is None:
         return []
-    from adapters.layers.lora_linear import LoRALinear
 
     if pool.context.backends.segmented != "triton":
         return []
-    from adapters.lora_ops.triton_ops import SEGMENT_CONFIGS
+    from adapters.lora_ops.triton_ops import SEGMENT_CONFIGS  # optional: triton
 
     layer0 = model.model.layers[0]
     variants: list[KernelVariant] = []
@@ -174,8 +176,6 @@ NUM_SCRATCH_ROWS = 3
 def _scratch(module: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """A stack shaped like the module's with random weights in slot 0 (at the pool's max rank, scaling 0.5),
     random input rows and random output rows (random: the self-check compares these launches)."""
-    from adapters.lora_ops import LoRAStack
-
     st = module.stack
     dev, dtype = st.lora_a.device, st.lora_a.dtype
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -193,37 +193,30 @@ def _scratch(module: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
 
 
 def _segment(module: Any, cfg: Any, label: str = "", check: KernelSelfCheck | None = None) -> None:
-    from adapters.lora_ops import LoRABatchMeta
-    from adapters.lora_ops.triton_ops import triton_add_lora
+    from adapters.lora_ops.triton_ops import triton_add_lora  # optional: triton
 
     stack, x, y = _scratch(module)
     meta = LoRABatchMeta.build([0, -1, 0], x.device)
     if check is None:
         triton_add_lora(y, x, stack, meta, module.y_offset, config=cfg)
         return
-    from core.startup.kernel_checks import check_lora_segment
 
     check_lora_segment(check, label, y, x, stack, meta, module.y_offset, cfg)
 
 
 def _bgmv(module: Any, label: str = "", check: KernelSelfCheck | None = None) -> None:
-    from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_add_lora
-
     stack, x, y = _scratch(module)
     slots = torch.tensor([0, -1, 0], dtype=torch.int32, device=x.device)                      # [B]
     meta = DecodeLoRAMeta(num_tokens=NUM_SCRATCH_ROWS, row_slots=slots, row_order=torch.argsort(slots).to(torch.int32))
     if check is None:
         triton_bgmv_add_lora(y, x, stack, meta, module.y_offset)
         return
-    from core.startup.kernel_checks import check_bgmv
 
     check_bgmv(check, label, y, x, stack, meta, module.y_offset)
 
 
 def kernel_variants(engine: Any) -> list[KernelVariant]:
     """Every Triton kernel variant this engine can launch outside the decode graphs (empty on a plain CPU)."""
-    from core.quant.warmup import quant_gemm_warmups
-
     forwards = [KernelVariant("forward", name, lambda d=d, p=p: _dummy_step(engine, d, p),
                               lambda chk, d=d, p=p, n=name: _dummy_step(engine, d, p, n, chk))
                 for name, d, p in forward_shapes(engine)]

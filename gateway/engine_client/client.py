@@ -23,8 +23,11 @@ import tempfile
 import threading
 from typing import Any, AsyncIterator, Callable
 
+import zmq
+
 from adapters.errors import AdapterError
 from core.config import EngineConfig
+from core.engine_core import proc
 from core.engine.interface import (AdapterEntry, EngineDeadError, EngineFacts, EngineWarmingError, Matcher,
                                    Tokenizer, WarmupProgress)
 from core.engine.outputs import RequestDelta
@@ -71,10 +74,6 @@ class EngineClient:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        import zmq
-
-        from core.engine_core import proc
-
         self._dir = tempfile.mkdtemp(prefix="loraplex_engine_")
         in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
@@ -296,8 +295,6 @@ class EngineClient:
 
     def _send(self, msg: EngineInput) -> None:
         """Never blocks on a dead engine (a PUSH socket without a peer would block the event loop for good)."""
-        import zmq
-
         data = INPUT_ENCODER.encode(msg)
         with self._lock:   # ZMQ sockets are not thread-safe; commands may come from worker threads
             while True:

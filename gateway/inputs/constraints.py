@@ -9,9 +9,11 @@ from gateway.errors import invalid
 from gateway.inputs import tokenize_pool
 from gateway.protocol import _SamplingFields
 from gateway.tools.tools import ToolPlan
-from grammar.schema.lowering import SchemaOptions
+from grammar.schema.lowering import SchemaOptions, warm_validators
 from grammar.specs.constraints import GUIDED_FIELDS, parse_constraints
 from grammar.specs.spec import GrammarSpec
+from grammar.matching.triggered import triggered_grammar
+from grammar.specs.tool_calls import tool_calls_spec
 
 
 def constraint_spec(body: _SamplingFields, options: SchemaOptions) -> GrammarSpec | None:
@@ -47,8 +49,6 @@ async def validators_ready(engine: ServingEngine | None = None) -> None:
     if engine is not None:
         engine.grammar_compiler.warm_lowering()
     if not _validators_ready:
-        from grammar.schema.lowering import warm_validators
-
         await asyncio.to_thread(warm_validators)
         _validators_ready = True
 
@@ -74,7 +74,6 @@ async def check_tool_schemas(plan: ToolPlan | None, engine: ServingEngine) -> No
     as when admission lowered them. Remembered per tool set (`GrammarCompiler.check`)."""
     if plan is None or not plan.checked:
         return
-    from grammar.specs.tool_calls import tool_calls_spec
 
     await asyncio.wrap_future(engine.grammar_compiler.check(
         tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
@@ -84,8 +83,6 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
                                   plan: ToolPlan | None) -> CompiledConstraint | None:
     """The compiled call grammar of a tool plan (`required`/named: whole output; `auto`: trigger-then-grammar),
     or the request's other constraint; a tool constraint together with another one -> 400."""
-    from grammar.specs.tool_calls import tool_calls_spec
-
     other = await admit_constraint(body, engine)
     if plan is None or not plan.constrained:
         return await compile_spec(other, engine)
@@ -97,6 +94,4 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
     compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled
-    from grammar.matching.triggered import triggered_grammar  # torch: kept off the CLI's --help path
-
     return await asyncio.to_thread(triggered_grammar, compiled, engine.grammar_compiler.vocab, plan.fmt.trigger)

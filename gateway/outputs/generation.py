@@ -11,7 +11,7 @@ from core.engine.llm import child_params
 from core.engine.outputs import RequestDelta, TokenLogprob
 from core.sampling.params import SamplingParams
 from gateway.observability.metrics import GatewayMetrics, RequestTimer
-from grammar.matching.matchers import make_matcher
+from grammar.matching.matcher import make_matcher
 
 
 def new_request_id(prefix: str) -> str:

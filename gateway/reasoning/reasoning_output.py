@@ -17,6 +17,7 @@ from gateway.outputs.generation import ChoiceResult
 from gateway.reasoning.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningTags, last_prompt_tag,
                                          reasoning_tags, split_output, state_after)
 from gateway.outputs.streaming import StreamInfo
+from grammar.matching.triggered import triggered_grammar
 
 if TYPE_CHECKING:   # the state holds the routes' shared objects; nothing here builds one
     from gateway.server.state import GatewayState
@@ -88,8 +89,6 @@ class ReasoningRequest:
         reasoning (`gates`)."""
         if not self.gates(compiled is not None):
             return compiled
-        from grammar.matching.triggered import triggered_grammar  # torch: kept off the CLI's --help path
-
         return await asyncio.to_thread(triggered_grammar, compiled, engine.grammar_compiler.vocab, self.tags.end,
                                        self.tags.end_id, True)
 

@@ -11,6 +11,9 @@ import codecs
 from pathlib import Path
 from typing import Any, Callable
 
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from gateway.reasoning.reasoning import REASONING_PARSERS
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 
@@ -68,13 +71,10 @@ def load_chat_template(text: str) -> str:
 
 def _check_template(text: str) -> None:
     """Compiles the template as transformers will render it (its extensions, e.g. `{% generation %}`)."""
-    from jinja2 import TemplateSyntaxError
-
     try:
+        # torch: transformers is kept out of the CLI's --help path
         from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
     except ImportError:   # another transformers layout: jinja's sandbox with the loop controls
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         compile_template = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse
     try:
         compile_template(text)

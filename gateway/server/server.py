@@ -21,6 +21,9 @@ from gateway.server.startup import exit_on_warmup_failure
 from gateway.server.state import GatewayState
 from gateway.tenancy.tenants import TenantFileError
 from gateway.server.workers import cancel_hard_exit, watch_workers
+from core.engine.engine import LLMEngine
+from core.engine.async_engine import AsyncEngine
+from gateway.engine_client.client import EngineClient
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -28,15 +31,11 @@ log = logging.getLogger("loraplex.gateway")
 def _start_engine(config: ServerConfig, log_level: str = "warning") -> ServingEngine:
     """The one place that knows both engines; the gateway talks to either through `ServingEngine`."""
     if config.engine_process:   # the engine core in its own process, fed over ZMQ (gateway/engine_client/client.py)
-        from gateway.engine_client.client import EngineClient
-
         client = EngineClient(config.engine, log_level, on_warmup_progress=WarmupPrinter(),
                               on_ready=print_ready)
         client.start()
         client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
         return client
-    from core.engine.async_engine import AsyncEngine
-    from core.engine.engine import LLMEngine
 
     engine = LLMEngine(config.engine)
     aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)

@@ -21,7 +21,8 @@ from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 from grammar.schema.lowering import SchemaOptions
-from grammar.specs.tool_calls import FunctionSpec, ToolCallFormat, detect_format
+from grammar.specs.tool_calls import FunctionSpec, HERMES, ToolCallFormat, detect_format
+from grammar.specs.constraints import json_spec
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TOOL_KEYS = {"type", "function"}
@@ -87,8 +88,6 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
                parser: str | None = None) -> ToolPlan | None:
     """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
     server's `--tool-call-parser` family (None: the one the chat template shows)."""
-    from grammar.specs.constraints import json_spec
-
     tools = body.tools or []
     fns = [_check_tool(i, t) for i, t in enumerate(tools)]
     names = [f["name"] for f in fns]
@@ -165,8 +164,6 @@ HERMES_SYSTEM = (
 
 def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
     """For a template without tool syntax: Hermes text in plain system / assistant / user turns."""
-    from grammar.specs.tool_calls import HERMES
-
     out = []
     for msg in conv:
         msg = dict(msg)

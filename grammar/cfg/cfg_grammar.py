@@ -20,13 +20,14 @@ import torch
 
 from grammar.matching.compiled import copy_mask_row
 from grammar.errors import GrammarError
+from grammar.matching.bitmask import unpack_bitmask
 
 _INFO_LOCK = threading.Lock()
 
 
 def check_grammar(text: str, param: str) -> None:
     """Parses the GBNF (cheap, linear); a syntax error or an undefined rule -> GrammarError(invalid_grammar)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # xgrammar: seconds to import (and torch), for GBNF requests only
 
     try:
         xgr.Grammar.from_ebnf(text)
@@ -37,7 +38,7 @@ def check_grammar(text: str, param: str) -> None:
 
 def grammar_accepts(text_grammar: str, text: str) -> bool:
     """Does `text` belong to the grammar's language (the test oracle, independent of any tokenizer)?"""
-    import xgrammar as xgr
+    import xgrammar as xgr  # xgrammar: seconds to import, for GBNF requests only
 
     return bool(xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(text_grammar), text))
 
@@ -58,7 +59,7 @@ class CfgGrammar:
     @staticmethod
     def from_worker(key: str, blob: bytes, info: Any, vocab_size: int, eos: tuple[int, ...],
                     seconds: float) -> "CfgGrammar":
-        import xgrammar as xgr
+        import xgrammar as xgr  # xgrammar: seconds to import, for GBNF requests only
 
         compiled = xgr.CompiledGrammar.deserialize_json(blob.decode(), info)
         return CfgGrammar(key, "grammar", compiled, vocab_size, eos, len(blob), seconds)
@@ -74,7 +75,7 @@ class CfgMatcher:
     request without another forward) and is what `fill_bitmask` copies into the batch's bitmask."""
 
     def __init__(self, grammar: CfgGrammar, stop_token_ids: tuple[int, ...] | list[int] = ()) -> None:
-        import xgrammar as xgr
+        import xgrammar as xgr  # xgrammar: seconds to import, for GBNF requests only
 
         self.compiled = grammar
         self.num_accepted = 0
@@ -119,8 +120,6 @@ class CfgMatcher:
         return self._terminated or bool(self._matcher.is_completed())
 
     def allowed_token_ids(self) -> list[int]:
-        from grammar.matching.bitmask import unpack_bitmask
-
         if self._terminated:
             return []
         return unpack_bitmask(self._mask, self.compiled.vocab_size)[0].nonzero().flatten().tolist()

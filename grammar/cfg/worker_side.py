@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from grammar.cfg.emptiness import admits_a_string
+
 
 def tokenizer_info(token_map: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]) -> Any:
     """An xgrammar TokenizerInfo over exactly the token bytes the outlines-core vocabulary uses
     (ids without bytes - special tokens - decode to b"" and are never allowed)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # xgrammar: seconds to import, at the worker's cfg_init only
 
     encoded: list[bytes] = [b""] * vocab_size
     for data, ids in token_map.items():
@@ -20,9 +22,7 @@ def tokenizer_info(token_map: dict[bytes, list[int]], vocab_size: int, eos_token
 
 def compile_in_worker(info: Any, text: str) -> bytes:
     """Worker side: compile the GBNF for `info`; the result crosses the pipe as JSON bytes."""
-    import xgrammar as xgr
-
-    from grammar.cfg.emptiness import admits_a_string
+    import xgrammar as xgr  # xgrammar: seconds to import, at the worker's cfg_init only
 
     grammar = xgr.Grammar.from_ebnf(text)
     if not admits_a_string(str(grammar)):

@@ -25,6 +25,8 @@ from grammar.compile.pool import (CompileFailed, CompileMemoryExceeded, CompileP
                           CompileTimeout)
 from grammar.specs.spec import GrammarSpec, json_object_spec
 from grammar.compile.vocab import TokenVocab, build_token_vocab
+from grammar.cfg.worker_side import tokenizer_info
+from grammar.cfg.cfg_grammar import CfgGrammar
 
 NEGATIVE_CACHE_SIZE = 1024
 NEGATIVE_CACHE_TTL_S = 300.0
@@ -227,9 +229,6 @@ class GrammarCompiler:
             del self._views[view_key]
 
     def _cfg(self, spec: GrammarSpec, result: CompileResult) -> Any:
-        from grammar.cfg.cfg_grammar import CfgGrammar
-        from grammar.cfg.worker_side import tokenizer_info
-
         with self._lock:
             if self._cfg_info is None:
                 self._cfg_info = tokenizer_info(self.vocab.to_map(), self.vocab_size, list(self.eos_token_ids))

@@ -25,6 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from grammar.schema.lowering import SchemaOptions
+
 MAX_COMPILE_TIMEOUT_S = 3600.0   # the bounds a configured limit must keep (core/environment/variables.py checks them)
 MIN_WORKER_MEMORY_MB = 256       # below this a worker cannot even import its libraries
 MIN_REGEX_CHARS = 1000
@@ -40,8 +42,6 @@ class CompileLimits:
 
     def schema_options(self, vocab_size: int) -> Any:
         """The lowering options of a model with `vocab_size` tokens under these limits."""
-        from grammar.schema.lowering import SchemaOptions
-
         options = SchemaOptions.for_vocab_size(vocab_size)
         if self.max_regex_chars is None:
             return options

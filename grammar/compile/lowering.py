@@ -18,7 +18,7 @@ from typing import Any
 
 from grammar.errors import GrammarError
 from grammar.regex.builder import RegexBuilder, RegexTooLarge
-from grammar.schema.lowering import Lowerer, SchemaOptions
+from grammar.schema.lowering import Lowerer, SchemaOptions, warm_validators
 
 PRUNE_DEPTHS = (6, 4, 3, 2, 1, 0)
 SENTINEL_REGEX = r"\x{1}"
@@ -63,8 +63,6 @@ class SchemaRecipe:
 def warm_lowering() -> None:
     """Imports what lowering uses (jsonschema with its format checkers costs seconds) and lowers a small schema
     through every module, so a worker's first schema is not charged for imports."""
-    from grammar.schema.lowering import warm_validators
-
     warm_validators()
     either = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^a+$"}]}
     schema = {"type": "object", "required": ["a"],

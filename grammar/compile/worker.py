@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import sys
 import time
 from typing import Any, BinaryIO
@@ -94,8 +95,6 @@ def limit_memory(argv: list[str]) -> None:
     address space that no compile allocates. Where RLIMIT_DATA is missing, RLIMIT_AS."""
     limit = int(argv[1]) if len(argv) > 1 else 0
     if limit > 0:
-        import resource
-
         which = getattr(resource, "RLIMIT_DATA", resource.RLIMIT_AS)
         _, hard = resource.getrlimit(which)
         if hard != resource.RLIM_INFINITY:
@@ -104,7 +103,7 @@ def limit_memory(argv: list[str]) -> None:
 
 
 def main() -> int:
-    import outlines_core
+    import outlines_core  # a script: after limit_memory, so the limit counts it
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the real stdout
@@ -142,13 +141,13 @@ def main() -> int:
                 except Exception as e:  # bad regex, vocabulary cannot match, size limits
                     write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
             elif message[0] == "lower_init":  # jsonschema's import costs seconds: not in a compile's timeout
-                from grammar.compile.lowering import warm_lowering
+                from grammar.compile.lowering import warm_lowering  # a script: grammar.* once main() set sys.path
 
                 warm_lowering()
                 write_frame(stdout, ("ready",))
             elif message[0] in ("recipe", "check"):
-                from grammar.errors import GrammarError
-                from grammar.compile.lowering import index_regex
+                from grammar.errors import GrammarError  # a script: grammar.* once main() set sys.path
+                from grammar.compile.lowering import index_regex  # a script: grammar.* once main() set sys.path
 
                 try:
                     regex = message[1].lower()
@@ -162,6 +161,7 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - a regex outlines-core cannot build
                     write_frame(stdout, ("err", f"{type(e).__name__}: {e}"[:2000]))
             elif message[0] == "cfg_init":  # importing xgrammar costs seconds: not counted in a compile's timeout
+                # a script: grammar.* once main() set sys.path
                 from grammar.cfg.worker_side import compile_in_worker, tokenizer_info
 
                 cfg_info = tokenizer_info(token_map, init[3], init[4])

@@ -110,6 +110,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     if backend not in BITMASK_BACKENDS:
         raise ValueError(f"unknown bitmask backend {backend!r} (expected torch or triton)")
     if backend == "triton":
+        # optional: triton (the triton backend only; tests replace it)
         from grammar.matching.bitmask_triton import apply_token_bitmask_triton_
 
         _check(logits, bitmask, rows)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import outlines_core
 import torch
 
 
@@ -166,8 +167,6 @@ class CompiledGrammar:
     def new_guide(self) -> Any:
         """An outlines_core.Guide at the initial state (None if unavailable)."""
         try:
-            import outlines_core
-
             guide = outlines_core.Guide(self.index)
             if self.start_token_id is not None:
                 guide.advance(self.start_token_id, return_tokens=False)

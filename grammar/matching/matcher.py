@@ -1,8 +1,10 @@
-"""Per-request grammar state, owned by the engine thread."""
+"""Per-request grammar state, owned by the engine thread, and `make_matcher`, the one factory of any compiled
+constraint's matcher."""
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -114,3 +116,13 @@ class GrammarMatcher:
 def _bit(i: int) -> int:
     """int32 value with bit i set (bit 31 is the sign bit)."""
     return -(1 << 31) if i == 31 else 1 << i
+
+
+def make_matcher(compiled: Any, stop_token_ids: tuple[int, ...] | list[int] = ()) -> Any:
+    """A fresh matcher for one engine request: outlines-core index (JSON schema, choice, regex), xgrammar
+    grammar, or a tool-call constraint (which builds its own matcher). All share GrammarMatcher's interface:
+    `accept_token`, `fill_bitmask`, `is_terminated`, `ended_by_stop_token`, `only_eos_allowed`, `is_final`."""
+    new_matcher = getattr(compiled, "new_matcher", None)
+    if new_matcher is not None:
+        return new_matcher(stop_token_ids)
+    return GrammarMatcher(compiled, stop_token_ids=stop_token_ids)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from grammar.matching.compiled import bitmask_words, copy_mask_row
-from grammar.matching.matcher import GrammarMatcher
+from grammar.matching.matcher import GrammarMatcher, make_matcher
 
 
 def longest_prefix_suffix(text: bytes, trigger: bytes) -> bytes:
@@ -112,8 +112,7 @@ class TriggeredMatcher:
         return True
 
     def _trigger(self) -> None:
-        from grammar.matching.matchers import make_matcher   # the body may be a triggered grammar itself (tools: auto)
-
+        # the body may be a triggered grammar itself (tools: auto)
         self.inner = make_matcher(self.grammar.body, self.stop_token_ids)
         self.tail = b""
 

@@ -14,6 +14,7 @@ from grammar.schema.ir import JSON_TYPES, AnyJson, ArrayNode, IntegerRange, Lite
 from grammar.regex.emit import STRING_CHAR, bound_pattern, max_len, pattern_regex
 from grammar.regex.numeric import FRACTION_DIGITS, number_range_regex
 from grammar.regex.pattern import PatternError, parse_pattern
+from grammar.schema.objects import lower_object
 
 if TYPE_CHECKING:
     from grammar.schema.lowering import Lowerer, Sub
@@ -48,7 +49,6 @@ def lower_leaf(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Node
     types = allowed_types(subs, infer=True)
     if types is None:
         return AnyJson(0 if lw.pruning else lw.options.any_depth)
-    from grammar.schema.objects import lower_object
 
     nodes: list[Node | None] = []
     if "null" in types:

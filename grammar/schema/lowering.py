@@ -22,6 +22,8 @@ from referencing.jsonschema import DRAFT202012
 
 from grammar.errors import GrammarError, escape_pointer_token, pointer_str, unsupported
 from grammar.schema.ir import Node, make_union
+from grammar.schema.exclude import exclude
+from grammar.schema.leaves import lower_leaf
 
 if TYPE_CHECKING:
     from jsonschema import Draft202012Validator
@@ -33,7 +35,7 @@ ROOT_URI = "urn:loraplex:schema"
 def _meta_validator() -> "Draft202012Validator":
     """jsonschema is imported on first use: with its optional format packages installed, importing it costs
     seconds (rfc3987-syntax builds a parser), which a server that never sees a schema should not pay."""
-    from jsonschema import Draft202012Validator
+    from jsonschema import Draft202012Validator  # jsonschema: seconds to import, kept off --help
 
     return Draft202012Validator(Draft202012Validator.META_SCHEMA)
 
@@ -182,7 +184,7 @@ class Lowerer:
             key = (id(sub.schema), id(sub.resolver))
             validator = self._validators.get(key)
             if validator is None:
-                from jsonschema import Draft202012Validator
+                from jsonschema import Draft202012Validator  # jsonschema: seconds to import, kept off --help
 
                 validator = Draft202012Validator(
                     sub.schema,
@@ -252,8 +254,6 @@ class Lowerer:
         restart = self._apply_dependent_schemas(subs)
         if restart is not None:
             return self.lower(restart, stack)
-        from grammar.schema.exclude import exclude
-        from grammar.schema.leaves import lower_leaf
 
         node = lower_leaf(self, subs, stack)
         for sub in subs:
@@ -264,8 +264,6 @@ class Lowerer:
         return node
 
     def _branch(self, subs: list[Sub], holder: Sub, keyword: str, stack: tuple[int, ...]) -> Node | None:
-        from grammar.schema.exclude import exclude
-
         rest = [replace(s, skip=s.skip | {keyword}) if s is holder else s for s in subs]
         schema = holder.schema
         if keyword == "if" and "then" not in schema and "else" not in schema:

@@ -9,6 +9,7 @@ declared names never get extra members, which keeps `additionalProperties` /
 
 from __future__ import annotations
 
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -217,6 +218,4 @@ def _key_from_names(lw: "Lowerer", rules: list["Sub"], stack: tuple[int, ...]) -
 
 
 def _json_inner(value: Any) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)[1:-1]

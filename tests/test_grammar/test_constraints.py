@@ -11,7 +11,7 @@ from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.specs.constraints import escape_literal, parse_constraints
 from grammar_helpers import lowered
 from grammar.errors import GrammarError
-from grammar.matching.matchers import make_matcher
+from grammar.matching.matcher import make_matcher
 
 CHOICES = ["yes", "no", "maybe so", "a.b*c", "(x|y)", "tab\there"]
 REGEXES = [r"[a-z]{2,5}-[0-9]{3}", r"(?:ab|cd)+x?", r"\d{4}-\d{2}-\d{2}", r"[A-Z][a-z]* (is|was) (good|bad)\."]

@@ -173,7 +173,7 @@ def test_a_grammar_without_states_gets_no_drafts_and_runs(pair) -> None:
     """An xgrammar (EBNF) matcher exposes no state to draft from: its rows run without drafts (this crashed
     the step before), and the output equals the output without speculation."""
     from grammar.specs.constraints import grammar_spec
-    from grammar.matching.matchers import make_matcher
+    from grammar.matching.matcher import make_matcher
 
     outs = []
     for llm in pair:
