@@ -103,7 +103,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "prefix-namespace-shared", "every request uses the base model's prefix-cache namespace (adapters reuse the "
         "base model's KV)",
-        (Edit("core/engine/engine.py", 'rope_namespace(lora.namespace if lora is not None else "base", rope_offset)',
+        (Edit("core/scheduling/admission.py", 'rope_namespace(lora.namespace if lora is not None else "base", rope_offset)',
               'rope_namespace("base", rope_offset)'),),
         NAMESPACE_TESTS),
     Mutation(
