@@ -26,17 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import add_model_args, load_format_of, llama3_8b_dir, now, write_results
+from common import add_model_args, bench_model_dir, load_format_of, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
-from tiny_models import TinyModelSpec, tiny_model_dir
 from lora_overhead import TARGET_SETS, write_adapter
-
-# big enough on a CPU that reading one all-modules r128 adapter (74 MB) takes >= 50 ms
-CPU_COLD_SPEC = TinyModelSpec(arch="llama", num_layers=8, hidden_size=1024, intermediate_size=2816, num_heads=16,
-                              num_kv_heads=4, max_position_embeddings=2048, tokenizer_vocab_size=2048, seed=13)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,10 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
-    if args.model == "llama3-8b-dummy":
-        model = llama3_8b_dir()
-    else:
-        model = args.model or str(tiny_model_dir(CPU_COLD_SPEC))
+    model = bench_model_dir(args.model or "cpu-cold-spec")
     cfg = ModelConfig.from_path(model)
     ranks = [int(r) for r in (args.ranks or ("16,32,64" if cuda else "128")).split(",")]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]

@@ -27,6 +27,12 @@ RESULTS = Path(os.environ.get("LORAPLEX_BENCH_RESULTS") or Path(__file__).resolv
 CPU_BENCH_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, intermediate_size=688, num_heads=8,
                                num_kv_heads=2, max_position_embeddings=4096, tokenizer_vocab_size=2048,
                                weight_scale=4.0, seed=11)
+# A 100M-parameter Llama (8 x 1024): big enough on a CPU that the forward is compute-bound at 48 rows a step and
+# reading one all-modules r128 adapter (74 MB) takes >= 50 ms (benchmarks/adapter_cold_load.py, lora_overhead.py).
+CPU_COLD_SPEC = TinyModelSpec(arch="llama", num_layers=8, hidden_size=1024, intermediate_size=2816, num_heads=16,
+                              num_kv_heads=4, max_position_embeddings=2048, tokenizer_vocab_size=2048, seed=13)
+# --model names of the test-model builder's specs (random weights written to a cached folder)
+SPEC_MODELS = {"cpu-bench-spec": CPU_BENCH_SPEC, "cpu-cold-spec": CPU_COLD_SPEC}
 
 
 LLAMA3_8B_CONFIG = {
@@ -71,12 +77,14 @@ def llama3_8b_dir() -> str:
 def bench_model_dir(model: str | None) -> str:
     if model in DUMMY_MODELS:
         return dummy_model_dir(model)
-    return model or str(tiny_model_dir(CPU_BENCH_SPEC))
+    return str(tiny_model_dir(SPEC_MODELS[model or "cpu-bench-spec"])) if model in SPEC_MODELS or not model else model
 
 
 def add_model_args(ap: "argparse.ArgumentParser") -> None:
     ap.add_argument("--model", default=None, help="model dir; 'llama3-8b-dummy' = Llama-3-8B shape, random weights; "
-                                                  "'tiny-dummy' = a tiny Llama, random weights (dry runs)")
+                                                  "'tiny-dummy' = a tiny Llama, random weights (dry runs); "
+                                                  "'cpu-bench-spec' (4 x 256) / 'cpu-cold-spec' (8 x 1024) = "
+                                                  "small Llamas with random weights for the CPU")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
 

@@ -15,11 +15,8 @@ from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_b
 from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
-from adapters.lora_ops.torch_ops import torch_add_lora_gathered, torch_expand, torch_shrink
-
-# CPU: many small groups (a decode batch spread over many adapters) take the gathered BGMV path
-GATHER_MIN_GROUPS = 4
-GATHER_MAX_TOKENS_PER_GROUP = 8
+from adapters.lora_ops.torch_grouped import torch_add_lora_grouped
+from adapters.lora_ops.torch_ops import torch_expand, torch_shrink
 
 def shrink(
     x: torch.Tensor,  # [T, in]
@@ -64,7 +61,8 @@ def add_lora(
 ) -> None:
     """y += LoRA(x) for all slices of `stack`; no-op when the step has no LoRA token.
     Decode metadata (one row per token, per-row slots) takes the fused BGMV kernels; the grouped
-    metadata of prefill and mixed steps takes the segmented shrink/expand."""
+    metadata of prefill and mixed steps takes the segmented shrink/expand kernels, or on the torch path batched
+    matmuls over the step's slots (`torch_grouped`)."""
     check_backend(backend)
     if not meta.has_lora:
         return
@@ -79,9 +77,8 @@ def add_lora(
         else:
             torch_bgmv_add_lora(y, x, stack, meta, y_offset)
         return
-    if backend == "torch" and meta.num_groups > GATHER_MIN_GROUPS and \
-            meta.num_lora_tokens <= GATHER_MAX_TOKENS_PER_GROUP * meta.num_groups:
-        torch_add_lora_gathered(y, x, stack, meta, y_offset)
+    if backend == "torch":
+        torch_add_lora_grouped(y, x, stack, meta, y_offset)
         return
     h = shrink(x, stack, meta, backend=backend)  # [S, T_lora, R]
     expand(y, h, stack, meta, y_offset, backend=backend)

@@ -12,13 +12,40 @@ tokens get no group, so they cost nothing; -1 tokens appear in no group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from functools import cached_property
+from typing import Optional, Sequence, Union
 
 import torch
 
 from adapters.errors import LoRAContextError
 
 SlotsLike = Union[Sequence[int], torch.Tensor]
+
+# the torch path pads groups into one batched matmul while that computes at most this many times the LoRA rows
+MAX_PADDING_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """The step's LoRA tokens laid out as `num_entries` x `width` rows for batched matmuls over slots (the CPU /
+    torch path): entry e holds the tokens of one slot (padded with copies of some row up to `width`), so one
+    `bmm` of [E, width, in] by the entries' A [E, in, r] covers every group. Entries are the slots
+    `slot_lo .. slot_lo + E - 1` (slots between the groups' slots get an entry without tokens) when that range is
+    at most twice the number of groups, so the stacks' weights are read through a view, never copied; otherwise
+    (`slot_lo` None) they are the groups' slots and the weights are gathered. Built once per step."""
+
+    num_entries: int
+    width: int
+    slot_lo: Optional[int]
+    group_entries: tuple[int, ...]       # [G] entry of each group
+    entry_slots: torch.Tensor            # [E] int64, slot of each entry
+    src_rows: torch.Tensor               # [E * width] int64, token row of each padded position (padding: any row)
+    valid_positions: Optional[torch.Tensor]   # [T_lora] int64, padded position of each token_ids entry; None: identity
+    token_rows: torch.Tensor             # [T_lora] int64, token_ids (destination rows of the deltas)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_entries * self.width
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,34 @@ class LoRABatchMeta:
                 f"LoRA metadata was built for {self.num_tokens} tokens but the layer got "
                 f"{num_tokens}; set the step's LoRA context before every forward"
             )
+
+    @cached_property
+    def padded(self) -> Optional[PaddedGroups]:
+        """The padded layout of this step for batched matmuls, or None when padding would compute more than
+        `MAX_PADDING_FACTOR` times the LoRA rows (a prefill chunk beside single decode tokens). Built on first use
+        and kept: every wrapped linear of the step shares it."""
+        if not self.has_lora:
+            return None
+        g, width = self.num_groups, self.max_group_size
+        lo, hi = min(self.group_slots_host), max(self.group_slots_host) + 1
+        dense = hi - lo <= MAX_PADDING_FACTOR * g
+        num_entries = hi - lo if dense else g
+        if num_entries * width > MAX_PADDING_FACTOR * self.num_lora_tokens:
+            return None
+        entries = tuple(s - lo for s in self.group_slots_host) if dense else tuple(range(g))
+        token_rows = self.token_ids.to("cpu", torch.int64)                    # [T_lora]
+        src = torch.zeros(num_entries * width, dtype=torch.int64)             # [E * width]
+        pos = torch.empty(self.num_lora_tokens, dtype=torch.int64)            # [T_lora]
+        for e, start, size in zip(entries, self.group_starts_host, self.group_sizes_host):
+            pos[start:start + size] = torch.arange(e * width, e * width + size)
+        src[pos] = token_rows
+        identity = num_entries * width == self.num_lora_tokens and bool(
+            torch.equal(pos, torch.arange(self.num_lora_tokens)))
+        slots = torch.arange(lo, hi) if dense else torch.tensor(self.group_slots_host, dtype=torch.int64)  # [E]
+        dev = self.device
+        return PaddedGroups(num_entries=num_entries, width=width, slot_lo=lo if dense else None,
+                            group_entries=entries, entry_slots=slots.to(dev), src_rows=src.to(dev),
+                            valid_positions=None if identity else pos.to(dev), token_rows=token_rows.to(dev))
 
     @classmethod
     def build(

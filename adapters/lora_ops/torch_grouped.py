@@ -1,0 +1,142 @@
+"""The torch path of `add_lora` for grouped (prefill and mixed) metadata: the CPU's multi-LoRA at its FLOP floor.
+
+Batched (the step's `LoRABatchMeta.padded` layout): x is gathered once per linear into [E, width, in] rows, one
+slot per entry, and every slice costs two `bmm`s over all entries at once, at the real rank of the step's
+adapters (groups of different ranks take one pair of `bmm`s per rank: mixed ranks cost the sum of their ranks,
+never the pool's max rank). A and B are read through views of the slot stacks when the entries are a range
+of slots (no copy of adapter weights). The deltas of every slice are added to the output rows with one
+scatter.
+Segmented (padding would cost too much: a long prefill chunk beside single decode tokens): a loop over the
+groups; a contiguous group (a prefill chunk) reads its rows of x and adds into its rows of y through slices.
+
+Both compute in `compute_dtype` (fp32 on the CPU) and round into y once, as `torch_shrink` / `torch_expand`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from adapters.lora_ops.metadata import LoRABatchMeta, PaddedGroups
+from adapters.lora_ops.stack import LoRAStack
+from adapters.lora_ops.torch_ops import compute_dtype
+
+
+def torch_add_lora_grouped(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,
+                           y_offset: int = 0) -> None:
+    """y[token_ids[p], y_offset + off_s + n] += scale * (x[token_ids[p]] @ A_s^T) @ B_s^T of each token's slot."""
+    plan = meta.padded
+    if plan is None:
+        torch_add_lora_segmented(y, x, stack, meta, y_offset)
+    else:
+        torch_add_lora_padded(y, x, stack, meta, plan, y_offset)
+
+
+def _rank_buckets(ranks: list[int], meta: LoRABatchMeta) -> dict[int, list[int]]:
+    """{rank: the groups of that rank} over the groups of one slice; rank-0 groups get no LoRA."""
+    buckets: dict[int, list[int]] = {}
+    for g, slot in enumerate(meta.group_slots_host):
+        if ranks[slot]:
+            buckets.setdefault(ranks[slot], []).append(g)
+    return buckets
+
+
+def _entry_weights(stack: LoRAStack, plan: PaddedGroups, s: int, r: int,
+                   entries: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A [E', r, in], B [E', out_s, r], scaling [E']) of slice s at rank r for all entries (entries None) or
+    the given ones: views of the stacks when the entries are a slot range, else gathered rows (the first r)."""
+    off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
+    if entries is None and plan.slot_lo is not None:
+        lo, hi = plan.slot_lo, plan.slot_lo + plan.num_entries
+        return (stack.lora_a[s, lo:hi, :r], stack.lora_b[lo:hi, off:off + n_out, :r],   # views
+                stack.scalings[s, lo:hi])
+    slots = plan.entry_slots if entries is None else plan.entry_slots.index_select(0, entries)   # [E']
+    return (stack.lora_a[s, :, :r].index_select(0, slots),                         # [E', r, in]
+            stack.lora_b[:, off:off + n_out, :r].index_select(0, slots),           # [E', out_s, r]
+            stack.scalings[s].index_select(0, slots))                              # [E']
+
+
+def torch_add_lora_padded(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,
+                          plan: PaddedGroups, y_offset: int = 0) -> None:
+    cdt = compute_dtype(x)
+    num_entries, width = plan.num_entries, plan.width
+    num_cols = stack.lora_b.shape[1]
+    ranks = stack.host_ranks()                                                     # [S][slots]
+    buckets = [_rank_buckets(ranks[s], meta) for s in range(stack.num_slices)]
+    if not any(buckets):
+        return                                  # no group targets this linear
+    xp = x.index_select(0, plan.src_rows).to(cdt).view(num_entries, width, -1)   # [E, width, in]
+    whole = all(len(b) == 1 and len(next(iter(b.values()))) == meta.num_groups for b in buckets)
+    # every slice of every group in one bucket: each slice's columns are written whole, else zeros first
+    delta: Optional[torch.Tensor] = None
+    if not (whole and stack.num_slices == 1 and stack.slice_sizes[0] == num_cols):
+        alloc = torch.empty if whole else torch.zeros
+        delta = alloc(num_entries, width, num_cols, dtype=cdt, device=x.device)    # [E, width, N]
+    for s, by_rank in enumerate(buckets):
+        off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
+        for r, groups in by_rank.items():
+            entries = None if len(groups) == meta.num_groups else torch.tensor(
+                [plan.group_entries[g] for g in groups], dtype=torch.int64, device=x.device)   # [E']
+            a, b, scale = _entry_weights(stack, plan, s, r, entries)
+            xs = xp if entries is None else xp.index_select(0, entries)           # [E', width, in]
+            h = torch.bmm(xs, a.to(cdt).transpose(1, 2))                           # [E', width, r]
+            d = torch.bmm(h, b.to(cdt).transpose(1, 2))                            # [E', width, out_s]
+            d *= scale.to(cdt).view(-1, 1, 1)
+            if delta is None:
+                delta = d                       # one slice covering every column: no copy
+            elif entries is None:
+                delta[:, :, off:off + n_out] = d
+            else:
+                delta[entries, :, off:off + n_out] = d
+    assert delta is not None
+    rows = delta.view(num_entries * width, num_cols)                               # [E * width, N]
+    if plan.valid_positions is not None:
+        rows = rows.index_select(0, plan.valid_positions)                          # [T_lora, N]
+    _scatter_add(y, plan.token_rows, rows, y_offset)
+
+
+def _scatter_add(y: torch.Tensor, idx: torch.Tensor, delta: torch.Tensor, y_offset: int) -> None:
+    """y[idx, y_offset : y_offset + N] += delta [len(idx), N], rounded into y's dtype once."""
+    num_cols = delta.shape[1]
+    if y.dtype == delta.dtype and y_offset == 0 and num_cols == y.shape[1]:
+        y.index_add_(0, idx, delta)             # whole rows: no gather of y
+        return
+    rows = y.index_select(0, idx)               # [n, out_total] (index ops on column-slice views are slow on CPU)
+    cols = rows[:, y_offset:y_offset + num_cols]
+    cols.copy_(cols.to(delta.dtype) + delta)
+    y.index_copy_(0, idx, rows)
+
+
+def torch_add_lora_segmented(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,
+                             y_offset: int = 0) -> None:
+    """A loop over the step's groups, each at its slot's real rank; a contiguous group reads and writes slices."""
+    cdt = compute_dtype(x)
+    ranks = stack.host_ranks()
+    scalings = stack.host_scalings()
+    num_cols = stack.lora_b.shape[1]
+    groups = zip(meta.group_slots_host, meta.group_starts_host, meta.group_sizes_host, meta.group_first_token,
+                 meta.group_contiguous)
+    for slot, start, size, first, contiguous in groups:
+        idx = None if contiguous else meta.token_ids[start:start + size].long()   # [n]
+        xs = (x[first:first + size] if idx is None else x.index_select(0, idx)).to(cdt)   # [n, in]
+        delta: Optional[torch.Tensor] = None
+        for s in range(stack.num_slices):
+            r = ranks[s][slot]
+            if r == 0:
+                continue
+            off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
+            h = xs @ stack.lora_a[s, slot, :r].to(cdt).t()                         # [n, r]
+            d = h @ stack.lora_b[slot, off:off + n_out, :r].to(cdt).t()            # [n, out_s]
+            d *= scalings[s][slot]
+            if idx is None:
+                cols = y[first:first + size, y_offset + off:y_offset + off + n_out]
+                if cols.dtype == cdt:
+                    cols += d
+                else:
+                    cols.copy_(cols.to(cdt) + d)                                   # round once
+                continue
+            if delta is None:
+                delta = torch.zeros(size, num_cols, dtype=cdt, device=x.device)    # [n, N]
+            delta[:, off:off + n_out] = d
+        if delta is not None:
+            _scatter_add(y, idx, delta, y_offset)

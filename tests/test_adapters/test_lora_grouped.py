@@ -1,0 +1,104 @@
+"""The torch path of grouped LoRA metadata (CPU): batched matmuls over the step's slots (`PaddedGroups`) and the
+per-group loop beside a long prefill chunk, against the per-token reference; and its cost follows each adapter's
+rank, never the pool's max rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
+from lora_dense_reference import naive
+from lora_nan_stacks import nan_stack
+
+OUTS = (24, 8, 8)
+IN_F = 40
+
+# (name, num_slots, token slots): the layout each case must take
+CASES = [
+    ("padded-slot-range", 8, [3, -1, 1, 0, 7, 6, 5, 4, 2, -1, 1, 6, 0, 7]),     # many groups of 1-2 tokens
+    ("padded-gathered-slots", 32, [0, 31, -1, 31, 0, 17, 17, 17]),               # slots far apart: weights gathered
+    ("padded-with-gap-slots", 8, [5, 1, 1, 3, 5, -1, 3]),                        # slots 2 and 4 in range, no token
+    ("segmented", 8, [2] * 20 + [-1, 5, 1, 6, 0]),                               # a prefill chunk beside decodes
+    ("segmented-noncontiguous", 8, [2, 2, -1] * 8 + [5, 1]),                     # a group spread over the batch
+]
+
+
+def _stack(num_slots: int, dtype: torch.dtype, seed: int) -> tuple[LoRAStack, list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    ranks = [[int(v) for v in torch.randint(0, 17, (num_slots,), generator=g)] for _ in OUTS]
+    ranks[0][2] = ranks[1][2] = ranks[2][2] = 16     # the long group has LoRA in every slice
+    # NaN past every slot's rank: a path that reads beyond a rank poisons its output
+    return nan_stack(num_slots, 16, IN_F, OUTS, ranks, dtype=dtype, seed=seed), ranks
+
+
+def _dense(stack: LoRAStack, ranks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-slice A [slots, R, in] and B [slots, out_s, R] with zeros for the NaN past each rank (the reference)."""
+    a_list = [torch.nan_to_num(stack.lora_a[s].cpu().double(), nan=0.0) for s in range(len(OUTS))]
+    b_list = [torch.nan_to_num(stack.lora_b[:, o:o + n].cpu().double(), nan=0.0)
+              for o, n in zip(stack.slice_offsets, stack.slice_sizes)]
+    return a_list, b_list
+
+
+@pytest.mark.parametrize("y_offset,width", [(5, 50), (0, 40)])      # a column slice of y / whole rows of y
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,num_slots,token_slots", CASES, ids=[c[0] for c in CASES])
+def test_grouped_path_matches_naive(name: str, num_slots: int, token_slots: list[int], dtype: torch.dtype,
+                                    y_offset: int, width: int) -> None:
+    meta = LoRABatchMeta.build(token_slots, num_slots=num_slots)
+    plan = meta.padded
+    assert (plan is None) == name.startswith("segmented")
+    if plan is not None:
+        assert (plan.slot_lo is None) == (name == "padded-gathered-slots")
+    stack, ranks = _stack(num_slots, dtype, seed=len(token_slots))
+    a_list, b_list = _dense(stack, ranks)
+    scal = stack.scalings.cpu().tolist()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(len(token_slots), IN_F, generator=g).to(dtype).to(stack.lora_a.device)
+    y = torch.randn(len(token_slots), width, generator=g).to(dtype).to(stack.lora_a.device)
+    ref = naive(y.cpu(), x.cpu(), a_list, b_list, ranks, scal, token_slots, y_offset)
+    add_lora(y, x, stack, meta, y_offset=y_offset, backend="torch")
+    tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.25, rtol=0.02)
+    torch.testing.assert_close(y.cpu().double(), ref, **tol)
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    """The shapes of the tensors every compute op (not a view) takes or returns."""
+
+    VIEWS = {"slice", "select", "view", "_unsafe_view", "transpose", "t", "as_strided", "unsqueeze", "squeeze",
+             "expand", "alias", "detach", "permute", "reshape", "lift_fresh"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS:
+            for t in (*args, *(kwargs or {}).values(), out):
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append((name, tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("token_slots", [[0, 1, 0, 1, -1, 1], [0] * 12 + [1]],
+                         ids=["padded", "segmented"])
+def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None:
+    """A rank-8 and a rank-24 adapter in a pool sized for rank 64: no op but a view touches a tensor with 64 (the
+    pool's rank) in its shape, and the matmuls' rank dims are 8 and 24 (mixed ranks cost the sum of their ranks)."""
+    pool_rank, ranks = 64, [[8, 24]] * len(OUTS)
+    stack = nan_stack(2, pool_rank, IN_F, OUTS, ranks, seed=3)
+    meta = LoRABatchMeta.build(token_slots, num_slots=2)
+    x = torch.randn(len(token_slots), IN_F, device=stack.lora_a.device)
+    y = torch.zeros(len(token_slots), sum(OUTS), device=stack.lora_a.device)
+    meta.padded                                       # the step's layout: built once per step, outside the layer
+    with _ShapeRecorder() as rec:
+        add_lora(y, x, stack, meta, backend="torch")
+    assert torch.isfinite(y).all()                    # nothing past a rank was read (NaN there)
+    assert rec.shapes, "no op recorded"
+    touched = [(op, shape) for op, shape in rec.shapes if pool_rank in shape]
+    assert not touched, f"ops touched the pool's max rank: {touched[:4]}"
+    rank_dims = {shape[-1] for op, shape in rec.shapes if op in ("mm", "bmm")} | \
+        {shape[-2] for op, shape in rec.shapes if op in ("mm", "bmm")}
+    assert {8, 24} <= rank_dims and not rank_dims & {16, 32, 64}
