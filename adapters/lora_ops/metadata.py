@@ -23,6 +23,18 @@ SlotsLike = Union[Sequence[int], torch.Tensor]
 
 # the torch path pads groups into one batched matmul while that computes at most this many times the LoRA rows
 MAX_PADDING_FACTOR = 2
+# runs of at least this many consecutive tokens of one slot (prefill chunks) take the torch path's slices of x and y
+MIN_RUN_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class TorchSplit:
+    """The torch path's split of a step: `runs` (first row, number of rows, slot) of at least `MIN_RUN_TOKENS`
+    consecutive tokens of one slot, computed on slices of x and y; `rest`, the metadata of the other LoRA tokens
+    (None: there are none), computed in batched matmuls (`rest.padded`) or a loop over their groups."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    rest: Optional["LoRABatchMeta"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,27 @@ class LoRABatchMeta:
                 f"LoRA metadata was built for {self.num_tokens} tokens but the layer got "
                 f"{num_tokens}; set the step's LoRA context before every forward"
             )
+
+    @cached_property
+    def torch_split(self) -> TorchSplit:
+        """Long runs of one slot and the rest of the step's LoRA tokens; built on first use and kept (every wrapped
+        linear of the step shares it)."""
+        slots = torch.full((self.num_tokens,), -1, dtype=torch.int64)                        # [T]
+        sizes = torch.tensor(self.group_sizes_host, dtype=torch.int64)                        # [G]
+        slots[self.token_ids.to("cpu", torch.int64)] = torch.repeat_interleave(
+            torch.tensor(self.group_slots_host, dtype=torch.int64), sizes)
+        change = torch.ones(self.num_tokens, dtype=torch.bool)                                 # [T] a run starts
+        change[1:] = slots[1:] != slots[:-1]
+        starts = torch.nonzero(change).squeeze(1)                                             # [num_runs]
+        lengths = torch.diff(starts, append=torch.tensor([self.num_tokens]))                  # [num_runs]
+        keep = (lengths >= MIN_RUN_TOKENS) & (slots[starts] >= 0)
+        runs = tuple(zip(starts[keep].tolist(), lengths[keep].tolist(), slots[starts[keep]].tolist()))
+        if not runs:
+            return TorchSplit((), self)
+        for first, size, _ in runs:
+            slots[first:first + size] = -1
+        rest = LoRABatchMeta.build(slots, self.device) if bool((slots >= 0).any()) else None
+        return TorchSplit(runs, rest)
 
     @cached_property
     def padded(self) -> Optional[PaddedGroups]:

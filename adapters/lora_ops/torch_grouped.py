@@ -6,8 +6,9 @@ adapters (groups of different ranks take one pair of `bmm`s per rank: mixed rank
 never the pool's max rank). A and B are read through views of the slot stacks when the entries are a range
 of slots (no copy of adapter weights). The deltas of every slice are added to the output rows with one
 scatter.
-Segmented (padding would cost too much: a long prefill chunk beside single decode tokens): a loop over the
-groups; a contiguous group (a prefill chunk) reads its rows of x and adds into its rows of y through slices.
+Runs (prefill chunks: at least `MIN_RUN_TOKENS` consecutive tokens of one slot): matmuls on the run's slices
+of x and y, the expand accumulating into y itself (`addmm_`): no gather, scatter or delta buffer.
+Segmented (the tokens outside runs, when padding them would cost too much): a loop over their groups.
 
 Both compute in `compute_dtype` (fp32 on the CPU) and round into y once, as `torch_shrink` / `torch_expand`.
 """
@@ -24,12 +25,43 @@ from adapters.lora_ops.torch_ops import compute_dtype
 
 def torch_add_lora_grouped(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,
                            y_offset: int = 0) -> None:
-    """y[token_ids[p], y_offset + off_s + n] += scale * (x[token_ids[p]] @ A_s^T) @ B_s^T of each token's slot."""
-    plan = meta.padded
+    """y[token_ids[p], y_offset + off_s + n] += scale * (x[token_ids[p]] @ A_s^T) @ B_s^T of each token's slot:
+    long runs on slices, the other tokens batched (`meta.torch_split`)."""
+    split = meta.torch_split
+    if split.runs:
+        torch_add_lora_runs(y, x, stack, split.runs, y_offset)
+    rest = split.rest
+    if rest is None:
+        return
+    plan = rest.padded
     if plan is None:
-        torch_add_lora_segmented(y, x, stack, meta, y_offset)
+        torch_add_lora_segmented(y, x, stack, rest, y_offset)
     else:
-        torch_add_lora_padded(y, x, stack, meta, plan, y_offset)
+        torch_add_lora_padded(y, x, stack, rest, plan, y_offset)
+
+
+def torch_add_lora_runs(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, runs: tuple[tuple[int, int, int], ...],
+                        y_offset: int = 0) -> None:
+    """Each run (first row, rows, slot) of consecutive tokens of one slot: its rows of x times A at the slot's rank,
+    scaled, times B, added into its rows and columns of y by the matmul itself (no gather, no scatter, no buffer)."""
+    cdt = compute_dtype(x)
+    ranks = stack.host_ranks()
+    scalings = stack.host_scalings()
+    for first, size, slot in runs:
+        xs = x[first:first + size].to(cdt)                                         # [n, in]
+        for s in range(stack.num_slices):
+            r = ranks[s][slot]
+            if r == 0:
+                continue
+            off, n_out = stack.slice_offsets[s], stack.slice_sizes[s]
+            h = xs @ stack.lora_a[s, slot, :r].to(cdt).t()                         # [n, r]
+            h *= scalings[s][slot]
+            b = stack.lora_b[slot, off:off + n_out, :r].to(cdt)                    # [out_s, r]
+            cols = y[first:first + size, y_offset + off:y_offset + off + n_out]
+            if cols.dtype == cdt:
+                cols.addmm_(h, b.t())
+            else:
+                cols.copy_(torch.addmm(cols.to(cdt), h, b.t()))                    # round once
 
 
 def _rank_buckets(ranks: list[int], meta: LoRABatchMeta) -> dict[int, list[int]]:

@@ -58,11 +58,13 @@ NAMESPACE_TESTS = ("tests/test_adapters/test_lora_engine.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "lora-slot1-expand", "torch_expand skips the adapter in device slot 1 (its delta never reaches the output)",
-        (Edit("adapters/lora_ops/torch_ops.py",
-              "    delta: Optional[torch.Tensor] = None\n    for g, slot in enumerate(meta.group_slots_host):\n",
-              "    delta: Optional[torch.Tensor] = None\n    for g, slot in enumerate(meta.group_slots_host):\n"
-              "        if slot == 1:\n            continue\n"),),
+        "lora-slot1-expand", "the CPU LoRA path skips the adapter in device slot 1 (its delta never reaches the output)",
+        (Edit("adapters/lora_ops/torch_grouped.py",
+              "    for g, slot in enumerate(meta.group_slots_host):\n        if ranks[slot]:\n",
+              "    for g, slot in enumerate(meta.group_slots_host):\n        if ranks[slot] and slot != 1:\n"),
+         Edit("adapters/lora_ops/torch_grouped.py",
+              "            r = ranks[s][slot]\n            if r == 0:\n",
+              "            r = 0 if slot == 1 else ranks[s][slot]\n            if r == 0:\n")),
         LORA_PARITY_TESTS),
     Mutation(
         "lora-rslora-scaling", "rsLoRA scaled by alpha / r instead of alpha / sqrt(r)",

@@ -1,5 +1,5 @@
-"""The torch path of grouped LoRA metadata (CPU): batched matmuls over the step's slots (`PaddedGroups`) and the
-per-group loop beside a long prefill chunk, against the per-token reference; and its cost follows each adapter's
+"""The torch path of grouped LoRA metadata (CPU): runs of one slot on slices (prefill chunks), batched matmuls over
+the step's slots (`PaddedGroups`) and the per-group loop, against the per-token reference; and its cost follows each adapter's
 rank, never the pool's max rank."""
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ CASES = [
     ("padded-with-gap-slots", 8, [5, 1, 1, 3, 5, -1, 3]),                        # slots 2 and 4 in range, no token
     ("segmented", 8, [2] * 20 + [-1, 5, 1, 6, 0]),                               # a prefill chunk beside decodes
     ("segmented-noncontiguous", 8, [2, 2, -1] * 8 + [5, 1]),                     # a group spread over the batch
+    ("runs-padded", 8, [2] * 40 + [-1, 5, 1, 6, 0] + [3] * 33 + [2]),           # prefill chunks beside decodes
+    ("runs-segmented", 8, [1] * 33 + [2] * 20 + [-1, 5, 1, 6, 0]),             # a run, then the segmented rest
+    ("runs-only", 8, [4] * 32 + [-1] * 3 + [2] * 40),
 ]
 
 
@@ -46,10 +49,16 @@ def _dense(stack: LoRAStack, ranks: list[list[int]]) -> tuple[list[torch.Tensor]
 def test_grouped_path_matches_naive(name: str, num_slots: int, token_slots: list[int], dtype: torch.dtype,
                                     y_offset: int, width: int) -> None:
     meta = LoRABatchMeta.build(token_slots, num_slots=num_slots)
-    plan = meta.padded
-    assert (plan is None) == name.startswith("segmented")
-    if plan is not None:
-        assert (plan.slot_lo is None) == (name == "padded-gathered-slots")
+    split = meta.torch_split
+    assert bool(split.runs) == name.startswith("runs")
+    if name == "runs-only":
+        assert split.rest is None
+    else:
+        assert split.rest is not None
+        plan = split.rest.padded
+        assert (plan is None) == ("segmented" in name)
+        if plan is not None:
+            assert (plan.slot_lo is None) == (name == "padded-gathered-slots")
     stack, ranks = _stack(num_slots, dtype, seed=len(token_slots))
     a_list, b_list = _dense(stack, ranks)
     scal = stack.scalings.cpu().tolist()
@@ -82,8 +91,8 @@ class _ShapeRecorder(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("token_slots", [[0, 1, 0, 1, -1, 1], [0] * 12 + [1]],
-                         ids=["padded", "segmented"])
+@pytest.mark.parametrize("token_slots", [[0, 1, 0, 1, -1, 1], [0] * 12 + [1], [1] * 40 + [0] * 33],
+                         ids=["padded", "segmented", "runs"])
 def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None:
     """A rank-8 and a rank-24 adapter in a pool sized for rank 64: no op but a view touches a tensor with 64 (the
     pool's rank) in its shape, and the matmuls' rank dims are 8 and 24 (mixed ranks cost the sum of their ranks)."""
@@ -92,7 +101,7 @@ def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None
     meta = LoRABatchMeta.build(token_slots, num_slots=2)
     x = torch.randn(len(token_slots), IN_F, device=stack.lora_a.device)
     y = torch.zeros(len(token_slots), sum(OUTS), device=stack.lora_a.device)
-    meta.padded                                       # the step's layout: built once per step, outside the layer
+    meta.torch_split                                  # the step's layout: built once per step, outside the layer
     with _ShapeRecorder() as rec:
         add_lora(y, x, stack, meta, backend="torch")
     assert torch.isfinite(y).all()                    # nothing past a rank was read (NaN there)
