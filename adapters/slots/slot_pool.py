@@ -34,7 +34,7 @@ from adapters.lora_ops import LoRABackends, LoRAStack
 class GroupBuffers:
     group: FusedGroup
     a: torch.Tensor  # [L, S, slots, R, in]
-    b: torch.Tensor  # [L, slots, out_total, R]
+    b: torch.Tensor  # [L, slots, out_total, R] (stored [L, slots, R, out_total] on the torch path)
     ranks: torch.Tensor  # [L, S, slots] int32, device
     scalings: torch.Tensor  # [L, S, slots] float32, device
     ranks_host: torch.Tensor  # [L, S, slots] int32, CPU mirror
@@ -59,7 +59,12 @@ class LoRASlotPool:
             S = len(grp.slices)
             kw = dict(device=self.device)
             a = torch.zeros(L, S, num_slots, max_rank, grp.in_features, dtype=dtype, **kw)
-            b = torch.zeros(L, num_slots, grp.out_features, max_rank, dtype=dtype, **kw)
+            if backends == LoRABackends("torch", "torch"):
+                # rank-major storage: the torch ops' expand multiplies by B^T [r, out], rows of `out` contiguous
+                # (twice as fast as unit rank stride on the CPU); the Triton kernels need the unit rank stride
+                b = torch.zeros(L, num_slots, max_rank, grp.out_features, dtype=dtype, **kw).transpose(2, 3)
+            else:
+                b = torch.zeros(L, num_slots, grp.out_features, max_rank, dtype=dtype, **kw)
             ranks = torch.zeros(L, S, num_slots, dtype=torch.int32, **kw)
             scal = torch.zeros(L, S, num_slots, dtype=torch.float32, **kw)
             rh = torch.zeros(L, S, num_slots, dtype=torch.int32)
