@@ -9,6 +9,10 @@ Reports, for K in 8 and 32 (`--num-adapters`), per `--phases`:
 - prefill: the time to prefill the N prompts, LoRA vs base, beside its FLOP floor (LoRA FLOPs over the base
   linears' FLOPs: prefill is compute-bound).
 Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
+       python benchmarks/lora_overhead.py --model cpu-cold-spec --num-requests 48 --name lora_overhead_cpu_spec
+           # the CPU path at its floor (issue 34): the 8 x 1024 Llama of adapter_cold_load.py
+       --pool-rank 64: the slot pool sized for rank 64 (--max-lora-rank) while the adapters keep --rank: the cost
+           must follow the adapters' rank, not the pool's
 """
 from __future__ import annotations
 
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--pool-rank", type=int, default=None, help="--max-lora-rank of the slot pool (default: --rank)")
     ap.add_argument("--targets", choices=sorted(TARGET_SETS), default="all",
                     help="target modules: all seven, attention (q,k,v,o) or q,v")
     ap.add_argument("--num-adapters", default="8,32", help="comma list of adapter counts")
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [[rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
     rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                      "max_tokens": args.max_tokens, "rank": args.rank, "targets": args.targets, "device": args.device,
+                      "max_tokens": args.max_tokens, "rank": args.rank, "pool_rank": args.pool_rank or args.rank, "targets": args.targets, "device": args.device,
                       "dtype": args.dtype, "phases": args.phases}
     num_out = args.num_requests * args.max_tokens
     wanted = set(args.phases.split(","))
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   TARGET_SETS[args.targets]))
                    for i in range(num_adapters)}
         llm = LLM(model, device=args.device, dtype=args.dtype, lora_modules=modules, max_loras=num_adapters,
-                  max_lora_rank=args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model),
+                  max_lora_rank=args.pool_rank or args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model),
                   max_num_seqs=max(args.num_requests, 8))
         loras = [f"t{i % num_adapters}" for i in range(len(prompts))]
         entry: dict[str, float | str] = {}

@@ -1,4 +1,5 @@
-"""Torch reference path for batched multi-LoRA shrink/expand (the CPU backend).
+"""Torch reference path for batched multi-LoRA shrink/expand (the split ops of tensor parallelism, the kernels'
+references); `add_lora` on the torch path takes `torch_grouped` instead.
 
 Vectorized per (slot group, slice): one gather (or slice, for a contiguous prefill chunk)
 and one matmul at the slot's real rank. There is no per-token Python loop; the loops run
@@ -82,18 +83,6 @@ def torch_expand(
     cols = rows[:, y_offset:y_offset + num_cols]
     cols.copy_(cols.float() + delta)  # accumulate in fp32, round once
     y.index_copy_(0, idx, rows)
-
-
-def torch_add_lora_gathered(
-    y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta, y_offset: int = 0,
-) -> None:
-    """BGMV-style path for many small groups (decode across many adapters): every LoRA token gathers
-    its slot's A and B and one batched matmul per slice replaces a Python loop over groups.
-    Computes at the stack's max rank (rows past a slot's rank are masked to exact zeros), so it is used only when
-    groups are small and many, where per-group dispatch costs more than the padding."""
-    slots = torch.repeat_interleave(torch.tensor(meta.group_slots_host, device=x.device),
-                                    torch.tensor(meta.group_sizes_host, device=x.device))  # [T_lora]
-    torch_add_lora_rows(y, x, stack, meta.token_ids.long(), slots, y_offset)
 
 
 def torch_add_lora_rows(
