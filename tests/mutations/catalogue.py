@@ -63,8 +63,11 @@ MUTATIONS: tuple[Mutation, ...] = (
               "    for g, slot in enumerate(meta.group_slots_host):\n        if ranks[slot]:\n",
               "    for g, slot in enumerate(meta.group_slots_host):\n        if ranks[slot] and slot != 1:\n"),
          Edit("adapters/lora_ops/torch_grouped.py",
-              "            r = ranks[s][slot]\n            if r == 0:\n",
-              "            r = 0 if slot == 1 else ranks[s][slot]\n            if r == 0:\n")),
+              "    for first, size, slot in runs:\n",
+              "    for first, size, slot in (run for run in runs if run[2] != 1):\n"),
+         Edit("adapters/lora_ops/torch_grouped.py",
+              "    for slot, start, size, first, contiguous in groups:\n",
+              "    for slot, start, size, first, contiguous in (g for g in groups if g[0] != 1):\n")),
         LORA_PARITY_TESTS),
     Mutation(
         "lora-rslora-scaling", "rsLoRA scaled by alpha / r instead of alpha / sqrt(r)",
