@@ -3,11 +3,14 @@ the step's slots (`PaddedGroups`) and the per-group loop, against the per-token 
 rank, never the pool's max rank."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
+from adapters.lora_ops.metadata import MIN_RUN_TOKENS
 from lora_dense_reference import naive
 from lora_nan_stacks import nan_stack
 
@@ -30,7 +33,8 @@ CASES = [
 def _stack(num_slots: int, dtype: torch.dtype, seed: int) -> tuple[LoRAStack, list[list[int]]]:
     g = torch.Generator().manual_seed(seed)
     ranks = [[int(v) for v in torch.randint(0, 17, (num_slots,), generator=g)] for _ in OUTS]
-    ranks[0][2] = ranks[1][2] = ranks[2][2] = 16     # the long group has LoRA in every slice
+    if num_slots > 2:
+        ranks[0][2] = ranks[1][2] = ranks[2][2] = 16     # the long group of CASES has LoRA in every slice
     # NaN past every slot's rank: a path that reads beyond a rank poisons its output
     return nan_stack(num_slots, 16, IN_F, OUTS, ranks, dtype=dtype, seed=seed), ranks
 
@@ -111,3 +115,31 @@ def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None
     rank_dims = {shape[-1] for op, shape in rec.shapes if op in ("mm", "bmm")} | \
         {shape[-2] for op, shape in rec.shapes if op in ("mm", "bmm")}
     assert {8, 24} <= rank_dims and not rank_dims & {16, 32, 64}
+
+
+def _random_slots(rng: random.Random, num_slots: int) -> list[int]:
+    """A flat batch of prefill runs (some of at least MIN_RUN_TOKENS), decode tokens and base rows."""
+    out: list[int] = []
+    for _ in range(rng.randint(1, 8)):
+        slot = rng.randrange(-1, num_slots)
+        out += [slot] * rng.choice([1, 1, 2, 5, MIN_RUN_TOKENS - 1, MIN_RUN_TOKENS, 40])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_layouts_match_naive(seed: int) -> None:
+    """Random mixes of runs, small groups, gaps between slots and mixed ranks (0 included) on every path."""
+    rng = random.Random(seed)
+    num_slots = rng.choice([2, 5, 16, 40])
+    token_slots = _random_slots(rng, num_slots)
+    if all(s < 0 for s in token_slots):
+        token_slots[0] = 0
+    stack, ranks = _stack(num_slots, torch.float32, seed)
+    a_list, b_list = _dense(stack, ranks)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(token_slots), IN_F, generator=g).to(stack.lora_a.device)
+    y = torch.randn(len(token_slots), 45, generator=g).to(stack.lora_a.device)
+    y_offset = rng.choice([0, 5])
+    ref = naive(y.cpu(), x.cpu(), a_list, b_list, ranks, stack.scalings.cpu().tolist(), token_slots, y_offset)
+    add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=num_slots), y_offset=y_offset, backend="torch")
+    torch.testing.assert_close(y.cpu().double(), ref, atol=1e-3, rtol=1e-4)
