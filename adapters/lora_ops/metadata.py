@@ -55,10 +55,6 @@ class PaddedGroups:
     valid_positions: Optional[torch.Tensor]   # [T_lora] int64, padded position of each token_ids entry; None: identity
     token_rows: torch.Tensor             # [T_lora] int64, token_ids (destination rows of the deltas)
 
-    @property
-    def num_rows(self) -> int:
-        return self.num_entries * self.width
-
 
 @dataclass(frozen=True)
 class LoRABatchMeta:
