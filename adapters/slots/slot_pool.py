@@ -76,6 +76,7 @@ class LoRASlotPool:
         self._slot_adapters: list[Optional[LoRAAdapter]] = [None] * num_slots
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
         self._pins = [0] * num_slots
+        self.num_slot_writes = 0  # adapters copied into a slot (host -> device), evictions' reloads included
 
     # ---- lookups ---------------------------------------------------------------------
     def stack(self, layer_idx: int, group: str) -> LoRAStack:
@@ -153,6 +154,7 @@ class LoRASlotPool:
             if self._slot_ids[slot] is not None:
                 self._forget(slot)  # evict; _write_slot zeroes the whole slot anyway
             self._write_slot(slot, adapter, non_blocking)
+            self.num_slot_writes += 1
             self._slot_ids[slot], self._slot_adapters[slot] = adapter_id, adapter
             self._lru[adapter_id] = slot
         self._lru.move_to_end(adapter_id)

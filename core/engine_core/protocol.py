@@ -66,6 +66,7 @@ class AdapterStats(msgspec.Struct, array_like=True):
     load_seconds_sum: float
     num_host: int                            # resident in host memory (or being read)
     num_device: int                          # resident in device LoRA slots
+    num_slot_writes: int = 0                 # adapters copied from host memory into a device slot, ever
 
 
 class SpecStats(msgspec.Struct, array_like=True):

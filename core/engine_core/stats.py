@@ -48,4 +48,4 @@ def _adapter_stats(engine: Any) -> AdapterStats | None:
         return None
     by_outcome, buckets, total_s = registry.stats.snapshot()
     return AdapterStats(dict(by_outcome), [(str(b), int(n)) for b, n in buckets], float(total_s),
-                        registry.num_host, len(pool.loaded_ids))
+                        registry.num_host, len(pool.loaded_ids), pool.num_slot_writes)

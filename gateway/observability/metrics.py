@@ -104,6 +104,8 @@ def _adapter_metrics(st: AdapterStats | None) -> Iterator[Metric]:
                             value=st.num_host)
     yield GaugeMetricFamily("loraplex:lora_adapters_device", "Adapters resident in device LoRA slots.",
                             value=st.num_device)
+    yield CounterMetricFamily("loraplex:lora_adapter_device_loads", "Adapter copies from host memory into a device "
+                              "LoRA slot (a reload after an eviction counts again).", value=st.num_slot_writes)
 
 
 class GatewayMetrics:

@@ -150,3 +150,15 @@ def test_integrity_detects_corruption():
     pool.groups["down"].ranks_host[0, 0, slot] += 1  # mirror out of sync with the device
     with pytest.raises(SlotPoolIntegrityError):
         pool.check_integrity(deep=False)
+
+
+def test_num_slot_writes_counts_copies_into_slots():
+    """`num_slot_writes` (the `loraplex:lora_adapter_device_loads_total` metric): one per adapter copied into a
+    slot, again after its eviction, never for a load of an adapter already resident."""
+    rng = random.Random(11)
+    pool = LoRASlotPool(num_slots=2, max_rank=4, dims=DIMS)
+    adapters = {tag: random_adapter(rng, 4, tag) for tag in "abc"}
+    for tag, expected in (("a", 1), ("a", 1), ("b", 2), ("a", 2), ("c", 3), ("b", 4), ("b", 4)):
+        pool.load(tag, adapters[tag])          # c evicts b (a was used last), then b evicts a
+        assert pool.num_slot_writes == expected, tag
+    pool.check_integrity()

@@ -107,6 +107,7 @@ def test_concurrent_first_requests_match_peft(server: ServerProcess, dirs: tuple
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert metric_value(metrics, "loraplex:lora_adapters_host") <= 32
     assert metric_value(metrics, "loraplex:lora_adapters_device") <= 4
+    assert metric_value(metrics, "loraplex:lora_adapter_device_loads_total") >= len(names)   # 4 slots, 40 adapters
     success = float(re.search(r'loraplex:lora_adapter_loads_total\{outcome="success"\} (\S+)', metrics).group(1))
     assert success >= len(names)
     assert metric_value(metrics, "loraplex:lora_adapter_load_seconds_count") >= success
