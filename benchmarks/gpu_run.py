@@ -99,6 +99,11 @@ STAGES = (
                                          "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else
                                         ["--rates", "inf,4,16,64", "--num-requests", "128", "--max-seconds", "420"])]],
           "HTTP serving: TTFT / ITL / E2E / goodput, 32-adapter mix and base alone, compiles after warm-up"),
+    Stage("many", 420, lambda d: [["many_adapters.py", *_model(d), *_out("many"),
+                                   *(["--dry-run", "--kv-cache-memory", str(32 << 20), "--startup-timeout-s", "120"]
+                                     if d else ["--targets", "qv", "--num-requests", "1000", "--concurrency", "64",
+                                                "--max-tokens", "64", "--startup-timeout-s", "240"])]],
+          "1,000 --lora-dir adapters (Zipf 1.0) vs 32 over HTTP: tok/s ratio, H2D copies/s, cold TTFT, host memory"),
 )
 SUMMARY = Stage("summary", 10, lambda d: [["gpu_summary.py", *_dry(d)]], "the table: figure, target, floor")
 

@@ -30,7 +30,7 @@ QUANT_TARGETS = {("w4a16", 1): 2.5, ("w4a16", 16): 2.5, ("w4a16", 64): 1.3, ("w4
 LORA_TARGETS = {8: (0.08, 0.045), 32: (0.22, 0.179)}      # decode overhead target, the issue's floor
 STAGE_OF = {"env": "env", "tests": "tests", "kernels": "kernels", "quant": "quant", "roofline_bf16": "roofline",
             "roofline_fp8": "roofline", "lora": "lora", "spec_verify": "spec", "spec_ngram": "spec",
-            "offline": "offline", "serving": "serving"}
+            "offline": "offline", "serving": "serving", "many": "many"}
 
 
 class Run:
@@ -231,6 +231,21 @@ def serving_rows(run: Run, table: Table) -> None:
         str(d["compiles_after_warmup"]), d["compiles_after_warmup"] == 0), "0")
     add("serving", "kernel compiles after the warm-up (speculative verification)", "spec_verify", lambda d: (
         str(d["compiles_after_warmup"]), d["compiles_after_warmup"] == 0), "0")
+    add("adapters", "many adapters: output tok/s, 1000 adapters / 32 (Zipf 1.0)", "many", lambda d: (
+        f"{d['throughput_ratio']:.2f}x ({d['phases'][1]['output_tok_s']:.0f} / {d['phases'][0]['output_tok_s']:.0f} "
+        f"tok/s, {d['phases'][1]['num_errors'] + d['phases'][0]['num_errors']} errors)", d["meets"]["throughput"]),
+        ">= 0.8x (S-LoRA: 0.95x)")
+    add("adapters", "many adapters: host-to-device copies/s, adapter reads/s", "many", lambda d: (
+        f"{d['phases'][1]['device_loads_per_s']:.1f}, {d['phases'][1]['adapter_reads_per_s']:.1f}", None))
+    add("adapters", "many adapters: TTFT p99, cold requests / all (1000 adapters)", "many", lambda d: (
+        f"{ms(d['phases'][1]['cold_ttft_p99_s'])} / {ms(d['phases'][1]['ttft_p99_s'])} "
+        f"({d['phases'][1]['num_cold_requests']} cold)", None))
+    add("adapters", "many adapters: worst gap between streamed tokens, 1000 / 32", "many", lambda d: (
+        f"{d['gap_max_ratio']:.2f}x", d["meets"]["loads_overlap"]), "<= 2x (loads overlap compute)")
+    add("adapters", "many adapters: adapters in host memory (peak), server RSS growth", "many", lambda d: (
+        f"{d['phases'][1]['peak_host_adapters']:.0f} <= {d['args']['max_cpu_loras']}, "
+        f"+{d['rss_growth_bytes'] / 2**20:.0f} MiB (bound {d['host_bytes_bound'] / 2**20:.0f} MiB)",
+        d["meets"]["host_adapters"]), "<= --max-cpu-loras")
 
 
 def header(run: Run) -> list[str]:

@@ -31,7 +31,9 @@ EXPECTED = ("GPU tests", "decode step, batch 1,", "FP8 decode step, batch 1", "L
             "W4A16 linears", "W8A16 linears", "FP8 linears", "verification step / decode step, batch 1",
             "n-gram speculation", "offline throughput", "serving mix @", "serving base @", "serving saturation",
             "serving errors", "kernel compiles after the warm-up (serving)",
-            "kernel compiles after the warm-up (speculative verification)")
+            "kernel compiles after the warm-up (speculative verification)", "many adapters: output tok/s",
+            "many adapters: host-to-device copies/s", "many adapters: TTFT p99, cold", "many adapters: worst gap",
+            "many adapters: adapters in host memory")
 
 
 def _figures(rows: list[dict]) -> list[str]:
