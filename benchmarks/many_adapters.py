@@ -2,13 +2,15 @@
 
 Writes 1,000 PEFT adapters (ranks 8, 16, 24, 32; four target mixes: q+v, attention, MLP, all 7 projections;
 bf16 weights, ~0.4 GB for the demo model) into a temporary `--lora-dir`, starts `loraplex serve` once on the
-model (default: the embedded demo model, CPU) with `--max-loras 32 --max-cpu-loras 256`, and runs two phases
+model (default: the embedded demo model, CPU) with `--max-loras 32 --max-cpu-loras 256`, and runs four phases
 of the same load through HTTP (streamed completions, closed loop of `--concurrency` clients, the same prompt
 and output lengths per request index):
 - `32 adapters`: each request's adapter drawn Zipf(1.0) over 32 adapters (every one warmed first: all fit the
   device slots, so nothing is ever loaded: the reference);
-- `1000 adapters`: Zipf(1.0) over all 1,000 (no warm-up but the 32 adapters the first phase used: most adapters
-  are read from disk on their first request, and the host LRU of `--max-cpu-loras` evicts and reads again).
+- `1000 adapters`: Zipf(1.0) over all 1,000, popularity in a shuffled order (no warm-up: most adapters are read
+  from disk on their first request, and the host LRU of `--max-cpu-loras` evicts and reads again);
+- `1000 adapters, again`: the same requests once more (the host copies of the last 256 adapters resident);
+- `32 adapters, again`: the reference once more (the ratio divides by the mean of both: the machine may be shared).
 Reported per phase: output tokens/s and their ratio (target >= 0.8x), host-to-device adapter copies per second
 (the server's `loraplex:lora_adapter_device_loads_total`), adapter reads (`loraplex:lora_adapter_loads_total`),
 TTFT p50/p99 of all requests and of the requests whose adapter was cold (not in host memory when the request was
@@ -122,13 +124,13 @@ def zipf_choices(num_items: int, num_draws: int, s: float, rng: random.Random) -
 
 def lru_cold(sequence: list[str], capacity: int, resident: list[str] = ()) -> list[bool]:
     """For each name of `sequence` (in order), whether it was absent from an LRU of `capacity` entries (first
-    seeded with `resident`, oldest first): the requests that found their adapter cold in host memory."""
-    lru: OrderedDict[str, None] = OrderedDict((n, None) for n in resident)
-    while len(lru) > capacity:
-        lru.popitem(last=False)
+    seeded by replaying `resident`, the names used before, oldest first): the requests that found their adapter
+    cold in host memory."""
+    lru: OrderedDict[str, None] = OrderedDict()
     cold = []
-    for name in sequence:
-        cold.append(name not in lru)
+    for i, name in enumerate([*resident, *sequence]):
+        if i >= len(resident):
+            cold.append(name not in lru)
         lru[name] = None
         lru.move_to_end(name)
         if len(lru) > capacity:
@@ -343,17 +345,18 @@ def main(argv: list[str] | None = None) -> None:
         rss_idle = server_rss(proc)
         warm = make_bodies(base_names, list(range(len(base_names))), args.seed + 2, (4, 8), 2)
         asyncio.run(closed_loop(url, warm, args.concurrency))          # every baseline adapter read and placed
-        rows = []
-        for name, bodies, resident in (("32 adapters" if args.baseline_adapters == 32 else
-                                        f"{args.baseline_adapters} adapters", bodies_base, base_names),
-                                       (f"{args.num_adapters} adapters", bodies_many, base_names)):
+        rows, history = [], [b["model"] for b in warm]
+        few, many_name = f"{args.baseline_adapters} adapters", f"{args.num_adapters} adapters"
+        for name, bodies in ((few, bodies_base), (many_name, bodies_many), (f"{many_name}, again", bodies_many),
+                             (f"{few}, again", bodies_base)):
             before = metrics(url)
             results, seconds, peak = asyncio.run(run_phase(url, bodies, args.concurrency))
             after = metrics(url)
             for r, b in zip(results, bodies):
                 r["model"] = b["model"]
             by_sent = [b["model"] for _, b in sorted(zip([r["sent_order"] for r in results], bodies))]
-            cold = lru_cold(by_sent, args.max_cpu_loras, resident)
+            cold = lru_cold(by_sent, args.max_cpu_loras, history)
+            history += by_sent
             rows.append(summarize(name, results, seconds, cold, before, after, server_rss(proc), peak))
             print(f"[many_adapters] {json.dumps(rows[-1])}", flush=True)
     finally:
@@ -363,15 +366,17 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     load_after = os.getloadavg()
-    base, many = rows
-    ratio = many["output_tok_s"] / base["output_tok_s"]
-    gap_ratio = many["token_gap_max_s"] / base["token_gap_max_s"]
+    base, many, many_again, base_again = rows
+    base_tok_s = (base["output_tok_s"] + base_again["output_tok_s"]) / 2      # brackets the 1000-adapter phases
+    ratio = many["output_tok_s"] / base_tok_s
+    gap_ratio = many["token_gap_max_s"] / max(base["token_gap_max_s"], base_again["token_gap_max_s"])
     host_bytes = built["mean_bytes"] * (2 if args.dtype == "float32" else 1)     # bf16 on disk, the model's dtype in host memory
     host_bound = args.max_cpu_loras * host_bytes
     read_bytes = many["adapter_reads"] * host_bytes
     rss_growth = many["server_rss_bytes"] - base["server_rss_bytes"]
     data = {"args": {k: v for k, v in vars(args).items()}, "adapters": built, "rss_idle_bytes": rss_idle,
-            "phases": rows, "throughput_ratio": ratio, "gap_max_ratio": gap_ratio,
+            "phases": rows, "base_tok_s": base_tok_s, "throughput_ratio": ratio,
+            "throughput_ratio_again": many_again["output_tok_s"] / base_tok_s, "gap_max_ratio": gap_ratio,
             "host_bytes_bound": host_bound, "rss_growth_bytes": rss_growth, "read_bytes": read_bytes,
             "meets": {"throughput": ratio >= THROUGHPUT_TARGET, "loads_overlap": gap_ratio <= GAP_TARGET,
                       "host_adapters": many["peak_host_adapters"] <= args.max_cpu_loras},
@@ -386,8 +391,9 @@ def main(argv: list[str] | None = None) -> None:
                           f"{args.concurrency} clients, {args.max_tokens} output tokens, Zipf({args.zipf_s:g})")]
     for r in rows:
         table.append((f"{r['phase']}: output tokens/s", f"{r['output_tok_s']:.0f} ({r['num_errors']} errors)"))
-    table += [("throughput ratio (target >= 0.8x)",
-               f"{ratio:.2f}x {'(met)' if data['meets']['throughput'] else '(MISSED)'}")]
+    table += [(f"throughput ratio: {many['phase']} / mean of the two {base['phase']} phases (target >= 0.8x)",
+               f"{ratio:.2f}x {'(met)' if data['meets']['throughput'] else '(MISSED)'}; second pass (host copies "
+               f"of the recent {args.max_cpu_loras} adapters resident): {data['throughput_ratio_again']:.2f}x")]
     for r in rows:
         table += [(f"{r['phase']}: host-to-device copies/s (adapter reads/s)",
                    f"{r['device_loads_per_s']:.1f} ({r['adapter_reads_per_s']:.1f}); {r['device_loads']:.0f} copies, "
@@ -399,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"{1e3 * r['token_gap_p99_s']:.1f} / {1e3 * r['token_gap_max_s']:.0f} ms"),
                   (f"{r['phase']}: server RSS after; peak adapters in host memory",
                    f"{r['server_rss_bytes'] / mib:.0f} MiB; {r['peak_host_adapters']:.0f}")]
-    table += [("loads overlap compute: worst token gap ratio (target <= 2x)",
+    table += [(f"loads overlap compute: worst token gap, {many['phase']} / the worse {base['phase']} phase "
+               "(target <= 2x)",
                f"{gap_ratio:.2f}x {'(met)' if data['meets']['loads_overlap'] else '(MISSED)'}"),
               ("host memory bounded: peak `loraplex:lora_adapters_host` <= --max-cpu-loras",
                f"{many['peak_host_adapters']:.0f} <= {args.max_cpu_loras} "

@@ -63,3 +63,5 @@ def test_lru_cold_replays_an_lru_of_the_capacity() -> None:
     assert lru_cold(seq, 5) == [True, True, False, True, True, False, False, True, False]
     # seeded with resident adapters, oldest first: "x" is evicted by the first new name beyond capacity
     assert lru_cold(["a", "x", "b", "c", "x"], 2, resident=["x", "a"]) == [False, False, True, True, True]
+    # the names used before are replayed: a name used twice is as recent as its last use
+    assert lru_cold(["b", "a"], 2, resident=["a", "x", "a"]) == [True, False]   # b evicts x, not a
