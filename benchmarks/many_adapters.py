@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from itertools import accumulate
+from statistics import fmean
 from pathlib import Path
 from typing import Any
 
@@ -232,30 +233,39 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-async def sample_host_adapters(url: str, stop: asyncio.Event, peak: list[float]) -> None:
+SAMPLED = ("loraplex:lora_adapters_host", "loraplex:num_requests_running", "loraplex:num_requests_waiting")
+
+
+async def sample_gauges(url: str, stop: asyncio.Event, samples: dict[str, list[float]]) -> None:
+    """Every 250 ms: the adapters in host memory and the requests running / waiting."""
     async with httpx.AsyncClient(timeout=30) as ac:
         while not stop.is_set():
             for line in (await ac.get(f"{url}/metrics")).text.splitlines():
-                if line.startswith("loraplex:lora_adapters_host "):
-                    peak[0] = max(peak[0], float(line.split()[-1]))
+                name = line.split(" ", 1)[0]
+                if name in SAMPLED:
+                    samples[name].append(float(line.split()[-1]))
             try:
                 await asyncio.wait_for(stop.wait(), 0.25)
             except asyncio.TimeoutError:
                 pass
 
 
-async def run_phase(url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float, float]:
-    stop, peak = asyncio.Event(), [0.0]
-    sampler = asyncio.create_task(sample_host_adapters(url, stop, peak))
+async def run_phase(url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float, dict[str, list[float]]]:
+    stop, samples = asyncio.Event(), {name: [] for name in SAMPLED}
+    sampler = asyncio.create_task(sample_gauges(url, stop, samples))
     start = time.perf_counter()
     results = await closed_loop(url, bodies, concurrency)
     seconds = time.perf_counter() - start
     stop.set()
     await sampler
-    return results, seconds, peak[0]
+    return results, seconds, samples
 
 
 # ---- the figures ----------------------------------------------------------------------------------------------
+
+def mean(values: list[float]) -> float:
+    return fmean(values) if values else float("nan")
+
 
 def token_gaps(results: list[dict]) -> list[float]:
     """Gaps between consecutive tokens the server streamed to anyone, from the first token to the last."""
@@ -265,7 +275,7 @@ def token_gaps(results: list[dict]) -> list[float]:
 
 
 def summarize(name: str, results: list[dict], seconds: float, cold: list[bool], before: dict, after: dict,
-              rss: int, peak_host: float) -> dict[str, Any]:
+              rss: int, samples: dict[str, list[float]]) -> dict[str, Any]:
     ok = [r for r in results if r["error"] is None]
     cold_by_sent = {i: c for i, c in enumerate(cold)}
     cold_ttft = [r["ttft"] for r in ok if cold_by_sent[r["sent_order"]]]
@@ -283,7 +293,9 @@ def summarize(name: str, results: list[dict], seconds: float, cold: list[bool], 
             "ttft_p50_s": pct([r["ttft"] for r in ok], 0.5), "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99),
             "cold_ttft_p50_s": pct(cold_ttft, 0.5), "cold_ttft_p99_s": pct(cold_ttft, 0.99),
             "token_gap_p99_s": pct(gaps, 0.99), "token_gap_max_s": max(gaps) if gaps else float("nan"),
-            "server_rss_bytes": rss, "peak_host_adapters": peak_host}
+            "server_rss_bytes": rss, "peak_host_adapters": max(samples["loraplex:lora_adapters_host"], default=0.0),
+            "mean_running": mean(samples["loraplex:num_requests_running"]),
+            "mean_waiting": mean(samples["loraplex:num_requests_waiting"])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,14 +362,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, bodies in ((few, bodies_base), (many_name, bodies_many), (f"{many_name}, again", bodies_many),
                              (f"{few}, again", bodies_base)):
             before = metrics(url)
-            results, seconds, peak = asyncio.run(run_phase(url, bodies, args.concurrency))
+            results, seconds, samples = asyncio.run(run_phase(url, bodies, args.concurrency))
             after = metrics(url)
             for r, b in zip(results, bodies):
                 r["model"] = b["model"]
             by_sent = [b["model"] for _, b in sorted(zip([r["sent_order"] for r in results], bodies))]
             cold = lru_cold(by_sent, args.max_cpu_loras, history)
             history += by_sent
-            rows.append(summarize(name, results, seconds, cold, before, after, server_rss(proc), peak))
+            rows.append(summarize(name, results, seconds, cold, before, after, server_rss(proc), samples))
             print(f"[many_adapters] {json.dumps(rows[-1])}", flush=True)
     finally:
         proc.terminate()
@@ -390,7 +402,9 @@ def main(argv: list[str] | None = None) -> None:
                           f"--max-cpu-loras {args.max_cpu_loras}`; {args.num_requests} requests per phase, "
                           f"{args.concurrency} clients, {args.max_tokens} output tokens, Zipf({args.zipf_s:g})")]
     for r in rows:
-        table.append((f"{r['phase']}: output tokens/s", f"{r['output_tok_s']:.0f} ({r['num_errors']} errors)"))
+        table.append((f"{r['phase']}: output tokens/s (requests running / waiting, mean)",
+                      f"{r['output_tok_s']:.0f} ({r['mean_running']:.1f} / {r['mean_waiting']:.1f}; "
+                      f"{r['num_errors']} errors)"))
     table += [(f"throughput ratio: {many['phase']} / mean of the two {base['phase']} phases (target >= 0.8x)",
                f"{ratio:.2f}x {'(met)' if data['meets']['throughput'] else '(MISSED)'}; second pass (host copies "
                f"of the recent {args.max_cpu_loras} adapters resident): {data['throughput_ratio_again']:.2f}x")]
