@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,13 +141,14 @@ def lru_cold(sequence: list[str], capacity: int, resident: list[str] = ()) -> li
 
 
 def make_bodies(adapters: list[str], draws: list[int], seed: int, prompt_words: tuple[int, int],
-                max_tokens: int) -> list[dict]:
-    """One streamed completion per draw; prompt lengths depend only on the request index (the same in both phases)."""
+                max_tokens: int, tag: str = "request") -> list[dict]:
+    """One streamed completion per draw; prompt words depend only on the request index (the same in every phase);
+    `tag` starts every prompt (a phase run again uses another, so the prefix cache never serves it)."""
     rng = random.Random(seed)
     bodies = []
     for i, d in enumerate(draws):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_words)))
-        bodies.append({"model": adapters[d], "prompt": f"request {i}: {words}", "max_tokens": max_tokens,
+        bodies.append({"model": adapters[d], "prompt": f"{tag} {i}: {words}", "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     return bodies
@@ -349,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     draws_many = zipf_choices(len(popular), args.num_requests, args.zipf_s, rng)
     bodies_base = make_bodies(base_names, draws_base, args.seed, args.prompt_words, args.max_tokens)
     bodies_many = make_bodies(popular, draws_many, args.seed, args.prompt_words, args.max_tokens)
+    again_base = make_bodies(base_names, draws_base, args.seed, args.prompt_words, args.max_tokens, "question")
+    again_many = make_bodies(popular, draws_many, args.seed, args.prompt_words, args.max_tokens, "question")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     load_before = os.getloadavg()
@@ -359,8 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(closed_loop(url, warm, args.concurrency))          # every baseline adapter read and placed
         rows, history = [], [b["model"] for b in warm]
         few, many_name = f"{args.baseline_adapters} adapters", f"{args.num_adapters} adapters"
-        for name, bodies in ((few, bodies_base), (many_name, bodies_many), (f"{many_name}, again", bodies_many),
-                             (f"{few}, again", bodies_base)):
+        for name, bodies in ((few, bodies_base), (many_name, bodies_many), (f"{many_name}, again", again_many),
+                             (f"{few}, again", again_base)):
             before = metrics(url)
             results, seconds, samples = asyncio.run(run_phase(url, bodies, args.concurrency))
             after = metrics(url)
@@ -377,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(lora_dir, ignore_errors=True)
     load_after = os.getloadavg()
     base, many, many_again, base_again = rows
     base_tok_s = (base["output_tok_s"] + base_again["output_tok_s"]) / 2      # brackets the 1000-adapter phases
