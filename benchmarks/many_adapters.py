@@ -286,12 +286,16 @@ def summarize(name: str, results: list[dict], seconds: float, cold: list[bool], 
         before.get("loraplex:lora_adapter_device_loads_total", float("nan"))
     reads = after["loraplex:lora_adapter_loads_total"] - before["loraplex:lora_adapter_loads_total"]
     tokens = sum(r["tokens"] for r in ok)
+    load_s = after.get("loraplex:lora_adapter_load_seconds_sum", 0.0) - before.get("loraplex:lora_adapter_load_seconds_sum", 0.0)
+    num_loads = after.get("loraplex:lora_adapter_load_seconds_count", 0.0) - \
+        before.get("loraplex:lora_adapter_load_seconds_count", 0.0)
     return {"phase": name, "num_requests": len(results), "num_errors": len(results) - len(ok),
             "errors": sorted({r["error"] for r in results if r["error"]})[:3], "seconds": seconds,
             "output_tokens": tokens, "output_tok_s": tokens / seconds, "num_distinct_adapters":
                 len({r["model"] for r in results}) if results and "model" in results[0] else None,
             "num_cold_requests": sum(cold), "device_loads": dev, "device_loads_per_s": dev / seconds,
             "adapter_reads": reads, "adapter_reads_per_s": reads / seconds,
+            "mean_read_s": load_s / num_loads if num_loads else float("nan"),
             "ttft_p50_s": pct([r["ttft"] for r in ok], 0.5), "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99),
             "cold_ttft_p50_s": pct(cold_ttft, 0.5), "cold_ttft_p99_s": pct(cold_ttft, 0.99),
             "token_gap_p99_s": pct(gaps, 0.99), "token_gap_max_s": max(gaps) if gaps else float("nan"),
@@ -416,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         table += [(f"{r['phase']}: host-to-device copies/s (adapter reads/s)",
                    f"{r['device_loads_per_s']:.1f} ({r['adapter_reads_per_s']:.1f}); {r['device_loads']:.0f} copies, "
-                   f"{r['adapter_reads']:.0f} reads"),
+                   f"{r['adapter_reads']:.0f} reads of {1e3 * r['mean_read_s']:.1f} ms mean (read + convert)"),
                   (f"{r['phase']}: TTFT p50 / p99 all; cold (requests)",
                    f"{1e3 * r['ttft_p50_s']:.0f} / {1e3 * r['ttft_p99_s']:.0f} ms; {1e3 * r['cold_ttft_p50_s']:.0f} / "
                    f"{1e3 * r['cold_ttft_p99_s']:.0f} ms ({r['num_cold_requests']})"),
