@@ -55,6 +55,9 @@ class GatewayServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, banner: str, lifecycle: Lifecycle,
                  metrics_listener: MetricsListener | None = None) -> None:
         config.timeout_graceful_shutdown = POST_DRAIN_GRACE_S
+        # the app has no start-up or shutdown handlers; uvicorn's lifespan task only raced the shutdown (an ERROR
+        # traceback of its cancelled `receive()` on about one SIGTERM in three)
+        config.lifespan = "off"
         super().__init__(config)
         self.banner = banner
         self.lifecycle = lifecycle
