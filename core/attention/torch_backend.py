@@ -2,7 +2,13 @@
 
 Per-layer extras: a sliding `window` (a query at position p sees keys p - window < k <= p, HF's sliding
 mask) and attention-logit soft-capping (`softcap * tanh(scores / softcap)` before the mask, Gemma 2; torch's
-fused SDPA has no soft-capping, so those layers take the plain math path in HF eager's order)."""
+fused SDPA has no soft-capping, so those layers take the plain math path in HF eager's order).
+
+Decode on the CPU runs each decode group in chunks of sequences whose K and V fit `DECODE_CHUNK_BYTES`: one
+gather of a whole group (B x L x Hkv x D x 2 per layer, as large as a small model's weights at 8 x 400 tokens)
+leaves the cache before SDPA reads it back, and pads every row to the longest with a mask. A chunk of one
+sequence takes its own blocks, unpadded and unmasked (SDPA's fast path); a chunk of several the padded batch.
+The result is the same as one padded batch (benchmarks/cpu_decode_attention.py measures both and checks it)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +16,10 @@ import torch.nn.functional as F
 
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
+
+# K + V bytes one CPU decode chunk gathers at most (benchmarks/cpu_decode_attention.py: 4 MiB was the fastest of
+# 256 KiB - 4 MiB at 8-32 sequences x 16-1024 tokens, hidden 768; above it a chunk runs out of the CPU's caches)
+DECODE_CHUNK_BYTES = 4 << 20
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,6 +52,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)   # [B, H, n, D]
+
+
+def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """`attend` where every query sees every key (no mask: SDPA's fast path). q [B, H, n, D], k/v [B, Hkv, L, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    return attend(q, k, v, torch.ones((), dtype=torch.bool, device=q.device), scale, softcap)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -85,17 +102,50 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                 context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-        """q [B, H, D]; tables [B, nb]; context_lens [B]."""
+        """q [B, H, D]; tables [B, nb]; context_lens [B]. CPU: chunks of at most DECODE_CHUNK_BYTES of K + V."""
         num_seqs, num_blocks = tables.shape
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat = tables.reshape(-1)                                          # [B*nb]
-        k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
-        mask = k_pos < context_lens[:, None]                               # [B, L]
-        if window is not None:
-            mask &= k_pos >= context_lens[:, None] - window
-        o = attend(q.unsqueeze(2),                 # [B, H, 1, D]
-                   k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]
-                   mask[:, None, None, :], scale, softcap)
-        return o.squeeze(2)                        # [B, H, D]
+        seq_bytes = 2 * num_blocks * k_cache[0].numel() * k_cache.element_size()   # a row's K + V, padded
+        chunk = max(1, DECODE_CHUNK_BYTES // max(seq_bytes, 1))
+        if chunk >= num_seqs or q.device.type != "cpu":   # CUDA (tests): no host reads of the lengths
+            return _decode_padded(q, k_cache, v_cache, tables, context_lens, scale, window, softcap)
+        out = torch.empty_like(q)
+        if chunk > 1:
+            for start in range(0, num_seqs, chunk):
+                end = start + chunk
+                out[start:end] = _decode_padded(q[start:end], k_cache, v_cache, tables[start:end],
+                                                context_lens[start:end], scale, window, softcap)
+            return out
+        block_size = k_cache.shape[1]
+        for i, context_len in enumerate(context_lens.tolist()):
+            first = 0 if window is None else max(0, context_len - window)   # the window's first key
+            out[i] = _decode_one(q[i], k_cache, v_cache, tables[i, first // block_size:-(-context_len // block_size)],
+                                 first % block_size, context_len - first, scale, softcap)
+        return out
+
+
+def _decode_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, skip: int,
+                num_keys: int, scale: float, softcap: float | None) -> torch.Tensor:
+    """One decode query q [H, D] over the `num_keys` keys that start `skip` slots into `blocks`' first block."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[skip:skip + num_keys]  # [L, Hkv, D]
+    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[skip:skip + num_keys]  # [L, Hkv, D]
+    o = attend_all(q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, softcap)  # [1, H, 1, D]
+    return o[0, :, 0]                                                  # [H, D]
+
+
+def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [B, H, D]; tables [B, nb]; context_lens [B]: every row gathered and padded to nb blocks, masked."""
+    num_seqs = tables.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat = tables.reshape(-1)                                          # [B*nb]
+    k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    mask = k_pos < context_lens[:, None]                               # [B, L]
+    if window is not None:
+        mask &= k_pos >= context_lens[:, None] - window
+    o = attend(q.unsqueeze(2),                 # [B, H, 1, D]
+               k.transpose(1, 2), v.transpose(1, 2),  # [B, Hkv, L, D]
+               mask[:, None, None, :], scale, softcap)
+    return o.squeeze(2)                        # [B, H, D]

@@ -20,7 +20,7 @@ from core.distributed.shard import TPShard, check_tp_divisible
 from core.engine.stats import EngineStats
 from core.kv.kv_cache_manager import KVCacheManager
 from core.kv.pool_size import num_kv_blocks
-from core.models.device import rank_device, resolve_device, resolve_dtype
+from core.models.device import fit_cpu_threads, rank_device, resolve_device, resolve_dtype
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import check_architecture, resolve_model_path
 from core.models.tokenizer_load import load_tokenizer
@@ -82,6 +82,8 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     cfg = ModelConfig.from_dict(raw)
     logger.info("model architecture: %s", cfg.describe())
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        logger.info("CPU threads: %d", fit_cpu_threads())
     dtype = resolve_dtype(config.dtype, cfg, device)
     check_max_model_len(config.scheduler.max_model_len, cfg)
     # sliding windows bound what each layer attends to, not the context: it is max_position_embeddings

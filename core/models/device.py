@@ -1,6 +1,8 @@
 """Where the model runs and in which dtype (`--device`, `--dtype`), resolved once for every rank."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from core.config import ModelConfig
@@ -13,6 +15,20 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or `taskset`'s limit)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def fit_cpu_threads() -> int:
+    """Caps torch's intra-op threads at the usable CPUs (more threads than CPUs spin in every OpenMP barrier);
+    a lower setting (OMP_NUM_THREADS, torch.set_num_threads) is kept. Returns the thread count."""
+    threads = min(torch.get_num_threads(), usable_cpus())
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:

@@ -2,7 +2,8 @@
 
 Each public function has two paths:
 - torch: the reference, exactly the ops (and order) the model always ran, so CPU results stay
-  bit-identical (greedy parity with HF transformers);
+  bit-identical (greedy parity with HF transformers); fp32 RMSNorm as one `F.rms_norm` call (the same ops in
+  ATen, bit-identical) and SiLU-and-mul multiplying in place (one allocation fewer): benchmarks/cpu_fused_ops.py;
 - Triton: one kernel launch instead of ~3-10 small ones; fp32 math in registers, rounding to the
   tensor dtype wherever the torch ops round (bf16 products, the residual sum, the cast before the
   norm weight), so results match the reference up to reduction order and transcendental ulps.
@@ -115,6 +116,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.float32:   # ATen's rms_norm: these ops in one call, bit-identical in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)     # (not in bf16: it rounds once where these round twice)
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -203,7 +206,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[-1] // 2
     if not use_triton(x):
         gate, up = x.split(inter, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)   # in place on silu's fresh output: one [T, I] allocation, not two
     x2 = _rows(x)                                                      # [T, 2I]
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)  # [T, I]
     if x2.shape[0]:

@@ -1,0 +1,83 @@
+"""The CPU decode attention of the torch backend: chunked by DECODE_CHUNK_BYTES (one sequence's own blocks, or a
+padded batch of a few) equals the one padded batch of the whole group and a float64 reference, with GQA, sliding
+windows, soft-capping and ragged lengths."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.attention import torch_backend
+from core.attention.metadata import AttentionMetadata
+from core.attention.torch_backend import TorchAttentionBackend, _decode_padded
+
+BS = 16
+
+
+def _batch(lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // BS) for n in lens]
+    pool = sum(nbs) + 2
+    perm = torch.randperm(pool, generator=gen)
+    tables = torch.zeros(len(lens), max(nbs), dtype=torch.int64)
+    off = 0
+    for i, nb in enumerate(nbs):
+        tables[i, :nb] = perm[off:off + nb]
+        off += nb
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    k_cache = torch.randn(pool, BS, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(pool, BS, num_kv_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap):
+    """float64, one sequence and one head at a time, straight from the definition."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    groups = q.shape[1] // k_cache.shape[2]
+    for i, n in enumerate(lens.tolist()):
+        k = k_cache[tables[i]].reshape(-1, k_cache.shape[2], k_cache.shape[3])[:n].double()   # [L, Hkv, D]
+        v = v_cache[tables[i]].reshape(-1, v_cache.shape[2], v_cache.shape[3])[:n].double()   # [L, Hkv, D]
+        first = 0 if window is None else max(0, n - window)
+        for h in range(q.shape[1]):
+            s = k[first:, h // groups] @ q[i, h].double() * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            out[i, h] = torch.softmax(s, 0) @ v[first:, h // groups]
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 8])   # one sequence (unpadded), padded chunks of 3, one batch
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 5.0), (7, 3.0)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_chunked_decode_equals_the_padded_batch(monkeypatch: pytest.MonkeyPatch, chunk_rows: int,
+                                                window: int | None, softcap: float | None, heads: int,
+                                                kv_heads: int) -> None:
+    lens = [1, 5, 16, 17, 33, 40, 47, 48]        # block boundaries, shorter than the window, ragged
+    q, kc, vc, tables, ctx = _batch(lens, heads, kv_heads, 16, seed=len(lens) + heads)
+    row_bytes = 2 * tables.shape[1] * kc[0].numel() * kc.element_size()
+    monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", chunk_rows * row_bytes)
+    scale = 16 ** -0.5
+    got = TorchAttentionBackend._decode(q, kc, vc, tables, ctx, scale, window, softcap)
+    padded = _decode_padded(q, kc, vc, tables, ctx, scale, window, softcap)
+    torch.testing.assert_close(got, padded, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.double(), _reference(q, kc, vc, tables, ctx, scale, window, softcap),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_forward_runs_each_decode_group_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the backend's forward (KV store, decode groups): the per-sequence chunks read the new tokens' K/V."""
+    monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
+    lens = [3, 9, 30, 64, 65]
+    q, kc, vc, tables, ctx = _batch(lens, 4, 2, 16, seed=3)
+    k_new, v_new = torch.randn(len(lens), 2, 16), torch.randn(len(lens), 2, 16)
+    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(lens), decode_block_tables=tables,
+                             decode_context_lens=ctx, prefill_query_starts=[], prefill_query_lens=[],
+                             prefill_context_lens=[], prefill_block_tables=[], block_size=BS,
+                             decode_groups=[(0, 2, 1), (2, 5, math.ceil(65 / BS))])
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    got = TorchAttentionBackend().forward(q, k_new, v_new, kc, vc, meta, 0.25)
+    torch_backend.store_kv(k_new, v_new, ref_kc, ref_vc, slots)
+    want = _reference(q, ref_kc, ref_vc, tables, ctx, 0.25, None, None)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
