@@ -140,7 +140,9 @@ class HttpClient:
         if stream:
             usage = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")][-1]
             tokens = usage["usage"]["completion_tokens"]
+            text = None
         else:
-            tokens = json.loads(data)["usage"]["completion_tokens"]
+            reply = json.loads(data)
+            tokens, text = reply["usage"]["completion_tokens"], reply["choices"][0]["text"]
         assert tokens == max_tokens, (tokens, max_tokens)
-        return {"tokens": tokens, "ttft_s": first[0] if first else time.perf_counter() - t0}
+        return {"tokens": tokens, "ttft_s": first[0] if first else time.perf_counter() - t0, "text": text}
