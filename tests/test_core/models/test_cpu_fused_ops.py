@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.models import fused_ops
+from core.models import device, fused_ops
 
 
 def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,8 +38,6 @@ def test_silu_and_mul_bit_identical_and_input_untouched(dtype: torch.dtype) -> N
 
 
 def test_cpu_threads_capped_at_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    from core.models import device
-
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
