@@ -153,3 +153,44 @@ def test_each_byte_of_x_read_once_and_outputs_written_once(monkeypatch: pytest.M
     total_loads = sum(a.size for a in acc.loads)
     assert total_loads == num_rows * n + (num_rows if static else 0)     # + the static scale, once per row
     assert sum(a.size for a in acc.stores) == num_rows * n + num_rows
+
+
+# compiles the kernel for an H100 (sm_90) without a GPU (ptxas ships with triton): bf16 rows of 4096, as the
+# runtime specializes them (pointers and the row strides divisible by 16); prints the PTX's divisions and accesses
+COMPILE_FOR_H100 = """
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from core.quant.fp8_quant import _fp8_quant_rows_kernel as kernel
+
+params = list(inspect.signature(kernel.fn).parameters)
+sig = dict(zip(params, ["*bf16", "*fp8e4nv", "*fp32", "*fp32", "i32", "i32", "i32"] + ["constexpr"] * 3))
+consts = {"STATIC": False, "BLOCK": 4096, "NUM_BLOCKS": 1}
+src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
+                attrs={(i,): [["tt.divisibility", 16]] for i in range(7)})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+print(json.dumps(re.findall(r"(?:div|ld\\.global|st\\.global)[.\\w]*", ptx)))
+"""
+
+
+def test_compiled_for_h100_divides_exactly_and_loads_16_bytes() -> None:
+    """IEEE divisions (`div.rn`: Triton's `/` on fp32 compiles to the approximate `div.full`, which would break the
+    bitwise equality with torch on a GPU) and 16-byte vector loads of x."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}       # a real compile
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    divs = [op for op in ops if op.startswith("div")]
+    assert divs and all(op.startswith("div.rn") for op in divs), divs
+    loads = [op for op in ops if op.startswith("ld.global")]
+    assert loads and all(op == "ld.global.v4.b32" for op in loads), loads
