@@ -57,7 +57,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
         self._int8_scales: torch.Tensor | None = None   # set by finalize: the CPU int8 kernel's path
-        self._fp8_col_scales: torch.Tensor | None = None  # set by finalize: fp32 [1, out] for `_scaled_mm` on CUDA
+        # set by finalize: fp32 [1, out] for `_scaled_mm` on CUDA (a buffer: moves with the module, never saved)
+        self.register_buffer("_fp8_col_scales", None, persistent=False)
 
     @property
     def group_size(self) -> int:
