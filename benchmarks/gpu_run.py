@@ -77,10 +77,11 @@ STAGES = (
           "decode step vs the bandwidth roofline (bf16, batch 1-256), FP8 decode step (batch 1, 64)"),
     Stage("lora", 420, lambda d: [["lora_overhead.py", *_model(d), "--phases", "e2e,decode,prefill", *_out("lora"),
                                    *(["--num-requests", "4", "--prompt-len", "16", "--max-tokens", "3",
-                                      "--num-adapters", "2", "--decode-steps", "2"] if d else
-                                     ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
-                                      "--num-adapters", "8,32"])]],
-          "LoRA decode-step / prefill / generate overhead with 8 and 32 adapters vs their floors"),
+                                      "--num-adapters", "2", "--decode-steps", "2", "--prefill-prompt-len", "24"] if d
+                                     else ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
+                                           "--num-adapters", "8,32", "--prefill-prompt-len", "2048"])]],
+          "LoRA decode-step / prefill (2048-token prompts) / generate overhead with 8 and 32 adapters vs their "
+          "floors, Triton compiles after the warm-up"),
     Stage("spec", 360, lambda d: [
         ["spec_verify_cost.py", *_model(d), "--k", "4", *_out("spec_verify"),
          *(["--batch-sizes", "1,2", "--context", "64", "--repeats", "2"] if d else

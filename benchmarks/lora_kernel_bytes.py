@@ -95,15 +95,9 @@ def classify(launches: list[Launch], scale: int) -> dict[str, int]:
     return out
 
 
-def decode_meta(slots: np.ndarray) -> DecodeLoRAMeta:
-    return DecodeLoRAMeta.build(slots, "cpu") if hasattr(DecodeLoRAMeta, "build") else DecodeLoRAMeta(
-        num_tokens=len(slots), row_slots=torch.tensor(slots, dtype=torch.int32),
-        row_order=torch.tensor(np.argsort(np.where(slots >= 0, slots, 1 << 30), kind="stable"), dtype=torch.int32))
-
-
-def gpu_decode_config(g: Group, scaled: Group, stack: LoRAStack, rows: int, scale: int) -> Any:
+def gpu_decode_config(real: Group, stack: LoRAStack, rows: int, scale: int) -> Any:
     """The decode config the kernels choose at the real shapes, tile widths divided by `scale`."""
-    return bgmv.scaled_config(stack, HIDDEN if g.name != "down" else INTER, rows, scale)
+    return bgmv.scaled_config(stack, real.in_features, real.slice_sizes, rows, scale)
 
 
 def run_case(kind: str, num_adapters: int, rows: int, scale: int, pool_rank: int, ranks: list[int],
@@ -120,8 +114,8 @@ def run_case(kind: str, num_adapters: int, rows: int, scale: int, pool_rank: int
         y = torch.randn(t, sum(g.slice_sizes), generator=gen).to(torch.bfloat16)
         with ByteCounter() as counter:
             if kind == "decode":
-                meta = decode_meta(token_slots)
-                cfg = gpu_decode_config(groups(1)[gi], g, stack, t, scale)
+                meta = DecodeLoRAMeta.build(token_slots)
+                cfg = gpu_decode_config(groups(1)[gi], stack, t, scale)
                 bgmv.triton_bgmv_add_lora(y, x, stack, meta, config=cfg)
             else:
                 meta = LoRABatchMeta.build(token_slots, "cpu", num_slots=num_adapters)
@@ -154,15 +148,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prefill-rows", type=int, default=4, help="prompts of the prefill case")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--cases", default="decode,mixed,prefill",
+                    help="comma list: decode (8/32 adapters), mixed (ranks 8-64 in a rank-64 pool), prefill")
     ap.add_argument("--name", default="lora_kernel_bytes")
     args = ap.parse_args(argv)
     data: dict[str, Any] = {"scale": args.scale, "rows": args.rows, "rank": args.rank, "cases": []}
     table = []
     ks = [int(k) for k in args.num_adapters.split(",")]
-    cases = [("decode", k, args.rows, args.rank, [args.rank] * k) for k in ks]
-    mixed = [8, 16, 32, 64] * 2
-    cases.append(("decode", 8, args.rows, 64, mixed))                    # ranks 8..64 in a pool sized 64
-    cases.append(("prefill", min(ks), args.prefill_rows, args.rank, [args.rank] * min(ks)))
+    wanted = set(args.cases.split(","))
+    cases = [("decode", k, args.rows, args.rank, [args.rank] * k) for k in ks] if "decode" in wanted else []
+    if "mixed" in wanted:
+        cases.append(("decode", 8, args.rows, 64, [8, 16, 32, 64] * 2))  # ranks 8..64 in a pool sized 64
+    if "prefill" in wanted:
+        cases.append(("prefill", min(ks), args.prefill_rows, args.rank, [args.rank] * min(ks)))
     for kind, k, rows, pool_rank, ranks in cases:
         case = run_case(kind, k, rows, args.scale, pool_rank, ranks, args.prompt_len)
         s = summarize(case)

@@ -29,17 +29,29 @@ import triton.runtime.interpreter as interp
 class TensorBytes:
     loaded: int = 0
     stored: int = 0
-    load_addrs: set = field(default_factory=set, repr=False)
-    store_addrs: set = field(default_factory=set, repr=False)
     elem: int = 1
+    loads: list = field(default_factory=list, repr=False)      # [lanes] uint64 address arrays, one per access
+    stores: list = field(default_factory=list, repr=False)
+
+    @staticmethod
+    def _distinct(parts: list) -> np.ndarray:
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint64)
 
     @property
     def distinct_loaded(self) -> int:
-        return len(self.load_addrs) * self.elem
+        return int(self._distinct(self.loads).size) * self.elem
 
     @property
     def distinct_stored(self) -> int:
-        return len(self.store_addrs) * self.elem
+        return int(self._distinct(self.stores).size) * self.elem
+
+    @property
+    def load_addrs(self) -> set[int]:
+        return set(self._distinct(self.loads).tolist())
+
+    @property
+    def store_addrs(self) -> set[int]:
+        return set(self._distinct(self.stores).tolist())
 
 
 @dataclass
@@ -76,10 +88,10 @@ class Launch:
             t.elem = elem
             if store:
                 t.stored += lanes.size * elem
-                t.store_addrs.update(lanes.tolist())
+                t.stores.append(lanes)
             else:
                 t.loaded += lanes.size * elem
-                t.load_addrs.update(lanes.tolist())
+                t.loads.append(lanes)
 
 
 def _regions(arg_names: list[str], args: tuple, kwargs: dict) -> list[tuple[int, int, str]]:
