@@ -126,7 +126,8 @@ def run_case(kind: str, num_adapters: int, rows: int, scale: int, pool_rank: int
         per_group.append({"group": g.name, "launches": [launch.kernel for launch in counter.launches],
                           "grids": [list(launch.grid) for launch in counter.launches],
                           "floor": {k: v * scale for k, v in floor.items()}, "moved": moved})
-    return {"kind": kind, "num_adapters": num_adapters, "rows": rows, "tokens": t, "groups": per_group}
+    return {"kind": kind, "num_adapters": num_adapters, "adapters_used": len(set(slots.tolist())), "rows": rows,
+            "tokens": t, "pool_rank": pool_rank, "ranks": sorted(set(ranks)), "groups": per_group}
 
 
 def summarize(case: dict[str, Any]) -> dict[str, float]:
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         s = summarize(case)
         case["summary"] = s
         data["cases"].append(case)
-        label = f"{kind}, {k} adapters, {case['tokens']} tokens, pool rank {pool_rank}, ranks {sorted(set(ranks))}"
+        label = (f"{kind}, {case['adapters_used']} adapters, {case['tokens']} tokens, pool rank {pool_rank}, ranks "
+                 f"{sorted(set(ranks))}")
         table.append((f"{label}: A+B moved / floor",
                       f"{s['AB_over_floor']:.2f}x ({(s['A'] + s['B']) / 2**20:.1f} / {s['floor_AB'] / 2**20:.1f} MiB)"))
         table.append((f"{label}: all bytes / floor (A+B, x once, y read+written once)",

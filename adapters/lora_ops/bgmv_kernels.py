@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["stride_hk", "stride_groups"])
+@triton.jit(do_not_specialize=["k_per_split", "stride_hk", "stride_groups"])
 def bgmv_shrink_kernel(
     x_ptr, a_ptr, h_ptr, row_order_ptr, groups_ptr, ranks_ptr,
     K, k_per_split, stride_groups,
@@ -74,7 +74,9 @@ def bgmv_shrink_kernel(
         tl.store(h_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_hk", "stride_groups"])
+# the K split and the strides of the per-step buffers vary with the captured batch size: not specialized, so every
+# batch size runs the variant the warm-up compiled
+@triton.jit(do_not_specialize=["num_k_splits", "stride_hk", "stride_groups"])
 def bgmv_expand_kernel(
     h_ptr, b_ptr, y_ptr, row_order_ptr, groups_ptr, ranks_ptr, scalings_ptr, slice_meta_ptr,
     num_slices, num_k_splits, y_offset, stride_groups,
