@@ -55,6 +55,8 @@ class BaseModelDims:
     head_dim: int
     num_layers: int
     vocab_size: int
+    num_experts: int = 0               # MoE: experts per sparse layer (0: a dense model)
+    moe_intermediate_size: int = 0     # MoE: each expert's width
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -90,6 +92,8 @@ class BaseModelDims:
             head_dim=int(cfg.head_dim),
             num_layers=int(cfg.num_layers),
             vocab_size=int(cfg.vocab_size),
+            num_experts=int(getattr(cfg, "num_experts", 0)),
+            moe_intermediate_size=int(getattr(cfg, "moe_intermediate_size", 0)),
         )
 
     @property

@@ -20,6 +20,7 @@ from torch import nn
 
 from adapters.adapter import LoRAAdapter
 from adapters.layers.dims import BaseModelDims
+from adapters.layers.expert_lora import apply_expert_lora_wrappers
 from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
@@ -102,6 +103,8 @@ class RowParallelLoRALinear(LoRALinear):
 
 def apply_tp_lora_wrappers(model: nn.Module, pool: ShardedSlotPool, tp: TPGroup) -> None:
     apply_lora_wrappers(model, pool)
+    if pool.experts is not None:            # an MoE base: LoRA on its experts
+        apply_expert_lora_wrappers(model, pool.experts, pool.context)
     if tp.world_size == 1:
         return
     for layer in model.model.layers:

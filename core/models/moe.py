@@ -96,11 +96,24 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * inter, cfg.hidden_size))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, inter))         # [E, H, I]
 
+    # the steps of `forward`, each LoRA-free (the expert LoRA wrapper adds its deltas between them)
+    def plan(self, weights: torch.Tensor, idx: torch.Tensor) -> RoutePlan:
+        return plan_routes(idx, weights, self.num_experts)
+
+    def gate_up(self, xs: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+        return grouped_linear(xs, self.gate_up_proj, plan)           # [R, H] -> [R, 2I]
+
+    def down(self, act: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+        return grouped_linear(act, self.down_proj, plan)             # [R, I] -> [R, H]
+
+    def combine(self, rows: torch.Tensor, plan: RoutePlan, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        return combine(rows, plan, num_tokens, dtype)                 # [R, H] -> [T, H]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        plan = plan_routes(idx, weights, self.num_experts)
+        plan = self.plan(weights, idx)
         xs = x[plan.token_of_row]                                     # [R, H], rows sorted by expert
-        act = self.act_and_mul(grouped_linear(xs, self.gate_up_proj, plan))   # [R, I]
-        return combine(grouped_linear(act, self.down_proj, plan), plan, x.shape[0], x.dtype)
+        rows = self.down(self.act_and_mul(self.gate_up(xs, plan)), plan)
+        return self.combine(rows, plan, x.shape[0], x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
