@@ -113,4 +113,13 @@ class TPShard:
                 start, size = self.out_range(name)
                 b = b[start:start + size]                                    # [out / N, r]
             modules[(layer, name)] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling)
-        return dataclasses.replace(adapter, modules=modules)
+        start, size = self.rank * self.moe_intermediate_size, self.moe_intermediate_size
+        experts: dict[tuple[int, int, str], LoRAModule] = {}
+        for key, mod in adapter.expert_modules.items():   # MoE experts: their intermediate slice
+            a, b = mod.lora_a, mod.lora_b                                    # [r, in], [out, r]
+            if key[2] == "down_proj":
+                a = a[:, start:start + size]                                 # [r, I / N]
+            else:
+                b = b[start:start + size]                                    # [I / N, r]
+            experts[key] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling)
+        return dataclasses.replace(adapter, modules=modules, expert_modules=experts)
