@@ -6,7 +6,8 @@ model dtype (Qwen), as HF's `*TopKRouter` does.
 
 Experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]: the fused 3-D layout of transformers
 5): computed grouped by expert, never per token. The (token, k) rows are sorted by expert once per layer
-(`plan_routes`), each expert's rows are one contiguous group, and each group is one matmul (`grouped_linear`).
+(`plan_routes`), each expert's rows are one contiguous group, and each group is one matmul (`grouped_linear`; on
+CUDA one Triton grouped GEMM over all groups, core/models/moe_kernels.py).
 Each row's output is scaled by its routing weight, cast to the model dtype and summed into its token in expert
 order (`combine`), as HF's `index_add_` does.
 
@@ -19,6 +20,7 @@ recomputes the experts through these same functions with its deltas added, and t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import ModelConfig
+from core.environment.backends import kernel_backend
+from core.models.moe_kernels import triton_grouped_linear
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,12 @@ class RoutePlan:
     token_of_row: torch.Tensor    # [T*K] int64, the token of each sorted row
     expert_of_row: torch.Tensor   # [T*K] int64, ascending
     weight_of_row: torch.Tensor   # [T*K] routing weight of each row (fp32 or the model dtype)
-    counts: tuple[int, ...]       # [E] rows per expert (host)
+    expert_counts: torch.Tensor   # [E] int64 rows per expert, on the device
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        """[E] rows per expert on the host (the torch path's one read-back per layer; the Triton path needs none)."""
+        return tuple(self.expert_counts.tolist())
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -59,17 +68,21 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool)
 
 
 def plan_routes(idx: torch.Tensor, weights: torch.Tensor, num_experts: int) -> RoutePlan:
-    """Sorts the (token, k) rows by expert once (one host read of the per-expert counts)."""
+    """Sorts the (token, k) rows by expert once."""
     top_k = idx.shape[-1]
     flat = idx.reshape(-1)                                            # [T*K]
     order = torch.argsort(flat, stable=True)                          # [T*K]
-    counts = torch.bincount(flat, minlength=num_experts)              # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
+        0, flat, torch.ones_like(flat))                               # [E] (bincount would read its max back)
     return RoutePlan(token_of_row=torch.div(order, top_k, rounding_mode="floor"), expert_of_row=flat[order],
-                     weight_of_row=weights.reshape(-1)[order], counts=tuple(counts.tolist()))
+                     weight_of_row=weights.reshape(-1)[order], expert_counts=counts)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-    """x [R, in] (rows sorted by expert), weight [E, out, in] -> [R, out]: one matmul per expert's group of rows."""
+    """x [R, in] (rows sorted by expert), weight [E, out, in] -> [R, out]: one matmul per expert's group of rows
+    (on CUDA: one Triton grouped GEMM, core/models/moe_kernels.py; LORAPLEX_FUSED_OPS picks the path)."""
+    if kernel_backend("fused", x.device.type) == "triton":
+        return triton_grouped_linear(x, weight, plan.expert_counts)
     out = x.new_empty((x.shape[0], weight.shape[1]))                  # [R, out]
     for e, (start, n) in enumerate(zip(plan.offsets, plan.counts)):
         if n:
