@@ -86,7 +86,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: RoutePlan) -> to
     out = x.new_empty((x.shape[0], weight.shape[1]))                  # [R, out]
     for e, (start, n) in enumerate(zip(plan.offsets, plan.counts)):
         if n:
-            torch.matmul(x[start:start + n], weight[e].t(), out=out[start:start + n])
+            out[start:start + n] = F.linear(x[start:start + n], weight[e])   # (matmul's out= is 2x slower)
     return out
 
 
