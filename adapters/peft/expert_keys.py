@@ -95,7 +95,7 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
         if m["ab"] in entry:
             raise _invalid(f"duplicate LoRA {m['ab']} weight for {entry['key']}", CODE_CORRUPT)
         entry[m["ab"]] = tensor
-        if pkey[0] >= dims.num_layers or not dims.num_experts:
+        if pkey[0] >= dims.num_layers or not dims.is_sparse_layer(pkey[0]):
             raise _invalid(f"{entry['key']}: the base model has no such MoE layer; wrong base model?",
                            CODE_SHAPE_MISMATCH)
         if pkey[2] is not None and pkey[2] >= dims.num_experts:
@@ -154,3 +154,12 @@ def _put(out: dict[ExpertKey, LoRAModule], key: ExpertKey, module: LoRAModule, m
         raise _invalid(f"{mkey}: layer {key[0]} expert {key[1]} has LoRA on {key[2]} twice (per expert and on "
                        "the fused tensor)", CODE_UNSUPPORTED_TARGET)
     out[key] = module
+
+
+def check_dense_mlp_targets(modules: Mapping[tuple[int, str], LoRAModule], dims: BaseModelDims) -> None:
+    """LoRA on gate/up/down under the dense names only where the layer has a dense MLP (a dense layer, or
+    Qwen2-MoE's shared expert): on a layer of experts alone it would be served as nothing (400)."""
+    for layer, name in modules:
+        if name in ("gate_proj", "up_proj", "down_proj") and layer < dims.num_layers and not dims.has_dense_mlp(layer):
+            raise _invalid(f"LoRA on {name} of layer {layer}, which has no dense MLP (only experts: target them "
+                           "per expert or through target_parameters)", CODE_UNSUPPORTED_TARGET)

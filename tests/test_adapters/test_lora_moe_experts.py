@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -164,3 +165,27 @@ def test_expert_slots_random_operations_and_deltas(seed: int) -> None:
             torch.testing.assert_close(wrapper(x, weights, idx),
                                        _expected(x, experts, weights, idx, token_adapters, layer), atol=1e-4, rtol=1e-4)
     assert isinstance(pool.context, LoRAContext)
+
+
+def test_lora_on_a_layer_without_that_module_is_refused(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
+    """Qwen3-MoE here: layer 0 has experts only, layer 1 a dense MLP. Per-expert LoRA on the dense layer and
+    dense-name gate/up/down LoRA on the experts-only layer would be served as nothing: 400 for both."""
+    path, adapter_dir = qwen3
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    for name, key, shape_a, shape_b in (
+            ("experts_on_dense", "base_model.model.model.layers.1.mlp.experts.0.gate_proj", (2, 64), (48, 2)),
+            ("dense_on_experts", "base_model.model.model.layers.0.mlp.down_proj", (2, 48), (64, 2))):
+        bad = tmp_path / name
+        shutil.copytree(adapter_dir, bad)
+        extra = {f"{key}.lora_A.weight": torch.randn(*shape_a), f"{key}.lora_B.weight": torch.randn(*shape_b)}
+        if name == "dense_on_experts":   # the experts-only layer's shape: qwen3's dense width is 96
+            extra = {f"{key}.lora_A.weight": torch.randn(2, 96), f"{key}.lora_B.weight": torch.randn(64, 2)}
+        save_file({**state, **extra}, str(bad / "adapter_model.safetensors"))
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        cfg["r"], cfg["lora_alpha"] = 2, 4
+        cfg["rank_pattern"] = {"q_proj": 4, "experts": 4}
+        (bad / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(AdapterError, match="no such MoE layer|no dense MLP") as err:
+            load_peft_adapter(bad, dims, max_lora_rank=16)
+        assert err.value.status == 400, name
