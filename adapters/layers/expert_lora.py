@@ -7,7 +7,8 @@ The wrapper runs the experts' own steps (`plan`, `gate_up`, `act_and_mul`, `down
 step's (token, k) pairs sorted by expert once) and adds, between them, the LoRA deltas of the rows whose token
 has an adapter: those rows are grouped by (slot, expert), and each group is one shrink and one expand matmul
 per projection, from the factors of adapters/slots/expert_slots.py. Rows of the base model cost nothing; a step
-without LoRA on this layer's experts runs the plain experts.
+without LoRA on this layer's experts runs the plain experts. The router's LoRA (`RouterLoRA`) adds to its logits
+like any linear's, before the softmax and top-k.
 """
 from __future__ import annotations
 
@@ -45,6 +46,31 @@ def lora_groups(row_slots: torch.Tensor, expert_of_row: torch.Tensor,
         out.append((slot, expert, rows[start:start + n]))
         start += n
     return out
+
+
+class RouterLoRA(nn.Module):
+    """The router's logits plus each LoRA token's router delta (s * x A^T B^T, B [E, R]), one matmul pair per slot."""
+
+    def __init__(self, base: nn.Module, slots: ExpertSlots, context: LoRAContext, layer_idx: int) -> None:
+        super().__init__()
+        self.base, self.slots, self.context, self.layer_idx = base, slots, context, layer_idx
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.base(x)                                                   # [T, E]
+        meta = self.context.meta
+        if meta is None or not meta.has_lora:
+            return logits
+        s, layer = self.slots, self.layer_idx
+        slots = token_slots(meta, x.shape[0], x.device)                         # [T]
+        for slot in [int(v) for v in torch.unique(slots).tolist() if v >= 0 and s.router_ranks_host[layer, v]]:
+            rows = torch.nonzero(slots == slot).squeeze(1)
+            h = (x[rows] @ s.a_router[layer, slot].t()) * s.router_scalings[layer, slot].to(x.dtype)   # [n, R]
+            logits.index_add_(0, rows, (h @ s.b_router[layer, slot].t()).to(logits.dtype))      # [n, E]
+        return logits
 
 
 class ExpertLoRA(nn.Module):
@@ -96,8 +122,9 @@ class ExpertLoRA(nn.Module):
 
 
 def apply_expert_lora_wrappers(model: nn.Module, slots: ExpertSlots, context: LoRAContext) -> None:
-    """Wraps the experts of every sparse layer (idempotent)."""
+    """Wraps the experts and the router of every sparse layer (idempotent)."""
     for idx, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and not isinstance(experts, ExpertLoRA):
             layer.mlp.experts = ExpertLoRA(experts, slots, context, idx)
+            layer.mlp.gate = RouterLoRA(layer.mlp.gate, slots, context, idx)

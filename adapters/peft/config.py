@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from adapters.layers.dims import PEFT_TARGET_NAMES
-
-# MoE expert targets: Mixtral's per-expert w1/w2/w3 (target_parameters: adapters/peft/expert_keys.py)
-_EXPERT_TARGET_NAMES = ("w1", "w2", "w3")
 from adapters.errors import (
     CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError,
 )
+
+# MoE targets: Mixtral's per-expert w1/w2/w3 and the router gate (target_parameters: adapters/peft/expert_keys.py)
+_EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate")
 
 # Config fields that must be empty/false: (field, reason).
 _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (

@@ -11,9 +11,12 @@
 2. per-expert LoRA modules (hub adapters trained on transformers 4 models): `layers.N.block_sparse_moe.experts.
    M.w1 / w3 / w2` (Mixtral) or `layers.N.mlp.experts.M.gate_proj / up_proj / down_proj` (Qwen).
 
+3. the router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`): `target_parameters` on `mlp.gate.weight`, or
+   `gate` in `target_modules` of a transformers-4 adapter: `mlp.gate.lora_A.weight` [r, H], `lora_B.weight`
+   [E, r], a LoRA like any linear's on the router logits; kept as expert -1, projection "gate".
+
 Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) is a dense MLP: its keys are renamed to the
-dense names (`mlp.gate_proj`, ...) for the dense loader. The router (`mlp.gate`) and the shared expert's gate
-are refused (400): LoRA on them is not served.
+dense names (`mlp.gate_proj`, ...) for the dense loader. The shared expert's gate stays refused (400).
 """
 from __future__ import annotations
 
@@ -28,9 +31,9 @@ from adapters.errors import CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMAT
 from adapters.layers.dims import BaseModelDims
 from adapters.peft.config import PeftLoRAConfig
 
-ExpertKey = tuple[int, int, str]   # (layer, expert, "gate_proj" | "up_proj" | "down_proj")
+ExpertKey = tuple[int, int, str]   # (layer, expert, "gate_proj" | "up_proj" | "down_proj"); the router: (layer, -1, "gate")
+ROUTER = -1                         # the expert index of the router's LoRA
 
-EXPERT_TARGET_NAMES = ("w1", "w2", "w3")          # Mixtral's per-expert names (Qwen's are the dense names)
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused expert tensors `target_parameters` may name
 
 _PER_EXPERT = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\."
@@ -38,6 +41,8 @@ _PER_EXPERT = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|b
                          r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
 _PARAM_WRAPPER = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)(?P<depth>(?:\.base_layer)*)"
                             r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
+_ROUTER_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate)"
+                         r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
 _SHARED = re.compile(r"(layers\.\d+\.mlp)\.shared_expert\.(gate_proj|up_proj|down_proj)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
          "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -59,10 +64,14 @@ def expert_parameter_order(raw: Mapping[str, Any]) -> tuple[str, ...]:
         raise _invalid("target_parameters must be a list", CODE_UNSUPPORTED_TARGET)
     names = []
     for t in targets:
+        if str(t) == "gate.weight" or str(t).endswith((".mlp.gate.weight", "mlp.gate.weight")):
+            names.append("gate")                      # the router's weight
+            continue
         name = str(t).rsplit(".", 1)[-1]
         if name not in EXPERT_PARAMETERS or not str(t).endswith(f"experts.{name}"):
             raise _invalid(f"unsupported target parameter {str(t)!r}; supported: LoRA on the MoE experts' "
-                           f"{' / '.join('experts.' + p for p in EXPERT_PARAMETERS)}", CODE_UNSUPPORTED_TARGET)
+                           f"{' / '.join('experts.' + p for p in EXPERT_PARAMETERS)} and the router's "
+                           "mlp.gate.weight", CODE_UNSUPPORTED_TARGET)
         names.append(name)
     return tuple(names)
 
@@ -71,7 +80,7 @@ def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     """(the dense keys, the shared expert's renamed to the dense names; the experts' keys)."""
     dense, experts = {}, {}
     for key, tensor in state.items():
-        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key):
+        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key):
             experts[key] = tensor
         else:
             dense[_SHARED.sub(r"\1.\2.", key)] = tensor
@@ -85,8 +94,11 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise _invalid(f"{key} must be a 2-D floating point tensor", CODE_CORRUPT)
         m = _PER_EXPERT.match(key)
+        router = _ROUTER_KEY.match(key)
         if m is not None:
             pkey: tuple[int, str, int | None] = (int(m["layer"]), _PROJ[m["proj"]], int(m["expert"]))
+        elif router is not None:
+            m, pkey = router, (int(router["layer"]), "gate", ROUTER)
         else:
             m = _PARAM_WRAPPER.match(key)
             assert m is not None
@@ -98,7 +110,7 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
         if pkey[0] >= dims.num_layers or not dims.is_sparse_layer(pkey[0]):
             raise _invalid(f"{entry['key']}: the base model has no such MoE layer; wrong base model?",
                            CODE_SHAPE_MISMATCH)
-        if pkey[2] is not None and pkey[2] >= dims.num_experts:
+        if pkey[2] is not None and not ROUTER <= pkey[2] < dims.num_experts:
             raise _invalid(f"{entry['key']}: expert {pkey[2]} does not exist (the base has {dims.num_experts})",
                            CODE_SHAPE_MISMATCH)
     return pairs
@@ -110,7 +122,7 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
     order = expert_parameter_order(raw)          # checked whether or not the weights use it
     h, inter, num_experts = dims.hidden_size, dims.moe_intermediate_size, dims.num_experts
     in_out = {"gate_up_proj": (h, 2 * inter), "down_proj": (inter, h), "gate_proj": (h, inter),
-              "up_proj": (h, inter)}
+              "up_proj": (h, inter), "gate": (h, num_experts)}
     out: dict[ExpertKey, LoRAModule] = {}
     for (layer, proj, expert), entry in sorted(_pairs(state, dims).items(), key=lambda kv: str(kv[0])):
         mkey = entry["key"]

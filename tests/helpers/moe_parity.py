@@ -8,7 +8,7 @@
 - `per-expert`: the transformers-4 layout (experts.N.w1/w3/w2, or gate/up/down_proj; Qwen2-MoE's shared expert and
   Qwen3-MoE's dense layer under the same names), against the HF base with the LoRA folded into its weights
   (peft's own conversion of this layout drops the shared-expert and dense-layer modules);
-- `down-first`: the experts only, `target_parameters` listed in the other order (PEFT reference).
+- `down-first`: the experts and the router only, `target_parameters` listed in another order (PEFT reference).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def moe_family_adapters(family: str, root: str) -> dict[str, Path]:
                                                   ["q_proj", "v_proj"], 4, 8, 1.0, 61),
         f"{family}-per-expert": per_expert_adapter(path, out / "per-expert", family, 4, 8, 1.0, 62),
         f"{family}-down-first": expert_params_adapter(path, out / "down-first",
-                                                      ["experts.down_proj", "experts.gate_up_proj"], [], 8, 8, 1.0, 63),
+                                                      ["experts.down_proj", "mlp.gate.weight", "experts.gate_up_proj"],
+                                                      [], 8, 8, 1.0, 63),
     }
 
 

@@ -1,5 +1,6 @@
 """LoRA on MoE experts, unit level: PEFT's target_parameters layout split into per-expert factors (each equal to
-PEFT's own delta of that expert), refusals (the router, a dense base, a wrong expert count), the expert slots under
+PEFT's own delta of that expert), refusals (the shared expert's gate, a dense base, a wrong expert count), the
+router's LoRA on its logits, the expert slots under
 random loads and evictions with check_integrity() after every operation, and the wrapper's grouped deltas against
 a per-row loop. The end-to-end parity with PEFT is tests/test_core/models/test_moe_families.py."""
 from __future__ import annotations
@@ -20,7 +21,7 @@ from adapters.adapter import LoRAAdapter, LoRAModule  # noqa: E402
 from adapters.errors import AdapterError  # noqa: E402
 from adapters.layers.context import LoRAContext  # noqa: E402
 from adapters.layers.dims import BaseModelDims  # noqa: E402
-from adapters.layers.expert_lora import ExpertLoRA  # noqa: E402
+from adapters.layers.expert_lora import ExpertLoRA, RouterLoRA  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
 from adapters.slots.slot_pool import LoRASlotPool  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
@@ -75,7 +76,7 @@ def _edit(src: Path, dst: Path, **changes: object) -> Path:
 def test_refusals(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
     path, adapter_dir = qwen3
     dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
-    for targets in (["mlp.gate.weight"], ["experts.gate_up_proj", "self_attn.q_proj.weight"]):   # the router, other
+    for targets in (["mlp.shared_expert_gate.weight"], ["experts.gate_up_proj", "self_attn.q_proj.weight"]):
         bad = _edit(adapter_dir, tmp_path / f"t{len(targets)}", target_parameters=targets)
         with pytest.raises(AdapterError, match="unsupported target parameter") as err:
             load_peft_adapter(bad, dims, max_lora_rank=16)
@@ -98,6 +99,10 @@ def _random_expert_adapter(rng: random.Random, tag: str) -> LoRAAdapter:
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     experts = {}
     for layer in range(DIMS.num_layers):
+        if rng.random() < 0.5:   # the router (expert -1)
+            r = rng.randint(1, 4)
+            experts[(layer, -1, "gate")] = LoRAModule(torch.randn(r, 16, generator=g), torch.randn(3, r, generator=g),
+                                                      rng.uniform(0.5, 2))
         for e in rng.sample(range(DIMS.num_experts), rng.randint(1, DIMS.num_experts)):
             for proj in rng.sample(["gate_proj", "up_proj", "down_proj"], rng.randint(1, 3)):
                 r = rng.randint(1, 4)
@@ -164,6 +169,14 @@ def test_expert_slots_random_operations_and_deltas(seed: int) -> None:
         with torch.no_grad():
             torch.testing.assert_close(wrapper(x, weights, idx),
                                        _expected(x, experts, weights, idx, token_adapters, layer), atol=1e-4, rtol=1e-4)
+            router = torch.nn.Linear(16, 3, bias=False)
+            want = router(x)
+            for t, adapter in enumerate(token_adapters):
+                m = adapter.expert_modules.get((layer, -1, "gate")) if adapter is not None else None
+                if m is not None:
+                    want[t] += m.scaling * (m.lora_b @ (m.lora_a @ x[t]))
+            torch.testing.assert_close(RouterLoRA(router, pool.experts, pool.context, layer)(x), want,
+                                       atol=1e-4, rtol=1e-4)
     assert isinstance(pool.context, LoRAContext)
 
 

@@ -2,23 +2,28 @@
 dense layer through mlp_only_layers), base and LoRA, against HF transformers and PEFT in fp32.
 
 Per family, one batch holds every text under the base and three adapters in slots 0-2 (tests/helpers/
-moe_parity.py: LoRA on the experts through PEFT's `target_parameters`, in the per-expert layout, and with the
-parameters listed in the other order), with chunked prefill and preemption, prefix caching on (two rounds) and
+moe_parity.py: LoRA on the experts through PEFT's `target_parameters`, in the per-expert layout, and on the
+experts and the router with the parameters listed in another order), with chunked prefill and preemption, prefix caching on (two rounds) and
 off (async scheduling). The checkpoint layouts, the run with chunking, preemption and prefix caching all off, and
 TP=2 are in test_moe_layouts_tp.py.
 """
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
 from core.config import ModelConfig  # noqa: E402
 from family_parity import MAX_TOKENS, check_family, greedy_with_margin  # noqa: E402
+from lora_tree import peft_greedy_path  # noqa: E402
 from moe_models import moe_dir  # noqa: E402
 from moe_parity import moe_family_adapters, moe_reference  # noqa: E402
 from testlib import PROMPTS, _hf_model, encode  # noqa: E402
@@ -68,3 +73,20 @@ def test_the_family_features_change_hf_tokens() -> None:
     for layer in model.model.layers:
         torch.nn.init.zeros_(layer.mlp.shared_expert.down_proj.weight)
     assert _tokens(model, "qwen2_moe") != _tokens(_hf_model(str(moe_dir("qwen2_moe"))), "qwen2_moe")
+
+
+def test_the_router_lora_changes_peft_tokens(adapter_root: str, tmp_path: Path) -> None:
+    """The parity's precondition for the router: the `down-first` adapter without its router LoRA (`mlp.gate`)
+    gives other PEFT tokens, so the parity above proves the router's LoRA is applied."""
+    path = moe_dir("qwen3_moe")
+    full = moe_family_adapters("qwen3_moe", adapter_root)["qwen3_moe-down-first"]
+    cut = tmp_path / "no-router"
+    shutil.copytree(full, cut)
+    state = load_file(str(full / "adapter_model.safetensors"))
+    save_file({k: v for k, v in state.items() if ".mlp.gate." not in k}, str(cut / "adapter_model.safetensors"))
+    cfg = json.loads((cut / "adapter_config.json").read_text())
+    cfg["target_parameters"] = [t for t in cfg["target_parameters"] if "gate.weight" not in t]
+    (cut / "adapter_config.json").write_text(json.dumps(cfg))
+    assert len(state) > sum(".mlp.gate." not in k for k in state)
+    assert [peft_greedy_path(path, full, encode(path, t), MAX_TOKENS)[0] for t in TEXTS] != \
+        [peft_greedy_path(path, cut, encode(path, t), MAX_TOKENS)[0] for t in TEXTS]
