@@ -64,7 +64,9 @@ class Plan:
     tiles: Tiles
     groups_per_tile: int      # scale groups inside one BLOCK_K step (1 when a group spans >= BLOCK_K columns)
     split_k: int
-    k_per_split: int          # input columns per split, a multiple of block_k
+    k_per_split: int          # input columns per split, a multiple of block_k (and of a group spanning steps)
+    group_step: int = 0       # > 0: a group spans several K steps; its scale and zero are loaded once per this
+                              # many columns (the group size; per channel: the split), outside the steps
 
     def grid(self, num_tokens: int, out_features: int) -> tuple[int, int, int]:
         """(output-row tiles, splits, token tiles) of the fused kernel."""
@@ -116,5 +118,12 @@ def gemm_plan(num_tokens: int, in_features: int, out_features: int, num_bits: in
     while tiles_mn and split < MAX_SPLIT_K and tiles_mn * split < TARGET_PROGRAMS and num_k_steps >= 4 * split:
         split *= 2
     steps_per_split = -(-num_k_steps // split)
+    per_channel = group_size >= in_features
+    hoist = groups_per_tile == 1 and (per_channel or group_size > block_k)
+    if hoist and not per_channel:                        # splits end on group boundaries
+        steps_per_group = group_size // block_k
+        steps_per_split = -(-steps_per_split // steps_per_group) * steps_per_group
     split = -(-num_k_steps // steps_per_split)           # no empty split
-    return Plan(kind, tiles, groups_per_tile, split, steps_per_split * block_k)
+    k_per_split = steps_per_split * block_k
+    group_step = (k_per_split if per_channel else group_size) if hoist else 0
+    return Plan(kind, tiles, groups_per_tile, split, k_per_split, group_step)

@@ -71,7 +71,7 @@ class QuantLinear(nn.Module):
         if self.kind == "int" and self.g_idx is not None:
             self._fold_act_order()
         if self.kind == "int" and self.num_bits == 8 and self.num_groups == 1 and self.g_idx is None \
-                and self.act_perm is None \
+                and self.act_perm is None and not triton_gemm.use_triton(self.qweight) \
                 and self.qweight.device.type == "cpu" and self.qweight.dtype == torch.uint8 \
                 and bool((self.zeros == 128).all()):
             self.qweight = (self.qweight.to(torch.int16) - 128).to(torch.int8)       # [out, in], in place of

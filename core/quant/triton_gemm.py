@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
 # ints that change with the batch (or per layer) and must not pick a new compiled variant (== 1, % 16)
-_RUNTIME_INTS = ["M", "numel", "group_size", "num_groups", "k_per_split"]
+_RUNTIME_INTS = ["M", "numel", "group_size", "num_groups", "k_per_split", "group_step"]
 
 
 def _jit(fn: Callable[..., Any]) -> Any:
@@ -58,32 +58,47 @@ def plan_for(num_tokens: int, qweight: torch.Tensor, num_groups: int, num_bits: 
 
 if triton is not None:
     @triton.jit
-    def _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, num_words, stride_qn, stride_sn, stride_zn,
-                      group_size, num_groups, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUPS_PER_TILE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """The float weight tile [BLOCK_N, BLOCK_K] of input columns k0.. : each packed word loaded once, one
-        scale and zero per (row, group)."""
+    def _codes(qw_ptr, offs_n, n_mask, k0, num_words, stride_qn, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+        """The codes [BLOCK_N, BLOCK_K] (int32) of input columns k0.. : each packed word loaded once, unpacked by
+        shift and mask in registers."""
         PACK: tl.constexpr = 32 // BITS
         WORDS: tl.constexpr = BLOCK_K // PACK
-        GS: tl.constexpr = BLOCK_K // GROUPS_PER_TILE
-        offs_w = k0 // PACK + tl.arange(0, WORDS)
+        offs_w = tl.max_contiguous(tl.multiple_of(k0 // PACK + tl.arange(0, WORDS), WORDS), WORDS)   # wide loads
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_w[None, :],
                         mask=n_mask[:, None] & (offs_w[None, :] < num_words), other=0)          # [BN, WORDS]
         shifts = tl.arange(0, PACK) * BITS
         codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)                # [BN, WORDS, PACK]
-        codes = tl.reshape(codes, (BLOCK_N, GROUPS_PER_TILE, GS))                               # [BN, G, GS]
-        offs_g = k0 // group_size + tl.arange(0, GROUPS_PER_TILE)
-        g_mask = n_mask[:, None] & (offs_g[None, :] < num_groups)
-        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_mask, other=0.0)  # [BN, G]
-        zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + offs_g[None, :], mask=g_mask, other=0)     # [BN, G]
-        w = (codes - zero.to(tl.int32)[:, :, None]).to(tl.float32) * scale.to(tl.float32)[:, :, None]
+        return tl.reshape(codes, (BLOCK_N, BLOCK_K))                                            # [BN, BK]
+
+    @triton.jit
+    def _group_params(s_ptr, z_ptr, offs_n, n_mask, g0, num_groups, stride_sn, stride_zn, GROUPS: tl.constexpr):
+        """Scales (fp32) and zero points (int32) [BLOCK_N, GROUPS] of groups g0..: one per (row, group)."""
+        offs_g = g0 + tl.arange(0, GROUPS)
+        mask = n_mask[:, None] & (offs_g[None, :] < num_groups)
+        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=mask, other=0.0)
+        zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + offs_g[None, :], mask=mask, other=0)
+        return scale.to(tl.float32), zero.to(tl.int32)
+
+    @triton.jit
+    def _dequant(codes, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr):
+        """(code - zero) * scale per (row, group) of the tile, rounded once to OUT_DTYPE: [BLOCK_N, BLOCK_K]."""
+        c = tl.reshape(codes, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))                             # [BN, G, GS]
+        w = (c - zero[:, :, None]).to(tl.float32) * scale[:, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(OUT_DTYPE)                                  # [BN, BK]
+
+    @triton.jit
+    def _dot(acc, x, w):
+        if x.dtype == tl.float32:   # exact fp32 (a GPU's default for fp32 dots is TF32), as the torch path
+            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        return acc + tl.dot(x, tl.trans(w))      # bf16 / fp16: the tensor cores, fp32 accumulation
 
     @_jit
     def _wq_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
-                        stride_ys, stride_ym, group_size, num_groups, k_per_split,
+                        stride_ys, stride_ym, group_size, num_groups, k_per_split, group_step,
                         BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUPS_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr):
+                        GROUPS_PER_TILE: tl.constexpr, HOIST_GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -92,20 +107,31 @@ if triton is not None:
         m_mask = offs_m < M
         n_mask = offs_n < N
         num_words = K // (32 // BITS)
+        dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_start = pid_s * k_per_split
+        k_start = tl.multiple_of(pid_s * k_per_split, BLOCK_K)          # k_per_split: a multiple of BLOCK_K
         k_end = tl.minimum(k_start + k_per_split, K)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)                 # [BM, BK]
-            w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, num_words, stride_qn, stride_sn, stride_zn,
-                              group_size, num_groups, BITS, BLOCK_N, BLOCK_K, GROUPS_PER_TILE,
-                              x_ptr.dtype.element_ty)                                            # [BN, BK]
-            if x_ptr.dtype.element_ty == tl.float32:   # exact fp32 (a GPU's default for fp32 dots is TF32)
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:                                      # bf16 / fp16: the tensor cores, fp32 accumulation
-                acc += tl.dot(x, tl.trans(w))
+        if HOIST_GROUPS:     # a group spans several steps: its scales and zeros loaded once, before them
+            for g_start in range(k_start, k_end, group_step):
+                scale, zero = _group_params(s_ptr, z_ptr, offs_n, n_mask, g_start // group_size, num_groups,
+                                            stride_sn, stride_zn, 1)                             # [BN, 1]
+                for k0 in range(g_start, tl.minimum(g_start + group_step, k_end), BLOCK_K):
+                    k0 = tl.multiple_of(k0, BLOCK_K)
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)         # [BM, BK]
+                    codes = _codes(qw_ptr, offs_n, n_mask, k0, num_words, stride_qn, BITS, BLOCK_N, BLOCK_K)
+                    acc = _dot(acc, x, _dequant(codes, scale, zero, BLOCK_N, BLOCK_K, 1, dtype))
+        else:                # whole groups in every step: one load of each of them per step
+            for k0 in range(k_start, k_end, BLOCK_K):
+                k0 = tl.multiple_of(k0, BLOCK_K)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)             # [BM, BK]
+                codes = _codes(qw_ptr, offs_n, n_mask, k0, num_words, stride_qn, BITS, BLOCK_N, BLOCK_K)
+                scale, zero = _group_params(s_ptr, z_ptr, offs_n, n_mask, k0 // group_size, num_groups,
+                                            stride_sn, stride_zn, GROUPS_PER_TILE)               # [BN, G]
+                acc = _dot(acc, x, _dequant(codes, scale, zero, BLOCK_N, BLOCK_K, GROUPS_PER_TILE, dtype))
         out = y_ptr + pid_s * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]   # SPLIT_K > 1: fp32 partials
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -127,9 +153,10 @@ if triton is not None:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         n_mask = offs_n < N
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K // (32 // BITS), stride_qn, stride_sn,
-                          stride_zn, group_size, num_groups, BITS, BLOCK_N, BLOCK_K, GROUPS_PER_TILE,
-                          w_ptr.dtype.element_ty)                                                # [BN, BK]
+        codes = _codes(qw_ptr, offs_n, n_mask, k0, K // (32 // BITS), stride_qn, BITS, BLOCK_N, BLOCK_K)
+        scale, zero = _group_params(s_ptr, z_ptr, offs_n, n_mask, k0 // group_size, num_groups, stride_sn,
+                                    stride_zn, GROUPS_PER_TILE)                                  # [BN, G]
+        w = _dequant(codes, scale, zero, BLOCK_N, BLOCK_K, GROUPS_PER_TILE, w_ptr.dtype.element_ty)   # [BN, BK]
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w, mask=n_mask[:, None] & (offs_k[None, :] < K))
 
@@ -172,9 +199,9 @@ def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     _wq_gemm_kernel[plan.grid(num_tokens, out_features)](
         x, words, scales, zeros, out, num_tokens, out_features, in_features, x.stride(0), words.stride(0),
         scales.stride(0), zeros.stride(0), num_tokens * out_features, out_features,
-        -(-in_features // scales.shape[1]), scales.shape[1], plan.k_per_split,
+        -(-in_features // scales.shape[1]), scales.shape[1], plan.k_per_split, max(plan.group_step, 1),
         BITS=num_bits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUPS_PER_TILE=plan.groups_per_tile, SPLIT_K=plan.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
+        GROUPS_PER_TILE=plan.groups_per_tile, HOIST_GROUPS=plan.group_step > 0, SPLIT_K=plan.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
     if plan.split_k > 1:
         numel = num_tokens * out_features
         _split_k_sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, SPLIT_K=plan.split_k, BLOCK=SUM_BLOCK)
