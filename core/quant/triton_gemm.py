@@ -136,14 +136,15 @@ if triton is not None:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     @_jit
-    def _split_k_sum_kernel(p_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        """y = sum of the SPLIT_K fp32 partial slices [numel], in split order (deterministic), cast to y's dtype."""
+    def _split_k_sum_kernel(p_ptr, y_ptr, numel, slice_stride, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """y = sum of the SPLIT_K fp32 partial slices [numel] (slice_stride apart: a multiple of 16, so the loads are
+        wide and the variant is the same for every token count), in split order (deterministic), cast to y's dtype."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        in_slice = offs < slice_stride                  # the padded tail is read (never stored): wide loads
+        acc = tl.load(p_ptr + offs, mask=in_slice, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(p_ptr + s * numel + offs, mask=mask, other=0.0)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            acc += tl.load(p_ptr + s * slice_stride + offs, mask=in_slice, other=0.0)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < numel)
 
     @_jit
     def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_zn, stride_wn,
@@ -193,16 +194,18 @@ def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     num_tokens = x.shape[0]
     words = _words(qweight, num_bits)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    out = y if plan.split_k == 1 else torch.empty(plan.split_k, num_tokens, out_features, dtype=torch.float32,
-                                                  device=x.device)                   # [splits, T, out] partials
+    numel = num_tokens * out_features
+    slice_stride = -(-numel // 16) * 16                  # divisible by 16 whatever T: one variant for every T
+    out = y if plan.split_k == 1 else torch.empty(plan.split_k, slice_stride, dtype=torch.float32,
+                                                  device=x.device)                   # [splits, T x out (padded)]
     t = plan.tiles
     _wq_gemm_kernel[plan.grid(num_tokens, out_features)](
         x, words, scales, zeros, out, num_tokens, out_features, in_features, x.stride(0), words.stride(0),
-        scales.stride(0), zeros.stride(0), num_tokens * out_features, out_features,
+        scales.stride(0), zeros.stride(0), slice_stride, out_features,
         -(-in_features // scales.shape[1]), scales.shape[1], plan.k_per_split, max(plan.group_step, 1),
         BITS=num_bits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUPS_PER_TILE=plan.groups_per_tile, HOIST_GROUPS=plan.group_step > 0, SPLIT_K=plan.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
     if plan.split_k > 1:
-        numel = num_tokens * out_features
-        _split_k_sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, SPLIT_K=plan.split_k, BLOCK=SUM_BLOCK)
+        _split_k_sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, slice_stride, SPLIT_K=plan.split_k,
+                                                              BLOCK=SUM_BLOCK)
     return y

@@ -64,17 +64,17 @@ def test_gemm_matches_dequantize_then_matmul(bits: int, group_size: int | None, 
 
 @pytest.mark.parametrize("bits,split_k,block_k,groups_per_tile", [(4, 3, 64, 2), (8, 4, 32, 1), (4, 2, 128, 4)])
 def test_split_k_and_ragged_shapes(bits: int, split_k: int, block_k: int, groups_per_tile: int) -> None:
-    """Split-K partials (a split ending mid-layer, the last one short) summed by the second launch; ragged output
-    rows (80 of a 64-row tile) and a ragged last K step."""
+    """Split-K partials (a split ending mid-layer, the last one short) summed by the second launch (5 x 72 outputs:
+    slices padded to 16); ragged output rows (72 of two 64-row tiles) and a ragged last K step."""
     in_f = 352 if bits == 4 else 320                      # not a multiple of the K step
-    q = make_layer(bits, 32, False, False, in_f=in_f)
+    q = make_layer(bits, 32, False, False, out_f=72, in_f=in_f)
     q.finalize()
     steps = -(-in_f // block_k)
     per_split = -(-steps // split_k)
     plan = Plan("fused", Tiles(16, 64, block_k, 4, 1), groups_per_tile, -(-steps // per_split), per_split * block_k)
     assert plan.split_k == split_k
     x = torch.randn(5, in_f, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    y = triton_gemm.wq_matmul(x, q.qweight, q.scales, q.zeros, bits, in_f, 80, plan)
+    y = triton_gemm.wq_matmul(x, q.qweight, q.scales, q.zeros, bits, in_f, 72, plan)
     torch.testing.assert_close(y, x @ q.dequantize().t(), rtol=1e-4, atol=1e-4)
 
 
@@ -129,3 +129,29 @@ def test_plan_table_is_fixed_per_bucket_and_fills_the_gpu() -> None:
     assert gemm_plan(4096, 4096, 4096, 4, 128).kind == "dequant"
     assert [gemm_plan(t, 4096, 4096, 4, 128).kind for t in BUCKET_TOKENS] == ["fused"] * 4 + ["dequant"]
     assert gemm_plan(1, 4096, 4096, 4, 96) is not None and gemm_plan(1, 4096, 4096, 4, 24) is None
+
+
+def test_one_compiled_variant_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every token count of the decode bucket launches the same kernel variants (Triton's specialization key), also
+    where T x N is not a multiple of 16 (72 outputs), so the warm-up's one launch per bucket compiles what serving
+    uses; the warm-up reaches only the buckets a step of max_num_batched_tokens can."""
+    import kernel_recorder
+    from kernel_recorder import KernelRecorder
+
+    from core.quant.warmup import token_counts
+
+    monkeypatch.setattr(kernel_recorder, "KERNEL_MODULES", ("core.quant.triton_gemm",))
+    q = make_layer(4, 128, False, False, out_f=72, in_f=1024)
+    q.finalize()
+    assert q.kernel_plan(torch.empty(1, 1024, device=DEVICE)).split_k > 1
+    keys = []
+    for t in (1, 2, 3, 16):
+        rec = KernelRecorder.install(monkeypatch)
+        q(torch.randn(t, 1024).to(DEVICE))
+        assert rec.kernels() == {"_wq_gemm_kernel", "_split_k_sum_kernel"}
+        keys.append(rec.keys)
+        monkeypatch.undo()
+        monkeypatch.setenv("LORAPLEX_QUANT_GEMM", "triton")
+        monkeypatch.setattr(kernel_recorder, "KERNEL_MODULES", ("core.quant.triton_gemm",))
+    assert all(k == keys[0] for k in keys), "a token count of the bucket compiled another variant"
+    assert token_counts(48) == (1, 17) and token_counts(None) == BUCKET_TOKENS
