@@ -14,30 +14,11 @@ from core.quant import triton_gemm  # noqa: E402
 from core.quant.act_order import group_order  # noqa: E402
 from core.quant.gemm_plan import (BUCKET_TOKENS, DEQUANT_MIN_TOKENS, NUM_SMS, Plan, Tiles,  # noqa: E402
                                   gemm_plan)
-from core.quant.linear import QuantLinear  # noqa: E402
-from core.quant.packing import pack_rows  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
+from quant_gemm_cases import make_layer  # noqa: E402
 
 DEVICE = kernel_device()
 TOKENS = (1, 3, 16, 33, 70)
-
-
-def make_layer(bits: int, group_size: int | None, symmetric: bool, act_order: bool, out_f: int = 80,
-               in_f: int = 256, seed: int = 0) -> QuantLinear:
-    """Random codes, scales and zero points in a finalized QuantLinear (fp32 model dtype: exact comparisons)."""
-    gen = torch.Generator().manual_seed(seed)
-    gs = group_size or in_f
-    groups = -(-in_f // gs)
-    q = QuantLinear(in_f, out_f, "int", bits, groups, False, torch.float32, DEVICE, has_g_idx=act_order)
-    codes = torch.randint(0, 1 << bits, (out_f, in_f), generator=gen).to(torch.uint8)
-    q.qweight.copy_(pack_rows(codes, 4) if bits == 4 else codes)
-    q.scales.copy_(torch.rand(out_f, groups, generator=gen) * 0.1 + 0.01)
-    zeros = torch.full((out_f, groups), 1 << (bits - 1)) if symmetric else \
-        torch.randint(0, 1 << bits, (out_f, groups), generator=gen)
-    q.zeros.copy_(zeros)
-    if act_order:
-        q.g_idx.copy_((torch.arange(in_f) // gs)[torch.randperm(in_f, generator=gen)])
-    return q
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from core.quant import triton_gemm  # noqa: E402
 from core.quant.gemm_plan import Plan, Tiles  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from load_recorder import LoadRecorder  # noqa: E402
-from test_quant_gemm import make_layer  # noqa: E402
+from quant_gemm_cases import make_layer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(kernel_device().type != "cpu", reason="loads are counted in the interpreter")
 OUT = 80          # two 64-row tiles, the second ragged
