@@ -98,7 +98,7 @@ def main() -> None:
         print({k: v for k, v in results.items() if k.startswith(name)}, file=sys.stderr, flush=True)
         del llm
     ratios = {f"moe_over_dense_{k[len('moe_'):]}": round(results[k] / results["dense" + k[3:]], 3)
-              for k in results if k.startswith("moe_") and not k.startswith("moe_expert") and "dense" + k[3:] in results}
+              for k in results if k.startswith("moe_") and "dense" + k[3:] in results}
     ratios.update({f"expert_lora_over_moe_decode_batch{b}": round(
         results[f"moe_expert_lora_decode_batch{b}"] / results[f"moe_decode_batch{b}"], 3) for b in (1, 8)})
     params = {"moe": _params(moe), "dense": _params(dense)}

@@ -4,7 +4,8 @@
    `layers.N.mlp.experts[.base_layer]*.lora_A.weight` [r*E, in] and `lora_B.weight` [out, r*E]. Wrappers nest
    (one `.base_layer` deeper each) in the order peft meets the parameters in the module, not the config's, so
    the pair's shapes say which tensor it adapts: A [r*E, H] with B [2I, r*E] (gate_up_proj) or A [r*E, I]
-   with B [H, r*E] (down_proj); both at once would need H == I == 2I. For parameter W [E, out, in] (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) PEFT's delta is
+   with B [H, r*E] (down_proj); both at once would need H == I == 2I. For parameter W [E, out, in]
+   (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) PEFT's delta is
    einsum("o r e, e r i -> e o i", B.reshape(out, r, E), A.reshape(E, r, in)) * scaling: expert e's
    A_e = A[e*r:(e+1)*r] (expert-major rows) and B_e = B[:, e::E] (rank-major columns), W_e + s * B_e @ A_e.
    `gate_up_proj`'s B_e rows split into the gate half and the up half (one shared A_e).
@@ -31,7 +32,8 @@ from adapters.errors import CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMAT
 from adapters.layers.dims import BaseModelDims
 from adapters.peft.config import PeftLoRAConfig
 
-ExpertKey = tuple[int, int, str]   # (layer, expert, "gate_proj" | "up_proj" | "down_proj"); the router: (layer, -1, "gate")
+# (layer, expert, "gate_proj" | "up_proj" | "down_proj"); the router's: (layer, ROUTER, "gate")
+ExpertKey = tuple[int, int, str]
 ROUTER = -1                         # the expert index of the router's LoRA
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused expert tensors `target_parameters` may name

@@ -3,8 +3,8 @@
 Each tensor is read through a safetensors slice, so a rank reads no more of the checkpoint than its shard
 (`shard.py` says which rows or columns); a single rank's shard is the whole tensor. Unfused q/k/v and gate/up
 tensors go to their slices of our fused linears; checkpoints that fuse them already (Phi-3 `qkv_proj`,
-`gate_up_proj`) are cut into each part's rows. MoE experts load through `expert_weights.py`. Tensors a quantized checkpoint's loader consumed (`skip`) are
-left alone.
+`gate_up_proj`) are cut into each part's rows. MoE experts load through `expert_weights.py`. Tensors a quantized
+checkpoint's loader consumed (`skip`) are left alone.
 """
 from __future__ import annotations
 

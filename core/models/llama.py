@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token batch with a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token
+batch with a paged KV cache.
 
 Per-family parts are chosen when the model is built (Qwen3's per-head q/k norms, or identities; the sparse MoE
 block of core/models/moe.py in the sparse layers of an MoE family), never by branches in `forward`.

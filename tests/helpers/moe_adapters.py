@@ -53,10 +53,11 @@ def per_expert_adapter(path: Path, out: Path, family: str, r: int, alpha: float,
 
     for layer in range(num_layers):
         pre = f"base_model.model.model.layers.{layer}"
-        put(f"{pre}.self_attn.q_proj", h, cfg["num_attention_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"]))
+        heads = cfg["num_attention_heads"]
+        put(f"{pre}.self_attn.q_proj", h, heads * (cfg.get("head_dim") or h // heads))
         if layer in dense_only:
-            for name, (i, o) in (("gate_proj", (h, cfg["intermediate_size"])), ("up_proj", (h, cfg["intermediate_size"])),
-                                 ("down_proj", (cfg["intermediate_size"], h))):
+            dense = cfg["intermediate_size"]
+            for name, (i, o) in (("gate_proj", (h, dense)), ("up_proj", (h, dense)), ("down_proj", (dense, h))):
                 put(f"{pre}.mlp.{name}", i, o)
             continue
         for e in range(num_experts):

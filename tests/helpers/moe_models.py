@@ -1,7 +1,7 @@
 """Tiny mixture-of-experts checkpoints saved by the real transformers classes (tests/test_core/models/test_moe_*.py,
 benchmarks/moe_cpu.py).
 
-    moe_dir("mixtral") / moe_dir("qwen2_moe") / moe_dir("qwen3_moe")   # per-expert tensors (what save_pretrained writes)
+    moe_dir("mixtral") / moe_dir("qwen2_moe") / moe_dir("qwen3_moe")   # per-expert tensors (save_pretrained's)
     fused_layout_dir(moe_dir("qwen3_moe"))                           # the same weights as fused 3-D expert tensors
 
 Shapes are small; the router's weights ~ N(0, 1/H) spread the tokens over all experts, top-2 of 4 (Qwen3-MoE:

@@ -51,7 +51,7 @@ def test_target_parameters_split_into_each_experts_peft_delta(qwen3: tuple[Path,
     cfg = ModelConfig.from_path(path)
     adapter = load_peft_adapter(adapter_dir, BaseModelDims.from_model_config(cfg), max_lora_rank=16)
     peft_model = _peft_model(path, adapter_dir)
-    experts = peft_model.base_model.model.model.layers[0].mlp.experts        # ParamWrapper(down) > ParamWrapper(gate_up)
+    experts = peft_model.base_model.model.model.layers[0].mlp.experts  # ParamWrapper(down) > ParamWrapper(gate_up)
     deltas = {"down_proj": experts.get_delta_weight("default"),
               "gate_up_proj": experts.base_layer.get_delta_weight("default")}
     inter = cfg.moe_intermediate_size
