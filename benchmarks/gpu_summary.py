@@ -155,11 +155,15 @@ def build(run: Run, table: Table) -> None:
         def qrow(d: dict, fmt: str = fmt, t: int = t) -> dict:
             return next(r for r in d["rows"] if r["format"] == fmt and r["tokens"] == t)
         goal = QUANT_TARGETS.get((fmt, t))
-        add("quantized linears", f"{fmt.upper()} linears of a layer, T={t}", "quant", lambda d, fmt=fmt, t=t, g=goal: (
-            qrow(d, fmt, t)["note"] if qrow(d, fmt, t)["ms"] is None else
-            f"{1e3 * qrow(d, fmt, t)['ms']:.1f} us = {qrow(d, fmt, t)['speedup_vs_bf16']:.2f}x bf16 cuBLAS",
-            None if g is None or qrow(d, fmt, t)["ms"] is None else qrow(d, fmt, t)["speedup_vs_bf16"] >= g),
-            f">= {goal}x bf16" if goal else "-", lambda d, fmt=fmt, t=t: "-" if qrow(d, fmt, t)["ms"] is None else
+        # a target holds for every shape (issue 35): judged on the worst shape's ratio, shown beside the sum's
+        add("quantized linears", f"{fmt.upper()} linears of a layer, T={t}", "quant",
+            lambda d, fmt=fmt, t=t, g=goal: (
+                qrow(d, fmt, t)["note"] if qrow(d, fmt, t)["ms"] is None else
+                f"{1e3 * qrow(d, fmt, t)['ms']:.1f} us = {qrow(d, fmt, t)['speedup_vs_bf16']:.2f}x bf16 cuBLAS; worst "
+                f"shape {qrow(d, fmt, t).get('worst_layer')} {qrow(d, fmt, t).get('worst_speedup_vs_bf16', 0):.2f}x",
+                None if g is None or qrow(d, fmt, t)["ms"] is None else
+                qrow(d, fmt, t).get("worst_speedup_vs_bf16", 0) >= g),
+            f">= {goal}x bf16, every shape" if goal else "-", lambda d, fmt=fmt, t=t: "-" if qrow(d, fmt, t)["ms"] is None else
             f"{1e3 * qrow(d, fmt, t)['floor_ms']:.1f} us ({qrow(d, fmt, t)['over_floor']:.2f}x): packed bytes, FLOPs")
     fp8_part_rows(run, table, quant)
     verify = run.data("spec_verify") or {}
