@@ -195,7 +195,7 @@ def test_adapters_and_grammar_with_drafts_on_graphs() -> None:
 def test_prefix_cache_and_preemption_with_drafts_on_graphs() -> None:
     """A KV pool too small for the batch (preemption) with the prefix cache on: the same tokens with and without
     speculation; nothing leaks."""
-    kw = dict(num_kv_blocks=10, enable_prefix_caching=True)
+    kw = dict(num_kv_blocks=6, enable_prefix_caching=True)
     want = generate(graph_llm(None, **kw), 10)
     llm = with_oracle(graph_llm(NGRAM, **kw), want)
     got = generate(llm, 10)
