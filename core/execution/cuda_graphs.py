@@ -278,9 +278,10 @@ class DecodeGraphRunner:
         in batch row order for a decode step, [T, hidden] in flat token order for a verification step.
         `on_inputs(input_ids)` may rewrite the device input ids of a decode step (tokens still in flight)."""
         n = len(host.requests)
-        q = self.query_slots(host)
+        # the driver's `can_run` accepted the step (a tensor-parallel worker's batch carries no requests)
+        q = 1 if host.decode_only else self.verify_len
         size = self.padded_size(n, q)
-        assert size is not None and q >= 1 and (q == 1 or on_inputs is None)
+        assert size is not None and q >= 1 and int(host.num_new.max()) <= q and (q == 1 or on_inputs is None)
         self._fill(host, size, q)
         if on_inputs is not None:
             on_inputs(self.dev64[:n])
