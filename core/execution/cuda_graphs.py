@@ -14,8 +14,8 @@ query of the attention kernel), the attention kernel reads one query block of k+
 (`TritonAttentionBackend.graph_kernel_meta(q_per_seq=k+1)`) and the LoRA kernels one row per token slot. Its
 output, [B*(k+1), hidden], is gathered back into the step's flat token order (a gather index filled with the
 inputs), so the verification and the sampling read it as they read an eager forward's. Verification graphs
-exist for the decode sizes up to 32 rows (or up to `disable_by_batch_size` when that is larger). Steps with prefill chunks, with tokens still in flight, or with more rows than the
-largest size of their kind run eagerly.
+exist for the decode sizes up to 32 rows (or up to `disable_by_batch_size` when that is larger). Steps with
+prefill chunks, with tokens still in flight, or with more rows than the largest size of their kind run eagerly.
 
 `use_graphs=False` runs the same padded path without capturing (tests on the CPU, under TRITON_INTERPRET): the
 same buffers at their maximum shape, so their shapes and data pointers do not change from step to step.

@@ -53,8 +53,8 @@ def _setup(monkeypatch: pytest.MonkeyPatch):
 
 def graph_llm(spec: dict | None, record: bool = False, **kw: Any) -> LLM:
     """max_num_seqs 4; decode graphs of 1/2/4 and, with `spec`, verification graphs of the same sizes (split-KV
-    on, as on a GPU); captured on CUDA, the padded path without capture on the CPU. `record`: the runner's
-    model is a `Recorder` from the capture on."""
+    on, as on a GPU); captured on CUDA, the padded path without capture on the CPU (its warm-up forwards run only
+    with `record`: the runner's model is then a `Recorder` from the capture on)."""
     llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(DEVICE), max_num_seqs=4, max_num_batched_tokens=64,
               warmup=False, speculative_config=spec, **{"num_kv_blocks": 128, **kw})
     eng = llm.engine
@@ -68,7 +68,8 @@ def graph_llm(spec: dict | None, record: bool = False, **kw: Any) -> LLM:
                                           verify_len=verify_len, verify_sizes=verify_sizes)
     if record:
         eng.runner.graphs.model = Recorder(eng.model, eng.runner.graphs)
-    eng.runner.graphs.capture()
+    if CUDA or record:
+        eng.runner.graphs.capture()
     return llm
 
 
@@ -126,7 +127,7 @@ def test_verification_steps_replay_over_stable_buffers() -> None:
     """Steps with drafts run the verification graph of their padded size (or, without CUDA, its padded path):
     the input and metadata buffers of the capture, shapes and pointers, at every step of a size; the outputs
     equal the engine's without speculation (greedy, fp32)."""
-    want = generate(graph_llm(None), 8)
+    want = generate(graph_llm(None), 6)
     llm = with_oracle(graph_llm(NGRAM, record=True), want)
     runner = llm.engine.runner.graphs
     rec = runner.model
@@ -142,7 +143,7 @@ def test_verification_steps_replay_over_stable_buffers() -> None:
         return used
 
     runner.can_run = spy
-    got = generate(llm, 8)
+    got = generate(llm, 6)
     assert got == want
     stats = llm.engine.spec.stats
     assert stats.num_drafts > 0 and steps
@@ -182,9 +183,9 @@ def test_adapters_and_grammar_with_drafts_on_graphs() -> None:
     mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
     kw = dict(lora_modules=mods, max_loras=2, max_lora_rank=8)
     loras = [None, "tenant-a", "tenant-b", "tenant-a", "tenant-b"]
-    want = generate(graph_llm(None, **kw), 8, loras, response_format=SCHEMA)
+    want = generate(graph_llm(None, **kw), 6, loras, response_format=SCHEMA)
     llm = with_oracle(graph_llm(NGRAM, **kw), want, loras)
-    got = generate(llm, 8, loras, response_format=SCHEMA)
+    got = generate(llm, 6, loras, response_format=SCHEMA)
     assert got == want
     runner = llm.engine.runner.graphs
     stats = llm.engine.spec.stats
