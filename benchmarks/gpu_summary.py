@@ -171,14 +171,25 @@ def build(run: Run, table: Table) -> None:
         def vrow(d: dict, b: int = b) -> dict:
             return next(r for r in d["rows"] if r["batch"] == b)
         add("speculative", f"verification step / decode step, batch {b} (k 4)", "spec_verify", lambda d, b=b: (
-            f"{vrow(d, b)['verify_over_decode']:.2f}x ({ms(vrow(d, b)['verify_eager_s'])} vs "
+            f"{vrow(d, b)['verify_over_decode']:.2f}x ("
+            f"{ms(vrow(d, b).get('verify_graph_s', vrow(d, b)['verify_eager_s']))} "
+            f"{'graph' if 'verify_graph_s' in vrow(d, b) else 'eager'} vs "
             f"{ms(vrow(d, b).get('decode_graph_s', vrow(d, b)['decode_eager_s']))})",
-            vrow(d, b)["verify_over_decode"] <= 1.3 if b <= 32 else None),
-            "<= 1.3x" if b <= 32 else "-", "1.00x: the same weights and KV are read")
+            vrow(d, b)["verify_over_decode"] <= 1.3 and "verify_graph_s" in vrow(d, b) if b <= 32 else None),
+            "<= 1.3x, both graph-replayed" if b <= 32 else "-", "1.00x: the same weights and KV are read")
     add("speculative", "n-gram speculation, batch 1 (k 4)", "spec_ngram", lambda d: (
         f"{d['speedup']:.2f}x tok/s, acceptance {d['acceptance_rate']:.2f}, mean accepted length "
         f"{d['mean_accepted_length']:.2f}" + (" (random weights)" if d["random_weights"] else ""), d["speedup"] >= 1.5),
         ">= 1.5x tok/s", lambda d: f"break-even mean accepted length {_verify_b1(run)}")
+    ngram = run.data("spec_ngram") or {}
+    for b in [r["batch"] for r in ngram.get("rows", []) if r["batch"] > 1] or [32]:
+        def nrow(d: dict, b: int = b) -> dict:
+            return next(r for r in d["rows"] if r["batch"] == b)
+        add("speculative", f"n-gram speculation, batch {b}, disable_by_batch_size (k 4)", "spec_ngram",
+            lambda d, b=b: (f"{nrow(d, b)['speedup']:.2f}x tok/s (disable_by_batch_size "
+                            f"{d.get('disable_by_batch_size')}), acceptance {nrow(d, b)['acceptance_rate']:.2f}",
+                            nrow(d, b)["speedup"] >= 0.97 if b >= 32 else None),
+            ">= 0.97x tok/s" if b >= 32 else "-", "1.00x: speculation off")
     add("offline", "offline throughput vs HF generate", "offline", lambda d: (
         f"{d['speedup_vs_hf']:.1f}x ({d['loraplex_out_tok_s']:.0f} vs {d['hf_out_tok_s']:.0f} tok/s; "
         f"{d['num_requests']} requests, HF static batch {d['hf_batch_size']})",
