@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -222,6 +223,7 @@ class LLMEngine:
     def _step(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
         """schedule -> execute -> sample -> update. Everything up to `pending.read()` in `_update` is queued on
         the device without waiting for it: the previous step's tokens are read while this step's forward runs."""
+        start = time.perf_counter()
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()                                            # schedule
         self._step_requests = [r for r, _ in sched.scheduled]
@@ -236,6 +238,9 @@ class LLMEngine:
         result = self._sample(batch, fwd, out)                                       # sample
         if result is not None:
             self._hand_off(result, out)                                              # update
+        # the step-time model learns from each step's wall time (with async scheduling: the wait for the
+        # previous step's tokens stands in for this one's, as steps follow each other)
+        self.scheduler.step_time.observe(sched.features, time.perf_counter() - start)
 
     def _prepare(self, sched: SchedulerOutput, pending: PendingStep | None,
                  out: list[RequestDelta]) -> StepBatch | None:
