@@ -62,6 +62,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.step_time = StepTimeModel()     # fed by the engine with each step's measured wall time
+        self.last_budget_s = 0.0             # the time budget of the last step's prefill chunks (0.0: none)
 
     # ---- queue management -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -159,6 +160,7 @@ class Scheduler:
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         out.features, out.budget_s = plan.features, plan.budget_s
         out.predicted_s = self.step_time.predict(plan.features)
+        self.last_budget_s = plan.budget_s
         self.num_steps += 1
         return out
 

@@ -190,7 +190,7 @@ def test_random_operations_keep_the_budget_and_drain(seed: int, monkeypatch: pyt
     num_blocks = sched.kv.num_blocks
     adapters = [None, "lora-a", "lora-b"]
     next_id = 0
-    for op in range(1200):
+    for op in range(600):
         r = rng.random()
         if r < 0.12:
             n, m = rng.randint(1, 150), rng.randint(1, 12)
