@@ -61,3 +61,18 @@ def test_budgeted_steps_match_hf(max_step_ms: float | None, num_blocks: int, pre
         assert outputs[str(i)] == hf_greedy(path, ids, 24), f"request {i}"
     assert engine.kv.usage() == 0.0
     engine.check_integrity()
+
+
+def test_llm_takes_max_step_ms_and_reports_the_step_time_model() -> None:
+    from core import LLM
+
+    llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=64, max_step_ms=25.0,
+              warmup=False)
+    assert llm.engine.config.scheduler.max_step_ms == 25.0
+    llm.generate(["hello there", "a longer prompt about the weather"], GREEDY)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    model = llm.engine.scheduler.step_time
+    assert model.ready and model.num_observations >= 16
+    assert metrics["loraplex:step_time_predicted_seconds"].value == model.last_predicted_s > 0.0
+    assert metrics["loraplex:step_time_prediction_error_ratio"].value == model.error_ratio >= 0.0
+    assert "loraplex:step_time_budget_seconds" in metrics
