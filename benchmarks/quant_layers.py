@@ -6,7 +6,9 @@ For the four linears of a Llama-3-8B layer (q/k/v 4096->6144, o 4096->4096, gate
 - W4A16 (int4, groups of 128, asymmetric: uint8 zero points) and W8A16 (int8 per channel): `QuantLinear`, the Triton
   GEMM that dequantizes inside the kernel (core/quant/triton_gemm.py);
 - FP8 (e4m3 weights, one scale per output channel, activations quantized per token): `QuantLinear` through
-  `torch._scaled_mm` (core/quant/fp8_mm.py; needs FP8 tensor cores, compute capability >= 8.9).
+  `torch._scaled_mm` (core/quant/fp8_mm.py; needs FP8 tensor cores, compute capability >= 8.9), and its parts
+  (`fp8_parts`): the activation quantization kernel alone (core/quant/fp8_quant.py, checked bit for bit against
+  its torch emulation), the torch-ops quantization it replaced, and `_scaled_mm` alone on e4m3 activations.
 Each is first checked against its dequantized weight through `F.linear` in fp32 (relative error). Reported per T,
 for each linear and for the sum over the four (what one decoder layer spends in them): the speedup over bf16, and
 the floor:
@@ -26,6 +28,7 @@ from pathlib import Path
 if "--dry-run" in sys.argv:     # before triton is imported: the GEMM then runs in the CPU interpreter
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["LORAPLEX_QUANT_GEMM"] = "triton"
+    os.environ["LORAPLEX_FUSED_OPS"] = "triton"        # the FP8 activation quantization kernel, interpreted
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from common import write_results
-from core.quant import fp8_mm
+from core.quant import fp8_mm, fp8_quant
 from core.quant.linear import QuantLinear
 from gpu_cases import QUANT_FORMATS, QUANT_LAYERS, QUANT_TOKENS
 from gpu_kernels import Bench, rel_err
@@ -48,6 +51,7 @@ def make_layer(fmt: str, fan_in: int, fan_out: int, dtype: torch.dtype, device: 
         q = QuantLinear(fan_in, fan_out, "float", 8, 1, False, dtype, device)
         q.qweight.copy_((torch.randn(fan_out, fan_in, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn))
         q.scales.copy_((torch.rand(fan_out, 1, generator=g) + 0.5) / (64 * fan_in ** 0.5))
+        q.finalize()                                   # as the loader does: fp32 column scales on CUDA
         return q
     bits = 4 if fmt == "w4a16" else 8
     groups = -(-fan_in // 128) if bits == 4 else 1
@@ -116,6 +120,42 @@ def measure(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dty
     return rows
 
 
+def fp8_parts(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dtype: torch.dtype) -> list[dict]:
+    """Per T, summed over the layer's linears: the FP8 activation quantization kernel, the torch ops it replaced,
+    and `_scaled_mm` on already-quantized activations (what the FP8 layer adds to the raw GEMM). The kernel's codes
+    and scales must equal the emulation's bit for bit (`exact`)."""
+    if b.device.type == "cuda" and torch.cuda.get_device_capability(b.device) < (8, 9):
+        return []
+    built = {name: make_layer("fp8", i, o, dtype, b.device, seed=k) for k, (name, (i, o)) in enumerate(layers.items())}
+    rows = []
+    for t in tokens:
+        row = {"tokens": t, "quant_ms": 0.0, "quant_torch_ms": 0.0, "scaled_mm_ms": 0.0, "exact": True,
+               "quant_bytes": 0, "dry_run": b.dry}
+        for name, (fan_in, fan_out) in layers.items():
+            q = built[name]
+            x = torch.randn(t, fan_in, device=b.device, dtype=dtype)
+            codes, scales = fp8_quant.quantize_rows(x)
+            ref_codes, ref_scales = fp8_quant.quantize_rows_torch(x, None)
+            row["exact"] &= torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and \
+                torch.equal(scales, ref_scales)
+            sw = q.scales.float().reshape(1, -1)                                          # [1, out]
+            row["quant_ms"] += b.time_ms([lambda x=x: fp8_quant.quantize_rows(x)])
+            row["quant_torch_ms"] += b.time_ms([lambda x=x: fp8_quant.quantize_rows_torch(x, None)])
+            row["scaled_mm_ms"] += b.time_ms([lambda c=codes, s=scales, q=q, sw=sw: torch._scaled_mm(
+                c, q.qweight.t(), scale_a=s, scale_b=sw, out_dtype=dtype)])
+            row["quant_bytes"] += t * fan_in * (x.element_size() + 1) + 4 * t
+        row["quant_floor_ms"] = 1e3 * row["quant_bytes"] / b.bw
+        rows.append(row)
+    return rows
+
+
+def fp8_parts_text(r: dict) -> str:
+    where = " (dry run: CPU interpreter, not a GPU figure)" if r["dry_run"] else ""
+    return (f"activation quantization {1e3 * r['quant_ms']:.1f} us (torch ops before: {1e3 * r['quant_torch_ms']:.1f} "
+            f"us; bytes floor {1e3 * r['quant_floor_ms']:.2f} us), _scaled_mm alone {1e3 * r['scaled_mm_ms']:.1f} us; "
+            f"kernel == emulation bit for bit: {r['exact']}{where}")
+
+
 def fmt_row(r: dict) -> str:
     if r["ms"] is None:
         return r["note"]
@@ -138,15 +178,18 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.float32 if dry else torch.bfloat16
     with torch.inference_mode():
         rows = measure(b, layers, tokens, dtype)
+        parts = fp8_parts(b, layers, tokens, dtype)
     tol = 1e-4 if dry else 3e-2
     bad = [f"{r['format']} T={r['tokens']}" for r in rows if r.get("rel_err") is not None and not r["rel_err"] <= tol]
+    bad += [f"fp8 activation quantization T={r['tokens']} (kernel != emulation)" for r in parts if not r["exact"]]
     table = []
     for r in rows:
         table.append((f"{r['format']} T={r['tokens']}: the {len(layers)} linears of a layer", fmt_row(r)))
         table += [(f"{r['format']} T={r['tokens']}: {name} {v['shape'][0]}->{v['shape'][1]}",
                    f"{1e3 * v['ms']:.1f} us = {v['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * v['floor_ms']:.1f} us")
                   for name, v in r.get("layers", {}).items()]
-    write_results(args.name, {"rows": rows, "layers": layers, "dry_run": dry, "wrong": bad,
+    table += [(f"fp8 parts T={r['tokens']}: the {len(layers)} linears of a layer", fp8_parts_text(r)) for r in parts]
+    write_results(args.name, {"rows": rows, "fp8_parts": parts, "layers": layers, "dry_run": dry, "wrong": bad,
                               "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12}, table)
     if bad:
         raise SystemExit(f"quantized linears disagree with their dequantized weights: {bad}")

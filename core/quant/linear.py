@@ -8,7 +8,8 @@ FP8 (`kind` "float"): `qweight` float8_e4m3fn [out, in], `scales` [out, 1] (per 
 is broadcast).
 
 Paths: on CUDA, integer codes go through the Triton GEMM that dequantizes inside the kernel (triton_gemm.py),
-FP8 through `torch._scaled_mm` where the GPU has FP8 tensor cores (fp8_mm.py: activations quantized per token).
+FP8 through `torch._scaled_mm` where the GPU has FP8 tensor cores (fp8_mm.py: activations quantized per token in
+one Triton launch, fp8_quant.py).
 The torch path (every other case) dequantizes per forward and runs one matmul (bit-identical to an HF model holding the
 dequantized weights). On the CPU, symmetric per-channel int8 with bf16/fp16 activations uses torch's weight-only
 int8 kernel (`aten._weight_int8pack_mm`, which never materializes the float weight): measured about as fast as
@@ -56,6 +57,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
         self._int8_scales: torch.Tensor | None = None   # set by finalize: the CPU int8 kernel's path
+        # set by finalize: fp32 [1, out] for `_scaled_mm` on CUDA (a buffer: moves with the module, never saved)
+        self.register_buffer("_fp8_col_scales", None, persistent=False)
 
     @property
     def group_size(self) -> int:
@@ -68,6 +71,8 @@ class QuantLinear(nn.Module):
                 and bool((self.zeros == 128).all()):
             self.qweight = (self.qweight.to(torch.int16) - 128).to(torch.int8)       # [out, in], in place of
             self._int8_scales = self.scales[:, 0].contiguous()                        # the codes (same bytes)
+        if self.kind == "float" and self.qweight.is_cuda:                             # no cast per forward
+            self._fp8_col_scales = self.scales.float().reshape(1, -1).contiguous()    # [1, out]
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out, in] (uint8)."""
@@ -104,7 +109,8 @@ class QuantLinear(nn.Module):
             y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
         elif self.kind == "float" and x.is_cuda and fp8_mm.supported(x) and self.out_features % 16 == 0:
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]
-            y = fp8_mm.scaled_mm(x2, self.qweight, self.scales, self.input_scale)
+            sw = self.scales if self._fp8_col_scales is None else self._fp8_col_scales
+            y = fp8_mm.scaled_mm(x2, self.qweight, sw, self.input_scale)
             y = y.view(*x.shape[:-1], self.out_features)                              # [..., out]
         elif self.kind == "int" and triton_gemm.use_triton(x):
             x2 = x.reshape(-1, self.in_features)                                      # [T, in]

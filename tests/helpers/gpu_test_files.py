@@ -17,6 +17,7 @@ GPU_TEST_FILES: tuple[str, ...] = (
     "tests/test_core/startup/test_kernel_variants.py",
     "tests/test_core/quant/test_quant_triton.py",
     "tests/test_core/quant/test_quant_fp8.py",
+    "tests/test_core/quant/test_fp8_quant_kernel.py",
     "tests/test_core/quant/test_quant_warmup.py",
     "tests/test_core/spec/test_spec_warmup.py",
     "tests/test_adapters/test_lora_bgmv.py",
