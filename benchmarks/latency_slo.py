@@ -158,12 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=span, default=(32, 256))
     ap.add_argument("--json-share", type=float, default=0.1)
     ap.add_argument("--loads", default="0.5,0.8", help="fractions of the saturation rate")
-    ap.add_argument("--budgets-ms", default=None, help="trade-off curve budgets (default: 1.2x, 3x the decode step)")
+    ap.add_argument("--budgets-ms", default=None, help="trade-off curve budgets (default: 1.2x, 3x the decode step; none: no curve)")
     ap.add_argument("--ttft-slo-ms", type=float, default=2500.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=150.0)
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--from-log", default=None, help="write the results from a run's printed points, run nothing")
     args = ap.parse_args(argv)
+    if args.from_log:
+        from_log(args)
+        return
     slo = SLO(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     started, load_before = time.perf_counter(), load_average()
     model, load_format = model_dir(args.model)
@@ -198,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                 by_load[load][label] = p
                 points.append(p)
         decode_ms = 1e3 * by_load[min(by_load)]["auto"]["itl_p50_s"]
-        budgets = [float(x) for x in args.budgets_ms.split(",")] if args.budgets_ms else \
-            [round(1.2 * decode_ms), round(3.0 * decode_ms)]
+        budgets = [] if args.budgets_ms == "none" else [float(x) for x in args.budgets_ms.split(",")] \
+            if args.budgets_ms else [round(1.2 * decode_ms), round(3.0 * decode_ms)]
         for label in list(servers):
             proc, _ = servers.pop(label)
             proc.terminate()
@@ -223,7 +227,13 @@ def main(argv: list[str] | None = None) -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    load_after = load_average()
+    report(args, sat, by_load, curve, points, budgets, load_before, load_average(), time.perf_counter() - started)
+
+
+def report(args: argparse.Namespace, sat: dict[str, dict], by_load: dict[float, dict[str, dict]], curve: list[dict],
+           points: list[dict], budgets: list[float], load_before: str, load_after: str, wall_s: float) -> None:
+    sat_rate = sat["off"]["request_s"]
+    top = max(by_load)
     rows: list[tuple[str, str]] = [("load average before / after", f"{load_before} / {load_after}"),
                                    ("saturation rate (no budget, all requests at once)", f"{sat_rate:.2f} req/s")]
     targets: dict[str, Any] = {}
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     rows += [("saturation, --max-step-ms 0", fmt(sat["off"])), ("saturation, default (auto)", fmt(sat["auto"])),
              (f"saturation: target output tok/s auto / off >= {TARGET_SATURATION:g}", f"{sat_ratio:.3f}")]
     rows += [(f"trade-off: --max-step-ms {p['server']} at {top:.0%} load", fmt(p)) for p in curve]
-    rows.append(("total wall time", f"{time.perf_counter() - started:.0f} s"))
+    rows.append(("total wall time", f"{wall_s:.0f} s"))
     data = {"model": args.model or CPU_SLO_CONFIG, "device": args.device, "dtype": args.dtype,
             "adapter_ranks": list(RANKS), "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
             "json_share": args.json_share, "num_requests": args.num_requests, "saturation_rate": sat_rate,
@@ -251,6 +261,22 @@ def main(argv: list[str] | None = None) -> None:
             "load_average": {"before": load_before, "after": load_after}, "targets": targets, "points": points}
     write_results(args.name or f"latency_slo_{args.device}", data, rows)
 
+
+def from_log(args: argparse.Namespace) -> None:
+    """The table again from the points a run printed (one JSON object a line, in the order run), e.g. of a run cut
+    short before it wrote its results: the warm-ups skipped, the first two the saturation pair, then an off/auto
+    pair per load of --loads, then the trade-off points."""
+    points = [json.loads(line) for line in Path(args.from_log).read_text().splitlines() if line.startswith("{")]
+    points = [p for p in points if not p["server"].endswith("warm-up")]
+    sat = {p["server"]: {**p, "load": "saturation"} for p in points[:2]}
+    by_load: dict[float, dict[str, dict]] = {}
+    rest = points[2:]
+    for k, load in enumerate(float(x) for x in args.loads.split(",")):
+        by_load[load] = {p["server"]: {**p, "load": load} for p in rest[2 * k:2 * k + 2]}
+    curve = [{**p, "load": max(by_load)} for p in rest[2 * len(by_load):]]
+    budgets = [float(p["server"].split()[0]) for p in curve]
+    report(args, sat, by_load, curve, list(sat.values()) + [p for pair in by_load.values() for p in pair.values()]
+           + curve, budgets, "not recorded (from the log)", "not recorded (from the log)", float("nan"))
 
 if __name__ == "__main__":
     main()
