@@ -272,8 +272,12 @@ def from_log(args: argparse.Namespace) -> None:
     by_load: dict[float, dict[str, dict]] = {}
     rest = points[2:]
     for k, load in enumerate(float(x) for x in args.loads.split(",")):
-        by_load[load] = {p["server"]: {**p, "load": load} for p in rest[2 * k:2 * k + 2]}
-    curve = [{**p, "load": max(by_load)} for p in rest[2 * len(by_load):]]
+        pair = {p["server"]: {**p, "load": load} for p in rest[2 * k:2 * k + 2]}
+        if set(pair) == {"off", "auto"}:     # a run cut short: only the loads with both points
+            by_load[load] = pair
+    if not by_load:
+        raise SystemExit(f"{args.from_log}: no load with both points")
+    curve = [{**p, "load": max(by_load)} for p in rest[2 * len(args.loads.split(",")):]]
     budgets = [float(p["server"].split()[0]) for p in curve]
     report(args, sat, by_load, curve, list(sat.values()) + [p for pair in by_load.values() for p in pair.values()]
            + curve, budgets, "not recorded (from the log)", "not recorded (from the log)", float("nan"))
