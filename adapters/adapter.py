@@ -35,22 +35,25 @@ class LoRAAdapter:
     modules: Mapping[tuple[int, str], LoRAModule]  # (layer index, HF module name) -> factors
     base_model_name_or_path: Optional[str] = None
     config: Mapping[str, Any] = field(default_factory=dict)  # raw adapter_config.json
+    # MoE experts (adapters/peft/expert_keys.py): (layer, expert, "gate_proj" | "up_proj" | "down_proj") -> factors
+    expert_modules: Mapping[tuple[int, int, str], LoRAModule] = field(default_factory=dict)
 
     @property
     def max_rank(self) -> int:
-        return max((m.rank for m in self.modules.values()), default=0)
+        return max((m.rank for m in (*self.modules.values(), *self.expert_modules.values())), default=0)
 
     @property
     def target_modules(self) -> frozenset[str]:
-        return frozenset(name for _, name in self.modules)
+        return frozenset(name for _, name in self.modules) | \
+            frozenset(f"experts.{name}" for _, _, name in self.expert_modules)
 
     @property
     def layers(self) -> frozenset[int]:
-        return frozenset(layer for layer, _ in self.modules)
+        return frozenset(layer for layer, _ in self.modules) | frozenset(k[0] for k in self.expert_modules)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.modules.values())
+        return sum(m.nbytes for m in (*self.modules.values(), *self.expert_modules.values()))
 
     def module(self, layer: int, name: str) -> Optional[LoRAModule]:
         return self.modules.get((layer, name))

@@ -1,17 +1,18 @@
 """Quantized linears against bf16 cuBLAS on the same shapes, and against the bytes of their packed weights.
 
-For the four linears of a Llama-3-8B layer (q/k/v 4096->6144, o 4096->4096, gate/up 4096->28672, down
-14336->4096) and token counts T in 1, 16, 64, 256, 1024, the median time of one forward of:
+For issue 35's four Llama-3-8B linear shapes (gate/up 4096->14336, down 14336->4096, q/o 4096->4096, k/v
+4096->1024) and token counts T in 1, 16, 64, 256, 1024, the median time of one forward of:
 - bf16: `F.linear` (cuBLAS) on a bf16 weight;
 - W4A16 (int4, groups of 128, asymmetric: uint8 zero points) and W8A16 (int8 per channel): `QuantLinear`, the Triton
-  GEMM that dequantizes inside the kernel (core/quant/triton_gemm.py);
+  GEMM that dequantizes inside the kernel (core/quant/triton_gemm.py; each row names the launch plan of
+  core/quant/gemm_plan.py it ran: tiles, split-K, or dequantize-once + cuBLAS);
 - FP8 (e4m3 weights, one scale per output channel, activations quantized per token): `QuantLinear` through
   `torch._scaled_mm` (core/quant/fp8_mm.py; needs FP8 tensor cores, compute capability >= 8.9), and its parts
   (`fp8_parts`): the activation quantization kernel alone (core/quant/fp8_quant.py, checked bit for bit against
   its torch emulation), the torch-ops quantization it replaced, and `_scaled_mm` alone on e4m3 activations.
 Each is first checked against its dequantized weight through `F.linear` in fp32 (relative error). Reported per T,
-for each linear and for the sum over the four (what one decoder layer spends in them): the speedup over bf16, and
-the floor:
+for each linear and for the sum over the four: the speedup over bf16 (and the worst shape's: issue 35's targets
+hold for every shape, gpu_summary.py judges them on it), and the floor:
   floor = max((packed weight bytes + x + y) / read bandwidth, 2 x T x in x out / bf16 matrix rate)
 (the FP8 floor also uses the bf16 rate: Hopper's FP8 rate is about twice it, not measured here).
 Weights that would fit in L2 are rotated among copies. `--dry-run`: tiny shapes in the Triton interpreter on the
@@ -103,7 +104,7 @@ def measure(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dty
                 flops = 2 * t * fan_in * fan_out
                 per_layer[name] = {"ms": b.time_ms([lambda lay=lay, x=x: forward(lay, x) for lay in copies[name]]),
                                    "floor_ms": 1e3 * max(nbytes / b.bw, flops / b.flops), "bytes": nbytes,
-                                   "flops": flops, "shape": [fan_in, fan_out]}
+                                   "flops": flops, "shape": [fan_in, fan_out], "plan": plan_name(built[name], x)}
             total_ms = sum(v["ms"] for v in per_layer.values())
             floor_ms = sum(v["floor_ms"] for v in per_layer.values())
             rows.append({"format": fmt, "tokens": t, "ms": total_ms, "floor_ms": floor_ms, "over_floor": total_ms /
@@ -115,9 +116,26 @@ def measure(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dty
             r["speedup_vs_bf16"] = base[r["tokens"]]["ms"] / r["ms"]
             for name, v in r["layers"].items():
                 v["speedup_vs_bf16"] = base[r["tokens"]]["layers"][name]["ms"] / v["ms"]
+            r["worst_layer"] = min(r["layers"], key=lambda name: r["layers"][name]["speedup_vs_bf16"])
+            r["worst_speedup_vs_bf16"] = r["layers"][r["worst_layer"]]["speedup_vs_bf16"]
         else:
             r["speedup_vs_bf16"] = None
     return rows
+
+
+def plan_name(layer, x: torch.Tensor) -> str:
+    """Which path a layer ran: cuBLAS, the FP8 path, or the quantized GEMM's plan (tiles, splits)."""
+    if isinstance(layer, torch.Tensor):
+        return "cuBLAS"
+    if layer.kind == "float":
+        return "fp8"
+    plan = layer.kernel_plan(x)
+    if plan is None:
+        return "torch (dequantize, matmul)"
+    if plan.kind == "dequant":
+        return "dequantize once + cuBLAS"
+    t = plan.tiles
+    return f"fused {t.block_m}x{t.block_n}x{t.block_k} split {plan.split_k}, {plan.num_programs(x.shape[0], layer.out_features)} programs"
 
 
 def fp8_parts(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dtype: torch.dtype) -> list[dict]:
@@ -160,7 +178,8 @@ def fmt_row(r: dict) -> str:
     if r["ms"] is None:
         return r["note"]
     where = " (dry run: CPU interpreter, not a GPU figure)" if r["dry_run"] else ""
-    return (f"{1e3 * r['ms']:.1f} us = {r['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * r['floor_ms']:.1f} us -> "
+    return (f"{1e3 * r['ms']:.1f} us = {r['speedup_vs_bf16']:.2f}x bf16 (worst shape {r['worst_layer']}: "
+            f"{r['worst_speedup_vs_bf16']:.2f}x); floor {1e3 * r['floor_ms']:.1f} us -> "
             f"{r['over_floor']:.2f}x; rel err {r['rel_err']:.1e}{where}")
 
 
@@ -186,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         table.append((f"{r['format']} T={r['tokens']}: the {len(layers)} linears of a layer", fmt_row(r)))
         table += [(f"{r['format']} T={r['tokens']}: {name} {v['shape'][0]}->{v['shape'][1]}",
-                   f"{1e3 * v['ms']:.1f} us = {v['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * v['floor_ms']:.1f} us")
+                   f"{1e3 * v['ms']:.1f} us = {v['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * v['floor_ms']:.1f} us "
+                   f"({v['plan']})")
                   for name, v in r.get("layers", {}).items()]
     table += [(f"fp8 parts T={r['tokens']}: the {len(layers)} linears of a layer", fp8_parts_text(r)) for r in parts]
     write_results(args.name, {"rows": rows, "fp8_parts": parts, "layers": layers, "dry_run": dry, "wrong": bad,

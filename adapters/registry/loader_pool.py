@@ -27,8 +27,11 @@ def host_copy(adapter: LoRAAdapter, dtype: torch.dtype, pin: bool) -> LoRAAdapte
 
     modules = {key: LoRAModule(lora_a=conv(m.lora_a), lora_b=conv(m.lora_b), scaling=m.scaling)
                for key, m in adapter.modules.items()}
+    experts = {key: LoRAModule(lora_a=conv(m.lora_a), lora_b=conv(m.lora_b), scaling=m.scaling)
+               for key, m in adapter.expert_modules.items()}
     return LoRAAdapter(source=adapter.source, path=adapter.path, modules=modules,
-                       base_model_name_or_path=adapter.base_model_name_or_path, config=adapter.config)
+                       base_model_name_or_path=adapter.base_model_name_or_path, config=adapter.config,
+                       expert_modules=experts)
 
 
 class LoaderPool:

@@ -28,6 +28,7 @@ from adapters.errors import (
     SlotPoolIntegrityError,
 )
 from adapters.lora_ops import LoRABackends, LoRAStack
+from adapters.slots.expert_slots import ExpertSlots
 
 
 @dataclass(eq=False)
@@ -72,6 +73,8 @@ class LoRASlotPool:
             stacks = [LoRAStack(a[i], b[i], ranks[i], scal[i], grp.slice_offsets, grp.slice_sizes,
                                 ranks_host=rh[i], scalings_host=sh[i]) for i in range(L)]
             self.groups[name] = GroupBuffers(grp, a, b, ranks, scal, rh, sh, stacks)
+        # an MoE base: the experts' LoRA slots (adapters/slots/expert_slots.py), kept in step with these
+        self.experts = ExpertSlots(num_slots, max_rank, dims, self.device, dtype) if dims.num_experts else None
         self._slot_ids: list[Optional[Hashable]] = [None] * num_slots
         self._slot_adapters: list[Optional[LoRAAdapter]] = [None] * num_slots
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
@@ -128,6 +131,10 @@ class LoRASlotPool:
                     or tuple(mod.lora_b.shape) != (out_f, mod.rank):
                 raise AdapterError(f"adapter module ({layer}, {name}) does not fit the base model",
                                    CODE_SHAPE_MISMATCH)
+        if adapter.expert_modules and self.experts is None:
+            raise AdapterError("adapter has LoRA on MoE experts but the base model has none", CODE_SHAPE_MISMATCH)
+        if self.experts is not None:
+            self.experts.check_compatible(adapter)
 
     def _victim(self, protected: Collection[int]) -> Optional[int]:
         if None in self._slot_ids:
@@ -188,6 +195,8 @@ class LoRASlotPool:
             buf.b[:, slot].zero_()  # [L, N, R]
             for t in (buf.ranks, buf.scalings, buf.ranks_host, buf.scalings_host):
                 t[:, :, slot] = 0
+        if self.experts is not None:
+            self.experts.clear(slot)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
         """Zero the whole slot (untargeted modules stay zero with rank 0), then copy."""
@@ -203,6 +212,8 @@ class LoRASlotPool:
         for buf in self.groups.values():
             buf.ranks[:, :, slot].copy_(buf.ranks_host[:, :, slot])
             buf.scalings[:, :, slot].copy_(buf.scalings_host[:, :, slot])
+        if self.experts is not None:
+            self.experts.write(slot, adapter, non_blocking)
 
     # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self, deep: bool = True) -> None:
@@ -221,6 +232,8 @@ class LoRASlotPool:
             self._check_group_tables(name, buf, used)
             if deep:
                 self._check_group_weights(name, buf)
+        if self.experts is not None:
+            self.experts.check_integrity(self._slot_adapters, deep)
 
     def _check_group_tables(self, name: str, buf: GroupBuffers, used: list[int]) -> None:
         rh, sh = buf.ranks_host, buf.scalings_host  # [L, S, slots]

@@ -2,6 +2,8 @@
 
 - Column-parallel linears (qkv, gate_up): A whole, B by output rows; the delta lands on this rank's
   output columns with no communication.
+- MoE experts (sharded by their intermediate dimension): gate/up B by output rows; down A by input columns with
+  B whole, each rank's partial delta summed by the experts' own all-reduce (core/distributed/layers.py).
 - Row-parallel linears (o, down): A by input columns; the partial shrink result h = x_local A_local^T
   ([S, T_lora, R], small) is all-reduced, then B (whole) is applied once to the replicated output. Decode
   batches with per-row slots (`DecodeLoRAMeta`, the CUDA-graph path) do the same with the BGMV halves.
@@ -20,7 +22,8 @@ from torch import nn
 
 from adapters.adapter import LoRAAdapter
 from adapters.layers.dims import BaseModelDims
-from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers
+from adapters.layers.expert_lora import apply_expert_lora_wrappers
+from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers, linear_parent
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
 from adapters.lora_ops.backends import LoRABackends
@@ -29,7 +32,7 @@ from adapters.slots.slot_pool import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
 
-SlotOp = tuple[str, int, Any]   # ("write", slot, (source, path, modules)) | ("clear", slot, None)
+SlotOp = tuple[str, int, Any]   # ("write", slot, (source, path, modules, expert modules)) | ("clear", slot, None)
 
 
 class ShardedSlotPool(LoRASlotPool):
@@ -46,7 +49,8 @@ class ShardedSlotPool(LoRASlotPool):
     def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
         super()._write_slot(slot, self.shard.shard_adapter(adapter), non_blocking)
         if self._journal is not None:
-            self._journal.append(("write", slot, (adapter.source, adapter.path, dict(adapter.modules))))
+            self._journal.append(("write", slot, (adapter.source, adapter.path, dict(adapter.modules),
+                                                  dict(adapter.expert_modules))))
 
     def _clear_slot(self, slot: int) -> None:
         super()._clear_slot(slot)
@@ -65,8 +69,8 @@ class ShardedSlotPool(LoRASlotPool):
             if kind == "clear":
                 super()._clear_slot(slot)
             else:
-                source, path, modules = payload
-                self._write_slot(slot, LoRAAdapter(source=source, path=path, modules=modules))
+                source, path, modules, experts = payload
+                self._write_slot(slot, LoRAAdapter(source=source, path=path, modules=modules, expert_modules=experts))
 
 
 class RowParallelLoRALinear(LoRALinear):
@@ -102,8 +106,12 @@ class RowParallelLoRALinear(LoRALinear):
 
 def apply_tp_lora_wrappers(model: nn.Module, pool: ShardedSlotPool, tp: TPGroup) -> None:
     apply_lora_wrappers(model, pool)
+    if pool.experts is not None:            # an MoE base: LoRA on its experts
+        apply_expert_lora_wrappers(model, pool.experts, pool.context)
     if tp.world_size == 1:
         return
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallelLoRALinear(layer.self_attn.o_proj, tp)
-        layer.mlp.down_proj = RowParallelLoRALinear(layer.mlp.down_proj, tp)
+        mlp = linear_parent(layer, "mlp")         # an MoE layer: its shared expert's, if it has one
+        if mlp is not None:
+            mlp.down_proj = RowParallelLoRALinear(mlp.down_proj, tp)
