@@ -13,7 +13,7 @@ import torch
 
 from adapters.lora_ops import LoRABackends
 from core.attention.selection import get_attention_backend
-from core.config import EngineConfig
+from core.config import EngineConfig, ModelConfig
 from core.distributed.layers import parallelize_model
 from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
@@ -41,6 +41,26 @@ class RankState:
     last_tokens: torch.Tensor | None = None  # the last step's sampled tokens [N] (async scheduling)
 
 
+def _check_quantized_moe(local: ModelConfig, shard: TPShard, model_dir: Path, load_format: str,
+                         quantization: str | None) -> None:
+    """Quantized MoE models are served as compressed-tensors pack-quantized checkpoints (W4A16 / W8A16 experts,
+    core/quant/experts.py) of Mixtral / Qwen3-MoE on one rank; anything else is refused at start-up by name."""
+    scheme = None if load_format == "dummy" else detect_quantization(model_dir, quantization)
+    why = None
+    if scheme is None or scheme.fmt == "fp8-online":
+        why = f"--quantization {quantization} (online quantization)" if quantization else "random weights"
+    elif scheme.fmt != "pack-quantized":
+        why = f"{scheme.method} ({scheme.fmt}) checkpoints"
+    elif shard.world_size > 1:
+        why = "tensor parallelism"
+    elif local.shared_expert:
+        why = "a shared expert (Qwen2-MoE)"
+    if why is not None:
+        raise UnsupportedQuantization(f"quantized mixture-of-experts models with {why} are not supported; quantized "
+                                      "experts are served from compressed-tensors pack-quantized (W4A16 / W8A16) "
+                                      "Mixtral / Qwen3-MoE checkpoints on one rank")
+
+
 def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device, dtype: torch.dtype,
                      max_model_len: int, load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
     """The model built from the rank's local config on the meta device (no random init), parallelized (at
@@ -56,8 +76,7 @@ def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch
     if local.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if local.num_experts and (quantization or (load_format != "dummy" and detect_quantization(model_dir))):
-        raise UnsupportedQuantization("quantized mixture-of-experts models (a quantized checkpoint or "
-                                      "--quantization) are not supported; serve the unquantized checkpoint")
+        _check_quantized_moe(local, shard, model_dir, load_format, quantization)
     if load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
         quantize_dummy(model, model_dir, quantization)

@@ -1,0 +1,81 @@
+"""W4A16 mixture-of-experts bases: compressed-tensors pack-quantized checkpoints in llm-compressor's MoE layout
+(per-expert `experts.N.w1 / gate_proj ... .weight_packed`, router left in float), served with the experts packed
+(core/quant/experts.py), against HF transformers and PEFT in fp32.
+
+The reference is the plain checkpoint of compressed-tensors' own decompression (tests/helpers/moe_quant_models.py);
+`test_hf_loads_the_checkpoint_as_its_decompression` shows that it is what HF transformers itself computes when it
+loads the quantized checkpoint (its compressed-tensors integration decompresses the experts at load).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("compressed_tensors")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+
+from core.engine.llm import LLM  # noqa: E402
+from core.quant.experts import QuantExperts  # noqa: E402
+from core.quant.linear import QuantLinear  # noqa: E402
+from family_parity import MAX_TOKENS, check_family, greedy_with_margin  # noqa: E402
+from moe_models import moe_dir  # noqa: E402
+from moe_parity import moe_family_adapters, moe_reference  # noqa: E402
+from moe_quant_models import ct_moe_dir, ct_moe_reference_dir  # noqa: E402
+from testlib import PROMPTS, _hf_model, encode  # noqa: E402
+
+TEXTS = [PROMPTS[2], PROMPTS[4]]
+
+
+def test_hf_loads_the_checkpoint_as_its_decompression() -> None:
+    """HF transformers on the quantized Mixtral checkpoint == HF on compressed-tensors' decompression of it,
+    logit for logit: the reference below is what HF computes for this checkpoint."""
+    import transformers
+
+    ids = torch.tensor([encode(moe_dir("mixtral"), TEXTS[0])])
+    quant = transformers.AutoModelForCausalLM.from_pretrained(ct_moe_dir("mixtral"), dtype=torch.float32)
+    ref = _hf_model(str(ct_moe_reference_dir("mixtral")))
+    with torch.no_grad():
+        assert torch.equal(quant(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_w4a16_moe_matches_hf_and_peft(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Base and three expert / router LoRA adapters in one batch, chunked prefill, preemption: greedy tokens equal
+    HF's (and PEFT's on the dequantized base), with the experts and attention kept packed."""
+    path, ref = ct_moe_dir(family), ct_moe_reference_dir(family)
+    adapters = moe_family_adapters(family, str(tmp_path_factory.mktemp("moe_q_adapters")))
+    llm = check_family(path, adapters, TEXTS, prefix=False,
+                       reference_fn=lambda _p, adapter, ids: moe_reference(ref, adapter, ids))
+    layer = llm.engine.model.model.layers[0]
+    experts = layer.mlp.experts.base                                  # under the expert LoRA wrapper
+    assert isinstance(experts, QuantExperts) and experts.gate_up_q[0].qweight.dtype == torch.int32
+    assert not any(p.dtype.is_floating_point and p.dim() == 3 for p in experts.parameters())
+    assert isinstance(layer.self_attn.qkv_proj.base, QuantLinear)
+    assert not isinstance(layer.mlp.gate.base, QuantLinear)            # the router stays in float (`ignore`)
+
+
+def test_quantization_changes_the_tokens() -> None:
+    """The parity's precondition: the W4A16 model's greedy tokens differ from the unquantized model's."""
+    def tokens(path: Path) -> list[list[int]]:
+        return [greedy_with_margin(_hf_model(str(path)), encode(path, t), MAX_TOKENS)[0] for t in TEXTS]
+    assert tokens(ct_moe_reference_dir("mixtral")) != tokens(moe_dir("mixtral"))
+
+
+def test_unsupported_quantized_moe_is_refused_at_start_up(tmp_path: Path) -> None:
+    """GPTQ experts, online FP8 on an MoE base: a clear start-up error, never a wrong or half-quantized model."""
+    gptq = tmp_path / "gptq"
+    shutil.copytree(moe_dir("mixtral"), gptq)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"quantized mixture-of-experts models with gptq \(gptq\) checkpoints are "
+                                         r"not supported.*compressed-tensors pack-quantized"):
+        LLM(str(gptq), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
+    with pytest.raises(ValueError, match="quantized mixture-of-experts models with --quantization fp8"):
+        LLM(str(moe_dir("mixtral")), dtype="float32", device="cpu", quantization="fp8", num_kv_blocks=16,
+            warmup=False)
