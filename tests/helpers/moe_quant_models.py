@@ -4,10 +4,11 @@ models (tests/test_core/quant/test_moe_w4a16.py).
     path = ct_moe_dir("mixtral")        # per expert: `...experts.N.w1.weight_packed / weight_scale / weight_shape`
     ref = ct_moe_reference_dir("mixtral")   # plain fp32 HF checkpoint: compressed-tensors' own decompression
 
-Every decoder linear (attention and each expert's gate/up/down) is quantized: int4, symmetric, group size 32
-(Qwen3-MoE: 16), min/max scales through compressed-tensors' `calculate_qparams` and packed by its `pack-quantized`
-compressor; the router (`gate`) and `lm_head` are left in float through `ignore`, as llm-compressor's MoE recipes do. The
-reference is decompressed by compressed-tensors from the saved tensors, never by loraplex.
+Every decoder linear (attention and each expert's gate/up/down) is quantized: int4, symmetric (or not), group
+size 32 (Qwen3-MoE: 16), min/max scales through compressed-tensors' `calculate_qparams` and packed by its
+`pack-quantized` compressor; the router (`gate`) and `lm_head` are left in float through `ignore`, as
+llm-compressor's MoE recipes do. The reference is decompressed by compressed-tensors from the saved tensors,
+never by loraplex.
 """
 from __future__ import annotations
 
@@ -28,28 +29,29 @@ _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gate_pr
 _ROOT = Path(tempfile.mkdtemp(prefix="loraplex_moe_quant_"))
 
 
-def _scheme(group_size: int):   # noqa: ANN202 - compressed-tensors' QuantizationScheme
+def _scheme(group_size: int, symmetric: bool = True):   # noqa: ANN202 - compressed-tensors' QuantizationScheme
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
-def _quantization_config(group_size: int) -> dict:
+def _quantization_config(group_size: int, symmetric: bool) -> dict:
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
-    cfg = QuantizationConfig(config_groups={"group_0": _scheme(group_size)}, ignore=IGNORE, format="pack-quantized",
+    cfg = QuantizationConfig(config_groups={"group_0": _scheme(group_size, symmetric)}, ignore=IGNORE,
+                             format="pack-quantized",
                              quantization_status=QuantizationStatus.COMPRESSED)
     raw = cfg.model_dump(exclude_none=True)
     raw["quant_method"] = "compressed-tensors"
     return json.loads(json.dumps(raw, default=str))
 
 
-def _compress(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+def _compress(w: torch.Tensor, group_size: int, symmetric: bool) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = _scheme(group_size)
+    scheme = _scheme(group_size, symmetric)
     g = w.reshape(w.shape[0], -1, group_size)                                  # [out, groups, gs]
     scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)    # [out, groups] each
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
@@ -57,46 +59,59 @@ def _compress(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _is_quantized(name: str) -> bool:
+def _is_quantized(name: str, quantized: tuple[str, ...]) -> bool:
     parts = name.split(".")
-    return name.endswith(".weight") and parts[-2] in _QUANTIZED
+    return name.endswith(".weight") and parts[-2] in quantized
+
+
+def ct_moe_dir(family: str, quantize_router: bool = False, symmetric: bool = True) -> Path:
+    """`moe_dir(family)` quantized W4A16 (symmetric, groups of GROUP_SIZE[family]), per-expert tensors as
+    llm-compressor saves them (`quantize_router`: the router's `gate` packed too, not in `ignore`; not
+    `symmetric`: zero points packed in `weight_zero_point`). Built once per process."""
+    return _ct_moe_dir(family, quantize_router, symmetric)
 
 
 @lru_cache(maxsize=None)
-def ct_moe_dir(family: str) -> Path:
-    """`moe_dir(family)` quantized W4A16 (symmetric, groups of GROUP_SIZE[family]), per-expert tensors as
-    llm-compressor saves them."""
-    src, out = moe_dir(family), _ROOT / family
+def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool) -> Path:
+    src, out = moe_dir(family), _ROOT / (family + "_router" * quantize_router + "_asym" * (not symmetric))
+    quantized = _QUANTIZED + ("gate",) * quantize_router
     state = load_file(str(src / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if _is_quantized(name):
+        if _is_quantized(name, quantized):
             prefix = name[:-len(".weight")]
-            compressed = _compress(t.float(), GROUP_SIZE[family])
+            compressed = _compress(t.float(), GROUP_SIZE[family], symmetric)
             packed.update({f"{prefix}.{k}": v.contiguous() for k, v in compressed.items()})
         else:
             packed[name] = t
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("model.safetensors"))
     save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = _quantization_config(GROUP_SIZE[family])
+    cfg["quantization_config"] = _quantization_config(GROUP_SIZE[family], symmetric)
+    if quantize_router:
+        cfg["quantization_config"]["ignore"] = ["lm_head"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
-@lru_cache(maxsize=None)
-def ct_moe_reference_dir(family: str) -> Path:
+def ct_moe_reference_dir(family: str, symmetric: bool = True) -> Path:
     """A plain fp32 checkpoint of `ct_moe_dir(family)` with every packed linear decompressed by compressed-tensors."""
+    return _ct_moe_reference_dir(family, symmetric)
+
+
+@lru_cache(maxsize=None)
+def _ct_moe_reference_dir(family: str, symmetric: bool) -> Path:
     from compressed_tensors.compressors.base import BaseCompressor
 
-    path, out = ct_moe_dir(family), _ROOT / f"{family}__ref"
+    path = ct_moe_dir(family, symmetric=symmetric)
+    out = path.parent / f"{path.name}__ref"
     flat = load_file(str(path / "model.safetensors"))
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     prefixes = {k.rsplit(".", 1)[0] for k in flat if k.endswith(".weight_packed")}
     state = {k: v for k, v in flat.items() if k.rsplit(".", 1)[0] not in prefixes}
     for prefix in sorted(prefixes):
         local = {k[len(prefix) + 1:]: v for k, v in flat.items() if k.rsplit(".", 1)[0] == prefix}
-        weight = compressor.decompress(local, _scheme(GROUP_SIZE[family]))["weight"]
+        weight = compressor.decompress(local, _scheme(GROUP_SIZE[family], symmetric))["weight"]
         state[f"{prefix}.weight"] = weight.float().contiguous()
     shutil.copytree(path, out, ignore=shutil.ignore_patterns("model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())

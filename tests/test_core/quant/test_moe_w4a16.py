@@ -43,11 +43,12 @@ def test_hf_loads_the_checkpoint_as_its_decompression() -> None:
         assert torch.equal(quant(ids).logits, ref(ids).logits)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_w4a16_moe_matches_hf_and_peft(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize(("family", "symmetric"), [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)])
+def test_w4a16_moe_matches_hf_and_peft(family: str, symmetric: bool, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Base and three expert / router LoRA adapters in one batch, chunked prefill, preemption: greedy tokens equal
-    HF's (and PEFT's on the dequantized base), with the experts and attention kept packed."""
-    path, ref = ct_moe_dir(family), ct_moe_reference_dir(family)
+    HF's (and PEFT's on the dequantized base), with the experts and attention kept packed (asymmetric: with
+    packed zero points)."""
+    path, ref = ct_moe_dir(family, symmetric=symmetric), ct_moe_reference_dir(family, symmetric)
     adapters = moe_family_adapters(family, str(tmp_path_factory.mktemp("moe_q_adapters")))
     llm = check_family(path, adapters, TEXTS, prefix=False,
                        reference_fn=lambda _p, adapter, ids: moe_reference(ref, adapter, ids))
@@ -78,4 +79,11 @@ def test_unsupported_quantized_moe_is_refused_at_start_up(tmp_path: Path) -> Non
         LLM(str(gptq), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
     with pytest.raises(ValueError, match="quantized mixture-of-experts models with --quantization fp8"):
         LLM(str(moe_dir("mixtral")), dtype="float32", device="cpu", quantization="fp8", num_kv_blocks=16,
+            warmup=False)
+
+
+def test_a_quantized_router_is_refused_by_name() -> None:
+    """The router stays in float (llm-compressor's MoE recipes `ignore` it): a packed one is refused, naming it."""
+    with pytest.raises(ValueError, match=r"quantizes model\.layers\.0\.block_sparse_moe\.gate.*keep these in"):
+        LLM(str(ct_moe_dir("mixtral", quantize_router=True)), dtype="float32", device="cpu", num_kv_blocks=16,
             warmup=False)
