@@ -23,9 +23,10 @@ from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
+from core.models.moe import Experts
 from core.models.registry import model_class
 from core.models.rope import layer_rotaries
-from core.quant.config import UnsupportedQuantization, detect_quantization
+from core.quant.config import QuantScheme, UnsupportedQuantization, detect_quantization
 from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
 
 
@@ -41,11 +42,11 @@ class RankState:
     last_tokens: torch.Tensor | None = None  # the last step's sampled tokens [N] (async scheduling)
 
 
-def _check_quantized_moe(local: ModelConfig, shard: TPShard, model_dir: Path, load_format: str,
+def _check_quantized_moe(local: ModelConfig, shard: TPShard, scheme: QuantScheme | None,
                          quantization: str | None) -> None:
     """Quantized MoE models are served as compressed-tensors pack-quantized checkpoints (W4A16 / W8A16 experts,
-    core/quant/experts.py) of Mixtral / Qwen3-MoE on one rank; anything else is refused at start-up by name."""
-    scheme = None if load_format == "dummy" else detect_quantization(model_dir, quantization)
+    core/quant/experts.py) of Mixtral / Qwen3-MoE on one rank; anything else is refused at start-up by name
+    (`scheme`: the checkpoint's, None for random weights)."""
     why = None
     if scheme is None or scheme.fmt == "fp8-online":
         why = f"--quantization {quantization} (online quantization)" if quantization else "random weights"
@@ -67,21 +68,22 @@ def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch
     N > 1), then filled with its slices only: checkpoint weights, quantized ones included, or random weights
     (`load_format="dummy"`, online FP8 included)."""
     local = shard.local_config()
+    quant = None if load_format == "dummy" else detect_quantization(model_dir, quantization)
+    if local.num_experts and (quantization or quant):
+        _check_quantized_moe(local, shard, quant, quantization)
     with torch.device("meta"), skip_param_init():
         model = model_class(local)(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
-    model = materialize(model, device, dtype)
+    # a quantized checkpoint's float experts are never allocated: prepare_quantized puts packed ones in their place
+    model = materialize(model, device, dtype, keep_meta=(Experts,) if quant is not None and local.num_experts else ())
     for layer, rotary in zip(model.model.layers, layer_rotaries(local, max_model_len)):
         layer.self_attn.rotary = rotary.to(device)
     if local.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if local.num_experts and (quantization or (load_format != "dummy" and detect_quantization(model_dir))):
-        _check_quantized_moe(local, shard, model_dir, load_format, quantization)
     if load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
         quantize_dummy(model, model_dir, quantization)
     else:
-        quant = detect_quantization(model_dir, quantization)
         skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()
         load_weights(model, model_dir, shard, skip)
         if quant:

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from core.models.meta_init import materialize
 from core.models.moe import Experts
 from core.quant.config import TARGETS, QuantScheme, UnsupportedQuantization, detect_quantization
 from core.quant.formats import SUFFIXES, Canonical, read_canonical
@@ -208,12 +209,14 @@ def _expert_linears(name: str, num_experts: int, index: dict[str, Path], first: 
 def _load_experts(model: nn.Module, name: str, experts: Experts, scheme: QuantScheme, index: dict[str, Path],
                   get: Callable[[str], torch.Tensor | None], dtype: torch.dtype, device: torch.device,
                   consumed: set[str]) -> None:
-    """Swaps an MoE layer's experts for QuantExperts filled with each expert's packed gate/up and down; experts the
-    checkpoint keeps in float (`ignore`) stay as they are (the normal loader fills them)."""
+    """Swaps an MoE layer's experts for QuantExperts filled with each expert's packed gate/up and down (the float
+    experts may be on the meta device: only their shapes are read); experts the checkpoint keeps in float
+    (`ignore`) get their storage here and the normal loader fills them."""
     first = SUFFIXES[scheme.fmt][0]
     linears = _expert_linears(name, experts.num_experts, index, first)
     quantized = {f"{hf}.{first}" in index and not scheme.is_ignored(hf) for lin in linears for hf in lin.values()}
     if quantized == {False}:
+        materialize(experts, device, dtype)          # float experts (left on the meta device until now)
         return
     if len(quantized) > 1:
         raise UnsupportedQuantization(f"{name}: the checkpoint quantizes only some of the experts' projections")

@@ -64,21 +64,24 @@ def _is_quantized(name: str, quantized: tuple[str, ...]) -> bool:
     return name.endswith(".weight") and parts[-2] in quantized
 
 
-def ct_moe_dir(family: str, quantize_router: bool = False, symmetric: bool = True) -> Path:
+def ct_moe_dir(family: str, quantize_router: bool = False, symmetric: bool = True,
+               quantize_experts: bool = True) -> Path:
     """`moe_dir(family)` quantized W4A16 (symmetric, groups of GROUP_SIZE[family]), per-expert tensors as
     llm-compressor saves them (`quantize_router`: the router's `gate` packed too, not in `ignore`; not
-    `symmetric`: zero points packed in `weight_zero_point`). Built once per process."""
-    return _ct_moe_dir(family, quantize_router, symmetric)
+    `symmetric`: zero points packed in `weight_zero_point`; not `quantize_experts`: the experts left in float
+    through `ignore`, only attention packed). Built once per process."""
+    return _ct_moe_dir(family, quantize_router, symmetric, quantize_experts)
 
 
 @lru_cache(maxsize=None)
-def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool) -> Path:
-    src, out = moe_dir(family), _ROOT / (family + "_router" * quantize_router + "_asym" * (not symmetric))
+def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool, quantize_experts: bool) -> Path:
+    name = family + "_router" * quantize_router + "_asym" * (not symmetric) + "_float_experts" * (not quantize_experts)
+    src, out = moe_dir(family), _ROOT / name
     quantized = _QUANTIZED + ("gate",) * quantize_router
     state = load_file(str(src / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if _is_quantized(name, quantized):
+        if _is_quantized(name, quantized) and (quantize_experts or ".experts." not in name):
             prefix = name[:-len(".weight")]
             compressed = _compress(t.float(), GROUP_SIZE[family], symmetric)
             packed.update({f"{prefix}.{k}": v.contiguous() for k, v in compressed.items()})
@@ -90,20 +93,22 @@ def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool) -> Path:
     cfg["quantization_config"] = _quantization_config(GROUP_SIZE[family], symmetric)
     if quantize_router:
         cfg["quantization_config"]["ignore"] = ["lm_head"]
+    if not quantize_experts:
+        cfg["quantization_config"]["ignore"] += ["re:.*experts.*"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
-def ct_moe_reference_dir(family: str, symmetric: bool = True) -> Path:
+def ct_moe_reference_dir(family: str, symmetric: bool = True, quantize_experts: bool = True) -> Path:
     """A plain fp32 checkpoint of `ct_moe_dir(family)` with every packed linear decompressed by compressed-tensors."""
-    return _ct_moe_reference_dir(family, symmetric)
+    return _ct_moe_reference_dir(family, symmetric, quantize_experts)
 
 
 @lru_cache(maxsize=None)
-def _ct_moe_reference_dir(family: str, symmetric: bool) -> Path:
+def _ct_moe_reference_dir(family: str, symmetric: bool, quantize_experts: bool) -> Path:
     from compressed_tensors.compressors.base import BaseCompressor
 
-    path = ct_moe_dir(family, symmetric=symmetric)
+    path = ct_moe_dir(family, symmetric=symmetric, quantize_experts=quantize_experts)
     out = path.parent / f"{path.name}__ref"
     flat = load_file(str(path / "model.safetensors"))
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")

@@ -19,9 +19,11 @@ pytest.importorskip("peft")
 pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
-from core.engine.llm import LLM  # noqa: E402
+from core import LLM, SamplingParams  # noqa: E402
+from core.models.moe import Experts  # noqa: E402
 from core.quant.experts import QuantExperts  # noqa: E402
 from core.quant.linear import QuantLinear  # noqa: E402
+
 from family_parity import MAX_TOKENS, check_family, greedy_with_margin  # noqa: E402
 from moe_models import moe_dir  # noqa: E402
 from moe_parity import moe_family_adapters, moe_reference  # noqa: E402
@@ -58,6 +60,39 @@ def test_w4a16_moe_matches_hf_and_peft(family: str, symmetric: bool, tmp_path_fa
     assert not any(p.dtype.is_floating_point and p.dim() == 3 for p in experts.parameters())
     assert isinstance(layer.self_attn.qkv_proj.base, QuantLinear)
     assert not isinstance(layer.mlp.gate.base, QuantLinear)            # the router stays in float (`ignore`)
+
+
+def test_float_experts_are_never_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float experts a quantized checkpoint replaces stay on the meta device until they are swapped out (a
+    W4A16 Mixtral 8x7B must not first allocate its 90 GB of bf16 experts)."""
+    seen: list[bool] = []
+    real = QuantExperts.__init__
+
+    def record(self: QuantExperts, base: torch.nn.Module, *args: object) -> None:
+        seen.append(base.gate_up_proj.is_meta and base.down_proj.is_meta)
+        real(self, base, *args)
+
+    monkeypatch.setattr(QuantExperts, "__init__", record)
+    LLM(str(ct_moe_dir("mixtral")), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
+    assert seen == [True, True]                                         # both layers
+
+
+def test_experts_left_in_float_by_ignore() -> None:
+    """A checkpoint that quantizes only attention (`ignore` lists the experts) keeps float experts, loaded from
+    their plain weights: greedy tokens equal HF's on the decompressed checkpoint (transformers 5.24 itself fails
+    to load this mix: it finds no tensors to fuse into its experts' parameters)."""
+    path = ct_moe_dir("qwen3_moe", quantize_experts=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
+    experts = llm.engine.model.model.layers[0].mlp.experts.base                  # under the expert LoRA wrapper
+    assert type(experts) is Experts and not experts.gate_up_proj.is_meta
+    assert isinstance(llm.engine.model.model.layers[0].self_attn.qkv_proj.base, QuantLinear)
+    hf = _hf_model(str(ct_moe_reference_dir("qwen3_moe", quantize_experts=False)))
+    for text in TEXTS:
+        ids = encode(path, text)
+        want, margin = greedy_with_margin(hf, ids, MAX_TOKENS)
+        assert margin > 1e-3
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        assert list(out[0].token_ids) == want
 
 
 def test_quantization_changes_the_tokens() -> None:
