@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_models import moe_dir
 
-GROUP_SIZE = {"mixtral": 32, "qwen3_moe": 16}   # Qwen3-MoE's experts are 48 wide
+GROUP_SIZE = {"mixtral": 32, "qwen3_moe": 16, "qwen2_moe": 16}   # the Qwen experts are 48 wide
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj")
 _ROOT = Path(tempfile.mkdtemp(prefix="loraplex_moe_quant_"))

@@ -45,14 +45,16 @@ def test_hf_loads_the_checkpoint_as_its_decompression() -> None:
         assert torch.equal(quant(ids).logits, ref(ids).logits)
 
 
-@pytest.mark.parametrize(("family", "symmetric"), [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)])
-def test_w4a16_moe_matches_hf_and_peft(family: str, symmetric: bool, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Base and three expert / router LoRA adapters in one batch, chunked prefill, preemption: greedy tokens equal
-    HF's (and PEFT's on the dequantized base), with the experts and attention kept packed (asymmetric: with
-    packed zero points)."""
+@pytest.mark.parametrize(("family", "symmetric", "prefix"),
+                         [("mixtral", True, True), ("qwen3_moe", True, False), ("qwen3_moe", False, False)])
+def test_w4a16_moe_matches_hf_and_peft(family: str, symmetric: bool, prefix: bool,
+                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Base and three expert / router LoRA adapters in one batch, chunked prefill, preemption, prefix caching on
+    (two rounds) or off (async scheduling): greedy tokens equal HF's (and PEFT's on the dequantized base), with
+    the experts and attention kept packed (asymmetric: with packed zero points)."""
     path, ref = ct_moe_dir(family, symmetric=symmetric), ct_moe_reference_dir(family, symmetric)
     adapters = moe_family_adapters(family, str(tmp_path_factory.mktemp("moe_q_adapters")))
-    llm = check_family(path, adapters, TEXTS, prefix=False,
+    llm = check_family(path, adapters, TEXTS, prefix=prefix,
                        reference_fn=lambda _p, adapter, ids: moe_reference(ref, adapter, ids))
     layer = llm.engine.model.model.layers[0]
     experts = layer.mlp.experts.base                                  # under the expert LoRA wrapper
@@ -103,7 +105,8 @@ def test_quantization_changes_the_tokens() -> None:
 
 
 def test_unsupported_quantized_moe_is_refused_at_start_up(tmp_path: Path) -> None:
-    """GPTQ experts, online FP8 on an MoE base: a clear start-up error, never a wrong or half-quantized model."""
+    """GPTQ experts, online FP8 on an MoE base, a W4A16 Qwen2-MoE (its shared expert): a clear start-up error,
+    never a wrong or half-quantized model."""
     gptq = tmp_path / "gptq"
     shutil.copytree(moe_dir("mixtral"), gptq)
     cfg = json.loads((gptq / "config.json").read_text())
@@ -115,6 +118,8 @@ def test_unsupported_quantized_moe_is_refused_at_start_up(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="quantized mixture-of-experts models with --quantization fp8"):
         LLM(str(moe_dir("mixtral")), dtype="float32", device="cpu", quantization="fp8", num_kv_blocks=16,
             warmup=False)
+    with pytest.raises(ValueError, match=r"quantized mixture-of-experts models with a shared expert \(Qwen2-MoE\)"):
+        LLM(str(ct_moe_dir("qwen2_moe")), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
 
 
 def test_a_quantized_router_is_refused_by_name() -> None:
