@@ -20,7 +20,8 @@ SliceSpec = tuple[str, int, int]  # (HF module name, output column offset, outpu
 
 
 class LoRALinear(nn.Module):
-    """base(x) plus, for every LoRA token of the step, the LoRA delta of each output slice."""
+    """base(x) plus, for every LoRA token of the step, the LoRA delta of each output slice; tokens of a DoRA slot
+    then get their rows rescaled (inside `add_lora`)."""
 
     def __init__(self, base: nn.Module, slices: Sequence[SliceSpec], pool: LoRASlotPool,
                  layer_idx: int) -> None:
@@ -42,6 +43,7 @@ class LoRALinear(nn.Module):
         self.y_offset = y_offset
         self.context = pool.context
         self.stack = pool.stack(layer_idx, group)
+        pool.register_base(layer_idx, group, base, y_offset)   # DoRA's norms read the base weight
 
     @property
     def weight(self) -> torch.Tensor | None:
