@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from adapters.layers.dims import GROUP_ATTRS
+from adapters.layers.vocab_lora import apply_vocab_lora_wrappers, remove_vocab_lora_wrappers
 from adapters.lora_ops import add_lora
 from adapters.slots.slot_pool import LoRASlotPool
 
@@ -92,7 +93,8 @@ def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
 
 
 def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
-    """Swap qkv_proj, o_proj, gate_up_proj and down_proj of every layer for LoRALinear.
+    """Swap qkv_proj, o_proj, gate_up_proj and down_proj of every layer for LoRALinear, and the embedding and LM
+    head (when the model has them) for their LoRA wrappers (`vocab_lora.py`).
     Idempotent: already wrapped linears are left alone."""
     layers = _decoder_layers(model)
     if len(layers) != pool.dims.num_layers:
@@ -108,10 +110,12 @@ def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
                                 "expected a linear layer")
             spec = pool.groups[group].group.slice_spec()
             setattr(parent, attr, LoRALinear(module, spec, pool, idx))
+    apply_vocab_lora_wrappers(model, pool)
 
 
 def remove_lora_wrappers(model: nn.Module) -> None:
-    """Put the plain base linears back."""
+    """Put the plain base linears (and embedding and LM head) back."""
+    remove_vocab_lora_wrappers(model)
     for layer in _decoder_layers(model):
         for parent_name, attr in GROUP_ATTRS.values():
             parent = getattr(layer, parent_name)

@@ -35,6 +35,7 @@ from adapters.errors import (
 )
 from adapters.lora_ops import LoRABackends, LoRAStack
 from adapters.slots.dora_scales import base_weight, dora_scale_shift
+from adapters.slots.vocab_slots import VocabSlots
 
 DoraScales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]   # (layer, module) -> (scale, shift) [out]
 
@@ -91,6 +92,7 @@ class LoRASlotPool:
                                 dora_flags=d_flags[i], dora_host=d_host[i]) for i in range(L)]
             self.groups[name] = GroupBuffers(grp, a, b, ranks, scal, rh, sh, d_scale, d_shift, d_flags, d_host,
                                              stacks)
+        self.vocab = VocabSlots(num_slots, max_rank, dims.vocab_size, dims.hidden_size, self.device, dtype)
         self._slot_ids: list[Optional[Hashable]] = [None] * num_slots
         self._slot_adapters: list[Optional[LoRAAdapter]] = [None] * num_slots
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
@@ -159,6 +161,14 @@ class LoRASlotPool:
             if mod.is_dora and (layer, MODULE_TO_GROUP[name][0]) not in self._bases:
                 raise AdapterError("DoRA adapters need the base model's weights (no wrapped linear here)",
                                    CODE_UNSUPPORTED_TARGET)
+        for name, mod in adapter.vocab_modules.items():
+            vocab, hidden = self.dims.vocab_size, self.dims.hidden_size
+            want = ((mod.rank, vocab), (hidden, mod.rank)) if name == "embed_tokens" else \
+                ((mod.rank, hidden), (vocab, mod.rank))
+            if name not in ("embed_tokens", "lm_head") or (tuple(mod.lora_a.shape), tuple(mod.lora_b.shape)) != want:
+                raise AdapterError(f"adapter module {name} does not fit the base model", CODE_SHAPE_MISMATCH)
+            if mod.is_dora and (name == "embed_tokens" or self.vocab.lm_head_base is None):
+                raise AdapterError(f"DoRA on {name} is not supported", CODE_UNSUPPORTED_TARGET)
 
     def _victim(self, protected: Collection[int]) -> Optional[int]:
         if None in self._slot_ids:
@@ -223,6 +233,7 @@ class LoRASlotPool:
             buf.dora_shift[:, slot] = 0.0
             buf.dora_flags[:, slot] = 0
             buf.dora_host[:, slot] = False
+        self.vocab.clear(slot)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
         """Zero the whole slot (untargeted modules stay zero with rank 0), then copy."""
@@ -235,7 +246,11 @@ class LoRASlotPool:
             buf.b[layer, slot, off:off + size, :r].copy_(mod.lora_b, non_blocking=non_blocking)  # [out_s, r]
             buf.ranks_host[layer, s, slot] = r
             buf.scalings_host[layer, s, slot] = mod.scaling
-        for (layer, name), (scale, shift) in self.dora_scales(adapter).items():
+        scales = self.dora_scales(adapter)
+        self.vocab.write(slot, adapter.vocab_modules, scales.get((-1, "lm_head")), non_blocking)
+        for (layer, name), (scale, shift) in scales.items():
+            if layer < 0:
+                continue
             gname, s = MODULE_TO_GROUP[name]
             buf = self.groups[gname]
             off, size = buf.group.slice_offsets[s], buf.group.slice_sizes[s]
@@ -269,6 +284,9 @@ class LoRASlotPool:
                 off, size = grp.slice_offsets[s], grp.slice_sizes[s]
                 out[(layer, name)] = dora_scale_shift(w[off:off + size], None if bias is None else
                                                       bias[off:off + size], mod)
+        head = self.vocab.dora_scales(adapter.vocab_modules)
+        if head is not None:
+            out[(-1, "lm_head")] = head
         if out:
             self.num_dora_computes += 1
         self._dora_cache[adapter] = out
@@ -287,6 +305,7 @@ class LoRASlotPool:
                 _fail(f"slot {slot} has pin count {pins[slot]} but holds {ids[slot]!r}")
             if (ids[slot] is None) != (self._slot_adapters[slot] is None):
                 _fail(f"slot {slot}: id and adapter out of sync")
+        self.vocab.check_integrity([None if a is None else a.vocab_modules for a in self._slot_adapters])
         for name, buf in self.groups.items():
             self._check_group_tables(name, buf, used)
             if deep:
