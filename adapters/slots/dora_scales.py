@@ -29,16 +29,32 @@ def base_weight(base: nn.Module) -> torch.Tensor:
     return weight
 
 
-def dora_scale_shift(weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     module: LoRAModule) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, shift) [out] fp32 on the weight's device: scale = m / ||W + s B A||_row, shift = (1 - scale) * bias
-    (zeros without a bias). `weight` [out, in] and `bias` [out] are the module's rows of the base linear."""
-    assert module.magnitude is not None, "not a DoRA module"
+def dora_norm_sq(weight: torch.Tensor, module: LoRAModule) -> torch.Tensor:
+    """[out] fp32: the squared norm of each row of W + s B A over the columns `weight` [out, in] and A [r, in]
+    hold (a row-parallel shard's partial sum: the ranks' partial sums add up to the whole row's)."""
     dev = weight.device
     a = module.lora_a.to(dev, torch.float32)                                         # [r, in]
     b = module.lora_b.to(dev, torch.float32)                                         # [out, r]
     full = weight.float() + module.scaling * (b @ a)                                 # [out, in]
-    norm = torch.linalg.norm(full, dim=1)                                            # [out]
-    scale = module.magnitude.to(dev, torch.float32) / norm                           # [out]
+    return full.square().sum(dim=1)                                                  # [out]
+
+
+def scale_shift(norm: torch.Tensor, module: LoRAModule,
+                bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) [out] fp32 from the rows' norms: scale = m / norm, shift = (1 - scale) * bias (zeros without
+    a bias)."""
+    assert module.magnitude is not None, "not a DoRA module"
+    scale = module.magnitude.to(norm.device, torch.float32) / norm                   # [out]
     shift = torch.zeros_like(scale) if bias is None else (1.0 - scale) * bias.float()
     return scale, shift
+
+
+def dora_scale_shift(weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     module: LoRAModule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) [out] fp32 on the weight's device: scale = m / ||W + s B A||_row, shift = (1 - scale) * bias
+    (zeros without a bias). `weight` [out, in] and `bias` [out] are the module's rows of the base linear."""
+    dev = weight.device
+    a = module.lora_a.to(dev, torch.float32)                                         # [r, in]
+    b = module.lora_b.to(dev, torch.float32)                                         # [out, r]
+    norm = torch.linalg.norm(weight.float() + module.scaling * (b @ a), dim=1)        # [out], as PEFT
+    return scale_shift(norm, module, bias)

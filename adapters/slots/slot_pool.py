@@ -26,7 +26,7 @@ from typing import Collection, Hashable, Optional, Union
 import torch
 from torch import nn
 
-from adapters.adapter import LoRAAdapter
+from adapters.adapter import LoRAAdapter, LoRAModule
 from adapters.layers.context import LoRAContext
 from adapters.layers.dims import MODULE_TO_GROUP, BaseModelDims, FusedGroup, fused_groups
 from adapters.errors import (
@@ -282,8 +282,8 @@ class LoRASlotPool:
                 w, bias = weights[(layer, gname)]
                 grp = self.groups[gname].group
                 off, size = grp.slice_offsets[s], grp.slice_sizes[s]
-                out[(layer, name)] = dora_scale_shift(w[off:off + size], None if bias is None else
-                                                      bias[off:off + size], mod)
+                out[(layer, name)] = self._dora_module(layer, name, w[off:off + size],
+                                                       None if bias is None else bias[off:off + size], mod)
         head = self.vocab.dora_scales(adapter.vocab_modules)
         if head is not None:
             out[(-1, "lm_head")] = head
@@ -291,6 +291,12 @@ class LoRASlotPool:
             self.num_dora_computes += 1
         self._dora_cache[adapter] = out
         return out
+
+    def _dora_module(self, layer: int, name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     module: LoRAModule) -> tuple[torch.Tensor, torch.Tensor]:
+        """One module's DoRA (scale, shift) from its rows of the base weight (tensor parallelism overrides it for
+        the row-parallel linears, whose rows' norms span the ranks)."""
+        return dora_scale_shift(weight, bias, module)
 
     # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self, deep: bool = True) -> None:

@@ -52,3 +52,28 @@ def plain_twin(dora: Path, out: Path) -> Path:
 def copy_adapter(src: Path, out: Path) -> Path:
     shutil.copytree(src, out, dirs_exist_ok=True)
     return out
+
+
+def save_lora_adapter(model_path: Path, out: Path, targets: list[str], rank: int, seed: int,
+                      b_mult: float = 1.0) -> Path:
+    """A plain PEFT LoRA adapter (A, B filled as tests/helpers/lora_fixtures.py does) on any targets, the
+    vocabulary modules included."""
+    import copy
+
+    from lora_fixtures import _save_adapter
+    from testlib import _hf_model
+
+    return _save_adapter(copy.deepcopy(_hf_model(str(model_path))),
+                         dict(r=rank, lora_alpha=2 * rank, target_modules=targets), b_mult, seed, out)
+
+
+def without_modules(src: Path, out: Path, names: tuple[str, ...]) -> Path:
+    """The adapter with every weight of the named modules (e.g. embed_tokens, lm_head) dropped."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in load_file(str(src / "adapter_model.safetensors")).items()
+             if not any(f"{n}." in k for n in names)}
+    save_file(state, str(out / "adapter_model.safetensors"))
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg["target_modules"] = [t for t in cfg["target_modules"] if t not in names]
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
