@@ -33,6 +33,7 @@ from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
 from adapters.lora_ops.backends import LoRABackends
 from adapters.lora_ops.dispatch import expand, shrink
+from adapters.peft.loader import load_peft_adapter
 from adapters.slots.dora_scales import dora_norm_sq, scale_shift
 from adapters.slots.slot_pool import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
@@ -43,6 +44,21 @@ SlotOp = tuple[str, int, Any]
 ROW_PARALLEL = ("o_proj", "down_proj")
 # a row-parallel DoRA module waiting for its norms' all-reduce: (slot, layer, name, partial squares, module, bias)
 PendingNorm = tuple[int, int, str, torch.Tensor, LoRAModule, "torch.Tensor | None"]
+
+
+def check_tp_adapter(adapter: LoRAAdapter) -> None:
+    """What tensor parallelism cannot serve: DoRA on the LM head (its rows' norms span the vocabulary shards)."""
+    mod = adapter.vocab_modules.get("lm_head")
+    if mod is not None and mod.is_dora:
+        raise AdapterError("DoRA on the LM head (lm_head) is not supported with tensor parallelism",
+                           CODE_UNSUPPORTED_FEATURE)
+
+
+def tp_adapter_loader(source: Any, dims: BaseModelDims, max_rank: int) -> LoRAAdapter:
+    """The registry's loader at tensor_parallel_size > 1: PEFT's, then `check_tp_adapter` (a 400 at load)."""
+    adapter = load_peft_adapter(source, dims, max_rank)
+    check_tp_adapter(adapter)
+    return adapter
 
 
 class ShardedSlotPool(LoRASlotPool):
@@ -56,10 +72,8 @@ class ShardedSlotPool(LoRASlotPool):
         self._writing: list[PendingNorm] = []            # those of the slot write in progress (slot not yet known)
 
     def check_compatible(self, adapter: LoRAAdapter) -> None:
-        mod = adapter.vocab_modules.get("lm_head")
-        if self.shard.world_size > 1 and mod is not None and mod.is_dora:
-            raise AdapterError("DoRA on the LM head is not supported with tensor parallelism",
-                               CODE_UNSUPPORTED_FEATURE)
+        if self.shard.world_size > 1:
+            check_tp_adapter(adapter)
         super().check_compatible(self.shard.shard_adapter(adapter))
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
