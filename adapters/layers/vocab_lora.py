@@ -27,6 +27,10 @@ class LoRAEmbedding(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
+    @property
+    def out_features(self) -> int:
+        return self.stack.lora_b.shape[1]          # hidden
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y = self.base(ids)                                                             # [T, hidden]
         meta = self.context.meta
@@ -46,6 +50,10 @@ class LoRALMHead(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         return self.base.weight
+
+    @property
+    def out_features(self) -> int:
+        return self.stack.lora_b.shape[1]          # vocab
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         y = self.base(hidden)                                                          # [N, vocab]

@@ -18,6 +18,9 @@ column blocks past a slice's width exit at once. The K split is a runtime argume
 summed by expand (no atomics, no zeroing, deterministic); BLOCK_R (the pool's max rank, as a power of
 two) and the tile widths are fixed per pool, so each kernel has one compiled variant per fused linear.
 
+DoRA (HAS_DORA): expand's epilogue rescales a flagged slot's output columns, y = (y + delta) * dora_scale + dora_shift
+(per slot and column; one program per row and column block, so each column once).
+
 The math runs in fp32 (elementwise products reduced with `tl.sum`): decode LoRA is memory-bound, and
 fp32 keeps CPU-interpreter parity with PEFT. Import after TRITON_INTERPRET is set.
 """
@@ -67,12 +70,13 @@ def bgmv_shrink_kernel(
 @triton.jit(do_not_specialize=["stride_hk"])
 def bgmv_expand_kernel(
     h_ptr, b_ptr, y_ptr, row_order_ptr, row_slots_ptr, ranks_ptr, scalings_ptr, slice_meta_ptr,
+    dora_scale_ptr, dora_shift_ptr, dora_flags_ptr,
     num_slices, num_k_splits, y_offset,
     stride_hk, stride_hs, stride_hm,
     stride_bslot, stride_bn,
     stride_ym,
-    stride_rank_s, stride_scale_s,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_rank_s, stride_scale_s, stride_dslot,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DORA: tl.constexpr,
 ):
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -102,4 +106,10 @@ def bgmv_expand_kernel(
     delta = tl.sum(bv.to(tl.float32) * h[None, :], axis=1) * scale                        # [BN]
     y_ptrs = y_ptr + row * stride_ym + y_offset + n_off + offs_n
     cur = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (cur + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+    out = cur + delta
+    if HAS_DORA:
+        if tl.load(dora_flags_ptr + slot) != 0:
+            d_off = slot * stride_dslot + n_off + offs_n                                     # [BN]
+            out = out * tl.load(dora_scale_ptr + d_off, mask=n_mask, other=1.0) \
+                + tl.load(dora_shift_ptr + d_off, mask=n_mask, other=0.0)
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_mask)
