@@ -77,3 +77,33 @@ def test_dora_matches_peft(family: str, tmp_path: Path) -> None:
     llm = check_family(path, adapters, texts, prefix=True)
     assert llm.engine.lora_pool.num_dora_computes == 2     # once per DoRA adapter, not per step or per slot write
     assert MAX_TOKENS == 16
+
+
+@pytest.mark.parametrize("name", ["w4a16_sym_g32_qwen2", "w8a16_ch"])
+def test_dora_on_a_quantized_base_matches_peft(name: str, tmp_path: Path) -> None:
+    """A compressed-tensors checkpoint (4-bit group-wise Qwen2 with q/k/v biases, 8-bit per-channel Llama): DoRA's
+    norms from the dequantized weights, computed once per adapter; PEFT over the fp32 model of the same
+    dequantized weights is the reference."""
+    pytest.importorskip("compressed_tensors")
+    from core.quant.linear import QuantLinear
+    from family_parity import MIN_MARGIN
+    from quant_models import ct_model, ct_reference_dir, reference_greedy
+
+    path, ref = ct_model(name), ct_reference_dir(name)
+    adapters = {"plain-qv": write_adapter(tmp_path / "plain-qv", ref, 4, ["q_proj", "v_proj"], seed=32, b_mult=1.5),
+                "dora-all": save_dora_adapter(ref, tmp_path / "dora-all", ALL7, rank=8, seed=31),
+                "dora-mlp": save_dora_adapter(ref, tmp_path / "dora-mlp", ["gate_proj", "up_proj", "down_proj"],
+                                              rank=16, seed=33, use_rslora=True, alpha=8)}
+    twin = plain_twin(adapters["dora-all"], tmp_path / "twin")
+    ids = [encode(path, t) for t in TEXTS]
+    assert [reference_greedy(ref, adapters["dora-all"], p, MAX_TOKENS)[0] for p in ids] != \
+        [reference_greedy(ref, twin, p, MAX_TOKENS)[0] for p in ids], "test setup: DoRA's magnitudes are moot"
+
+    def on_reference(_: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
+        tokens, margin = reference_greedy(ref, adapter, prompt, MAX_TOKENS)
+        assert margin > MIN_MARGIN, f"test setup: reference near a tie ({adapter}, gap {margin})"
+        return tokens
+
+    llm = check_family(path, adapters, TEXTS, prefix=True, reference_fn=on_reference)
+    assert isinstance(llm.engine.model.model.layers[0].mlp.down_proj.base, QuantLinear)
+    assert llm.engine.lora_pool.num_dora_computes == 2
