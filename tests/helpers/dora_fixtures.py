@@ -17,6 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_fixtures import _fill_lora, _fresh_base
+from tiny_models import TinyModelSpec
+
+# Qwen3 with biases on q/k/v and o (o's is row-parallel under tensor parallelism), head_dim 32 != hidden / heads
+QWEN3_BIASED = TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True, seed=5)
 
 
 def save_dora_adapter(model_path: Path, out: Path, targets: list[str] | str, rank: int, seed: int,

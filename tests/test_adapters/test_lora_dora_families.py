@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning",
                                         "ignore:.*save_embedding_layers.*:UserWarning")
 
-from dora_fixtures import plain_twin, save_dora_adapter  # noqa: E402
+from dora_fixtures import QWEN3_BIASED, plain_twin, save_dora_adapter  # noqa: E402
 from family_models import GEMMA_SPECS, PHI3_SPEC  # noqa: E402
 from family_parity import MAX_TOKENS, check_family  # noqa: E402
 from lora_fixtures import ALL7  # noqa: E402
@@ -21,9 +21,8 @@ from lora_tree import peft_greedy_path, write_adapter  # noqa: E402
 from testlib import PROMPTS, SPECS, encode  # noqa: E402
 from tiny_models import TinyModelSpec, tiny_model_dir  # noqa: E402
 
-QWEN3 = TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True, seed=5)
 FAMILIES: dict[str, TinyModelSpec] = {
-    "llama": SPECS["llama_gqa"], "qwen2": SPECS["qwen2_tied"], "mistral": SPECS["mistral"], "qwen3": QWEN3,
+    "llama": SPECS["llama_gqa"], "qwen2": SPECS["qwen2_tied"], "mistral": SPECS["mistral"], "qwen3": QWEN3_BIASED,
     "phi3": PHI3_SPEC, "gemma2": GEMMA_SPECS["gemma2"], "gemma3_text": GEMMA_SPECS["gemma3_text"],
 }
 SEEDS = {"gemma2": 53, "gemma3_text": 34}   # adapters' seeds (default 31): picked so every reference clears MIN_MARGIN

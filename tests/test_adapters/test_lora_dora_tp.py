@@ -13,10 +13,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
                                         "ignore:.*save_embedding_layers.*:UserWarning")
 
 from adapters.errors import AdapterError  # noqa: E402
-from dora_fixtures import save_dora_adapter, save_lora_adapter  # noqa: E402
+from dora_fixtures import QWEN3_BIASED as QWEN3, save_dora_adapter, save_lora_adapter  # noqa: E402
 from family_parity import check_family  # noqa: E402
 from lora_fixtures import ALL7  # noqa: E402
-from test_lora_dora_families import QWEN3  # noqa: E402
 from testlib import PROMPTS  # noqa: E402
 from tiny_models import tiny_model_dir  # noqa: E402
 
