@@ -132,6 +132,7 @@ def dummy_forward(model: Any, kv_caches: Any, lora_pool: Any, block_size: int, d
     batch = to_device(host, block_size, device)
     if lora_pool is not None:
         lora_pool.context.clear()
+        lora_pool.context.set_step_slots(None)       # no adapter in this step: the LM head's LoRA stays off
     hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)                  # [T, hidden]
     return model.compute_logits(hidden[batch.logits_indices])                                # [N, vocab]
 
