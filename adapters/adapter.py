@@ -47,26 +47,32 @@ class LoRAAdapter:
     # LoRA on the vocabulary modules: "embed_tokens" (A [r, vocab], B [hidden, r]) and "lm_head" ([r, hidden],
     # [vocab, r]), as PEFT targets them (not modules_to_save)
     vocab_modules: Mapping[str, LoRAModule] = field(default_factory=dict)
+    # MoE experts (adapters/peft/expert_keys.py): (layer, expert, "gate_proj" | "up_proj" | "down_proj") -> factors
+    expert_modules: Mapping[tuple[int, int, str], LoRAModule] = field(default_factory=dict)
+
+    def all_modules(self) -> tuple[LoRAModule, ...]:
+        return (*self.modules.values(), *self.vocab_modules.values(), *self.expert_modules.values())
 
     @property
     def max_rank(self) -> int:
-        return max((m.rank for m in (*self.modules.values(), *self.vocab_modules.values())), default=0)
+        return max((m.rank for m in self.all_modules()), default=0)
 
     @property
     def has_dora(self) -> bool:
-        return any(m.is_dora for m in (*self.modules.values(), *self.vocab_modules.values()))
+        return any(m.is_dora for m in self.all_modules())
 
     @property
     def target_modules(self) -> frozenset[str]:
-        return frozenset(name for _, name in self.modules)
+        return frozenset(name for _, name in self.modules) | \
+            frozenset(f"experts.{name}" for _, _, name in self.expert_modules)
 
     @property
     def layers(self) -> frozenset[int]:
-        return frozenset(layer for layer, _ in self.modules)
+        return frozenset(layer for layer, _ in self.modules) | frozenset(k[0] for k in self.expert_modules)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in (*self.modules.values(), *self.vocab_modules.values()))
+        return sum(m.nbytes for m in self.all_modules())
 
     def module(self, layer: int, name: str) -> Optional[LoRAModule]:
         return self.modules.get((layer, name))

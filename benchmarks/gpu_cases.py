@@ -24,7 +24,8 @@ LORA_RANK = {False: 16, True: 8}
 BITMASK_BATCHES = {False: [1, 64, 256], True: [2]}
 
 QUANT_FORMATS = ("bf16", "w4a16", "w8a16", "fp8")
-QUANT_LAYERS = {False: {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
+# issue 35's Llama-3-8B shapes (in, out): gate / up, down, q / o, k / v
+QUANT_LAYERS = {False: {"up": (4096, 14336), "down": (14336, 4096), "o": (4096, 4096), "kv": (4096, 1024)},
                 True: {"qkv": (256, 128), "down": (384, 64)}}
 QUANT_TOKENS = {False: (1, 16, 64, 256, 1024), True: (1, 16)}
 

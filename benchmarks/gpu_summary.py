@@ -150,12 +150,17 @@ def build(run: Run, table: Table) -> None:
         def qrow(d: dict, fmt: str = fmt, t: int = t) -> dict:
             return next(r for r in d["rows"] if r["format"] == fmt and r["tokens"] == t)
         goal = QUANT_TARGETS.get((fmt, t))
-        add("quantized linears", f"{fmt.upper()} linears of a layer, T={t}", "quant", lambda d, fmt=fmt, t=t, g=goal: (
-            qrow(d, fmt, t)["note"] if qrow(d, fmt, t)["ms"] is None else
-            f"{1e3 * qrow(d, fmt, t)['ms']:.1f} us = {qrow(d, fmt, t)['speedup_vs_bf16']:.2f}x bf16 cuBLAS",
-            None if g is None or qrow(d, fmt, t)["ms"] is None else qrow(d, fmt, t)["speedup_vs_bf16"] >= g),
-            f">= {goal}x bf16" if goal else "-", lambda d, fmt=fmt, t=t: "-" if qrow(d, fmt, t)["ms"] is None else
+        # a target holds for every shape (issue 35): judged on the worst shape's ratio, shown beside the sum's
+        add("quantized linears", f"{fmt.upper()} linears of a layer, T={t}", "quant",
+            lambda d, fmt=fmt, t=t, g=goal: (
+                qrow(d, fmt, t)["note"] if qrow(d, fmt, t)["ms"] is None else
+                f"{1e3 * qrow(d, fmt, t)['ms']:.1f} us = {qrow(d, fmt, t)['speedup_vs_bf16']:.2f}x bf16 cuBLAS; worst "
+                f"shape {qrow(d, fmt, t).get('worst_layer')} {qrow(d, fmt, t).get('worst_speedup_vs_bf16', 0):.2f}x",
+                None if g is None or qrow(d, fmt, t)["ms"] is None else
+                qrow(d, fmt, t).get("worst_speedup_vs_bf16", 0) >= g),
+            f">= {goal}x bf16, every shape" if goal else "-", lambda d, fmt=fmt, t=t: "-" if qrow(d, fmt, t)["ms"] is None else
             f"{1e3 * qrow(d, fmt, t)['floor_ms']:.1f} us ({qrow(d, fmt, t)['over_floor']:.2f}x): packed bytes, FLOPs")
+    fp8_part_rows(run, table, quant)
     verify = run.data("spec_verify") or {}
     for b in [r["batch"] for r in verify.get("rows", [])] or [1, 8, 32, 64]:
         def vrow(d: dict, b: int = b) -> dict:
@@ -174,6 +179,22 @@ def build(run: Run, table: Table) -> None:
         f"{d['num_requests']} requests, HF static batch {d['hf_batch_size']})",
         d["speedup_vs_hf"] >= 15), ">= 15x (issue 13)")
     serving_rows(run, table)
+
+
+def fp8_part_rows(run: Run, table: Table, quant: dict) -> None:
+    """What the FP8 layer spends beside the raw GEMM (issue 35): its activation quantization kernel, the torch ops
+    it replaced, `_scaled_mm` alone; no target of its own (the FP8 rows above carry the targets)."""
+    def text(d: dict, t: int) -> tuple[str, bool | None]:
+        r = next((r for r in d.get("fp8_parts", []) if r["tokens"] == t), None)
+        if r is None:
+            return "not run (FP8 tensor cores needed)", None
+        return (f"quantization {1e3 * r['quant_ms']:.1f} us (torch ops: {1e3 * r['quant_torch_ms']:.1f} us) + "
+                f"_scaled_mm {1e3 * r['scaled_mm_ms']:.1f} us; kernel bitwise = emulation: {r['exact']}",
+                False if not r["exact"] else None)
+    for t in [r["tokens"] for r in quant.get("fp8_parts", [])] or list(QUANT_TOKENS[run.dry]):
+        table.add("quantized linears", f"FP8 parts of a layer, T={t}", "quant", lambda d, t=t: text(d, t), "-",
+                  lambda d, t=t: next((f"{1e3 * r['quant_floor_ms']:.2f} us: x read + codes and scales written"
+                                       for r in d.get("fp8_parts", []) if r["tokens"] == t), "-"))
 
 
 def _verify_b1(run: Run) -> str:

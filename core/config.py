@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from core.models.family_config import (
-    GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, rope_fields, text_config,
+    GEMMA_TYPES, SUPPORTED_MODEL_TYPES, family_fields, layer_windows, moe_fields, rope_fields, text_config,
 )
 from core.spec.config import SpeculativeConfig
 
@@ -46,6 +46,14 @@ class ModelConfig:
     attn_logit_softcap: float | None = None      # Gemma 2: softcap * tanh(scores / softcap)
     final_logit_softcap: float | None = None     # Gemma 2: the same on the LM head's logits
     local_rope_theta: float | None = None        # Gemma 3: default rope with this theta on sliding layers
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: core/models/moe.py); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0         # each expert's width (intermediate_size: the dense MLPs' width)
+    norm_topk_prob: bool = False           # the top-k routing weights renormalized to sum to 1
+    router_weights_fp32: bool = False      # Mixtral: routing weights stay fp32 (Qwen: cast to the model dtype)
+    shared_expert: bool = False            # Qwen2-MoE: a dense shared expert with a sigmoid gate in every sparse layer
+    sparse_layers: tuple[bool, ...] = ()   # per layer: True where the MLP is the sparse MoE block
 
     @staticmethod
     def from_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -67,15 +75,16 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
         rope_theta, scaling, local_theta, partial = rope_fields(cfg, model_type)
-        is_qwen2 = model_type == "qwen2"
+        is_qwen2 = model_type in ("qwen2", "qwen2_moe")
         attention_bias = bool(cfg.get("attention_bias", False))
         num_layers = int(cfg["num_hidden_layers"])
         windows = layer_windows(cfg, model_type, num_layers)
+        moe = moe_fields(cfg, model_type, num_layers)
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=moe.pop("intermediate_size", int(cfg["intermediate_size"])),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -85,7 +94,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
-            qkv_bias=is_qwen2 or attention_bias,
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=max((w for w in windows if w), default=None),
@@ -94,6 +103,7 @@ class ModelConfig:
             rotary_dim=int(int(head_dim) * partial),
             local_rope_theta=local_theta,
             **family_fields(cfg, model_type),
+            **moe,
         )
 
     @staticmethod
@@ -111,6 +121,10 @@ class ModelConfig:
             feats.append(f"partial rotary ({self.rotary_dim} of {self.head_dim} channels)")
         if self.architecture == "gemma":
             feats.append(f"{self.hidden_act} MLP, attention scale {self.attn_scale:.4g}")
+        if self.num_experts:
+            shared = ", a gated shared expert" if self.shared_expert else ""
+            feats.append(f"{self.num_experts} experts, top {self.num_experts_per_tok}{shared} on "
+                         f"{sum(self.sparse_layers)}/{self.num_layers} layers")
         if self.local_rope_theta is not None:
             feats.append(f"local rope theta {self.local_rope_theta:g} on sliding layers")
         feats += [f"{what} soft-cap {cap:g}" for what, cap in (("attention", self.attn_logit_softcap),
@@ -124,6 +138,10 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s MLP is the sparse MoE block."""
+        return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
 
     @property
     def q_size(self) -> int:

@@ -57,6 +57,10 @@ class BaseModelDims:
     head_dim: int
     num_layers: int
     vocab_size: int
+    num_experts: int = 0               # MoE: experts per sparse layer (0: a dense model)
+    moe_intermediate_size: int = 0     # MoE: each expert's width
+    sparse_layers: tuple[bool, ...] = ()   # MoE: per layer, True where the MLP is the sparse block
+    shared_expert: bool = False        # MoE: the sparse block has a dense shared expert (Qwen2-MoE)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -92,7 +96,18 @@ class BaseModelDims:
             head_dim=int(cfg.head_dim),
             num_layers=int(cfg.num_layers),
             vocab_size=int(cfg.vocab_size),
+            num_experts=int(getattr(cfg, "num_experts", 0)),
+            moe_intermediate_size=int(getattr(cfg, "moe_intermediate_size", 0)),
+            sparse_layers=tuple(bool(v) for v in getattr(cfg, "sparse_layers", ())),
+            shared_expert=bool(getattr(cfg, "shared_expert", False)),
         )
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
+    def has_dense_mlp(self, layer: int) -> bool:
+        """Whether layer `layer` has dense-MLP linears for gate/up/down LoRA (a dense layer, or a shared expert)."""
+        return not self.is_sparse_layer(layer) or self.shared_expert
 
     @property
     def q_size(self) -> int:

@@ -92,6 +92,15 @@ def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
     raise ValueError("model has no `layers` (nor `model.layers`) to wrap")
 
 
+def linear_parent(layer: nn.Module, parent_name: str) -> nn.Module | None:
+    """The module holding a layer's `parent_name` linears: an MoE block's (core/models/moe.py) dense linears are
+    its shared expert's (Qwen2-MoE); a block without one has none (its experts: adapters/layers/expert_lora.py)."""
+    parent = getattr(layer, parent_name)
+    if parent_name == "mlp" and hasattr(parent, "experts"):
+        return getattr(parent, "shared_expert", None)
+    return parent
+
+
 def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
     """Swap qkv_proj, o_proj, gate_up_proj and down_proj of every layer for LoRALinear, and the embedding and LM
     head (when the model has them) for their LoRA wrappers (`vocab_lora.py`).
@@ -101,7 +110,9 @@ def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
         raise ValueError(f"model has {len(layers)} layers, the pool {pool.dims.num_layers}")
     for idx, layer in enumerate(layers):
         for group, (parent_name, attr) in GROUP_ATTRS.items():
-            parent = getattr(layer, parent_name)
+            parent = linear_parent(layer, parent_name)
+            if parent is None:
+                continue
             module = getattr(parent, attr)
             if isinstance(module, LoRALinear):
                 continue
@@ -118,7 +129,9 @@ def remove_lora_wrappers(model: nn.Module) -> None:
     remove_vocab_lora_wrappers(model)
     for layer in _decoder_layers(model):
         for parent_name, attr in GROUP_ATTRS.values():
-            parent = getattr(layer, parent_name)
+            parent = linear_parent(layer, parent_name)
+            if parent is None:
+                continue
             module = getattr(parent, attr)
             if isinstance(module, LoRALinear):
                 setattr(parent, attr, module.base)

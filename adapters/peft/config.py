@@ -17,6 +17,9 @@ from adapters.errors import (
     CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError,
 )
 
+# MoE targets: Mixtral's per-expert w1/w2/w3 and the router gate (target_parameters: adapters/peft/expert_keys.py)
+_EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate")
+
 # Config fields that must be empty/false: (field, reason).
 _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
     ("modules_to_save", "modules_to_save (fully fine-tuned extra modules) is not supported"),
@@ -24,7 +27,6 @@ _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
     ("lora_bias", "LoRA bias (lora_bias) is not supported"),
     ("use_qalora", "QA-LoRA is not supported"),
     ("layer_replication", "layer_replication is not supported"),
-    ("target_parameters", "LoRA on parameters (target_parameters) is not supported"),
     ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens) is not supported"),
     ("velora_config", "VeLoRA is not supported"),
     ("monteclora_config", "MonteCLoRA is not supported"),
@@ -77,10 +79,10 @@ def _check_target_modules(targets: Any) -> None:
         return  # "all-linear" or a regex: the saved weight keys decide (and are checked)
     if not isinstance(targets, (list, tuple, set)):
         raise _invalid(f"target_modules has an unexpected type {type(targets).__name__}")
-    bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES})
+    bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES})
     if bad:
         raise _invalid(
-            f"unsupported target modules {bad}; supported: {list(PEFT_TARGET_NAMES)}",
+            f"unsupported target modules {bad}; supported: {list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)}",
             CODE_UNSUPPORTED_TARGET)
 
 

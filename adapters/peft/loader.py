@@ -29,6 +29,7 @@ from adapters.errors import (
     CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, AdapterNotFoundError,
 )
 from adapters.peft.config import PeftLoRAConfig, parse_peft_config
+from adapters.peft.expert_keys import build_expert_modules, check_dense_mlp_targets, split_expert_state
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -317,9 +318,12 @@ def load_peft_adapter(
     raw = _read_config(files)
     cfg = parse_peft_config(raw)
     _check_added_tokens(files)
-    state = _read_weights(files)
-    modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank)
+    state, expert_state = split_expert_state(_read_weights(files))   # MoE experts: adapters/peft/expert_keys.py
+    experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
+    modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank) if state or not experts else ({}, {})
+    check_dense_mlp_targets(modules, dims)
     return LoRAAdapter(
         source=files.label, path=files.path, modules=modules,
-        base_model_name_or_path=cfg.base_model_name_or_path, config=raw, vocab_modules=vocab,
+        base_model_name_or_path=cfg.base_model_name_or_path, config=raw, expert_modules=experts,
+        vocab_modules=vocab,
     )

@@ -33,7 +33,8 @@ def host_copy(adapter: LoRAAdapter, dtype: torch.dtype, pin: bool) -> LoRAAdapte
     return LoRAAdapter(source=adapter.source, path=adapter.path,
                        modules={key: module(m) for key, m in adapter.modules.items()},
                        base_model_name_or_path=adapter.base_model_name_or_path, config=adapter.config,
-                       vocab_modules={key: module(m) for key, m in adapter.vocab_modules.items()})
+                       vocab_modules={key: module(m) for key, m in adapter.vocab_modules.items()},
+                       expert_modules={key: module(m) for key, m in adapter.expert_modules.items()})
 
 
 class LoaderPool:

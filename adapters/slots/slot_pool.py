@@ -35,6 +35,7 @@ from adapters.errors import (
 )
 from adapters.lora_ops import LoRABackends, LoRAStack
 from adapters.slots.dora_scales import base_weight, dora_scale_shift
+from adapters.slots.expert_slots import ExpertSlots
 from adapters.slots.vocab_slots import VocabSlots
 
 DoraScales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]   # (layer, module) -> (scale, shift) [out]
@@ -93,6 +94,8 @@ class LoRASlotPool:
             self.groups[name] = GroupBuffers(grp, a, b, ranks, scal, rh, sh, d_scale, d_shift, d_flags, d_host,
                                              stacks)
         self.vocab = VocabSlots(num_slots, max_rank, dims.vocab_size, dims.hidden_size, self.device, dtype)
+        # an MoE base: the experts' LoRA slots (adapters/slots/expert_slots.py), kept in step with these
+        self.experts = ExpertSlots(num_slots, max_rank, dims, self.device, dtype) if dims.num_experts else None
         self._slot_ids: list[Optional[Hashable]] = [None] * num_slots
         self._slot_adapters: list[Optional[LoRAAdapter]] = [None] * num_slots
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
@@ -169,6 +172,10 @@ class LoRASlotPool:
                 raise AdapterError(f"adapter module {name} does not fit the base model", CODE_SHAPE_MISMATCH)
             if mod.is_dora and (name == "embed_tokens" or self.vocab.lm_head_base is None):
                 raise AdapterError(f"DoRA on {name} is not supported", CODE_UNSUPPORTED_TARGET)
+        if adapter.expert_modules and self.experts is None:
+            raise AdapterError("adapter has LoRA on MoE experts but the base model has none", CODE_SHAPE_MISMATCH)
+        if self.experts is not None:
+            self.experts.check_compatible(adapter)
 
     def _victim(self, protected: Collection[int]) -> Optional[int]:
         if None in self._slot_ids:
@@ -234,6 +241,8 @@ class LoRASlotPool:
             buf.dora_flags[:, slot] = 0
             buf.dora_host[:, slot] = False
         self.vocab.clear(slot)
+        if self.experts is not None:
+            self.experts.clear(slot)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter, non_blocking: bool = False) -> None:
         """Zero the whole slot (untargeted modules stay zero with rank 0), then copy."""
@@ -261,6 +270,8 @@ class LoRASlotPool:
             buf.ranks[:, :, slot].copy_(buf.ranks_host[:, :, slot])
             buf.scalings[:, :, slot].copy_(buf.scalings_host[:, :, slot])
             buf.dora_flags[:, slot].copy_(buf.dora_host[:, slot])
+        if self.experts is not None:
+            self.experts.write(slot, adapter, non_blocking)
 
     def dora_scales(self, adapter: LoRAAdapter) -> DoraScales:
         """The DoRA (scale, shift) of every DoRA module of `adapter` on this pool's base weights, computed on its
@@ -316,6 +327,8 @@ class LoRASlotPool:
             self._check_group_tables(name, buf, used)
             if deep:
                 self._check_group_weights(name, buf)
+        if self.experts is not None:
+            self.experts.check_integrity(self._slot_adapters, deep)
 
     def _check_group_tables(self, name: str, buf: GroupBuffers, used: list[int]) -> None:
         rh, sh = buf.ranks_host, buf.scalings_host  # [L, S, slots]

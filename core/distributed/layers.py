@@ -6,6 +6,9 @@ attention and MLP already compute on this rank's shard; `parallelize_model` then
 - `qkv_proj`, `gate_up_proj` -> ColumnParallelLinear (no communication: the output stays sharded)
 - `embed_tokens`             -> VocabParallelEmbedding (rows of its vocabulary range; one all-reduce)
 - `lm_head`                  -> ParallelLMHead (its vocabulary range; logits gathered on rank 0 only)
+- MoE `mlp.experts`          -> RowParallelExperts (every expert's intermediate slice; one all-reduce of the
+                                weighted sum); the router and Qwen2-MoE's shared-expert gate stay whole, the
+                                shared expert is split like a dense MLP
 Every module stays an `nn.Linear` where it was one, so LoRA wrappers attach as they do at N=1. A single
 rank's shard is the whole model: nothing is swapped (no collective to run, no vocabulary to mask).
 """
@@ -17,6 +20,7 @@ from torch import nn
 
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
+from core.models.moe import Experts, RoutePlan
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -67,6 +71,20 @@ class ParallelLMHead(nn.Module):
         return logits[:, :self.vocab_size]   # [N, vocab] (drop the padding rows)
 
 
+class RowParallelExperts(Experts):
+    """Experts over this rank's slice of every expert's intermediate dimension (gate/up rows, down columns): each
+    row's down output is a partial sum, and so is their routing-weighted sum, all-reduced once in `combine`
+    (the expert LoRA wrapper adds its down deltas before `combine`, so they are summed with it)."""
+
+    def __init__(self, experts: Experts, tp: TPGroup) -> None:
+        nn.Module.__init__(self)
+        self.num_experts, self.act_and_mul, self.tp = experts.num_experts, experts.act_and_mul, tp
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+
+    def combine(self, rows: torch.Tensor, plan: RoutePlan, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.tp.all_reduce(super().combine(rows, plan, num_tokens, dtype))   # [T, H], summed over ranks
+
+
 def _column(linear: nn.Linear) -> ColumnParallelLinear:
     return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                 device=linear.weight.device)
@@ -86,6 +104,11 @@ def parallelize_model(model: nn.Module, shard: TPShard, tp: TPGroup) -> None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj, attn.o_proj = _column(attn.qkv_proj), _row(attn.o_proj, tp)
+        if hasattr(mlp, "experts"):                               # the sparse MoE block
+            mlp.experts = RowParallelExperts(mlp.experts, tp)
+            mlp = getattr(mlp, "shared_expert", None)             # Qwen2-MoE: a dense MLP beside the experts
+            if mlp is None:
+                continue
         mlp.gate_up_proj, mlp.down_proj = _column(mlp.gate_up_proj), _row(mlp.down_proj, tp)
     model.model.embed_tokens = VocabParallelEmbedding(shard, hidden, tp, device=device)
     model.lm_head = ParallelLMHead(shard, hidden, tp, device=device)

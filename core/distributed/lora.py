@@ -2,6 +2,8 @@
 
 - Column-parallel linears (qkv, gate_up): A whole, B by output rows; the delta lands on this rank's
   output columns with no communication.
+- MoE experts (sharded by their intermediate dimension): gate/up B by output rows; down A by input columns with
+  B whole, each rank's partial delta summed by the experts' own all-reduce (core/distributed/layers.py).
 - Row-parallel linears (o, down): A by input columns; the partial shrink result h = x_local A_local^T
   ([S, T_lora, R], small) is all-reduced, then B (whole) is applied once to the replicated output. Decode
   batches with per-row slots (`DecodeLoRAMeta`, the CUDA-graph path) do the same with the BGMV halves.
@@ -16,7 +18,7 @@ scales are computed locally; a row-parallel linear's rows span the ranks, so eac
 partial squared norms at the slot write and every rank all-reduces the step's pending partials in one collective
 (`finish_dora`: the driver after sending the step, the workers after replaying its journal, both before the
 forward), then rescales after the linear's all-reduce as at N=1. DoRA on the LM head (vocabulary rows sharded)
-is refused at N > 1.
+is refused at N > 1 (`tp_adapter_loader`, the registry's loader there).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from torch import nn
 from adapters.adapter import LoRAAdapter, LoRAModule
 from adapters.errors import CODE_UNSUPPORTED_FEATURE, AdapterError
 from adapters.layers.dims import MODULE_TO_GROUP, BaseModelDims
-from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers
+from adapters.layers.expert_lora import apply_expert_lora_wrappers
+from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers, linear_parent
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink
 from adapters.lora_ops.backends import LoRABackends
@@ -39,7 +42,7 @@ from adapters.slots.slot_pool import LoRASlotPool
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
 
-# ("write", slot, (source, path, modules, vocab_modules)) | ("clear", slot, None)
+# ("write", slot, (source, path, modules, expert modules, vocab modules)) | ("clear", slot, None)
 SlotOp = tuple[str, int, Any]
 ROW_PARALLEL = ("o_proj", "down_proj")
 # a row-parallel DoRA module waiting for its norms' all-reduce: (slot, layer, name, partial squares, module, bias)
@@ -83,7 +86,7 @@ class ShardedSlotPool(LoRASlotPool):
         self._writing = []
         if self._journal is not None:
             self._journal.append(("write", slot, (adapter.source, adapter.path, dict(adapter.modules),
-                                                  dict(adapter.vocab_modules))))
+                                                  dict(adapter.expert_modules), dict(adapter.vocab_modules))))
 
     def _clear_slot(self, slot: int) -> None:
         super()._clear_slot(slot)
@@ -131,8 +134,9 @@ class ShardedSlotPool(LoRASlotPool):
             if kind == "clear":
                 super()._clear_slot(slot)
             else:
-                source, path, modules, vocab = payload
-                self._write_slot(slot, LoRAAdapter(source=source, path=path, modules=modules, vocab_modules=vocab))
+                source, path, modules, experts, vocab = payload
+                self._write_slot(slot, LoRAAdapter(source=source, path=path, modules=modules, expert_modules=experts,
+                                                   vocab_modules=vocab))
 
 
 class RowParallelLoRALinear(LoRALinear):
@@ -168,8 +172,12 @@ class RowParallelLoRALinear(LoRALinear):
 
 def apply_tp_lora_wrappers(model: nn.Module, pool: ShardedSlotPool, tp: TPGroup) -> None:
     apply_lora_wrappers(model, pool)
+    if pool.experts is not None:            # an MoE base: LoRA on its experts
+        apply_expert_lora_wrappers(model, pool.experts, pool.context)
     if tp.world_size == 1:
         return
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallelLoRALinear(layer.self_attn.o_proj, tp)
-        layer.mlp.down_proj = RowParallelLoRALinear(layer.mlp.down_proj, tp)
+        mlp = linear_parent(layer, "mlp")         # an MoE layer: its shared expert's, if it has one
+        if mlp is not None:
+            mlp.down_proj = RowParallelLoRALinear(mlp.down_proj, tp)

@@ -25,7 +25,7 @@ from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
 from core.models.registry import model_class
 from core.models.rope import layer_rotaries
-from core.quant.config import detect_quantization
+from core.quant.config import UnsupportedQuantization, detect_quantization
 from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
 
 
@@ -55,6 +55,9 @@ def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch
         layer.self_attn.rotary = rotary.to(device)
     if local.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if local.num_experts and (quantization or (load_format != "dummy" and detect_quantization(model_dir))):
+        raise UnsupportedQuantization("quantized mixture-of-experts models (a quantized checkpoint or "
+                                      "--quantization) are not supported; serve the unquantized checkpoint")
     if load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
         quantize_dummy(model, model_dir, quantization)

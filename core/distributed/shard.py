@@ -23,6 +23,8 @@ def check_tp_divisible(cfg: ModelConfig, world_size: int) -> None:
         problems.append(f"num_attention_heads ({cfg.num_heads})")
     if cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size ({cfg.intermediate_size})")
+    if cfg.num_experts and cfg.moe_intermediate_size % world_size:
+        problems.append(f"the experts' intermediate size ({cfg.moe_intermediate_size})")
     kv = cfg.num_kv_heads
     if (kv >= world_size and kv % world_size) or (kv < world_size and world_size % kv):
         problems.append(f"num_key_value_heads ({kv}; it must divide by N, or N by it)")
@@ -55,6 +57,10 @@ class TPShard:
         return self.cfg.intermediate_size // self.world_size
 
     @property
+    def moe_intermediate_size(self) -> int:
+        return self.cfg.moe_intermediate_size // self.world_size
+
+    @property
     def vocab_per_rank(self) -> int:
         return -(-self.cfg.vocab_size // self.world_size)
 
@@ -68,9 +74,10 @@ class TPShard:
         return max(0, min(self.cfg.vocab_size, self.vocab_start + self.vocab_per_rank) - self.vocab_start)
 
     def local_config(self) -> ModelConfig:
-        """The model config of one rank's shard (heads, KV heads and MLP width divided)."""
+        """The model config of one rank's shard (heads, KV heads, MLP and expert widths divided)."""
         return dataclasses.replace(self.cfg, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.intermediate_size)
+                                   intermediate_size=self.intermediate_size,
+                                   moe_intermediate_size=self.moe_intermediate_size)
 
     # ---- row ranges of the column-parallel outputs ------------------------------------------
     def out_range(self, module: str) -> tuple[int, int]:
@@ -111,4 +118,13 @@ class TPShard:
                 mag = None if mag is None else mag[start:start + size]       # DoRA: the rank's output rows
             modules[(layer, name)] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling,
                                                 None if mag is None else mag.contiguous())
-        return dataclasses.replace(adapter, modules=modules)
+        start, size = self.rank * self.moe_intermediate_size, self.moe_intermediate_size
+        experts: dict[tuple[int, int, str], LoRAModule] = {}
+        for key, mod in adapter.expert_modules.items():   # MoE experts: their intermediate slice
+            a, b = mod.lora_a, mod.lora_b                                    # [r, in], [out, r]
+            if key[2] == "down_proj":
+                a = a[:, start:start + size]                                 # [r, I / N]
+            elif key[2] != "gate":                                           # the router stays whole
+                b = b[start:start + size]                                    # [I / N, r]
+            experts[key] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling)
+        return dataclasses.replace(adapter, modules=modules, expert_modules=experts)

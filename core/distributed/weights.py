@@ -3,8 +3,8 @@
 Each tensor is read through a safetensors slice, so a rank reads no more of the checkpoint than its shard
 (`shard.py` says which rows or columns); a single rank's shard is the whole tensor. Unfused q/k/v and gate/up
 tensors go to their slices of our fused linears; checkpoints that fuse them already (Phi-3 `qkv_proj`,
-`gate_up_proj`) are cut into each part's rows. Tensors a quantized checkpoint's loader consumed (`skip`) are
-left alone.
+`gate_up_proj`) are cut into each part's rows. MoE experts load through `expert_weights.py`. Tensors a quantized
+checkpoint's loader consumed (`skip`) are left alone.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from adapters.layers.dims import CHECKPOINT_FUSED, BaseModelDims
+from core.distributed.expert_weights import expected_parts, is_expert_param, load_expert_tensor
 from core.distributed.shard import TPShard
 from core.models.loader import checkpoint_name
 
@@ -95,6 +96,10 @@ def load_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard, skip: 
                     name = checkpoint_name(file_name)
                     if name is None or file_name in skip:   # skip: tensors core.quant loaded
                         continue
+                    experts = load_expert_tensor(params, name, f.get_slice(file_name), shard, file_name)
+                    if experts is not None:                 # MoE experts, fused or per expert
+                        loaded.update(experts)
+                        continue
                     target, hf_module, fused, idx = name, None, None, 0
                     for hf, (fused_name, i) in _STACKED.items():
                         if f".{hf}." in name:
@@ -120,7 +125,10 @@ def load_weights(model: torch.nn.Module, model_dir: Path, shard: TPShard, skip: 
                     _copy(dest, piece, file_name)
                     loaded.add(f"{target}#{idx}")
     expected = set()
-    for pname in params:
+    for pname, param in params.items():
+        if is_expert_param(pname):
+            expected.update(expected_parts(pname, param))
+            continue
         n = {"qkv_proj": 3, "gate_up_proj": 2}.get(pname.split(".")[-2], 1)
         expected.update(f"{pname}#{i}" for i in range(n))
     if shard.cfg.tie_word_embeddings:

@@ -125,7 +125,8 @@ _BACKEND_DOC = ("auto: the Triton kernels for CUDA tensors when triton imports, 
 ATTENTION_BACKEND = EnvVar("LORAPLEX_ATTENTION_BACKEND", _BACKEND, "auto", "auto",
                            "paged attention and the KV store. " + _BACKEND_DOC, _choice("auto", "torch", "triton"))
 FUSED_OPS = EnvVar("LORAPLEX_FUSED_OPS", _BACKEND, "auto", "auto",
-                   "the fused RMSNorm / rotary / SiLU-and-mul ops of the decoder. " + _BACKEND_DOC,
+                   "the fused RMSNorm / rotary / SiLU-and-mul ops of the decoder, the FP8 activation "
+                   "quantization and the MoE experts' grouped GEMM. " + _BACKEND_DOC,
                    _choice("auto", "torch", "triton"))
 LORA_BACKEND = EnvVar("LORAPLEX_LORA_BACKEND", _BACKEND, "auto", "auto",
                       "the LoRA shrink / expand ops (segmented and BGMV). " + _BACKEND_DOC,

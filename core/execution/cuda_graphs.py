@@ -218,6 +218,10 @@ def build_decode_graphs(config: Any, parts: Any) -> DecodeGraphRunner | None:
     `capture()` runs in the start-up warm-up."""
     if parts.device.type != "cuda" or config.enforce_eager:
         return None
+    if getattr(parts.model.config, "num_experts", 0):
+        log.warning("decode CUDA graphs are not captured for a mixture-of-experts model (the experts' grouping reads "
+                    "the per-expert row counts on the host); running eagerly")
+        return None
     from core.attention.triton_backend import TritonAttentionBackend  # optional: triton
 
     backend = parts.model.model.layers[0].self_attn.backend

@@ -1,5 +1,11 @@
-"""Where the model runs and in which dtype (`--device`, `--dtype`), resolved once for every rank."""
+"""Where the model runs and in which dtype (`--device`, `--dtype`), resolved once for every rank.
+
+`--dtype auto`: on a GPU the checkpoint's bf16/fp16 (bf16 otherwise); on a CPU bf16 where the CPU computes it
+natively (AVX-512 BF16 or AMX-BF16, as vLLM's CPU build decides) and fp32 elsewhere. Logits and sampling stay fp32
+whatever the model dtype."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -7,6 +13,27 @@ from core.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+# /proc/cpuinfo flags of a CPU with native bf16 arithmetic (dot products in bf16 at fp32 accumulation)
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first processor in a /proc/cpuinfo text (empty where there is none)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """True where this CPU has AVX-512 BF16 or AMX-BF16 (read once from /proc/cpuinfo; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return bool(cpu_flags(f.read()) & CPU_BF16_FLAGS)
+    except OSError:
+        return False
 
 
 def resolve_device(device: str) -> torch.device:
@@ -21,7 +48,7 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
             raise ValueError(f"unknown dtype {dtype!r}")
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return _DTYPES.get(str(cfg.torch_dtype), torch.bfloat16) if cfg.torch_dtype in ("bfloat16", "float16") \
         else torch.bfloat16
 

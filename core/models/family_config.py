@@ -1,16 +1,20 @@
 """What differs between the model families in an HF `config.json`, read into ModelConfig's fields.
 
-Families: Llama (llama, mistral, qwen2, qwen3, phi3: one decoder with per-family parts) and Gemma (gemma2,
-gemma3_text, and the text model of a multimodal gemma3 checkpoint: `text_config`, weights under a
+Families: Llama (llama, mistral, qwen2, qwen3, phi3: one decoder with per-family parts; its mixture-of-experts
+relatives mixtral, qwen2_moe, qwen3_moe: the same decoder with a sparse MoE block, core/models/moe.py) and Gemma
+(gemma2, gemma3_text, and the text model of a multimodal gemma3 checkpoint: `text_config`, weights under a
 language-model prefix)."""
 from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                         "gemma2", "gemma3_text", "gemma3")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
-_QK_NORM_TYPES = ("qwen3", "gemma3_text", "gemma3")  # per-head RMSNorm of q and k before rope
-_USE_SLIDING_FLAG_TYPES = ("qwen2", "qwen3")         # `sliding_window` applies only with `use_sliding_window`
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "gemma3")  # per-head RMSNorm of q and k before rope
+# `sliding_window` applies only with `use_sliding_window`
+_USE_SLIDING_FLAG_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -75,4 +79,45 @@ def family_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         query_pre_attn_scalar=float(qpas) if qpas else None,
         attn_logit_softcap=float(attn_cap) if attn_cap else None,
         final_logit_softcap=float(final_cap) if final_cap else None,
+    )
+
+
+def moe_fields(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig fields of a mixture-of-experts family, as HF transformers reads them: which layers are sparse
+    (Qwen: `decoder_sparse_step`, `mlp_only_layers`; Mixtral: all), the router (softmax over all experts, top-k,
+    renormalized for Mixtral always and for Qwen with `norm_topk_prob`; Mixtral keeps the routing weights in fp32,
+    Qwen casts them to the model dtype), the experts' width and Qwen2-MoE's shared expert. `intermediate_size`
+    becomes the width of every dense MLP module (dense layers and the shared expert), so the dense-MLP LoRA
+    targets fit either."""
+    if model_type not in MOE_TYPES:
+        return {}
+    if model_type == "mixtral":
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 8)
+        sparse = (True,) * num_layers
+        moe_width, dense_width = int(cfg["intermediate_size"]), int(cfg["intermediate_size"])
+    else:
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5: the latter
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense_only = {int(i) for i in (cfg.get("mlp_only_layers") or [])}
+        sparse = tuple(i not in dense_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        moe_width, dense_width = int(cfg["moe_intermediate_size"]), int(cfg["intermediate_size"])
+    shared = model_type == "qwen2_moe" and any(sparse)
+    if shared:
+        shared_width = int(cfg["shared_expert_intermediate_size"])
+        if not all(sparse) and shared_width != dense_width:
+            raise ValueError(f"qwen2_moe with dense layers of width {dense_width} beside shared experts of width "
+                             f"{shared_width} is not supported (loraplex runs one dense-MLP width per model)")
+        dense_width = shared_width
+    top_k = int(cfg.get("num_experts_per_tok", 2))
+    if any(sparse) and not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts {num_experts}]")
+    return dict(
+        intermediate_size=dense_width,
+        num_experts=num_experts if any(sparse) else 0,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_width,
+        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        router_weights_fp32=model_type == "mixtral",
+        shared_expert=shared,
+        sparse_layers=sparse,
     )

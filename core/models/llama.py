@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token batch with a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat token
+batch with a paged KV cache.
 
-Per-family parts are chosen when the model is built (Qwen3's per-head q/k norms, or identities), never
-by branches in `forward`.
+Per-family parts are chosen when the model is built (Qwen3's per-head q/k norms, or identities; the sparse MoE
+block of core/models/moe.py in the sparse layers of an MoE family), never by branches in `forward`.
 
 The model knows nothing of LoRA or grammar: adapters wrap the fused linears
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`); the grammar masks the logits outside.
@@ -18,6 +19,7 @@ from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 from core.config import ModelConfig
 from core.models import fused_ops
+from core.models.moe import SparseMoeBlock
 from core.models.rope import RotaryEmbedding, layer_rotaries
 
 
@@ -98,7 +100,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # Mixtral / Qwen-MoE: the sparse block in sparse layers (Qwen2-MoE: with a shared expert, a dense MLP)
+        self.mlp: nn.Module = MLP(cfg) if not cfg.is_sparse_layer(layer_idx) else \
+            SparseMoeBlock(cfg, GATED_ACTIVATIONS[cfg.hidden_act], MLP(cfg) if cfg.shared_expert else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

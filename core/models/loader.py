@@ -58,6 +58,7 @@ def checkpoint_name(name: str) -> str | None:
     """The text model's name for a checkpoint tensor name; None for tensors not loaded."""
     if any(part in name for part in _SKIPPED_PARTS):
         return None
+    name = name.replace(".block_sparse_moe.", ".mlp.")   # Mixtral's hub name of its MoE block
     for prefix, replacement in _TEXT_PREFIXES:
         if name.startswith(prefix):
             return replacement + name[len(prefix):]

@@ -251,7 +251,8 @@ def kernel_variants(engine: Any) -> list[KernelVariant]:
                                                     draft.max_positions, draft.device,
                                                     engine.spec.num_speculative_tokens)]
     quant = [KernelVariant("quant_gemm", label, run)
-             for label, run in quant_gemm_warmups(engine.model, engine.device)]
+             for label, run in quant_gemm_warmups(engine.model, engine.device,
+                                                  engine.config.scheduler.max_num_batched_tokens)]
     return forwards + quant + lora_variants(engine.model, engine.lora_pool)
 
 

@@ -26,6 +26,7 @@ KERNEL_MODULES = (
     "adapters.lora_ops.triton_kernels",
     "adapters.lora_ops.bgmv_kernels",
     "grammar.matching.bitmask_triton",
+    "core.quant.fp8_quant",
 )
 
 

@@ -36,6 +36,9 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
@@ -258,7 +261,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
     kwargs.update({k: list(v) if isinstance(v, tuple) else v for k, v in spec.extra_config})  # type: ignore[misc]
     if spec.arch == "mistral":
         kwargs["sliding_window"] = spec.sliding_window
-    elif spec.arch in ("qwen2", "qwen3"):
+    elif spec.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         kwargs["use_sliding_window"] = spec.sliding_window is not None
         kwargs["sliding_window"] = spec.sliding_window
     config = getattr(transformers, cfg_name)(**kwargs)

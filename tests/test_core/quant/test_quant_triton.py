@@ -1,6 +1,6 @@
-"""The dequantizing Triton GEMM (core/quant/triton_gemm.py) on `kernel_device()` (compiled on a GPU, the Triton
-interpreter without one) against the torch path (dequantize, then matmul): 4 and 8 bits, groups and act-order
-g_idx, both tile configs, ragged shapes; and the FP8 `torch._scaled_mm` path against its torch emulation."""
+"""The dequantizing Triton GEMM (core/quant/triton_gemm.py) compiled for an H100 without a GPU (exact fp32 dots,
+wide loads; its numerics: test_quant_gemm.py, its loads: test_quant_gemm_loads.py), and the FP8
+`torch._scaled_mm` path against its torch emulation on `kernel_device()`."""
 from __future__ import annotations
 
 import json
@@ -15,64 +15,48 @@ import torch
 pytest.importorskip("triton")
 
 from core.quant.linear import QuantLinear  # noqa: E402
-from core.quant.packing import pack_rows  # noqa: E402
-from core.quant.triton_gemm import tile_config, wq_matmul  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
 ROOT = Path(__file__).resolve().parents[3]
-# compiles the kernel for an H100 (sm_90) without a GPU (ptxas ships with triton) and prints its dots' TTGIR
+# compiles the kernel for an H100 (sm_90) without a GPU (ptxas ships with triton) with the plan of a decode batch
+# (fp32 activations) and prints its dots' TTGIR and the widths of its global -> shared copies
 COMPILE_FOR_H100 = """
 import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from core.quant.gemm_plan import gemm_plan
 from core.quant.triton_gemm import _wq_gemm_kernel as kernel
 
+p = gemm_plan(1, 4096, 14336, 4, 128)
 params = list(inspect.signature(kernel.fn).parameters)
-sig = dict(zip(params, ["*fp32", "*i32", "*fp32", "*u8", "*i32", "*fp32"] + ["i32"] * 9 + ["constexpr"] * 5))
-consts = {"BITS": 4, "HAS_GIDX": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
-src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
-print(json.dumps(re.findall(r"tt\\.dot\\b[^:]*", triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttgir"])))
+sig = dict(zip(params, ["*fp32", "*i32", "*fp32", "*u8", "*fp32"] + ["i32"] * 13 + ["constexpr"] * 7))
+consts = {"BITS": 4, "BLOCK_M": p.tiles.block_m, "BLOCK_N": p.tiles.block_n, "BLOCK_K": p.tiles.block_k,
+          "GROUPS_PER_TILE": p.groups_per_tile, "HOIST_GROUPS": p.group_step > 0, "SPLIT_K": p.split_k}
+# what Triton's launcher specializes for this layer: 16-byte aligned tensors, sizes and strides divisible by 16
+aligned = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "stride_xm", "stride_qn", "stride_ys", "stride_ym"]
+src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
+                attrs={(params.index(a),): [["tt.divisibility", 16]] for a in aligned})
+out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": p.tiles.num_warps,
+                                                                     "num_stages": p.tiles.num_stages})
+widths = [int(w, 16) for w in re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global[^;]*, (0x[0-9a-f]+)", out.asm["ptx"])]
+print(json.dumps({"dots": re.findall(r"tt\\.dot\\b[^:]*", out.asm["ttgir"]), "copy_widths": widths}))
 """
-
-
-def _layer(bits: int, act_order: bool, out_f: int, in_f: int, gs: int, seed: int) -> QuantLinear:
-    gen = torch.Generator().manual_seed(seed)
-    q = QuantLinear(in_f, out_f, "int", bits, in_f // gs, False, torch.float32, DEVICE, has_g_idx=act_order)
-    codes = torch.randint(0, 1 << bits, (out_f, in_f), generator=gen).to(torch.uint8)
-    q.qweight.copy_(pack_rows(codes, 4) if bits == 4 else codes)
-    q.scales.copy_(torch.rand(out_f, in_f // gs, generator=gen) * 0.1)
-    q.zeros.copy_(torch.randint(0, 1 << bits, (out_f, in_f // gs), generator=gen))
-    if act_order:
-        q.g_idx.copy_((torch.arange(in_f) // gs)[torch.randperm(in_f, generator=gen)])
-    return q
-
-
-@pytest.mark.parametrize("bits,act_order,num_tokens", [(4, False, 1), (4, True, 5), (8, False, 3),
-                                                       (8, True, 1), (4, False, 33), (8, False, 20)])
-def test_triton_gemm_matches_torch_path(bits: int, act_order: bool, num_tokens: int) -> None:
-    """fp32 activations: the kernel's dots are exact fp32 (no TF32 on a GPU), like the torch path's matmul."""
-    q = _layer(bits, act_order, out_f=80, in_f=128, gs=32, seed=bits * 10 + act_order)   # 80: a ragged N tile
-    x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)).to(DEVICE)
-    y = wq_matmul(x, q.qweight, q.scales, q.zeros, q.g_idx, bits, 128, 80)
-    torch.testing.assert_close(y, x @ q.dequantize().t(), rtol=1e-4, atol=1e-4)
 
 
 def test_fp32_activations_never_take_tf32_dots() -> None:
     """Compiled for an H100 (no GPU needed): fp32 activations get exact fp32 dots. Triton's default for fp32 dots
-    on a GPU is TF32 (10-bit mantissas: ~2e-3 absolute error here, the comparison above fails on a GPU)."""
+    on a GPU is TF32 (10-bit mantissas: ~2e-3 absolute error, the comparisons of test_quant_gemm.py fail on a
+    GPU). The packed words reach shared memory in 16-byte copies (wide loads, not one 4-byte word per lane)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}       # a real compile, not the interpreter
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dots = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert dots and not any("tf32" in d for d in dots), dots
-
-
-def test_tile_table_has_two_variants() -> None:
-    assert {tile_config(n) for n in (1, 8, 16, 17, 512, 2048)} == {(16, 64, 64), (64, 64, 64)}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["dots"] and not any("tf32" in d for d in out["dots"]), out["dots"]
+    assert 16 in out["copy_widths"], out["copy_widths"]
 
 
 @pytest.mark.parametrize("static", [False, True])

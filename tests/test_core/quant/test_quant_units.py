@@ -145,7 +145,7 @@ def test_llama3_8b_int4_memory_bounds() -> None:
     """Device bytes of our int4 g128 layout for the Llama-3-8B shape (meta device: shapes only)."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
     from quant_memory import measure
 
     res = measure()

@@ -1,5 +1,6 @@
 """The start-up warm-up compiles every variant of the dequantizing GEMM a quantized model launches while
-serving (both tile configs; the token count is not specialized), recorded on `kernel_device()` (compiled on a
+serving (one per token bucket of the plan table, up to max_num_batched_tokens; the token count is not
+specialized), recorded on `kernel_device()` (compiled on a
 GPU, in the Triton interpreter without one)."""
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_warmup_covers_quantized_gemm_variants(monkeypatch: pytest.MonkeyPatch) 
     rng = random.Random(0)
     prompts = [encode(path, rng.choice(PROMPTS))[:rng.randint(1, 40)] for _ in range(6)]
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, temperature=0.0))
-    assert rec.kernels() == {"_wq_gemm_kernel"}
-    tiles = {k for _, k in rec.keys}
-    assert len(tiles) >= 2, "the workload should use both tile configs"
+    assert "_wq_gemm_kernel" in rec.kernels() <= {"_wq_gemm_kernel", "_split_k_sum_kernel"}
+    tiles = {k for name, k in rec.keys if name == "_wq_gemm_kernel"}
+    assert len(tiles) >= 2, "the workload should use two token buckets (<= 16 and 17..64 tokens)"
     assert not (rec.keys - warm), f"variants the warm-up did not compile: {rec.keys - warm}"

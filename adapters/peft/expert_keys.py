@@ -1,0 +1,179 @@
+"""LoRA on the experts of an MoE base, in the two layouts PEFT saves it, as per-expert factors.
+
+1. `target_parameters` on the fused 3-D expert tensors (peft's `ParamWrapper`, transformers 5 models):
+   `layers.N.mlp.experts[.base_layer]*.lora_A.weight` [r*E, in] and `lora_B.weight` [out, r*E]. Wrappers nest
+   (one `.base_layer` deeper each) in the order peft meets the parameters in the module, not the config's, so
+   the pair's shapes say which tensor it adapts: A [r*E, H] with B [2I, r*E] (gate_up_proj) or A [r*E, I]
+   with B [H, r*E] (down_proj); both at once would need H == I == 2I. For parameter W [E, out, in]
+   (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) PEFT's delta is
+   einsum("o r e, e r i -> e o i", B.reshape(out, r, E), A.reshape(E, r, in)) * scaling: expert e's
+   A_e = A[e*r:(e+1)*r] (expert-major rows) and B_e = B[:, e::E] (rank-major columns), W_e + s * B_e @ A_e.
+   `gate_up_proj`'s B_e rows split into the gate half and the up half (one shared A_e).
+2. per-expert LoRA modules (hub adapters trained on transformers 4 models): `layers.N.block_sparse_moe.experts.
+   M.w1 / w3 / w2` (Mixtral) or `layers.N.mlp.experts.M.gate_proj / up_proj / down_proj` (Qwen).
+
+3. the router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`): `target_parameters` on `mlp.gate.weight`, or
+   `gate` in `target_modules` of a transformers-4 adapter: `mlp.gate.lora_A.weight` [r, H], `lora_B.weight`
+   [E, r], a LoRA like any linear's on the router logits; kept as expert -1, projection "gate".
+
+Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) is a dense MLP: its keys are renamed to the
+dense names (`mlp.gate_proj`, ...) for the dense loader. The shared expert's gate stays refused (400).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import torch
+
+from adapters.adapter import LoRAModule
+from adapters.errors import CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, CODE_UNSUPPORTED_TARGET, \
+    AdapterError
+from adapters.layers.dims import BaseModelDims
+from adapters.peft.config import PeftLoRAConfig
+
+# (layer, expert, "gate_proj" | "up_proj" | "down_proj"); the router's: (layer, ROUTER, "gate")
+ExpertKey = tuple[int, int, str]
+ROUTER = -1                         # the expert index of the router's LoRA
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused expert tensors `target_parameters` may name
+
+_PER_EXPERT = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+                         r"(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj))"
+                         r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
+_PARAM_WRAPPER = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)(?P<depth>(?:\.base_layer)*)"
+                            r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
+_ROUTER_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate)"
+                         r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
+_SHARED = re.compile(r"(layers\.\d+\.mlp)\.shared_expert\.(gate_proj|up_proj|down_proj)\.")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+         "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+def _invalid(msg: str, code: str) -> AdapterError:
+    return AdapterError(msg, code=code, status=400)
+
+
+def _module_key(module_path: str) -> str:
+    prefix = "base_model.model."
+    return module_path[len(prefix):] if module_path.startswith(prefix) else module_path
+
+
+def expert_parameter_order(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """`target_parameters` as expert tensor names; 400 for anything else."""
+    targets = raw.get("target_parameters") or []
+    if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
+        raise _invalid("target_parameters must be a list", CODE_UNSUPPORTED_TARGET)
+    names = []
+    for t in targets:
+        if str(t) == "gate.weight" or str(t).endswith((".mlp.gate.weight", "mlp.gate.weight")):
+            names.append("gate")                      # the router's weight
+            continue
+        name = str(t).rsplit(".", 1)[-1]
+        if name not in EXPERT_PARAMETERS or not str(t).endswith(f"experts.{name}"):
+            raise _invalid(f"unsupported target parameter {str(t)!r}; supported: LoRA on the MoE experts' "
+                           f"{' / '.join('experts.' + p for p in EXPERT_PARAMETERS)} and the router's "
+                           "mlp.gate.weight", CODE_UNSUPPORTED_TARGET)
+        names.append(name)
+    return tuple(names)
+
+
+def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the dense keys, the shared expert's renamed to the dense names; the experts' keys)."""
+    dense, experts = {}, {}
+    for key, tensor in state.items():
+        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key):
+            experts[key] = tensor
+        else:
+            dense[_SHARED.sub(r"\1.\2.", key)] = tensor
+    return dense, experts
+
+
+def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple[int, str, int | None], dict[str, Any]]:
+    """(layer, per-expert projection or a ParamWrapper's depth, expert or None) -> {"key", "A", "B"}."""
+    pairs: dict[tuple[int, str, int | None], dict[str, Any]] = {}
+    for key, tensor in state.items():
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            raise _invalid(f"{key} must be a 2-D floating point tensor", CODE_CORRUPT)
+        m = _PER_EXPERT.match(key)
+        router = _ROUTER_KEY.match(key)
+        if m is not None:
+            pkey: tuple[int, str, int | None] = (int(m["layer"]), _PROJ[m["proj"]], int(m["expert"]))
+        elif router is not None:
+            m, pkey = router, (int(router["layer"]), "gate", ROUTER)
+        else:
+            m = _PARAM_WRAPPER.match(key)
+            assert m is not None
+            pkey = (int(m["layer"]), m["depth"], None)       # the wrapper; which tensor: its shapes (below)
+        entry = pairs.setdefault(pkey, {"key": _module_key(m["module"])})
+        if m["ab"] in entry:
+            raise _invalid(f"duplicate LoRA {m['ab']} weight for {entry['key']}", CODE_CORRUPT)
+        entry[m["ab"]] = tensor
+        if pkey[0] >= dims.num_layers or not dims.is_sparse_layer(pkey[0]):
+            raise _invalid(f"{entry['key']}: the base model has no such MoE layer; wrong base model?",
+                           CODE_SHAPE_MISMATCH)
+        if pkey[2] is not None and not ROUTER <= pkey[2] < dims.num_experts:
+            raise _invalid(f"{entry['key']}: expert {pkey[2]} does not exist (the base has {dims.num_experts})",
+                           CODE_SHAPE_MISMATCH)
+    return pairs
+
+
+def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, raw: Mapping[str, Any],
+                         dims: BaseModelDims, max_lora_rank: int) -> dict[ExpertKey, LoRAModule]:
+    """Per-expert LoRA factors of every expert key in `state` (validated against the base's dims)."""
+    order = expert_parameter_order(raw)          # checked whether or not the weights use it
+    h, inter, num_experts = dims.hidden_size, dims.moe_intermediate_size, dims.num_experts
+    in_out = {"gate_up_proj": (h, 2 * inter), "down_proj": (inter, h), "gate_proj": (h, inter),
+              "up_proj": (h, inter), "gate": (h, num_experts)}
+    out: dict[ExpertKey, LoRAModule] = {}
+    for (layer, proj, expert), entry in sorted(_pairs(state, dims).items(), key=lambda kv: str(kv[0])):
+        mkey = entry["key"]
+        if "A" not in entry or "B" not in entry:
+            raise _invalid(f"{mkey} has lora_A without lora_B or the reverse", CODE_CORRUPT)
+        a, b = entry["A"], entry["B"]
+        if expert is None:                                            # a ParamWrapper: gate_up_proj or down_proj?
+            proj = "gate_up_proj" if int(b.shape[0]) == 2 * inter else "down_proj"
+            if proj not in order:
+                raise _invalid(f"{mkey}: LoRA on experts.{proj}, which target_parameters does not name",
+                               CODE_UNSUPPORTED_TARGET)
+        in_f, out_f = in_out[proj]
+        num = 1 if expert is not None else num_experts
+        rank = int(a.shape[0]) // num
+        if rank == 0 or tuple(a.shape) != (rank * num, in_f) or tuple(b.shape) != (out_f, rank * num):
+            raise _invalid(f"{mkey}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
+                           f"model's experts (expected [{num} r, {in_f}] / [{out_f}, {num} r]); adapter for a "
+                           "different base model?", CODE_SHAPE_MISMATCH)
+        if rank > max_lora_rank:
+            raise _invalid(f"{mkey} has rank {rank} > max_lora_rank {max_lora_rank}", CODE_RANK_TOO_LARGE)
+        if cfg.rank_for(mkey) != rank:
+            raise _invalid(f"{mkey}: weights have rank {rank} but the config says {cfg.rank_for(mkey)}",
+                           CODE_SHAPE_MISMATCH)
+        scaling = cfg.scaling_for(mkey, rank)
+        if expert is not None:
+            _put(out, (layer, expert, proj), LoRAModule(a.contiguous(), b.contiguous(), scaling), mkey)
+            continue
+        for e in range(num_experts):
+            a_e = a[e * rank:(e + 1) * rank].contiguous()             # [r, in]: expert-major rows
+            b_e = b[:, e::num_experts]                                # [out, r]: rank-major columns
+            if proj == "down_proj":
+                _put(out, (layer, e, proj), LoRAModule(a_e, b_e.contiguous(), scaling), mkey)
+            else:                                                     # gate rows, then up rows
+                _put(out, (layer, e, "gate_proj"), LoRAModule(a_e, b_e[:inter].contiguous(), scaling), mkey)
+                _put(out, (layer, e, "up_proj"), LoRAModule(a_e, b_e[inter:].contiguous(), scaling), mkey)
+    return out
+
+
+def _put(out: dict[ExpertKey, LoRAModule], key: ExpertKey, module: LoRAModule, mkey: str) -> None:
+    if key in out:
+        raise _invalid(f"{mkey}: layer {key[0]} expert {key[1]} has LoRA on {key[2]} twice (per expert and on "
+                       "the fused tensor)", CODE_UNSUPPORTED_TARGET)
+    out[key] = module
+
+
+def check_dense_mlp_targets(modules: Mapping[tuple[int, str], LoRAModule], dims: BaseModelDims) -> None:
+    """LoRA on gate/up/down under the dense names only where the layer has a dense MLP (a dense layer, or
+    Qwen2-MoE's shared expert): on a layer of experts alone it would be served as nothing (400)."""
+    for layer, name in modules:
+        if name in ("gate_proj", "up_proj", "down_proj") and layer < dims.num_layers and not dims.has_dense_mlp(layer):
+            raise _invalid(f"LoRA on {name} of layer {layer}, which has no dense MLP (only experts: target them "
+                           "per expert or through target_parameters)", CODE_UNSUPPORTED_TARGET)
