@@ -53,7 +53,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, num_steps: int, vocab: int) -
     replay = float("nan")
     graphs = engine.runner.graphs
     if graphs is not None and (size := graphs.padded_size(batch)) is not None:
-        graph, _ = graphs.graphs[(size, False)]
+        graph, _ = graphs.graphs[(size, 1, False)]                   # (size, query slots, LoRA)
         start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(20):

@@ -178,8 +178,7 @@ def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int,
         x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
         y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
         if kind == "bgmv":
-            order = torch.argsort(token_slots, stable=True)
-            meta = DecodeLoRAMeta(num_tokens, token_slots.to(b.device, torch.int32), order.to(b.device, torch.int32))
+            meta = DecodeLoRAMeta.build(token_slots, b.device)
             run = lambda y, xx, st: triton_bgmv_add_lora(y, xx, st, meta)            # noqa: E731
             ref_fn = lambda y, xx, st: torch_bgmv_add_lora(y, xx, st, meta)          # noqa: E731
         else:

@@ -77,17 +77,21 @@ STAGES = (
           "decode step vs the bandwidth roofline (bf16, batch 1-256), FP8 decode step (batch 1, 64)"),
     Stage("lora", 420, lambda d: [["lora_overhead.py", *_model(d), "--phases", "e2e,decode,prefill", *_out("lora"),
                                    *(["--num-requests", "4", "--prompt-len", "16", "--max-tokens", "3",
-                                      "--num-adapters", "2", "--decode-steps", "2"] if d else
-                                     ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
-                                      "--num-adapters", "8,32"])]],
-          "LoRA decode-step / prefill / generate overhead with 8 and 32 adapters vs their floors"),
+                                      "--num-adapters", "2", "--decode-steps", "2", "--prefill-prompt-len", "24"] if d
+                                     else ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
+                                           "--num-adapters", "8,32", "--prefill-prompt-len", "2048"])]],
+          "LoRA decode-step / prefill (2048-token prompts) / generate overhead with 8 and 32 adapters vs their "
+          "floors, Triton compiles after the warm-up"),
     Stage("spec", 360, lambda d: [
         ["spec_verify_cost.py", *_model(d), "--k", "4", *_out("spec_verify"),
          *(["--batch-sizes", "1,2", "--context", "64", "--repeats", "2"] if d else
            ["--batch-sizes", "1,8,32,64", "--context", "1024"])],
         ["spec_ngram_speed.py", *_model(d), "--k", "4", *_out("spec_ngram"),
-         *(["--max-tokens", "6", "--num-prompts", "1", "--prompt-chars", "300", "--kv-cache-gib", "0.01"] if d else [])]],
-          "a verification step vs a decode step (batch 1-64); n-gram speculation at batch 1"),
+         *(["--max-tokens", "6", "--num-prompts", "1", "--prompt-chars", "300", "--kv-cache-gib", "0.01",
+            "--batch-sizes", "1,2", "--disable-by-batch-size", "1"] if d else
+           ["--batch-sizes", "1,32", "--disable-by-batch-size", "8"])]],
+          "a verification step (graph-replayed) vs a decode step (batch 1-64); n-gram speculation at batch 1 and "
+          "at batch 32 with disable_by_batch_size"),
     Stage("offline", 300, lambda d: [["offline_throughput.py", *_model(d), "--async-scheduling", "on", *_out("offline"),
                                       *(["--num-requests", "4", "--max-prompt", "24", "--max-output", "16",
                                          "--hf-batch-size", "4", "--repeats", "1"] if d else

@@ -6,11 +6,12 @@ Reports, for K in 8 and 32 (`--num-adapters`), per `--phases`:
 - e2e: output tokens/s of `generate` with adapters and on the base alone, and the overhead;
 - decode: the median engine step with all N requests decoding, LoRA vs base, beside its bytes floor (the A and B
   of the distinct adapters read once per step, over the weight + KV bytes of the base step);
-- prefill: the time to prefill the N prompts, LoRA vs base, beside its FLOP floor (LoRA FLOPs over the base
+- prefill: the time to prefill the N prompts (--prefill-prompt-len tokens each), LoRA vs base, beside its FLOP floor (LoRA FLOPs over the base
   linears' FLOPs: prefill is compute-bound).
 Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
        python benchmarks/lora_overhead.py --model cpu-cold-spec --num-requests 48 --name lora_overhead_cpu_spec
            # the CPU path at its floor (issue 34): the 8 x 1024 Llama of adapter_cold_load.py
+       --prefill-prompt-len 2048: the prefill phase on prompts of that length (the issue's prefill figure)
        --pool-rank 64: the slot pool sized for rank 64 (--max-lora-rank) while the adapters keep --rank: the cost
            must follow the adapters' rank, not the pool's
 """
@@ -35,6 +36,7 @@ from ceilings import weight_bytes
 from common import add_model_args, bench_model_dir, load_format_of, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
+from core.startup.kernel_compiles import COMPILES
 
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -130,9 +132,12 @@ def phases(llm: LLM, cfg: ModelConfig, args: argparse.Namespace, prompts: list[l
     """Decode-step and prefill overheads of LoRA (each request on its own adapter) over base, with their floors."""
     base = [None] * len(prompts)
     t_pre_base = t_pre_lora = t_dec_base = t_dec_lora = float("inf")
+    rng = random.Random(1)
+    long = [[rng.randrange(10, cfg.vocab_size) for _ in range(args.prefill_prompt_len)] for _ in prompts] \
+        if args.prefill_prompt_len else prompts
     for r in range(2):     # alternating, best of two
-        t_pre_base = min(t_pre_base, prefill_time(llm, prompts, base, f"pb{num_adapters}-{r}"))
-        t_pre_lora = min(t_pre_lora, prefill_time(llm, prompts, loras, f"pl{num_adapters}-{r}"))
+        t_pre_base = min(t_pre_base, prefill_time(llm, long, base, f"pb{num_adapters}-{r}"))
+        t_pre_lora = min(t_pre_lora, prefill_time(llm, long, loras, f"pl{num_adapters}-{r}"))
         t_dec_base = min(t_dec_base, decode_step_time(llm, prompts, base, f"db{num_adapters}-{r}", args.decode_steps))
         t_dec_lora = min(t_dec_lora, decode_step_time(llm, prompts, loras, f"dl{num_adapters}-{r}", args.decode_steps))
     elem = 4 if args.dtype == "float32" else 2
@@ -144,7 +149,8 @@ def phases(llm: LLM, cfg: ModelConfig, args: argparse.Namespace, prompts: list[l
     return {"decode_step_base_s": t_dec_base, "decode_step_lora_s": t_dec_lora,
             "decode_overhead": t_dec_lora / t_dec_base - 1, "decode_floor": extra / step_bytes,
             "decode_floor_formula": "adapter A+B bytes of the distinct adapters / (weight bytes + KV bytes) of the step",
-            "prefill_base_s": t_pre_base, "prefill_lora_s": t_pre_lora, "prefill_overhead": t_pre_lora / t_pre_base - 1,
+            "prefill_prompt_len": len(long[0]), "prefill_base_s": t_pre_base, "prefill_lora_s": t_pre_lora,
+            "prefill_overhead": t_pre_lora / t_pre_base - 1,
             "prefill_floor": adapter_flops_ratio(cfg, args.rank, targets),
             "prefill_floor_formula": "LoRA FLOPs (rank x (in + out) per target) / base linear FLOPs (in x out)"}
 
@@ -162,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-adapters", default="8,32", help="comma list of adapter counts")
     ap.add_argument("--phases", default="e2e", help="comma list of e2e (generate), decode+prefill (steps, floors)")
     ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--prefill-prompt-len", type=int, default=0,
+                    help="prompt length of the prefill phase (default: --prompt-len)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
     model = bench_model_dir(args.model)
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                   max_lora_rank=args.pool_rank or args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model),
                   max_num_seqs=max(args.num_requests, 8))
         loras = [f"t{i % num_adapters}" for i in range(len(prompts))]
+        compiles_before = COMPILES.after_warmup
         entry: dict[str, float | str] = {}
         if "e2e" in wanted:
             # alternate and keep the best of two: the first pass also pays the KV pool's first-touch page faults
@@ -200,9 +209,11 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((f"{num_adapters} adapters: decode step base / LoRA ({args.num_requests} rows)",
                          f"{1e3 * p['decode_step_base_s']:.2f} / {1e3 * p['decode_step_lora_s']:.2f} ms (overhead "
                          f"{100 * p['decode_overhead']:+.1f}%, bytes floor {100 * p['decode_floor']:+.1f}%)"))
-            rows.append((f"{num_adapters} adapters: prefill of {args.num_requests} x {args.prompt_len} tokens",
+            rows.append((f"{num_adapters} adapters: prefill of {args.num_requests} x {p['prefill_prompt_len']} tokens",
                          f"{1e3 * p['prefill_base_s']:.1f} / {1e3 * p['prefill_lora_s']:.1f} ms (overhead "
                          f"{100 * p['prefill_overhead']:+.1f}%, FLOP floor {100 * p['prefill_floor']:+.1f}%)"))
+        entry["compiles_after_warmup"] = COMPILES.after_warmup - compiles_before
+        rows.append((f"{num_adapters} adapters: Triton compiles after the warm-up", str(entry["compiles_after_warmup"])))
         data[f"k{num_adapters}"] = entry
         del llm
         if torch.cuda.is_available():

@@ -1,11 +1,12 @@
 """Fused multi-LoRA for decode batches (BGMV): per-row slot metadata and the launchers of its kernels.
 
 A decode step has one token per row. `DecodeLoRAMeta` holds, in persistent device buffers refilled every
-step, each row's slot (-1 = base) and the rows sorted by slot; the kernels' grids depend only on the
-padded batch size, so a CUDA graph captured once serves every adapter mix. Prefill and mixed steps keep
+step, each row's slot (-1 = base), the rows sorted by slot and the rows grouped by slot (one group per
+distinct adapter); the kernels' grids depend only on the padded batch size and the pool, so a CUDA graph
+captured once serves every adapter mix. Prefill and mixed steps keep
 the segmented path (`metadata.LoRABatchMeta`, `triton_ops`).
 
-    meta = DecodeLoRAMeta(num_tokens=B, row_slots=slots_dev, row_order=order_dev)
+    meta = DecodeLoRAMeta.build(slots, device)     # or GraphLoRABuffers(...).meta(B): persistent buffers
     bgmv_add_lora(y, x, stack, meta)          # y[T, out] += LoRA(x[T, in]) for every row with a slot
 
 `triton_bgmv_add_lora` is `triton_bgmv_shrink` then `triton_bgmv_expand`; the row-parallel LoRA of tensor
@@ -14,24 +15,63 @@ parallelism all-reduces the shrink result between the two (`bgmv_split`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import torch_add_lora_rows
 
-# columns of K one shrink program reduces over (the K split), and the register budget of one tile
-K_SPLIT_COLS = 512
-TILE_ELEMENTS = 4096
+# the bytes model of `bgmv_config` (see docs/lora_kernels.md): programs wanted per launch (an H100 has 132 SMs;
+# an assumption, not a measurement), columns of K at least one shrink program streams, and the largest share of
+# the adapters' A+B bytes the K-split partials may add (written by shrink, read by every column chunk of expand)
+MIN_PROGRAMS = 132
+MIN_K_PER_SPLIT = 512
+MIN_N_PER_CHUNK = 256
+PARTIALS_BUDGET = 0.05
+SPLIT_OPTIONS = (1, 2, 4, 8, 16)
+# rows of one group a program takes at a time (tl.dot's minimum): decode groups are mostly smaller (64 rows over 8+
+# adapters); a larger group loops and re-reads its A/B tiles once per 16 rows. Fixed: one variant per stack.
+BLOCK_M = 16
+
+
+def decode_groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows sorted by slot with base rows last, groups [3, B]: slot, first position in the order, rows) of a
+    decode batch's per-row slots; groups past the distinct slots have slot -1 and 0 rows."""
+    slots = np.asarray(slots, dtype=np.int64)
+    b = len(slots)
+    order = np.argsort(np.where(slots >= 0, slots, np.iinfo(np.int64).max), kind="stable")
+    groups = np.zeros((3, b), dtype=np.int64)                                   # [3, B]
+    groups[0] = -1
+    ordered = slots[order]                                                      # [B]
+    live = ordered[ordered >= 0]
+    if live.size:
+        uniq, first, counts = np.unique(live, return_index=True, return_counts=True)
+        groups[0, :uniq.size], groups[1, :uniq.size], groups[2, :uniq.size] = uniq, first, counts
+    return order, groups
 
 
 @dataclass(frozen=True)
 class DecodeLoRAMeta:
-    """Per-row LoRA slots of a (padded) decode batch: row i's token is x[i]; slot -1 rows get no LoRA."""
+    """Per-row LoRA slots of a (padded) decode batch: row i's token is x[i]; slot -1 rows get no LoRA.
+    `groups` [3, num_tokens] int32 holds the rows grouped by slot (slot, first position in `row_order`, number of
+    rows; unused groups have 0 rows), refilled every step with the rest (`graph_meta.GraphLoRABuffers`)."""
 
     num_tokens: int            # rows of the batch, padding included
     row_slots: torch.Tensor    # [num_tokens] int32, slot of each row (-1 = base)
-    row_order: torch.Tensor    # [num_tokens] int32, the rows sorted by slot (L2 reuse of adapter weights)
+    row_order: torch.Tensor    # [num_tokens] int32, the rows sorted by slot, base rows last
+    groups: torch.Tensor       # [3, num_tokens] int32: group slot | first position in row_order | rows
+
+    @classmethod
+    def build(cls, token_slots: Any, device: torch.device | str = "cpu") -> "DecodeLoRAMeta":
+        """The metadata of host per-row slots (one host-to-device copy; outside graphs: tests, warm-up)."""
+        slots = np.asarray(torch.as_tensor(token_slots).cpu(), dtype=np.int64)
+        order, groups = decode_groups(slots)
+        packed = torch.from_numpy(np.concatenate([slots, order, groups.ravel()]).astype(np.int32)).to(device)
+        b = len(slots)
+        return cls(num_tokens=b, row_slots=packed[:b], row_order=packed[b:2 * b],
+                   groups=packed[2 * b:].view(3, b))                           # [3, B]
 
     @property
     def has_lora(self) -> bool:
@@ -47,29 +87,90 @@ class DecodeLoRAMeta:
 
 @dataclass(frozen=True)
 class BGMVConfig:
-    """Tile sizes of one stack's BGMV kernels: fixed per stack (pool max rank, in/out widths), never per step."""
+    """Tiles and work split of one stack's decode kernels at one padded batch size: fixed per (stack, batch
+    size), never per step, so a captured graph keeps its launches and no variant compiles mid-serving."""
 
+    block_m: int
     block_r: int
     block_k: int
     block_n: int
     num_k_splits: int
     k_per_split: int
+    num_n_chunks: int
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def bgmv_config(stack: LoRAStack, k_split_cols: int = K_SPLIT_COLS) -> BGMVConfig:
+def _interpreted(t: torch.Tensor) -> bool:
+    return t.device.type != "cuda"
+
+
+def choose_splits(in_features: int, slice_sizes: tuple[int, ...], max_rank: int, num_slots: int, num_rows: int,
+                  elem: int) -> tuple[int, int]:
+    """(K splits of shrink, column chunks of expand) from the bytes model, at the design point of `num_rows` rows
+    spread over min(rows, slots) adapters: the fewest splits/chunks that give MIN_PROGRAMS programs per launch
+    (bounded by MIN_K_PER_SPLIT / MIN_N_PER_CHUNK columns each), then halved, splits first, until the partials
+    (splits x (1 + chunks) x rows x rank x 4 bytes per group and slice) cost at most PARTIALS_BUDGET of the
+    group's A+B bytes. Split-K pays only where it adds programs to a launch short of them without that traffic."""
+    num_groups = max(1, min(num_rows, num_slots))
+    rows_per_group = -(-num_rows // num_groups)
+    s = len(slice_sizes)
+
+    def fewest(limit: int) -> int:
+        for n in SPLIT_OPTIONS:
+            if num_groups * s * n >= MIN_PROGRAMS or n * 2 > limit:
+                return n
+        return SPLIT_OPTIONS[-1]
+
+    splits = fewest(max(1, in_features // MIN_K_PER_SPLIT))
+    chunks = fewest(max(1, max(slice_sizes) // MIN_N_PER_CHUNK))
+    ab = max_rank * (in_features + sum(slice_sizes) / s) * elem                 # A+B bytes per group and slice
+    while splits * (1 + chunks) * rows_per_group * max_rank * 4 > PARTIALS_BUDGET * ab and max(splits, chunks) > 1:
+        if splits > 1:
+            splits //= 2
+        else:
+            chunks //= 2
+    return splits, chunks
+
+
+def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None = None) -> BGMVConfig:
+    """The decode config of `stack` at `num_rows` padded rows; `k_split_cols` forces K splits of that many columns
+    (tests), otherwise `choose_splits` decides."""
+    interpreted = _interpreted(stack.lora_a)
     block_r = max(16, _next_pow2(stack.max_rank))
-    block_n = max(16, min(256, TILE_ELEMENTS // block_r))
-    k = stack.in_features
-    splits = max(1, -(-k // k_split_cols))
-    per_split = -(-k // splits)
-    block_k = min(block_n, max(16, _next_pow2(per_split)))
+    block_k = 32 if interpreted else 64
+    block_n = 32 if interpreted else 64
+    block_m = BLOCK_M
+    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.max_rank, stack.num_slots, num_rows,
+                                   stack.lora_a.element_size())
+    return _with_splits(block_m, block_r, block_k, block_n, stack.in_features,
+                        splits if k_split_cols is None else -(-stack.in_features // k_split_cols),
+                        chunks, max(stack.slice_sizes))
+
+
+def _with_splits(block_m: int, block_r: int, block_k: int, block_n: int, k: int, splits: int, chunks: int,
+                 n_max: int) -> BGMVConfig:
+    per_split = -(-k // max(1, splits))
     k_per_split = -(-per_split // block_k) * block_k                  # rounded up to a multiple of BLOCK_K
-    splits = -(-k // k_per_split)
-    return BGMVConfig(block_r, block_k, block_n, splits, k_per_split)
+    chunks = max(1, min(chunks, -(-n_max // block_n)))
+    return BGMVConfig(block_m, block_r, block_k, block_n, -(-k // k_per_split), k_per_split, chunks)
+
+
+def scaled_config(stack: LoRAStack, real_in: int, real_sizes: tuple[int, ...], num_rows: int,
+                  scale: int) -> BGMVConfig:
+    """The config the kernels choose at the real widths (in `real_in`, slices `real_sizes`), with every width of
+    the tiling divided by `scale`: run on a stack `scale` times narrower, it launches the real grids
+    (benchmarks/lora_kernel_bytes.py, which counts bytes in the interpreter at reduced widths)."""
+    splits, chunks = choose_splits(real_in, real_sizes, stack.max_rank, stack.num_slots, num_rows,
+                                   stack.lora_a.element_size())
+    block_m = BLOCK_M
+    tile = max(16, 64 // scale)
+    cfg = _with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits, chunks,
+                       max(stack.slice_sizes))
+    assert cfg.num_k_splits == splits and cfg.num_n_chunks == chunks, f"{cfg} does not scale to {splits}/{chunks}"
+    return cfg
 
 
 def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
@@ -80,19 +181,23 @@ def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
     from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert x.stride(1) == 1 and stack.lora_a.stride(3) == 1, "BGMV shrink needs unit x column / A K strides"
-    cfg = config or bgmv_config(stack)
+    cfg = config or bgmv_config(stack, meta.num_tokens)
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     h = torch.empty((cfg.num_k_splits, num_slices, num_rows, cfg.block_r), dtype=torch.float32,
                     device=x.device)                                         # [splits, S, B, BLOCK_R]
-    K.bgmv_shrink_kernel[(num_rows, num_slices, cfg.num_k_splits)](
-        x, stack.lora_a, h, meta.row_order, meta.row_slots, stack.ranks,
-        stack.in_features, cfg.k_per_split,
+    K.bgmv_shrink_kernel[(min(num_rows, stack.num_slots), num_slices, cfg.num_k_splits)](
+        x, stack.lora_a, h, meta.row_order, meta.groups, stack.ranks,
+        stack.in_features, cfg.k_per_split, meta.groups.stride(0),
         x.stride(0),
         stack.lora_a.stride(0), stack.lora_a.stride(1), stack.lora_a.stride(2),
         h.stride(0), h.stride(1), h.stride(2),
         stack.ranks.stride(0),
-        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k)
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, DOT_FP32=_dot_fp32(x))
     return h
+
+
+def _dot_fp32(t: torch.Tensor) -> bool:
+    return _interpreted(t) or t.dtype == torch.float32
 
 
 def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
@@ -102,29 +207,29 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
     from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert y.stride(1) == 1 and stack.lora_b.stride(2) == 1, "BGMV expand needs unit y column / B rank strides"
-    cfg = config or bgmv_config(stack)
+    cfg = config or bgmv_config(stack, meta.num_tokens)
     num_rows, num_slices = meta.num_tokens, stack.num_slices
-    assert tuple(h.shape) == (cfg.num_k_splits, num_slices, num_rows, cfg.block_r) and \
+    assert h.dim() == 4 and tuple(h.shape[1:]) == (num_slices, num_rows, cfg.block_r) and \
         h.dtype == torch.float32 and h.stride(3) == 1, f"h {tuple(h.shape)} is not this stack's shrink output"
-    num_n_blocks = -(-max(stack.slice_sizes) // cfg.block_n)
     dora = stack.dora_scale is not None
     d_scale, d_shift, d_flags = (stack.dora_scale, stack.dora_shift, stack.dora_flags) if dora else \
         (stack.scalings, stack.scalings, stack.ranks)             # never read (HAS_DORA off)
-    K.bgmv_expand_kernel[(num_rows, num_n_blocks, num_slices)](
-        h, stack.lora_b, y, meta.row_order, meta.row_slots, stack.ranks, stack.scalings, stack.slice_meta,
+    K.bgmv_expand_kernel[(min(num_rows, stack.num_slots), cfg.num_n_chunks, num_slices)](
+        h, stack.lora_b, y, meta.row_order, meta.groups, stack.ranks, stack.scalings, stack.slice_meta,
         d_scale, d_shift, d_flags,
-        num_slices, cfg.num_k_splits, y_offset,
+        num_slices, h.shape[0], y_offset, meta.groups.stride(0),
         h.stride(0), h.stride(1), h.stride(2),
         stack.lora_b.stride(0), stack.lora_b.stride(1),
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
-        BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, HAS_DORA=dora)
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
+        HAS_DORA=dora)
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
                          y_offset: int = 0, config: BGMVConfig | None = None) -> None:
     """y[row] += LoRA_slot(row)(x[row]) for every row: one shrink and one expand launch for all slices."""
-    cfg = config or bgmv_config(stack)
+    cfg = config or bgmv_config(stack, meta.num_tokens)
     h = triton_bgmv_shrink(x, stack, meta, cfg)                              # [splits, S, B, BLOCK_R]
     triton_bgmv_expand(y, h, stack, meta, y_offset, cfg)
 

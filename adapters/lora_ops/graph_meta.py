@@ -1,8 +1,10 @@
 """Persistent LoRA metadata for CUDA-graph decode batches (the BGMV kernels of `bgmv.py`).
 
 A captured graph replays fixed kernel grids, so the per-step adapter mix lives in device buffers that
-are refilled before every replay: each row's slot (-1 = base; padded rows too) and the rows sorted by
-slot. The BGMV grids span the padded batch size only, so one graph per size serves any mix.
+are refilled before every replay: each row's slot (-1 = base; padded rows too), the rows sorted by
+slot, and the rows grouped by slot (`bgmv.decode_groups`: the step's tokens grouped by adapter once, read by
+every LoRA launch of the step). The BGMV grids span the padded batch size and the pool only, so one graph
+per size serves any mix.
 
     bufs = GraphLoRABuffers(max_batch_size, num_slots, device)
     meta = bufs.meta(B)                  # once per captured size (views of the persistent buffers)
@@ -13,13 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adapters.lora_ops.bgmv import DecodeLoRAMeta
+from adapters.lora_ops.bgmv import DecodeLoRAMeta, decode_groups
 
-
-def row_order(slots: np.ndarray) -> np.ndarray:
-    """Rows sorted by slot (stable), base rows (-1) last: programs of one adapter run side by side."""
-    key = np.where(slots >= 0, slots, np.iinfo(np.int64).max)
-    return np.argsort(key, kind="stable")
+NUM_FIELDS = 5          # row slots | row order | group slots | group starts | group rows, each max_batch_size long
 
 
 class GraphLoRABuffers:
@@ -28,25 +26,27 @@ class GraphLoRABuffers:
         self.num_slots = num_slots
         self.device = torch.device(device)
         b = max_batch_size
-        self.dev = torch.full((2 * b,), -1, dtype=torch.int32, device=self.device)   # row slots | row order
+        self.dev = torch.full((NUM_FIELDS * b,), -1, dtype=torch.int32, device=self.device)   # [5 * b] fields
         # two pinned staging buffers used in turn (async scheduling fills step t+1 while step t's copy may
         # still be queued)
-        self.staging = [torch.zeros(2 * b, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.staging = [torch.zeros(NUM_FIELDS * b, dtype=torch.int32, pin_memory=self.device.type == "cuda")
                         for _ in range(2)]
         self.num_fills = 0
         self.copied: list[torch.cuda.Event | None] = [None, None]   # last copy out of each staging buffer
         self._metas: dict[int, DecodeLoRAMeta] = {}
 
-    def _views(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self.max_batch_size
-        return self.dev[:batch_size], self.dev[b:b + batch_size]
+        groups = self.dev[2 * b:].view(3, b)[:, :batch_size]                              # [3, batch_size]
+        return self.dev[:batch_size], self.dev[b:b + batch_size], groups
 
     def meta(self, batch_size: int) -> DecodeLoRAMeta:
         """The metadata of a graph of `batch_size` rows (views of the persistent buffers)."""
         if batch_size not in self._metas:
             assert 0 < batch_size <= self.max_batch_size
-            slots, order = self._views(batch_size)
-            self._metas[batch_size] = DecodeLoRAMeta(num_tokens=batch_size, row_slots=slots, row_order=order)
+            slots, order, groups = self._views(batch_size)
+            self._metas[batch_size] = DecodeLoRAMeta(num_tokens=batch_size, row_slots=slots, row_order=order,
+                                                     groups=groups)
         return self._metas[batch_size]
 
     def fill(self, token_slots: np.ndarray, batch_size: int) -> None:
@@ -63,16 +63,25 @@ class GraphLoRABuffers:
             self.copied[turn].synchronize()   # its last copy is done
         h = staging.numpy()
         b = self.max_batch_size
+        order, groups = decode_groups(slots)
         h[:batch_size] = slots
-        h[b:b + batch_size] = row_order(slots)
+        h[b:b + batch_size] = order
+        h[2 * b:].reshape(3, b)[:, :batch_size] = groups                               # [3, batch_size]
         self.dev.copy_(staging, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self.copied[turn] = torch.cuda.Event()
             self.copied[turn].record(torch.cuda.current_stream(self.device))
 
     def check_integrity(self, batch_size: int) -> None:
-        """The order is a permutation of the rows, sorted by slot with base rows last."""
-        slots, order = (t.cpu().numpy() for t in self._views(batch_size))
+        """The order is a permutation of the rows, sorted by slot with base rows last; the groups cover the LoRA
+        rows of the order exactly, one group per distinct slot, the unused ones empty."""
+        slots, order, groups = (t.cpu().numpy() for t in self._views(batch_size))
         assert sorted(order.tolist()) == list(range(batch_size))
         key = np.where(slots[order] >= 0, slots[order], self.num_slots)
         assert (np.diff(key) >= 0).all() and (slots < self.num_slots).all() and (slots >= -1).all()
+        distinct = np.unique(slots[slots >= 0])
+        n = distinct.size
+        assert (groups[0, :n] == distinct).all() and (groups[2, n:] == 0).all() and (groups[2, :n] > 0).all()
+        for g_slot, start, size in groups[:, :n].T:
+            assert (slots[order[start:start + size]] == g_slot).all()
+        assert groups[2, :n].sum() == (slots >= 0).sum()

@@ -49,6 +49,9 @@ class KernelMeta:
     max_splits: int             # power of two >= the largest split count (1: no split path)
     split_token_offset: int     # first decode token that splits (decodes sorted by length: usually a suffix)
     num_split_tokens: int
+    # query tokens per sequence on the split path: 1 (decode) or the k+1 slots of a verification graph's rows
+    # (token t belongs to sequence t // q_per_seq), read by the split reduce
+    q_per_seq: int = 1
 
 
 def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
@@ -182,16 +185,27 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def graph_kernel_meta(batch_size: int, cap: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                          num_splits: torch.Tensor) -> KernelMeta:
+                          num_splits: torch.Tensor, q_lens: torch.Tensor | None = None,
+                          q_per_seq: int = 1) -> KernelMeta:
         """Kernel metadata over persistent buffers for a decode batch of `batch_size` (padded) sequences:
-        the work list holds every (seq, split < cap); items past a sequence's split count exit at once."""
+        the work list holds every (seq, split < cap); items past a sequence's split count exit at once.
+
+        Verification-shaped (`q_per_seq` = k+1 > 1): sequence i owns the query tokens [i*q, (i+1)*q), of which
+        the first `q_lens[i]` (a persistent buffer, refilled each step) are real; one query block covers them
+        all (BLOCK_Q = the next power of two), so the grid is the decode grid of the same batch size."""
         device = seq_lens.device
         ar = torch.arange(batch_size * cap, dtype=torch.int32, device=device)
         work = torch.stack([ar // cap, torch.zeros_like(ar), ar % cap])      # [3, B * cap]
         seqs = torch.arange(batch_size, dtype=torch.int32, device=device)
-        return KernelMeta(q_starts=seqs, q_lens=torch.ones_like(seqs), seq_lens=seq_lens, block_tables=block_tables,
-                          num_splits=num_splits, work=work, num_items=batch_size * cap, block_q=1, max_splits=cap,
-                          split_token_offset=0, num_split_tokens=batch_size if cap > 1 else 0)
+        if q_per_seq > 1:
+            assert q_lens is not None and q_lens.shape == (batch_size,)
+        else:
+            q_lens = torch.ones_like(seqs)
+        num_tokens = batch_size * q_per_seq
+        return KernelMeta(q_starts=seqs * q_per_seq, q_lens=q_lens, seq_lens=seq_lens, block_tables=block_tables,
+                          num_splits=num_splits, work=work, num_items=batch_size * cap,
+                          block_q=triton.next_power_of_2(q_per_seq), max_splits=cap, split_token_offset=0,
+                          num_split_tokens=num_tokens if cap > 1 else 0, q_per_seq=q_per_seq)
 
     # ---------------------------------------------------------------- kernels
     @staticmethod
@@ -250,6 +264,7 @@ class TritonAttentionBackend(AttentionBackend):
             K.reduce_splits_kernel[(km.num_split_tokens, num_heads)](
                 out, part_out, part_m, part_l, km.num_splits, km.split_token_offset, km.max_splits,
                 out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_P2=max(km.max_splits, self.splits_p2), num_warps=4)
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_P2=max(km.max_splits, self.splits_p2),
+                Q_PER_SEQ=km.q_per_seq, num_warps=4)
         return out
 

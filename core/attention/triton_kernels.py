@@ -192,15 +192,17 @@ def paged_attention_kernel(
 def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, num_splits_ptr,
     split_token_offset, max_splits, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, Q_PER_SEQ: tl.constexpr = 1,
 ):
     """Grid (split decode tokens, heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 
-    Decode token t is sequence t (decodes come first, one token each)."""
+    Decode token t is sequence t (decodes come first, one token each); in a verification graph (Q_PER_SEQ =
+    k+1 query slots per sequence) token t is sequence t // Q_PER_SEQ. Padding slots past a sequence's real
+    queries got no partials: their (ignored) output is whatever the reduce makes of the buffer."""
     i = tl.program_id(0)
     head = tl.program_id(1)
     tok = split_token_offset + i
-    num_splits = tl.load(num_splits_ptr + tok)
+    num_splits = tl.load(num_splits_ptr + tok // Q_PER_SEQ)
     if num_splits > 1:
         offs_s = tl.arange(0, SPLITS_P2)                        # SPLITS_P2 >= max_splits: one variant
         offs_d = tl.arange(0, HEAD_DIM)

@@ -167,11 +167,12 @@ class TPExecutor:
             return
         self._send(WarmupForwards(tuple((tuple(d), tuple(p)) for d, p in shapes)))
 
-    def capture_graphs(self, sizes: tuple[int, ...], use_graphs: bool, with_lora: bool) -> None:
+    def capture_graphs(self, sizes: tuple[int, ...], use_graphs: bool, with_lora: bool, verify_len: int = 0,
+                       verify_sizes: tuple[int, ...] = ()) -> None:
         """Tells the workers to build and capture their decode graphs (the driver captures the same next)."""
         if not self.has_workers:
             return
-        self._send(CaptureGraphs(tuple(sizes), use_graphs, with_lora))
+        self._send(CaptureGraphs(tuple(sizes), use_graphs, with_lora, verify_len, tuple(verify_sizes)))
 
     # ---- liveness -------------------------------------------------------------------------------
     def _dead_worker(self) -> str | None:

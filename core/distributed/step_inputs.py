@@ -66,7 +66,10 @@ class WarmupForwards:
 @dataclass(frozen=True)
 class CaptureGraphs:
     """Build the decode graph runner for these padded sizes and capture it (or, `use_graphs` False, run its
-    forwards once: the CPU tests' padded path); `with_lora`: also the graphs with adapters."""
+    forwards once: the CPU tests' padded path); `with_lora`: also the graphs with adapters; the verification
+    graphs of a speculative config too."""
     sizes: tuple[int, ...]
     use_graphs: bool
     with_lora: bool
+    verify_len: int = 0                      # k+1 query slots per row of the verification graphs (0: none)
+    verify_sizes: tuple[int, ...] = ()       # the sizes with a verification graph

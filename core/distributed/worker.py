@@ -22,7 +22,7 @@ from core.config import EngineConfig, ModelConfig
 from core.distributed.parallel_state import TPGroup, init_tp_group
 from core.distributed.rank_state import RankState, allocate_kv, build_rank_state
 from core.distributed.shard import TPShard
-from core.execution.cuda_graphs import DecodeGraphRunner
+from core.execution.cuda_graphs import DecodeGraphRunner, graph_num_tokens
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.kv.pool_size import num_kv_blocks
 from core.models.device import rank_device, resolve_device, resolve_dtype
@@ -87,7 +87,7 @@ def execute_step(state: RankState, tp: TPGroup, inputs: StepInputs, block_size: 
     try:
         if inputs.use_graph:
             assert state.graphs is not None, "a decode graph step before the capture"
-            hidden = state.graphs.run(host, inputs.token_slots, patch)                       # [B, hidden]
+            hidden = state.graphs.run(host, inputs.token_slots, patch)                  # [B or T, hidden]
             rows = graph_sample_rows(host, state.device)
         else:
             batch = to_device(host, block_size, state.device)
@@ -100,7 +100,6 @@ def execute_step(state: RankState, tp: TPGroup, inputs: StepInputs, block_size: 
         if inputs.prompt_rows is not None:
             state.model.compute_logits(hidden.index_select(0, torch.from_numpy(inputs.prompt_rows).to(state.device)))
         if inputs.logit_rows is not None:   # a step with drafts: every draft position joins the gather
-            assert not inputs.use_graph, "a step with drafts never runs as a decode graph"
             rows = host_to_device(inputs.logit_rows, state.device)
         if inputs.samples:
             state.model.compute_logits(hidden if rows is None else hidden[rows])
@@ -123,8 +122,10 @@ def warmup_rank(state: RankState, command: WarmupForwards, block_size: int) -> N
 def capture_rank_graphs(state: RankState, command: CaptureGraphs, block_size: int, max_model_len: int) -> None:
     backend = state.model.model.layers[0].self_attn.backend
     pool = state.lora_pool
-    lora = GraphLoRABuffers(command.sizes[-1], pool.num_slots, state.device) if command.with_lora else None
+    num_tokens = graph_num_tokens(command.sizes, command.verify_len, command.verify_sizes)
+    lora = GraphLoRABuffers(num_tokens, pool.num_slots, state.device) if command.with_lora else None
     state.graphs = DecodeGraphRunner(state.model, state.kv_caches, backend, block_size, max_model_len,
                                      command.sizes, lora=lora, lora_context=pool.context if lora else None,
-                                     use_graphs=command.use_graphs)
+                                     use_graphs=command.use_graphs, verify_len=command.verify_len,
+                                     verify_sizes=command.verify_sizes)
     state.graphs.capture()

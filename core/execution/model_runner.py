@@ -3,8 +3,8 @@
 The executor gets the step's inputs first (a no-op at one rank), so the workers run the same forward and join the
 same collectives in the same order: the forward's own, the prompt log-prob rows' logits gather (here, right
 after the forward), then the sampled rows' gather (the sampling stage). A decode-only step replays a decode
-graph when one fits (`core/execution/cuda_graphs.py`); tokens still in flight (async scheduling) are patched
-into the inputs on the device (`core/execution/pending.py`).
+graph when one fits, a step with speculative drafts a verification graph (`core/execution/cuda_graphs.py`);
+tokens still in flight (async scheduling) are patched into the inputs on the device (`core/execution/pending.py`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class ModelRunner:
             self.graphs = build_decode_graphs(self.config, self.parts)
         if self.graphs is None:
             return 0
-        self.executor.capture_graphs(self.graphs.sizes, self.graphs.use_graphs, self.graphs.lora is not None)
+        g = self.graphs
+        self.executor.capture_graphs(g.sizes, g.use_graphs, g.lora is not None, g.verify_len, g.verify_sizes)
         return self.graphs.capture()
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> HostBatch:
@@ -53,7 +54,7 @@ class ModelRunner:
         host, token_slots, plan = batch.host, batch.token_slots, batch.prompt_plan
         fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
-        use_graph = self.graphs is not None and self.graphs.can_run(host)
+        use_graph = self.graphs is not None and self.graphs.can_run(host, in_flight=fixup is not None)
         if faults.ACTIVE:
             faults.hit_any("forward", host.requests)
         # the workers run the same forward (and the same patch of in-flight tokens)
@@ -67,7 +68,7 @@ class ModelRunner:
             if use_graph:
                 assert self.graphs is not None
                 on_inputs = (lambda ids: pending.apply_fixup(ids, dev_fixup)) if dev_fixup is not None else None
-                out = ForwardOutput(self.graphs.run(host, token_slots, on_inputs),                # [B, hidden]
+                out = ForwardOutput(self.graphs.run(host, token_slots, on_inputs),       # [B or T, hidden]
                                     graph_sample_rows(host, self.device))
             else:
                 inputs = to_device(host, self.block_size, self.device)

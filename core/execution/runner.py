@@ -106,7 +106,10 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def graph_sample_rows(host: HostBatch, device: torch.device) -> torch.Tensor | None:
-    """The rows of a decode graph's output that sample (None: all of them)."""
+    """The rows of a graph runner's output that sample (None: all of them): batch rows of a decode step, the
+    last flat token of each sampled row of a verification step (its output is in flat token order)."""
+    if not host.decode_only:
+        return host_to_device(host.cu[1:][host.samples] - 1, device)
     if len(host.samples) == len(host.requests):
         return None
     return host_to_device(np.asarray(host.samples, dtype=np.int64), device)

@@ -48,7 +48,7 @@ class StepBatch:
 @dataclass
 class ForwardOutput:
     """What execute hands to sample: the step's hidden states, queued on the device."""
-    hidden: torch.Tensor                      # [T, hidden] eager, or [B, hidden] from a decode graph
+    hidden: torch.Tensor                      # [T, hidden] eager or verification graph, [B, hidden] decode graph
     rows: torch.Tensor | None                 # [N] rows of `hidden` that sample (None: every row)
     prompt_faults: list[tuple[Request, RequestFault]] = field(default_factory=list)  # prompt log-probs that failed
 

@@ -229,8 +229,7 @@ def _segment(module: Any, cfg: Any, label: str = "", check: KernelSelfCheck | No
 
 def _bgmv(module: Any, label: str = "", check: KernelSelfCheck | None = None) -> None:
     stack, x, y = _scratch(module)
-    slots = torch.tensor([0, -1, 0], dtype=torch.int32, device=x.device)                      # [B]
-    meta = DecodeLoRAMeta(num_tokens=NUM_SCRATCH_ROWS, row_slots=slots, row_order=torch.argsort(slots).to(torch.int32))
+    meta = DecodeLoRAMeta.build([0, -1, 0], x.device)                                       # [B] = 3 rows
     if check is None:
         triton_bgmv_add_lora(y, x, stack, meta, module.y_offset)
         return

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
-    DecodeLoRAMeta, bgmv_config, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    PARTIALS_BUDGET, DecodeLoRAMeta, bgmv_config, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
@@ -46,8 +46,7 @@ def test_bgmv_equals_reference(case: int, k_split_cols: int) -> None:
     g = torch.Generator().manual_seed(case)
     x = torch.randn(size, in_f, generator=g).to(DEVICE)
     y0 = torch.randn(size, sum(outs), generator=g).to(DEVICE)
-    meta = DecodeLoRAMeta(num_tokens=size, row_slots=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                          row_order=torch.tensor(np.argsort(slots, kind="stable"), dtype=torch.int32, device=DEVICE))
+    meta = DecodeLoRAMeta.build(slots, DEVICE)
     cfg = bgmv_config(stack, k_split_cols=k_split_cols)
     assert (cfg.num_k_splits > 1) == (k_split_cols < in_f)
     out = y0.clone()
@@ -81,8 +80,15 @@ def test_bgmv_bf16_through_graph_buffers_and_dispatch() -> None:
 
 
 def test_bgmv_config_is_fixed_per_stack() -> None:
-    """The tile config depends on the stack only: every step of any mix launches the same variant."""
+    """The tile config depends on the stack and the padded batch size only: every step of any mix launches the same
+    variant; the K splits cover K, and the bytes model keeps the partials within their budget of the A+B bytes."""
     stack = nan_stack(*CASES[0])
-    assert bgmv_config(stack) == bgmv_config(stack)
-    cfg = bgmv_config(nan_stack(2, 64, 4096, (64,), [[64, 8]]))
-    assert cfg.block_r == 64 and cfg.num_k_splits == 8 and cfg.k_per_split * cfg.num_k_splits >= 4096
+    assert bgmv_config(stack, 8) == bgmv_config(stack, 8)
+    big = nan_stack(2, 64, 4096, (64,), [[64, 8]])
+    cfg = bgmv_config(big, 64)
+    assert cfg.block_r == 64 and cfg.k_per_split * cfg.num_k_splits >= 4096 > cfg.k_per_split * (cfg.num_k_splits - 1)
+    rows_per_group = 64 // 2
+    partials = cfg.num_k_splits * (1 + cfg.num_n_chunks) * rows_per_group * 64 * 4
+    assert partials <= PARTIALS_BUDGET * 64 * (4096 + 64) * 4
+    forced = bgmv_config(big, 64, k_split_cols=512)
+    assert forced.num_k_splits == 8 and forced.k_per_split == 512

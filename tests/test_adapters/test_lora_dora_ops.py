@@ -21,7 +21,6 @@ from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers  # noqa:
 from adapters.lora_ops import LoRABackends, LoRABatchMeta, expand, shrink  # noqa: E402
 from adapters.lora_ops.bgmv import DecodeLoRAMeta  # noqa: E402
 from adapters.lora_ops.bgmv_split import bgmv_expand, bgmv_shrink  # noqa: E402
-from adapters.lora_ops.graph_meta import row_order  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
 from adapters.slots.slot_pool import LoRASlotPool  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
@@ -149,8 +148,7 @@ def test_decode_and_split_dora_match_peft(setup, backend):
     model, pool, slot_to_name = build(setup, backend)
     token_slots = [2, -1, 1, 0, 2, 1, -1, 2]
     slots = torch.tensor(token_slots)
-    meta = DecodeLoRAMeta(len(token_slots), slots.to(torch.int32).to(DEVICE),
-                          torch.from_numpy(row_order(slots.numpy())).to(torch.int32).to(DEVICE))
+    meta = DecodeLoRAMeta.build(token_slots, DEVICE)
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
         for group, (parent, attr) in GROUP_ATTRS.items():

@@ -220,3 +220,57 @@ def test_padded_graph_decode(cap: int, heads: int, kv_heads: int) -> None:
     assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r), "padded rows wrote KV"
     err = ((out[:n] - ref).norm() / ref.norm()).item()
     assert err < TOL[torch.float32], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("cap,heads,kv_heads", [(1, 8, 2), (8, 8, 2), (4, 6, 2)])
+def test_padded_graph_verify(cap: int, heads: int, kv_heads: int) -> None:
+    """The CUDA-graph verification layout (k+1 = 5 query slots per row): row i's tokens sit at [5i, 5i + q_i),
+    the rest of its slots and the rows past n are padding (slot -1, context 1, query length 1); one query block
+    per sequence, split-KV over the decode graph's work list, the split reduce mapping token t to sequence t // 5.
+    Real tokens equal the torch reference (each row a cached chunk of q_i tokens); the padding stores nothing."""
+    q_slots, size, head_dim = 5, 8, 32
+    seqs = [(3, 5), (40, 2), (200, 5), (255, 1), (300, 4)]   # (cached, new): a decode row among rows with drafts
+    n = len(seqs)
+    (q, k, v, kc, vc), meta = make_batch(seqs, heads, kv_heads, head_dim, torch.float32, seed=cap + heads + 1)
+    # make_batch puts the decode row first: the graph rows follow its order
+    ordered = sorted((s for s in seqs if s[1] == 1), key=lambda s: s[0]) + [s for s in seqs if s[1] > 1]
+    backend = TritonAttentionBackend(min_partition=32, target_programs=10**6, max_splits=cap)
+    ctx = torch.tensor([c + m for c, m in ordered])
+    splits = backend.graph_decode_splits(ctx.numpy(), decode_groups(ctx.numpy(), BS, min_size=2), size, kv_heads,
+                                         cap, BS, DEVICE)
+    assert (splits <= cap).all() and (cap == 1 or splits.max() > 1)
+    seq_lens = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    seq_lens[:n] = ctx.to(torch.int32)
+    q_lens = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    q_lens[:n] = torch.tensor([m for _, m in ordered], dtype=torch.int32)
+    num_splits = torch.ones(size, dtype=torch.int32, device=DEVICE)
+    num_splits[:n] = torch.from_numpy(splits).to(torch.int32)
+    width = max(int(t.shape[0]) for t in meta.prefill_block_tables) + 3
+    tables = torch.zeros(size, width, dtype=torch.int32, device=DEVICE)
+    dt = meta.decode_block_tables
+    tables[:1, :dt.shape[1]] = dt
+    for i, t in enumerate(meta.prefill_block_tables, start=1):
+        tables[i, :t.shape[0]] = t
+    # flat token t of row i, token j -> graph slot 5i + j
+    where = torch.cat([torch.arange(m) + i * q_slots for i, (_, m) in enumerate(ordered)]).to(DEVICE)
+    slots = torch.full((size * q_slots,), -1, dtype=torch.int64, device=DEVICE)
+    slots[where] = meta.slot_mapping
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        out = torch.randn(size * q_slots, *x.shape[1:], device=DEVICE)
+        out[where] = x
+        return out
+
+    graph_meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=size * q_slots, decode_block_tables=tables, decode_context_lens=seq_lens,
+        prefill_query_starts=[], prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+        block_size=BS, kernel_meta=backend.graph_kernel_meta(size, cap, seq_lens, tables, num_splits, q_lens=q_lens,
+                                                             q_per_seq=q_slots))
+    assert graph_meta.kernel_meta.num_items == size * cap and graph_meta.kernel_meta.block_q == 8
+    kc_t, vc_t = kc.clone(), vc.clone()
+    out = backend.forward(pad(q), pad(k), pad(v), kc_t, vc_t, graph_meta, head_dim ** -0.5)
+    kc_r, vc_r = kc.clone(), vc.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, kc_r, vc_r, meta, head_dim ** -0.5)
+    assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r), "padded slots wrote KV"
+    err = ((out[where] - ref).norm() / ref.norm()).item()
+    assert err < TOL[torch.float32], f"relative error {err:.2e}"

@@ -81,6 +81,37 @@ def test_disable_by_batch_size_is_decided_at_admission(tiny_model: Path) -> None
     assert late.speculate   # load fell: a new request speculates; the earlier decision was kept
 
 
+def test_disable_by_batch_size_turns_speculation_off_above_it(tiny_model: Path) -> None:
+    """A burst above `disable_by_batch_size` N: the first N requests speculate (with drafts in the steps they
+    run), the others never carry a draft; once the speculating ones are done, every step is a plain step (no
+    drafts, so a decode graph replay on a GPU) and the outputs equal HF's."""
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 2})
+    engine = make_engine(tiny_model, spec=spec)
+    prompts = prompts_for(tiny_model, num=5, seed=4)
+    oracle = with_oracle(engine, tiny_model, prompts)
+    reqs = [engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS if i < 2 else MAX_TOKENS + 4,
+                                                             temperature=0.0))
+            for i, ids in enumerate(prompts)]
+    for r, ids in zip(reqs[2:], prompts[2:]):
+        oracle.refs[(None, tuple(ids))] = hf_greedy(tiny_model, ids, MAX_TOKENS + 4)
+    assert [r.speculate for r in reqs] == [True, True, False, False, False]
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    num_plain_steps = 0
+    while engine.has_unfinished_requests():
+        engine.spec.propose(engine.scheduler.running)      # what the step will propose (idempotent: drafts reset)
+        with_drafts = [r for r in engine.scheduler.running if r.num_spec_tokens]
+        assert all(r.speculate for r in with_drafts), "a request admitted above the limit carried drafts"
+        if all(r.status.finished or not r.speculate for r in reqs):
+            assert not with_drafts
+            num_plain_steps += 1
+        for d in engine.step():
+            outs[d.request_id] += d.new_token_ids
+    assert num_plain_steps > 0 and engine.spec.stats.num_drafts > 0
+    for r, ids in zip(reqs, prompts):
+        assert outs[r.request_id] == hf_greedy(tiny_model, ids, len(outs[r.request_id])), r.request_id
+    engine.check_integrity()
+
+
 def test_a_fault_in_one_speculating_row_fails_that_request_alone(tiny_model: Path) -> None:
     """Faults raised while a request's drafts are verified (sampling at a later position, token handling)
     fail that request alone; the others keep their exact outputs; nothing leaks."""
