@@ -98,7 +98,8 @@ def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
                              config.quantization.method)
     pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,
-                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)))
+                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)),
+                           tp=tp)
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])
 

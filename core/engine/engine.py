@@ -53,7 +53,8 @@ class LLMEngine:
         self.adapters = StepAdapters(self.registry, self.lora_pool, self.kv.prefix_cache)
         self._grammars = GrammarCompilers(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(config, p)           # execute
-        self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device)   # sample
+        self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device,     # sample
+                                     logit_rows=self.lora_pool.context.logit_rows)
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         # (--async-scheduling on|off, else LORAPLEX_ASYNC_SCHEDULING 0|1, else on with CUDA)
