@@ -261,6 +261,10 @@ def serving_rows(run: Run, table: Table) -> None:
         (f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85)
         if d["saturation"]["mix_over_base"] else (f"rate inf not measured for both (skipped: {d['skipped']})", None)),
         ">= 0.85x")
+    add("serving", "serving: step-time model error (--max-step-ms auto)", "serving", lambda d: (
+        "not exported" if d.get("step_time_prediction_error_ratio") is None else
+        f"{d['step_time_prediction_error_ratio']:.2f} mean |predicted - measured| / measured step time", None),
+        "- (the ITL rows above are the budget's target)")
     add("serving", "serving errors", "serving", lambda d: (
         str(sum(p["num_errors"] for pts in d["workloads"].values() for p in pts)),
         all(p["num_errors"] == 0 for pts in d["workloads"].values() for p in pts)), "0")

@@ -67,6 +67,8 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.max_step_ms is not None:
+        cmd += ["--max-step-ms", f"{args.max_step_ms:g}"]
     if adapters:
         cmd += ["--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
     log = open(Path(tempfile.gettempdir()) / f"loraplex_serving_{port}.log", "w")
@@ -114,10 +116,18 @@ def make_requests(num: int, adapters: list[str], seed: int, base_name: str, prom
 
 def compiles_after_warmup(base: str) -> int:
     """The server's Triton compiles after its start-up warm-up (the Prometheus counter)."""
+    value = scrape(base, "loraplex:kernel_compiles_after_warmup_total")
+    if value is None:
+        raise RuntimeError("the server exports no loraplex:kernel_compiles_after_warmup_total")
+    return int(value)
+
+
+def scrape(base: str, name: str) -> float | None:
+    """One unlabelled series of the server's /metrics (None: not exported)."""
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("loraplex:kernel_compiles_after_warmup_total"):
-            return int(float(line.split()[-1]))
-    raise RuntimeError("the server exports no loraplex:kernel_compiles_after_warmup_total")
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
 
 
 def warm_up(url: str, base_name: str, adapters: list[str], args: argparse.Namespace) -> None:
@@ -185,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: the server's)")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--max-step-ms", type=float, default=None, help="the server's step-time budget (default: auto)")
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
     ap.add_argument("--max-seconds", type=float, default=float("inf"),
                     help="no new rate starts after this many seconds (they are listed as skipped)")
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         warm_up(f"{base}/v1/completions", base_name, list(adapters), args)
         result = sweep(args, f"{base}/v1/completions", base_name, list(adapters), started)
         compiles = compiles_after_warmup(base)
+        step_error = scrape(base, "loraplex:step_time_prediction_error_ratio")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -216,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
             "adapter_ranks": list(RANKS), "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
             "json_share": args.json_share, "async_scheduling": args.async_scheduling, "startup_s": startup_s,
             "vocab_size": cfg.vocab_size, "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
-            "compiles_after_warmup": compiles, "workloads": result["points"], "skipped": result["skipped"],
+            "compiles_after_warmup": compiles, "max_step_ms": args.max_step_ms,
+            "step_time_prediction_error_ratio": step_error, "workloads": result["points"], "skipped": result["skipped"],
             "saturation": sat, "token_counting": "stream_options.continuous_usage_stats (tokens per chunk)",
             "workload": f"mix: requests spread over the base model and {args.num_adapters} adapters (ranks "
                         f"{'/'.join(map(str, RANKS))}, all 7 projections), {args.json_share:.0%} with a JSON schema; "
@@ -226,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(("saturation (rate inf): mix / base req/s", f"{sat['mix_over_base']:.2f}x" if sat["mix_over_base"]
                  else "not measured"))
     rows.append(("Triton compiles after the warm-up", str(compiles)))
+    rows.append(("step-time model: mean |predicted - measured| / measured",
+                 "not exported" if step_error is None else f"{step_error:.2f}"))
     rows.append(("start-up (adapters written, model load + warm-up) until /health 200", f"{startup_s:.1f} s"))
     if result["skipped"]:
         rows.append(("skipped (--max-seconds)", ", ".join(result["skipped"])))

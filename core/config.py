@@ -167,6 +167,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None       # None: the model's max_position_embeddings
     policy: str = "fcfs"
+    max_step_ms: float | None = None       # step-time budget while requests decode: None auto, 0 off (core/scheduling/step_budget.py)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ _BYTES = _typed(parse_bytes, lambda v: True, "a byte size")
 _LORA = _typed(parse_lora_spec, lambda v: True, "NAME=PATH or JSON")
 _NONNEG_INT = _typed(int, lambda v: v >= 0, "a non-negative integer")        # type: ignore[operator]
 _DIR = _typed(str, lambda v: Path(str(v)).is_dir(), "a directory")
+_MS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of milliseconds >= 0")  # type: ignore[operator]
 _SECONDS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of seconds >= 0")  # type: ignore[operator]
 
 
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=_POS_INT, default=256)
     s.add_argument("--max-num-batched-tokens", type=_POS_INT, default=2048)
     s.add_argument("--max-model-len", type=_POS_INT, default=None, metavar="N")
+    s.add_argument("--max-step-ms", type=_MS, default=None, metavar="MS",
+                   help="while requests decode, size each step's prefill chunks so its predicted time stays under "
+                        "MS milliseconds (a step-time model learned online; 0: off; default: auto, 1.8x the "
+                        "predicted decode-only step); --max-num-batched-tokens stays the hard cap")
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--api-key", default=None, metavar="KEY")
     s.add_argument("--tenant-keys", type=Path, default=None, metavar="FILE")
@@ -132,7 +137,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=prefix_caching(args, parser)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, policy=args.scheduling_policy),
+                                  max_model_len=args.max_model_len, policy=args.scheduling_policy,
+                                  max_step_ms=args.max_step_ms),
         lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                         max_lora_rank=args.max_lora_rank, lora_modules=lora_modules(args, model, names, parser),
                         lora_dirs=tuple(args.lora_dir)),

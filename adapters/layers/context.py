@@ -8,14 +8,24 @@ The runner sets it once per step, before the forward:
 
 With no batch set (or no LoRA token in it) every wrapper returns the base output untouched. `backends` names the
 path the wrappers' ops take (the engine resolves it for the device: core/environment/backends.py).
+
+The LM head runs after the forward, on some rows of the step (the sampled ones, prompt log-prob rows, draft
+positions): the runner keeps the step's per-token slots (`set_step_slots`, every step, None without adapters) and
+each LM-head call names its rows of the step:
+
+    with pool.context.logit_rows(rows):     # rows of the step's flat batch, in the order of the LM head's input
+        logits = model.compute_logits(hidden[rows])
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from contextlib import contextmanager
+from typing import Iterator, Optional, Union
 
+import numpy as np
 import torch
 
+from adapters.errors import LoRAContextError
 from adapters.lora_ops import LoRABackends, LoRABatchMeta
 from adapters.lora_ops.metadata import SlotsLike
 
@@ -27,6 +37,8 @@ class LoRAContext:
         self.num_slots = num_slots
         self.backends = backends
         self._meta: Optional[LoRABatchMeta] = None
+        self._step_slots: Optional[np.ndarray] = None      # [T] the step's slot per token (-1: base)
+        self._logits_meta: Optional[LoRABatchMeta] = None   # the LM head's rows, while `logit_rows` is open
 
     @property
     def meta(self) -> Optional[LoRABatchMeta]:
@@ -50,3 +62,43 @@ class LoRAContext:
 
     def clear(self) -> None:
         self._meta = None
+
+    # ---- the LM head's rows ------------------------------------------------------------------
+    def set_step_slots(self, token_slots: Optional[np.ndarray]) -> None:
+        """The step's per-token slots (None: no adapter in the step), kept for the LM-head calls after the forward."""
+        self._step_slots = None if token_slots is None else np.asarray(token_slots, dtype=np.int64)
+
+    @property
+    def step_has_lora(self) -> bool:
+        return self._step_slots is not None and bool((self._step_slots >= 0).any())
+
+    @contextmanager
+    def logit_rows(self, rows: Union[torch.Tensor, np.ndarray, None]) -> Iterator[None]:
+        """While open, the LM head's input rows are these rows of the step (None: every row of the step)."""
+        if not self.step_has_lora:
+            yield
+            return
+        assert self._step_slots is not None
+        if rows is None:
+            slots = self._step_slots
+        else:
+            idx = rows.to("cpu", torch.int64).numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+            if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self._step_slots)):
+                raise LoRAContextError(f"LM-head rows outside the step's {len(self._step_slots)} tokens")
+            slots = self._step_slots[idx]
+        self._logits_meta = LoRABatchMeta.build(torch.from_numpy(slots), self.device, num_slots=self.num_slots)
+        try:
+            yield
+        finally:
+            self._logits_meta = None
+
+    def logits_meta(self, num_rows: int) -> Optional[LoRABatchMeta]:
+        """The LM head's metadata for an input of `num_rows` rows (None: no LoRA row). A step with adapters whose LM
+        head runs without `logit_rows` is a bug: it raises rather than drop the adapters' LM-head LoRA."""
+        meta = self._logits_meta
+        if meta is None:
+            if self.step_has_lora:
+                raise LoRAContextError("the LM head ran on a step with adapters without naming its rows")
+            return None
+        meta.check_num_tokens(num_rows)
+        return meta if meta.has_lora else None

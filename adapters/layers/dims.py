@@ -21,8 +21,10 @@ CHECKPOINT_FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+# LoRA on the vocabulary: the embedding (a gather of A's columns, then B) and the LM head (a linear).
+VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 # Every module name an adapter may target.
-PEFT_TARGET_NAMES: tuple[str, ...] = TARGET_MODULES + tuple(CHECKPOINT_FUSED)
+PEFT_TARGET_NAMES: tuple[str, ...] = TARGET_MODULES + tuple(CHECKPOINT_FUSED) + VOCAB_MODULES
 
 # HF module name -> (fused group, slice index inside the group).
 MODULE_TO_GROUP: dict[str, tuple[str, int]] = {

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from adapters.layers.dims import GROUP_ATTRS
+from adapters.layers.vocab_lora import apply_vocab_lora_wrappers, remove_vocab_lora_wrappers
 from adapters.lora_ops import add_lora
 from adapters.slots.slot_pool import LoRASlotPool
 
@@ -20,7 +21,8 @@ SliceSpec = tuple[str, int, int]  # (HF module name, output column offset, outpu
 
 
 class LoRALinear(nn.Module):
-    """base(x) plus, for every LoRA token of the step, the LoRA delta of each output slice."""
+    """base(x) plus, for every LoRA token of the step, the LoRA delta of each output slice; tokens of a DoRA slot
+    then get their rows rescaled (inside `add_lora`)."""
 
     def __init__(self, base: nn.Module, slices: Sequence[SliceSpec], pool: LoRASlotPool,
                  layer_idx: int) -> None:
@@ -42,6 +44,7 @@ class LoRALinear(nn.Module):
         self.y_offset = y_offset
         self.context = pool.context
         self.stack = pool.stack(layer_idx, group)
+        pool.register_base(layer_idx, group, base, y_offset)   # DoRA's norms read the base weight
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -99,7 +102,8 @@ def linear_parent(layer: nn.Module, parent_name: str) -> nn.Module | None:
 
 
 def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
-    """Swap qkv_proj, o_proj, gate_up_proj and down_proj of every layer for LoRALinear.
+    """Swap qkv_proj, o_proj, gate_up_proj and down_proj of every layer for LoRALinear, and the embedding and LM
+    head (when the model has them) for their LoRA wrappers (`vocab_lora.py`).
     Idempotent: already wrapped linears are left alone."""
     layers = _decoder_layers(model)
     if len(layers) != pool.dims.num_layers:
@@ -117,10 +121,12 @@ def apply_lora_wrappers(model: nn.Module, pool: LoRASlotPool) -> None:
                                 "expected a linear layer")
             spec = pool.groups[group].group.slice_spec()
             setattr(parent, attr, LoRALinear(module, spec, pool, idx))
+    apply_vocab_lora_wrappers(model, pool)
 
 
 def remove_lora_wrappers(model: nn.Module) -> None:
-    """Put the plain base linears back."""
+    """Put the plain base linears (and embedding and LM head) back."""
+    remove_vocab_lora_wrappers(model)
     for layer in _decoder_layers(model):
         for parent_name, attr in GROUP_ATTRS.values():
             parent = linear_parent(layer, parent_name)

@@ -202,7 +202,8 @@ def _dot_fp32(t: torch.Tensor) -> bool:
 
 def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
                        y_offset: int = 0, config: BGMVConfig | None = None) -> None:
-    """y[row, y_offset + slice columns] += scale * (sum over K splits of h[:, s, row]) @ B_slot(row)^T."""
+    """y[row, y_offset + slice columns] += scale * (sum over K splits of h[:, s, row]) @ B_slot(row)^T, then a
+    DoRA slot's rescaling of those columns (in the kernel's epilogue)."""
     from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert y.stride(1) == 1 and stack.lora_b.stride(2) == 1, "BGMV expand needs unit y column / B rank strides"
@@ -210,14 +211,19 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     assert h.dim() == 4 and tuple(h.shape[1:]) == (num_slices, num_rows, cfg.block_r) and \
         h.dtype == torch.float32 and h.stride(3) == 1, f"h {tuple(h.shape)} is not this stack's shrink output"
+    dora = stack.dora_scale is not None
+    d_scale, d_shift, d_flags = (stack.dora_scale, stack.dora_shift, stack.dora_flags) if dora else \
+        (stack.scalings, stack.scalings, stack.ranks)             # never read (HAS_DORA off)
     K.bgmv_expand_kernel[(min(num_rows, stack.num_slots), cfg.num_n_chunks, num_slices)](
         h, stack.lora_b, y, meta.row_order, meta.groups, stack.ranks, stack.scalings, stack.slice_meta,
+        d_scale, d_shift, d_flags,
         num_slices, h.shape[0], y_offset, meta.groups.stride(0),
         h.stride(0), h.stride(1), h.stride(2),
         stack.lora_b.stride(0), stack.lora_b.stride(1),
         y.stride(0),
-        stack.ranks.stride(0), stack.scalings.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b))
+        stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
+        HAS_DORA=dora)
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,

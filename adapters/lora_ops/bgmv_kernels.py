@@ -79,12 +79,14 @@ def bgmv_shrink_kernel(
 @triton.jit(do_not_specialize=["num_k_splits", "stride_hk", "stride_groups"])
 def bgmv_expand_kernel(
     h_ptr, b_ptr, y_ptr, row_order_ptr, groups_ptr, ranks_ptr, scalings_ptr, slice_meta_ptr,
+    dora_scale_ptr, dora_shift_ptr, dora_flags_ptr,
     num_slices, num_k_splits, y_offset, stride_groups,
     stride_hk, stride_hs, stride_hm,
     stride_bslot, stride_bn,
     stride_ym,
-    stride_rank_s, stride_scale_s,
+    stride_rank_s, stride_scale_s, stride_dslot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_DORA: tl.constexpr,
 ):
     g = tl.program_id(0)
     c = tl.program_id(1)
@@ -127,4 +129,10 @@ def bgmv_expand_kernel(
             y_ptrs = y_ptr + rows[:, None] * stride_ym + (y_offset + n_off + offs_n)[None, :]
             ym = m_mask[:, None] & n_mask[None, :]
             cur = tl.load(y_ptrs, mask=ym, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (cur + delta * scale).to(y_ptr.dtype.element_ty), mask=ym)
+            out = cur + delta * scale
+            if HAS_DORA:      # DoRA: the slot's per-column scale and shift of the whole output (each column once)
+                if tl.load(dora_flags_ptr + slot) != 0:
+                    d_off = slot * stride_dslot + n_off + offs_n                                    # [BN]
+                    out = out * tl.load(dora_scale_ptr + d_off, mask=n_mask, other=1.0)[None, :] \
+                        + tl.load(dora_shift_ptr + d_off, mask=n_mask, other=0.0)[None, :]
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ym)

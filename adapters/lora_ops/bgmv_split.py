@@ -18,6 +18,7 @@ import torch
 
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_expand, triton_bgmv_shrink
 from adapters.lora_ops.backends import Backend, check_backend
+from adapters.lora_ops.dora_ops import torch_dora_rows
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import compute_dtype
 
@@ -39,6 +40,7 @@ def bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: Decode
         triton_bgmv_expand(y, h, stack, meta, y_offset)
     else:
         torch_bgmv_expand(y, h, stack, meta, y_offset)
+        torch_dora_rows(y, stack, meta, y_offset)       # DoRA: after the all-reduced shrink and B
 
 
 def _row_slots(meta: DecodeLoRAMeta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 from adapters.lora_ops.backends import Backend, check_backend
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_bgmv_add_lora
 from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
+from adapters.lora_ops.dora_ops import torch_dora
 from adapters.lora_ops.metadata import LoRABatchMeta
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_grouped import torch_add_lora_grouped
@@ -42,13 +43,15 @@ def expand(
     y_offset: int = 0,
     backend: Backend = "torch",
 ) -> None:
-    """In place: y[t, y_offset + off_s : ... + size_s] += scale * h[s] @ B_s^T per LoRA token."""
+    """In place: y[t, y_offset + off_s : ... + size_s] += scale * h[s] @ B_s^T per LoRA token, then the DoRA
+    rescaling of the tokens whose slot has DoRA on this linear (`dora_ops`)."""
     if check_backend(backend) == "triton":
         from adapters.lora_ops.triton_ops import triton_expand  # optional: triton
 
         triton_expand(y, h, stack, meta, y_offset)
         return
     torch_expand(y, h, stack, meta, y_offset)
+    torch_dora(y, stack, meta, y_offset)
 
 
 def add_lora(
@@ -62,7 +65,8 @@ def add_lora(
     """y += LoRA(x) for all slices of `stack`; no-op when the step has no LoRA token.
     Decode metadata (one row per token, per-row slots) takes the fused BGMV kernels; the grouped
     metadata of prefill and mixed steps takes the segmented shrink/expand kernels, or on the torch path batched
-    matmuls over the step's slots (`torch_grouped`)."""
+    matmuls over the step's slots (`torch_grouped`). DoRA slots then rescale their rows (in the Triton expand
+    kernels' epilogue, or `dora_ops` on the torch path)."""
     check_backend(backend)
     if not meta.has_lora:
         return
@@ -72,13 +76,16 @@ def add_lora(
     if isinstance(meta, DecodeLoRAMeta):
         if backend == "triton":
             triton_bgmv_add_lora(y, x, stack, meta, y_offset)
-        elif x.is_cuda:   # the torch path inside a CUDA graph (LORAPLEX_LORA_BACKEND=torch): no read-back to the host
+            return
+        if x.is_cuda:   # the torch path inside a CUDA graph (LORAPLEX_LORA_BACKEND=torch): no read-back to the host
             torch_bgmv_expand(y, torch_bgmv_shrink(x, stack, meta), stack, meta, y_offset)
         else:
             torch_bgmv_add_lora(y, x, stack, meta, y_offset)
+        torch_dora(y, stack, meta, y_offset)
         return
     if backend == "torch":
         torch_add_lora_grouped(y, x, stack, meta, y_offset)
+        torch_dora(y, stack, meta, y_offset)
         return
     h = shrink(x, stack, meta, backend=backend)  # [S, T_lora, R]
     expand(y, h, stack, meta, y_offset, backend=backend)

@@ -3,6 +3,11 @@
 A fused linear (qkv, gate_up) has S slices; every slice has its own A per slot and its own
 rows of B. B rows of slice s are `slice_offsets[s] : slice_offsets[s] + slice_sizes[s]`,
 which are also the output columns (plus `y_offset`) the slice's delta is added to.
+
+DoRA (optional, the slot pool's stacks have it): a slot flagged in `dora_flags` rescales its rows of the linear's
+whole output after the LoRA delta, y = y * dora_scale[slot] + dora_shift[slot] (scale = m / ||W + s B A||_row,
+shift = (1 - scale) * bias, both per output column, computed once per adapter when its slot is written); other
+slots keep scale 1 and shift 0.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ class LoRAStack:
     # Optional CPU mirrors (the slot pool keeps them) so the torch path never syncs.
     ranks_host: Optional[torch.Tensor] = None  # [S, slots] int32, CPU
     scalings_host: Optional[torch.Tensor] = None  # [S, slots] float32, CPU
+    dora_scale: Optional[torch.Tensor] = None  # [slots, N] float32: DoRA's m / ||W + s B A||_row (1: no DoRA)
+    dora_shift: Optional[torch.Tensor] = None  # [slots, N] float32: (1 - scale) * bias (0: no DoRA or no bias)
+    dora_flags: Optional[torch.Tensor] = None  # [slots] int32, 1: the slot rescales this linear's output
+    dora_host: Optional[torch.Tensor] = None   # [slots] bool, CPU mirror of dora_flags
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
 
     def __post_init__(self) -> None:
@@ -53,6 +62,16 @@ class LoRAStack:
         if self.ranks.device.type == "cpu" and self.ranks.numel() and \
                 not 0 <= int(self.ranks.min()) <= int(self.ranks.max()) <= r:
             raise ValueError(f"ranks must be in [0, {r}]")  # (not checked on GPU: no device sync)
+        if self.dora_scale is not None:
+            n, dev = self.lora_b.shape[1], self.lora_b.device
+            for t, shape, dtype in ((self.dora_scale, (slots, n), torch.float32),
+                                    (self.dora_shift, (slots, n), torch.float32),
+                                    (self.dora_flags, (slots,), torch.int32), (self.dora_host, (slots,), torch.bool)):
+                if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1:
+                    raise ValueError(f"DoRA tensors must be [slots, N] float32 scale / shift, [slots] int32 "
+                                     f"flags and a [slots] bool host mirror")
+            if {self.dora_scale.device, self.dora_shift.device, self.dora_flags.device} != {dev}:
+                raise ValueError("DoRA tensors on another device than the stack")
         meta = torch.tensor([list(self.slice_offsets), list(self.slice_sizes)], dtype=torch.int32)
         object.__setattr__(self, "slice_meta", meta.to(self.lora_b.device))  # [2, S]
 
@@ -71,6 +90,16 @@ class LoRAStack:
     @property
     def in_features(self) -> int:
         return self.lora_a.shape[3]
+
+    @property
+    def has_dora(self) -> bool:
+        """Whether any slot rescales this linear's output (host mirror: no device sync)."""
+        return self.dora_host is not None and bool(self.dora_host.any())
+
+    def dora_slots_host(self) -> frozenset[int]:
+        if self.dora_host is None:
+            return frozenset()
+        return frozenset(torch.nonzero(self.dora_host).flatten().tolist())
 
     def host_ranks(self) -> list[list[int]]:
         src = self.ranks_host if self.ranks_host is not None else self.ranks

@@ -6,6 +6,10 @@ s of a fused linear. Programs past the group's token count, past the slot's real
 (shrink) or past the slice's width (expand) exit at once, and the rank loop of expand
 stops at the real rank: the cost follows each slot's rank, not the pool's max rank.
 
+DoRA (HAS_DORA, the slot pool's stacks): expand's epilogue rescales the output tiles of a slot flagged in
+`dora_flags`: y = (y + delta) * dora_scale[slot, col] + dora_shift[slot, col] (every output column of a slice is
+written by exactly one program, so the whole row gets its scale once).
+
 DOT_FP32 upcasts the tiles and runs an exact (IEEE, not TF32) fp32 `tl.dot`. The launcher
 sets it for fp32 activations (fp32 parity with PEFT) and under the CPU interpreter
 (TRITON_INTERPRET=1), which mis-computes bf16/fp16 dots; otherwise (bf16/fp16 on GPU) the
@@ -86,13 +90,14 @@ def lora_expand_kernel(
     h_ptr, b_ptr, y_ptr,
     token_ids_ptr, group_slots_ptr, group_starts_ptr, group_sizes_ptr,
     ranks_ptr, scalings_ptr, slice_meta_ptr,
+    dora_scale_ptr, dora_shift_ptr, dora_flags_ptr,
     num_slices, num_n_blocks, y_offset,
     stride_hs, stride_hm, stride_hk,
     stride_bslot, stride_bn, stride_bk,
     stride_ym, stride_yn,
-    stride_rank_s, stride_scale_s,
+    stride_rank_s, stride_scale_s, stride_dslot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, HAS_DORA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     g = tl.program_id(1)
@@ -140,4 +145,11 @@ def lora_expand_kernel(
     y_ptrs = y_ptr + tok[:, None] * stride_ym + (y_offset + n_off + offs_n)[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     cur = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (cur + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+    out = cur + acc
+    if HAS_DORA:
+        if tl.load(dora_flags_ptr + slot) != 0:
+            d_off = slot * stride_dslot + n_off + offs_n                                  # [BN]
+            d_scale = tl.load(dora_scale_ptr + d_off, mask=n_mask, other=1.0)
+            d_shift = tl.load(dora_shift_ptr + d_off, mask=n_mask, other=0.0)
+            out = out * d_scale[None, :] + d_shift[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -131,17 +131,21 @@ def triton_expand(
     m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)
     n_blocks = triton.cdiv(max(stack.slice_sizes), block_n)
     grid = (m_blocks * n_blocks, meta.num_groups, S)
+    dora = stack.dora_scale is not None
+    d_scale, d_shift, d_flags = (stack.dora_scale, stack.dora_shift, stack.dora_flags) if dora else \
+        (stack.scalings, stack.scalings, stack.ranks)             # never read (HAS_DORA off)
     K.lora_expand_kernel[grid](
         h, stack.lora_b, y,
         meta.token_ids, meta.group_slots, meta.group_starts, meta.group_sizes,
         stack.ranks, stack.scalings, stack.slice_meta,
+        d_scale, d_shift, d_flags,
         S, n_blocks, y_offset,
         *h.stride(),
         *stack.lora_b.stride(),
         y.stride(0), y.stride(1),
-        stack.ranks.stride(0), stack.scalings.stride(0),
+        stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=EXPAND_BLOCK_K,
-        DOT_FP32=_dot_fp32(stack.lora_b),
+        DOT_FP32=_dot_fp32(stack.lora_b), HAS_DORA=dora,
     )
 
 

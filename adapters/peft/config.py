@@ -1,7 +1,8 @@
 """Parse and validate a PEFT `adapter_config.json` for LoRA serving.
 
-Everything that changes the LoRA forward beyond `scaling * B(A(x))` on q/k/v/o/gate/up/down
-is rejected with a clear reason (400) instead of being silently served wrong.
+Everything that changes the LoRA forward beyond `scaling * B(A(x))` on q/k/v/o/gate/up/down, embed_tokens and
+lm_head, or DoRA's magnitude rescaling (`use_dora`, not on the embeddings), is rejected with a clear reason (400)
+instead of being silently served wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ _EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate")
 
 # Config fields that must be empty/false: (field, reason).
 _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
-    ("use_dora", "DoRA (use_dora) adapters are not supported"),
     ("modules_to_save", "modules_to_save (fully fine-tuned extra modules) is not supported"),
     ("trainable_token_indices", "trainable tokens / added tokens are not supported"),
     ("lora_bias", "LoRA bias (lora_bias) is not supported"),
@@ -50,6 +50,7 @@ class PeftLoRAConfig:
     rank_pattern: Mapping[str, int]
     alpha_pattern: Mapping[str, float]
     base_model_name_or_path: Optional[str]
+    use_dora: bool = False
 
     def rank_for(self, module_key: str) -> int:
         """PEFT's rank for a module (`model.layers.0.self_attn.q_proj`)."""
@@ -122,5 +123,5 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
     return PeftLoRAConfig(
         r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-        base_model_name_or_path=raw.get("base_model_name_or_path"),
+        base_model_name_or_path=raw.get("base_model_name_or_path"), use_dora=bool(raw.get("use_dora", False)),
     )

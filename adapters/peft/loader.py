@@ -38,7 +38,14 @@ BIN_NAME = "adapter_model.bin"
 _KEY_RE = re.compile(
     r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\."
     r"(?P<name>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj))"
-    r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$"
+    r"\.(?:lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight|(?P<mag>lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$"
+)
+# LoRA on the vocabulary modules, as PEFT saves it: the embedding's A / B are parameters (no `.weight`), the LM
+# head's a linear's; `base_layer.weight` is the base's own table, saved by PEFT beside them (save_embedding_layers)
+_VOCAB_KEY_RE = re.compile(
+    r"^(?P<module>(?:.*\.)?(?P<name>embed_tokens|lm_head))\."
+    r"(?:lora_embedding_(?P<eab>A|B)(?:\.[\w-]+)?|lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight"
+    r"|(?P<mag>lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?|(?P<base>base_layer\.weight))$"
 )
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
@@ -155,19 +162,18 @@ def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
 
 
 def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterError:
-    if "lora_magnitude_vector" in key:
-        return _invalid("DoRA adapters are not supported", CODE_UNSUPPORTED_FEATURE)
     if "embed_tokens" in key or "lm_head" in key:
         # Embedding / lm_head weights are [vocab, hidden]: another vocab size means resized.
         resized = tensor.dim() == 2 and int(tensor.shape[0]) != dims.vocab_size
         what = "resized embeddings / added tokens" if resized else "embedding or lm_head weights"
-        return _invalid(f"adapter contains {what} ({key}); only LoRA on q/k/v/o/gate/up/down is "
-                        "supported", CODE_UNSUPPORTED_FEATURE)
+        return _invalid(f"adapter contains {what} ({key}); only LoRA (and DoRA) on q/k/v/o/gate/up/down, LoRA on "
+                        "embed_tokens and LoRA (and DoRA) on lm_head are supported", CODE_UNSUPPORTED_FEATURE)
     if key.endswith(".bias"):
         return _invalid(f"adapter has a bias ({key}); only bias='none' is supported",
                         CODE_UNSUPPORTED_FEATURE)
-    return _invalid(f"unsupported adapter weight {key!r}: only LoRA A/B on "
-                    "q/k/v/o/gate/up/down_proj of decoder layers is supported", CODE_UNSUPPORTED_TARGET)
+    return _invalid(f"unsupported adapter weight {key!r}: only LoRA A/B (and DoRA magnitudes) on "
+                    "q/k/v/o/gate/up/down_proj of decoder layers, embed_tokens and lm_head are supported",
+                    CODE_UNSUPPORTED_TARGET)
 
 
 def _module_key(module_path: str) -> str:
@@ -178,49 +184,105 @@ def _module_key(module_path: str) -> str:
 
 def build_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
                   max_lora_rank: int) -> dict[tuple[int, str], LoRAModule]:
+    """The decoder layers' LoRA modules of a PEFT state dict (see `build_adapter_modules` for the vocabulary's)."""
+    return build_adapter_modules(state, cfg, dims, max_lora_rank)[0]
+
+
+def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
+                          max_lora_rank: int) -> tuple[dict[tuple[int, str], LoRAModule], dict[str, LoRAModule]]:
+    """(decoder layers' modules keyed (layer, HF name), vocabulary modules keyed "embed_tokens" / "lm_head")."""
     pairs: dict[tuple[int, str], dict[str, object]] = {}
     for key, tensor in state.items():
         m = _KEY_RE.match(key)
-        if m is None or m["parent"] != _PARENT[m["name"]]:
-            raise _reject_key(key, tensor, dims)
-        if not tensor.is_floating_point() or tensor.dim() != 2:
-            raise _invalid(f"{key} must be a 2-D floating point tensor", CODE_CORRUPT)
-        entry = pairs.setdefault((int(m["layer"]), m["name"]), {"key": _module_key(m["module"])})
-        if m["ab"] in entry:
-            raise _invalid(f"duplicate LoRA {m['ab']} weight for {entry['key']}")
-        entry[m["ab"]] = tensor
+        if m is not None and m["parent"] == _PARENT[m["name"]]:
+            part, entry_key = ("M" if m["mag"] else m["ab"]), (int(m["layer"]), m["name"])
+        else:
+            v = _VOCAB_KEY_RE.match(key)
+            if v is None:
+                raise _reject_key(key, tensor, dims)
+            if v["base"]:
+                _check_vocab_table(key, tensor, dims)    # PEFT's copy of the base table: the base's own
+                continue
+            part, entry_key = ("M" if v["mag"] else v["eab"] or v["ab"]), (-1, v["name"])
+            m = v
+        want_dim = 1 if part == "M" else 2
+        if not tensor.is_floating_point() or tensor.dim() != want_dim:
+            raise _invalid(f"{key} must be a {want_dim}-D floating point tensor", CODE_CORRUPT)
+        entry = pairs.setdefault(entry_key, {"key": _module_key(m["module"])})
+        if part in entry:
+            raise _invalid(f"duplicate LoRA {part} weight for {entry['key']}")
+        entry[part] = tensor
     if not pairs:
         raise _invalid("adapter has no LoRA weights for q/k/v/o/gate/up/down_proj",
                        CODE_UNSUPPORTED_TARGET)
     modules: dict[tuple[int, str], LoRAModule] = {}
+    vocab: dict[str, LoRAModule] = {}
     for (layer, name), entry in sorted(pairs.items()):
-        mkey = str(entry["key"])
-        if "A" not in entry or "B" not in entry:
-            raise _invalid(f"{mkey} has lora_A without lora_B or the reverse")
-        a, b = entry["A"], entry["B"]
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        if layer >= dims.num_layers:
-            raise _invalid(f"{mkey}: layer {layer} does not exist in the base model "
-                           f"({dims.num_layers} layers); wrong base model?", CODE_SHAPE_MISMATCH)
-        rank = int(a.shape[0])
-        if rank > max_lora_rank:
-            raise _invalid(f"{mkey} has rank {rank} > max_lora_rank {max_lora_rank}",
-                           CODE_RANK_TOO_LARGE)
-        in_f, out_f = dims.module_shape(name)
-        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
-            raise _invalid(
-                f"{mkey}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
-                f"model (expected [r, {in_f}] / [{out_f}, r]); adapter for a different base model?",
-                CODE_SHAPE_MISMATCH)
-        if cfg.rank_for(mkey) != rank:
-            raise _invalid(f"{mkey}: weights have rank {rank} but the config says "
-                           f"{cfg.rank_for(mkey)}", CODE_SHAPE_MISMATCH)
-        module = LoRAModule(lora_a=a.contiguous(), lora_b=b.contiguous(), scaling=cfg.scaling_for(mkey, rank))
+        module = _module_of(layer, name, entry, cfg, dims, max_lora_rank)
+        if layer < 0:
+            vocab[name] = module
+            continue
         for part, part_module in _split_fused(name, module, dims):
             if (layer, part) in modules:
-                raise _invalid(f"{mkey}: layer {layer} has LoRA on both {part} and a fused module holding it")
+                raise _invalid(f"{entry['key']}: layer {layer} has LoRA on both {part} and a fused module holding it")
             modules[(layer, part)] = part_module
-    return modules
+    return modules, vocab
+
+
+def _check_vocab_table(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> None:
+    if tensor.dim() != 2 or tuple(tensor.shape) != (dims.vocab_size, dims.hidden_size):
+        raise _invalid(f"adapter contains resized embeddings / added tokens ({key}); only the base's vocabulary "
+                       "is supported", CODE_UNSUPPORTED_FEATURE)
+
+
+def _vocab_shapes(name: str, rank: int, dims: BaseModelDims) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Expected (A, B) shapes of a vocabulary module: the embedding's A is [r, vocab] (PEFT's layout)."""
+    if name == "embed_tokens":
+        return (rank, dims.vocab_size), (dims.hidden_size, rank)
+    return (rank, dims.hidden_size), (dims.vocab_size, rank)
+
+
+def _module_of(layer: int, name: str, entry: dict[str, object], cfg: PeftLoRAConfig, dims: BaseModelDims,
+               max_lora_rank: int) -> LoRAModule:
+    mkey = str(entry["key"])
+    if "A" not in entry or "B" not in entry:
+        raise _invalid(f"{mkey} has lora_A without lora_B or the reverse")
+    a, b, mag = entry["A"], entry["B"], entry.get("M")
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if layer >= dims.num_layers:
+        raise _invalid(f"{mkey}: layer {layer} does not exist in the base model "
+                       f"({dims.num_layers} layers); wrong base model?", CODE_SHAPE_MISMATCH)
+    rank = int(a.shape[0])
+    if rank > max_lora_rank:
+        raise _invalid(f"{mkey} has rank {rank} > max_lora_rank {max_lora_rank}", CODE_RANK_TOO_LARGE)
+    if layer < 0:
+        want_a, want_b = _vocab_shapes(name, rank, dims)
+    else:
+        in_f, out_f = dims.module_shape(name)
+        want_a, want_b = (rank, in_f), (out_f, rank)
+    if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        raise _invalid(
+            f"{mkey}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base model (expected "
+            f"{list(want_a)} / {list(want_b)}); adapter for a different base model?", CODE_SHAPE_MISMATCH)
+    if cfg.rank_for(mkey) != rank:
+        raise _invalid(f"{mkey}: weights have rank {rank} but the config says "
+                       f"{cfg.rank_for(mkey)}", CODE_SHAPE_MISMATCH)
+    if mag is not None:
+        assert isinstance(mag, torch.Tensor)
+        if name == "embed_tokens":
+            raise _invalid("DoRA on the embeddings (embed_tokens) is not supported", CODE_UNSUPPORTED_FEATURE)
+        if not cfg.use_dora:
+            raise _invalid(f"{mkey} has a DoRA magnitude vector but the config has no use_dora")
+        if tuple(mag.shape) != (want_b[0],):
+            raise _invalid(f"{mkey}: lora_magnitude_vector {tuple(mag.shape)} does not fit the base model "
+                           f"(expected [{want_b[0]}])", CODE_SHAPE_MISMATCH)
+        mag = mag.float().contiguous()
+        if not bool(torch.isfinite(mag).all()):
+            raise _invalid(f"{mkey}: lora_magnitude_vector has non-finite values", CODE_CORRUPT)
+    elif cfg.use_dora and name != "embed_tokens":
+        raise _invalid(f"{mkey}: use_dora is set but the module has no lora_magnitude_vector", CODE_CORRUPT)
+    return LoRAModule(lora_a=a.contiguous(), lora_b=b.contiguous(), scaling=cfg.scaling_for(mkey, rank),
+                      magnitude=mag)
 
 
 def _split_fused(name: str, module: LoRAModule, dims: BaseModelDims) -> list[tuple[str, LoRAModule]]:
@@ -231,8 +293,9 @@ def _split_fused(name: str, module: LoRAModule, dims: BaseModelDims) -> list[tup
     parts, start = [], 0
     for part in CHECKPOINT_FUSED[name]:
         size = dims.module_shape(part)[1]
+        mag = None if module.magnitude is None else module.magnitude[start:start + size].contiguous()
         parts.append((part, LoRAModule(module.lora_a, module.lora_b[start:start + size].contiguous(),
-                                       module.scaling)))
+                                       module.scaling, mag)))
         start += size
     return parts
 
@@ -257,9 +320,10 @@ def load_peft_adapter(
     _check_added_tokens(files)
     state, expert_state = split_expert_state(_read_weights(files))   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
-    modules = build_modules(state, cfg, dims, max_lora_rank) if state or not experts else {}
+    modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank) if state or not experts else ({}, {})
     check_dense_mlp_targets(modules, dims)
     return LoRAAdapter(
         source=files.label, path=files.path, modules=modules,
         base_model_name_or_path=cfg.base_model_name_or_path, config=raw, expert_modules=experts,
+        vocab_modules=vocab,
     )

@@ -20,18 +20,21 @@ T = TypeVar("T")
 
 
 def host_copy(adapter: LoRAAdapter, dtype: torch.dtype, pin: bool) -> LoRAAdapter:
-    """The adapter with contiguous A/B in `dtype`, pinned if asked (CUDA only)."""
-    def conv(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(dtype).contiguous()
+    """The adapter with contiguous A/B in `dtype`, pinned if asked (CUDA only); DoRA magnitudes stay fp32 (the
+    slot pool turns them into per-row scales in fp32)."""
+    def conv(t: torch.Tensor, to: torch.dtype = dtype) -> torch.Tensor:
+        t = t.to(to).contiguous()
         return t.pin_memory() if pin else t
 
-    modules = {key: LoRAModule(lora_a=conv(m.lora_a), lora_b=conv(m.lora_b), scaling=m.scaling)
-               for key, m in adapter.modules.items()}
-    experts = {key: LoRAModule(lora_a=conv(m.lora_a), lora_b=conv(m.lora_b), scaling=m.scaling)
-               for key, m in adapter.expert_modules.items()}
-    return LoRAAdapter(source=adapter.source, path=adapter.path, modules=modules,
+    def module(m: LoRAModule) -> LoRAModule:
+        mag = None if m.magnitude is None else conv(m.magnitude, torch.float32)
+        return LoRAModule(lora_a=conv(m.lora_a), lora_b=conv(m.lora_b), scaling=m.scaling, magnitude=mag)
+
+    return LoRAAdapter(source=adapter.source, path=adapter.path,
+                       modules={key: module(m) for key, m in adapter.modules.items()},
                        base_model_name_or_path=adapter.base_model_name_or_path, config=adapter.config,
-                       expert_modules=experts)
+                       vocab_modules={key: module(m) for key, m in adapter.vocab_modules.items()},
+                       expert_modules={key: module(m) for key, m in adapter.expert_modules.items()})
 
 
 class LoaderPool:

@@ -7,20 +7,26 @@ modules never reallocates or overlaps a shared buffer. Per group:
     b        [L, slots, out_total, R]  (rows of slice s at its output column offset)
     ranks    [L, S, slots] int32       (0 = module not targeted: costs nothing, adds nothing)
     scalings [L, S, slots] float32
-with CPU mirrors of ranks/scalings so the host never reads them back from the device.
+    dora_scale [L, slots, out_total] float32 (1: no DoRA), dora_shift [L, slots, out_total] float32 (0),
+    dora_flags [L, slots] int32 (1: the slot's adapter has DoRA on this linear)
+with CPU mirrors of ranks/scalings/DoRA flags so the host never reads them back from the device. DoRA's scales
+(`dora_scales.py`) need the base weights: the wrappers register their base linears (`register_base`); a
+DoRA adapter's scales are computed once per host copy of the adapter and reused when it comes back to a slot.
 Adapters are keyed by an id the caller chooses (use the generation id of a load, never the
 name, so a reload with new weights never reuses a stale slot).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Collection, Hashable, Optional, Union
 
 import torch
+from torch import nn
 
-from adapters.adapter import LoRAAdapter
+from adapters.adapter import LoRAAdapter, LoRAModule
 from adapters.layers.context import LoRAContext
 from adapters.layers.dims import MODULE_TO_GROUP, BaseModelDims, FusedGroup, fused_groups
 from adapters.errors import (
@@ -28,7 +34,11 @@ from adapters.errors import (
     SlotPoolIntegrityError,
 )
 from adapters.lora_ops import LoRABackends, LoRAStack
+from adapters.slots.dora_scales import base_weight, dora_scale_shift
 from adapters.slots.expert_slots import ExpertSlots
+from adapters.slots.vocab_slots import VocabSlots
+
+DoraScales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]   # (layer, module) -> (scale, shift) [out]
 
 
 @dataclass(eq=False)
@@ -40,6 +50,10 @@ class GroupBuffers:
     scalings: torch.Tensor  # [L, S, slots] float32, device
     ranks_host: torch.Tensor  # [L, S, slots] int32, CPU mirror
     scalings_host: torch.Tensor  # [L, S, slots] float32, CPU mirror
+    dora_scale: torch.Tensor  # [L, slots, out_total] float32
+    dora_shift: torch.Tensor  # [L, slots, out_total] float32
+    dora_flags: torch.Tensor  # [L, slots] int32, device
+    dora_host: torch.Tensor  # [L, slots] bool, CPU mirror
     stacks: list[LoRAStack]  # per layer, views into the buffers above
 
 
@@ -70,9 +84,16 @@ class LoRASlotPool:
             scal = torch.zeros(L, S, num_slots, dtype=torch.float32, **kw)
             rh = torch.zeros(L, S, num_slots, dtype=torch.int32)
             sh = torch.zeros(L, S, num_slots, dtype=torch.float32)
+            d_scale = torch.ones(L, num_slots, grp.out_features, dtype=torch.float32, **kw)
+            d_shift = torch.zeros(L, num_slots, grp.out_features, dtype=torch.float32, **kw)
+            d_flags = torch.zeros(L, num_slots, dtype=torch.int32, **kw)
+            d_host = torch.zeros(L, num_slots, dtype=torch.bool)
             stacks = [LoRAStack(a[i], b[i], ranks[i], scal[i], grp.slice_offsets, grp.slice_sizes,
-                                ranks_host=rh[i], scalings_host=sh[i]) for i in range(L)]
-            self.groups[name] = GroupBuffers(grp, a, b, ranks, scal, rh, sh, stacks)
+                                ranks_host=rh[i], scalings_host=sh[i], dora_scale=d_scale[i], dora_shift=d_shift[i],
+                                dora_flags=d_flags[i], dora_host=d_host[i]) for i in range(L)]
+            self.groups[name] = GroupBuffers(grp, a, b, ranks, scal, rh, sh, d_scale, d_shift, d_flags, d_host,
+                                             stacks)
+        self.vocab = VocabSlots(num_slots, max_rank, dims.vocab_size, dims.hidden_size, self.device, dtype)
         # an MoE base: the experts' LoRA slots (adapters/slots/expert_slots.py), kept in step with these
         self.experts = ExpertSlots(num_slots, max_rank, dims, self.device, dtype) if dims.num_experts else None
         self._slot_ids: list[Optional[Hashable]] = [None] * num_slots
@@ -80,6 +101,14 @@ class LoRASlotPool:
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
         self._pins = [0] * num_slots
         self.num_slot_writes = 0  # adapters copied into a slot (host -> device), evictions' reloads included
+        self._bases: dict[tuple[int, str], tuple[nn.Module, int]] = {}   # (layer, group) -> (base linear, y_offset)
+        # DoRA scales per host copy of an adapter (computed once; gone with the host copy)
+        self._dora_cache: "weakref.WeakKeyDictionary[LoRAAdapter, DoraScales]" = weakref.WeakKeyDictionary()
+        self.num_dora_computes = 0   # adapters whose DoRA scales were computed from the base weights
+
+    def register_base(self, layer_idx: int, group: str, base: nn.Module, y_offset: int = 0) -> None:
+        """The base linear a wrapper put LoRA on (its rows `y_offset ..` hold the group): DoRA's norms read it."""
+        self._bases[(layer_idx, group)] = (base, y_offset)
 
     # ---- lookups ---------------------------------------------------------------------
     def stack(self, layer_idx: int, group: str) -> LoRAStack:
@@ -128,9 +157,21 @@ class LoRASlotPool:
                 raise AdapterError(f"unsupported target module {name!r}", CODE_UNSUPPORTED_TARGET)
             in_f, out_f = self.dims.module_shape(name)
             if not 0 <= layer < self.dims.num_layers or tuple(mod.lora_a.shape) != (mod.rank, in_f) \
-                    or tuple(mod.lora_b.shape) != (out_f, mod.rank):
+                    or tuple(mod.lora_b.shape) != (out_f, mod.rank) \
+                    or (mod.magnitude is not None and tuple(mod.magnitude.shape) != (out_f,)):
                 raise AdapterError(f"adapter module ({layer}, {name}) does not fit the base model",
                                    CODE_SHAPE_MISMATCH)
+            if mod.is_dora and (layer, MODULE_TO_GROUP[name][0]) not in self._bases:
+                raise AdapterError("DoRA adapters need the base model's weights (no wrapped linear here)",
+                                   CODE_UNSUPPORTED_TARGET)
+        for name, mod in adapter.vocab_modules.items():
+            vocab, hidden = self.dims.vocab_size, self.dims.hidden_size
+            want = ((mod.rank, vocab), (hidden, mod.rank)) if name == "embed_tokens" else \
+                ((mod.rank, hidden), (vocab, mod.rank))
+            if name not in ("embed_tokens", "lm_head") or (tuple(mod.lora_a.shape), tuple(mod.lora_b.shape)) != want:
+                raise AdapterError(f"adapter module {name} does not fit the base model", CODE_SHAPE_MISMATCH)
+            if mod.is_dora and (name == "embed_tokens" or self.vocab.lm_head_base is None):
+                raise AdapterError(f"DoRA on {name} is not supported", CODE_UNSUPPORTED_TARGET)
         if adapter.expert_modules and self.experts is None:
             raise AdapterError("adapter has LoRA on MoE experts but the base model has none", CODE_SHAPE_MISMATCH)
         if self.experts is not None:
@@ -195,6 +236,11 @@ class LoRASlotPool:
             buf.b[:, slot].zero_()  # [L, N, R]
             for t in (buf.ranks, buf.scalings, buf.ranks_host, buf.scalings_host):
                 t[:, :, slot] = 0
+            buf.dora_scale[:, slot] = 1.0
+            buf.dora_shift[:, slot] = 0.0
+            buf.dora_flags[:, slot] = 0
+            buf.dora_host[:, slot] = False
+        self.vocab.clear(slot)
         if self.experts is not None:
             self.experts.clear(slot)
 
@@ -209,11 +255,59 @@ class LoRASlotPool:
             buf.b[layer, slot, off:off + size, :r].copy_(mod.lora_b, non_blocking=non_blocking)  # [out_s, r]
             buf.ranks_host[layer, s, slot] = r
             buf.scalings_host[layer, s, slot] = mod.scaling
+        scales = self.dora_scales(adapter)
+        self.vocab.write(slot, adapter.vocab_modules, scales.get((-1, "lm_head")), non_blocking)
+        for (layer, name), (scale, shift) in scales.items():
+            if layer < 0:
+                continue
+            gname, s = MODULE_TO_GROUP[name]
+            buf = self.groups[gname]
+            off, size = buf.group.slice_offsets[s], buf.group.slice_sizes[s]
+            buf.dora_scale[layer, slot, off:off + size].copy_(scale, non_blocking=non_blocking)
+            buf.dora_shift[layer, slot, off:off + size].copy_(shift, non_blocking=non_blocking)
+            buf.dora_host[layer, slot] = True
         for buf in self.groups.values():
             buf.ranks[:, :, slot].copy_(buf.ranks_host[:, :, slot])
             buf.scalings[:, :, slot].copy_(buf.scalings_host[:, :, slot])
+            buf.dora_flags[:, slot].copy_(buf.dora_host[:, slot])
         if self.experts is not None:
             self.experts.write(slot, adapter, non_blocking)
+
+    def dora_scales(self, adapter: LoRAAdapter) -> DoraScales:
+        """The DoRA (scale, shift) of every DoRA module of `adapter` on this pool's base weights, computed on its
+        first write to a slot and kept with the host copy."""
+        cached = self._dora_cache.get(adapter)
+        if cached is not None:
+            return cached
+        out: DoraScales = {}
+        weights: dict[tuple[int, str], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for (layer, name), mod in sorted(adapter.modules.items()):
+                if not mod.is_dora:
+                    continue
+                gname, s = MODULE_TO_GROUP[name]
+                if (layer, gname) not in weights:
+                    base, y_off = self._bases[(layer, gname)]
+                    weights[(layer, gname)] = (base_weight(base)[y_off:], None if base.bias is None
+                                               else base.bias[y_off:])
+                w, bias = weights[(layer, gname)]
+                grp = self.groups[gname].group
+                off, size = grp.slice_offsets[s], grp.slice_sizes[s]
+                out[(layer, name)] = self._dora_module(layer, name, w[off:off + size],
+                                                       None if bias is None else bias[off:off + size], mod)
+        head = self.vocab.dora_scales(adapter.vocab_modules)
+        if head is not None:
+            out[(-1, "lm_head")] = head
+        if out:
+            self.num_dora_computes += 1
+        self._dora_cache[adapter] = out
+        return out
+
+    def _dora_module(self, layer: int, name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     module: LoRAModule) -> tuple[torch.Tensor, torch.Tensor]:
+        """One module's DoRA (scale, shift) from its rows of the base weight (tensor parallelism overrides it for
+        the row-parallel linears, whose rows' norms span the ranks)."""
+        return dora_scale_shift(weight, bias, module)
 
     # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self, deep: bool = True) -> None:
@@ -228,6 +322,7 @@ class LoRASlotPool:
                 _fail(f"slot {slot} has pin count {pins[slot]} but holds {ids[slot]!r}")
             if (ids[slot] is None) != (self._slot_adapters[slot] is None):
                 _fail(f"slot {slot}: id and adapter out of sync")
+        self.vocab.check_integrity([None if a is None else a.vocab_modules for a in self._slot_adapters])
         for name, buf in self.groups.items():
             self._check_group_tables(name, buf, used)
             if deep:
@@ -254,6 +349,23 @@ class LoRASlotPool:
                     expect[layer, s] = mod.rank
             if not torch.equal(rh[:, :, slot], expect):
                 _fail(f"{name}: slot {slot} ranks do not match adapter {self._slot_ids[slot]!r}")
+        self._check_group_dora(name, buf, used)
+
+    def _check_group_dora(self, name: str, buf: GroupBuffers, used: list[int]) -> None:
+        if not torch.equal(buf.dora_flags.cpu(), buf.dora_host.int()):
+            _fail(f"{name}: device DoRA flags differ from the host mirror")
+        expect = torch.zeros_like(buf.dora_host)                                          # [L, slots]
+        for slot in used:
+            adapter = self._slot_adapters[slot]
+            assert adapter is not None
+            for (layer, mod_name), mod in adapter.modules.items():
+                if mod.is_dora and MODULE_TO_GROUP[mod_name][0] == name:
+                    expect[layer, slot] = True
+        if not torch.equal(buf.dora_host, expect):
+            _fail(f"{name}: DoRA flags do not match the slots' adapters")
+        plain = ~expect                                                                   # [L, slots]
+        if not bool((buf.dora_scale.cpu()[plain] == 1).all()) or bool(buf.dora_shift.cpu()[plain].any()):
+            _fail(f"{name}: a slot without DoRA on this linear has a DoRA scale != 1 or shift != 0")
 
 
     def _check_group_weights(self, name: str, buf: GroupBuffers) -> None:

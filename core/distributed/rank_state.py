@@ -13,7 +13,7 @@ import torch
 
 from adapters.lora_ops import LoRABackends
 from core.attention.selection import get_attention_backend
-from core.config import EngineConfig
+from core.config import EngineConfig, ModelConfig
 from core.distributed.layers import parallelize_model
 from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
@@ -23,9 +23,10 @@ from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
+from core.models.moe import Experts
 from core.models.registry import model_class
 from core.models.rope import layer_rotaries
-from core.quant.config import UnsupportedQuantization, detect_quantization
+from core.quant.config import QuantScheme, UnsupportedQuantization, detect_quantization
 from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
 
 
@@ -41,28 +42,48 @@ class RankState:
     last_tokens: torch.Tensor | None = None  # the last step's sampled tokens [N] (async scheduling)
 
 
+def _check_quantized_moe(local: ModelConfig, shard: TPShard, scheme: QuantScheme | None,
+                         quantization: str | None) -> None:
+    """Quantized MoE models are served as compressed-tensors pack-quantized checkpoints (W4A16 / W8A16 experts,
+    core/quant/experts.py) of Mixtral / Qwen3-MoE on one rank; anything else is refused at start-up by name
+    (`scheme`: the checkpoint's, None for random weights)."""
+    why = None
+    if scheme is None or scheme.fmt == "fp8-online":
+        why = f"--quantization {quantization} (online quantization)" if quantization else "random weights"
+    elif scheme.fmt != "pack-quantized":
+        why = f"{scheme.method} ({scheme.fmt}) checkpoints"
+    elif shard.world_size > 1:
+        why = "tensor parallelism"
+    elif local.shared_expert:
+        why = "a shared expert (Qwen2-MoE)"
+    if why is not None:
+        raise UnsupportedQuantization(f"quantized mixture-of-experts models with {why} are not supported; quantized "
+                                      "experts are served from compressed-tensors pack-quantized (W4A16 / W8A16) "
+                                      "Mixtral / Qwen3-MoE checkpoints on one rank")
+
+
 def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device, dtype: torch.dtype,
                      max_model_len: int, load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
     """The model built from the rank's local config on the meta device (no random init), parallelized (at
     N > 1), then filled with its slices only: checkpoint weights, quantized ones included, or random weights
     (`load_format="dummy"`, online FP8 included)."""
     local = shard.local_config()
+    quant = None if load_format == "dummy" else detect_quantization(model_dir, quantization)
+    if local.num_experts and (quantization or quant):
+        _check_quantized_moe(local, shard, quant, quantization)
     with torch.device("meta"), skip_param_init():
         model = model_class(local)(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
-    model = materialize(model, device, dtype)
+    # a quantized checkpoint's float experts are never allocated: prepare_quantized puts packed ones in their place
+    model = materialize(model, device, dtype, keep_meta=(Experts,) if quant is not None and local.num_experts else ())
     for layer, rotary in zip(model.model.layers, layer_rotaries(local, max_model_len)):
         layer.self_attn.rotary = rotary.to(device)
     if local.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if local.num_experts and (quantization or (load_format != "dummy" and detect_quantization(model_dir))):
-        raise UnsupportedQuantization("quantized mixture-of-experts models (a quantized checkpoint or "
-                                      "--quantization) are not supported; serve the unquantized checkpoint")
     if load_format == "dummy":
         init_dummy_weights(model, seed=shard.rank)
         quantize_dummy(model, model_dir, quantization)
     else:
-        quant = detect_quantization(model_dir, quantization)
         skip = prepare_quantized(model, model_dir, quant, dtype, device, shard) if quant else frozenset()
         load_weights(model, model_dir, shard, skip)
         if quant:
@@ -77,7 +98,8 @@ def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
                              config.quantization.method)
     pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,
-                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)))
+                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)),
+                           tp=tp)
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])
 

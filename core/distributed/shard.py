@@ -100,19 +100,24 @@ class TPShard:
         raise KeyError(module)
 
     # ---- LoRA (S-LoRA): column-parallel B by output, row-parallel A by input -----------------
+    # DoRA's magnitudes go with B's rows (column-parallel) or stay whole (row-parallel: the norms of the rows,
+    # whose columns span the ranks, are all-reduced: core/distributed/lora.py). The vocabulary modules' LoRA stays
+    # whole on every rank (the embedding's delta is added after its all-reduce, the LM head's on rank 0).
     def shard_adapter(self, adapter: LoRAAdapter) -> LoRAAdapter:
         if self.world_size == 1:
             return adapter
         modules: dict[tuple[int, str], LoRAModule] = {}
         for (layer, name), mod in adapter.modules.items():
-            a, b = mod.lora_a, mod.lora_b                                    # [r, in], [out, r]
+            a, b, mag = mod.lora_a, mod.lora_b, mod.magnitude                # [r, in], [out, r], [out] | None
             if name in ("o_proj", "down_proj"):
                 start, size = self.in_range(name)
                 a = a[:, start:start + size]                                 # [r, in / N]
             else:
                 start, size = self.out_range(name)
                 b = b[start:start + size]                                    # [out / N, r]
-            modules[(layer, name)] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling)
+                mag = None if mag is None else mag[start:start + size]       # DoRA: the rank's output rows
+            modules[(layer, name)] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling,
+                                                None if mag is None else mag.contiguous())
         start, size = self.rank * self.moe_intermediate_size, self.moe_intermediate_size
         experts: dict[tuple[int, int, str], LoRAModule] = {}
         for key, mod in adapter.expert_modules.items():   # MoE experts: their intermediate slice

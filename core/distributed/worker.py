@@ -79,6 +79,7 @@ def execute_step(state: RankState, tp: TPGroup, inputs: StepInputs, block_size: 
     in the same order: the prompt log-prob rows' and the sampled rows' logits gathers, the sampled tokens."""
     pool = state.lora_pool
     pool.apply_ops(list(inputs.slot_ops))
+    pool.finish_dora()                    # the driver's at the same point: after the slot writes, before the forward
     host = inputs.to_host()
     fixup = fixup_to_device(inputs.fixup, state.device)
     assert fixup is None or state.last_tokens is not None, "an input token in flight but none was shared"

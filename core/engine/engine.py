@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ class LLMEngine:
         self.adapters = StepAdapters(self.registry, self.lora_pool, self.kv.prefix_cache)
         self._grammars = GrammarCompilers(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(config, p)           # execute
-        self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device)   # sample
+        self.sampler = SamplingStage(self.model, self.model_config.vocab_size, self.device,     # sample
+                                     logit_rows=self.lora_pool.context.logit_rows)
         self.warmup_report: WarmupReport | None = None
         # overlap the CPU's work for step t+1 with step t on the GPU (default: on CUDA only, where it pays)
         # (--async-scheduling on|off, else LORAPLEX_ASYNC_SCHEDULING 0|1, else on with CUDA)
@@ -222,6 +224,7 @@ class LLMEngine:
     def _step(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
         """schedule -> execute -> sample -> update. Everything up to `pending.read()` in `_update` is queued on
         the device without waiting for it: the previous step's tokens are read while this step's forward runs."""
+        start = time.perf_counter()
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()                                            # schedule
         self._step_requests = [r for r, _ in sched.scheduled]
@@ -236,6 +239,9 @@ class LLMEngine:
         result = self._sample(batch, fwd, out)                                       # sample
         if result is not None:
             self._hand_off(result, out)                                              # update
+        # the step-time model learns from each step's wall time (with async scheduling: the wait for the
+        # previous step's tokens stands in for this one's, as steps follow each other)
+        self.scheduler.step_time.observe(sched.features, time.perf_counter() - start)
 
     def _prepare(self, sched: SchedulerOutput, pending: PendingStep | None,
                  out: list[RequestDelta]) -> StepBatch | None:

@@ -29,7 +29,8 @@ class LLM:
                  lora_modules: dict[str, str] | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, max_loras: int = 8,
+                 max_model_len: int | None = None, max_step_ms: float | None = None,
+                 enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
                  async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), tensor_parallel_size: int = 1,
@@ -37,14 +38,16 @@ class LLM:
                  speculative_config: dict[str, Any] | str | None = None) -> None:
         """vLLM's flat keyword arguments, mapped onto the nested `EngineConfig`. `warmup=False` skips the start-up
         kernel warm-up (`LLMEngine.warmup`): the first steps then compile Triton kernels as they meet them.
-        `speculative_config`: vLLM's dict (`core/spec/config.py`)."""
+        `speculative_config`: vLLM's dict (`core/spec/config.py`). `max_step_ms`: the step-time budget while requests
+        decode (None: auto, 0: off; `core/scheduling/step_budget.py`)."""
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, policy=scheduling_policy),
+                                      max_model_len=max_model_len, policy=scheduling_policy,
+                                      max_step_ms=max_step_ms),
             lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             lora_modules=tuple((lora_modules or {}).items()),
                             lora_dirs=tuple(str(d) for d in lora_dirs)),

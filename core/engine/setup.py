@@ -14,7 +14,7 @@ from adapters.registry.registry import AdapterRegistry
 from core.environment.backends import lora_backends
 from core.config import EngineConfig, ModelConfig
 from core.distributed.executor import TPExecutor
-from core.distributed.lora import ShardedSlotPool
+from core.distributed.lora import ShardedSlotPool, tp_adapter_loader
 from core.distributed.rank_state import allocate_kv, build_rank_state
 from core.distributed.shard import TPShard, check_tp_divisible
 from core.engine.stats import EngineStats
@@ -154,8 +154,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 def build_registry(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> AdapterRegistry:
     """The adapter registry (`--lora-dir`s, host LRU, loader pool) with the start-up adapters read."""
     lora = config.lora
+    loader = tp_adapter_loader if config.parallel.tensor_parallel_size > 1 else None
     registry = AdapterRegistry(BaseModelDims.from_model_config(cfg), lora.max_lora_rank, lora.max_cpu_loras,
-                               lora_dirs=lora.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda")
+                               lora_dirs=lora.lora_dirs, dtype=dtype, pin_memory=device.type == "cuda",
+                               loader=loader)
     try:
         for name, path in lora.lora_modules:
             registry.load(name, path)

@@ -67,6 +67,9 @@ def engine_metrics(engine: Any) -> list[Metric]:
         Counter("loraplex:prefix_cache_queries", value=kv.num_prefix_queries_tokens),
         Counter("loraplex:prefix_cache_hits", value=kv.num_prefix_hit_tokens),
         Counter("loraplex:num_preemptions", value=sched.num_preemptions),
+        Gauge("loraplex:step_time_predicted_seconds", value=sched.step_time.last_predicted_s),
+        Gauge("loraplex:step_time_prediction_error_ratio", value=sched.step_time.error_ratio),
+        Gauge("loraplex:step_time_budget_seconds", value=sched.last_budget_s),
     ]
     spec = getattr(stats, "spec", None)
     if spec is not None:

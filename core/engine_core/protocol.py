@@ -94,6 +94,9 @@ class Stats(msgspec.Struct, array_like=True):
     waiting_adapters: str
     adapters: AdapterStats | None = None     # None: an engine without adapters
     spec: SpecStats | None = None            # None: speculative decoding off
+    step_time_predicted_s: float = 0.0       # core/scheduling/step_time.py: the last step's predicted seconds
+    step_time_error_ratio: float = 0.0       # mean |predicted - measured| / measured over its window
+    step_budget_s: float = 0.0               # the last step's time budget for prefill chunks (0: none)
 
 
 AdapterRow = tuple[str, str, str, int]   # (name, path, generation id, created) of a registered adapter

@@ -31,7 +31,9 @@ def snapshot_stats(engine: Any) -> Stats:
                  num_prefix_queries_tokens=kv.num_prefix_queries_tokens, num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
                  num_preemptions=sched.num_preemptions, num_kernel_compiles_after_warmup=COMPILES.after_warmup,
                  running_adapters=_adapter_names(running), waiting_adapters=_adapter_names(waiting),
-                 adapters=_adapter_stats(engine), spec=_spec_stats(stats))
+                 adapters=_adapter_stats(engine), spec=_spec_stats(stats),
+                 step_time_predicted_s=sched.step_time.last_predicted_s,
+                 step_time_error_ratio=sched.step_time.error_ratio, step_budget_s=sched.last_budget_s)
 
 
 def _spec_stats(stats: Any) -> SpecStats | None:

@@ -61,7 +61,9 @@ class ModelRunner:
         self.executor.send_step(host, token_slots, use_graph=use_graph, fixup=fixup,
                                 prompt_rows=plan.rows if plan is not None else None, share_tokens=share_tokens,
                                 logit_rows=batch.drafts.rows if batch.drafts is not None else None)
+        self.lora_pool.finish_dora()          # DoRA norms of row-parallel shards (a collective; the workers' too)
         dev_fixup = fixup_to_device(fixup, self.device)
+        self.lora_pool.context.set_step_slots(token_slots)   # the LM head's LoRA rows (after the forward)
         try:
             if use_graph:
                 assert self.graphs is not None
@@ -80,7 +82,7 @@ class ModelRunner:
             self.lora_pool.unpin_all()
             self.lora_pool.context.clear()
         if plan is not None:
-            out.prompt_faults = record_prompt_logprobs(self.model, plan, out.hidden)
+            out.prompt_faults = record_prompt_logprobs(self.model, plan, out.hidden, self.lora_pool.context)
         return out
 
     def release(self) -> None:

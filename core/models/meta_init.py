@@ -48,13 +48,17 @@ def skip_param_init() -> Iterator[None]:
                 _saved.clear()
 
 
-def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                keep_meta: tuple[type, ...] = ()) -> torch.nn.Module:
     """Uninitialized storage on `device` for every meta parameter and buffer, floating ones in `dtype`: what
     `to_empty(device=device).to(dtype)` gives, through plain factory calls. `to_empty` runs `empty_like` on meta
     tensors through torch's Python reference ops (their first use imports torch.fx's symbolic shapes: 0.7 s of
     a process start). And the meta model is float32, so `to_empty` first allocated every weight in fp32 on the
-    device: loading peaked at twice the bf16 weights (32 GB for an 8B model)."""
+    device: loading peaked at twice the bf16 weights (32 GB for an 8B model). Modules of a `keep_meta` type keep
+    their own tensors on the meta device (the float experts a quantized checkpoint replaces: never allocated)."""
     for module in model.modules():
+        if isinstance(module, keep_meta):
+            continue
         for name, p in list(module._parameters.items()):
             if p is not None:
                 dt = dtype if p.is_floating_point() else p.dtype

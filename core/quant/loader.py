@@ -24,8 +24,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from core.models.meta_init import materialize
+from core.models.moe import Experts
 from core.quant.config import TARGETS, QuantScheme, UnsupportedQuantization, detect_quantization
 from core.quant.formats import SUFFIXES, Canonical, read_canonical
+from core.quant.experts import QuantExperts
 from core.quant.linear import QuantLinear
 from core.quant.packing import pack_rows
 
@@ -178,8 +181,61 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
                 consumed.update(f"{hf}.{s}" for s in SUFFIXES[scheme.fmt] if f"{hf}.{s}" in index)
             assert q is not None
             _swap(model, name, q)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, Experts):
+                _load_experts(model, name, module, scheme, index, get, dtype, device, consumed)
     _check_all_consumed(index, consumed, scheme)
     return frozenset(consumed)
+
+
+_EXPERT_PROJ = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
+
+
+def _expert_linears(name: str, num_experts: int, index: dict[str, Path], first: str) -> list[dict[str, str]]:
+    """Each expert's checkpoint linears {"gate" | "up" | "down": HF name} of our experts module `name`
+    (Mixtral's hub checkpoints keep the MoE block under `block_sparse_moe`)."""
+    prefixes = [name, name.replace(".mlp.", ".block_sparse_moe.")]
+    out = []
+    for e in range(num_experts):
+        found = {}
+        for part, projs in _EXPERT_PROJ.items():
+            cands = [f"{p}.{e}.{proj}" for p in prefixes for proj in projs]
+            hit = [c for c in cands if f"{c}.{first}" in index or f"{c}.weight" in index]
+            found[part] = hit[0] if hit else cands[0]
+        out.append(found)
+    return out
+
+
+def _load_experts(model: nn.Module, name: str, experts: Experts, scheme: QuantScheme, index: dict[str, Path],
+                  get: Callable[[str], torch.Tensor | None], dtype: torch.dtype, device: torch.device,
+                  consumed: set[str]) -> None:
+    """Swaps an MoE layer's experts for QuantExperts filled with each expert's packed gate/up and down (the float
+    experts may be on the meta device: only their shapes are read); experts the checkpoint keeps in float
+    (`ignore`) get their storage here and the normal loader fills them."""
+    first = SUFFIXES[scheme.fmt][0]
+    linears = _expert_linears(name, experts.num_experts, index, first)
+    quantized = {f"{hf}.{first}" in index and not scheme.is_ignored(hf) for lin in linears for hf in lin.values()}
+    if quantized == {False}:
+        materialize(experts, device, dtype)          # float experts (left on the meta device until now)
+        return
+    if len(quantized) > 1:
+        raise UnsupportedQuantization(f"{name}: the checkpoint quantizes only some of the experts' projections")
+    if scheme.fmt != "pack-quantized":
+        raise UnsupportedQuantization(f"{scheme.method} ({scheme.fmt}) mixture-of-experts checkpoints; quantized "
+                                      "experts are served from compressed-tensors pack-quantized (W4A16 / W8A16) only")
+    inter, hidden = experts.down_proj.shape[2], experts.down_proj.shape[1]
+    q: QuantExperts | None = None
+    for e, lin in enumerate(linears):
+        gate, up = (read_canonical(get, lin[p], scheme, inter, hidden) for p in ("gate", "up"))
+        down = read_canonical(get, lin["down"], scheme, hidden, inter)
+        if q is None:
+            q = QuantExperts(experts, scheme.num_bits, gate.scales.shape[1], down.scales.shape[1], dtype, device)
+        _fill(q.gate_up_q[e], gate, 0, None)
+        _fill(q.gate_up_q[e], up, inter, None)
+        _fill(q.down_q[e], down, 0, None)
+        consumed.update(f"{hf}.{s}" for hf in lin.values() for s in SUFFIXES[scheme.fmt] if f"{hf}.{s}" in index)
+    assert q is not None
+    _swap(model, name, q)
 
 
 def _check_all_consumed(index: dict[str, Path], consumed: set[str], scheme: QuantScheme) -> None:

@@ -7,6 +7,7 @@ preempted and recomputed writes the same values again. Entry 0 is None (nothing 
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +51,14 @@ def plan_prompt_logprobs(host: HostBatch) -> PromptLogprobPlan | None:
     return PromptLogprobPlan(np.concatenate(parts), spans) if parts else None
 
 
-def record_prompt_logprobs(model: Any, plan: PromptLogprobPlan,
-                           hidden: torch.Tensor) -> list[tuple[Request, RequestFault]]:
-    """hidden [T, H] of the step: fills `req.prompt_logprobs` for the planned positions (one LM-head call).
-    A request whose own entries fail is returned with its error; the others are filled."""
+def record_prompt_logprobs(model: Any, plan: PromptLogprobPlan, hidden: torch.Tensor,
+                           lora_context: Any = None) -> list[tuple[Request, RequestFault]]:
+    """hidden [T, H] of the step: fills `req.prompt_logprobs` for the planned positions (one LM-head call; the
+    LoRA context, when given, is told these rows: adapters' LM-head LoRA). A request whose own entries fail is
+    returned with its error; the others are filled."""
     rows = torch.from_numpy(plan.rows).to(hidden.device)
-    logp = model.compute_logits(hidden.index_select(0, rows)).log_softmax(dim=-1)              # [P, V]
+    with lora_context.logit_rows(plan.rows) if lora_context is not None else nullcontext():
+        logp = model.compute_logits(hidden.index_select(0, rows)).log_softmax(dim=-1)          # [P, V]
     failed: list[tuple[Request, RequestFault]] = []
     offset = 0
     for req, start, num in plan.spans:

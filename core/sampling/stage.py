@@ -7,7 +7,8 @@ is finished before the tokens are handed over, so nothing reads it. Grammar mask
 (`core/sampling/grammar_masks.py`); the speculative decoder samples its draft positions through `sample_logits`."""
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Protocol
 
 import torch
 
@@ -27,11 +28,20 @@ class LogitsHead(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+LogitRows = Callable[[torch.Tensor | None], AbstractContextManager]   # names the LM head's rows of the step
+
+
+def no_logit_rows(rows: torch.Tensor | None) -> AbstractContextManager:
+    return nullcontext()
+
+
 class SamplingStage:
     def __init__(self, head: LogitsHead, vocab_size: int, device: torch.device,
-                 masks: TokenMasker | None = None) -> None:
-        """`masks`: the constrained rows' token masks (default: the requests' grammar matchers)."""
+                 masks: TokenMasker | None = None, logit_rows: LogitRows = no_logit_rows) -> None:
+        """`masks`: the constrained rows' token masks (default: the requests' grammar matchers). `logit_rows`: tells
+        the LM head's LoRA which rows of the step it computes (`adapters/layers/context.py` `logit_rows`)."""
         self.head, self.vocab_size, self.device = head, vocab_size, device
+        self.logit_rows = logit_rows
         self.masks = masks if masks is not None else GrammarMasks(vocab_size)
         self.penalties = PenaltyState(vocab_size, device)
 
@@ -57,7 +67,12 @@ class SamplingStage:
     def sample_hidden(self, reqs: list[Request], hidden: torch.Tensor, rows: torch.Tensor | None) -> StepResult:
         """Samples the rows of `reqs` (hidden states `hidden[rows]`, or every row): tokens [N], their log-probs,
         and the rows that failed alone (their tokens are dummies). Raises when the stage fails for no single row."""
-        return self.sample_logits(reqs, self.head.compute_logits(hidden if rows is None else hidden[rows]))
+        return self.sample_logits(reqs, self.logits(hidden, rows))
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The LM head on `hidden[rows]` (None: every row) [N, vocab], its LoRA told which rows of the step these are."""
+        with self.logit_rows(rows):
+            return self.head.compute_logits(hidden if rows is None else hidden[rows])
 
     def sample_logits(self, reqs: list[Request], logits: torch.Tensor) -> StepResult:
         """`sample_hidden` from logits already computed [N, vocab] (masked in place)."""

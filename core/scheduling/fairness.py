@@ -54,7 +54,8 @@ class VirtualTokenCounter:
         self.counters[self.key(req)] += weight * num_new_tokens
 
     def order(self, requests: Iterable[Request]) -> list[Request]:
-        """Admission order: repeatedly the oldest request of the tenant with the lowest (projected) counter."""
+        """Admission order: repeatedly the first request (in the order given: the waiting queue sorts each tenant's
+        requests) of the tenant with the lowest (projected) counter."""
         queues: dict[str, list[Request]] = defaultdict(list)
         for r in requests:
             queues[self.key(r)].append(r)

@@ -21,6 +21,8 @@ from core.config import SchedulerConfig
 from core.kv.kv_cache_manager import KVCacheManager
 from core.scheduling.fair_share import StepShares, plan_shares
 from core.scheduling.fairness import VirtualTokenCounter
+from core.scheduling.step_budget import StepPlan, is_decode, remaining_prefill
+from core.scheduling.step_time import StepFeatures, StepTimeModel
 from core.engine.request import Request, RequestStatus
 from core.scheduling.waiting_queue import WaitingQueue
 
@@ -32,6 +34,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     adapters: set[Any] = field(default_factory=set)
     shares: StepShares | None = None     # policy "fair": the step's token and slot shares per tenant (as left)
+    features: StepFeatures = field(default_factory=StepFeatures)   # for the step-time model (core/scheduling/step_time.py)
+    predicted_s: float = 0.0             # the step's predicted wall time (0.0: the model is not fitted yet)
+    budget_s: float = 0.0                # the time budget its prefill chunks were sized to (0.0: none)
 
     @property
     def empty(self) -> bool:
@@ -48,12 +53,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         if cfg.policy not in ("fcfs", "fair"):
             raise ValueError(f"unknown scheduling policy {cfg.policy!r} (fcfs | fair)")
+        if cfg.max_step_ms is not None and not 0.0 <= cfg.max_step_ms < float("inf"):
+            raise ValueError(f"max_step_ms must be a finite number >= 0 (0: off), got {cfg.max_step_ms!r}")
         self.fairness = VirtualTokenCounter() if cfg.policy == "fair" else None
         self.waiting = WaitingQueue(kv, fairness=self.fairness)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.step_time = StepTimeModel()     # fed by the engine with each step's measured wall time
+        self.last_budget_s = 0.0             # the time budget of the last step's prefill chunks (0.0: none)
 
     # ---- queue management -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -125,31 +134,75 @@ class Scheduler:
         return False
 
     def schedule(self) -> SchedulerOutput:
+        """Decode rows first, then prefills least remaining first (aged ones before all), running or waiting:
+        running prefills with more left than the best waiting request come after the admissions. While the
+        step carries decode rows, prefill chunks are also sized to the step-time budget (`StepPlan`)."""
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         adapters = self._select_adapters()
         out.adapters = adapters
         shares = out.shares = self._plan_fair_step(out) if self.fairness is not None else None
+        if shares is None:
+            self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
+        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens)
         num_slot_preemptions = len(out.preempted)
-        index = 0
-        while index < len(self.running) and budget > 0:
-            req = self.running[index]
+        decodes = [r for r in self.running if is_decode(r)]
+        prefills = sorted((r for r in self.running if not is_decode(r)), key=self._prefill_key)
+        best_waiting = self.waiting.best_remaining()
+        now = [r for r in prefills if best_waiting is None or self._aged(r) or remaining_prefill(r) <= best_waiting]
+        later = [r for r in prefills if not (best_waiting is None or self._aged(r)
+                                             or remaining_prefill(r) <= best_waiting)]
+        scheduled: set[int] = set()
+        budget = self._schedule_running(decodes + now, out, budget, adapters, plan, scheduled)
+        if len(out.preempted) == num_slot_preemptions:   # none for blocks: there may be room for waiting ones
+            budget = self._admit_waiting(out, budget, adapters, plan, scheduled)
+        self._schedule_running(later, out, budget, adapters, plan, scheduled)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        out.features, out.budget_s = plan.features, plan.budget_s
+        out.predicted_s = self.step_time.predict(plan.features)
+        self.last_budget_s = plan.budget_s
+        self.num_steps += 1
+        return out
+
+    def _aged(self, req: Request) -> bool:
+        return self.num_steps - req.arrival_step >= self.waiting.max_wait_steps
+
+    def _prefill_key(self, req: Request) -> tuple[int, int, int]:
+        """Aged requests first, oldest first; then least remaining prefill (ties: oldest)."""
+        if self._aged(req):
+            return 0, req.arrival_step, 0
+        return 1, remaining_prefill(req), req.arrival_step
+
+    def _pick_victim(self, req: Request, scheduled: set[int]) -> Request:
+        """The newest running request not scheduled in this step (`req` itself when it is the newest such)."""
+        return next(r for r in reversed(self.running) if id(r) not in scheduled)
+
+    def _schedule_running(self, order: list[Request], out: SchedulerOutput, budget: int, adapters: set[Any],
+                          plan: StepPlan, scheduled: set[int]) -> int:
+        shares = out.shares
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue        # preempted for another's blocks in this step
             if req.ends_by_length_once_resolved(self.max_model_len) or not self._adapter_allowed(req, adapters):
-                index += 1
                 continue
             cap = budget if shares is None else min(budget, shares.tokens_left(req))
             if cap <= 0:
-                index += 1      # its tenant used its share of this step's budget
-                continue
+                continue        # its tenant used its share of this step's budget
             if req.num_spec_tokens:
                 self._fit_drafts(req, cap)
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             assert num_new > 0, "a running request with nothing to compute"
+            if not is_decode(req):
+                num_new = plan.prefill_cap(req, num_new)
+                if num_new <= 0:
+                    continue    # the step's time budget is spent
             if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
-                index += 1      # its token may end it: wait for it rather than preempt or evict for it
-                continue
+                continue        # its token may end it: wait for it rather than preempt or evict for it
             while not self.kv.can_allocate(req, num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim(req, scheduled)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if shares is not None:
@@ -157,20 +210,19 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
-                break
-            self.kv.allocate(req, num_new)
-            out.scheduled.append((req, num_new))
-            req.last_scheduled_step = self.num_steps
+                continue
+            self._schedule(req, num_new, out, plan, scheduled)
             budget -= num_new
-            if shares is not None:
-                shares.charge(req, num_new)
-            index += 1
+        return budget
 
-        if len(out.preempted) == num_slot_preemptions:   # none for blocks: there may be room for waiting ones
-            self._admit_waiting(out, budget, adapters)
-        out.num_batched_tokens = sum(n for _, n in out.scheduled)
-        self.num_steps += 1
-        return out
+    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput, plan: StepPlan, scheduled: set[int]) -> None:
+        self.kv.allocate(req, num_new)
+        out.scheduled.append((req, num_new))
+        req.last_scheduled_step = self.num_steps
+        plan.add(req, num_new)
+        scheduled.add(id(req))
+        if out.shares is not None:
+            out.shares.charge(req, num_new)
 
     def _ready(self, req: Request) -> bool:
         """False while the request's adapter is being read (or waits for host room)."""
@@ -208,10 +260,9 @@ class Scheduler:
                 return
             req.drop_spec_tokens(1)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[Any]) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, adapters: set[Any], plan: StepPlan,
+                       scheduled: set[int]) -> int:
         shares = out.shares
-        if shares is None:
-            self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
@@ -234,22 +285,20 @@ class Scheduler:
                     req.num_computed_tokens = 0
                     continue
             cap = budget if shares is None else min(budget, shares.tokens_left(req))
-            num_new = min(req.num_tokens - req.num_computed_tokens, cap)
-            if not self.kv.can_allocate(req, num_new):
+            num_new = plan.prefill_cap(req, min(req.num_tokens - req.num_computed_tokens, cap))
+            if num_new <= 0 or not self.kv.can_allocate(req, num_new):
                 self.kv.free(req)       # give back the matched prefix while it waits
                 req.num_computed_tokens = 0
-                break
-            self.kv.allocate(req, num_new)
+                break                   # no blocks, or the step's time budget is spent
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, num_new))
-            req.last_scheduled_step = self.num_steps
+            self._schedule(req, num_new, out, plan, scheduled)
             prefilling.append(req)
             budget -= num_new
             if shares is not None:
                 shares.on_admit(req)
-                shares.charge(req, num_new)
+        return budget
 
     def _shares_uncached_prefix(self, req: Request, prefilling: list[Request]) -> bool:
         """True if a request computing its prompt now covers at least one more full block of req's prompt."""
@@ -288,4 +337,5 @@ class Scheduler:
         assert len(self.running) <= self.cfg.max_num_seqs, "more running requests than max_num_seqs"
         if self.fairness is not None:
             self.fairness.check_integrity(live)
+        self.step_time.check_integrity()
         self.kv.check_integrity(live)

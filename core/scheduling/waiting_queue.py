@@ -1,9 +1,11 @@
-"""Waiting queue with cache-aware ordering and an aging bound (policy "fcfs"), or tenant fairness ("fair").
+"""Waiting queue ordered for time to first token, with an aging bound (policy "fcfs"), within tenant fairness ("fair").
 
-Requests are taken longest-cached-prefix first (so requests sharing a hot prefix run while it is
-cached), but any request that has waited `max_wait_steps` scheduler steps is served before all
-younger ones, in arrival order: cold requests never starve behind a stream of cache hits.
-Preempted requests always go first.
+Requests are taken least remaining prefill first: prompt tokens minus those its longest cached prefix already
+holds (so a short prompt does not wait behind a long one, and requests sharing a hot prefix run while it is
+cached; ties go to the longer match). Any request that has waited `max_wait_steps` scheduler steps is served
+before all younger ones, in arrival order: long and cold requests never starve behind a stream of short ones
+or cache hits. Preempted requests always go first. Policy "fair" orders each tenant's requests so, and the
+tenants by their virtual token counters (core/scheduling/fairness.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class WaitingQueue:
         self.max_wait_steps = max_wait_steps
         self.max_sorted = max_sorted
         self._queue: deque[Request] = deque()
+        self._remaining: dict[int, int] = {}    # id(request) -> remaining prefill, estimated at `prepare`
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -45,9 +48,27 @@ class WaitingQueue:
     def pop(self) -> Request:
         return self._queue.popleft()
 
-    def _prepare_fair(self) -> None:
+    def _cached_len(self, r: Request) -> int:
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return 0
+        return len(cache.match_prefix(r.namespace, r.all_token_ids[:-1])[1]) * self.kv.block_size
+
+    def _sort_fresh(self, requests: list[Request], now_step: int) -> list[Request]:
+        """Aged requests first (arrival order), then least remaining prefill (prompt minus its cached prefix: a
+        longer prefix match goes first), ties by the longer match, then by arrival."""
+        aged = [r for r in requests if now_step - r.arrival_step >= self.max_wait_steps]
+        rest = [r for r in requests if now_step - r.arrival_step < self.max_wait_steps]
+        cached = {id(r): self._cached_len(r) for r in rest}
+        for r in rest:
+            self._remaining[id(r)] = r.num_tokens - cached[id(r)]
+        rest.sort(key=lambda r: (self._remaining[id(r)], -cached[id(r)], r.arrival_step))
+        return aged + rest
+
+    def _prepare_fair(self, now_step: int) -> None:
         """Fair policy: preempted first, then tenants by virtual token counter (which bounds waiting
-        by itself). Every tenant's oldest requests are candidates, however deep a flood buries them."""
+        by itself), each tenant's requests in `_sort_fresh` order. Every tenant's oldest requests are candidates,
+        however deep a flood buries them."""
         taken: dict[str, int] = {}
         candidates: list[Request] = []
         rest: list[Request] = []
@@ -60,25 +81,25 @@ class WaitingQueue:
                 rest.append(r)
         preempted = [r for r in rest if r.num_preemptions > 0]
         others = [r for r in rest if r.num_preemptions == 0]
-        self._queue = deque(preempted + self.fairness.order(candidates) + others)
+        ordered = self.fairness.order(self._sort_fresh(candidates, now_step))
+        self._queue = deque(preempted + ordered + others)
 
     def prepare(self, now_step: int) -> None:
         """Reorders the head of the queue for this step's admissions."""
-        if len(self._queue) < 2 or (self.kv.prefix_cache is None and self.fairness is None):
+        self._remaining = {}
+        if len(self._queue) < 2:
             return
         if self.fairness is not None:
-            self._prepare_fair()
+            self._prepare_fair(now_step)
             return
         head = [self._queue.popleft() for _ in range(min(self.max_sorted, len(self._queue)))]
         preempted = [r for r in head if r.num_preemptions > 0]
-        aged = [r for r in head if r.num_preemptions == 0 and now_step - r.arrival_step >= self.max_wait_steps]
-        rest = [r for r in head if r.num_preemptions == 0 and now_step - r.arrival_step < self.max_wait_steps]
-        cache = self.kv.prefix_cache
-        bs = self.kv.block_size
+        fresh = self._sort_fresh([r for r in head if r.num_preemptions == 0], now_step)
+        self._queue.extendleft(reversed(preempted + fresh))
 
-        def cached_len(r: Request) -> int:
-            return len(cache.match_prefix(r.namespace, r.all_token_ids[:-1])[1]) * bs
-
-        scores = {id(r): cached_len(r) for r in rest}
-        rest.sort(key=lambda r: (-scores[id(r)], r.arrival_step))  # stable: ties stay in arrival order
-        self._queue.extendleft(reversed(preempted + aged + rest))
+    def best_remaining(self) -> int | None:
+        """The remaining prefill (estimated at `prepare`) of the request at the head of the queue; None if empty."""
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        return self._remaining.get(id(head), head.num_tokens - head.num_computed_tokens)

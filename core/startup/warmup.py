@@ -44,6 +44,7 @@ from core.startup.kernel_checks import check_bgmv, check_bitmask, check_lora_seg
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_add_lora
 from adapters.lora_ops import LoRABatchMeta, LoRAStack
 from adapters.layers.lora_linear import LoRALinear
+from adapters.layers.vocab_lora import LoRAEmbedding, LoRALMHead
 from grammar.matching.bitmask import allocate_token_bitmask
 from core.models.fused_ops import use_triton
 
@@ -131,6 +132,7 @@ def dummy_forward(model: Any, kv_caches: Any, lora_pool: Any, block_size: int, d
     batch = to_device(host, block_size, device)
     if lora_pool is not None:
         lora_pool.context.clear()
+        lora_pool.context.set_step_slots(None)       # no adapter in this step: the LM head's LoRA stays off
     hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)                  # [T, hidden]
     return model.compute_logits(hidden[batch.logits_indices])                                # [N, vocab]
 
@@ -167,7 +169,24 @@ def lora_variants(model: Any, pool: Any) -> list[KernelVariant]:
                                           lambda chk, m=module, c=cfg, lb=label: _segment(m, c, lb, chk)))
         variants.append(KernelVariant("lora", f"{module.group} bgmv", lambda m=module: _bgmv(m),
                                       lambda chk, m=module: _bgmv(m, f"{m.group}", chk)))
+    for module in (model.model.embed_tokens, model.lm_head):     # LoRA on the vocabulary: segmented kernels
+        if isinstance(module, (LoRAEmbedding, LoRALMHead)):
+            variants += [KernelVariant("lora", f"{type(module).__name__} BLOCK_M={cfg.block_m} SPLIT_K={cfg.split_k}",
+                                       lambda m=module, c=cfg: _vocab_segment(m, c)) for cfg in SEGMENT_CONFIGS]
     return variants
+
+
+def _vocab_segment(module: Any, cfg: Any) -> None:
+    """The embedding's expand (after its gather) or the LM head's shrink and expand, on a scratch copy of its stack."""
+    from adapters.lora_ops.triton_ops import triton_add_lora, triton_expand  # optional: triton
+
+    stack, x, y = _scratch(module)
+    meta = LoRABatchMeta.build([0, -1, 0], x.device)
+    if isinstance(module, LoRALMHead):
+        triton_add_lora(y, x, stack, meta, 0, config=cfg)
+        return
+    h = torch.rand(1, meta.num_lora_tokens, stack.max_rank, device=x.device)              # [1, T_lora, R] fp32
+    triton_expand(y, h, stack, meta, 0, config=cfg)
 
 
 NUM_SCRATCH_ROWS = 3
@@ -182,12 +201,16 @@ def _scratch(module: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
     ranks = torch.zeros_like(st.ranks_host)
     ranks[:, 0] = st.max_rank
     lora_a, lora_b = torch.zeros_like(st.lora_a), torch.zeros_like(st.lora_b)   # [S, slots, R, in], [slots, N, R]
-    lora_a[:, 0] = torch.randn(lora_a[:, 0].shape, generator=gen, device=dev).to(dtype) / module.in_features ** 0.5
+    lora_a[:, 0] = torch.randn(lora_a[:, 0].shape, generator=gen, device=dev).to(dtype) / st.in_features ** 0.5
     lora_b[0] = torch.randn(lora_b[0].shape, generator=gen, device=dev).to(dtype) / st.max_rank ** 0.5
+    dora = {}
+    if st.dora_scale is not None:   # the pool's stacks carry DoRA's epilogue (one kernel variant with it)
+        dora = dict(dora_scale=torch.ones_like(st.dora_scale), dora_shift=torch.zeros_like(st.dora_shift),
+                    dora_flags=torch.zeros_like(st.dora_flags), dora_host=torch.zeros_like(st.dora_host))
     stack = LoRAStack(lora_a, lora_b, ranks.to(st.ranks.device), torch.full_like(st.scalings, 0.5),
                       st.slice_offsets, st.slice_sizes, ranks_host=ranks,
-                      scalings_host=torch.full_like(st.scalings_host, 0.5))
-    x = torch.randn(NUM_SCRATCH_ROWS, module.in_features, generator=gen, device=dev).to(dtype)
+                      scalings_host=torch.full_like(st.scalings_host, 0.5), **dora)
+    x = torch.randn(NUM_SCRATCH_ROWS, st.in_features, generator=gen, device=dev).to(dtype)
     y = torch.randn(NUM_SCRATCH_ROWS, module.out_features, generator=gen, device=dev).to(dtype)
     return stack, x, y
 

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from core.engine.interface import ServingEngine
-from core.engine_core.protocol import AdapterStats, SpecStats
+from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from gateway.http.context import ABORT_REASONS, RequestContext
 
 log = logging.getLogger("loraplex.gateway")
@@ -66,9 +66,23 @@ class EngineCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _step_time_metrics(st)
         yield from _adapter_metrics(st.adapters)
         if st.spec is not None:   # speculative decoding counters, when it is on
             yield from _spec_metrics(st.spec)
+
+
+def _step_time_metrics(st: Stats) -> Iterator[Metric]:
+    """The online step-time model (core/scheduling/step_time.py) and the budget it sizes prefill chunks to."""
+    yield GaugeMetricFamily("loraplex:step_time_predicted_seconds",
+                            "The step-time model's prediction for the last engine step (0 until it is fitted).",
+                            value=st.step_time_predicted_s)
+    yield GaugeMetricFamily("loraplex:step_time_prediction_error_ratio",
+                            "Mean |predicted - measured| / measured step time over the model's recent steps.",
+                            value=st.step_time_error_ratio)
+    yield GaugeMetricFamily("loraplex:step_time_budget_seconds",
+                            "The time budget the last step's prefill chunks were sized to (0: none, e.g. no "
+                            "request decoding or --max-step-ms 0).", value=st.step_budget_s)
 
 
 def _spec_metrics(spec: SpecStats) -> Iterator[Metric]:

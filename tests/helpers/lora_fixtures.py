@@ -39,6 +39,8 @@ ADAPTERS: dict[str, tuple[dict[str, Any], float, int]] = {
     # the largest rank the tests' pools take (max_lora_rank 64), on the attention and MLP projections
     "qkvo_gu_r64": (dict(r=64, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj"]), 0.5, 15),
+    # LoRA on the vocabulary (embedding and LM head, as PEFT targets them) and on q
+    "vocab_r8": (dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "q_proj"]), 0.5, 16),
     # rank 96 > max_lora_rank 64 used by the tests
     "big_r96": (dict(r=96, lora_alpha=96, target_modules=["q_proj", "v_proj"]), 0.5, 14),
 }

@@ -124,11 +124,55 @@ def test_wrong_base_shapes(base, good_dir):
     expect_error(good_dir, one_layer, code="adapter_shape_mismatch", match="layer 1")
 
 
-def test_dora_rejected(base, tmp_path):
-    path = save_peft(base[0], tmp_path / "dora", use_dora=True)
-    expect_error(path, base[1], code="unsupported_adapter_feature", match="dora")
-    edit_config(path, use_dora=False)  # config lies: the magnitude vectors still give it away
-    expect_error(path, base[1], code="unsupported_adapter_feature", match="dora")
+def test_dora_loads_with_its_magnitudes(base, tmp_path):
+    path = save_peft(base[0], tmp_path / "dora", use_dora=True, target_modules=["q_proj", "down_proj", "lm_head"])
+    adapter = load_peft_adapter(path, base[1], 64)
+    assert adapter.has_dora and {name for _, name in adapter.modules} == {"q_proj", "down_proj"}
+    for (layer, name), mod in adapter.modules.items():
+        assert mod.is_dora and tuple(mod.magnitude.shape) == (base[1].module_shape(name)[1],)
+    assert adapter.vocab_modules["lm_head"].is_dora
+    edit_config(path, use_dora=False)  # config lies: the magnitude vectors give it away
+    expect_error(path, base[1], code="invalid_adapter", match="use_dora")
+
+
+def test_dora_without_magnitudes_and_bad_magnitudes(base, tmp_path):
+    path = save_peft(base[0], tmp_path / "dora", use_dora=True, target_modules=["q_proj"])
+    state = load_file(path / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    mag = state.pop(key)
+    save_file(state, path / "adapter_model.safetensors")
+    expect_error(path, base[1], code="corrupt_adapter_weights", match="magnitude")
+    for bad, code in [(mag[:-1], "adapter_shape_mismatch"), (mag.reshape(4, -1), "corrupt_adapter_weights"),
+                      (torch.full_like(mag, float("nan")), "corrupt_adapter_weights")]:
+        save_file({**state, key: bad.contiguous()}, path / "adapter_model.safetensors")
+        expect_error(path, base[1], code=code)
+
+
+def test_dora_on_embeddings_is_a_clear_400(base, tmp_path):
+    path = save_peft(base[0], tmp_path / "dora-emb", use_dora=True, target_modules=["q_proj", "embed_tokens"])
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="DoRA on the embeddings")
+    assert str(tmp_path) not in _message(path, base[1])
+
+
+def _message(path, dims):
+    with pytest.raises(AdapterError) as info:
+        load_peft_adapter(path, dims, 64)
+    return info.value.message
+
+
+def test_embedding_and_lm_head_lora_load_in_peft_layout(base, tmp_path):
+    path = save_peft(base[0], tmp_path / "vocab", r=4, target_modules=["q_proj", "embed_tokens", "lm_head"])
+    state = load_file(path / "adapter_model.safetensors")
+    assert "base_model.model.model.embed_tokens.base_layer.weight" in state   # PEFT saves the base table too
+    adapter = load_peft_adapter(path, base[1], 64)
+    emb, head = adapter.vocab_modules["embed_tokens"], adapter.vocab_modules["lm_head"]
+    assert tuple(emb.lora_a.shape) == (4, 64) and tuple(emb.lora_b.shape) == (32, 4)     # A [r, vocab], B [hidden, r]
+    assert tuple(head.lora_a.shape) == (4, 32) and tuple(head.lora_b.shape) == (64, 4)
+    assert torch.equal(emb.lora_a, state["base_model.model.model.embed_tokens.lora_embedding_A"])
+    assert not adapter.has_dora and adapter.max_rank == 4
+    state["base_model.model.model.embed_tokens.base_layer.weight"] = torch.zeros(66, 32)   # resized table
+    save_file(state, path / "adapter_model.safetensors")
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="resized")
 
 
 def test_modules_to_save_rejected(base, tmp_path):
@@ -139,9 +183,10 @@ def test_modules_to_save_rejected(base, tmp_path):
 
 
 def test_unsupported_targets_and_features(base, good_dir, tmp_path):
-    path = save_peft(base[0], tmp_path / "lmhead", target_modules=["q_proj", "lm_head"])
-    expect_error(path, base[1], code="unsupported_target_modules", match="lm_head")
     path = clone(good_dir, tmp_path)
+    edit_config(path, target_modules=["q_proj", "score"])
+    expect_error(path, base[1], code="unsupported_target_modules", match="score")
+    shutil.copy(good_dir / "adapter_config.json", path / "adapter_config.json")
     for change, match in [
         (dict(bias="all"), "bias"),
         (dict(peft_type="IA3"), "peft_type"),

@@ -230,6 +230,7 @@ DESIGN_FLAGS = (
     "--enable-log-requests", "--disable-uvicorn-access-log", "--disable-log-stats", "--uvicorn-log-level",
     "--trust-remote-code", "--enable-prefix-caching", "--enable-chunked-prefill", "-tp", "--max-logprobs",
     "--reasoning-parser", "--quantization", "--speculative-config", "--metrics-port", "--engine-process",
+    "--max-step-ms",
 )
 DESIGN_METRICS = (
     "loraplex:num_requests_running", "loraplex:num_requests_waiting", "loraplex:kv_cache_usage_perc",

@@ -95,6 +95,7 @@ def test_moe_speculative_decoding_with_expert_lora_matches(adapter_root: str) ->
 
 
 def test_quantized_moe_is_refused_at_start_up() -> None:
-    """W4A16 / FP8 experts are not implemented: a clear start-up error, not a wrong or half-quantized model."""
+    """Online FP8 experts are not implemented (W4A16 / W8A16 compressed-tensors checkpoints are:
+    tests/test_core/quant/test_moe_w4a16.py): a clear start-up error, not a wrong or half-quantized model."""
     with pytest.raises(ValueError, match="quantized mixture-of-experts models .* are not supported"):
         LLM(str(moe_dir("mixtral")), dtype="float32", device="cpu", quantization="fp8", num_kv_blocks=16)

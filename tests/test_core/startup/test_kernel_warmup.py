@@ -26,7 +26,8 @@ from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
 from testlib import PROMPTS, encode, model_dir  # noqa: E402
 
 MODEL = "llama_gqa_1layer"     # one layer: the launch keys of every layer are the same
-ADAPTERS = {"t-qv4": "qv_r4", "t-all8": "all7_r8", "t-kod16": "rs_kod_r16", "t-r64": "qkvo_gu_r64"}
+ADAPTERS = {"t-qv4": "qv_r4", "t-all8": "all7_r8", "t-kod16": "rs_kod_r16", "t-r64": "qkvo_gu_r64",
+            "t-vocab": "vocab_r8"}
 SIZES = (1, 2, 4, 8)
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
     "type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
@@ -77,7 +78,8 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
             lora_context=pool.context, use_graphs=False)
         report = engine.warmup()
         # 4 forwards (decode, mixed; each with and without split-KV) + 4 fused linears x (4 table configs + BGMV)
-        assert engine.ready and report.num_variants == 4 + 4 * 5 and report.num_graphs == 2 * len(SIZES)
+        # + the embedding's and the LM head's LoRA x 4 table configs
+        assert engine.ready and report.num_variants == 4 + 4 * 5 + 2 * 4 and report.num_graphs == 2 * len(SIZES)
         warm = set(rec.keys)
         rec.reset()
         prompts, params, loras, formats = workload(0)

@@ -59,12 +59,22 @@ def test_defaults() -> None:
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--tenant-keys", "/no/such/file.json"], "--tenant-keys"),
     (["--lora-modules", "missing-path"], "--lora-modules"),
+    (["--max-step-ms", "-1"], "--max-step-ms"),
+    (["--max-step-ms", "nan"], "--max-step-ms"),
+    (["--max-step-ms", "inf"], "--max-step-ms"),
+    (["--max-step-ms", "fast"], "--max-step-ms"),
 ])
 def test_bad_flags_exit_with_a_message(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         parse(*argv)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_max_step_ms_reaches_the_scheduler_config() -> None:
+    assert parse().engine.scheduler.max_step_ms is None                       # auto
+    assert parse("--max-step-ms", "0").engine.scheduler.max_step_ms == 0.0    # off
+    assert parse("--max-step-ms", "37.5").engine.scheduler.max_step_ms == 37.5
 
 
 def test_parse_bytes() -> None:

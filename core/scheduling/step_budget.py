@@ -1,0 +1,85 @@
+"""One step's time budget (`--max-step-ms`): how many prefill tokens a step may carry while requests decode.
+
+A decoding request gets one token per step, so every prefill token computed in the same step delays all of
+them. While the step carries decode rows, its prefill chunks are sized so that the step's predicted time
+(core/scheduling/step_time.py) stays within the budget:
+
+- `--max-step-ms MS`: the budget is MS milliseconds;
+- unset (the default, "auto"): the budget is `AUTO_BUDGET_FACTOR` x the predicted time of the step's decode rows
+  alone, so a step that carries a prefill chunk takes at most that factor times a decode-only step of the same
+  decode batch: the inter-token latency's tail stays within ~2x its median whatever the hardware, learned from
+  the steps the engine runs (the first `min_observations` steps, before the model is fitted, are not limited);
+- `0`: no time budget (only `--max-num-batched-tokens`, the hard cap in every case).
+
+A step with no decode row uses the whole token budget (an idle server's TTFT does not suffer), and a step with
+decode rows always carries at least `MIN_PREFILL_CHUNK` prefill tokens when a prefill waits, so prefills always
+progress (no starvation under a budget the decode rows alone exceed).
+"""
+from __future__ import annotations
+
+from core.engine.request import Request
+from core.scheduling.step_time import StepFeatures, StepTimeModel
+
+AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the predicted decode-only step (margin under 2x for model error)
+MIN_PREFILL_CHUNK = 32      # prefill tokens a step with decode rows may always carry
+
+
+def remaining_prefill(req: Request) -> int:
+    """Prompt (or recomputed) tokens `req` still has to compute before it decodes; 0 for a decoding request."""
+    todo = req.num_tokens - req.num_spec_tokens - req.num_computed_tokens
+    if req.num_computed_tokens >= req.num_prompt_tokens and todo <= 1:
+        return 0
+    return todo
+
+
+def is_decode(req: Request) -> bool:
+    return remaining_prefill(req) == 0
+
+
+class StepPlan:
+    """The features of the step being scheduled, and the prefill tokens it may still take."""
+
+    def __init__(self, model: StepTimeModel, max_step_ms: float | None, max_num_batched_tokens: int) -> None:
+        self.model = model
+        self.max_step_ms = max_step_ms       # None: auto; 0: off
+        self.features = StepFeatures()
+        self.budget_s = 0.0                  # the budget applied in this step (0: none)
+        self._cap_tokens = max_num_batched_tokens
+
+    @property
+    def limited(self) -> bool:
+        """True when this step's prefill is sized to a time budget: decode rows scheduled, a model fitted."""
+        return (self.max_step_ms is None or self.max_step_ms > 0) and self.features.num_decode_tokens > 0 \
+            and self.model.ready
+
+    def add(self, req: Request, num_new: int) -> None:
+        """Counts a scheduled row of `req` computing `num_new` tokens."""
+        self.features = self.features.plus_row(num_new, req.num_computed_tokens + num_new, is_decode(req),
+                                               req.lora_slot_key is not None)
+
+    def prefill_cap(self, req: Request, num_new: int) -> int:
+        """The most of `num_new` prefill tokens of `req` the step may take (0: none)."""
+        if num_new <= 0 or not self.limited:
+            return num_new
+        if not self.budget_s:
+            self.budget_s = self._budget_s()
+        floor = max(0, min(num_new, MIN_PREFILL_CHUNK - self.features.num_prefill_tokens))
+        if self._fits(req, num_new):
+            return num_new
+        lo, hi = 0, num_new       # lo fits (0 always does), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._fits(req, mid):
+                lo = mid
+            else:
+                hi = mid
+        return max(lo, floor)
+
+    def _fits(self, req: Request, num_new: int) -> bool:
+        f = self.features.plus_row(num_new, req.num_computed_tokens + num_new, False, req.lora_slot_key is not None)
+        return self.model.predict(f) <= self.budget_s
+
+    def _budget_s(self) -> float:
+        if self.max_step_ms is None:
+            return AUTO_BUDGET_FACTOR * self.model.predict(self.features)
+        return self.max_step_ms / 1000.0

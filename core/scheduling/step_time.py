@@ -1,0 +1,148 @@
+"""An online model of one engine step's wall time, fitted from the steps the engine runs.
+
+    seconds ~= c0 + c1 * prefill tokens + c2 * decode tokens + c3 * attention context + c4 * LoRA tokens
+
+- prefill tokens: the query tokens of rows that compute prompt (or recompute) positions;
+- decode tokens: the query tokens of rows that compute their last sampled token (and its drafts, if any);
+- attention context: sum over rows of query tokens x the row's context length after the step (the query-key
+  pairs the attention reads: a decode row's KV length, a prefill chunk's n x (done + n));
+- LoRA tokens: the query tokens of rows served through an adapter.
+
+The coefficients are a non-negative least-squares fit of the relative error (Lawson-Hanson on the normal
+equations, with column scaling and a small ridge) over the last `window` steps, refitted every `refit_every` steps, so
+the model follows the machine (a GPU clocking down, other tenants on the CPU). Each step's prediction, made
+before the step with the coefficients then in force, is compared with the measured time: the mean absolute
+relative error over the window is the model's error, exported with its last prediction to /metrics
+(`loraplex:step_time_predicted_seconds`, `loraplex:step_time_prediction_error_ratio`).
+
+The scheduler (core/scheduling/step_budget.py) asks it how many prefill tokens fit a step-time budget.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+NUM_FEATURES = 5        # (1, prefill tokens, decode tokens, attention context, LoRA tokens)
+_RIDGE = 1e-6           # relative to the scaled normal matrix's diagonal
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_context_tokens: int = 0
+    num_lora_tokens: int = 0
+
+    def vector(self) -> np.ndarray:
+        return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_context_tokens,
+                         self.num_lora_tokens], dtype=np.float64)
+
+    def plus_row(self, num_new: int, context_len: int, decode: bool, lora: bool) -> "StepFeatures":
+        """These features with one more row of `num_new` query tokens whose context is `context_len` after it."""
+        return StepFeatures(self.num_prefill_tokens + (0 if decode else num_new),
+                            self.num_decode_tokens + (num_new if decode else 0),
+                            self.num_context_tokens + num_new * context_len,
+                            self.num_lora_tokens + (num_new if lora else 0))
+
+    @property
+    def empty(self) -> bool:
+        return self.num_prefill_tokens == 0 and self.num_decode_tokens == 0
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin_{x >= 0} x'Ax/2 - b'x for a symmetric positive definite `a` (the normal equations of a
+    least-squares fit): Lawson and Hanson's active-set method, exact in at most a few passes for a few features."""
+    n = len(b)
+    tol = 1e-12 * max(float(np.abs(b).max()), 1e-300)
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    for _ in range(3 * n):
+        w = b - a @ x                             # the negative gradient
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            break
+        passive[int(np.argmax(np.where(candidates, w, -np.inf)))] = True
+        for _ in range(3 * n):
+            z = np.zeros(n)
+            z[passive] = np.linalg.solve(a[np.ix_(passive, passive)], b[passive])
+            if np.all(z[passive] > 0):
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = float(np.min(x[neg] / (x[neg] - z[neg])))
+            x = x + alpha * (z - x)
+            passive &= x > 0
+            x[~passive] = 0.0
+    return x
+
+
+class StepTimeModel:
+    def __init__(self, window: int = 256, refit_every: int = 4, min_observations: int = 16) -> None:
+        assert window >= min_observations >= NUM_FEATURES
+        self.window = window
+        self.refit_every = refit_every
+        self.min_observations = min_observations
+        self._x: deque[np.ndarray] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._errors: deque[float] = deque(maxlen=window)   # |predicted - measured| / measured, when predicted
+        self.coef = np.zeros(NUM_FEATURES)
+        self.num_observations = 0
+        self.last_predicted_s = 0.0
+        self.last_measured_s = 0.0
+        self._since_fit = 0
+
+    @property
+    def ready(self) -> bool:
+        """True once fitted on enough steps, with both prefill and decode tokens among them."""
+        return self.num_observations >= self.min_observations and bool(self.coef.any())
+
+    def predict(self, f: StepFeatures) -> float:
+        """Predicted seconds of a step with features `f` (0.0 before the model is ready)."""
+        return float(f.vector() @ self.coef) if self.ready else 0.0
+
+    @property
+    def error_ratio(self) -> float:
+        """Mean |predicted - measured| / measured over the window's predicted steps (0.0 before any)."""
+        return float(np.mean(self._errors)) if self._errors else 0.0
+
+    def observe(self, f: StepFeatures, seconds: float) -> None:
+        """One step's features and measured wall time."""
+        if f.empty or not np.isfinite(seconds) or seconds <= 0.0:
+            return
+        if self.ready:
+            predicted = self.predict(f)
+            self.last_predicted_s = predicted
+            self._errors.append(abs(predicted - seconds) / seconds)
+        self.last_measured_s = seconds
+        self._x.append(f.vector())
+        self._y.append(float(seconds))
+        self.num_observations += 1
+        self._since_fit += 1
+        if len(self._y) >= self.min_observations and (self._since_fit >= self.refit_every or not self.ready):
+            self._fit()
+
+    def _fit(self) -> None:
+        """Least squares of the relative error (each step weighted by 1 / its time): a decode-only step, the
+        auto budget's yardstick, counts as much as a long prefill."""
+        x = np.stack(self._x)                     # [n, NUM_FEATURES]
+        y = np.asarray(self._y)                   # [n]
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)
+        xs = x / scale / y[:, None]               # [n, NUM_FEATURES]: columns in [0, 1], rows over their time
+        a = xs.T @ xs
+        a[np.diag_indices_from(a)] += _RIDGE * max(float(np.trace(a)), 1e-12)
+        coef = nnls(a, xs.sum(axis=0)) / scale    # xs' (y / y)
+        if np.all(np.isfinite(coef)):
+            self.coef = coef
+        self._since_fit = 0
+
+    def check_integrity(self) -> None:
+        assert len(self._x) == len(self._y) <= self.window, "feature and time windows differ"
+        assert len(self._errors) <= self.window
+        assert self.coef.shape == (NUM_FEATURES,) and np.all(np.isfinite(self.coef)), "a non-finite coefficient"
+        assert np.all(self.coef >= 0.0), "a negative step-time coefficient"
+        assert all(y > 0.0 for y in self._y), "a non-positive step time"
+        assert all(e >= 0.0 and np.isfinite(e) for e in self._errors), "a bad prediction error"
+        assert self.num_observations >= len(self._y)
+        assert not self.ready or self.num_observations >= self.min_observations

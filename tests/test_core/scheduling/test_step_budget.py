@@ -1,0 +1,218 @@
+"""The step-time budget (`--max-step-ms`, core/scheduling/step_budget.py) and the TTFT-aware order of prefills.
+
+While requests decode, prefill chunks are sized so the step's predicted time stays within the budget (at least
+MIN_PREFILL_CHUNK prefill tokens, so prefills progress); with nothing decoding the whole token budget is used;
+prefills go least remaining first, aged ones before all. Randomized runs call `check_integrity()` after every
+operation and drain every request (no starvation)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from core.config import SchedulerConfig
+from core.engine.request import Request, RequestStatus
+from core.kv.kv_cache_manager import KVCacheManager
+from core.sampling.params import SamplingParams
+from core.scheduling import step_budget
+from core.scheduling.scheduler import Scheduler, SchedulerOutput
+from core.scheduling.step_budget import AUTO_BUDGET_FACTOR, MIN_PREFILL_CHUNK, is_decode
+from core.scheduling.step_time import StepFeatures
+
+BS = 4
+# seconds = 10 ms + 0.2 ms per prefill token + 1 ms per decode token + 1 ns per context pair + 0.1 ms per LoRA token
+COST = np.array([1e-2, 2e-4, 1e-3, 1e-9, 1e-4])
+
+
+def make_request(rid: str, num_prompt: int, max_tokens: int, tenant: str | None = None, start: int = 0,
+                 lora: object = None) -> Request:
+    tokens = [(start + i) % 50 for i in range(num_prompt)]
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=max_tokens),
+                   max_tokens=max_tokens, seed=0, eos_token_ids=frozenset(), tenant=tenant, lora_slot_key=lora)
+
+
+def scheduler(max_step_ms: float | None, budget: int = 512, policy: str = "fcfs", num_blocks: int = 4096,
+              caching: bool = False, max_num_seqs: int = 64) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy,
+                                      max_step_ms=max_step_ms), kv, max_model_len=8192)
+    rng = random.Random(0)
+    for _ in range(64):      # a fitted model, as after the first steps of serving
+        f = StepFeatures(rng.randint(0, 400), rng.randint(1, 16), rng.randint(0, 100000), rng.randint(0, 50))
+        sched.step_time.observe(f, float(f.vector() @ COST))
+    assert sched.step_time.ready
+    return sched
+
+
+def advance(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    sched.step_time.observe(out.features, float(out.features.vector() @ COST))
+    sched.update_after_step(out)
+    for req, _ in out.scheduled:
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(token)
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    sched.check_integrity()
+
+
+def prefill_tokens(out: SchedulerOutput) -> int:
+    return out.features.num_prefill_tokens
+
+
+def tokens_of(out: SchedulerOutput, rid: str) -> int:
+    return sum(n for r, n in out.scheduled if r.request_id == rid)
+
+
+def start_decoding(sched: Scheduler, num: int) -> None:
+    for i in range(num):
+        sched.add_request(make_request(f"d{i}", 8, 10_000, start=i))
+    for _ in range(3):
+        advance(sched, sched.schedule())
+    assert all(is_decode(r) for r in sched.running)
+
+
+def test_no_decode_rows_use_the_whole_token_budget() -> None:
+    sched = scheduler(max_step_ms=20.0)
+    sched.add_request(make_request("long", 2000, 4))
+    out = sched.schedule()
+    assert tokens_of(out, "long") == 512 and out.budget_s == 0.0     # an idle server: no time budget
+
+
+def test_decode_rows_bound_the_prefill_chunk_by_the_predicted_time() -> None:
+    sched = scheduler(max_step_ms=100.0)
+    start_decoding(sched, 4)
+    sched.add_request(make_request("long", 2000, 4))
+    out = sched.schedule()
+    assert out.budget_s == pytest.approx(0.1)
+    chunk = tokens_of(out, "long")
+    assert MIN_PREFILL_CHUNK < chunk < 512
+    assert out.predicted_s <= 0.1 < float(out.features.plus_row(1, chunk + 1, False, False).vector() @ COST)
+    assert sum(1 for r, n in out.scheduled if n == 1) == 4          # every decode row still runs
+
+
+def test_auto_budget_is_a_multiple_of_the_decode_only_step() -> None:
+    sched = scheduler(max_step_ms=None)
+    start_decoding(sched, 4)
+    sched.add_request(make_request("long", 2000, 4))
+    out = sched.schedule()
+    decode_only = StepFeatures(0, 4, sum(r.num_computed_tokens + 1 for r in sched.running if is_decode(r)), 0)
+    assert out.budget_s == pytest.approx(AUTO_BUDGET_FACTOR * float(decode_only.vector() @ COST), rel=1e-3)
+    assert out.predicted_s <= out.budget_s * (1 + 1e-9) and tokens_of(out, "long") > MIN_PREFILL_CHUNK
+
+
+def test_a_budget_the_decodes_alone_exceed_still_moves_prefill() -> None:
+    sched = scheduler(max_step_ms=1.0)      # less than the intercept: only the minimum chunk
+    start_decoding(sched, 4)
+    sched.add_request(make_request("long", 200, 4))
+    steps = 0
+    while sched.requests.get("long") is not None and not is_decode(sched.requests["long"]):
+        out = sched.schedule()
+        assert prefill_tokens(out) == min(MIN_PREFILL_CHUNK, 200 - steps * MIN_PREFILL_CHUNK)
+        advance(sched, out)
+        steps += 1
+    assert steps == -(-200 // MIN_PREFILL_CHUNK)
+
+
+def test_budget_zero_keeps_the_token_budget_only() -> None:
+    sched = scheduler(max_step_ms=0.0)
+    start_decoding(sched, 4)
+    sched.add_request(make_request("long", 2000, 4))
+    out = sched.schedule()
+    assert tokens_of(out, "long") == 512 - 4 and out.budget_s == 0.0
+
+
+def test_bad_budget_is_refused() -> None:
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_step_ms"):
+            scheduler(max_step_ms=bad)
+
+
+def test_least_remaining_prefill_goes_first_and_aged_requests_before_all() -> None:
+    sched = scheduler(max_step_ms=0.0, budget=64, max_num_seqs=1)
+    sched.add_request(make_request("long", 300, 1))
+    sched.add_request(make_request("short", 20, 1, start=5))
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["short"]
+    advance(sched, out)
+    # a stream of short requests never starves the long one: it ages past max_wait_steps and goes first
+    first_long = None
+    for i in range(3 * sched.waiting.max_wait_steps):
+        sched.add_request(make_request(f"s{i}", 10, 1, start=i))
+        out = sched.schedule()
+        if tokens_of(out, "long") and first_long is None:
+            first_long = i
+        advance(sched, out)
+    assert first_long is not None and first_long <= sched.waiting.max_wait_steps + 1
+
+
+def test_a_waiting_short_prompt_goes_before_a_long_running_prefill() -> None:
+    sched = scheduler(max_step_ms=30.0)
+    start_decoding(sched, 2)
+    sched.add_request(make_request("long", 3000, 4))
+    advance(sched, sched.schedule())
+    assert 0 < sched.requests["long"].num_computed_tokens < 3000
+    sched.add_request(make_request("short", 24, 4, start=9))
+    out = sched.schedule()
+    assert tokens_of(out, "short") == 24            # its whole prompt: first token next step
+    assert out.predicted_s <= 0.03 or prefill_tokens(out) <= MIN_PREFILL_CHUNK
+
+
+def test_prefix_hits_count_as_less_remaining_prefill() -> None:
+    sched = scheduler(max_step_ms=0.0, budget=2048, caching=True, max_num_seqs=1)
+    sched.add_request(make_request("warm", 200, 1))
+    while sched.requests:
+        advance(sched, sched.schedule())
+    sched.add_request(make_request("cold", 120, 1, start=33))
+    sched.add_request(make_request("hit", 208, 1))    # 200 cached tokens: 8 left
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["hit"] and out.scheduled[0][1] < 16
+
+
+def test_fair_policy_orders_each_tenant_by_remaining_prefill() -> None:
+    sched = scheduler(max_step_ms=0.0, budget=64, policy="fair", max_num_seqs=2)
+    sched.add_request(make_request("a-long", 500, 1, tenant="A"))
+    sched.add_request(make_request("a-short", 30, 1, tenant="A", start=3))
+    sched.add_request(make_request("b-long", 400, 1, tenant="B", start=6))
+    out = sched.schedule()
+    assert {r.request_id for r, _ in out.scheduled} == {"a-short", "b-long"}   # one slot per tenant
+    assert tokens_of(out, "a-short") == 30 and tokens_of(out, "b-long") == 34
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_keep_the_budget_and_drain(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(seed)
+    monkeypatch.setattr(step_budget, "MIN_PREFILL_CHUNK", rng.choice([1, 5, 32]))
+    max_step_ms = rng.choice([None, 0.0, 15.0, 40.0])
+    token_budget = rng.choice([16, 64, 512])
+    sched = scheduler(max_step_ms, budget=token_budget, policy="fair" if seed % 2 else "fcfs",
+                      num_blocks=rng.choice([40, 200, 4096]), caching=seed % 3 != 0, max_num_seqs=rng.choice([2, 8]))
+    num_blocks = sched.kv.num_blocks
+    adapters = [None, "lora-a", "lora-b"]
+    next_id = 0
+    for op in range(600):
+        r = rng.random()
+        if r < 0.12:
+            n, m = rng.randint(1, 150), rng.randint(1, 12)
+            if -(-(n + m) // BS) <= num_blocks:
+                sched.add_request(make_request(str(next_id), n, m, tenant=rng.choice(["t1", "t2"]),
+                                               start=rng.choice([0, 0, rng.randrange(50)]), lora=rng.choice(adapters)))
+                next_id += 1
+        elif r < 0.14 and sched.requests:
+            sched.abort(rng.choice(list(sched.requests)))
+        else:
+            out = sched.schedule()
+            assert out.num_batched_tokens <= token_budget
+            if out.budget_s and prefill_tokens(out) > step_budget.MIN_PREFILL_CHUNK:
+                assert out.features.num_decode_tokens > 0
+                assert out.predicted_s <= out.budget_s * (1 + 1e-9), (out.features, out.budget_s)
+            if max_step_ms == 0.0 or out.features.num_decode_tokens == 0:
+                assert out.budget_s == 0.0
+            advance(sched, out)
+        sched.check_integrity()
+    for _ in range(20000):
+        if not sched.has_unfinished():
+            break
+        advance(sched, sched.schedule())
+    assert not sched.has_unfinished(), "requests stuck: no progress"
+    assert sched.kv.usage() == 0.0

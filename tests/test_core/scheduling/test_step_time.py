@@ -1,0 +1,75 @@
+"""The online step-time model (core/scheduling/step_time.py): a non-negative fit that recovers a known linear cost
+from noisy steps, follows a change of machine, and keeps its invariants after every observation."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from core.scheduling.step_time import NUM_FEATURES, StepFeatures, StepTimeModel, nnls
+
+
+def random_step(rng: random.Random) -> StepFeatures:
+    num_decode = rng.choice([0, rng.randint(1, 32)])
+    num_prefill = rng.choice([0, rng.randint(1, 512)]) if num_decode else rng.randint(1, 512)
+    context = num_decode * rng.randint(16, 800) + num_prefill * rng.randint(num_prefill, num_prefill + 800)
+    lora = rng.randint(0, num_prefill + num_decode)
+    return StepFeatures(num_prefill, num_decode, context, lora)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_model_recovers_a_linear_cost_with_noise(seed: int) -> None:
+    rng = random.Random(seed)
+    truth = np.array([rng.uniform(2e-3, 2e-2), rng.uniform(1e-4, 1e-3), rng.uniform(1e-4, 2e-3),
+                      rng.uniform(0, 1e-7), rng.choice([0.0, rng.uniform(1e-5, 1e-4)])])
+    model = StepTimeModel(window=256)
+    assert not model.ready and model.predict(StepFeatures(10, 1, 100, 0)) == 0.0
+    for _ in range(600):
+        f = random_step(rng)
+        model.observe(f, float(f.vector() @ truth) * rng.uniform(0.97, 1.03))
+        model.check_integrity()
+    assert model.ready
+    for _ in range(50):
+        f = random_step(rng)
+        want = float(f.vector() @ truth)
+        assert abs(model.predict(f) - want) <= 0.06 * want, (model.coef, truth)
+    assert 0.0 < model.error_ratio < 0.06
+
+
+def test_model_follows_a_slower_machine_within_its_window() -> None:
+    rng = random.Random(7)
+    fast = np.array([5e-3, 4e-4, 5e-4, 1e-8, 0.0])
+    model = StepTimeModel(window=128)
+    for truth in (fast, 3 * fast):
+        for _ in range(300):
+            f = random_step(rng)
+            model.observe(f, float(f.vector() @ truth))
+            model.check_integrity()
+    f = StepFeatures(256, 8, 256 * 300 + 8 * 300, 0)
+    assert model.predict(f) == pytest.approx(float(f.vector() @ (3 * fast)), rel=0.02)
+
+
+def test_model_ignores_empty_and_bad_steps_and_never_goes_negative() -> None:
+    rng = random.Random(3)
+    model = StepTimeModel()
+    model.observe(StepFeatures(), 0.5)                 # nothing ran
+    model.observe(StepFeatures(10, 0, 100, 0), float("nan"))
+    model.observe(StepFeatures(10, 0, 100, 0), 0.0)
+    assert model.num_observations == 0
+    for _ in range(300):   # times that fall with prefill tokens: a negative slope is clipped to 0
+        f = random_step(rng)
+        model.observe(f, max(1e-4, 0.05 - 1e-5 * f.num_prefill_tokens + rng.uniform(0, 1e-3)))
+        model.check_integrity()
+    assert np.all(model.coef >= 0.0) and model.coef.shape == (NUM_FEATURES,)
+
+
+def test_nnls_matches_the_unconstrained_solution_when_it_is_non_negative() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, size=(64, 4))
+    coef = np.array([0.5, 1.0, 0.0, 2.0])
+    y = x @ coef
+    got = nnls(x.T @ x, x.T @ y)
+    assert np.allclose(got, coef, atol=1e-4)
+    neg = nnls(x.T @ x, x.T @ (x @ np.array([1.0, -1.0, 0.5, 0.5])))
+    assert np.all(neg >= 0.0) and neg[1] == 0.0
