@@ -49,6 +49,15 @@ def _check(rec: LoadRecorder, plan: Plan, num_tokens: int, in_f: int, group_size
             assert got == want, (name, (n, s, m))
 
 
+def assert_within_fp32_bound(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """y equals x @ weight.T computed in float64 within the worst-case error of any fp32 summation order
+    (K * eps * sum_k |x_k w_k|): the split-K order and torch's blocked matmul differ in the last bits, by how many
+    threads torch has, so a fixed tolerance fails at random on a loaded machine."""
+    w = weight.t().double()                                            # [K, N]
+    bound = x.shape[-1] * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs())
+    assert ((y.double() - x.double() @ w).abs() <= bound).all(), float((y.double() - x.double() @ w).abs().max())
+
+
 @pytest.mark.parametrize("bits,group_size,num_tokens", [(4, 128, 1), (4, 32, 16), (8, 64, 3), (8, 1024, 33)])
 def test_planned_launch_reads_each_packed_word_once(monkeypatch: pytest.MonkeyPatch, bits: int, group_size: int,
                                                     num_tokens: int) -> None:
@@ -61,7 +70,7 @@ def test_planned_launch_reads_each_packed_word_once(monkeypatch: pytest.MonkeyPa
     rec = LoadRecorder.install(monkeypatch, qweight=q.qweight, scales=q.scales, zeros=q.zeros)
     y = q(x)
     _check(rec, plan, num_tokens, in_f, group_size, q.qweight.numel() * q.qweight.element_size() // 4 // OUT)
-    torch.testing.assert_close(y, x @ q.dequantize().t(), rtol=1e-4, atol=1e-4)
+    assert_within_fp32_bound(y, x, q.dequantize())
 
 
 def test_several_token_tiles_read_the_weight_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,4 +84,4 @@ def test_several_token_tiles_read_the_weight_once_each(monkeypatch: pytest.Monke
     x = torch.randn(num_tokens, in_f)
     y = triton_gemm.wq_matmul(x, q.qweight, q.scales, q.zeros, 4, in_f, OUT, plan, q.act_perm)
     _check(rec, plan, num_tokens, in_f, 32, in_f // 8)
-    torch.testing.assert_close(y, x @ q.dequantize().t(), rtol=1e-4, atol=1e-4)
+    assert_within_fp32_bound(y, x, q.dequantize())
