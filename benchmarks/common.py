@@ -103,6 +103,17 @@ def hf_model(model_dir: str, dummy: bool, dtype: torch.dtype, device: str) -> to
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
 
 
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF `generate`'s batch of prompts: ids left-padded with 0 and the attention mask, both [B, longest]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
 def now() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

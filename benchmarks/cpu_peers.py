@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch   # noqa: E402
 
-from common import write_results   # noqa: E402  (puts tests/helpers on the path)
+from common import left_padded, write_results   # noqa: E402  (puts tests/helpers on the path)
 from serving_overhead import Work, server_cpu_s, start_server, workload   # noqa: E402
 from serving_overhead_client import HttpClient   # noqa: E402
 from tiny_models import TinyModelSpec, tiny_model_dir   # noqa: E402
@@ -102,12 +102,8 @@ def run_hf(model: Path, work: Work, repeats: int, batch_size: int) -> tuple[floa
         outs: list[list[int]] = []
         for i in range(0, len(work), batch_size):
             chunk = work[i:i + batch_size]
-            width = max(len(p) for p, _ in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, (p, _) in enumerate(chunk):
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
+            ids, mask = left_padded([p for p, _ in chunk])
+            width = ids.shape[1]
             longest = max(n for _, n in chunk)
             with torch.inference_mode():
                 gen = hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None,

@@ -42,7 +42,7 @@ from common import bench_model_dir, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
 from serving import SCHEMA, free_port
-from serving_client import SLO, run_rate
+from serving_client import SLO, launch_server, run_rate
 from synthetic_tokenizer import build_synthetic_tokenizer
 
 CPU_SLO_CONFIG = {
@@ -79,20 +79,8 @@ def start_server(args: argparse.Namespace, model: str, load_format: str, adapter
            "--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
     if max_step_ms is not None:
         cmd += ["--max-step-ms", f"{max_step_ms:g}"]
-    log = open(Path(tempfile.gettempdir()) / f"loraplex_slo_{port}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    deadline = time.time() + args.startup_timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not start in {args.startup_timeout_s} s: see {log.name}")
+    proc = launch_server(cmd, port, "loraplex_slo", args.startup_timeout_s, env=os.environ.copy())
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def make_requests(num: int, models: list[str], seed: int, args: argparse.Namespace) -> list[dict]:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import add_model_args, bench_model_dir, hf_model, load_format_of, now, write_results
+from common import add_model_args, bench_model_dir, hf_model, left_padded, load_format_of, now, write_results
 from core import LLM, SamplingParams
 
 
@@ -64,12 +64,7 @@ def run_hf(model: str, work: list[tuple[list[int], int]], device: str, dtype: st
 def hf_pass(hf: torch.nn.Module, work: list[tuple[list[int], int]], device: str, batch_size: int) -> None:
     for i in range(0, len(work), batch_size):
         chunk = work[i:i + batch_size]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (p, _) in enumerate(chunk):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+        ids, mask = left_padded([p for p, _ in chunk])
         with torch.no_grad():
             hf.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, pad_token_id=0,
                         eos_token_id=None, max_new_tokens=max(n for _, n in chunk),

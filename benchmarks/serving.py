@@ -40,7 +40,7 @@ import torch
 from common import add_model_args, bench_model_dir, load_format_of, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
-from serving_client import SLO, run_rate
+from serving_client import SLO, launch_server, run_rate
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer"}, "tags": {"type": "array", "items": {
@@ -71,20 +71,7 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
         cmd += ["--max-step-ms", f"{args.max_step_ms:g}"]
     if adapters:
         cmd += ["--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
-    log = open(Path(tempfile.gettempdir()) / f"loraplex_serving_{port}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    deadline = time.time() + args.startup_timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not start in {args.startup_timeout_s} s: see {log.name}")
+    return launch_server(cmd, port, "loraplex_serving", args.startup_timeout_s, env=os.environ.copy())
 
 
 def span(text: str) -> tuple[int, int]:

@@ -17,13 +17,36 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 MAX_EMPTY_TEXT_SHARE = 0.05
+
+
+def launch_server(cmd: list[str], port: int, log_name: str, startup_timeout_s: float,
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts `cmd` (a `loraplex serve` on `port`) with its output in a temp log file, and waits until /health
+    answers 200; raises, naming the log, when it exits first or does not answer within the timeout."""
+    log = open(Path(tempfile.gettempdir()) / f"{log_name}_{port}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + startup_timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: see {log.name}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not start in {startup_timeout_s} s: see {log.name}")
 
 
 class TokenCountError(RuntimeError):

@@ -19,6 +19,10 @@ from family_parity import MAX_TOKENS, MIN_MARGIN, reference
 from lora_tree import greedy_with_margin
 from moe_adapters import expert_params_adapter, merged_model, per_expert_adapter
 from moe_models import moe_dir
+from testlib import PROMPTS
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+TEXTS = [PROMPTS[2], PROMPTS[4]]          # the prompts every MoE parity test runs
 
 
 @lru_cache(maxsize=None)

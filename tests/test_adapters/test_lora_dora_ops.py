@@ -37,12 +37,6 @@ MODULE_PATHS = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_pro
                 "o": ["self_attn.o_proj"], "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
 
 
-def _get(module, dotted):
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     torch.manual_seed(0)
@@ -78,7 +72,7 @@ def fused_model(base: nn.Module) -> nn.Module:
         layer = nn.Module()
         layer.self_attn, layer.mlp = nn.Module(), nn.Module()
         for group, (parent, attr) in GROUP_ATTRS.items():
-            mods = [_get(hf_layer, p) for p in MODULE_PATHS[group]]
+            mods = [hf_layer.get_submodule(p) for p in MODULE_PATHS[group]]
             w = torch.cat([m.weight for m in mods], 0)                                   # [out_total, in]
             biased = any(m.bias is not None for m in mods)
             lin = nn.Linear(w.shape[1], w.shape[0], bias=biased)
@@ -112,7 +106,7 @@ def expected_output(setup, slot_to_name, wrapper, layer_idx, group, x, slots):
     for slot, name in slot_to_name.items():
         rows = slots == slot
         layer = peft_models[name].base_model.model.model.layers[layer_idx]
-        out[rows] = torch.cat([_get(layer, p)(xc) for p in MODULE_PATHS[group]], 1)[rows]
+        out[rows] = torch.cat([layer.get_submodule(p)(xc) for p in MODULE_PATHS[group]], 1)[rows]
     return out
 
 

@@ -31,12 +31,6 @@ MODULE_PATHS = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_pro
                 "down": ["mlp.down_proj"]}
 
 
-def _get(module, dotted):
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     torch.manual_seed(0)
@@ -67,7 +61,7 @@ def fused_model(base, dims):
         layer = nn.Module()
         layer.self_attn, layer.mlp = nn.Module(), nn.Module()
         for group, (parent, attr) in GROUP_ATTRS.items():
-            ws = [_get(hf_layer, p).weight for p in MODULE_PATHS[group]]
+            ws = [hf_layer.get_submodule(p).weight for p in MODULE_PATHS[group]]
             w = torch.cat(ws, 0)  # [out_total, in]
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
             lin.weight.data.copy_(w)
@@ -78,7 +72,7 @@ def fused_model(base, dims):
 
 def peft_delta(peft_model, layer_idx, path, x):
     """PEFT's LoRA delta of one unfused module: module(x) - base_layer(x)."""
-    mod = _get(peft_model.base_model.model.model.layers[layer_idx], path)
+    mod = peft_model.base_model.model.model.layers[layer_idx].get_submodule(path)
     if not hasattr(mod, "base_layer"):  # module not targeted in this layer
         return torch.zeros(x.shape[0], mod.out_features)
     return mod(x) - mod.base_layer(x)

@@ -25,11 +25,9 @@ from core.config import ModelConfig  # noqa: E402
 from family_parity import MAX_TOKENS, check_family, greedy_with_margin  # noqa: E402
 from lora_tree import peft_greedy_path  # noqa: E402
 from moe_models import moe_dir  # noqa: E402
-from moe_parity import moe_family_adapters, moe_reference  # noqa: E402
-from testlib import PROMPTS, _hf_model, encode  # noqa: E402
+from moe_parity import FAMILIES, TEXTS, moe_family_adapters, moe_reference  # noqa: E402
+from testlib import _hf_model, encode  # noqa: E402
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-TEXTS = [PROMPTS[2], PROMPTS[4]]
 
 
 @pytest.fixture(scope="module")

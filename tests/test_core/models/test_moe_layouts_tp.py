@@ -14,12 +14,10 @@ from core import LLM, SamplingParams  # noqa: E402
 from family_parity import GREEDY, MAX_TOKENS, check_family, greedy_with_margin, reference  # noqa: E402
 from lora_tree import _peft_model  # noqa: E402
 from moe_models import fused_layout_dir, moe_dir  # noqa: E402
-from moe_parity import moe_family_adapters, moe_reference  # noqa: E402
+from moe_parity import FAMILIES, TEXTS, moe_family_adapters, moe_reference  # noqa: E402
 from spec_helpers import OracleDrafts  # noqa: E402
-from testlib import PROMPTS, encode  # noqa: E402
+from testlib import encode  # noqa: E402
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-TEXTS = [PROMPTS[2], PROMPTS[4]]
 
 
 @pytest.fixture(scope="module")
