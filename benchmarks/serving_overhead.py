@@ -93,11 +93,11 @@ def in_thread(fn, *args):   # noqa: ANN001, ANN201 - a helper for the offline si
 
 
 def start_server(model: Path, threads: int, engine_process: str, port: int,
-                 profile: str | None = None) -> subprocess.Popen:
+                 profile: str | None = None, dtype: str = "float32") -> subprocess.Popen:
     head = [sys.executable, "-m", "gateway"] if profile is None else \
         [sys.executable, str(Path(__file__).with_name("serving_overhead_sampler.py")), profile, "--"]
     cmd = [*head, "serve", "--model", str(model), "--port", str(port), "--device", "cpu",
-           "--dtype", "float32", "--no-prefix-caching", "--no-access-log", "--max-queue-len", "0"]
+           "--dtype", dtype, "--no-prefix-caching", "--no-access-log", "--max-queue-len", "0"]
     if engine_process != "default":
         cmd += ["--engine-process", engine_process]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
@@ -106,13 +106,17 @@ def start_server(model: Path, threads: int, engine_process: str, port: int,
 
 
 def server_cpu_s(proc: subprocess.Popen) -> float:
-    """CPU seconds of the server and its child processes (the engine process, when there is one)."""
-    pids = [proc.pid]
-    try:
-        out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        pids += [int(p) for p in out]
-    except OSError:
-        pass
+    """CPU seconds of the server and all its descendants (the engine process, when there is one; vLLM's engine
+    core and its worker, two levels down)."""
+    pids, todo = [proc.pid], [proc.pid]
+    while todo:
+        try:
+            out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        except OSError:
+            break
+        children = [int(p) for p in out]
+        pids += children
+        todo += children
     return sum(proc_cpu_s(p) for p in pids)
 
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -122,9 +123,11 @@ class HttpClient:
             await asyncio.sleep(0.3)
         raise RuntimeError("server not healthy")
 
-    async def complete(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, float]:
+    async def complete(self, prompt: list[int], max_tokens: int, stream: bool,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One greedy completion of `max_tokens` tokens; `extra`: further request fields (a server's own)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": stream}
+                "ignore_eos": True, "stream": stream, **(extra or {})}
         if stream:
             body["stream_options"] = {"include_usage": True}
         t0 = time.perf_counter()
