@@ -39,7 +39,7 @@ tokenizers' unknown pre-tokenizer hash to GPT-2's. Then, e.g.:
       --convert-script LLAMA/convert_hf_to_gguf.py --convert-python /work/side/vllm-cpu/bin/python
 Every side gets --threads threads (loraplex's server as OMP_NUM_THREADS, vLLM as VLLM_CPU_OMP_THREADS_BIND=0-N).
 The machine's load (`os.getloadavg`) is recorded before and after: on a shared machine compare the ratios of one
-run, not absolute figures (with other load on both cores, 2 OpenMP threads can run 10x slower than 1).
+run, not absolute figures, and use --threads 1 (with other load on both cores, 2 OpenMP threads ran 12x slower).
 """
 from __future__ import annotations
 
