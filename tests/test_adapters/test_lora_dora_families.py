@@ -1,8 +1,9 @@
 """DoRA (PEFT `use_dora=True`) served exactly as PEFT computes it, on every dense family and on a mixture-of-experts
 base (beside expert LoRA): greedy fp32 token for token against `PeftModel`, with DoRA rows, plain LoRA rows and
 base rows in every batch (three slots), chunked prefill, preemption by recompute and a second round on a warm
-prefix cache (tests/helpers/family_parity.py). The precondition: each DoRA adapter's tokens differ from its plain twin's (the same A and B without the
-magnitudes), so the parity proves the rescaling is applied, and applied per slot."""
+prefix cache (tests/helpers/family_parity.py). The precondition: each DoRA adapter's tokens differ from its plain
+twin's (the same A and B without the magnitudes), so the parity proves the rescaling is applied, and applied per
+slot."""
 from __future__ import annotations
 
 from pathlib import Path
