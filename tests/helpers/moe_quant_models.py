@@ -4,10 +4,11 @@ models (tests/test_core/quant/test_moe_w4a16.py).
     path = ct_moe_dir("mixtral")        # per expert: `...experts.N.w1.weight_packed / weight_scale / weight_shape`
     ref = ct_moe_reference_dir("mixtral")   # plain fp32 HF checkpoint: compressed-tensors' own decompression
 
-Every decoder linear (attention and each expert's gate/up/down) is quantized: int4, symmetric (or not), group
-size 32 (Qwen3-MoE: 16), min/max scales through compressed-tensors' `calculate_qparams` and packed by its
-`pack-quantized` compressor; the router (`gate`) and `lm_head` are left in float through `ignore`, as
-llm-compressor's MoE recipes do. The reference is decompressed by compressed-tensors from the saved tensors,
+Every decoder linear (attention, each expert's gate/up/down, Qwen2-MoE's shared expert, Qwen3-MoE's dense layer)
+is quantized: int4, symmetric (or not), group size 32 (Qwen: 16; any other through `group_size`), min/max scales
+through compressed-tensors' `calculate_qparams` and packed by its `pack-quantized` compressor; the router
+(`gate`), Qwen2-MoE's `shared_expert_gate` and `lm_head` are left in float through `ignore`, as llm-compressor's
+MoE recipes do. The reference is decompressed by compressed-tensors from the saved tensors,
 never by loraplex.
 """
 from __future__ import annotations
@@ -68,9 +69,10 @@ def _is_quantized(name: str, quantized: tuple[str, ...]) -> bool:
 def ct_moe_dir(family: str, quantize_router: bool = False, symmetric: bool = True,
                quantize_experts: bool = True, group_size: int | None = None) -> Path:
     """`moe_dir(family)` quantized W4A16 (symmetric, groups of `group_size`, default GROUP_SIZE[family]),
-    per-expert tensors as llm-compressor saves them (`quantize_router`: the router's `gate` packed too, not in
-    `ignore`; not `symmetric`: zero points packed in `weight_zero_point`; not `quantize_experts`: the experts
-    left in float through `ignore`, only attention packed). Built once per process."""
+    per-expert tensors as llm-compressor saves them (`quantize_router`: the router's `gate` and Qwen2-MoE's
+    `shared_expert_gate` packed too, not in `ignore`; not `symmetric`: zero points packed in
+    `weight_zero_point`; not `quantize_experts`: the experts left in float through `ignore`, only attention
+    packed). Built once per process."""
     return _ct_moe_dir(family, quantize_router, symmetric, quantize_experts, group_size or GROUP_SIZE[family])
 
 
@@ -79,7 +81,7 @@ def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool, quantize_ex
     name = family + "_router" * quantize_router + "_asym" * (not symmetric) + "_float_experts" * (not quantize_experts)
     name += f"_g{group_size}" * (group_size != GROUP_SIZE[family])
     src, out = moe_dir(family), _ROOT / name
-    quantized = _QUANTIZED + ("gate",) * quantize_router
+    quantized = _QUANTIZED + ("gate", "shared_expert_gate") * quantize_router
     state = load_file(str(src / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}
     for name, t in state.items():

@@ -159,7 +159,12 @@ def test_unsupported_quantized_moe_is_refused_at_start_up(tmp_path: Path) -> Non
 
 
 def test_a_quantized_router_is_refused_by_name() -> None:
-    """The router stays in float (llm-compressor's MoE recipes `ignore` it): a packed one is refused, naming it."""
+    """The router and Qwen2-MoE's shared-expert gate stay in float (llm-compressor's MoE recipes `ignore` them): packed
+    ones are refused, naming them."""
     with pytest.raises(ValueError, match=r"quantizes model\.layers\.0\.block_sparse_moe\.gate.*keep these in"):
         LLM(str(ct_moe_dir("mixtral", quantize_router=True)), dtype="float32", device="cpu", num_kv_blocks=16,
+            warmup=False)
+    with pytest.raises(ValueError, match=r"quantizes model\.layers\.0\.mlp\.gate, model\.layers\.0\.mlp\."
+                                         r"shared_expert_gate.*keep these in"):
+        LLM(str(ct_moe_dir("qwen2_moe", quantize_router=True)), dtype="float32", device="cpu", num_kv_blocks=16,
             warmup=False)
