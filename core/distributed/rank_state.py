@@ -21,6 +21,7 @@ from core.distributed.shard import TPShard
 from core.distributed.weights import load_weights
 from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
+from core.models.cpu_linear import pack_cpu_linears
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
 from core.models.moe import Experts
@@ -83,6 +84,8 @@ def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch
         load_weights(model, model_dir, shard, skip)
         if quant:
             finish_quantized(model, quant)
+    if device.type == "cpu":
+        pack_cpu_linears(model)
     return model.eval()
 
 
