@@ -74,7 +74,8 @@ class ParallelLMHead(nn.Module):
 class RowParallelExperts(Experts):
     """Experts over this rank's slice of every expert's intermediate dimension (gate/up rows, down columns): each
     row's down output is a partial sum, and so is their routing-weighted sum, all-reduced once in `combine`
-    (the expert LoRA wrapper adds its down deltas before `combine`, so they are summed with it)."""
+    (the expert LoRA wrapper adds its down deltas before `combine`, so they are summed with it). A quantized
+    checkpoint's packed experts replace it with the same cut and its all-reduce (core/quant/loader.py)."""
 
     def __init__(self, experts: Experts, tp: TPGroup) -> None:
         nn.Module.__init__(self)

@@ -13,7 +13,7 @@ import torch
 
 from adapters.lora_ops import LoRABackends
 from core.attention.selection import get_attention_backend
-from core.config import EngineConfig, ModelConfig
+from core.config import EngineConfig
 from core.distributed.layers import parallelize_model
 from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
@@ -21,6 +21,7 @@ from core.distributed.shard import TPShard
 from core.distributed.weights import load_weights
 from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
+from core.models.cpu_linear import pack_cpu_linears
 from core.models.loader import init_dummy_weights
 from core.models.meta_init import materialize, skip_param_init
 from core.models.moe import Experts
@@ -42,24 +43,19 @@ class RankState:
     last_tokens: torch.Tensor | None = None  # the last step's sampled tokens [N] (async scheduling)
 
 
-def _check_quantized_moe(local: ModelConfig, shard: TPShard, scheme: QuantScheme | None,
-                         quantization: str | None) -> None:
+def _check_quantized_moe(scheme: QuantScheme | None, quantization: str | None) -> None:
     """Quantized MoE models are served as compressed-tensors pack-quantized checkpoints (W4A16 / W8A16 experts,
-    core/quant/experts.py) of Mixtral / Qwen3-MoE on one rank; anything else is refused at start-up by name
-    (`scheme`: the checkpoint's, None for random weights)."""
+    core/quant/experts.py) of Mixtral / Qwen2-MoE / Qwen3-MoE, on one rank or several; anything else is refused at
+    start-up by name (`scheme`: the checkpoint's, None for random weights)."""
     why = None
     if scheme is None or scheme.fmt == "fp8-online":
         why = f"--quantization {quantization} (online quantization)" if quantization else "random weights"
     elif scheme.fmt != "pack-quantized":
         why = f"{scheme.method} ({scheme.fmt}) checkpoints"
-    elif shard.world_size > 1:
-        why = "tensor parallelism"
-    elif local.shared_expert:
-        why = "a shared expert (Qwen2-MoE)"
     if why is not None:
         raise UnsupportedQuantization(f"quantized mixture-of-experts models with {why} are not supported; quantized "
                                       "experts are served from compressed-tensors pack-quantized (W4A16 / W8A16) "
-                                      "Mixtral / Qwen3-MoE checkpoints on one rank")
+                                      "checkpoints")
 
 
 def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch.device, dtype: torch.dtype,
@@ -70,7 +66,7 @@ def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch
     local = shard.local_config()
     quant = None if load_format == "dummy" else detect_quantization(model_dir, quantization)
     if local.num_experts and (quantization or quant):
-        _check_quantized_moe(local, shard, quant, quantization)
+        _check_quantized_moe(quant, quantization)
     with torch.device("meta"), skip_param_init():
         model = model_class(local)(local, get_attention_backend(device), max_model_len)
         parallelize_model(model, shard, tp)
@@ -88,6 +84,8 @@ def build_rank_model(model_dir: Path, shard: TPShard, tp: TPGroup, device: torch
         load_weights(model, model_dir, shard, skip)
         if quant:
             finish_quantized(model, quant)
+    if device.type == "cpu":
+        pack_cpu_linears(model)
     return model.eval()
 
 

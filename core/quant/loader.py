@@ -7,7 +7,8 @@
 (`core/distributed/rank_state.py` runs these.) With tensor parallelism (`shard`: a TPShard of several ranks)
 each rank keeps only its rows (column-parallel q/k/v, gate/up) or input columns (row-parallel o, down) of
 codes, scales, zeros and g_idx; a row-parallel split must fall on group boundaries, otherwise start-up fails
-naming the module. A single rank (no shard, or a shard of world size 1) keeps whole tensors.
+naming the module. A single rank (no shard, or a shard of world size 1) keeps whole tensors. The quantized
+experts of an MoE model are cut the same way, on every expert's intermediate dimension (`_load_experts`).
 
 Checkpoints that store q/k/v (gate/up) already fused (Phi-3 `qkv_proj`, `gate_up_proj`, quantized as one linear)
 are read whole into the canonical, unpacked form and cut there into each part's (rank's) rows, so a part
@@ -183,7 +184,7 @@ def prepare_quantized(model: nn.Module, model_dir: Path, scheme: QuantScheme, dt
             _swap(model, name, q)
         for name, module in list(model.named_modules()):
             if isinstance(module, Experts):
-                _load_experts(model, name, module, scheme, index, get, dtype, device, consumed)
+                _load_experts(model, name, module, scheme, index, get, dtype, device, consumed, shard)
     _check_all_consumed(index, consumed, scheme)
     return frozenset(consumed)
 
@@ -208,10 +209,13 @@ def _expert_linears(name: str, num_experts: int, index: dict[str, Path], first: 
 
 def _load_experts(model: nn.Module, name: str, experts: Experts, scheme: QuantScheme, index: dict[str, Path],
                   get: Callable[[str], torch.Tensor | None], dtype: torch.dtype, device: torch.device,
-                  consumed: set[str]) -> None:
+                  consumed: set[str], shard: Any | None) -> None:
     """Swaps an MoE layer's experts for QuantExperts filled with each expert's packed gate/up and down (the float
     experts may be on the meta device: only their shapes are read); experts the checkpoint keeps in float
-    (`ignore`) get their storage here and the normal loader fills them."""
+    (`ignore`) get their storage here and the normal loader fills them. With tensor parallelism (`shard`) each
+    rank keeps its slice of every expert's intermediate dimension, as the dense MLP's: gate/up rows (with their
+    scales and zeros), down input columns in whole quantization groups (`_slice_cols`), and the experts'
+    all-reduce (`RowParallelExperts.tp`) moves to the QuantExperts."""
     first = SUFFIXES[scheme.fmt][0]
     linears = _expert_linears(name, experts.num_experts, index, first)
     quantized = {f"{hf}.{first}" in index and not scheme.is_ignored(hf) for lin in linears for hf in lin.values()}
@@ -223,15 +227,21 @@ def _load_experts(model: nn.Module, name: str, experts: Experts, scheme: QuantSc
     if scheme.fmt != "pack-quantized":
         raise UnsupportedQuantization(f"{scheme.method} ({scheme.fmt}) mixture-of-experts checkpoints; quantized "
                                       "experts are served from compressed-tensors pack-quantized (W4A16 / W8A16) only")
-    inter, hidden = experts.down_proj.shape[2], experts.down_proj.shape[1]
+    size, hidden = experts.down_proj.shape[2], experts.down_proj.shape[1]        # this rank's I, and H
+    inter = size if shard is None else shard.cfg.moe_intermediate_size          # the checkpoint's I
+    rows = None if shard is None else (shard.rank * size, size)                 # this rank's slice of I
+    reduce = getattr(getattr(experts, "tp", None), "all_reduce", None)
     q: QuantExperts | None = None
     for e, lin in enumerate(linears):
         gate, up = (read_canonical(get, lin[p], scheme, inter, hidden) for p in ("gate", "up"))
         down = read_canonical(get, lin["down"], scheme, hidden, inter)
+        if rows is not None:
+            down = _slice_cols(down, rows, scheme, lin["down"])
         if q is None:
-            q = QuantExperts(experts, scheme.num_bits, gate.scales.shape[1], down.scales.shape[1], dtype, device)
-        _fill(q.gate_up_q[e], gate, 0, None)
-        _fill(q.gate_up_q[e], up, inter, None)
+            q = QuantExperts(experts, scheme.num_bits, gate.scales.shape[1], down.scales.shape[1], dtype, device,
+                             reduce=reduce)
+        _fill(q.gate_up_q[e], gate, 0, rows)
+        _fill(q.gate_up_q[e], up, size, rows)
         _fill(q.down_q[e], down, 0, None)
         consumed.update(f"{hf}.{s}" for hf in lin.values() for s in SUFFIXES[scheme.fmt] if f"{hf}.{s}" in index)
     assert q is not None

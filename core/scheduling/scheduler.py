@@ -195,7 +195,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             assert num_new > 0, "a running request with nothing to compute"
             if not is_decode(req):
-                num_new = plan.prefill_cap(req, num_new)
+                num_new = plan.prefill_cap(req, num_new, self._aged(req))
                 if num_new <= 0:
                     continue    # the step's time budget is spent
             if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
@@ -285,7 +285,7 @@ class Scheduler:
                     req.num_computed_tokens = 0
                     continue
             cap = budget if shares is None else min(budget, shares.tokens_left(req))
-            num_new = plan.prefill_cap(req, min(req.num_tokens - req.num_computed_tokens, cap))
+            num_new = plan.prefill_cap(req, min(req.num_tokens - req.num_computed_tokens, cap), self._aged(req))
             if num_new <= 0 or not self.kv.can_allocate(req, num_new):
                 self.kv.free(req)       # give back the matched prefix while it waits
                 req.num_computed_tokens = 0

@@ -6,7 +6,7 @@ benchmarks/moe_cpu.py).
 
 Shapes are small; the router's weights ~ N(0, 1/H) spread the tokens over all experts, top-2 of 4 (Qwen3-MoE:
 of 6, with `norm_topk_prob` and one dense layer through `mlp_only_layers`; Qwen2-MoE: a shared expert of another
-width than the experts').
+width than the experts' and than its config's `intermediate_size`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from tiny_models import TinyModelSpec, tiny_model_dir
 MOE_SPECS: dict[str, TinyModelSpec] = {
     "mixtral": TinyModelSpec(arch="mixtral", num_heads=4, num_kv_heads=2, intermediate_size=96, seed=31,
                              extra_config={"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen2_moe": TinyModelSpec(arch="qwen2_moe", num_heads=4, num_kv_heads=2, intermediate_size=96, seed=33,
+    # Qwen2-MoE: `intermediate_size` (unused when every layer is sparse) apart from the shared expert's width, as
+    # in the hub's Qwen2-MoE configs (the same weights as with 96)
+    "qwen2_moe": TinyModelSpec(arch="qwen2_moe", num_heads=4, num_kv_heads=2, intermediate_size=80, seed=33,
                                extra_config={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                              "shared_expert_intermediate_size": 96, "norm_topk_prob": False}),
     "qwen3_moe": TinyModelSpec(arch="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=96,

@@ -4,10 +4,11 @@ models (tests/test_core/quant/test_moe_w4a16.py).
     path = ct_moe_dir("mixtral")        # per expert: `...experts.N.w1.weight_packed / weight_scale / weight_shape`
     ref = ct_moe_reference_dir("mixtral")   # plain fp32 HF checkpoint: compressed-tensors' own decompression
 
-Every decoder linear (attention and each expert's gate/up/down) is quantized: int4, symmetric (or not), group
-size 32 (Qwen3-MoE: 16), min/max scales through compressed-tensors' `calculate_qparams` and packed by its
-`pack-quantized` compressor; the router (`gate`) and `lm_head` are left in float through `ignore`, as
-llm-compressor's MoE recipes do. The reference is decompressed by compressed-tensors from the saved tensors,
+Every decoder linear (attention, each expert's gate/up/down, Qwen2-MoE's shared expert, Qwen3-MoE's dense layer)
+is quantized: int4, symmetric (or not), group size 32 (Qwen: 16; any other through `group_size`), min/max scales
+through compressed-tensors' `calculate_qparams` and packed by its `pack-quantized` compressor; the router
+(`gate`), Qwen2-MoE's `shared_expert_gate` and `lm_head` are left in float through `ignore`, as llm-compressor's
+MoE recipes do. The reference is decompressed by compressed-tensors from the saved tensors,
 never by loraplex.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from moe_models import moe_dir
 
 GROUP_SIZE = {"mixtral": 32, "qwen3_moe": 16, "qwen2_moe": 16}   # the Qwen experts are 48 wide
-IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]
+# what llm-compressor's MoE recipes leave in float: the router and Qwen2-MoE's shared-expert gate (one output)
+IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*mlp.shared_expert_gate$"]
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj")
 _ROOT = Path(tempfile.mkdtemp(prefix="loraplex_moe_quant_"))
 
@@ -65,32 +67,34 @@ def _is_quantized(name: str, quantized: tuple[str, ...]) -> bool:
 
 
 def ct_moe_dir(family: str, quantize_router: bool = False, symmetric: bool = True,
-               quantize_experts: bool = True) -> Path:
-    """`moe_dir(family)` quantized W4A16 (symmetric, groups of GROUP_SIZE[family]), per-expert tensors as
-    llm-compressor saves them (`quantize_router`: the router's `gate` packed too, not in `ignore`; not
-    `symmetric`: zero points packed in `weight_zero_point`; not `quantize_experts`: the experts left in float
-    through `ignore`, only attention packed). Built once per process."""
-    return _ct_moe_dir(family, quantize_router, symmetric, quantize_experts)
+               quantize_experts: bool = True, group_size: int | None = None) -> Path:
+    """`moe_dir(family)` quantized W4A16 (symmetric, groups of `group_size`, default GROUP_SIZE[family]),
+    per-expert tensors as llm-compressor saves them (`quantize_router`: the router's `gate` and Qwen2-MoE's
+    `shared_expert_gate` packed too, not in `ignore`; not `symmetric`: zero points packed in
+    `weight_zero_point`; not `quantize_experts`: the experts left in float through `ignore`, only attention
+    packed). Built once per process."""
+    return _ct_moe_dir(family, quantize_router, symmetric, quantize_experts, group_size or GROUP_SIZE[family])
 
 
 @lru_cache(maxsize=None)
-def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool, quantize_experts: bool) -> Path:
+def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool, quantize_experts: bool, group_size: int) -> Path:
     name = family + "_router" * quantize_router + "_asym" * (not symmetric) + "_float_experts" * (not quantize_experts)
+    name += f"_g{group_size}" * (group_size != GROUP_SIZE[family])
     src, out = moe_dir(family), _ROOT / name
-    quantized = _QUANTIZED + ("gate",) * quantize_router
+    quantized = _QUANTIZED + ("gate", "shared_expert_gate") * quantize_router
     state = load_file(str(src / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if _is_quantized(name, quantized) and (quantize_experts or ".experts." not in name):
             prefix = name[:-len(".weight")]
-            compressed = _compress(t.float(), GROUP_SIZE[family], symmetric)
+            compressed = _compress(t.float(), group_size, symmetric)
             packed.update({f"{prefix}.{k}": v.contiguous() for k, v in compressed.items()})
         else:
             packed[name] = t
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("model.safetensors"))
     save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = _quantization_config(GROUP_SIZE[family], symmetric)
+    cfg["quantization_config"] = _quantization_config(group_size, symmetric)
     if quantize_router:
         cfg["quantization_config"]["ignore"] = ["lm_head"]
     if not quantize_experts:
@@ -99,24 +103,26 @@ def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool, quantize_ex
     return out
 
 
-def ct_moe_reference_dir(family: str, symmetric: bool = True, quantize_experts: bool = True) -> Path:
+def ct_moe_reference_dir(family: str, symmetric: bool = True, quantize_experts: bool = True,
+                         group_size: int | None = None) -> Path:
     """A plain fp32 checkpoint of `ct_moe_dir(family)` with every packed linear decompressed by compressed-tensors."""
-    return _ct_moe_reference_dir(family, symmetric, quantize_experts)
+    return _ct_moe_reference_dir(family, symmetric, quantize_experts, group_size or GROUP_SIZE[family])
 
 
 @lru_cache(maxsize=None)
-def _ct_moe_reference_dir(family: str, symmetric: bool, quantize_experts: bool) -> Path:
+def _ct_moe_reference_dir(family: str, symmetric: bool, quantize_experts: bool, group_size: int) -> Path:
     from compressed_tensors.compressors.base import BaseCompressor
 
-    path = ct_moe_dir(family, symmetric=symmetric, quantize_experts=quantize_experts)
+    path = ct_moe_dir(family, symmetric=symmetric, quantize_experts=quantize_experts, group_size=group_size)
     out = path.parent / f"{path.name}__ref"
     flat = load_file(str(path / "model.safetensors"))
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     prefixes = {k.rsplit(".", 1)[0] for k in flat if k.endswith(".weight_packed")}
-    state = {k: v for k, v in flat.items() if k.rsplit(".", 1)[0] not in prefixes}
+    packed = {k for k in flat if k.rsplit(".", 1)[0] in prefixes and k.rsplit(".", 1)[1].startswith("weight_")}
+    state = {k: v for k, v in flat.items() if k not in packed}                  # biases (Qwen2's q/k/v) stay
     for prefix in sorted(prefixes):
-        local = {k[len(prefix) + 1:]: v for k, v in flat.items() if k.rsplit(".", 1)[0] == prefix}
-        weight = compressor.decompress(local, _scheme(GROUP_SIZE[family], symmetric))["weight"]
+        local = {k[len(prefix) + 1:]: v for k, v in flat.items() if k in packed and k.rsplit(".", 1)[0] == prefix}
+        weight = compressor.decompress(local, _scheme(group_size, symmetric))["weight"]
         state[f"{prefix}.weight"] = weight.float().contiguous()
     shutil.copytree(path, out, ignore=shutil.ignore_patterns("model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())

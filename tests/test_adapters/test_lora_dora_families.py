@@ -1,8 +1,9 @@
-"""DoRA (PEFT `use_dora=True`) served exactly as PEFT computes it, on every dense family: greedy fp32 token for
-token against `PeftModel`, with DoRA rows, plain LoRA rows and base rows in every batch (three slots), chunked
-prefill, preemption by recompute and a second round on a warm prefix cache (tests/helpers/family_parity.py).
-The precondition: each DoRA adapter's tokens differ from its plain twin's (the same A and B without the
-magnitudes), so the parity proves the rescaling is applied, and applied per slot."""
+"""DoRA (PEFT `use_dora=True`) served exactly as PEFT computes it, on every dense family and on a mixture-of-experts
+base (beside expert LoRA): greedy fp32 token for token against `PeftModel`, with DoRA rows, plain LoRA rows and
+base rows in every batch (three slots), chunked prefill, preemption by recompute and a second round on a warm
+prefix cache (tests/helpers/family_parity.py). The precondition: each DoRA adapter's tokens differ from its plain
+twin's (the same A and B without the magnitudes), so the parity proves the rescaling is applied, and applied per
+slot."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +19,8 @@ from family_models import GEMMA_SPECS, PHI3_SPEC  # noqa: E402
 from family_parity import MAX_TOKENS, check_family  # noqa: E402
 from lora_fixtures import ALL7  # noqa: E402
 from lora_tree import peft_greedy_path, write_adapter  # noqa: E402
+from moe_models import moe_dir  # noqa: E402
+from moe_parity import moe_family_adapters, moe_reference  # noqa: E402
 from testlib import PROMPTS, SPECS, encode  # noqa: E402
 from tiny_models import TinyModelSpec, tiny_model_dir  # noqa: E402
 
@@ -106,3 +109,16 @@ def test_dora_on_a_quantized_base_matches_peft(name: str, tmp_path: Path) -> Non
     llm = check_family(path, adapters, TEXTS, prefix=True, reference_fn=on_reference)
     assert isinstance(llm.engine.model.model.layers[0].mlp.down_proj.base, QuantLinear)
     assert llm.engine.lora_pool.num_dora_computes == 2
+
+
+def test_dora_on_a_moe_base_matches_peft(tmp_path: Path) -> None:
+    """Qwen2-MoE (q/k/v biases, routed experts and a shared expert): DoRA on the attention projections and on the
+    shared expert's MLP, in one batch with two expert-LoRA adapters (`target_parameters` on the fused experts and
+    the router) and base rows, equals PEFT; its magnitudes change PEFT's tokens against its plain twin."""
+    path = moe_dir("qwen2_moe")
+    dora = save_dora_adapter(path, tmp_path / "dora-moe", ALL7, rank=8, seed=33)
+    assert_dora_matters(path, {"dora-moe": dora}, {"dora-moe": plain_twin(dora, tmp_path / "twin")}, TEXTS)
+    moe = moe_family_adapters("qwen2_moe", str(tmp_path / "experts"))
+    adapters = {"experts": moe["qwen2_moe-params"], "dora-moe": dora, "router": moe["qwen2_moe-down-first"]}
+    llm = check_family(path, adapters, TEXTS, prefix=True, reference_fn=moe_reference)
+    assert llm.engine.lora_pool.num_dora_computes == 1
