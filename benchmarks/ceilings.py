@@ -75,14 +75,16 @@ def l2_bytes(device: torch.device) -> int:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every parameter except the embedding table (only B rows are gathered), plus the
-    buffers of quantized linears (their packed codes, scales and zero points are buffers, not parameters)."""
+    buffers of quantized linears (their packed codes, scales and zero points are buffers, not parameters) and of
+    CPU linears over oneDNN-packed weights (core/models/cpu_linear.py)."""
+    from core.models.cpu_linear import PackedCPULinear
     from core.quant.linear import QuantLinear
 
     embed = model.model.embed_tokens.weight
     total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
-    if model.lm_head.weight is embed:
+    if getattr(model.lm_head, "weight", None) is embed:      # a packed head holds its own copy (a buffer)
         total += embed.numel() * embed.element_size()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, PackedCPULinear)):
             total += sum(b.numel() * b.element_size() for b in module.buffers() if b is not None)
     return total

@@ -51,7 +51,9 @@ class PackedCPULinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())   # opaque oneDNN layout
+        # the weight in oneDNN's opaque blocked layout; a buffer (counted with the model's tensors), not saved
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()),
+                             persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.reduce = reduce          # a row-parallel linear's all-reduce, before the bias
 

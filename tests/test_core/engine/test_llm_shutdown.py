@@ -56,7 +56,10 @@ def test_shutdown_releases_threads_processes_and_memory_and_a_second_engine_serv
     llm = _build()
     first = _serve(llm)
     assert _threads() - threads and _children() - children, "the engine's threads and workers existed"
-    held = [weakref.ref(t) for t in (llm.engine.model.lm_head.weight, llm.engine.kv_caches[0][0])]
+    head = llm.engine.model.lm_head
+    held = [weakref.ref(t) for t in (*(list(head.buffers()) or [head.weight]),      # a CPU head's packed weight
+                                     llm.engine.model.model.embed_tokens.weight, llm.engine.kv_caches[0][0])]
+    del head
     held.append(weakref.ref(llm.engine.model))
     llm.shutdown()
     llm.shutdown()                                   # idempotent
