@@ -13,8 +13,8 @@ them. While the step carries decode rows, its prefill chunks are sized so that t
 
 A step with no decode row uses the whole token budget (an idle server's TTFT does not suffer), and a step with
 decode rows always carries at least `MIN_PREFILL_CHUNK` prefill tokens when a prefill waits, so prefills always
-progress (no starvation under a budget the decode rows alone exceed). A request that has waited the aging bound
-(`WaitingQueue.max_wait_steps` steps since arrival) prefills at the token budget, unbudgeted: past saturation a
+progress (no starvation under a budget the decode rows alone exceed). Under the auto budget, a request that has
+waited the aging bound (`WaitingQueue.max_wait_steps` steps since arrival) prefills at the token budget: past saturation a
 queue of prefills would otherwise trickle in a few dozen tokens per step, every decode batch would stay small,
 and throughput would fall (measured in benchmarks/scheduler_sim.py: 0.83x the unbudgeted server's tokens/s at
 saturation without this rule, 0.93x with it, and no change at 50% or 80% load).
@@ -62,10 +62,11 @@ class StepPlan:
                                                req.lora_slot_key is not None)
 
     def prefill_cap(self, req: Request, num_new: int, aged: bool = False) -> int:
-        """The most of `num_new` prefill tokens of `req` the step may take (0: none). An `aged` request (one that
-        has waited the scheduler's aging bound) is not held to the time budget: the budget bounds how much a
-        prefill delays decodes, never how long a prefill may wait."""
-        if num_new <= 0 or not self.limited or aged:
+        """The most of `num_new` prefill tokens of `req` the step may take (0: none). Under the auto budget an
+        `aged` request (one that has waited the scheduler's aging bound) is not held to it: the budget bounds how
+        much a prefill delays decodes, not how long a prefill may wait. An explicit `--max-step-ms` is an
+        operator's inter-token promise and holds for every step."""
+        if num_new <= 0 or not self.limited or (aged and self.max_step_ms is None):
             return num_new
         if not self.budget_s:
             self.budget_s = self._budget_s()

@@ -114,19 +114,23 @@ def test_a_budget_the_decodes_alone_exceed_still_moves_prefill() -> None:
     assert steps == -(-200 // MIN_PREFILL_CHUNK)
 
 
-def test_an_aged_prefill_is_not_held_to_the_time_budget() -> None:
-    """Past the aging bound a prefill runs at the token budget (saturation throughput): before it, the same
-    request gets budget-sized chunks."""
-    sched = scheduler(max_step_ms=100.0)
+@pytest.mark.parametrize("max_step_ms", [None, 100.0])
+def test_an_aged_prefill_is_not_held_to_the_auto_budget(max_step_ms: float | None) -> None:
+    """Past the aging bound a prefill runs at the token budget under the auto budget (saturation throughput);
+    before it, the same request gets budget-sized chunks. An explicit --max-step-ms holds for aged ones too."""
+    sched = scheduler(max_step_ms=max_step_ms)
     start_decoding(sched, 4)
     sched.add_request(make_request("long", 2000, 4))
     out = sched.schedule()
     young = tokens_of(out, "long")
-    assert MIN_PREFILL_CHUNK <= young < 512 - 4 and out.predicted_s <= 0.1
+    assert MIN_PREFILL_CHUNK <= young < 512 - 4 and out.predicted_s <= out.budget_s * (1 + 1e-9)
     advance(sched, out)
     sched.num_steps = sched.requests["long"].arrival_step + sched.waiting.max_wait_steps   # it has waited the bound
     out = sched.schedule()
-    assert tokens_of(out, "long") == 512 - 4 and out.predicted_s > 0.1
+    if max_step_ms is None:
+        assert tokens_of(out, "long") == 512 - 4 and out.predicted_s > out.budget_s
+    else:
+        assert tokens_of(out, "long") < 512 - 4 and out.predicted_s <= out.budget_s * (1 + 1e-9)
     assert sum(1 for r, n in out.scheduled if n == 1) == 4          # the decode rows still run
     advance(sched, out)
 
