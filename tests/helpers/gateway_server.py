@@ -19,9 +19,20 @@ from tiny_models import TinyModelSpec, tiny_model_dir
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(num: int) -> list[int]:
+    """`num` distinct free ports: every socket stays bound until all are chosen (two calls of a one-port helper
+    can get the same port back, and a server refuses --metrics-port equal to --port)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def tiny_model(root: Path) -> Path:
@@ -51,11 +62,10 @@ class ServerProcess:
 
     def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0,
                  metrics_port: bool = False) -> None:
-        self.port = free_port()
+        self.port, port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url: str | None = None          # with metrics_port: the full /metrics (--metrics-port)
         if metrics_port:
-            port = free_port()
             self.metrics_url = f"http://127.0.0.1:{port}/metrics"
             extra = (*extra, "--metrics-port", str(port))
         self.model = str(model_dir)
