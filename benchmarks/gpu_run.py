@@ -61,7 +61,8 @@ def _dry(dry: bool) -> list[str]:
 STAGES = (
     Stage("env", 30, lambda d: [["gpu_env.py", *_dry(d), *_out("env")]],
           "versions (torch, triton, CUDA, driver, GPU, packages), read bandwidth, bf16 matrix rate"),
-    Stage("tests", 480, lambda d: [["gpu_tests.py", *_dry(d), "--timeout-s", "480", *_out("tests")]],
+    Stage("tests", 240, lambda d: [["gpu_tests.py", *_dry(d), "--timeout-s", "240", *(() if d else ("--workers", "8")),
+                                    *_out("tests")]],
           "pytest -m gpu (tests/helpers/gpu_test_files.py) with the installed torch"),
     Stage("kernels", 150, lambda d: [["gpu_kernels.py", *_dry(d), *_out("kernels")]],
           "Triton kernels at 8B serving shapes vs their bytes/FLOP floors"),

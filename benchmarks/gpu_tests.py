@@ -2,7 +2,7 @@
 with the installed torch, their counts written as a result (passed, failed, errors, skipped, the failing ids).
 
 `--dry-run` runs one test of one file of the list (`DRY_RUN_FILE`, `-k DRY_RUN_SELECT`) the same way, on the CPU.
-Usage: python benchmarks/gpu_tests.py [--dry-run] [--timeout-s 480] [--name gpu_tests]
+Usage: python benchmarks/gpu_tests.py [--dry-run] [--timeout-s 480] [--workers 8] [--name gpu_tests]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, write_results
+from common import RESULTS, ROOT, write_results
 from gpu_test_files import GPU_TEST_FILES
 
 DRY_RUN_FILE = "tests/test_adapters/test_lora_bgmv.py"      # small and quick in the CPU interpreter
@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help=f"only {DRY_RUN_FILE} -k {DRY_RUN_SELECT}")
     ap.add_argument("--timeout-s", type=float, default=480.0)
     ap.add_argument("--name", default="gpu_tests")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="pytest-xdist workers (-n; 0: one process). Triton compiles are CPU-bound and the device "
+                         "machine has 16 cores, so 8 workers share the GPU and cut the stage to a fraction")
     args = ap.parse_args(argv)
     xml = Path(tempfile.mkdtemp(prefix="loraplex_gpu_tests_")) / "junit.xml"
     assert DRY_RUN_FILE in GPU_TEST_FILES
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}", *files]
     if args.dry_run:
         cmd += ["-k", DRY_RUN_SELECT]
+    if args.workers > 0:
+        cmd += ["-n", str(args.workers), "-v"]      # -v: one PASSED/FAILED line per test, kept if the stage times out
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
         out, timed_out = proc.stdout + proc.stderr, False
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         out, timed_out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
             else (exc.stdout or ""), True
     print(out[-3000:])
+    log = RESULTS / f"{args.name}.pytest.log"           # the whole output: which tests ran, even after a timeout
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(out)
     data: dict = {"files": files, "dry_run": args.dry_run, "timed_out": timed_out, "tail": out[-2000:]}
     if xml.exists() and not timed_out:
         data.update(junit_counts(xml))
