@@ -36,6 +36,7 @@ from adapters.errors import (
 from adapters.lora_ops import LoRABackends, LoRAStack
 from adapters.slots.dora_scales import base_weight, dora_scale_shift
 from adapters.slots.expert_slots import ExpertSlots
+from adapters.slots.layer_buffers import is_aligned, layer_buffer
 from adapters.slots.vocab_slots import VocabSlots
 
 DoraScales = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]   # (layer, module) -> (scale, shift) [out]
@@ -72,21 +73,22 @@ class LoRASlotPool:
         L = dims.num_layers
         for name, grp in fused_groups(dims).items():
             S = len(grp.slices)
-            kw = dict(device=self.device)
-            a = torch.zeros(L, S, num_slots, max_rank, grp.in_features, dtype=dtype, **kw)
+            # the kernels' buffers: every layer view 16-byte aligned, as the warm-up's scratch stacks are
+            # (layer_buffers.py: one compiled variant for every layer)
+            a = layer_buffer(L, (S, num_slots, max_rank, grp.in_features), dtype, self.device)
             if backends == LoRABackends("torch", "torch"):
                 # rank-major storage: the torch ops' expand multiplies by B^T [r, out], rows of `out` contiguous
                 # (twice as fast as unit rank stride on the CPU); the Triton kernels need the unit rank stride
-                b = torch.zeros(L, num_slots, max_rank, grp.out_features, dtype=dtype, **kw).transpose(2, 3)
+                b = layer_buffer(L, (num_slots, max_rank, grp.out_features), dtype, self.device).transpose(2, 3)
             else:
-                b = torch.zeros(L, num_slots, grp.out_features, max_rank, dtype=dtype, **kw)
-            ranks = torch.zeros(L, S, num_slots, dtype=torch.int32, **kw)
-            scal = torch.zeros(L, S, num_slots, dtype=torch.float32, **kw)
+                b = layer_buffer(L, (num_slots, grp.out_features, max_rank), dtype, self.device)
+            ranks = layer_buffer(L, (S, num_slots), torch.int32, self.device)
+            scal = layer_buffer(L, (S, num_slots), torch.float32, self.device)
             rh = torch.zeros(L, S, num_slots, dtype=torch.int32)
             sh = torch.zeros(L, S, num_slots, dtype=torch.float32)
-            d_scale = torch.ones(L, num_slots, grp.out_features, dtype=torch.float32, **kw)
-            d_shift = torch.zeros(L, num_slots, grp.out_features, dtype=torch.float32, **kw)
-            d_flags = torch.zeros(L, num_slots, dtype=torch.int32, **kw)
+            d_scale = layer_buffer(L, (num_slots, grp.out_features), torch.float32, self.device, fill=1.0)
+            d_shift = layer_buffer(L, (num_slots, grp.out_features), torch.float32, self.device)
+            d_flags = layer_buffer(L, (num_slots,), torch.int32, self.device)
             d_host = torch.zeros(L, num_slots, dtype=torch.bool)
             stacks = [LoRAStack(a[i], b[i], ranks[i], scal[i], grp.slice_offsets, grp.slice_sizes,
                                 ranks_host=rh[i], scalings_host=sh[i], dora_scale=d_scale[i], dora_shift=d_shift[i],
@@ -324,11 +326,21 @@ class LoRASlotPool:
                 _fail(f"slot {slot}: id and adapter out of sync")
         self.vocab.check_integrity([None if a is None else a.vocab_modules for a in self._slot_adapters])
         for name, buf in self.groups.items():
+            self._check_group_alignment(name, buf)
             self._check_group_tables(name, buf, used)
             if deep:
                 self._check_group_weights(name, buf)
         if self.experts is not None:
             self.experts.check_integrity(self._slot_adapters, deep)
+
+    def _check_group_alignment(self, name: str, buf: GroupBuffers) -> None:
+        """Every layer's kernel tensors start 16-byte aligned, as the warm-up's scratch copies do: a misaligned
+        layer would launch kernel variants the start-up warm-up never compiled (layer_buffers.py)."""
+        for layer, st in enumerate(buf.stacks):
+            for field in ("lora_a", "lora_b", "ranks", "scalings", "dora_scale", "dora_shift", "dora_flags"):
+                t = getattr(st, field)
+                if t is not None and not is_aligned(t):
+                    _fail(f"{name}: layer {layer}'s {field} is not 16-byte aligned")
 
     def _check_group_tables(self, name: str, buf: GroupBuffers, used: list[int]) -> None:
         rh, sh = buf.ranks_host, buf.scalings_host  # [L, S, slots]

@@ -13,7 +13,9 @@ real steps (same dtypes, strides and alignments), so serving meets no new varian
   and beside decodes and a prefill chunk; steps with drafts never replay a decode graph, they run eagerly), and
   for `draft_model` the draft's own forwards (its head shapes are other kernel variants);
 - LoRA: every entry of the segmented table (`adapters/lora_ops/triton_ops.SEGMENT_CONFIGS`) and the BGMV
-  decode kernels, for each fused linear, on scratch stacks shaped like the pool's;
+  decode kernels, for each fused linear, on scratch stacks shaped like the pool's (fresh, so 16-byte aligned:
+  the pool starts every layer's views on that boundary too, `adapters/slots/layer_buffers.py`, or the other
+  layers would launch other pointer specializations);
 - decode CUDA graphs: capturing them runs every captured size, with and without LoRA.
 
 `tests/test_core/startup/test_kernel_warmup.py` records the specialization key of every launch in the CPU interpreter and

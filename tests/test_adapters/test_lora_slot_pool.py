@@ -9,7 +9,7 @@ import torch
 from adapters.adapter import LoRAAdapter, LoRAModule
 from adapters.layers.dims import TARGET_MODULES, BaseModelDims, fused_groups
 from adapters.errors import AdapterError, SlotPoolError, SlotPoolFullError, SlotPoolIntegrityError
-from adapters.lora_ops import LoRABatchMeta, add_lora
+from adapters.lora_ops import LoRABackends, LoRABatchMeta, add_lora
 from adapters.slots.slot_pool import LoRASlotPool
 
 DIMS = BaseModelDims(hidden_size=16, intermediate_size=24, num_heads=4, num_kv_heads=2,
@@ -162,3 +162,27 @@ def test_num_slot_writes_counts_copies_into_slots():
         pool.load(tag, adapters[tag])          # c evicts b (a was used last), then b evicts a
         assert pool.num_slot_writes == expected, tag
     pool.check_integrity()
+
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3, 5])
+@pytest.mark.parametrize("backends", [LoRABackends(), LoRABackends("triton", "triton")])
+def test_every_layer_view_is_16_byte_aligned(num_slots, backends):
+    """Triton specializes pointers on 16-byte alignment and the start-up warm-up launches the LoRA kernels on
+    fresh (aligned) scratch stacks: every layer's stack must start as aligned, whatever the slot count (ranks
+    [S, 3] int32 is 12 / 24 / 36 bytes a layer: a contiguous buffer started layer 1 off the boundary), with a
+    layer's own strides unchanged; loads, evictions and the integrity checks work on the padded buffers."""
+    pool = LoRASlotPool(num_slots=num_slots, max_rank=8, dims=DIMS, backends=backends)
+    for name, buf in pool.groups.items():
+        for layer, st in enumerate(buf.stacks):
+            for field in ("lora_a", "lora_b", "ranks", "scalings", "dora_scale", "dora_shift", "dora_flags"):
+                t = getattr(st, field)
+                assert t.data_ptr() % 16 == 0, f"{name} layer {layer} {field} starts at {t.data_ptr() % 16} mod 16"
+                assert field == "lora_b" or t.is_contiguous(), f"{name} layer {layer} {field} strides {t.stride()}"
+            assert bool((st.dora_scale == 1).all()) and not bool(st.dora_flags.any())
+    rng = random.Random(num_slots)
+    adapters = {f"a{i}": random_adapter(rng, 8, f"a{i}") for i in range(num_slots + 1)}
+    for aid, ad in adapters.items():       # the last load evicts the least recently used
+        pool.load(aid, ad)
+        pool.check_integrity(deep=True)
+    check_outputs(pool, {a: adapters[a] for a in pool.loaded_ids}, rng)

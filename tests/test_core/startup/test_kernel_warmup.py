@@ -96,6 +96,32 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
     engine.check_integrity()
 
 
+def test_every_layer_launches_the_warmed_up_lora_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up launches the segmented LoRA kernels on scratch copies of layer 0's stacks; serving launches
+    them on every layer's views of the slot pool. With 3 slots a layer's int32 ranks table is 12 / 24 / 36
+    bytes, so a contiguous pool started layer 1's ranks, scalings and DoRA flags off the 16-byte boundary:
+    other pointer specializations, compiled by the first prefill with an adapter (6 segmented variants in
+    the interpreter). Two layers, LoRA kernels only (attention on the torch path: cheap)."""
+    monkeypatch.setenv("LORAPLEX_LORA_BACKEND", "triton")
+    rec = KernelRecorder.install(monkeypatch)
+    model = "llama_gqa"                       # two layers
+    with torch_threads(1):
+        llm = LLM(str(model_dir(model)), dtype="float32", device=str(kernel_device()), max_loras=3, max_lora_rank=8,
+                  lora_modules={"all": str(adapter_dir(model, "all7_r8"))}, max_num_seqs=4, num_kv_blocks=64,
+                  warmup=False)
+        assert llm.engine.model_config.num_layers == 2 and llm.engine.lora_pool.num_slots == 3
+        llm.engine.warmup()
+        warm = set(rec.keys)
+        rec.reset()
+        ids = encode(model_dir(model), PROMPTS[0])[:6]
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=3, temperature=0.0), lora="all")
+    assert out[0].outputs[0].finish_reason == "length"
+    lora = {k for k in rec.keys if k[0] in ("lora_shrink_kernel", "lora_expand_kernel")}
+    assert {name for name, _ in lora} == {"lora_shrink_kernel", "lora_expand_kernel"}
+    new = lora - warm
+    assert not new, "LoRA launch keys the warm-up did not compile:\n" + "\n".join(repr(k) for k in sorted(new, key=repr))
+
+
 def test_compile_counter_counts_after_the_warmup_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The counter behind loraplex:kernel_compiles_after_warmup_total, through Triton's own JIT cache hook."""
     from types import SimpleNamespace
