@@ -28,8 +28,8 @@ SPECS: dict[str, TinyModelSpec] = {
                                  rope_theta=500000.0, config_style="legacy", seed=3),
     "mistral": TinyModelSpec(arch="mistral", num_heads=8, num_kv_heads=2, hidden_size=64, seed=4),
     # llama_gqa's shapes with one layer: every layer launches the same kernel variants (the slot pool aligns every
-    # layer's views as layer 0's: test_kernel_warmup.py::test_every_layer_launches_the_warmed_up_lora_variants), so tests that only
-    # record launches (tests/test_core/startup/test_kernel_warmup.py) run half the interpreted kernels
+    # layer's views as layer 0's: test_kernel_warmup.py::test_every_layer_launches_the_warmed_up_lora_variants),
+    # so tests that only record launches (tests/test_core/startup/test_kernel_warmup.py) run half the interpreted kernels
     "llama_gqa_1layer": TinyModelSpec(arch="llama", num_heads=4, num_kv_heads=2, num_layers=1, seed=1),
 }
 

@@ -119,7 +119,7 @@ def test_every_layer_launches_the_warmed_up_lora_variants(monkeypatch: pytest.Mo
     lora = {k for k in rec.keys if k[0] in ("lora_shrink_kernel", "lora_expand_kernel")}
     assert {name for name, _ in lora} == {"lora_shrink_kernel", "lora_expand_kernel"}
     new = lora - warm
-    assert not new, "LoRA launch keys the warm-up did not compile:\n" + "\n".join(repr(k) for k in sorted(new, key=repr))
+    assert not new, "LoRA launch keys the warm-up did not compile:\n" + "\n".join(map(repr, sorted(new, key=repr)))
 
 
 def test_compile_counter_counts_after_the_warmup_only(monkeypatch: pytest.MonkeyPatch) -> None:
