@@ -1,15 +1,21 @@
 """Counts Triton JIT compiles in this process (the start-up warm-up's proof on a GPU: none after it).
 
 `COMPILES.install()` sets Triton's `jit_cache_hook`, which Triton calls whenever a launch misses the
-in-memory kernel cache (a compile, or a load from the on-disk cache: a stall either way). The engine
-marks the end of its warm-up; `/metrics` exports the compiles after it
-(`loraplex:kernel_compiles_after_warmup_total`), which a healthy server keeps at 0.
+in-memory kernel cache (a compile, or a load from the on-disk cache: a stall either way), on the thread that
+launches. A warm-up runs inside `COMPILES.warming_up()`: its compiles are the warm-up's, on that thread only.
+Every other compile once a warm-up has finished is a stall (`after_warmup`, warned about by kernel name), which
+`/metrics` exports (`loraplex:kernel_compiles_after_warmup_total`) and a healthy server keeps at 0.
+
+`after_warmup` only grows: a second engine warming up in the same process (the offline benchmarks build one
+`LLM` per configuration) neither resets it nor has its own warm-up's compiles counted (or warned about) as
+stalls, so `COMPILES.after_warmup - before` over any stretch of serving is the stalls in it.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 log = logging.getLogger("loraplex.kernels")
 
@@ -17,9 +23,12 @@ log = logging.getLogger("loraplex.kernels")
 class CompileCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._local = threading.local()       # .depth: warm-ups open on this thread
         self.total = 0
-        self.at_warmup_end: int | None = None
-        self.names: dict[str, int] = {}
+        self.num_warmups_done = 0
+        self.num_after_warmup = 0
+        self.names: dict[str, int] = {}       # every compile, by kernel name
+        self.late_names: dict[str, int] = {}  # the compiles counted in `after_warmup`, by kernel name
         self.installed = False
 
     def install(self) -> bool:
@@ -41,22 +50,43 @@ class CompileCounter:
         self.installed = True
         return True
 
+    @property
+    def warming(self) -> bool:
+        """Whether this thread is inside a warm-up."""
+        return getattr(self._local, "depth", 0) > 0
+
     def record(self, name: str) -> None:
+        warming = self.warming
         with self._lock:
             self.total += 1
             self.names[name] = self.names.get(name, 0) + 1
-            late = self.at_warmup_end is not None
+            late = not warming and self.num_warmups_done > 0
+            if late:
+                self.num_after_warmup += 1
+                self.late_names[name] = self.late_names.get(name, 0) + 1
         if late:
             log.warning("Triton compiled %s after the warm-up (a step stalled on it)", name)
 
+    @contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """A warm-up on this thread: its compiles are not stalls; the warm-up counts as done when it ends
+        (raised or not)."""
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            self.mark_warmup_end()
+
     def mark_warmup_end(self) -> None:
+        """A warm-up finished: later compiles outside a warm-up count as stalls."""
         with self._lock:
-            self.at_warmup_end = self.total
+            self.num_warmups_done += 1
 
     @property
     def after_warmup(self) -> int:
         with self._lock:
-            return 0 if self.at_warmup_end is None else self.total - self.at_warmup_end
+            return self.num_after_warmup
 
 
 COMPILES = CompileCounter()

@@ -264,10 +264,8 @@ def run_warmup(engine: Any, progress: ProgressFn | None = None, selfcheck: bool 
     (`core/startup/kernel_compiles.py`)."""
     if engine.device.type == "cuda":
         COMPILES.install()
-    try:
+    with COMPILES.warming_up():
         return _run_warmup(engine, progress, selfcheck)
-    finally:
-        COMPILES.mark_warmup_end()
 
 
 def _run_warmup(engine: Any, progress: ProgressFn | None, selfcheck: bool | None) -> WarmupReport:

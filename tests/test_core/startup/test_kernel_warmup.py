@@ -140,3 +140,52 @@ def test_compile_counter_counts_after_the_warmup_only(monkeypatch: pytest.Monkey
     knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="late_kernel"))
     assert counter.after_warmup == 1 and counter.names == {"warm_kernel": 1, "late_kernel": 1}
     assert seen == ["warm_kernel", "late_kernel"], "a hook installed before ours must still run"
+
+
+def test_a_second_engine_warmup_is_neither_a_stall_nor_a_reset(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """benchmarks/lora_overhead.py builds one LLM per adapter count in one process. The second engine's warm-up
+    compiles (a new slot count is a new `stride_rank_s` specialization of every LoRA kernel: the GPU run's 18)
+    were warned about as stalls, and its end re-based the count, so compiles after the first warm-up vanished
+    from `after_warmup` and a benchmark reading it across engines saw 0. Compiles are simulated through Triton's
+    hook (the interpreter compiles nothing): the warm-up's own from inside its variants, stalls from a step's
+    thread and from another thread while a warm-up is open."""
+    import threading
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from core.startup import warmup as warmup_module
+    from core.startup.kernel_compiles import CompileCounter
+
+    def compile_(name: str) -> None:
+        knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name=name))
+
+    counter = CompileCounter()
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(warmup_module, "COMPILES", counter)
+    assert counter.install()
+    engine_warmups = iter(["engine1_kernel", "engine2_kernel"])
+    monkeypatch.setattr(warmup_module, "kernel_variants", lambda engine: [
+        warmup_module.KernelVariant("test", "compiles", lambda name=next(engine_warmups): compile_(name))])
+    caplog.set_level("WARNING", logger="loraplex.kernels")
+    path = str(model_dir(MODEL))
+    first = LLM(path, dtype="float32", device="cpu", num_kv_blocks=16)
+    assert first.engine.warmup_report.num_jit_compiles == 1 and counter.after_warmup == 0
+    compile_("stall_1")                                   # a step of the first engine
+    before = counter.after_warmup
+    second = LLM(path, dtype="float32", device="cpu", num_kv_blocks=16)
+    assert second.engine.warmup_report.num_jit_compiles == 1
+    assert counter.after_warmup == before == 1, "the second warm-up reset the count or counted its own compiles"
+    compile_("stall_2")
+    with counter.warming_up():                            # a warm-up open on this thread is not another's
+        thread = threading.Thread(target=compile_, args=("stall_3",))
+        thread.start()
+        thread.join()
+    assert counter.after_warmup - before == 2
+    assert counter.late_names == {"stall_1": 1, "stall_2": 1, "stall_3": 1}
+    assert counter.total == 5 and set(counter.names) == {"engine1_kernel", "engine2_kernel", "stall_1", "stall_2",
+                                                         "stall_3"}
+    warned = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
+    assert warned == [f"Triton compiled {n} after the warm-up (a step stalled on it)" for n in
+                      ("stall_1", "stall_2", "stall_3")], warned
