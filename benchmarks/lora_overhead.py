@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
                   max_lora_rank=args.pool_rank or args.rank, enable_prefix_caching=False, load_format=load_format_of(args.model),
                   max_num_seqs=max(args.num_requests, 8))
         loras = [f"t{i % num_adapters}" for i in range(len(prompts))]
-        compiles_before = COMPILES.after_warmup
+        # stalls of this configuration's steps (the count only grows: core/startup/kernel_compiles.py); its
+        # warm-up's own compiles (a new slot count is a new specialization of every LoRA kernel) apart
+        compiles_before, late_before = COMPILES.after_warmup, dict(COMPILES.late_names)
         entry: dict[str, float | str] = {}
         if "e2e" in wanted:
             # alternate and keep the best of two: the first pass also pays the KV pool's first-touch page faults
@@ -212,8 +214,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((f"{num_adapters} adapters: prefill of {args.num_requests} x {p['prefill_prompt_len']} tokens",
                          f"{1e3 * p['prefill_base_s']:.1f} / {1e3 * p['prefill_lora_s']:.1f} ms (overhead "
                          f"{100 * p['prefill_overhead']:+.1f}%, FLOP floor {100 * p['prefill_floor']:+.1f}%)"))
+        late = {k: n - late_before.get(k, 0) for k, n in COMPILES.late_names.items() if n > late_before.get(k, 0)}
         entry["compiles_after_warmup"] = COMPILES.after_warmup - compiles_before
-        rows.append((f"{num_adapters} adapters: Triton compiles after the warm-up", str(entry["compiles_after_warmup"])))
+        entry["late_kernels"] = late
+        entry["compiles_in_warmup"] = llm.engine.warmup_report.num_jit_compiles
+        rows.append((f"{num_adapters} adapters: Triton compiles after the warm-up",
+                     f"{entry['compiles_after_warmup']}{' ' + json.dumps(late) if late else ''} "
+                     f"(its warm-up compiled {entry['compiles_in_warmup']})"))
         data[f"k{num_adapters}"] = entry
         del llm
         if torch.cuda.is_available():
