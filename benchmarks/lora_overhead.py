@@ -3,11 +3,14 @@
 K adapters (rank 16, all 7 target modules, random non-zero weights written in PEFT format) serve
 N requests round-robin (request i -> adapter i % K), all in the same batches (`--max-loras K`).
 Reports, for K in 8 and 32 (`--num-adapters`), per `--phases`:
-- e2e: output tokens/s of `generate` with adapters and on the base alone, and the overhead;
+- e2e: output tokens/s of `generate` with adapters and on the base alone, and the overhead, with the engine steps
+  each took (more steps, not slower ones, when the step-time budget trickles prefills in beside decodes);
 - decode: the median engine step with all N requests decoding, LoRA vs base, beside its bytes floor (the A and B
   of the distinct adapters read once per step, over the weight + KV bytes of the base step);
 - prefill: the time to prefill the N prompts (--prefill-prompt-len tokens each), LoRA vs base, beside its FLOP floor (LoRA FLOPs over the base
   linears' FLOPs: prefill is compute-bound).
+Per K also the Triton compiles after its engine's warm-up (stalls of its own steps, by kernel; 0 when healthy) and
+apart from them the compiles of that warm-up (a new slot count is a new specialization of every LoRA kernel).
 Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
        python benchmarks/lora_overhead.py --model cpu-cold-spec --num-requests 48 --name lora_overhead_cpu_spec
            # the CPU path at its floor (issue 34): the 8 x 1024 Llama of adapter_cold_load.py
@@ -71,14 +74,17 @@ def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int, dtype: torc
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> float:
+def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> tuple[float, int]:
+    """(seconds, engine steps) of one `generate` of every prompt: the steps tell a slower step from more steps
+    (prefill chunks sized by the step-time budget while requests decode)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), lora=loras[:2])
+    steps_before = llm.engine.stats.num_steps
     start = now()
     outs = llm.generate(prompts, params, lora=loras)
     elapsed = now() - start
     assert all(len(o.token_ids) == max_tokens for o in outs)
-    return elapsed
+    return elapsed, llm.engine.stats.num_steps - steps_before
 
 
 def _add(llm: LLM, tag: str, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> None:
@@ -197,14 +203,17 @@ def main(argv: list[str] | None = None) -> None:
         entry: dict[str, float | str] = {}
         if "e2e" in wanted:
             # alternate and keep the best of two: the first pass also pays the KV pool's first-touch page faults
-            t_base = t_lora = float("inf")
+            (t_base, steps_base), (t_lora, steps_lora) = (float("inf"), 0), (float("inf"), 0)
             for _ in range(2):
-                t_base = min(t_base, run(llm, prompts, [None] * len(prompts), args.max_tokens))
-                t_lora = min(t_lora, run(llm, prompts, loras, args.max_tokens))
+                base_run = run(llm, prompts, [None] * len(prompts), args.max_tokens)
+                t_base, steps_base = min((t_base, steps_base), base_run)
+                t_lora, steps_lora = min((t_lora, steps_lora), run(llm, prompts, loras, args.max_tokens))
             entry.update({"base_s": t_base, "lora_s": t_lora, "base_tok_s": num_out / t_base,
-                          "lora_tok_s": num_out / t_lora, "overhead": t_lora / t_base - 1})
+                          "lora_tok_s": num_out / t_lora, "overhead": t_lora / t_base - 1,
+                          "base_steps": steps_base, "lora_steps": steps_lora})
             rows.append((f"{num_adapters} adapters: base / LoRA output tok/s (generate)",
-                         f"{num_out / t_base:.1f} / {num_out / t_lora:.1f} (overhead {100 * entry['overhead']:.1f}%)"))
+                         f"{num_out / t_base:.1f} / {num_out / t_lora:.1f} (overhead {100 * entry['overhead']:.1f}%; "
+                         f"{steps_base} / {steps_lora} engine steps)"))
         if wanted & {"decode", "prefill"}:
             p = phases(llm, cfg, args, prompts, loras, num_adapters)
             entry.update(p)

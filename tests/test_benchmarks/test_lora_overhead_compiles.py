@@ -28,8 +28,8 @@ def test_rows_show_each_configurations_stalls_and_warmup_compiles(monkeypatch: p
     monkeypatch.setattr(warmup_module, "COMPILES", counter)
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     warmups = iter([[], ["lora_shrink_kernel", "lora_expand_kernel"]])   # engine 2: new slot-count variants
-    monkeypatch.setattr(warmup_module, "kernel_variants", lambda engine: [
-        warmup_module.KernelVariant("test", "compiles", lambda names=next(warmups): [counter.record(n) for n in names])])
+    monkeypatch.setattr(warmup_module, "kernel_variants", lambda engine: [warmup_module.KernelVariant(
+        "test", "compiles", lambda names=next(warmups): [counter.record(n) for n in names])])
     run = lora_overhead.run
     stalls = iter(["bgmv_shrink_kernel", "lora_expand_kernel"])
     engines: list[object] = []
