@@ -36,6 +36,12 @@ SPLIT_OPTIONS = (1, 2, 4, 8, 16)
 BLOCK_M = 16
 
 
+def aligned_rows(num_rows: int) -> int:
+    """`num_rows` int32 entries rounded up to a multiple of 16 bytes: the offset of the next field of a packed
+    metadata buffer, so every field's pointer has the same alignment whatever the batch size."""
+    return -(-num_rows // 4) * 4
+
+
 def decode_groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows sorted by slot with base rows last, groups [3, B]: slot, first position in the order, rows) of a
     decode batch's per-row slots; groups past the distinct slots have slot -1 and 0 rows."""
@@ -65,13 +71,19 @@ class DecodeLoRAMeta:
 
     @classmethod
     def build(cls, token_slots: Any, device: torch.device | str = "cpu") -> "DecodeLoRAMeta":
-        """The metadata of host per-row slots (one host-to-device copy; outside graphs: tests, warm-up)."""
+        """The metadata of host per-row slots (one host-to-device copy; outside graphs: tests, warm-up). The fields
+        start on 16-byte boundaries as in the graphs' persistent buffers (`graph_meta.GraphLoRABuffers`): Triton
+        specializes pointers on that alignment, so the warm-up's launches on this metadata are the variants the
+        graphs replay (and the ones its self-check compares)."""
         slots = np.asarray(torch.as_tensor(token_slots).cpu(), dtype=np.int64)
         order, groups = decode_groups(slots)
-        packed = torch.from_numpy(np.concatenate([slots, order, groups.ravel()]).astype(np.int32)).to(device)
         b = len(slots)
-        return cls(num_tokens=b, row_slots=packed[:b], row_order=packed[b:2 * b],
-                   groups=packed[2 * b:].view(3, b))                           # [3, B]
+        bp = aligned_rows(b)
+        packed = np.zeros(2 * bp + 3 * b, dtype=np.int32)                      # slots | order | groups, aligned
+        packed[:b], packed[bp:bp + b], packed[2 * bp:] = slots, order, groups.ravel()
+        dev = torch.from_numpy(packed).to(device)
+        return cls(num_tokens=b, row_slots=dev[:b], row_order=dev[bp:bp + b],
+                   groups=dev[2 * bp:].view(3, b))                             # [3, B]
 
     @property
     def has_lora(self) -> bool:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adapters.lora_ops.bgmv import DecodeLoRAMeta, decode_groups
+from adapters.lora_ops.bgmv import DecodeLoRAMeta, aligned_rows, decode_groups
 
-NUM_FIELDS = 5          # row slots | row order | group slots | group starts | group rows, each max_batch_size long
+NUM_FIELDS = 5          # row slots | row order | group slots | group starts | group rows, each `stride` long
 
 
 class GraphLoRABuffers:
@@ -25,8 +25,9 @@ class GraphLoRABuffers:
         self.max_batch_size = max_batch_size
         self.num_slots = num_slots
         self.device = torch.device(device)
-        b = max_batch_size
-        self.dev = torch.full((NUM_FIELDS * b,), -1, dtype=torch.int32, device=self.device)   # [5 * b] fields
+        # each field starts 16-byte aligned, as `DecodeLoRAMeta.build`'s (the warm-up's): the same kernel variants
+        self.stride = b = aligned_rows(max_batch_size)
+        self.dev = torch.full((NUM_FIELDS * b,), -1, dtype=torch.int32, device=self.device)   # [5 * stride] fields
         # two pinned staging buffers used in turn (async scheduling fills step t+1 while step t's copy may
         # still be queued)
         self.staging = [torch.zeros(NUM_FIELDS * b, dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -36,7 +37,7 @@ class GraphLoRABuffers:
         self._metas: dict[int, DecodeLoRAMeta] = {}
 
     def _views(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b = self.max_batch_size
+        b = self.stride
         groups = self.dev[2 * b:].view(3, b)[:, :batch_size]                              # [3, batch_size]
         return self.dev[:batch_size], self.dev[b:b + batch_size], groups
 
@@ -62,7 +63,7 @@ class GraphLoRABuffers:
         if self.copied[turn] is not None:
             self.copied[turn].synchronize()   # its last copy is done
         h = staging.numpy()
-        b = self.max_batch_size
+        b = self.stride
         order, groups = decode_groups(slots)
         h[:batch_size] = slots
         h[b:b + batch_size] = order

@@ -92,3 +92,31 @@ def test_bgmv_config_is_fixed_per_stack() -> None:
     assert partials <= PARTIALS_BUDGET * 64 * (4096 + 64) * 4
     forced = bgmv_config(big, 64, k_split_cols=512)
     assert forced.num_k_splits == 8 and forced.k_per_split == 512
+
+
+def test_built_metadata_launches_the_graph_buffers_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up warm-up (and its self-check) launches BGMV on `DecodeLoRAMeta.build` metadata of 3 rows; the
+    CUDA graphs replay it on views of `GraphLoRABuffers`. Packed back to back, the built fields of 3 rows started at
+    12 and 24 bytes while the graph buffers' started aligned: other pointer specializations, so the warm-up compiled
+    and self-checked variants serving never runs. Both layouts start every field 16-byte aligned: one launch key
+    per kernel for any batch size and either metadata."""
+    from kernel_recorder import KernelRecorder
+
+    num_slots, r_max, in_f, outs, ranks = CASES[0]
+    stack = nan_stack(num_slots, r_max, in_f, outs, ranks)
+    rec = KernelRecorder.install(monkeypatch)
+    bufs = GraphLoRABuffers(13, num_slots, DEVICE)
+    slots = np.array([2, -1, 0, 2, 3, 1, 0, 1, 3, 2, -1, 0, 1])
+    keys = {}
+    for source in ("built", "graph"):
+        rec.reset()
+        for size in (1, 3, 6, 13):
+            meta = DecodeLoRAMeta.build(slots[:size], DEVICE) if source == "built" else bufs.meta(size)
+            if source == "graph":
+                bufs.fill(slots[:size], size)
+            x = torch.randn(size, in_f).to(DEVICE)
+            y = torch.zeros(size, sum(outs)).to(DEVICE)
+            triton_bgmv_add_lora(y, x, stack, meta)
+        keys[source] = rec.keys
+        assert sorted(name for name, _ in rec.keys) == ["bgmv_expand_kernel", "bgmv_shrink_kernel"], rec.keys
+    assert keys["built"] == keys["graph"]
