@@ -111,7 +111,7 @@ class Recorder:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv: Any, meta: Any) -> torch.Tensor:
         km = meta.kernel_meta
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if km.q_starts.is_cuda and torch.cuda.is_current_stream_capturing():
             q = km.q_per_seq                 # a device read would end the capture (graph metadata: q_starts = i * q)
         else:
             q = int(km.q_starts[1] - km.q_starts[0]) if len(km.q_starts) > 1 else (1 if km.block_q == 1 else
