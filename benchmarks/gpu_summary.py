@@ -145,7 +145,8 @@ def build(run: Run, table: Table) -> None:
     kernels = run.data("kernels") or {}
     for i, name in enumerate([r["name"] for r in kernels.get("rows", [])] or kernel_names(run.dry)):
         add("kernels", name, "kernels", lambda d, i=i: (
-            f"{1e3 * d['rows'][i]['ms']:.1f} us = {d['rows'][i]['over_floor']:.2f}x floor, rel err "
+            f"{1e3 * d['rows'][i]['ms']:.1f} us = {d['rows'][i]['over_floor']:.2f}x floor"
+            f"{' (graph)' if d['rows'][i].get('graph_ms') is not None else ''}, rel err "
             f"{d['rows'][i]['rel_err']:.1e}", d["rows"][i]["rel_err"] <= 2e-2), "correct; near its floor",
             lambda d, i=i: f"{1e3 * d['rows'][i]['floor_ms']:.1f} us ({d['rows'][i]['bound']})")
     quant = run.data("quant") or {}
