@@ -288,6 +288,8 @@ def serving_rows(run: Run, table: Table) -> None:
         f"{d['phases'][1]['peak_host_adapters']:.0f} <= {d['args']['max_cpu_loras']}, "
         f"+{d['rss_growth_bytes'] / 2**20:.0f} MiB (bound {d['host_bytes_bound'] / 2**20:.0f} MiB)",
         d["meets"]["host_adapters"]), "<= --max-cpu-loras")
+    add("adapters", "many adapters: failed requests (all phases)", "many", lambda d: (
+        str(sum(p["num_errors"] for p in d["phases"])), all(p["num_errors"] == 0 for p in d["phases"])), "0")
 
 
 def header(run: Run) -> list[str]:
