@@ -6,6 +6,8 @@ turn it into `{"error": {"message", "type", "param", "code"}}` without guessing.
 
 from __future__ import annotations
 
+import re
+
 
 class AdapterError(Exception):
     """An adapter that cannot be loaded or served (bad files, bad config, wrong base)."""
@@ -23,6 +25,19 @@ class AdapterError(Exception):
         """A new exception with the same message, code and status: a remembered error raised again for many
         requests must not grow one shared traceback (which keeps every raising frame alive)."""
         return AdapterError(self.message, code=self.code, status=self.status)
+
+
+_NOT_SHOWN = re.compile(r"[^\x20-\x7e]|[/\\]")   # all but printable ASCII, and the path separators
+MAX_SHOWN_CHARS = 160
+
+
+def shown(name: str) -> str:
+    """A name read from an adapter's files (a weight's key, a module path) as an error message may show it: the
+    message reaches the tenant who named the adapter, and the file's author chose the name. Printable ASCII
+    without '/' and '\\' (any other character becomes '?': no filesystem path, no control character), at most
+    MAX_SHOWN_CHARS (the head elided: the tail names the layer and module)."""
+    text = _NOT_SHOWN.sub("?", name)
+    return text if len(text) <= MAX_SHOWN_CHARS else "..." + text[-(MAX_SHOWN_CHARS - 3):]
 
 
 class AdapterNotFoundError(AdapterError):

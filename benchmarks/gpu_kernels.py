@@ -59,13 +59,19 @@ class Bench:
         self.bw = read_bandwidth(device, (8 << 20) if dry else None)      # the dry run: the CPU's, small buffers
         self.flops = matmul_flops(device)
         self.l2 = l2_bytes(device)
+        self.last: dict[str, float | None] = {"eager_ms": None, "graph_ms": None}     # of the latest time_ms
 
     def copies(self, nbytes: int) -> int:
         """Input sets to rotate through so that together they overflow L2 four times."""
         return 1 if self.dry or nbytes <= 0 else max(1, min(32, -(-4 * self.l2 // nbytes)))
 
     def time_ms(self, fns: list[Callable[[], Any]]) -> float:
-        """Median ms per call: `do_bench` (CUDA events) on a GPU; in the dry run a host clock over 3 calls."""
+        """Median ms per call. On a GPU the calls are timed two ways (`self.last` keeps both): eagerly with
+        `do_bench` (CUDA events around Python calls: a call shorter than its own host time measures the host), and
+        as one CUDA graph of every call (each input copy once) replayed by `do_bench`, which is the device time
+        alone, as decode steps run in the engine. The graph's time is returned when the calls can be captured (a
+        call that syncs or allocates host memory cannot), else the eager one. In the dry run: a host clock over 3
+        calls."""
         it = itertools.cycle(fns)
         if self.device.type != "cuda":
             times = []
@@ -73,14 +79,42 @@ class Bench:
                 start = time.perf_counter()
                 next(it)()
                 times.append(1e3 * (time.perf_counter() - start))
-            return statistics.median(times)
-        return float(triton.testing.do_bench(lambda: next(it)(), warmup=25, rep=100, return_mode="median"))
+            self.last = {"eager_ms": statistics.median(times), "graph_ms": None}
+            return self.last["eager_ms"]
+        eager = float(triton.testing.do_bench(lambda: next(it)(), warmup=25, rep=100, return_mode="median"))
+        graph = graph_ms(fns)
+        self.last = {"eager_ms": eager, "graph_ms": graph}
+        return graph if graph is not None else eager
 
     def row(self, name: str, ms: float, nbytes: float, flops: float, rel_err: float, formula: str) -> dict[str, Any]:
         floor_ms = 1e3 * max(nbytes / self.bw, flops / self.flops)
-        return {"name": name, "ms": ms, "floor_ms": floor_ms, "bytes": nbytes, "flops": flops,
+        return {"name": name, "ms": ms, **self.last, "floor_ms": floor_ms, "bytes": nbytes, "flops": flops,
                 "bound": "bytes" if nbytes / self.bw >= flops / self.flops else "FLOPs", "over_floor": ms / floor_ms,
                 "rel_err": rel_err, "floor_formula": formula, "dry_run": self.dry}
+
+
+def graph_ms(fns: list[Callable[[], Any]]) -> float | None:
+    """Device ms per call of `fns`, captured once into a CUDA graph (after a warm-up on a side stream, which also
+    compiles any Triton kernel) and replayed; None when a call cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")) / len(fns)
+    except (RuntimeError, torch.AcceleratorError) as exc:        # not capturable: the eager time stands
+        print(f"[gpu_kernels] not timed as a CUDA graph ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -230,8 +264,9 @@ def bitmask_rows(b: Bench, s: dict, batches: list[int]) -> list[dict]:
 
 def fmt(r: dict) -> str:
     where = " (dry run: CPU interpreter, not a GPU figure)" if r["dry_run"] else ""
-    return (f"{1e3 * r['ms']:.1f} us; floor {1e3 * r['floor_ms']:.1f} us ({r['bound']}) -> {r['over_floor']:.2f}x; "
-            f"rel err {r['rel_err']:.1e}{where}")
+    how = f" (graph-replayed; eager {1e3 * r['eager_ms']:.1f} us)" if r.get("graph_ms") is not None else ""
+    return (f"{1e3 * r['ms']:.1f} us{how}; floor {1e3 * r['floor_ms']:.1f} us ({r['bound']}) -> "
+            f"{r['over_floor']:.2f}x; rel err {r['rel_err']:.1e}{where}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,7 +40,7 @@ MAX_STAGE_S = 540              # 9 minutes: a device call allows 10
 @dataclass(frozen=True)
 class Stage:
     name: str
-    estimate_s: int                                   # on an H100 with a cold Triton cache (a guess until measured)
+    estimate_s: int            # seconds, cold Triton cache: measured on an H200 on 2026-11-26 (x1.3, rounded up)
     commands: Callable[[bool], list[list[str]]]      # dry -> the scripts and arguments to run, in order
     what: str
 
@@ -59,16 +59,16 @@ def _dry(dry: bool) -> list[str]:
 
 
 STAGES = (
-    Stage("env", 30, lambda d: [["gpu_env.py", *_dry(d), *_out("env")]],
+    Stage("env", 15, lambda d: [["gpu_env.py", *_dry(d), *_out("env")]],
           "versions (torch, triton, CUDA, driver, GPU, packages), read bandwidth, bf16 matrix rate"),
-    Stage("tests", 240, lambda d: [["gpu_tests.py", *_dry(d), "--timeout-s", "240", *(() if d else ("--workers", "8")),
+    Stage("tests", 100, lambda d: [["gpu_tests.py", *_dry(d), "--timeout-s", "240", *(() if d else ("--workers", "8")),
                                     *_out("tests")]],
           "pytest -m gpu (tests/helpers/gpu_test_files.py) with the installed torch"),
-    Stage("kernels", 150, lambda d: [["gpu_kernels.py", *_dry(d), *_out("kernels")]],
+    Stage("kernels", 30, lambda d: [["gpu_kernels.py", *_dry(d), *_out("kernels")]],
           "Triton kernels at 8B serving shapes vs their bytes/FLOP floors"),
-    Stage("quant", 150, lambda d: [["quant_layers.py", *_dry(d), *_out("quant")]],
+    Stage("quant", 75, lambda d: [["quant_layers.py", *_dry(d), *_out("quant")]],
           "W4A16 / W8A16 / FP8 linears vs bf16 cuBLAS and their packed-weight bytes"),
-    Stage("roofline", 360, lambda d: [
+    Stage("roofline", 60, lambda d: [
         ["decode_roofline.py", *_model(d), "--async-scheduling", "on", *_out("roofline_bf16"),
          *(["--batch-sizes", "1,2", "--num-steps", "3", "--prompt-len", "16", "--bandwidth-mib", "8"] if d
            else ["--batch-sizes", "1,8,64,128,256"])],
@@ -76,14 +76,14 @@ STAGES = (
          *(["--batch-sizes", "1,2", "--num-steps", "2", "--prompt-len", "16", "--bandwidth-mib", "8"] if d
            else ["--batch-sizes", "1,64"])]],
           "decode step vs the bandwidth roofline (bf16, batch 1-256), FP8 decode step (batch 1, 64)"),
-    Stage("lora", 420, lambda d: [["lora_overhead.py", *_model(d), "--phases", "e2e,decode,prefill", *_out("lora"),
+    Stage("lora", 150, lambda d: [["lora_overhead.py", *_model(d), "--phases", "e2e,decode,prefill", *_out("lora"),
                                    *(["--num-requests", "4", "--prompt-len", "16", "--max-tokens", "3",
                                       "--num-adapters", "2", "--decode-steps", "2", "--prefill-prompt-len", "24"] if d
                                      else ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
                                            "--num-adapters", "8,32", "--prefill-prompt-len", "2048"])]],
           "LoRA decode-step / prefill (2048-token prompts) / generate overhead with 8 and 32 adapters vs their "
           "floors, Triton compiles after the warm-up"),
-    Stage("spec", 360, lambda d: [
+    Stage("spec", 100, lambda d: [
         ["spec_verify_cost.py", *_model(d), "--k", "4", *_out("spec_verify"),
          *(["--batch-sizes", "1,2", "--context", "64", "--repeats", "2"] if d else
            ["--batch-sizes", "1,8,32,64", "--context", "1024"])],
@@ -93,12 +93,12 @@ STAGES = (
            ["--batch-sizes", "1,32", "--disable-by-batch-size", "8"])]],
           "a verification step (graph-replayed) vs a decode step (batch 1-64); n-gram speculation at batch 1 and "
           "at batch 32 with disable_by_batch_size"),
-    Stage("offline", 300, lambda d: [["offline_throughput.py", *_model(d), "--async-scheduling", "on", *_out("offline"),
+    Stage("offline", 60, lambda d: [["offline_throughput.py", *_model(d), "--async-scheduling", "on", *_out("offline"),
                                       *(["--num-requests", "4", "--max-prompt", "24", "--max-output", "16",
                                          "--hf-batch-size", "4", "--repeats", "1"] if d else
                                         ["--num-requests", "64", "--hf-batch-size", "64", "--hf-repeats", "1"])]],
           "offline throughput vs HF generate (static batch 64)"),
-    Stage("serving", 540, lambda d: [["serving.py", *_model(d), *_out("serving"),
+    Stage("serving", 300, lambda d: [["serving.py", *_model(d), *_out("serving"),
                                       *(["--rates", "inf,16", "--num-requests", "6", "--prompt-len", "16,40",
                                          "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
                                          "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else

@@ -145,7 +145,8 @@ def build(run: Run, table: Table) -> None:
     kernels = run.data("kernels") or {}
     for i, name in enumerate([r["name"] for r in kernels.get("rows", [])] or kernel_names(run.dry)):
         add("kernels", name, "kernels", lambda d, i=i: (
-            f"{1e3 * d['rows'][i]['ms']:.1f} us = {d['rows'][i]['over_floor']:.2f}x floor, rel err "
+            f"{1e3 * d['rows'][i]['ms']:.1f} us = {d['rows'][i]['over_floor']:.2f}x floor"
+            f"{' (graph)' if d['rows'][i].get('graph_ms') is not None else ''}, rel err "
             f"{d['rows'][i]['rel_err']:.1e}", d["rows"][i]["rel_err"] <= 2e-2), "correct; near its floor",
             lambda d, i=i: f"{1e3 * d['rows'][i]['floor_ms']:.1f} us ({d['rows'][i]['bound']})")
     quant = run.data("quant") or {}
@@ -287,6 +288,8 @@ def serving_rows(run: Run, table: Table) -> None:
         f"{d['phases'][1]['peak_host_adapters']:.0f} <= {d['args']['max_cpu_loras']}, "
         f"+{d['rss_growth_bytes'] / 2**20:.0f} MiB (bound {d['host_bytes_bound'] / 2**20:.0f} MiB)",
         d["meets"]["host_adapters"]), "<= --max-cpu-loras")
+    add("adapters", "many adapters: failed requests (all phases)", "many", lambda d: (
+        str(sum(p["num_errors"] for p in d["phases"])), all(p["num_errors"] == 0 for p in d["phases"])), "0")
 
 
 def header(run: Run) -> list[str]:

@@ -20,6 +20,8 @@ streamed to anyone (if reads stalled the engine, the gap would reach a read's ti
 phase's worst gap within 2x the 32-adapter phase's, i.e. loads overlap compute), and the server's memory: the
 RSS of its processes (psutil) after each phase and the peak of `loraplex:lora_adapters_host` (target: <=
 `--max-cpu-loras`; the RSS growth beside the host bytes of `--max-cpu-loras` adapters and of every adapter read).
+Every request must be served (the figures count only the requests served): failed requests are listed by phase,
+adapter and error in the table and on stderr, and the script exits 1 once the results are written.
 
     python benchmarks/many_adapters.py                    # CPU, demo model (several minutes on 2 cores)
     python benchmarks/many_adapters.py --small            # 100 adapters, fewer requests (about a minute)
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import accumulate
 from statistics import fmean
 from pathlib import Path
@@ -56,6 +58,7 @@ from serving_client import pct, stream_one
 
 DEMO = str(Path(__file__).resolve().parents[1] / "core" / "demo_model")
 RANKS = (8, 16, 24, 32)
+BANK_OFFSETS, BANK_LAYER_SHIFTS = 64, 8      # adapters' A rows start at one of 64 offsets, B's shift per layer
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 MIXES = {"qv": (("q_proj", "v_proj"),),
@@ -91,21 +94,29 @@ def build_adapters(root: Path, model_dir: str, num: int, targets: str = "mix",
     disk and the mean host bytes of one adapter in `dtype`."""
     num_layers, shapes = module_shapes(model_dir)
     gen = torch.Generator().manual_seed(0)
-    bank_rows = max(RANKS) + 64
+    # every slice below fits the bank: A's rows start at an offset < BANK_OFFSETS, B's columns also shifted by
+    # the layer (< BANK_LAYER_SHIFTS); a bank one shift too narrow cut B's columns short for rank 32 from layer 4
+    # on (the GPU run's "lora_B (4096, 31)": deep models only, the demo model has 4 layers)
+    bank_rows = BANK_OFFSETS + BANK_LAYER_SHIFTS + max(RANKS)
     banks = {s: (torch.randn(bank_rows, s[0], generator=gen) / s[0] ** 0.5,
                  torch.randn(s[1], bank_rows, generator=gen) * 0.02) for s in set(shapes.values())}
     mixes = MIXES[targets]
     total = 0
     for i, name in enumerate(adapter_names(num)):
         rank, mix = RANKS[i % len(RANKS)], mixes[(i // len(RANKS)) % len(mixes)]
-        off, scale = (i * 7) % 64, 1.0 + (i % 97) / 97
+        off, scale = (i * 7) % BANK_OFFSETS, 1.0 + (i % 97) / 97
         tensors = {}
         for layer in range(num_layers):
+            shift = off + layer % BANK_LAYER_SHIFTS
             for mod in mix:
                 a_bank, b_bank = banks[shapes[mod]]
                 key = f"base_model.model.model.layers.{layer}.{PARENT[mod]}.{mod}"
-                tensors[f"{key}.lora_A.weight"] = (a_bank[off:off + rank] * scale).to(dtype).contiguous()
-                tensors[f"{key}.lora_B.weight"] = b_bank[:, off + layer % 8:off + layer % 8 + rank].to(dtype).contiguous()
+                a = (a_bank[off:off + rank] * scale).to(dtype).contiguous()               # [rank, in]
+                b = b_bank[:, shift:shift + rank].to(dtype).contiguous()                  # [out, rank]
+                if a.shape != (rank, shapes[mod][0]) or b.shape != (shapes[mod][1], rank):
+                    raise AssertionError(f"{name} {key}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
+                                         f"not rank {rank} of {shapes[mod]}")
+                tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
         out = root / name
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "adapter_model.safetensors"))
@@ -276,6 +287,20 @@ def token_gaps(results: list[dict]) -> list[float]:
     return [b - a for a, b in zip(flat, flat[1:])]
 
 
+def failed_requests(results: list[dict]) -> list[dict[str, Any]]:
+    """The failed requests grouped by (adapter, error), the most frequent first: every request of this benchmark
+    should be served (it measures how fast, not whether), so each failure is a defect of the benchmark or the
+    server, never part of a figure."""
+    counts = Counter((r.get("model"), r["error"]) for r in results if r["error"] is not None)
+    return [{"adapter": model, "error": error, "num_requests": n}
+            for (model, error), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+
+
+def failure_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (phase, adapter, error) of the phases' `failures`."""
+    return [f"{r['phase']}: {f['num_requests']} x {f['adapter']}: {f['error']}" for r in rows for f in r["failures"]]
+
+
 def summarize(name: str, results: list[dict], seconds: float, cold: list[bool], before: dict, after: dict,
               rss: int, samples: dict[str, list[float]]) -> dict[str, Any]:
     ok = [r for r in results if r["error"] is None]
@@ -290,7 +315,8 @@ def summarize(name: str, results: list[dict], seconds: float, cold: list[bool], 
     num_loads = after.get("loraplex:lora_adapter_load_seconds_count", 0.0) - \
         before.get("loraplex:lora_adapter_load_seconds_count", 0.0)
     return {"phase": name, "num_requests": len(results), "num_errors": len(results) - len(ok),
-            "errors": sorted({r["error"] for r in results if r["error"]})[:3], "seconds": seconds,
+            "errors": sorted({r["error"] for r in results if r["error"]})[:3], "failures": failed_requests(results),
+            "seconds": seconds,
             "output_tokens": tokens, "output_tok_s": tokens / seconds, "num_distinct_adapters":
                 len({r["model"] for r in results}) if results and "model" in results[0] else None,
             "num_cold_requests": sum(cold), "device_loads": dev, "device_loads_per_s": dev / seconds,
@@ -395,12 +421,14 @@ def main(argv: list[str] | None = None) -> None:
     host_bound = args.max_cpu_loras * host_bytes
     read_bytes = many["adapter_reads"] * host_bytes
     rss_growth = many["server_rss_bytes"] - base["server_rss_bytes"]
+    num_failed = sum(r["num_errors"] for r in rows)
     data = {"args": {k: v for k, v in vars(args).items()}, "adapters": built, "rss_idle_bytes": rss_idle,
             "phases": rows, "base_tok_s": base_tok_s, "throughput_ratio": ratio,
             "throughput_ratio_again": many_again["output_tok_s"] / base_tok_s, "gap_max_ratio": gap_ratio,
             "host_bytes_bound": host_bound, "rss_growth_bytes": rss_growth, "read_bytes": read_bytes,
             "meets": {"throughput": ratio >= THROUGHPUT_TARGET, "loads_overlap": gap_ratio <= GAP_TARGET,
-                      "host_adapters": many["peak_host_adapters"] <= args.max_cpu_loras},
+                      "host_adapters": many["peak_host_adapters"] <= args.max_cpu_loras,
+                      "no_failed_requests": num_failed == 0},
             "machine": f"{os.cpu_count()} CPU cores; load average {load_before[0]:.2f} before, "
                        f"{load_after[0]:.2f} after (shared machine: compare ratios within one run)"}
     mib = 2 ** 20
@@ -437,8 +465,15 @@ def main(argv: list[str] | None = None) -> None:
               (f"server RSS growth over the {many['phase']} phase (for scale: {args.max_cpu_loras} adapters' host "
                "bytes; the host bytes of every adapter read in the phase)",
                f"+{rss_growth / mib:.0f} MiB ({host_bound / mib:.0f} MiB; {read_bytes / mib:.0f} MiB); idle server "
-               f"{rss_idle / mib:.0f} MiB")]
+               f"{rss_idle / mib:.0f} MiB"),
+              ("failed requests, all phases (target 0: the figures above count only the requests served)",
+               f"{num_failed} {'(met)' if num_failed == 0 else '(MISSED): ' + '; '.join(failure_lines(rows))}")]
     write_results(args.name, data, table)
+    if num_failed:   # loudly: a figure over the requests served hides why the others were not
+        for line in failure_lines(rows):
+            print(f"[many_adapters] FAILED {line}", file=sys.stderr, flush=True)
+        raise SystemExit(f"[many_adapters] {num_failed} requests failed (above); the results were written, "
+                         "but every request must be served")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ for each linear and for the sum over the four: the speedup over bf16 (and the wo
 hold for every shape, gpu_summary.py judges them on it), and the floor:
   floor = max((packed weight bytes + x + y) / read bandwidth, 2 x T x in x out / bf16 matrix rate)
 (the FP8 floor also uses the bf16 rate: Hopper's FP8 rate is about twice it, not measured here).
-Weights that would fit in L2 are rotated among copies. `--dry-run`: tiny shapes in the Triton interpreter on the
+Weights that would fit in L2 are rotated among copies. Times on a GPU are a CUDA graph's replay of the calls (the device
+time, as decode steps run in the engine); the eager time (each call's host time included) is beside it, and stands
+alone where a call cannot be captured (benchmarks/gpu_kernels.py `Bench.time_ms`). `--dry-run`: tiny shapes in the Triton interpreter on the
 CPU (FP8 rows: "needs CUDA").
 Usage: python benchmarks/quant_layers.py [--dry-run] [--name quant_layers]
 """
@@ -103,6 +105,7 @@ def measure(b: Bench, layers: dict[str, tuple[int, int]], tokens: list[int], dty
                 nbytes = weight_nbytes(built[name]) + (x.numel() + t * fan_out) * x.element_size()
                 flops = 2 * t * fan_in * fan_out
                 per_layer[name] = {"ms": b.time_ms([lambda lay=lay, x=x: forward(lay, x) for lay in copies[name]]),
+                                   **b.last,
                                    "floor_ms": 1e3 * max(nbytes / b.bw, flops / b.flops), "bytes": nbytes,
                                    "flops": flops, "shape": [fan_in, fan_out], "plan": plan_name(built[name], x)}
             total_ms = sum(v["ms"] for v in per_layer.values())
@@ -174,6 +177,13 @@ def fp8_parts_text(r: dict) -> str:
             f"kernel == emulation bit for bit: {r['exact']}{where}")
 
 
+def timing_note(v: dict) -> str:
+    """How the time was taken: a CUDA graph's replay (device time; the eager call's time beside it, host included)."""
+    if v.get("graph_ms") is None:
+        return "" if v.get("eager_ms") is None or v["eager_ms"] == v["ms"] else " [eager]"
+    return f"; graph-replayed, eager {1e3 * v['eager_ms']:.1f} us"
+
+
 def fmt_row(r: dict) -> str:
     if r["ms"] is None:
         return r["note"]
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         table.append((f"{r['format']} T={r['tokens']}: the {len(layers)} linears of a layer", fmt_row(r)))
         table += [(f"{r['format']} T={r['tokens']}: {name} {v['shape'][0]}->{v['shape'][1]}",
                    f"{1e3 * v['ms']:.1f} us = {v['speedup_vs_bf16']:.2f}x bf16; floor {1e3 * v['floor_ms']:.1f} us "
-                   f"({v['plan']})")
+                   f"({v['plan']}){timing_note(v)}")
                   for name, v in r.get("layers", {}).items()]
     table += [(f"fp8 parts T={r['tokens']}: the {len(layers)} linears of a layer", fp8_parts_text(r)) for r in parts]
     write_results(args.name, {"rows": rows, "fp8_parts": parts, "layers": layers, "dry_run": dry, "wrong": bad,

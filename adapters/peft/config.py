@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 from adapters.layers.dims import PEFT_TARGET_NAMES
 from adapters.errors import (
-    CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError,
+    CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, shown,
 )
 
 # MoE targets: Mixtral's per-expert w1/w2/w3 and the router gate (target_parameters: adapters/peft/expert_keys.py)
@@ -82,7 +82,7 @@ def _check_target_modules(targets: Any) -> None:
     bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES})
     if bad:
         raise _invalid(
-            f"unsupported target modules {bad}; supported: {list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)}",
+            f"unsupported target modules [{shown(', '.join(bad))}]; supported: {list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)}",
             CODE_UNSUPPORTED_TARGET)
 
 
@@ -92,18 +92,18 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid("adapter_config.json must hold a JSON object")
     peft_type = str(raw.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise _invalid(f"only LoRA adapters are supported, got peft_type={peft_type}",
+        raise _invalid(f"only LoRA adapters are supported, got peft_type={shown(peft_type)}",
                        CODE_UNSUPPORTED_FEATURE)
     for name, reason in _MUST_BE_FALSY:
         if raw.get(name):
             raise _invalid(reason, CODE_UNSUPPORTED_FEATURE)
     bias = raw.get("bias", "none")
     if bias not in (None, "none"):
-        raise _invalid(f"bias={bias!r} is not supported (only 'none')", CODE_UNSUPPORTED_FEATURE)
+        raise _invalid(f"bias={shown(str(bias))!r} is not supported (only 'none')", CODE_UNSUPPORTED_FEATURE)
     init = raw.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
         raise _invalid(
-            f"init_lora_weights={init!r} adapters need a modified base model; convert the "
+            f"init_lora_weights={shown(init)!r} adapters need a modified base model; convert the "
             "adapter to plain LoRA before serving", CODE_UNSUPPORTED_FEATURE)
     _check_target_modules(raw.get("target_modules"))
     try:
@@ -112,14 +112,14 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         rank_pattern = {str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()}
         alpha_pattern = {str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()}
     except (TypeError, ValueError, AttributeError) as exc:
-        raise _invalid(f"bad r / lora_alpha / rank_pattern / alpha_pattern: {exc}") from exc
+        raise _invalid(f"bad r / lora_alpha / rank_pattern / alpha_pattern: {shown(str(exc))}") from exc
     if r <= 0 or any(v <= 0 for v in rank_pattern.values()):
         raise _invalid("LoRA rank must be positive")
     for pattern in list(rank_pattern) + list(alpha_pattern):
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise _invalid(f"bad rank/alpha pattern {pattern!r}: {exc}") from exc
+            raise _invalid(f"bad rank/alpha pattern {shown(pattern)!r}: {exc}") from exc
     return PeftLoRAConfig(
         r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,

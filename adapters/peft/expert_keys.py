@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from adapters.adapter import LoRAModule
-from adapters.errors import CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, CODE_UNSUPPORTED_TARGET, \
+from adapters.errors import CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, CODE_UNSUPPORTED_TARGET, shown, \
     AdapterError
 from adapters.layers.dims import BaseModelDims
 from adapters.peft.config import PeftLoRAConfig
@@ -94,7 +94,7 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
     pairs: dict[tuple[int, str, int | None], dict[str, Any]] = {}
     for key, tensor in state.items():
         if not tensor.is_floating_point() or tensor.dim() != 2:
-            raise _invalid(f"{key} must be a 2-D floating point tensor", CODE_CORRUPT)
+            raise _invalid(f"{shown(key)} must be a 2-D floating point tensor", CODE_CORRUPT)
         m = _PER_EXPERT.match(key)
         router = _ROUTER_KEY.match(key)
         if m is not None:
@@ -107,13 +107,13 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
             pkey = (int(m["layer"]), m["depth"], None)       # the wrapper; which tensor: its shapes (below)
         entry = pairs.setdefault(pkey, {"key": _module_key(m["module"])})
         if m["ab"] in entry:
-            raise _invalid(f"duplicate LoRA {m['ab']} weight for {entry['key']}", CODE_CORRUPT)
+            raise _invalid(f"duplicate LoRA {m['ab']} weight for {shown(entry['key'])}", CODE_CORRUPT)
         entry[m["ab"]] = tensor
         if pkey[0] >= dims.num_layers or not dims.is_sparse_layer(pkey[0]):
-            raise _invalid(f"{entry['key']}: the base model has no such MoE layer; wrong base model?",
+            raise _invalid(f"{shown(entry['key'])}: the base model has no such MoE layer; wrong base model?",
                            CODE_SHAPE_MISMATCH)
         if pkey[2] is not None and not ROUTER <= pkey[2] < dims.num_experts:
-            raise _invalid(f"{entry['key']}: expert {pkey[2]} does not exist (the base has {dims.num_experts})",
+            raise _invalid(f"{shown(entry['key'])}: expert {pkey[2]} does not exist (the base has {dims.num_experts})",
                            CODE_SHAPE_MISMATCH)
     return pairs
 
@@ -129,24 +129,24 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
     for (layer, proj, expert), entry in sorted(_pairs(state, dims).items(), key=lambda kv: str(kv[0])):
         mkey = entry["key"]
         if "A" not in entry or "B" not in entry:
-            raise _invalid(f"{mkey} has lora_A without lora_B or the reverse", CODE_CORRUPT)
+            raise _invalid(f"{shown(mkey)} has lora_A without lora_B or the reverse", CODE_CORRUPT)
         a, b = entry["A"], entry["B"]
         if expert is None:                                            # a ParamWrapper: gate_up_proj or down_proj?
             proj = "gate_up_proj" if int(b.shape[0]) == 2 * inter else "down_proj"
             if proj not in order:
-                raise _invalid(f"{mkey}: LoRA on experts.{proj}, which target_parameters does not name",
+                raise _invalid(f"{shown(mkey)}: LoRA on experts.{proj}, which target_parameters does not name",
                                CODE_UNSUPPORTED_TARGET)
         in_f, out_f = in_out[proj]
         num = 1 if expert is not None else num_experts
         rank = int(a.shape[0]) // num
         if rank == 0 or tuple(a.shape) != (rank * num, in_f) or tuple(b.shape) != (out_f, rank * num):
-            raise _invalid(f"{mkey}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
+            raise _invalid(f"{shown(mkey)}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
                            f"model's experts (expected [{num} r, {in_f}] / [{out_f}, {num} r]); adapter for a "
                            "different base model?", CODE_SHAPE_MISMATCH)
         if rank > max_lora_rank:
-            raise _invalid(f"{mkey} has rank {rank} > max_lora_rank {max_lora_rank}", CODE_RANK_TOO_LARGE)
+            raise _invalid(f"{shown(mkey)} has rank {rank} > max_lora_rank {max_lora_rank}", CODE_RANK_TOO_LARGE)
         if cfg.rank_for(mkey) != rank:
-            raise _invalid(f"{mkey}: weights have rank {rank} but the config says {cfg.rank_for(mkey)}",
+            raise _invalid(f"{shown(mkey)}: weights have rank {rank} but the config says {cfg.rank_for(mkey)}",
                            CODE_SHAPE_MISMATCH)
         scaling = cfg.scaling_for(mkey, rank)
         if expert is not None:
@@ -165,7 +165,7 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
 
 def _put(out: dict[ExpertKey, LoRAModule], key: ExpertKey, module: LoRAModule, mkey: str) -> None:
     if key in out:
-        raise _invalid(f"{mkey}: layer {key[0]} expert {key[1]} has LoRA on {key[2]} twice (per expert and on "
+        raise _invalid(f"{shown(mkey)}: layer {key[0]} expert {key[1]} has LoRA on {key[2]} twice (per expert and on "
                        "the fused tensor)", CODE_UNSUPPORTED_TARGET)
     out[key] = module
 

@@ -6,7 +6,8 @@ Errors are `AdapterError(message, code, status)`: 404 when the path / hub id is 
 400 for everything else (bad config, unsupported feature, rank too large, wrong base,
 corrupt weights). Files are opened through `adapters/peft/adapter_files.py`: by path for a folder the operator
 named, beneath its `--lora-dir` without following links for a directory entry (`adapters/registry/folder_files.py`).
-Messages name files, never the folder's path: tenants read them.
+Messages name files, never the folder's path: tenants read them. The weights' keys they name are the file
+author's text: shown through `adapters.errors.shown` (no '/', bounded).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from adapters.peft.adapter_files import AdapterFiles, PathFiles
 from adapters.layers.dims import CHECKPOINT_FUSED, BaseModelDims
 from adapters.errors import (
     CODE_CORRUPT, CODE_INVALID, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH,
-    CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, AdapterNotFoundError,
+    CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, AdapterNotFoundError, shown,
 )
 from adapters.peft.config import PeftLoRAConfig, parse_peft_config
 from adapters.peft.expert_keys import build_expert_modules, check_dense_mlp_targets, split_expert_state
@@ -166,12 +167,12 @@ def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterE
         # Embedding / lm_head weights are [vocab, hidden]: another vocab size means resized.
         resized = tensor.dim() == 2 and int(tensor.shape[0]) != dims.vocab_size
         what = "resized embeddings / added tokens" if resized else "embedding or lm_head weights"
-        return _invalid(f"adapter contains {what} ({key}); only LoRA (and DoRA) on q/k/v/o/gate/up/down, LoRA on "
-                        "embed_tokens and LoRA (and DoRA) on lm_head are supported", CODE_UNSUPPORTED_FEATURE)
+        return _invalid(f"adapter contains {what} ({shown(key)}); only LoRA (and DoRA) on q/k/v/o/gate/up/down, "
+                        "LoRA on embed_tokens and LoRA (and DoRA) on lm_head are supported", CODE_UNSUPPORTED_FEATURE)
     if key.endswith(".bias"):
-        return _invalid(f"adapter has a bias ({key}); only bias='none' is supported",
+        return _invalid(f"adapter has a bias ({shown(key)}); only bias='none' is supported",
                         CODE_UNSUPPORTED_FEATURE)
-    return _invalid(f"unsupported adapter weight {key!r}: only LoRA A/B (and DoRA magnitudes) on "
+    return _invalid(f"unsupported adapter weight {shown(key)!r}: only LoRA A/B (and DoRA magnitudes) on "
                     "q/k/v/o/gate/up/down_proj of decoder layers, embed_tokens and lm_head are supported",
                     CODE_UNSUPPORTED_TARGET)
 
@@ -207,10 +208,10 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
             m = v
         want_dim = 1 if part == "M" else 2
         if not tensor.is_floating_point() or tensor.dim() != want_dim:
-            raise _invalid(f"{key} must be a {want_dim}-D floating point tensor", CODE_CORRUPT)
+            raise _invalid(f"{shown(key)} must be a {want_dim}-D floating point tensor", CODE_CORRUPT)
         entry = pairs.setdefault(entry_key, {"key": _module_key(m["module"])})
         if part in entry:
-            raise _invalid(f"duplicate LoRA {part} weight for {entry['key']}")
+            raise _invalid(f"duplicate LoRA {part} weight for {shown(str(entry['key']))}")
         entry[part] = tensor
     if not pairs:
         raise _invalid("adapter has no LoRA weights for q/k/v/o/gate/up/down_proj",
@@ -224,14 +225,15 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
             continue
         for part, part_module in _split_fused(name, module, dims):
             if (layer, part) in modules:
-                raise _invalid(f"{entry['key']}: layer {layer} has LoRA on both {part} and a fused module holding it")
+                raise _invalid(f"{shown(str(entry['key']))}: layer {layer} has LoRA on both {part} and a fused "
+                               "module holding it")
             modules[(layer, part)] = part_module
     return modules, vocab
 
 
 def _check_vocab_table(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> None:
     if tensor.dim() != 2 or tuple(tensor.shape) != (dims.vocab_size, dims.hidden_size):
-        raise _invalid(f"adapter contains resized embeddings / added tokens ({key}); only the base's vocabulary "
+        raise _invalid(f"adapter contains resized embeddings / added tokens ({shown(key)}); only the base's vocabulary "
                        "is supported", CODE_UNSUPPORTED_FEATURE)
 
 
@@ -244,17 +246,22 @@ def _vocab_shapes(name: str, rank: int, dims: BaseModelDims) -> tuple[tuple[int,
 
 def _module_of(layer: int, name: str, entry: dict[str, object], cfg: PeftLoRAConfig, dims: BaseModelDims,
                max_lora_rank: int) -> LoRAModule:
-    mkey = str(entry["key"])
+    mkey = str(entry["key"])          # the config's rank / alpha patterns match it
+    label = shown(mkey)               # what the messages show of it
     if "A" not in entry or "B" not in entry:
-        raise _invalid(f"{mkey} has lora_A without lora_B or the reverse")
+        raise _invalid(f"{label} has lora_A without lora_B or the reverse")
     a, b, mag = entry["A"], entry["B"], entry.get("M")
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if layer >= dims.num_layers:
-        raise _invalid(f"{mkey}: layer {layer} does not exist in the base model "
+        raise _invalid(f"{label}: layer {layer} does not exist in the base model "
                        f"({dims.num_layers} layers); wrong base model?", CODE_SHAPE_MISMATCH)
     rank = int(a.shape[0])
+    if b.dim() == 2 and int(b.shape[1]) != rank:   # A [r, in], B [out, r] in every layout (the embedding's too)
+        raise _invalid(f"{label}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit each other: "
+                       f"lora_A has rank {rank}, lora_B rank {int(b.shape[1])} (malformed adapter weights)",
+                       CODE_SHAPE_MISMATCH)
     if rank > max_lora_rank:
-        raise _invalid(f"{mkey} has rank {rank} > max_lora_rank {max_lora_rank}", CODE_RANK_TOO_LARGE)
+        raise _invalid(f"{label} has rank {rank} > max_lora_rank {max_lora_rank}", CODE_RANK_TOO_LARGE)
     if layer < 0:
         want_a, want_b = _vocab_shapes(name, rank, dims)
     else:
@@ -262,25 +269,25 @@ def _module_of(layer: int, name: str, entry: dict[str, object], cfg: PeftLoRACon
         want_a, want_b = (rank, in_f), (out_f, rank)
     if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
         raise _invalid(
-            f"{mkey}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base model (expected "
+            f"{label}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base model (expected "
             f"{list(want_a)} / {list(want_b)}); adapter for a different base model?", CODE_SHAPE_MISMATCH)
     if cfg.rank_for(mkey) != rank:
-        raise _invalid(f"{mkey}: weights have rank {rank} but the config says "
+        raise _invalid(f"{label}: weights have rank {rank} but the config says "
                        f"{cfg.rank_for(mkey)}", CODE_SHAPE_MISMATCH)
     if mag is not None:
         assert isinstance(mag, torch.Tensor)
         if name == "embed_tokens":
             raise _invalid("DoRA on the embeddings (embed_tokens) is not supported", CODE_UNSUPPORTED_FEATURE)
         if not cfg.use_dora:
-            raise _invalid(f"{mkey} has a DoRA magnitude vector but the config has no use_dora")
+            raise _invalid(f"{label} has a DoRA magnitude vector but the config has no use_dora")
         if tuple(mag.shape) != (want_b[0],):
-            raise _invalid(f"{mkey}: lora_magnitude_vector {tuple(mag.shape)} does not fit the base model "
+            raise _invalid(f"{label}: lora_magnitude_vector {tuple(mag.shape)} does not fit the base model "
                            f"(expected [{want_b[0]}])", CODE_SHAPE_MISMATCH)
         mag = mag.float().contiguous()
         if not bool(torch.isfinite(mag).all()):
-            raise _invalid(f"{mkey}: lora_magnitude_vector has non-finite values", CODE_CORRUPT)
+            raise _invalid(f"{label}: lora_magnitude_vector has non-finite values", CODE_CORRUPT)
     elif cfg.use_dora and name != "embed_tokens":
-        raise _invalid(f"{mkey}: use_dora is set but the module has no lora_magnitude_vector", CODE_CORRUPT)
+        raise _invalid(f"{label}: use_dora is set but the module has no lora_magnitude_vector", CODE_CORRUPT)
     return LoRAModule(lora_a=a.contiguous(), lora_b=b.contiguous(), scaling=cfg.scaling_for(mkey, rank),
                       magnitude=mag)
 

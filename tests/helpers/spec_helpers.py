@@ -53,10 +53,32 @@ class OracleDrafts:
             m = req.num_output_tokens
             drafts = list(ref[m:m + k])
             if drafts and self.num_calls % 3 == 1:       # a wrong token in the middle: a partial accept
-                j = len(drafts) // 2
-                drafts[j] = (drafts[j] + 1) % self.vocab_size
+                wrong = self._wrong_token(req, drafts, len(drafts) // 2)
+                if wrong is not None:
+                    drafts[wrong[0]] = wrong[1]
             out.append(drafts)
         return out
+
+    def _wrong_token(self, req: Request, drafts: list[int], j: int) -> tuple[int, int] | None:
+        """(position, token): a token other than the reference at position j or later. Under a grammar, one the
+        grammar allows there: the engine cuts drafts at the first forbidden token, so a forbidden wrong token
+        would never be verified, and whether rejects happen would depend on the device's numerics (which JSON
+        the random model writes); a grammar that forces every position gets no wrong token."""
+        matcher = req.grammar
+        compiled = getattr(matcher, "compiled", None)
+        if matcher is None or not hasattr(matcher, "state") or not hasattr(compiled, "next_state"):
+            return j, (drafts[j] + 1) % self.vocab_size
+        state = matcher.state
+        for i, token in enumerate(drafts):
+            if i >= j:
+                for step in range(1, self.vocab_size):
+                    cand = (token + step) % self.vocab_size
+                    if compiled.next_state(state, cand) is not None:
+                        return i, cand
+            state = compiled.next_state(state, token)
+            if state is None:
+                return None
+        return None
 
 
 def cached_sequences(kv) -> list[tuple[str, list[int]]]:

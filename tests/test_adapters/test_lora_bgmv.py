@@ -34,6 +34,14 @@ CASES = [  # (slots, r_max, in, outs, ranks per slice x slot)
 ]
 
 
+def test_a_forced_k_split_is_exercised_on_this_device() -> None:
+    """The split path of the cases below runs on every device: BLOCK_K is 64 compiled (32 interpreted), so the
+    narrow cases cannot split on a GPU and the 100-column one must."""
+    splits = [bgmv_config(nan_stack(*case[:4], case[4], seed=i), k_split_cols=16).num_k_splits
+              for i, case in enumerate(CASES)]
+    assert max(splits) > 1, splits
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("k_split_cols", [512, 16])
 def test_bgmv_equals_reference(case: int, k_split_cols: int) -> None:
@@ -48,7 +56,9 @@ def test_bgmv_equals_reference(case: int, k_split_cols: int) -> None:
     y0 = torch.randn(size, sum(outs), generator=g).to(DEVICE)
     meta = DecodeLoRAMeta.build(slots, DEVICE)
     cfg = bgmv_config(stack, k_split_cols=k_split_cols)
-    assert (cfg.num_k_splits > 1) == (k_split_cols < in_f)
+    # a forced split is rounded up to whole BLOCK_K tiles (32 columns in the interpreter, 64 compiled)
+    per_split = -(-k_split_cols // cfg.block_k) * cfg.block_k
+    assert (cfg.num_k_splits > 1) == (per_split < in_f)
     out = y0.clone()
     triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
     ref = reference(y0, x, stack, slots)

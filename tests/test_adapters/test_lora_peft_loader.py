@@ -222,3 +222,36 @@ def test_inconsistent_weights(base, good_dir, tmp_path):
     shutil.copytree(good_dir, path2)
     edit_config(path2, r=4)  # weights are rank 8
     expect_error(path2, base[1], code="adapter_shape_mismatch", match="config says 4")
+
+
+def test_lora_a_and_b_of_different_ranks_say_so(base, good_dir, tmp_path):
+    """benchmarks/many_adapters.py once wrote lora_A [32, 4096] beside lora_B [4096, 31] (B's columns cut short):
+    the server refused it, rightly, but blamed the base model; the message names the two ranks."""
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    key = next(k for k in state if "layers.1.self_attn.q_proj.lora_B" in k)
+    state[key] = state[key][:, :-1].contiguous()                      # [32, 7] beside lora_A [8, 32]
+    save_file(state, str(path / "adapter_model.safetensors"))
+    err = expect_error(path, base[1], code="adapter_shape_mismatch", match="layers.1.self_attn.q_proj")
+    assert "lora_A has rank 8, lora_B rank 7" in err.message and "different base model" not in err.message, err
+
+
+def test_weight_keys_in_messages_show_no_path_and_stay_bounded(base, good_dir, tmp_path):
+    """A message names a module by its weights' key: the file author's text, which reaches the tenant who asked
+    for the adapter. A key carrying a path (or a megabyte of text) shows no '/' and at most 160 characters."""
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    prefix = "/srv/loras/globex/secret-adapter." + "x" * 5000 + "."
+    state = {(prefix + k if "layers.0.self_attn.q_proj" in k else k): v for k, v in state.items()}
+    key = next(k for k in state if k.startswith(prefix) and "lora_A" in k)
+    state[key] = torch.zeros(8, 31)                                   # lora_A [8, 31]: not the base's hidden 32
+    save_file(state, str(path / "adapter_model.safetensors"))
+    err = expect_error(path, base[1], code="adapter_shape_mismatch", match="layers.0.self_attn.q_proj")
+    assert "/" not in err.message.split(":")[0] and "srv" not in err.message and len(err.message) < 400, err
+    state[prefix + "layers.0.self_attn.rotary.lora_A.weight"] = torch.zeros(8, 32)   # an unsupported weight
+    save_file(state, str(path / "adapter_model.safetensors"))
+    err = expect_error(path, base[1], code="unsupported_target_modules")
+    assert "srv/loras" not in err.message and "globex/" not in err.message and len(err.message) < 400, err
+    edit_config(path, peft_type="/srv/loras/globex/IA3")
+    err = expect_error(path, base[1], code="unsupported_adapter_feature")
+    assert "srv/loras" not in err.message.lower(), err

@@ -16,7 +16,9 @@ from transformers import AutoConfig
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from many_adapters import DEMO, MIXES, RANKS, adapter_names, build_adapters, lru_cold, zipf_choices  # noqa: E402
+from many_adapters import (  # noqa: E402
+    DEMO, MIXES, RANKS, adapter_names, build_adapters, failed_requests, failure_lines, lru_cold, zipf_choices,
+)
 
 from adapters.layers.dims import BaseModelDims  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
@@ -41,6 +43,36 @@ def test_builder_writes_valid_adapters_of_every_rank_and_mix(tmp_path: Path) -> 
     assert len(seen_a) == 16                                  # every adapter's weights differ
     assert abs(built["disk_bytes"] - sum((tmp_path / n / "adapter_model.safetensors").stat().st_size
                                          for n in adapter_names(16))) == 0
+
+
+def test_builder_writes_valid_adapters_for_a_deep_model(tmp_path: Path) -> None:
+    """The GPU run (Llama-3-8B shape, 32 layers) failed every request to a0027: its layers 4-7 had lora_B
+    (4096, 31..28) beside lora_A (32, 4096), B's columns cut short by a bank one layer shift too narrow. Only
+    models of more than 4 layers show it (the demo model has 4): every adapter of a 64-adapter cycle of offsets,
+    on an 8-layer model, must load."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "max_position_embeddings": 64}))
+    dims = BaseModelDims.from_hf_config(AutoConfig.from_pretrained(model))
+    build_adapters(tmp_path / "loras", str(model), 64, "qv", torch.bfloat16)
+    for i, name in enumerate(adapter_names(64)):
+        ad = load_peft_adapter(str(tmp_path / "loras" / name), dims, max(RANKS))
+        assert len(ad.modules) == 2 * 8 and all(m.rank == RANKS[i % len(RANKS)] for m in ad.modules.values())
+
+
+def test_failed_requests_are_grouped_by_adapter_and_error() -> None:
+    bad = "HTTP 400: lora_B does not fit"
+    results = [{"model": "a1", "error": None}, {"model": "a27", "error": bad}, {"model": "a3", "error": "in-band"},
+               {"model": "a27", "error": bad}]
+    failures = failed_requests(results)
+    assert failures == [{"adapter": "a27", "error": bad, "num_requests": 2},
+                        {"adapter": "a3", "error": "in-band", "num_requests": 1}]
+    assert failure_lines([{"phase": "32 adapters", "failures": failures}]) == [
+        f"32 adapters: 2 x a27: {bad}", "32 adapters: 1 x a3: in-band"]
+    assert failed_requests([{"model": "a1", "error": None}]) == []
 
 
 def test_zipf_draws_follow_one_over_rank() -> None:

@@ -111,8 +111,12 @@ class Recorder:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv: Any, meta: Any) -> torch.Tensor:
         km = meta.kernel_meta
-        q = int(km.q_starts[1] - km.q_starts[0]) if len(km.q_starts) > 1 else (1 if km.block_q == 1 else
-                                                                                 self.runner.verify_len)
+        if km.q_starts.is_cuda and torch.cuda.is_current_stream_capturing():
+            q = km.q_per_seq                 # a device read would end the capture (graph metadata: q_starts = i * q)
+        else:
+            q = int(km.q_starts[1] - km.q_starts[0]) if len(km.q_starts) > 1 else (1 if km.block_q == 1 else
+                                                                                     self.runner.verify_len)
+            assert len(km.q_starts) == 1 or q == km.q_per_seq
         size = len(km.q_starts)
         lora = self.runner.lora_context.meta
         sig = tuple((t.data_ptr(), tuple(t.shape)) for t in (

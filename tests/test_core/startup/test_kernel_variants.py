@@ -17,6 +17,7 @@ import torch
 
 from adapters.lora_ops.metadata import LoRABatchMeta
 from core.attention.triton_backend import TritonAttentionBackend
+from core.environment.backends import interpreting
 from core.execution.packing import aligned_offsets, pack_aligned
 from core.execution.runner import HostBatch, to_device
 from kernel_device import kernel_device
@@ -83,7 +84,7 @@ def test_step_inputs_and_attention_metadata_are_aligned(seed: int) -> None:
     q_lens = [1] * n_dec + host.num_new[n_dec:].tolist()
     assert km.q_lens.tolist() == q_lens and km.seq_lens.tolist() == host.context_lens.tolist()
     # two tile shapes only: one query per program for decode-only steps, a full tile otherwise
-    full = backend.config(True, True)["block_m"] // 4
+    full = backend.config(True, interpreting())["block_m"] // 4      # the prefill tile of the device it runs on
     assert km.block_q == (1 if max(q_lens) == 1 else full)
     assert km.work.shape[1] == km.num_items and int(km.work[0].max()) < len(q_lens)
 
