@@ -3,8 +3,11 @@
 Shapes of the issue's 80M Llama: 12 query heads x 64 (hidden 768), MHA (12 KV heads) and GQA (4), 8 or 32 decode
 sequences of one length each (16-1024 tokens), the engine's block size 16; every candidate's output is checked
 against the padded batch (max abs error). Candidates:
-  padded      the former path: one `index_select` of every row's blocks (B x L x Hkv x D, K and V), padded to the
-              longest row, a mask, one SDPA (core.attention.torch_backend._decode_padded)
+  padded      one `index_select` of every row's blocks (B x L x Hkv x D, K and V), padded to the longest row, a
+              mask, one attention call (core.attention.torch_backend._decode_padded: SDPA in fp32; in bf16/fp16
+              two matmuls around an fp32 softmax, `attend_lowp_decode`)
+  sdpa        the padded batch through torch's SDPA whatever the dtype (what bf16 ran before `attend_lowp_decode`)
+  chunked_sdpa  the product's chunked path with SDPA whatever the dtype (the bf16 product path before)
   chunked     the product's path: chunks of rows whose K + V fit DECODE_CHUNK_BYTES (one row: its own blocks,
               unpadded, no mask; several: a padded batch of those) (TorchAttentionBackend._decode)
   view        in place, no copy: SDPA per row over a strided view of the cache, for rows whose blocks are
@@ -16,7 +19,8 @@ against the padded batch (max abs error). Candidates:
               (the indirect index fused into the reductions); the compile time is reported
 Timing: the best of --repeats calls of each, interleaved; with --threads 1 (default) CPU time of the thread
 (`time.thread_time`), robust to other processes on a shared machine; wall time otherwise.
-Usage: python benchmarks/cpu_decode_attention.py [--threads 1] [--compile] [--name cpu_decode_attention]
+`--dtype bfloat16`: the caches and queries in bf16 (errors against the fp32 padded batch of the same inputs).
+Usage: python benchmarks/cpu_decode_attention.py [--threads 1] [--dtype float32] [--compile] [--name cpu_decode_attention]
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from common import write_results
+from core.attention import torch_backend
 from core.attention.torch_backend import TorchAttentionBackend, _decode_padded
 
 NUM_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 64, 16
@@ -55,8 +60,26 @@ def padded(q, k_cache, v_cache, tables, lens):
     return _decode_padded(q, k_cache, v_cache, tables, lens, SCALE, None, None)
 
 
+def sdpa(q, k_cache, v_cache, tables, lens):
+    num_seqs, num_kv_heads = tables.shape[0], k_cache.shape[2]
+    k = k_cache.index_select(0, tables.reshape(-1)).view(num_seqs, -1, num_kv_heads, HEAD_DIM)   # [B, L, Hkv, D]
+    v = v_cache.index_select(0, tables.reshape(-1)).view(num_seqs, -1, num_kv_heads, HEAD_DIM)   # [B, L, Hkv, D]
+    mask = torch.arange(k.shape[1])[None, :] < lens[:, None]                                      # [B, L]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask[:, None, None, :], scale=SCALE, enable_gqa=True).squeeze(2)
+
+
 def chunked(q, k_cache, v_cache, tables, lens):
     return TorchAttentionBackend._decode(q, k_cache, v_cache, tables, lens, SCALE, None, None)
+
+
+def chunked_sdpa(q, k_cache, v_cache, tables, lens):
+    """The product's chunked path with torch's SDPA in every dtype (bf16 before `attend_lowp_decode`)."""
+    torch_backend.LOWP_DECODE_MATMULS = False
+    try:
+        return chunked(q, k_cache, v_cache, tables, lens)
+    finally:
+        torch_backend.LOWP_DECODE_MATMULS = True
 
 
 def _row_views(k_cache, v_cache, tables, lens):
@@ -133,12 +156,17 @@ def main() -> None:
     ap.add_argument("--seqs", default="8,32")
     ap.add_argument("--contexts", default="16,64,160,400,1024")
     ap.add_argument("--kv-heads", default="12,4")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--name", default="cpu_decode_attention")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    cands: dict[str, Callable[..., torch.Tensor]] = {"padded": padded, "chunked": chunked, "view": view,
+    cands: dict[str, Callable[..., torch.Tensor]] = {"padded": padded, "sdpa": sdpa, "chunked": chunked, "view": view,
                                                      "view_bmm": view_bmm, "online": online}
+    if dtype != torch.float32:        # the exploratory candidates are fp32-only; the product's paths and SDPA
+        cands = {k: cands[k] for k in ("padded", "sdpa", "chunked")}
+        cands["chunked_sdpa"] = chunked_sdpa
     compile_s = None
     if args.compile:
         compiled = torch.compile(gather_free, dynamic=True)
@@ -152,9 +180,10 @@ def main() -> None:
         for num_kv_heads in map(int, args.kv_heads.split(",")):
             for num_seqs in map(int, args.seqs.split(",")):
                 for context in map(int, args.contexts.split(",")):
-                    case = make_case(num_seqs, context, num_kv_heads, seed=context)
-                    ref = padded(*case)
-                    err = {k: float((f(*case) - ref).abs().max()) for k, f in cands.items()}   # also warms up
+                    case32 = make_case(num_seqs, context, num_kv_heads, seed=context)
+                    case = tuple(t.to(dtype) if t.is_floating_point() else t for t in case32)
+                    ref = padded(*case32)
+                    err = {k: float((f(*case).float() - ref).abs().max()) for k, f in cands.items()}   # warms up
                     best = {k: float("inf") for k in cands}
                     for _ in range(args.repeats):   # interleaved: a load spike hits every candidate alike
                         for k, f in cands.items():
@@ -170,7 +199,7 @@ def main() -> None:
                                   f"{best['padded'] * 1e6:.0f} / {line}"))
     if compile_s is not None:
         table.append(("torch.compile time (2 shapes, s)", f"{compile_s:.1f}"))
-    write_results(args.name, {"threads": args.threads, "clock": clock.__name__, "compile_s": compile_s,
+    write_results(args.name, {"threads": args.threads, "dtype": args.dtype, "clock": clock.__name__, "compile_s": compile_s,
                               "rows": rows}, table)
 
 

@@ -36,9 +36,42 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.reshape(-1, num_kv_heads, head_dim)[:context_len]  # [L, Hkv, D]
 
 
+# bf16/fp16 decode on the CPU through `attend_lowp_decode` (False: torch's SDPA, as before; benchmarks flip it to
+# time both in one run)
+LOWP_DECODE_MATMULS = True
+
+
+def _lowp_decode(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `attend` takes `attend_lowp_decode`: one query per head in bf16/fp16 on the CPU, the mask (if any)
+    the same for every head."""
+    return (LOWP_DECODE_MATMULS and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[2] == 1 and (mask is None or mask.dim() < 4 or mask.shape[1] == 1))
+
+
+def attend_lowp_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float) -> torch.Tensor:
+    """One decode query per head in bf16/fp16 on the CPU: two batched matmuls (oneDNN's bf16 GEMMs) around an fp32
+    softmax, HF eager's order (scores rounded to the input dtype, probabilities cast back before P V). torch's CPU
+    SDPA runs 3.5-7x slower in bf16 than in fp32 at decode shapes; this is 4-6x faster than it
+    (benchmarks/cpu_decode_attention.py --dtype bfloat16). q [B, H, 1, D], k/v [B, Hkv, L, D], mask [B, 1, 1, L]."""
+    num_seqs, num_heads, _, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    # the gathered K/V arrive as [B, L, Hkv, D] seen as [B, Hkv, L, D]: one copy into that layout makes each matmul
+    # a plain batched GEMM (2x faster than the strided one, copy included)
+    k, v = k.contiguous(), v.contiguous()                                           # [B, Hkv, L, D]
+    qg = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)    # [B, Hkv, G, D]: head h -> h // G
+    scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale                    # [B, Hkv, G, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)                               # [B, Hkv, G, L]
+    return torch.matmul(probs, v).reshape(num_seqs, num_heads, 1, head_dim)         # [B, H, 1, D]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            softcap: float | None) -> torch.Tensor:
     """q [B, H, n, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, n, L] (True: attend; None: causal)."""
+    if softcap is None and mask is not None and _lowp_decode(q, mask):
+        return attend_lowp_decode(q, k, v, mask, scale)
     if softcap is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -58,6 +91,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     """`attend` where every query sees every key (no mask: SDPA's fast path). q [B, H, n, D], k/v [B, Hkv, L, D]."""
     if softcap is None:
+        if _lowp_decode(q, None):
+            return attend_lowp_decode(q, k, v, None, scale)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     return attend(q, k, v, torch.ones((), dtype=torch.bool, device=q.device), scale, softcap)
 

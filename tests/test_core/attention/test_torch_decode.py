@@ -68,6 +68,35 @@ def test_chunked_decode_equals_the_padded_batch(monkeypatch: pytest.MonkeyPatch,
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 8])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_low_precision_decode_runs_two_matmuls_and_equals_the_definition(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, chunk_rows: int, window: int | None, heads: int,
+        kv_heads: int) -> None:
+    """bf16/fp16 decode on the CPU takes `attend_lowp_decode` (torch's SDPA is 3.5-7x slower in bf16 than in
+    fp32) for unpadded rows and padded chunks alike, and equals the float64 definition on the same rounded inputs
+    to the precision of scores and probabilities rounded to the dtype (HF eager's order)."""
+    lens = [1, 5, 16, 17, 33, 40, 47, 48]
+    q, kc, vc, tables, ctx = (t.to(dtype) if t.is_floating_point() else t
+                              for t in _batch(lens, heads, kv_heads, 16, seed=heads + 7))
+    row_bytes = 2 * tables.shape[1] * kc[0].numel() * kc.element_size()
+    monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", chunk_rows * row_bytes)
+    calls = []
+    real = torch_backend.attend_lowp_decode
+    monkeypatch.setattr(torch_backend, "attend_lowp_decode", lambda *a: calls.append(a[0].shape) or real(*a))
+    scale = 16 ** -0.5
+    got = TorchAttentionBackend._decode(q, kc, vc, tables, ctx, scale, window, None)
+    assert got.dtype == dtype and calls, "the matmul path ran"
+    assert sum(shape[0] for shape in calls) == len(lens), "every row through it"
+    ref = _reference(q, kc, vc, tables, ctx, scale, window, None)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=3e-2)
+    monkeypatch.setattr(torch_backend, "LOWP_DECODE_MATMULS", False)       # SDPA: the same function
+    torch.testing.assert_close(got, TorchAttentionBackend._decode(q, kc, vc, tables, ctx, scale, window, None),
+                               rtol=0, atol=3e-2)
+
+
 def test_forward_runs_each_decode_group_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the backend's forward (KV store, decode groups): the per-sequence chunks read the new tokens' K/V."""
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
