@@ -38,7 +38,7 @@ from core.kv.kv_cache_manager import KVCacheManager   # noqa: E402
 from core.sampling.params import SamplingParams   # noqa: E402
 from core.scheduling.scheduler import Scheduler   # noqa: E402
 
-DEFAULT_COEF = (0.0924, 0.00191, 0.00409, 2.22e-7, 0.0)
+DEFAULT_COEF = (0.0924, 0.00191, 0.00409, 2.22e-7, 0.0, 0.0, 0.0)
 SYSTEM_LEN = 32
 VOCAB = 4096
 
@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="workloads per point (figures pooled)")
     args = ap.parse_args()
     coef = np.array([float(x) for x in args.coef.split(",")])
+    coef = np.pad(coef, (0, max(0, len(DEFAULT_COEF) - len(coef))))     # older 5-term fits: no one-off prefill cost
     budgets = [budget_arg(b) for b in args.budgets_ms.split(",")]
 
     def pooled(rate: float, budget: float | None) -> Result:

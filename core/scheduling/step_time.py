@@ -1,12 +1,17 @@
 """An online model of one engine step's wall time, fitted from the steps the engine runs.
 
     seconds ~= c0 + c1 * prefill tokens + c2 * decode tokens + c3 * attention context + c4 * LoRA tokens
+               + c5 * [the step carries prefill] + c6 * [the step carries prefill and LoRA rows]
 
 - prefill tokens: the query tokens of rows that compute prompt (or recompute) positions;
 - decode tokens: the query tokens of rows that compute their last sampled token (and its drafts, if any);
 - attention context: sum over rows of query tokens x the row's context length after the step (the query-key
   pairs the attention reads: a decode row's KV length, a prefill chunk's n x (done + n));
-- LoRA tokens: the query tokens of rows served through an adapter.
+- LoRA tokens: the query tokens of rows served through an adapter;
+- the two indicators: what a step pays once for carrying any prefill. On a GPU a decode-only step replays a CUDA
+  graph and a step with a prefill chunk runs eagerly (every kernel launched from Python, the LoRA path's
+  segmented kernels and metadata too), a jump that a per-token term cannot express; on the CPU, where every step
+  runs eagerly, they fit near zero. `prefill_overhead` reads them.
 
 The coefficients are a non-negative least-squares fit of the relative error (Lawson-Hanson on the normal
 equations, with column scaling and a small ridge) over the last `window` steps, refitted every `refit_every` steps, so
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NUM_FEATURES = 5        # (1, prefill tokens, decode tokens, attention context, LoRA tokens)
+NUM_FEATURES = 7        # (1, prefill tokens, decode tokens, attention context, LoRA tokens, prefill?, prefill with LoRA?)
 _RIDGE = 1e-6           # relative to the scaled normal matrix's diagonal
 
 
@@ -36,8 +41,10 @@ class StepFeatures:
     num_lora_tokens: int = 0
 
     def vector(self) -> np.ndarray:
+        prefill = 1.0 if self.num_prefill_tokens > 0 else 0.0
         return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_context_tokens,
-                         self.num_lora_tokens], dtype=np.float64)
+                         self.num_lora_tokens, prefill, prefill if self.num_lora_tokens > 0 else 0.0],
+                        dtype=np.float64)
 
     def plus_row(self, num_new: int, context_len: int, decode: bool, lora: bool) -> "StepFeatures":
         """These features with one more row of `num_new` query tokens whose context is `context_len` after it."""
@@ -101,6 +108,12 @@ class StepTimeModel:
     def predict(self, f: StepFeatures) -> float:
         """Predicted seconds of a step with features `f` (0.0 before the model is ready)."""
         return float(f.vector() @ self.coef) if self.ready else 0.0
+
+    def prefill_overhead(self, f: StepFeatures) -> float:
+        """Predicted seconds a step with features `f` pays once because it carries prefill (the indicator terms:
+        on a GPU, leaving the decode graph for an eager step); 0.0 for a step without prefill."""
+        v = f.vector()
+        return float(v[5:] @ self.coef[5:]) if self.ready else 0.0
 
     @property
     def error_ratio(self) -> float:

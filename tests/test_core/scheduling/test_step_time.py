@@ -14,7 +14,7 @@ def random_step(rng: random.Random) -> StepFeatures:
     num_decode = rng.choice([0, rng.randint(1, 32)])
     num_prefill = rng.choice([0, rng.randint(1, 512)]) if num_decode else rng.randint(1, 512)
     context = num_decode * rng.randint(16, 800) + num_prefill * rng.randint(num_prefill, num_prefill + 800)
-    lora = rng.randint(0, num_prefill + num_decode)
+    lora = rng.choice([0, rng.randint(0, num_prefill + num_decode)])
     return StepFeatures(num_prefill, num_decode, context, lora)
 
 
@@ -22,7 +22,8 @@ def random_step(rng: random.Random) -> StepFeatures:
 def test_model_recovers_a_linear_cost_with_noise(seed: int) -> None:
     rng = random.Random(seed)
     truth = np.array([rng.uniform(2e-3, 2e-2), rng.uniform(1e-4, 1e-3), rng.uniform(1e-4, 2e-3),
-                      rng.uniform(0, 1e-7), rng.choice([0.0, rng.uniform(1e-5, 1e-4)])])
+                      rng.uniform(0, 1e-7), rng.choice([0.0, rng.uniform(1e-5, 1e-4)]),
+                      rng.choice([0.0, rng.uniform(2e-3, 2e-2)]), rng.choice([0.0, rng.uniform(2e-3, 2e-2)])])
     model = StepTimeModel(window=256)
     assert not model.ready and model.predict(StepFeatures(10, 1, 100, 0)) == 0.0
     for _ in range(600):
@@ -39,7 +40,7 @@ def test_model_recovers_a_linear_cost_with_noise(seed: int) -> None:
 
 def test_model_follows_a_slower_machine_within_its_window() -> None:
     rng = random.Random(7)
-    fast = np.array([5e-3, 4e-4, 5e-4, 1e-8, 0.0])
+    fast = np.array([5e-3, 4e-4, 5e-4, 1e-8, 0.0, 4e-3, 0.0])
     model = StepTimeModel(window=128)
     for truth in (fast, 3 * fast):
         for _ in range(300):
