@@ -78,7 +78,9 @@ def _fill_lora(model: torch.nn.Module, b_mult: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if "lora_A" in name:      # [r, in]
+            if "lora_embedding_" in name:    # [r, vocab] / [hidden, r]: N(0, 1), as PEFT creates them
+                p.copy_(torch.randn(p.shape, generator=gen))     # (else torch's global generator: test order)
+            elif "lora_A" in name:      # [r, in]
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
             elif "lora_B" in name:    # [out, r]
                 p.copy_(torch.randn(p.shape, generator=gen) * (b_mult / math.sqrt(p.shape[1])))
