@@ -21,6 +21,7 @@ from core.config import SchedulerConfig
 from core.kv.kv_cache_manager import KVCacheManager
 from core.scheduling.fair_share import StepShares, plan_shares
 from core.scheduling.fairness import VirtualTokenCounter
+from core.scheduling import step_budget
 from core.scheduling.step_budget import StepPlan, is_decode, remaining_prefill
 from core.scheduling.step_time import StepFeatures, StepTimeModel
 from core.engine.request import Request, RequestStatus
@@ -167,6 +168,11 @@ class Scheduler:
     def _aged(self, req: Request) -> bool:
         return self.num_steps - req.arrival_step >= self.waiting.max_wait_steps
 
+    def _budget_exempt(self, req: Request) -> bool:
+        """Whether `req` has waited long enough that the auto step-time budget no longer sizes its prefill
+        (core/scheduling/step_budget.py `BUDGET_EXEMPT_STEPS`)."""
+        return self.num_steps - req.arrival_step >= step_budget.BUDGET_EXEMPT_STEPS
+
     def _prefill_key(self, req: Request) -> tuple[int, int, int]:
         """Aged requests first, oldest first; then least remaining prefill (ties: oldest)."""
         if self._aged(req):
@@ -195,7 +201,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, cap)
             assert num_new > 0, "a running request with nothing to compute"
             if not is_decode(req):
-                num_new = plan.prefill_cap(req, num_new, self._aged(req))
+                num_new = plan.prefill_cap(req, num_new, self._budget_exempt(req))
                 if num_new <= 0:
                     continue    # the step's time budget is spent
             if req.num_pending_tokens and not self.kv.can_allocate(req, num_new):
@@ -285,7 +291,7 @@ class Scheduler:
                     req.num_computed_tokens = 0
                     continue
             cap = budget if shares is None else min(budget, shares.tokens_left(req))
-            num_new = plan.prefill_cap(req, min(req.num_tokens - req.num_computed_tokens, cap), self._aged(req))
+            num_new = plan.prefill_cap(req, min(req.num_tokens - req.num_computed_tokens, cap), self._budget_exempt(req))
             if num_new <= 0 or not self.kv.can_allocate(req, num_new):
                 self.kv.free(req)       # give back the matched prefix while it waits
                 req.num_computed_tokens = 0

@@ -13,13 +13,14 @@ them. While the step carries decode rows, its prefill chunks are sized so that t
 
 Under the auto budget, when what a step pays once for carrying any prefill (on a GPU: an eager step instead of a
 decode graph's replay; `StepTimeModel.prefill_overhead`) keeps even the minimum chunk out of the budget, it is not
-charged to the chunk, only what the prefill tokens add (`StepPlan.prefill_cap`). A step with no decode row uses the whole token budget (an idle server's TTFT does not suffer), and a step with
-decode rows always carries at least `MIN_PREFILL_CHUNK` prefill tokens when a prefill waits, so prefills always
-progress (no starvation under a budget the decode rows alone exceed). Under the auto budget, a request that has
-waited the aging bound (`WaitingQueue.max_wait_steps` steps since arrival) prefills at the token budget: past saturation a
-queue of prefills would otherwise trickle in a few dozen tokens per step, every decode batch would stay small,
-and throughput would fall (measured in benchmarks/scheduler_sim.py: 0.83x the unbudgeted server's tokens/s at
-saturation without this rule, 0.93x with it, and no change at 50% or 80% load).
+charged to the chunk, only what the prefill tokens add (`StepPlan.prefill_cap`). A step with no decode row uses the
+whole token budget (an idle server's TTFT does not suffer), and a step with decode rows always carries at least
+`MIN_PREFILL_CHUNK` prefill tokens when a prefill waits, so prefills always progress (no starvation under a budget
+the decode rows alone exceed). Under the auto budget, a request that has waited `BUDGET_EXEMPT_STEPS` steps since
+arrival (64, the aging bound's value; 32 measured in benchmarks/README.md) prefills at the token budget: past
+saturation a queue of prefills would otherwise trickle in a few dozen tokens per step, every decode batch would
+stay small, and throughput would fall (measured in benchmarks/scheduler_sim.py: 0.83x the unbudgeted server's
+tokens/s at saturation without this rule, 0.93x with it, and no change at 50% or 80% load).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from core.scheduling.step_time import StepFeatures, StepTimeModel
 
 AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the predicted decode-only step (margin under 2x for model error)
 MIN_PREFILL_CHUNK = 32      # prefill tokens a step with decode rows may always carry
+BUDGET_EXEMPT_STEPS = 64    # steps since arrival after which the auto budget no longer sizes a request's prefill
 
 
 def remaining_prefill(req: Request) -> int:
