@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.attention import cpu_paged_decode
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 
@@ -104,8 +105,13 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens
-        for start, end, num_blocks in (meta.decode_groups or ([(0, num_decode, meta.decode_block_tables.shape[1])]
-                                                              if num_decode else [])):
+        groups = meta.decode_groups or ([(0, num_decode, meta.decode_block_tables.shape[1])] if num_decode else [])
+        if num_decode and cpu_paged_decode.supported(q, k_cache):   # the CPU's native kernel: every row at once
+            cpu_paged_decode.paged_decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables[:num_decode],
+                                          meta.decode_context_lens[:num_decode], scale, window, softcap,
+                                          out=out[:num_decode])
+            groups = []
+        for start, end, num_blocks in groups:
             tables = meta.decode_block_tables[start:end, :num_blocks]
             out[start:end] = self._decode(q[start:end], k_cache, v_cache, tables, meta.decode_context_lens[start:end],
                                           scale, window, softcap)

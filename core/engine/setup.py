@@ -11,6 +11,7 @@ import torch
 
 from adapters.layers.dims import BaseModelDims
 from adapters.registry.registry import AdapterRegistry
+from core.attention import cpu_paged_decode
 from core.environment.backends import lora_backends
 from core.config import EngineConfig, ModelConfig
 from core.distributed.executor import TPExecutor
@@ -84,6 +85,7 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     device = resolve_device(config.device)
     if device.type == "cpu":
         logger.info("CPU threads: %d", fit_cpu_threads())
+        logger.info("CPU decode attention: %s", cpu_paged_decode.prepare())
     dtype = resolve_dtype(config.dtype, cfg, device)
     check_max_model_len(config.scheduler.max_model_len, cfg)
     # sliding windows bound what each layer attends to, not the context: it is max_position_embeddings

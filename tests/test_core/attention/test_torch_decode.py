@@ -11,7 +11,7 @@ import torch
 from engine_builders import GREEDY, make_engine
 from testlib import hf_greedy, run_staggered
 
-from core.attention import torch_backend
+from core.attention import cpu_paged_decode, torch_backend
 from core.attention.metadata import AttentionMetadata
 from core.attention.torch_backend import TorchAttentionBackend, _decode_padded
 
@@ -98,7 +98,9 @@ def test_low_precision_decode_runs_two_matmuls_and_equals_the_definition(
 
 
 def test_forward_runs_each_decode_group_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the backend's forward (KV store, decode groups): the per-sequence chunks read the new tokens' K/V."""
+    """Through the backend's forward (KV store, decode groups): the per-sequence chunks read the new tokens' K/V.
+    (The native kernel off: tests/test_core/attention/test_cpu_paged_decode.py tests the forward with it.)"""
+    monkeypatch.setattr(cpu_paged_decode, "ENABLED", False)
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
     lens = [3, 9, 30, 64, 65]
     q, kc, vc, tables, ctx = _batch(lens, 4, 2, 16, seed=3)
@@ -117,7 +119,9 @@ def test_forward_runs_each_decode_group_chunked(monkeypatch: pytest.MonkeyPatch)
 
 def test_engine_greedy_matches_hf_with_per_sequence_decode(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
     """Every decode runs one sequence at a time (the engine's tiny contexts would otherwise stay in one padded
-    batch): staggered requests still equal HF `generate` token for token."""
+    batch): staggered requests still equal HF `generate` token for token. (The native kernel off: it would take
+    every decode row.)"""
+    monkeypatch.setattr(cpu_paged_decode, "ENABLED", False)
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
     prompts = [[(7 * i + j) % 400 + 10 for j in range(5 + 9 * i)] for i in range(6)]
     engine = make_engine(tiny_model)

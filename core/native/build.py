@@ -1,0 +1,106 @@
+"""C kernels for the CPU path, built at first use with the system C compiler and cached.
+
+A kernel's source sits beside the Python module that calls it (e.g. core/attention/cpu_paged_decode.c). `load`
+compiles it once into a shared library under ~/.cache/loraplex/native/ (or a fresh temp folder where the home is
+not writable), named by a hash of the source, the flags, the compiler's version and this CPU's instruction-set
+flags (`-march=native`), and opens it with ctypes. The library links the process's OpenMP runtime: torch's own,
+already loaded (the same soname), so the kernels share torch's threads instead of starting a second pool.
+
+No compiler, a failed build or LORAPLEX_NATIVE_KERNELS=0: `load` returns None (the reason is logged once) and
+the caller keeps its torch path. A build takes about 0.5 s; nothing is built on a GPU engine.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from core.environment import variables as env
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120.0
+_lock = threading.Lock()
+_loaded: dict[Path, ctypes.CDLL | None] = {}
+
+
+def compiler() -> str | None:
+    """The C compiler `load` runs: cc, else gcc, else clang, on PATH; None without one."""
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    home = Path.home() / ".cache" / "loraplex" / "native"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="loraplex_native_"))
+
+
+def _build(source: Path, cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join((source.read_text(), " ".join(FLAGS), version, _cpu_flags())).encode())
+    out_dir = _cache_dir()
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(cc).name} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)   # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(source: Path) -> ctypes.CDLL | None:
+    """The shared library built from `source` (a .c file), or None where native kernels are off or cannot be
+    built. Built once per process (and cached across processes); thread-safe."""
+    with _lock:
+        if source in _loaded:
+            return _loaded[source]
+        lib = None
+        if env.NATIVE_KERNELS.get() == "0":
+            reason = "LORAPLEX_NATIVE_KERNELS=0"
+        elif (cc := compiler()) is None:
+            reason = "no C compiler (cc, gcc or clang) on PATH"
+        else:
+            try:   # callers import torch first: its OpenMP runtime is loaded, and the library binds to it
+                lib = ctypes.CDLL(str(_build(source, cc)))
+                reason = ""
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                reason = f"build failed: {exc}"
+        if lib is None:
+            log.warning("CPU kernel %s: %s; the torch path runs instead", source.stem, reason)
+        _loaded[source] = lib
+        return lib
