@@ -29,7 +29,7 @@ class LLM:
                  lora_modules: dict[str, str] | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, max_step_ms: float | None = None,
+                 max_model_len: int | None = None, max_step_ms: float | None = 0.0,
                  enable_prefix_caching: bool = True, max_loras: int = 8,
                  max_cpu_loras: int = 64, max_lora_rank: int = 64, load_format: str = "auto",
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
@@ -39,7 +39,9 @@ class LLM:
         """vLLM's flat keyword arguments, mapped onto the nested `EngineConfig`. `warmup=False` skips the start-up
         kernel warm-up (`LLMEngine.warmup`): the first steps then compile Triton kernels as they meet them.
         `speculative_config`: vLLM's dict (`core/spec/config.py`). `max_step_ms`: the step-time budget while requests
-        decode (None: auto, 0: off; `core/scheduling/step_budget.py`)."""
+        decode (None: auto, 0: off; `core/scheduling/step_budget.py`). Off by default here, unlike the server's auto:
+        `generate` returns when every output is done, so no one waits on a gap between two tokens, and the budget's
+        smaller chunks cost throughput (11% on issue 38's workload; docs/scheduling.md)."""
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,

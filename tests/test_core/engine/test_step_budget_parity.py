@@ -76,3 +76,19 @@ def test_llm_takes_max_step_ms_and_reports_the_step_time_model() -> None:
     assert metrics["loraplex:step_time_predicted_seconds"].value == model.last_predicted_s > 0.0
     assert metrics["loraplex:step_time_prediction_error_ratio"].value == model.error_ratio >= 0.0
     assert "loraplex:step_time_budget_seconds" in metrics
+
+
+def test_offline_llm_runs_without_a_step_budget_unless_asked() -> None:
+    """`LLM.generate` returns when every output is done: the latency budget is off by default there (it cost 11% of
+    the throughput of issue 38's workload), and None asks for the server's auto budget."""
+    from core import LLM
+
+    llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=64, warmup=False)
+    assert llm.engine.config.scheduler.max_step_ms == 0.0
+    llm.generate(["hello there", "a longer prompt about the weather"], GREEDY)
+    assert {m.name: m for m in llm.get_metrics()}["loraplex:step_time_budget_seconds"].value == 0.0
+    llm.shutdown()
+    auto = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=64, warmup=False,
+               max_step_ms=None)
+    assert auto.engine.config.scheduler.max_step_ms is None
+    auto.shutdown()
