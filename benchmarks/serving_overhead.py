@@ -93,13 +93,15 @@ def in_thread(fn, *args):   # noqa: ANN001, ANN201 - a helper for the offline si
 
 
 def start_server(model: Path, threads: int, engine_process: str, port: int,
-                 profile: str | None = None, dtype: str = "float32") -> subprocess.Popen:
+                 profile: str | None = None, dtype: str = "float32", extra_args: tuple[str, ...] = ()
+                 ) -> subprocess.Popen:
     head = [sys.executable, "-m", "gateway"] if profile is None else \
         [sys.executable, str(Path(__file__).with_name("serving_overhead_sampler.py")), profile, "--"]
     cmd = [*head, "serve", "--model", str(model), "--port", str(port), "--device", "cpu",
            "--dtype", dtype, "--no-prefix-caching", "--no-access-log", "--max-queue-len", "0"]
     if engine_process != "default":
         cmd += ["--engine-process", engine_process]
+    cmd += list(extra_args)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     log = open(Path(tempfile.gettempdir()) / f"loraplex_overhead_{port}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
