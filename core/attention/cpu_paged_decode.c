@@ -35,9 +35,10 @@ static inline float bf16_to_f32(uint16_t h) {
     return u.f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even (no NaN inputs here) */
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even (NaN keeps a quiet NaN) */
     union { uint32_t i; float f; } u;
     u.f = f;
+    if ((u.i & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u.i >> 16) | 0x40u);
     return (uint16_t)((u.i + 0x7FFFu + ((u.i >> 16) & 1u)) >> 16);
 }
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from core.environment.backends import kernel_backend
+from core.models import cpu_rotary
 
 try:  # optional: CPU-only installs run the torch path
     import triton
@@ -183,6 +184,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             cos, sin = cos[positions], sin[positions]
         cos = cos.reshape(q.shape[0], 1, q.shape[-1]).to(q.dtype)      # [T, 1, D]
         sin = sin.reshape(q.shape[0], 1, q.shape[-1]).to(q.dtype)      # [T, 1, D]
+        if cpu_rotary.supported(q, k, cos):                            # the CPU's native kernel: the same bits
+            return cpu_rotary.rotary(q, k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

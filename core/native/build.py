@@ -62,9 +62,9 @@ def _cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="loraplex_native_"))
 
 
-def _build(source: Path, cc: str) -> Path:
+def _build(source: Path, cc: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join((source.read_text(), " ".join(FLAGS), version, _cpu_flags())).encode())
+    key = hashlib.sha256("\0".join((source.read_text(), " ".join(flags), version, _cpu_flags())).encode())
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -72,7 +72,7 @@ def _build(source: Path, cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(cc).name} exited {done.returncode}: {done.stderr.strip()[-500:]}")
@@ -83,9 +83,10 @@ def _build(source: Path, cc: str) -> Path:
     return target
 
 
-def load(source: Path) -> ctypes.CDLL | None:
-    """The shared library built from `source` (a .c file), or None where native kernels are off or cannot be
-    built. Built once per process (and cached across processes); thread-safe."""
+def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The shared library built from `source` (a .c file) with FLAGS and `extra_flags` (e.g. -ffp-contract=off
+    where results must round like torch's separate ops), or None where native kernels are off or cannot be built.
+    Built once per process (and cached across processes); thread-safe."""
     with _lock:
         if source in _loaded:
             return _loaded[source]
@@ -96,7 +97,7 @@ def load(source: Path) -> ctypes.CDLL | None:
             reason = "no C compiler (cc, gcc or clang) on PATH"
         else:
             try:   # callers import torch first: its OpenMP runtime is loaded, and the library binds to it
-                lib = ctypes.CDLL(str(_build(source, cc)))
+                lib = ctypes.CDLL(str(_build(source, cc, FLAGS + tuple(extra_flags))))
                 reason = ""
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 reason = f"build failed: {exc}"

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.models import device, fused_ops
+from core.models import cpu_rotary, device, fused_ops
+from core.native import build
 
 
 def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,6 +36,31 @@ def test_silu_and_mul_bit_identical_and_input_untouched(dtype: torch.dtype) -> N
     out = fused_ops.silu_and_mul(x)
     assert torch.equal(out, F.silu(x[:, :48]) * x[:, 48:])
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 12, 12, 64), (40, 6, 2, 128), (300, 4, 4, 80)])
+def test_rotary_bit_identical_through_the_native_kernel(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                         tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """q and k as the views of one qkv projection (strided rows); HF's `x * cos + rotate_half(x) * sin`, bit for bit,
+    through the native kernel where a compiler builds it (300 tokens: its multi-threaded loop) and without it."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)    # [T, H, D], [T, Hkv, D]
+    cos = torch.randn(tokens, 1, head_dim, generator=gen).to(dtype)
+    sin = torch.randn(tokens, 1, head_dim, generator=gen).to(dtype)
+    calls = []
+    real = cpu_rotary.rotary
+    monkeypatch.setattr(cpu_rotary, "rotary", lambda *a: calls.append(1) or real(*a))
+    for native in (True, False):
+        monkeypatch.setattr(cpu_rotary, "ENABLED", native)
+        got_q, got_k = fused_ops.rotary(q, k, cos, sin)
+        assert torch.equal(got_q, q * cos + rotate_half(q) * sin)
+        assert torch.equal(got_k, k * cos + rotate_half(k) * sin)
+    assert len(calls) == (1 if build.compiler() is not None else 0), "the native kernel ran once, where it builds"
 
 
 def test_cpu_threads_capped_at_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
