@@ -12,6 +12,7 @@
  * before P V, as HF eager does with bf16 matmuls (its reference order), and the output is rounded to bf16.
  */
 #include <stdint.h>
+#include "bf16.h"
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
@@ -28,21 +29,6 @@ static inline float exp_nonpos(float x) {
     s.i = ((int32_t)n + 127) << 23;
     return p * s.f;
 }
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t i; float f; } u;
-    u.i = (uint32_t)h << 16;
-    return u.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even (NaN keeps a quiet NaN) */
-    union { uint32_t i; float f; } u;
-    u.f = f;
-    if ((u.i & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u.i >> 16) | 0x40u);
-    return (uint16_t)((u.i + 0x7FFFu + ((u.i >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #define MAX_HEAD_DIM 8192   /* H x D of one sequence: the queries and the accumulator live on the stack */
 

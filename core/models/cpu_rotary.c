@@ -9,24 +9,12 @@
  * Built by core/native/build.py; called by core/models/cpu_rotary.py.
  */
 #include <stdint.h>
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t i; float f; } u;
-    u.i = (uint32_t)h << 16;
-    return u.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even (NaN keeps a quiet NaN) */
-    union { uint32_t i; float f; } u;
-    u.f = f;
-    if ((u.i & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u.i >> 16) | 0x40u);
-    return (uint16_t)((u.i + 0x7FFFu + ((u.i >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 #define ROUND_F32(x) (x)
-#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
+#define ROUND_BF16(x) round_bf16(x)
 
 /* One tensor's heads of one token: x [heads, D] (row stride `head_stride`), c/s [D], out [heads, D] contiguous. */
 #define DEFINE_ROTATE(NAME, T, LOAD, STORE, ROUND)                                                            \

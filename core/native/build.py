@@ -1,6 +1,7 @@
 """C kernels for the CPU path, built at first use with the system C compiler and cached.
 
-A kernel's source sits beside the Python module that calls it (e.g. core/attention/cpu_paged_decode.c). `load`
+A kernel's source sits beside the Python module that calls it (e.g. core/attention/cpu_paged_decode.c); shared
+helpers are headers in this folder (bf16.h), on the include path. `load`
 compiles it once into a shared library under ~/.cache/loraplex/native/ (or a fresh temp folder where the home is
 not writable), named by a hash of the source, the flags, the compiler's version and this CPU's instruction-set
 flags (`-march=native`), and opens it with ctypes. The library links the process's OpenMP runtime: torch's own,
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
+HEADERS = Path(__file__).parent   # the kernels' shared headers (bf16.h), on the include path
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 
@@ -64,7 +66,8 @@ def _cache_dir() -> Path:
 
 def _build(source: Path, cc: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join((source.read_text(), " ".join(flags), version, _cpu_flags())).encode())
+    headers = [h.read_text() for h in sorted(HEADERS.glob("*.h"))]   # what a source may #include
+    key = hashlib.sha256("\0".join((source.read_text(), *headers, " ".join(flags), version, _cpu_flags())).encode())
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -72,7 +75,7 @@ def _build(source: Path, cc: str, flags: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, f"-I{HEADERS}", "-o", tmp, str(source)], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(cc).name} exited {done.returncode}: {done.stderr.strip()[-500:]}")
