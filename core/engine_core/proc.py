@@ -173,6 +173,28 @@ class EngineCore:
                 return
 
 
+class _LoadFailed(Exception):
+    """The engine did not build; the API process was told why (a "failed" event)."""
+
+
+def _build_and_serve(core: EngineCore, engine_cls: type, config: Any, failure: list[BaseException]) -> None:
+    """The engine thread: builds the engine, reports it, then warms it up and serves (`_serve`)."""
+    try:
+        try:
+            engine = engine_cls(config)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            core.event("failed", ("load", exc if _picklable(exc) else RuntimeError(str(exc))))
+            failure.append(_LoadFailed())
+            return
+        core.engine = engine
+        core.event("info", StartupInfo(engine_facts(engine), adapter_entries(engine.registry)))
+        engine.executor.on_failure.append(_exit_on_tp_failure)   # (one rank: never called)
+    except BaseException as exc:   # noqa: BLE001 - re-raised on the main thread
+        failure.append(exc)
+        return
+    _serve(core, failure)
+
+
 def _serve(core: EngineCore, failure: list[BaseException]) -> None:
     try:
         engine = core.engine
@@ -227,21 +249,24 @@ def main(config: Any, input_addr: str, output_addr: str, log_level: str = "warni
         try:
             run_test_hook()   # the test suite's hook (core/engine_core/test_hook.py); refused elsewhere, first
             from core.engine.engine import LLMEngine  # after the test hook: it may patch what the engine's modules bind
-
-            engine = LLMEngine(config)
         except (FileNotFoundError, ValueError, OSError) as exc:
             core.event("failed", ("load", exc if _picklable(exc) else RuntimeError(str(exc))))
             code = 1
             return
-        core.engine = engine
-        core.event("info", StartupInfo(engine_facts(engine), adapter_entries(engine.registry)))
-        engine.executor.on_failure.append(_exit_on_tp_failure)   # (one rank: never called)
-        # the loop runs on a thread of its own, as the in-process engine's does: torch's intra-op pool driven from
-        # the main thread measured up to 30x slower on a loaded 2-core host (benchmarks/serving_overhead.py)
+        # Everything that runs torch (the build, the warm-up, the steps) runs on one thread of its own, so the
+        # engine's OpenMP team is the process's only one. With the build on the main thread and the steps on another,
+        # libgomp counts more pool threads than CPUs and cuts its spin-wait to ~100 iterations: the intra-op workers
+        # then sleep between ops (1.77 of 2 cores busy, 6% fewer tokens/s on issue 38's workload; docs/cpu.md).
+        # The steps stay off the main thread: driven from it, torch's intra-op pool measured up to 30x slower on a
+        # loaded 2-core host (benchmarks/serving_overhead.py).
         failure: list[BaseException] = []
-        loop = threading.Thread(target=_serve, args=(core, failure), name="loraplex-engine")
+        loop = threading.Thread(target=_build_and_serve, args=(core, LLMEngine, config, failure),
+                                name="loraplex-engine")
         loop.start()
         loop.join()
+        if failure and isinstance(failure[0], _LoadFailed):
+            code = 1
+            return
         if failure:
             raise failure[0]
     except BaseException as exc:   # noqa: BLE001 - report, then exit non-zero

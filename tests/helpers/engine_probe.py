@@ -188,3 +188,32 @@ def lowering_forbidden(host: Any) -> bool:
     from grammar.schema.lowering import Lowerer
 
     return Lowerer.lower_root is lowering_refused and RegexBuilder.build is lowering_refused
+
+
+def threads_marker(server_pid: int) -> Path:
+    """The file `record_engine_threads` writes in an engine process started by the server `server_pid`."""
+    return Path(tempfile.gettempdir()) / f"loraplex_engine_threads_{server_pid}"
+
+
+def record_engine_threads() -> None:
+    """Records, once per (what, thread), which thread builds the engine, warms it up and steps it
+    (tests/test_gateway/engine_client/test_engine_thread.py)."""
+    import threading
+
+    from core.engine.engine import LLMEngine
+
+    path, seen = threads_marker(os.getppid()), set()
+
+    def wrap(fn: Any, what: str) -> Any:
+        def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            key = (what, threading.current_thread().name)
+            if key not in seen:
+                seen.add(key)
+                with path.open("a") as f:
+                    f.write(f"{what} {key[1]}\n")
+            return fn(self, *args, **kwargs)
+        return recorded
+
+    LLMEngine.__init__ = wrap(LLMEngine.__init__, "build")   # type: ignore[method-assign]
+    LLMEngine.warmup = wrap(LLMEngine.warmup, "warmup")      # type: ignore[method-assign]
+    LLMEngine.step = wrap(LLMEngine.step, "step")            # type: ignore[method-assign]
