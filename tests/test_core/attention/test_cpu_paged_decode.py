@@ -86,15 +86,17 @@ def test_native_decode_equals_the_definition_and_the_torch_path(window: int | No
 @needs_compiler
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-def test_bf16_native_decode_rounds_like_the_two_matmul_path(window: int | None, heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("head_dim", [64, 80])   # whole 32-wide VDPBF16PS steps (where the CPU has them), or not
+def test_bf16_native_decode_rounds_like_the_two_matmul_path(window: int | None, heads: int, kv_heads: int,
+                                                            head_dim: int) -> None:
     """bf16: scores and probabilities rounded to bf16 as HF eager's bf16 matmuls round them (the torch path's
     `attend_lowp_decode`), so the two agree far closer than bf16 agrees with the definition."""
-    q, kc, vc, tables, ctx = _batch(LENS, heads, kv_heads, 64, seed=11, dtype=torch.bfloat16)
+    q, kc, vc, tables, ctx = _batch(LENS, heads, kv_heads, head_dim, seed=11, dtype=torch.bfloat16)
     got = cpu_paged_decode.paged_decode(q, kc, vc, tables, ctx, 0.125, window, None)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), _reference(q, kc, vc, tables, ctx, 0.125, window, None),
                                rtol=0, atol=3e-2)
-    clean = _batch(LENS, heads, kv_heads, 64, seed=11, dtype=torch.bfloat16, poison=False)
+    clean = _batch(LENS, heads, kv_heads, head_dim, seed=11, dtype=torch.bfloat16, poison=False)
     two_matmuls = _decode_padded(*clean, 0.125, window, None)
     mismatched = (got.float() - two_matmuls.float()).abs() > 1e-2 * two_matmuls.float().abs().clamp(min=1.0)
     assert mismatched.float().mean() < 0.01, "at most an odd element a bf16 rounding step apart"
