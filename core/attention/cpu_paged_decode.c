@@ -2,14 +2,17 @@
  *
  * One query per sequence and head; K/V caches [num_blocks, block_size, Hkv, D] (the last dimension contiguous),
  * the block table of a sequence [max_blocks] int64, its context length (keys, the new one included).
- * Work item: one (sequence, KV head) pair and its G = H / Hkv query heads, so each K and V row is read from memory
- * once for the whole group. Three passes over the sequence's keys: scores (K read once), an exact softmax (max,
- * exp, sum: the same order as torch's), then P V (V read once). Scores live in a per-thread scratch of G x L floats.
+ * Work item: one sequence and all its heads (a slice of its KV heads when there are too few sequences to keep
+ * every thread busy): a token's heads are adjacent in the cache, so K and V stream block by block, and each K and
+ * V row is read from memory once for all the query heads it serves. Three passes over the sequence's keys: scores
+ * (K read once), an exact softmax (max, exp, sum: the same order as torch's), then P V (V read once). Scores live
+ * in a per-thread scratch of H x L floats.
  * OpenMP spreads the items over the threads of the process's OpenMP runtime (torch's own, loaded before this
  * library). Built by core/native/build.py with the system C compiler; core/attention/cpu_paged_decode.py calls it.
  *
- * bf16: loads widen to fp32; the scores are rounded to bf16 before the scale and the probabilities to bf16
- * before P V, as HF eager does with bf16 matmuls (its reference order), and the output is rounded to bf16.
+ * bf16: loads widen to fp32 (q . k through AVX512-BF16 where the CPU has it: the same exact products); the
+ * scores are rounded to bf16 before the scale and the probabilities to bf16 before P V, as HF eager does with bf16
+ * matmuls (its reference order), and the output is rounded to bf16.
  */
 #include <stdint.h>
 #include "bf16.h"

@@ -2,8 +2,8 @@
 (cpu_paged_decode.c, built by core/native/build.py), every decode row of the step at once, whatever its length.
 
 The torch path gathers each chunk's blocks into a contiguous buffer and attends it with SDPA (or two bf16
-matmuls): K and V cross the memory bus, then the caches, twice. The kernel reads each K and V row once per
-(sequence, KV head), for the whole GQA group. Supported: fp32 and bf16 caches, a sliding window, soft-capping,
+matmuls): K and V cross the memory bus, then the caches, twice. The kernel reads each K and V row once, for every
+query head it serves, streaming a sequence's blocks token by token. Supported: fp32 and bf16 caches, a sliding window, soft-capping,
 heads x head_dim <= 8192; anything else (fp16, CUDA, no C compiler) keeps the torch path.
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ from core.distributed.shard import TPShard, check_tp_divisible
 from core.engine.stats import EngineStats
 from core.kv.kv_cache_manager import KVCacheManager
 from core.kv.pool_size import num_kv_blocks
+from core.models import cpu_rotary
 from core.models.device import fit_cpu_threads, rank_device, resolve_device, resolve_dtype
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import check_architecture, resolve_model_path
@@ -86,6 +87,7 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     if device.type == "cpu":
         logger.info("CPU threads: %d", fit_cpu_threads())
         logger.info("CPU decode attention: %s", cpu_paged_decode.prepare())
+        logger.info("CPU rotary: %s", cpu_rotary.prepare())
     dtype = resolve_dtype(config.dtype, cfg, device)
     check_max_model_len(config.scheduler.max_model_len, cfg)
     # sliding windows bound what each layer attends to, not the context: it is max_position_embeddings

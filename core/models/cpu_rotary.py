@@ -5,6 +5,7 @@ concatenation and a sum, for q and for k). fp32 and bf16; anything else keeps th
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,14 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
                 fn.argtypes, fn.restype = _ARGTYPES, None
                 _kernels[dtype] = fn
     return _kernels
+
+
+def prepare() -> str:
+    """Builds (or opens the cached) kernel at engine start-up; what CPU rotary will run, for the start-up log."""
+    start = time.perf_counter()
+    if not ENABLED or not _load():
+        return "the torch ops"
+    return f"the native kernel (ready in {time.perf_counter() - start:.2f} s)"
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:

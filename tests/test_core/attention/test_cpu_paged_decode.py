@@ -243,3 +243,11 @@ def test_a_build_is_cached_by_source_and_reused(monkeypatch: pytest.MonkeyPatch,
     bad.write_text("this is not C\n")
     assert build.load(bad) is None
     assert not list(tmp_path.glob("tmp*.so")), "no half-written library left behind"
+
+
+def test_prepare_names_what_decode_attention_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's start-up log line (core/engine/setup.py) says which path runs, and builds the kernel then."""
+    if build.compiler() is not None:
+        assert cpu_paged_decode.prepare().startswith("the native paged kernel (ready in ")
+    monkeypatch.setattr(cpu_paged_decode, "ENABLED", False)
+    assert cpu_paged_decode.prepare() == "the torch path (gather + SDPA)"
