@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_reference import decode_reference
 from engine_builders import GREEDY, make_engine
 from testlib import hf_greedy, run_staggered
 
@@ -51,22 +52,6 @@ def _batch(lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, se
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap):
-    """float64, one sequence and one head at a time, straight from the definition."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    groups = q.shape[1] // k_cache.shape[2]
-    for i, n in enumerate(lens.tolist()):
-        k = k_cache[tables[i]].reshape(-1, k_cache.shape[2], k_cache.shape[3])[:n].double()   # [L, Hkv, D]
-        v = v_cache[tables[i]].reshape(-1, v_cache.shape[2], v_cache.shape[3])[:n].double()   # [L, Hkv, D]
-        first = 0 if window is None else max(0, n - window)
-        for h in range(q.shape[1]):
-            s = k[first:, h // groups] @ q[i, h].double() * scale
-            if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            out[i, h] = torch.softmax(s, 0) @ v[first:, h // groups]
-    return out
-
-
 @needs_compiler
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 5.0), (7, 3.0)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 64), (8, 1, 128), (4, 2, 80)])
@@ -77,7 +62,7 @@ def test_native_decode_equals_the_definition_and_the_torch_path(window: int | No
     scale = head_dim ** -0.5
     got = cpu_paged_decode.paged_decode(q, kc, vc, tables, ctx, scale, window, softcap)
     assert torch.isfinite(got).all(), "a block outside a table (or a slot past a context) was read"
-    want = _reference(q, kc, vc, tables, ctx, scale, window, softcap)
+    want = decode_reference(q, kc, vc, tables, ctx, scale, window, softcap)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     clean = _batch(LENS, heads, kv_heads, head_dim, seed=heads + head_dim, poison=False)
     torch.testing.assert_close(got, _decode_padded(*clean, scale, window, softcap), rtol=1e-5, atol=2e-6)
@@ -94,7 +79,7 @@ def test_bf16_native_decode_rounds_like_the_two_matmul_path(window: int | None, 
     q, kc, vc, tables, ctx = _batch(LENS, heads, kv_heads, head_dim, seed=11, dtype=torch.bfloat16)
     got = cpu_paged_decode.paged_decode(q, kc, vc, tables, ctx, 0.125, window, None)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), _reference(q, kc, vc, tables, ctx, 0.125, window, None),
+    torch.testing.assert_close(got.double(), decode_reference(q, kc, vc, tables, ctx, 0.125, window, None),
                                rtol=0, atol=3e-2)
     clean = _batch(LENS, heads, kv_heads, head_dim, seed=11, dtype=torch.bfloat16, poison=False)
     two_matmuls = _decode_padded(*clean, 0.125, window, None)
@@ -138,7 +123,7 @@ def test_strided_query_and_output_rows() -> None:
     big_q[:len(LENS)] = q
     out = torch.full((len(LENS) + 7, 4, 32), 7.0)
     cpu_paged_decode.paged_decode(big_q[:len(LENS)], kc, vc, tables, ctx, 0.3, None, None, out=out[:len(LENS)])
-    torch.testing.assert_close(out[:len(LENS)].double(), _reference(q, kc, vc, tables, ctx, 0.3, None, None),
+    torch.testing.assert_close(out[:len(LENS)].double(), decode_reference(q, kc, vc, tables, ctx, 0.3, None, None),
                                rtol=1e-4, atol=1e-5)
     assert (out[len(LENS):] == 7.0).all(), "rows past the decode rows untouched"
 
@@ -167,7 +152,7 @@ def test_forward_makes_one_native_call_for_every_decode_group(monkeypatch: pytes
     got = TorchAttentionBackend().forward(q, k_new, v_new, kc, vc, meta, 0.25)
     assert calls == [len(lens)]
     torch_backend.store_kv(k_new, v_new, ref_kc, ref_vc, torch.tensor(slots))
-    want = _reference(q[:len(lens)], ref_kc, ref_vc, tables, ctx, 0.25, None, None)
+    want = decode_reference(q[:len(lens)], ref_kc, ref_vc, tables, ctx, 0.25, None, None)
     torch.testing.assert_close(got[:len(lens)].double(), want, rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(cpu_paged_decode, "ENABLED", False)
     torch.testing.assert_close(got, TorchAttentionBackend().forward(q, k_new, v_new, kc, vc, meta, 0.25),
@@ -205,7 +190,7 @@ def test_without_a_compiler_the_torch_path_runs(monkeypatch: pytest.MonkeyPatch,
                              decode_block_tables=tables, decode_context_lens=ctx, prefill_query_starts=[],
                              prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[], block_size=BS)
     got = TorchAttentionBackend().forward(q, torch.empty(0, 2, 16), torch.empty(0, 2, 16), kc, vc, meta, 0.25)
-    torch.testing.assert_close(got.double(), _reference(q, kc, vc, tables, ctx, 0.25, None, None),
+    torch.testing.assert_close(got.double(), decode_reference(q, kc, vc, tables, ctx, 0.25, None, None),
                                rtol=1e-4, atol=1e-5)
 
 

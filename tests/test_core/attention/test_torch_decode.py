@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_reference import decode_reference
 from engine_builders import GREEDY, make_engine
 from testlib import hf_greedy, run_staggered
 
@@ -34,22 +35,6 @@ def _batch(lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, se
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap):
-    """float64, one sequence and one head at a time, straight from the definition."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    groups = q.shape[1] // k_cache.shape[2]
-    for i, n in enumerate(lens.tolist()):
-        k = k_cache[tables[i]].reshape(-1, k_cache.shape[2], k_cache.shape[3])[:n].double()   # [L, Hkv, D]
-        v = v_cache[tables[i]].reshape(-1, v_cache.shape[2], v_cache.shape[3])[:n].double()   # [L, Hkv, D]
-        first = 0 if window is None else max(0, n - window)
-        for h in range(q.shape[1]):
-            s = k[first:, h // groups] @ q[i, h].double() * scale
-            if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            out[i, h] = torch.softmax(s, 0) @ v[first:, h // groups]
-    return out
-
-
 @pytest.mark.parametrize("chunk_rows", [1, 3, 8])   # one sequence (unpadded), padded chunks of 3, one batch
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 5.0), (7, 3.0)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
@@ -64,7 +49,7 @@ def test_chunked_decode_equals_the_padded_batch(monkeypatch: pytest.MonkeyPatch,
     got = TorchAttentionBackend._decode(q, kc, vc, tables, ctx, scale, window, softcap)
     padded = _decode_padded(q, kc, vc, tables, ctx, scale, window, softcap)
     torch.testing.assert_close(got, padded, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got.double(), _reference(q, kc, vc, tables, ctx, scale, window, softcap),
+    torch.testing.assert_close(got.double(), decode_reference(q, kc, vc, tables, ctx, scale, window, softcap),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -90,7 +75,7 @@ def test_low_precision_decode_runs_two_matmuls_and_equals_the_definition(
     got = TorchAttentionBackend._decode(q, kc, vc, tables, ctx, scale, window, None)
     assert got.dtype == dtype and calls, "the matmul path ran"
     assert sum(shape[0] for shape in calls) == len(lens), "every row through it"
-    ref = _reference(q, kc, vc, tables, ctx, scale, window, None)
+    ref = decode_reference(q, kc, vc, tables, ctx, scale, window, None)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=3e-2)
     monkeypatch.setattr(torch_backend, "LOWP_DECODE_MATMULS", False)       # SDPA: the same function
     torch.testing.assert_close(got, TorchAttentionBackend._decode(q, kc, vc, tables, ctx, scale, window, None),
@@ -113,7 +98,7 @@ def test_forward_runs_each_decode_group_chunked(monkeypatch: pytest.MonkeyPatch)
     ref_kc, ref_vc = kc.clone(), vc.clone()
     got = TorchAttentionBackend().forward(q, k_new, v_new, kc, vc, meta, 0.25)
     torch_backend.store_kv(k_new, v_new, ref_kc, ref_vc, slots)
-    want = _reference(q, ref_kc, ref_vc, tables, ctx, 0.25, None, None)
+    want = decode_reference(q, ref_kc, ref_vc, tables, ctx, 0.25, None, None)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
