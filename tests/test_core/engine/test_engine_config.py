@@ -41,7 +41,9 @@ def test_llm_maps_vllm_flat_arguments_onto_the_nested_config(tmp_path: Path) -> 
     assert config.lora == LoRAConfig(max_loras=2, max_cpu_loras=5, max_lora_rank=16, lora_dirs=(str(tmp_path),))
     assert config.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     assert config.cache == CacheConfig(num_blocks=16, enable_prefix_caching=False)
-    assert config.scheduler == SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, policy="fair")
+    # the offline LLM runs without the step-time budget unless asked (the server's default is auto)
+    assert config.scheduler == SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, policy="fair",
+                                               max_step_ms=0.0)
     assert config.parallel == ParallelConfig() and config.quantization == QuantizationConfig()
     assert (llm.engine.lora_pool.num_slots, llm.engine.lora_pool.max_rank) == (2, 16)
     assert llm.engine.spec is not None and not llm.engine.async_scheduling
