@@ -116,6 +116,11 @@ class LoRABatchMeta:
         return TorchSplit(runs, rest)
 
     @cached_property
+    def token_rows(self) -> torch.Tensor:
+        """`token_ids` as int64 (the index ops' dtype), converted once per step for every wrapped linear."""
+        return self.token_ids.long()                                          # [T_lora]
+
+    @cached_property
     def padded(self) -> Optional[PaddedGroups]:
         """The padded layout of this step for batched matmuls, or None when padding would compute more than
         `MAX_PADDING_FACTOR` times the LoRA rows (a prefill chunk beside single decode tokens). Built on first use

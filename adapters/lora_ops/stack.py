@@ -34,6 +34,8 @@ class LoRAStack:
     dora_flags: Optional[torch.Tensor] = None  # [slots] int32, 1: the slot rescales this linear's output
     dora_host: Optional[torch.Tensor] = None   # [slots] bool, CPU mirror of dora_flags
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
+    # fused_slot's cache: {(slot, dtype): (A, B)}, valid while `_fused_version` matches the tensors' versions
+    _fused: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.lora_a.dim() != 4 or self.lora_b.dim() != 3:
@@ -100,6 +102,42 @@ class LoRAStack:
         if self.dora_host is None:
             return frozenset()
         return frozenset(torch.nonzero(self.dora_host).flatten().tolist())
+
+    def _versions(self) -> tuple[int, ...]:
+        """Version counters of the tensors a slot's fused weights are built from: any in-place write to them (a
+        slot loaded or cleared through a view of the pool's buffers) bumps one."""
+        ranks = self.ranks_host if self.ranks_host is not None else self.ranks
+        scalings = self.scalings_host if self.scalings_host is not None else self.scalings
+        return self.lora_a._version, self.lora_b._version, ranks._version, scalings._version
+
+    def fused_slot(self, slot: int, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One slot's LoRA on this linear as two matrices in `dtype`: A [sum_r, in], every slice's A at its rank
+        stacked, and B [N, sum_r], each slice's B rows in its own columns (zeros elsewhere) times its scaling. Then
+        y[:, :N] += (x @ A.T) @ B.T is the slot's delta over all slices in two matmuls: the torch path's decode
+        layout, where an op's dispatch costs more than its FLOPs. None when no slice of the slot has a rank.
+        Built on first use and kept until a write to the stack's tensors (their version counters)."""
+        versions = self._versions()
+        if self._fused.get("version") != versions:
+            self._fused.clear()
+            self._fused["version"] = versions
+        key = (slot, dtype)
+        if key not in self._fused:
+            ranks = [row[slot] for row in self.host_ranks()]
+            scalings = [row[slot] for row in self.host_scalings()]
+            total = sum(ranks)
+            if total == 0:
+                self._fused[key] = None
+                return None
+            a = torch.cat([self.lora_a[s, slot, :r] for s, r in enumerate(ranks) if r]).to(dtype)   # [sum_r, in]
+            b = torch.zeros(self.lora_b.shape[1], total, dtype=dtype, device=self.lora_b.device)    # [N, sum_r]
+            col = 0
+            for s, r in enumerate(ranks):
+                if r:
+                    off, n = self.slice_offsets[s], self.slice_sizes[s]
+                    b[off:off + n, col:col + r] = self.lora_b[slot, off:off + n, :r].to(dtype) * scalings[s]
+                    col += r
+            self._fused[key] = (a, b)
+        return self._fused[key]
 
     def host_ranks(self) -> list[list[int]]:
         src = self.ranks_host if self.ranks_host is not None else self.ranks

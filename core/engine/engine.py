@@ -241,7 +241,7 @@ class LLMEngine:
             self._hand_off(result, out)                                              # update
         # the step-time model learns from each step's wall time (with async scheduling: the wait for the
         # previous step's tokens stands in for this one's, as steps follow each other)
-        self.scheduler.step_time.observe(sched.features, time.perf_counter() - start)
+        self.scheduler.observe_step(sched, time.perf_counter() - start)
 
     def _prepare(self, sched: SchedulerOutput, pending: PendingStep | None,
                  out: list[RequestDelta]) -> StepBatch | None:

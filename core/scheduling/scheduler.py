@@ -109,6 +109,10 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The measured wall time of the step `out` scheduled: the step-time model learns from it."""
+        self.step_time.observe(out.features, seconds)
+
     # ---- one step -------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         req.drop_spec_tokens()

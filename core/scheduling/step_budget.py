@@ -51,6 +51,7 @@ class StepPlan:
         self.model = model
         self.max_step_ms = max_step_ms       # None: auto; 0: off
         self.features = StepFeatures()
+        self._adapters: set[object] = set()  # the adapters (slot keys) of the rows added so far
         self.budget_s = 0.0                  # the budget applied in this step (0: none)
         self._cap_tokens = max_num_batched_tokens
 
@@ -62,8 +63,11 @@ class StepPlan:
 
     def add(self, req: Request, num_new: int) -> None:
         """Counts a scheduled row of `req` computing `num_new` tokens."""
+        key = req.lora_slot_key
         self.features = self.features.plus_row(num_new, req.num_computed_tokens + num_new, is_decode(req),
-                                               req.lora_slot_key is not None)
+                                               key is not None, key not in self._adapters)
+        if key is not None:
+            self._adapters.add(key)
 
     def prefill_cap(self, req: Request, num_new: int, aged: bool = False) -> int:
         """The most of `num_new` prefill tokens of `req` the step may take (0: none). Under the auto budget an
@@ -95,7 +99,9 @@ class StepPlan:
         return max(lo, floor)
 
     def _fits(self, req: Request, num_new: int, waive_overhead: bool) -> bool:
-        f = self.features.plus_row(num_new, req.num_computed_tokens + num_new, False, req.lora_slot_key is not None)
+        key = req.lora_slot_key
+        f = self.features.plus_row(num_new, req.num_computed_tokens + num_new, False, key is not None,
+                                   key not in self._adapters)
         overhead = self.model.prefill_overhead(f) if waive_overhead else 0.0
         return self.model.predict(f) - overhead <= self.budget_s
 

@@ -1,13 +1,17 @@
 """An online model of one engine step's wall time, fitted from the steps the engine runs.
 
     seconds ~= c0 + c1 * prefill tokens + c2 * decode tokens + c3 * attention context + c4 * LoRA tokens
-               + c5 * [the step carries prefill] + c6 * [the step carries prefill and LoRA rows]
+               + c5 * [the step carries prefill] + c6 * [the step carries prefill and LoRA rows] + c7 * adapters
 
 - prefill tokens: the query tokens of rows that compute prompt (or recompute) positions;
 - decode tokens: the query tokens of rows that compute their last sampled token (and its drafts, if any);
 - attention context: sum over rows of query tokens x the row's context length after the step (the query-key
   pairs the attention reads: a decode row's KV length, a prefill chunk's n x (done + n));
 - LoRA tokens: the query tokens of rows served through an adapter;
+- adapters: the distinct adapters among the step's rows. Each costs its own small matmuls in every wrapped linear
+  whatever its number of tokens: on the CPU, 7 ms a step per adapter on latency_slo.py's 8-layer model (decode
+  steps of 8 rows: 15 ms base, 22.5 ms with one adapter, 36 ms with three), the largest term a LoRA-token count
+  cannot express;
 - the two indicators: what a step pays once for carrying any prefill. On a GPU a decode-only step replays a CUDA
   graph and a step with a prefill chunk runs eagerly (every kernel launched from Python, the LoRA path's
   segmented kernels and metadata too), a jump that a per-token term cannot express; on the CPU, where every step
@@ -15,7 +19,11 @@
 
 The coefficients are a non-negative least-squares fit of the relative error (Lawson-Hanson on the normal
 equations, with column scaling and a small ridge) over the last `window` steps, refitted every `refit_every` steps, so
-the model follows the machine (a GPU clocking down, other tenants on the CPU). Each step's prediction, made
+the model follows the machine (a GPU clocking down, other tenants on the CPU). Steps that carry prefill and
+decode-only steps keep a window each (`window` // 2 steps): a long stretch of decode-only steps would otherwise
+push every prefill out of the window, the prefill-token coefficient would fit to zero, and the next prompt's
+chunk would be sized as if its tokens were free (measured on latency_slo.py: a 929-token chunk predicted at
+22 ms under a 28 ms budget ran 660 ms). Each step's prediction, made
 before the step with the coefficients then in force, is compared with the measured time: the mean absolute
 relative error over the window is the model's error, exported with its last prediction to /metrics
 (`loraplex:step_time_predicted_seconds`, `loraplex:step_time_prediction_error_ratio`).
@@ -29,7 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NUM_FEATURES = 7        # (1, prefill tokens, decode tokens, attention context, LoRA tokens, prefill?, prefill with LoRA?)
+NUM_FEATURES = 8        # (1, prefill tokens, decode tokens, attention context, LoRA tokens, prefill?, prefill with LoRA?,
+                        #  adapters)
 _RIDGE = 1e-6           # relative to the scaled normal matrix's diagonal
 
 
@@ -39,19 +48,23 @@ class StepFeatures:
     num_decode_tokens: int = 0
     num_context_tokens: int = 0
     num_lora_tokens: int = 0
+    num_lora_groups: int = 0        # distinct adapters among the rows
 
     def vector(self) -> np.ndarray:
         prefill = 1.0 if self.num_prefill_tokens > 0 else 0.0
         return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_context_tokens,
-                         self.num_lora_tokens, prefill, prefill if self.num_lora_tokens > 0 else 0.0],
-                        dtype=np.float64)
+                         self.num_lora_tokens, prefill, prefill if self.num_lora_tokens > 0 else 0.0,
+                         self.num_lora_groups], dtype=np.float64)
 
-    def plus_row(self, num_new: int, context_len: int, decode: bool, lora: bool) -> "StepFeatures":
-        """These features with one more row of `num_new` query tokens whose context is `context_len` after it."""
+    def plus_row(self, num_new: int, context_len: int, decode: bool, lora: bool,
+                 new_adapter: bool = False) -> "StepFeatures":
+        """These features with one more row of `num_new` query tokens whose context is `context_len` after it
+        (`new_adapter`: its adapter has no other row in the step)."""
         return StepFeatures(self.num_prefill_tokens + (0 if decode else num_new),
                             self.num_decode_tokens + (num_new if decode else 0),
                             self.num_context_tokens + num_new * context_len,
-                            self.num_lora_tokens + (num_new if lora else 0))
+                            self.num_lora_tokens + (num_new if lora else 0),
+                            self.num_lora_groups + (1 if lora and new_adapter else 0))
 
     @property
     def empty(self) -> bool:
@@ -91,8 +104,9 @@ class StepTimeModel:
         self.window = window
         self.refit_every = refit_every
         self.min_observations = min_observations
-        self._x: deque[np.ndarray] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # (features, seconds) of the last steps: those that carried prefill, and decode-only ones
+        self._prefill_steps: deque[tuple[np.ndarray, float]] = deque(maxlen=window // 2)
+        self._decode_steps: deque[tuple[np.ndarray, float]] = deque(maxlen=window - window // 2)
         self._errors: deque[float] = deque(maxlen=window)   # |predicted - measured| / measured, when predicted
         self.coef = np.zeros(NUM_FEATURES)
         self.num_observations = 0
@@ -113,7 +127,12 @@ class StepTimeModel:
         """Predicted seconds a step with features `f` pays once because it carries prefill (the indicator terms:
         on a GPU, leaving the decode graph for an eager step); 0.0 for a step without prefill."""
         v = f.vector()
-        return float(v[5:] @ self.coef[5:]) if self.ready else 0.0
+        return float(v[5:7] @ self.coef[5:7]) if self.ready else 0.0
+
+    @property
+    def num_kept(self) -> int:
+        """Steps in the fitting windows."""
+        return len(self._prefill_steps) + len(self._decode_steps)
 
     @property
     def error_ratio(self) -> float:
@@ -129,18 +148,18 @@ class StepTimeModel:
             self.last_predicted_s = predicted
             self._errors.append(abs(predicted - seconds) / seconds)
         self.last_measured_s = seconds
-        self._x.append(f.vector())
-        self._y.append(float(seconds))
+        (self._prefill_steps if f.num_prefill_tokens else self._decode_steps).append((f.vector(), float(seconds)))
         self.num_observations += 1
         self._since_fit += 1
-        if len(self._y) >= self.min_observations and (self._since_fit >= self.refit_every or not self.ready):
+        if self.num_kept >= self.min_observations and (self._since_fit >= self.refit_every or not self.ready):
             self._fit()
 
     def _fit(self) -> None:
         """Least squares of the relative error (each step weighted by 1 / its time): a decode-only step, the
         auto budget's yardstick, counts as much as a long prefill."""
-        x = np.stack(self._x)                     # [n, NUM_FEATURES]
-        y = np.asarray(self._y)                   # [n]
+        steps = [*self._prefill_steps, *self._decode_steps]
+        x = np.stack([v for v, _ in steps])       # [n, NUM_FEATURES]
+        y = np.array([t for _, t in steps])       # [n]
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)
         xs = x / scale / y[:, None]               # [n, NUM_FEATURES]: columns in [0, 1], rows over their time
         a = xs.T @ xs
@@ -151,11 +170,14 @@ class StepTimeModel:
         self._since_fit = 0
 
     def check_integrity(self) -> None:
-        assert len(self._x) == len(self._y) <= self.window, "feature and time windows differ"
+        assert self.num_kept <= self.window, "more steps kept than the window"
+        assert all(v[1] > 0 for v, _ in self._prefill_steps), "a decode-only step in the prefill window"
+        assert all(v[1] == 0 for v, _ in self._decode_steps), "a step with prefill in the decode-only window"
+        assert all(v.shape == (NUM_FEATURES,) for v, _ in [*self._prefill_steps, *self._decode_steps])
         assert len(self._errors) <= self.window
         assert self.coef.shape == (NUM_FEATURES,) and np.all(np.isfinite(self.coef)), "a non-finite coefficient"
         assert np.all(self.coef >= 0.0), "a negative step-time coefficient"
-        assert all(y > 0.0 for y in self._y), "a non-positive step time"
+        assert all(t > 0.0 for _, t in [*self._prefill_steps, *self._decode_steps]), "a non-positive step time"
         assert all(e >= 0.0 and np.isfinite(e) for e in self._errors), "a bad prediction error"
-        assert self.num_observations >= len(self._y)
+        assert self.num_observations >= self.num_kept
         assert not self.ready or self.num_observations >= self.min_observations

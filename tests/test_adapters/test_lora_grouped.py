@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
 from adapters.lora_ops.metadata import MIN_RUN_TOKENS
+from adapters.lora_ops.torch_grouped import torch_add_lora_fused, torch_add_lora_padded, torch_add_lora_segmented
 from lora_dense_reference import naive
 from lora_nan_stacks import nan_stack
 
@@ -114,7 +115,60 @@ def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None
     assert not touched, f"ops touched the pool's max rank: {touched[:4]}"
     rank_dims = {shape[-1] for op, shape in rec.shapes if op in ("mm", "bmm")} | \
         {shape[-2] for op, shape in rec.shapes if op in ("mm", "bmm")}
-    assert {8, 24} <= rank_dims and not rank_dims & {16, 32, 64}
+    # per slice (rank r) or, on the fused path, all slices of an adapter at once (len(OUTS) x r)
+    s = len(OUTS)
+    assert rank_dims & {8, s * 8} and rank_dims & {24, s * 24} and not rank_dims & {16, 32, 64, s * 64}
+
+
+def _inputs(stack: LoRAStack, num_tokens: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, IN_F, generator=g).to(stack.lora_a.dtype).to(stack.lora_a.device)
+    y = torch.randn(num_tokens, width, generator=g).to(stack.lora_a.dtype).to(stack.lora_a.device)
+    return x, y
+
+
+@pytest.mark.parametrize("y_offset,width", [(5, 50), (0, 40)])
+@pytest.mark.parametrize("name,num_slots,token_slots", CASES, ids=[c[0] for c in CASES])
+def test_each_path_matches_naive_on_every_layout(name: str, num_slots: int, token_slots: list[int], y_offset: int,
+                                                 width: int) -> None:
+    """The fused path on the whole step, and the batched / segmented one it would otherwise take on the rest:
+    `add_lora` picks one of them per step, so each is checked on every layout here."""
+    meta = LoRABatchMeta.build(token_slots, num_slots=num_slots)
+    stack, ranks = _stack(num_slots, torch.float32, seed=len(token_slots))
+    a_list, b_list = _dense(stack, ranks)
+    x, y = _inputs(stack, len(token_slots), width, seed=11)
+    ref = naive(y.cpu(), x.cpu(), a_list, b_list, ranks, stack.scalings.cpu().tolist(), token_slots, y_offset)
+    fused = y.clone()
+    torch_add_lora_fused(fused, x, stack, meta, y_offset)
+    torch.testing.assert_close(fused.cpu().double(), ref, atol=1e-3, rtol=1e-4)
+    other = y.clone()
+    if meta.padded is None:
+        torch_add_lora_segmented(other, x, stack, meta, y_offset)
+    else:
+        torch_add_lora_padded(other, x, stack, meta, meta.padded, y_offset)
+    torch.testing.assert_close(other.cpu().double(), ref, atol=1e-3, rtol=1e-4)
+
+
+def test_fused_weights_follow_a_slot_rewrite() -> None:
+    """`LoRAStack.fused_slot` is cached: a slot written in place (an adapter loaded into it, or cleared) must not
+    leave the old weights in use."""
+    stack, ranks = _stack(4, torch.float32, seed=5)
+    ranks_t = stack.ranks.clone()
+    stack = LoRAStack(torch.nan_to_num(stack.lora_a, nan=0.0), torch.nan_to_num(stack.lora_b, nan=0.0), ranks_t,
+                      stack.scalings.clone(), stack.slice_offsets, stack.slice_sizes)
+    token_slots = [2, -1, 2, 0]
+    meta = LoRABatchMeta.build(token_slots, num_slots=4)
+    x, y = _inputs(stack, 4, sum(OUTS), seed=2)
+    first = y.clone()
+    torch_add_lora_fused(first, x, stack, meta)
+    stack.lora_b[2].mul_(-3.0)                               # the slot's adapter replaced in place
+    stack.scalings[:, 0] = 0.0                               # slot 0 reloaded with a zero scaling
+    again = y.clone()
+    torch_add_lora_fused(again, x, stack, meta)
+    a_list, b_list = _dense(stack, ranks)
+    ref = naive(y.cpu(), x.cpu(), a_list, b_list, ranks, stack.scalings.cpu().tolist(), token_slots, 0)
+    torch.testing.assert_close(again.cpu().double(), ref, atol=1e-3, rtol=1e-4)
+    assert not torch.allclose(first, again)
 
 
 def _random_slots(rng: random.Random, num_slots: int) -> list[int]:

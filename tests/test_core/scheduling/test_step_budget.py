@@ -22,7 +22,7 @@ from core.scheduling.step_time import StepFeatures
 
 BS = 4
 # seconds = 10 ms + 0.2 ms per prefill token + 1 ms per decode token + 1 ns per context pair + 0.1 ms per LoRA token
-COST = np.array([1e-2, 2e-4, 1e-3, 1e-9, 1e-4, 0.0, 0.0])    # no one-off cost of carrying prefill
+COST = np.array([1e-2, 2e-4, 1e-3, 1e-9, 1e-4, 0.0, 0.0, 2e-3])    # no one-off cost of carrying prefill
 
 
 def make_request(rid: str, num_prompt: int, max_tokens: int, tenant: str | None = None, start: int = 0,
@@ -39,8 +39,9 @@ def scheduler(max_step_ms: float | None, budget: int = 512, policy: str = "fcfs"
                                       max_step_ms=max_step_ms), kv, max_model_len=8192)
     rng = random.Random(0)
     for _ in range(64):      # a fitted model, as after the first steps of serving (decode-only steps among them)
-        f = StepFeatures(rng.choice([0, rng.randint(1, 400)]), rng.randint(1, 16), rng.randint(0, 100000),
-                         rng.choice([0, rng.randint(1, 50)]))
+        lora = rng.choice([0, rng.randint(1, 50)])
+        f = StepFeatures(rng.choice([0, rng.randint(1, 400)]), rng.randint(1, 16), rng.randint(0, 100000), lora,
+                         min(lora, rng.randint(1, 3)))
         sched.step_time.observe(f, float(f.vector() @ cost))
     assert sched.step_time.ready
     return sched
@@ -103,7 +104,7 @@ def test_auto_budget_is_a_multiple_of_the_decode_only_step() -> None:
 
 
 # any step that carries prefill pays 50 ms once (on a GPU: an eager step instead of the decode graph's replay)
-JUMP = COST + np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0])
+JUMP = COST + np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
 
 
 @pytest.mark.parametrize("max_step_ms", [None, 25.0])

@@ -15,7 +15,7 @@ def random_step(rng: random.Random) -> StepFeatures:
     num_prefill = rng.choice([0, rng.randint(1, 512)]) if num_decode else rng.randint(1, 512)
     context = num_decode * rng.randint(16, 800) + num_prefill * rng.randint(num_prefill, num_prefill + 800)
     lora = rng.choice([0, rng.randint(0, num_prefill + num_decode)])
-    return StepFeatures(num_prefill, num_decode, context, lora)
+    return StepFeatures(num_prefill, num_decode, context, lora, min(lora, rng.randint(1, 4)))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -23,7 +23,8 @@ def test_model_recovers_a_linear_cost_with_noise(seed: int) -> None:
     rng = random.Random(seed)
     truth = np.array([rng.uniform(2e-3, 2e-2), rng.uniform(1e-4, 1e-3), rng.uniform(1e-4, 2e-3),
                       rng.uniform(0, 1e-7), rng.choice([0.0, rng.uniform(1e-5, 1e-4)]),
-                      rng.choice([0.0, rng.uniform(2e-3, 2e-2)]), rng.choice([0.0, rng.uniform(2e-3, 2e-2)])])
+                      rng.choice([0.0, rng.uniform(2e-3, 2e-2)]), rng.choice([0.0, rng.uniform(2e-3, 2e-2)]),
+                      rng.choice([0.0, rng.uniform(1e-3, 8e-3)])])
     model = StepTimeModel(window=256)
     assert not model.ready and model.predict(StepFeatures(10, 1, 100, 0)) == 0.0
     for _ in range(600):
@@ -40,7 +41,7 @@ def test_model_recovers_a_linear_cost_with_noise(seed: int) -> None:
 
 def test_model_follows_a_slower_machine_within_its_window() -> None:
     rng = random.Random(7)
-    fast = np.array([5e-3, 4e-4, 5e-4, 1e-8, 0.0, 4e-3, 0.0])
+    fast = np.array([5e-3, 4e-4, 5e-4, 1e-8, 0.0, 4e-3, 0.0, 2e-3])
     model = StepTimeModel(window=128)
     for truth in (fast, 3 * fast):
         for _ in range(300):
@@ -49,6 +50,30 @@ def test_model_follows_a_slower_machine_within_its_window() -> None:
             model.check_integrity()
     f = StepFeatures(256, 8, 256 * 300 + 8 * 300, 0)
     assert model.predict(f) == pytest.approx(float(f.vector() @ (3 * fast)), rel=0.02)
+
+
+def test_prefill_cost_survives_a_long_stretch_of_decode_only_steps() -> None:
+    """A server that only decodes for a while must still price the next prompt's chunk: with one window for all
+    steps, the prefill steps aged out, the prefill-token coefficient fitted to zero, and a 929-token chunk was
+    predicted at 22 ms under a 28 ms budget (it ran 660 ms, latency_slo.py)."""
+    rng = random.Random(11)
+    truth = np.array([1.6e-2, 3.4e-4, 2.7e-3, 2.7e-7, 0.0, 7e-3, 0.0, 7e-3])
+    model = StepTimeModel(window=256)
+    for _ in range(200):
+        f = random_step(rng)
+        model.observe(f, float(f.vector() @ truth) * rng.uniform(0.97, 1.03))
+    for _ in range(400):                                # decode only: no step carries prefill
+        f = StepFeatures(0, rng.randint(1, 16), rng.randint(1, 16) * rng.randint(100, 900), 0, 0)
+        model.observe(f, float(f.vector() @ truth) * rng.uniform(0.97, 1.03))
+        model.check_integrity()
+    chunk = StepFeatures(929, 1, 929 * 929 + 300, 0, 0)
+    assert model.predict(chunk) == pytest.approx(float(chunk.vector() @ truth), rel=0.1)
+
+
+def test_adapters_are_counted_once_per_step() -> None:
+    f = StepFeatures().plus_row(1, 10, True, True, True).plus_row(1, 20, True, True, False)
+    f = f.plus_row(32, 32, False, True, True).plus_row(1, 5, True, False, True)
+    assert (f.num_lora_tokens, f.num_lora_groups, f.num_decode_tokens, f.num_prefill_tokens) == (34, 2, 3, 32)
 
 
 def test_model_ignores_empty_and_bad_steps_and_never_goes_negative() -> None:
