@@ -39,6 +39,7 @@ from core.config import SchedulerConfig   # noqa: E402
 from core.engine.request import Request, RequestStatus   # noqa: E402
 from core.kv.kv_cache_manager import KVCacheManager   # noqa: E402
 from core.sampling.params import SamplingParams   # noqa: E402
+from core.scheduling import step_budget   # noqa: E402
 from core.scheduling.scheduler import Scheduler   # noqa: E402
 
 DEFAULT_COEF = (0.01452, 3.536e-4, 7.036e-4, 2.41e-7, 1.566e-4, 0.004299, 0.001525, 0.002519)
@@ -162,7 +163,18 @@ def main() -> None:
     ap.add_argument("--loads", default="0.5,0.8")
     ap.add_argument("--budgets-ms", default="0,auto", help="comma list: 0 (off), auto, or milliseconds")
     ap.add_argument("--seeds", type=int, default=3, help="workloads per point (figures pooled)")
+    ap.add_argument("--auto-factor", type=float, default=step_budget.AUTO_BUDGET_FACTOR,
+                    help="the auto budget's factor (step_budget.AUTO_BUDGET_FACTOR)")
+    ap.add_argument("--min-chunk", type=int, default=step_budget.MIN_PREFILL_CHUNK,
+                    help="prefill tokens a step with decode rows always carries (step_budget.MIN_PREFILL_CHUNK)")
+    ap.add_argument("--exempt-steps", type=int, default=step_budget.BUDGET_EXEMPT_STEPS,
+                    help="steps of waiting after which the auto budget stops sizing a prefill "
+                         "(step_budget.BUDGET_EXEMPT_STEPS; a large value: never)")
     args = ap.parse_args()
+    # the policy's constants, for this process only: a sweep over them tries a policy before latency_slo.py does
+    step_budget.AUTO_BUDGET_FACTOR = args.auto_factor
+    step_budget.MIN_PREFILL_CHUNK = args.min_chunk
+    step_budget.BUDGET_EXEMPT_STEPS = args.exempt_steps
     coef = np.array([float(x) for x in args.coef.split(",")])
     coef = np.pad(coef, (0, max(0, len(DEFAULT_COEF) - len(coef))))     # older fits: no one-off prefill cost, no adapter term
     budgets = [budget_arg(b) for b in args.budgets_ms.split(",")]
