@@ -10,17 +10,24 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from scheduler_sim import DEFAULT_COEF, make_workload, simulate  # noqa: E402
+from scheduler_sim import DEFAULT_COEF, Result, make_workload, simulate  # noqa: E402
 
 
 def test_the_budget_cuts_the_inter_token_tail_in_simulation() -> None:
+    """Three workloads busy enough that prompts arrive while others decode (at a light load, the unbudgeted
+    server's few long gaps fall under the p99 while the budget's many shorter ones do not), pooled."""
     coef = np.array(DEFAULT_COEF)
-    work = make_workload(12, rate=0.3, seed=1, prompt_len=(64, 1024), output_len=(16, 48))
-    off = simulate(work, 0.0, coef, noise=0.0, seed=0)
-    auto = simulate(work, None, coef, noise=0.0, seed=0)
-    for res in (off, auto):
-        assert len(res.ttft) == 12 and res.num_output_tokens == sum(work.max_tokens)
-        assert len(res.gaps) == sum(work.max_tokens) - 12
-    ratio = {name: res.pct(res.gaps, 99) / res.pct(res.gaps, 50) for name, res in (("off", off), ("auto", auto))}
-    assert ratio["auto"] < 2.5 < ratio["off"], ratio
-    assert auto.tok_s > 0.8 * off.tok_s
+    pooled = {"off": Result(), "auto": Result()}
+    for seed in (1, 2, 3):
+        work = make_workload(24, rate=0.8, seed=seed, prompt_len=(64, 1024), output_len=(32, 128))
+        for name, budget in (("off", 0.0), ("auto", None)):
+            res = simulate(work, budget, coef, noise=0.0, seed=0)
+            assert len(res.ttft) == 24 and res.num_output_tokens == sum(work.max_tokens)
+            assert len(res.gaps) == sum(work.max_tokens) - 24
+            total = pooled[name]
+            total.gaps += res.gaps
+            total.num_output_tokens += res.num_output_tokens
+            total.makespan += res.makespan
+    ratio = {name: res.pct(res.gaps, 99) / res.pct(res.gaps, 50) for name, res in pooled.items()}
+    assert ratio["auto"] < 2.5 and ratio["off"] > 10, ratio
+    assert pooled["auto"].tok_s > 0.9 * pooled["off"].tok_s
