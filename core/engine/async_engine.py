@@ -75,7 +75,41 @@ class AsyncEngine:
         self._dead = False        # under `_lock`: `_die` ran (on_dead called once)
         self.on_dead: list[Callable[[BaseException], None]] = []   # called once if the loop dies (server exit)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._go: threading.Event | None = None   # `build`: the thread that built the engine waits for `start`
         self.hooks: list[Callable[[], None]] = []   # run on the engine thread before each step
+
+    @classmethod
+    def build(cls, factory: Callable[[], LLMEngine], **kwargs: Any) -> "AsyncEngine":
+        """An AsyncEngine whose engine `factory` builds on the loop's own thread; returns once it is built (a build
+        error raises here). All its torch work (the build, the warm-up, the steps) then runs on one thread, so the
+        process holds one OpenMP team: with the build on the caller's thread and the steps on the loop's, libgomp
+        counts more pool threads than CPUs and cuts its spin-wait, and the intra-op workers sleep between ops
+        (docs/cpu.md: 1.77 of 2 cores busy in the engine process before it built on its loop thread too)."""
+        built: list[Any] = []
+        ready, go = threading.Event(), threading.Event()
+        host: list[AsyncEngine] = []
+
+        def main() -> None:
+            try:
+                built.append(factory())
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                built.append(exc)
+            ready.set()
+            if isinstance(built[0], BaseException):
+                return
+            go.wait()
+            if host and not host[0]._stop:
+                host[0]._run()
+
+        thread = threading.Thread(target=main, name="loraplex-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        self = cls(built[0], **kwargs)
+        self._thread, self._go = thread, go
+        host.append(self)
+        return self
 
     # ---- model, tokenizer, grammar, adapters ---------------------------------------------
     @functools.cached_property
@@ -115,7 +149,10 @@ class AsyncEngine:
         executor = self.engine.executor   # a lost tensor-parallel worker ends the engine; a dead loop fails the group
         executor.on_failure.append(self.fail)
         executor.liveness_checks.append(lambda: None if self.error is None else f"the engine loop stopped: {self.error}")
-        self._thread.start()
+        if self._go is not None:
+            self._go.set()      # `build`: the thread that built the engine runs the loop
+        else:
+            self._thread.start()
 
     def warm_grammar_in_background(self) -> None:
         """Builds the grammar vocabulary and the json_object grammar on a background thread (the server does this
@@ -129,6 +166,8 @@ class AsyncEngine:
         is ended by stopping the workers first."""
         self._stop = True
         self._wakeup.set()
+        if self._go is not None:
+            self._go.set()      # `build` without `start`: the waiting thread sees the stop and ends
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self._thread.is_alive() and self.owns_engine:

@@ -37,8 +37,9 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> ServingEn
         client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
         return client
 
-    engine = LLMEngine(config.engine)
-    aeng = AsyncEngine(engine, on_warmup_progress=WarmupPrinter(), on_ready=print_ready)
+    # built on the loop's thread, as the engine process builds on its engine thread: one OpenMP team (docs/cpu.md)
+    aeng = AsyncEngine.build(lambda: LLMEngine(config.engine), on_warmup_progress=WarmupPrinter(),
+                             on_ready=print_ready)
     aeng.start()   # the engine thread warms up first: /health answers 503 until it is done
     aeng.warm_grammar_in_background()   # as the engine process does at start-up
     return aeng

@@ -101,7 +101,7 @@ class InProcessServer:
         from core.engine.async_engine import AsyncEngine
         from core.engine.engine import LLMEngine
 
-        aeng = AsyncEngine(LLMEngine(config.engine))
+        aeng = AsyncEngine.build(lambda: LLMEngine(config.engine))   # on the loop's thread, as the server does
         aeng.start()
         return aeng
 
