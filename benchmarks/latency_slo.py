@@ -17,7 +17,10 @@ load, ITL p99 <= 2x ITL p50 with the default budget and TTFT p50 <= 2.5x the unb
 output tokens/s within 5% of the unbudgeted server's. The load average (`uptime`) is recorded before and after:
 the machine may be shared, compare ratios within one run.
 
-    python benchmarks/latency_slo.py [--num-requests 48] [--device cpu]
+`--step-trace DIR` writes every engine step of each server to DIR/steps_<budget>.jsonl (`LORAPLEX_STEP_TRACE`,
+core/engine/step_trace.py): which steps make the inter-token tail, and how far past their budget they ran.
+
+    python benchmarks/latency_slo.py [--num-requests 48] [--device cpu] [--step-trace DIR]
 """
 from __future__ import annotations
 
@@ -79,7 +82,12 @@ def start_server(args: argparse.Namespace, model: str, load_format: str, adapter
            "--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
     if max_step_ms is not None:
         cmd += ["--max-step-ms", f"{max_step_ms:g}"]
-    proc = launch_server(cmd, port, "loraplex_slo", args.startup_timeout_s, env=os.environ.copy())
+    env = os.environ.copy()
+    if args.step_trace:     # each server's steps in a file of its own (core/engine/step_trace.py)
+        label = "auto" if max_step_ms is None else "off" if max_step_ms == 0 else f"{max_step_ms:g}ms"
+        Path(args.step_trace).mkdir(parents=True, exist_ok=True)
+        env["LORAPLEX_STEP_TRACE"] = str(Path(args.step_trace) / f"steps_{label}.jsonl")
+    proc = launch_server(cmd, port, "loraplex_slo", args.startup_timeout_s, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tpot-slo-ms", type=float, default=150.0)
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--step-trace", default=None, metavar="DIR",
+                    help="write each server's engine steps to DIR/steps_<budget>.jsonl (LORAPLEX_STEP_TRACE)")
     ap.add_argument("--from-log", default=None, help="write the results from a run's printed points, run nothing")
     args = ap.parse_args(argv)
     if args.from_log:

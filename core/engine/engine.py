@@ -16,6 +16,7 @@ from core.engine.fault_isolation import MAX_FAILED_STEPS, drop_unread_tokens, er
 from core.engine.grammar_compilers import GrammarCompilers
 from core.engine.outputs import RequestDelta
 from core.engine.request import Request, RequestStatus
+from core.engine.step_trace import open_step_trace
 from core.engine.setup import EngineParts, build_engine_parts
 from core.errors import RequestFault
 from core.execution.lora_step import StepAdapters
@@ -29,7 +30,7 @@ from core.scheduling.admission import check_prompt_ids, check_request, new_reque
 from core.scheduling.scheduler import SchedulerOutput
 from core.spec.engine_step import build_speculator
 from core.startup.warmup import ProgressFn, WarmupReport, run_warmup
-from core.environment.variables import ASYNC_SCHEDULING
+from core.environment.variables import ASYNC_SCHEDULING, STEP_TRACE
 
 log = logging.getLogger("loraplex.engine")
 
@@ -64,6 +65,7 @@ class LLMEngine:
         self._num_failed_steps = 0                     # whole-step failures in a row (core/engine/fault_isolation.py)
         self._step_requests: list[Request] = []        # the requests scheduled in the running step
         self._closed = False
+        self._trace = open_step_trace(STEP_TRACE.get())   # LORAPLEX_STEP_TRACE: a JSON line per step
         # speculative decoding (core/spec/): NoSpeculation when off
         self.spec = build_speculator(config, p, self.sampler, self._append, self._fail)
         if self.spec.enabled and self.executor.has_workers:
@@ -241,7 +243,10 @@ class LLMEngine:
             self._hand_off(result, out)                                              # update
         # the step-time model learns from each step's wall time (with async scheduling: the wait for the
         # previous step's tokens stands in for this one's, as steps follow each other)
-        self.scheduler.observe_step(sched, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.scheduler.observe_step(sched, seconds)
+        if self._trace is not None:
+            self._trace.record(start, sched, seconds)
 
     def _prepare(self, sched: SchedulerOutput, pending: PendingStep | None,
                  out: list[RequestDelta]) -> StepBatch | None:
@@ -318,6 +323,8 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self._trace is not None:
+            self._trace.close()
         self.registry.shutdown()
         self._grammars.close()
         self.executor.shutdown(graceful=graceful)

@@ -170,6 +170,11 @@ ENGINE_PROCESS = EnvVar("LORAPLEX_ENGINE_PROCESS", "0|1", True, "1",
                         "the default of --engine-process: 1 = the engine core in its own process, 0 = a thread "
                         "of the API process; the flag wins", _bool)
 
+STEP_TRACE = EnvVar("LORAPLEX_STEP_TRACE", "path", None, "unset",
+                    "a file the engine appends one JSON line to per step: what it carried, its predicted and "
+                    "measured time and the budget its prefill chunks were sized to (core/engine/step_trace.py)",
+                    _text)
+
 # ---- grammar compile limits (grammar/compile/limits.py; read by core/engine and gateway) ---------------------
 GRAMMAR_COMPILE_TIMEOUT_S = EnvVar("LORAPLEX_GRAMMAR_COMPILE_TIMEOUT_S", "seconds", None, "10",
                                    "CPU seconds one constraint's compile may take in its worker (wall-clock "
@@ -194,7 +199,7 @@ TESTS_DIR = EnvVar("LORAPLEX_TESTS_DIR", "path", None, "unset",
 ALL: tuple[EnvVar, ...] = (
     ATTENTION_BACKEND, FUSED_OPS, LORA_BACKEND, BITMASK_BACKEND, QUANT_GEMM, KERNEL_SELFCHECK, CPU_PACKED_LINEAR,
     NATIVE_KERNELS, TRITON_INTERPRET,
-    ASYNC_SCHEDULING, ALLOW_LONG_MAX_MODEL_LEN, TP_START_TIMEOUT_S, TP_STEP_TIMEOUT_S, ENGINE_PROCESS,
+    ASYNC_SCHEDULING, ALLOW_LONG_MAX_MODEL_LEN, TP_START_TIMEOUT_S, TP_STEP_TIMEOUT_S, ENGINE_PROCESS, STEP_TRACE,
     GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_WORKER_MEMORY_MB, GRAMMAR_MAX_REGEX_CHARS, ENGINE_TEST_HOOK, TESTS_DIR,
 )
 

@@ -1,0 +1,41 @@
+"""`LORAPLEX_STEP_TRACE=path`: one JSON line per engine step, to see what the step-time budget does.
+
+Each line: the step's start (`time.perf_counter()` seconds), its features as the step-time model sees them
+(prefill tokens, decode tokens, attention context, LoRA tokens, adapters; core/scheduling/step_time.py), the
+model's prediction and the budget its prefill chunks were sized to (0: none), the measured wall time, and its
+rows. From such a trace one reads which steps make the inter-token tail, how far they ran past their budget, and
+how well the model predicts (benchmarks/README.md, "Latency under load", used it to find a model that forgot the
+price of prefill and the per-adapter cost of the CPU's LoRA path). The file is opened once, at engine start, and
+appended to line by line; `latency_slo.py --step-trace DIR` gives each of its servers a file.
+"""
+from __future__ import annotations
+
+import json
+from typing import TextIO
+
+from core.scheduling.scheduler import SchedulerOutput
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self._file: TextIO | None = open(path, "a", buffering=1, encoding="utf-8")   # a line per write
+
+    def record(self, start_s: float, out: SchedulerOutput, seconds: float) -> None:
+        if self._file is None:
+            return
+        f = out.features
+        self._file.write(json.dumps({
+            "start_s": round(start_s, 6), "prefill_tokens": f.num_prefill_tokens,
+            "decode_tokens": f.num_decode_tokens, "context": f.num_context_tokens, "lora_tokens": f.num_lora_tokens,
+            "adapters": f.num_lora_groups, "predicted_ms": round(1e3 * out.predicted_s, 3),
+            "budget_ms": round(1e3 * out.budget_s, 3), "measured_ms": round(1e3 * seconds, 3),
+            "rows": len(out.scheduled)}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def open_step_trace(path: str | None) -> StepTrace | None:
+    return None if not path else StepTrace(path)

@@ -1,0 +1,42 @@
+"""`LORAPLEX_STEP_TRACE`: the engine writes one JSON line per step with what the step-time model saw and what the
+step took (core/engine/step_trace.py); off by default."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core import LLM, SamplingParams
+from core.environment import variables
+from testlib import model_dir
+
+
+def test_each_step_is_one_line_with_its_features_and_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LORAPLEX_STEP_TRACE", str(trace))
+    variables.reset()
+    try:
+        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", warmup=False,
+                  max_num_batched_tokens=16, enable_prefix_caching=False)
+        llm.generate([[5, 6, 7] * 10, [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+        num_steps = llm.engine.scheduler.num_steps
+        llm.engine.shutdown()
+    finally:
+        monkeypatch.delenv("LORAPLEX_STEP_TRACE")
+        variables.reset()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == num_steps
+    assert sum(s["prefill_tokens"] for s in lines) == 30 + 2
+    assert sum(s["decode_tokens"] for s in lines) == 2 * 3          # 4 tokens each: the first from the prefill
+    assert all(s["measured_ms"] > 0 and s["rows"] >= 1 and s["adapters"] == 0 for s in lines)
+    assert [s["start_s"] for s in lines] == sorted(s["start_s"] for s in lines)
+    assert lines[0]["prefill_tokens"] == 16                          # chunked by --max-num-batched-tokens
+
+
+def test_no_trace_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAPLEX_STEP_TRACE", raising=False)
+    variables.reset()
+    llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", warmup=False)
+    assert llm.engine._trace is None
+    llm.engine.shutdown()
