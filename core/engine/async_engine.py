@@ -106,7 +106,11 @@ class AsyncEngine:
         ready.wait()
         if isinstance(built[0], BaseException):
             raise built[0]
-        self = cls(built[0], **kwargs)
+        try:
+            self = cls(built[0], **kwargs)
+        except BaseException:
+            go.set()            # no host: the waiting thread ends
+            raise
         self._thread, self._go = thread, go
         host.append(self)
         return self
