@@ -7,6 +7,15 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class CPUPrefillArgs:
+    """A step's prefill chunks as the CPU prefill kernel reads them (core/attention/cpu_paged_prefill.py), built
+    once per step, at its first layer."""
+    info: torch.Tensor          # [P, 3] int64: first row in the flat batch, new tokens, context length
+    tables: torch.Tensor        # [P, max_blocks] int64, zero-padded
+    item_starts: torch.Tensor   # [P + 1] int64: the kernel's scratch for its work items
+
+
 @dataclass
 class AttentionMetadata:
     """Describes one flat batch of T tokens.
@@ -27,6 +36,7 @@ class AttentionMetadata:
     decode_groups: list[tuple[int, int, int]] = None  # type: ignore[assignment]  # (start, end, num_blocks)
     # precomputed backend metadata in persistent buffers (the CUDA-graph decode path); None: built per step
     kernel_meta: Any = None
+    cpu_prefill: CPUPrefillArgs | None = None   # the CPU prefill kernel's arrays, built at the step's first layer
 
     @property
     def num_prefills(self) -> int:

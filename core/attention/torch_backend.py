@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.attention import cpu_paged_decode
+from core.attention import cpu_paged_decode, cpu_paged_prefill
 from core.attention.backend import AttentionBackend
 from core.attention.metadata import AttentionMetadata
 
@@ -98,6 +98,15 @@ def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return attend(q, k, v, torch.ones((), dtype=torch.bool, device=q.device), scale, softcap)
 
 
+def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, softcap: float | None) -> bool:
+    """Whether the step's prefill chunks take the CPU's native kernel (core/attention/cpu_paged_prefill.py): not
+    for bf16 with soft-capping, whose torch path rounds the probabilities to bf16 as HF eager does, nor for
+    positions past 2^24 (the kernel compares them in fp32)."""
+    if softcap is not None and q.dtype != torch.float32:
+        return False
+    return max(meta.prefill_context_lens) < (1 << 24) and cpu_paged_prefill.supported(q, k_cache)
+
+
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -115,6 +124,9 @@ class TorchAttentionBackend(AttentionBackend):
             tables = meta.decode_block_tables[start:end, :num_blocks]
             out[start:end] = self._decode(q[start:end], k_cache, v_cache, tables, meta.decode_context_lens[start:end],
                                           scale, window, softcap)
+        if meta.num_prefills and _native_prefill(q, k_cache, meta, softcap):   # every chunk in one native call
+            cpu_paged_prefill.paged_prefill(q, k_cache, v_cache, meta, scale, window, softcap, out)
+            return out
         for i in range(meta.num_prefills):
             start, n = meta.prefill_query_starts[i], meta.prefill_query_lens[i]
             out[start:start + n] = self._prefill(

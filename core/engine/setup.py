@@ -11,7 +11,7 @@ import torch
 
 from adapters.layers.dims import BaseModelDims
 from adapters.registry.registry import AdapterRegistry
-from core.attention import cpu_paged_decode
+from core.attention import cpu_paged_decode, cpu_paged_prefill
 from core.environment.backends import lora_backends
 from core.config import EngineConfig, ModelConfig
 from core.distributed.executor import TPExecutor
@@ -87,6 +87,7 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     if device.type == "cpu":
         logger.info("CPU threads: %d", fit_cpu_threads())
         logger.info("CPU decode attention: %s", cpu_paged_decode.prepare())
+        logger.info("CPU prefill attention: %s", cpu_paged_prefill.prepare())
         logger.info("CPU rotary: %s", cpu_rotary.prepare())
     dtype = resolve_dtype(config.dtype, cfg, device)
     check_max_model_len(config.scheduler.max_model_len, cfg)
