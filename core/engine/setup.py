@@ -22,6 +22,7 @@ from core.engine.stats import EngineStats
 from core.kv.kv_cache_manager import KVCacheManager
 from core.kv.pool_size import num_kv_blocks
 from core.models import cpu_rotary
+from core.native.allocator import tune_cpu_allocator
 from core.models.device import fit_cpu_threads, rank_device, resolve_device, resolve_dtype
 from core.models.llama import LlamaForCausalLM
 from core.models.loader import check_architecture, resolve_model_path
@@ -86,6 +87,7 @@ def resolve_model_files(config: EngineConfig) -> ModelFiles:
     device = resolve_device(config.device)
     if device.type == "cpu":
         logger.info("CPU threads: %d", fit_cpu_threads())
+        logger.info("CPU allocator: %s", tune_cpu_allocator())
         logger.info("CPU decode attention: %s", cpu_paged_decode.prepare())
         logger.info("CPU prefill attention: %s", cpu_paged_prefill.prepare())
         logger.info("CPU rotary: %s", cpu_rotary.prepare())

@@ -145,10 +145,16 @@ CPU_PACKED_LINEAR = EnvVar("LORAPLEX_CPU_PACKED_LINEAR", "auto|0|1", "auto", "au
                            "and 1 = on for fp32 and bf16 weights where this torch build has oneDNN, 0 = off (F.linear)",
                            _choice("auto", "0", "1"))
 NATIVE_KERNELS = EnvVar("LORAPLEX_NATIVE_KERNELS", "auto|0|1", "auto", "auto",
-                        "the C kernels of the CPU path (core/native/build.py: CPU paged decode attention), built at "
+                        "the C kernels of the CPU path (core/native/build.py: CPU paged decode and prefill attention, "
+                        "rotary), built at "
                         "first use with the system C compiler into ~/.cache/loraplex/native/: auto and 1 = on where a "
                         "compiler builds them (else the torch path, with a warning), 0 = off (the torch path)",
                         _choice("auto", "0", "1"))
+CPU_MALLOC_TUNING = EnvVar("LORAPLEX_CPU_MALLOC_TUNING", "0|1", True, "1",
+                           "a CPU engine raises glibc's mmap threshold to 256 MiB and its trim threshold to 1 GiB "
+                           "at start-up (core/native/allocator.py), so large activations reuse heap pages instead "
+                           "of being mapped and zero-filled afresh every step (the process keeps its peak "
+                           "activation memory); 0 = the C library's defaults", _bool)
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0|1", False, "0",
                           "Triton's own switch (read here once, never set): its kernels run in the CPU interpreter "
                           "(tests); a kernel module reads it when it is imported", _bool)
@@ -198,7 +204,7 @@ TESTS_DIR = EnvVar("LORAPLEX_TESTS_DIR", "path", None, "unset",
 
 ALL: tuple[EnvVar, ...] = (
     ATTENTION_BACKEND, FUSED_OPS, LORA_BACKEND, BITMASK_BACKEND, QUANT_GEMM, KERNEL_SELFCHECK, CPU_PACKED_LINEAR,
-    NATIVE_KERNELS, TRITON_INTERPRET,
+    NATIVE_KERNELS, CPU_MALLOC_TUNING, TRITON_INTERPRET,
     ASYNC_SCHEDULING, ALLOW_LONG_MAX_MODEL_LEN, TP_START_TIMEOUT_S, TP_STEP_TIMEOUT_S, ENGINE_PROCESS, STEP_TRACE,
     GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_WORKER_MEMORY_MB, GRAMMAR_MAX_REGEX_CHARS, ENGINE_TEST_HOOK, TESTS_DIR,
 )
