@@ -12,7 +12,15 @@ Candidates (each output checked against the torch path, max abs error):
 FLOPs: 4 x heads x head_dim per (query, visible key) pair (q.k and p.v). The machine's fp32 GEMM peak is the
 ceiling (about 180-220 GFLOP/s on the 2-core CI machine). Timing: the median of --repeats calls, interleaved, wall time.
 
-    python benchmarks/cpu_prefill_attention.py [--threads 2] [--dtype float32] [--name cpu_prefill_attention]
+With --engine, two end-to-end A/Bs in one process each (the kernel switched on and off between passes,
+`cpu_paged_prefill.ENABLED`, interleaved, --rounds of each):
+  - a mixed step (issue 36): the latency_slo model (fp32), 6 requests decoding while a 1,000-token prompt is
+    prefilled 32 tokens per step (`max_num_batched_tokens` 38, `max_step_ms` 0): the median time of the steps
+    that carry both;
+  - the cpu_peers workload offline (issue 38): the 80M Llama, 32 requests, output tokens/s (median of the rounds),
+    and whether the greedy tokens are the same.
+
+    python benchmarks/cpu_prefill_attention.py [--threads 2] [--dtype float32] [--engine] [--name cpu_prefill_attention]
 """
 from __future__ import annotations
 
@@ -68,6 +76,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--name", default="cpu_prefill_attention")
+    ap.add_argument("--engine", action="store_true", help="also the end-to-end A/Bs (about 5 minutes)")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -101,7 +111,79 @@ def main() -> None:
                           f"torch {row['torch_ms']:.3f} ms ({row['torch_gflops']:.0f} GFLOP/s), native "
                           f"{row['native_ms']:.3f} ms ({row['native_gflops']:.0f} GFLOP/s): {row['speedup']:.2f}x; "
                           f"max abs err {err:.1e}"))
-    write_results(args.name, {"threads": args.threads, "dtype": args.dtype, "rows": rows}, table)
+    engine = engine_ab(args.rounds, table) if args.engine else {}
+    write_results(args.name, {"threads": args.threads, "dtype": args.dtype, "rows": rows, "engine": engine}, table)
+
+
+def engine_ab(rounds: int, table: list[tuple[str, str]]) -> dict[str, object]:
+    import json
+    import random
+    import tempfile
+
+    from cpu_peers import resolve_model
+    from latency_slo import CPU_SLO_CONFIG, FIRST_TEXT_ID
+    from serving_overhead import workload
+    from synthetic_tokenizer import build_synthetic_tokenizer
+
+    from core import LLM, SamplingParams
+    from core.scheduling.scheduler import Scheduler
+
+    out = Path(tempfile.mkdtemp())
+    build_synthetic_tokenizer(out, vocab_size=CPU_SLO_CONFIG["vocab_size"])
+    (out / "config.json").write_text(json.dumps(CPU_SLO_CONFIG))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    state = {"on": True}
+    observe = Scheduler.observe_step
+
+    def record(self, step_out, seconds):   # the engine reports every step's measured time here
+        if step_out.features.num_decode_tokens >= 5 and step_out.features.num_prefill_tokens:
+            steps[state["on"]].append(seconds)
+        return observe(self, step_out, seconds)
+
+    Scheduler.observe_step = record
+    try:
+        llm = LLM(str(out), device="cpu", dtype="float32", load_format="dummy", enable_prefix_caching=False,
+                  max_step_ms=0.0, max_num_batched_tokens=38)
+        rng = random.Random(0)
+        short = [[rng.randrange(FIRST_TEXT_ID, 4096) for _ in range(32)] for _ in range(6)]
+        long = [rng.randrange(FIRST_TEXT_ID, 4096) for _ in range(1000)]
+        llm.generate(short[:2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        for _ in range(rounds):
+            for on in (True, False):
+                state["on"] = cpu_paged_prefill.ENABLED = on
+                llm.generate(short + [long], SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True))
+        llm.shutdown()
+    finally:
+        Scheduler.observe_step = observe
+        cpu_paged_prefill.ENABLED = True
+    mixed = {on: 1e3 * sorted(v)[len(v) // 2] for on, v in steps.items()}
+    table.append(("engine: a step of 6 decode rows + a 32-token chunk (latency_slo model), median",
+                  f"torch path {mixed[False]:.1f} ms, native {mixed[True]:.1f} ms ({mixed[False] / mixed[True]:.2f}x; "
+                  f"{len(steps[True])} steps each)"))
+    model, _ = resolve_model(None)
+    work = workload(model, 32)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
+    llm = LLM(str(model), device="cpu", dtype="float32", enable_prefix_caching=False)
+    llm.generate([work[0][0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    for _ in range(rounds):
+        for on in (True, False):
+            cpu_paged_prefill.ENABLED = on
+            start = time.perf_counter()
+            outs = llm.generate([p for p, _ in work], params)
+            rates[on].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+            tokens.setdefault(on, [list(o.token_ids) for o in outs])
+    cpu_paged_prefill.ENABLED = True
+    llm.shutdown()
+    median = {on: sorted(v)[len(v) // 2] for on, v in rates.items()}
+    same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
+    table.append(("engine: cpu_peers workload offline fp32, output tok/s (median of the rounds)",
+                  f"torch path {median[False]:.1f}, native {median[True]:.1f} ({median[True] / median[False]:.2f}x); "
+                  f"greedy outputs equal: {same}/{len(work)}"))
+    return {"mixed_step_ms": {"native": mixed[True], "torch": mixed[False]},
+            "workload_tok_s": {"native": rates[True], "torch": rates[False]}, "same_greedy": same}
 
 
 if __name__ == "__main__":
