@@ -149,7 +149,8 @@ class Scheduler:
         shares = out.shares = self._plan_fair_step(out) if self.fairness is not None else None
         if shares is None:
             self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
-        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens)
+        backlog = self.waiting.num_tokens + sum(remaining_prefill(r) for r in self.running)
+        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, backlog)
         num_slot_preemptions = len(out.preempted)
         decodes = [r for r in self.running if is_decode(r)]
         prefills = sorted((r for r in self.running if not is_decode(r)), key=self._prefill_key)
@@ -348,4 +349,5 @@ class Scheduler:
         if self.fairness is not None:
             self.fairness.check_integrity(live)
         self.step_time.check_integrity()
+        self.waiting.check_integrity()
         self.kv.check_integrity(live)

@@ -26,6 +26,7 @@ class WaitingQueue:
         self.max_sorted = max_sorted
         self._queue: deque[Request] = deque()
         self._remaining: dict[int, int] = {}    # id(request) -> remaining prefill, estimated at `prepare`
+        self.num_tokens = 0                     # the queued requests' tokens (prompts, and outputs of preempted ones)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -38,15 +39,24 @@ class WaitingQueue:
 
     def append(self, req: Request) -> None:
         self._queue.append(req)
+        self.num_tokens += req.num_tokens
 
     def push_front(self, req: Request) -> None:
         self._queue.appendleft(req)
+        self.num_tokens += req.num_tokens
 
     def remove(self, req: Request) -> None:
         self._queue.remove(req)
+        self.num_tokens -= req.num_tokens
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        req = self._queue.popleft()
+        self.num_tokens -= req.num_tokens
+        return req
+
+    def check_integrity(self) -> None:
+        assert self.num_tokens == sum(r.num_tokens for r in self._queue), "waiting token count out of step"
+        assert len({id(r) for r in self._queue}) == len(self._queue), "a request queued twice"
 
     def _cached_len(self, r: Request) -> int:
         cache = self.kv.prefix_cache

@@ -17,7 +17,7 @@ from core.kv.kv_cache_manager import KVCacheManager
 from core.sampling.params import SamplingParams
 from core.scheduling import step_budget
 from core.scheduling.scheduler import Scheduler, SchedulerOutput
-from core.scheduling.step_budget import AUTO_BUDGET_FACTOR, MIN_PREFILL_CHUNK, is_decode
+from core.scheduling.step_budget import AUTO_BUDGET_FACTOR, BACKLOG_STEPS, MIN_PREFILL_CHUNK, is_decode
 from core.scheduling.step_time import StepFeatures
 
 BS = 4
@@ -272,3 +272,35 @@ def test_random_operations_keep_the_budget_and_drain(seed: int, monkeypatch: pyt
         advance(sched, sched.schedule())
     assert not sched.has_unfinished(), "requests stuck: no progress"
     assert sched.kv.usage() == 0.0
+
+
+# prefill tokens so dear (5 ms each) that the auto budget alone admits none: only the floors move prefill
+DEAR = COST + np.array([0.0, 5e-3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("num_waiting,floor", [(1, MIN_PREFILL_CHUNK), (40, 40 * 400 // BACKLOG_STEPS)])
+def test_a_backlog_drains_within_backlog_steps_under_the_auto_budget(num_waiting: int, floor: int) -> None:
+    """Under the auto budget a step with decode rows carries at least the prefill backlog / BACKLOG_STEPS tokens:
+    one waiting prompt keeps the minimum chunk; a queue of 40 (a burst, saturation) fills the decode batch sooner
+    instead of trickling in 32 tokens a step."""
+    sched = scheduler(max_step_ms=None, cost=DEAR)
+    start_decoding(sched, 4, cost=DEAR)
+    for i in range(num_waiting):
+        sched.add_request(make_request(f"w{i}", 400, 4, start=100 + i))
+    backlog = sched.waiting.num_tokens
+    assert backlog == 400 * num_waiting
+    out = sched.schedule()
+    assert sum(1 for _, n in out.scheduled if n == 1) == 4, "every decode row still runs"
+    assert prefill_tokens(out) == max(MIN_PREFILL_CHUNK, -(-backlog // BACKLOG_STEPS)) == max(floor, MIN_PREFILL_CHUNK)
+    advance(sched, out, cost=DEAR)
+
+
+def test_an_explicit_budget_keeps_only_the_minimum_chunk_whatever_the_backlog() -> None:
+    """--max-step-ms is the operator's inter-token promise: a queue does not widen the step beyond the minimum."""
+    sched = scheduler(max_step_ms=1.0, cost=DEAR)
+    start_decoding(sched, 4, cost=DEAR)
+    for i in range(40):
+        sched.add_request(make_request(f"w{i}", 400, 4, start=100 + i))
+    out = sched.schedule()
+    assert prefill_tokens(out) == MIN_PREFILL_CHUNK
+    advance(sched, out, cost=DEAR)
