@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from core.attention.metadata import AttentionMetadata, CPUPrefillArgs
-from core.native.build import load
+from core.native.build import load_functions
 
 SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
 MAX_HEAD_DIM = 256      # the kernel's stack scratch
@@ -43,13 +43,7 @@ ENABLED = True
 def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
     global _kernels
     if _kernels is None:
-        lib = load(SOURCE)
-        _kernels = {}
-        if lib is not None:
-            for dtype, name in _FUNCTIONS.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-                _kernels[dtype] = fn
+        _kernels = load_functions(SOURCE, _FUNCTIONS, _ARGTYPES, ctypes.c_int)
     return _kernels
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from core.native.build import load
+from core.native.build import load_functions
 
 SOURCE = Path(__file__).with_name("cpu_rotary.c")
 FLAGS = ("-ffp-contract=off",)   # no FMA: each product and the sum round as torch's separate ops do
@@ -25,13 +25,7 @@ ENABLED = True
 def _load() -> dict[torch.dtype, ctypes._CFuncPtr]:
     global _kernels
     if _kernels is None:
-        lib = load(SOURCE, FLAGS)
-        _kernels = {}
-        if lib is not None:
-            for dtype, name in _FUNCTIONS.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = _ARGTYPES, None
-                _kernels[dtype] = fn
+        _kernels = load_functions(SOURCE, _FUNCTIONS, _ARGTYPES, None, FLAGS)
     return _kernels
 
 

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any, Mapping, TypeVar
 
 from core.environment import variables as env
 
@@ -32,6 +33,7 @@ BUILD_TIMEOUT_S = 120.0
 HEADERS = Path(__file__).parent   # the kernels' shared headers (bf16.h), on the include path
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}
+K = TypeVar("K")
 
 
 def compiler() -> str | None:
@@ -108,3 +110,17 @@ def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             log.warning("CPU kernel %s: %s; the torch path runs instead", source.stem, reason)
         _loaded[source] = lib
         return lib
+
+
+def load_functions(source: Path, names: Mapping[K, str], argtypes: list[Any], restype: Any,
+                   extra_flags: tuple[str, ...] = ()) -> dict[K, Any]:
+    """The functions `names` (e.g. one per dtype) of the library `load` builds from `source`, their ctypes
+    signatures set; empty where the library cannot be built (the caller's torch path runs)."""
+    lib = load(source, extra_flags)
+    functions: dict[K, Any] = {}
+    if lib is not None:
+        for key, name in names.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+            functions[key] = fn
+    return functions
