@@ -5,10 +5,15 @@ them. While the step carries decode rows, its prefill chunks are sized so that t
 (core/scheduling/step_time.py) stays within the budget:
 
 - `--max-step-ms MS`: the budget is MS milliseconds;
-- unset (the default, "auto"): the budget is `AUTO_BUDGET_FACTOR` x the predicted time of the step's decode rows
-  alone, so a step that carries a prefill chunk takes at most that factor times a decode-only step of the same
-  decode batch: the inter-token latency's tail stays within ~2x its median whatever the hardware, learned from
-  the steps the engine runs (the first `min_observations` steps, before the model is fitted, are not limited);
+- unset (the default, "auto"): the budget is `AUTO_BUDGET_FACTOR` x the typical decode-only step, the median
+  inter-token gap of the recent decode-only steps as clients count them (`StepTimeModel.typical_decode_s`; before
+  there is one, the predicted time of the step's own decode rows), so a step that carries a prefill chunk takes at
+  most that factor times the gap decoding requests usually see: the inter-token latency's tail stays near 2x its
+  median whatever the hardware, learned from the steps the engine runs (the first `min_observations` steps,
+  before the model is fitted, are not limited). The yardstick is the typical gap, not the step's own decode batch:
+  the tail target is over all gaps, and with 1.8x each step's own decode rows a heavy batch (many rows, three
+  adapters) stretched to 2.2-2.3x the median gap and set the tail (latency_slo.py at 50% load: ITL p99/p50
+  2.32-2.81 in three runs, 2.11 with the typical step, `benchmarks/README.md`, "Latency under load");
 - `0`: no time budget (only `--max-num-batched-tokens`, the hard cap in every case).
 
 Under the auto budget, when what a step pays once for carrying any prefill (on a GPU: an eager step instead of a
@@ -16,11 +21,14 @@ decode graph's replay; `StepTimeModel.prefill_overhead`) keeps even the minimum 
 charged to the chunk, only what the prefill tokens add (`StepPlan.prefill_cap`). A step with no decode row uses the
 whole token budget (an idle server's TTFT does not suffer), and a step with decode rows always carries at least
 `MIN_PREFILL_CHUNK` prefill tokens when a prefill waits, so prefills always progress (no starvation under a budget
-the decode rows alone exceed), and under the auto budget at least 1 / `BACKLOG_STEPS` of the prefill backlog (the waiting requests'
-tokens and what running prefills have left), so a backlog drains within about that many steps: below saturation
-the backlog is a prompt or two and the floor stays `MIN_PREFILL_CHUNK`; past it (a burst, a queue) the decode
-batch fills sooner (benchmarks/scheduler_sim.py, 6 workloads of 48 requests: throughput at saturation 0.94x the
-unbudgeted server's without this floor, 0.97x with it; ITL and TTFT at 50% and 80% load unchanged). Under the auto budget, a request that has waited `BUDGET_EXEMPT_STEPS` steps since
+the decode rows alone exceed; 16 tokens: with 32, at 50% load the minimum chunk alone overran the budget in half
+of the steps that carried prefill), and under the auto budget at least 1 / `BACKLOG_STEPS` of the prefill
+backlog (the waiting requests' tokens and what running prefills have left), so a backlog drains within about that
+many steps: below saturation the backlog is a prompt or two and the floor stays `MIN_PREFILL_CHUNK`; past it (a
+burst, a queue) the decode batch fills sooner (benchmarks/scheduler_sim.py, 6 workloads of 48 requests:
+throughput at saturation 0.94x the unbudgeted server's without this floor, 0.97x with it; ITL and TTFT at 50% and
+80% load unchanged; 32 instead of 64 steps put 40-80-token chunks into the steps of a Poisson burst at 50% load,
+ITL p99/p50 2.77). Under the auto budget, a request that has waited `BUDGET_EXEMPT_STEPS` steps since
 arrival (64, the aging bound's value; 32 measured in benchmarks/README.md) prefills at the token budget: past
 saturation a queue of prefills would otherwise trickle in a few dozen tokens per step, every decode batch would
 stay small, and throughput would fall (measured in benchmarks/scheduler_sim.py: 0.83x the unbudgeted server's
@@ -31,8 +39,8 @@ from __future__ import annotations
 from core.engine.request import Request
 from core.scheduling.step_time import StepFeatures, StepTimeModel
 
-AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the predicted decode-only step (margin under 2x for model error)
-MIN_PREFILL_CHUNK = 32      # prefill tokens a step with decode rows may always carry
+AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the typical decode-only step (margin under 2x for the machine's jitter)
+MIN_PREFILL_CHUNK = 16      # prefill tokens a step with decode rows may always carry
 BUDGET_EXEMPT_STEPS = 64    # steps since arrival after which the auto budget no longer sizes a request's prefill
 BACKLOG_STEPS = 64          # a step with decode rows carries at least the prefill backlog / this many tokens
 
@@ -61,7 +69,9 @@ class StepPlan:
         self.min_chunk = max(MIN_PREFILL_CHUNK, backlog_share)
         self.max_step_ms = max_step_ms       # None: auto; 0: off
         self.features = StepFeatures()
+        self.decode_features = StepFeatures()   # the decode rows alone
         self._adapters: set[object] = set()  # the adapters (slot keys) of the rows added so far
+        self._decode_adapters: set[object] = set()   # ... of the decode rows
         self.budget_s = 0.0                  # the budget applied in this step (0: none)
         self._cap_tokens = max_num_batched_tokens
 
@@ -74,8 +84,14 @@ class StepPlan:
     def add(self, req: Request, num_new: int) -> None:
         """Counts a scheduled row of `req` computing `num_new` tokens."""
         key = req.lora_slot_key
-        self.features = self.features.plus_row(num_new, req.num_computed_tokens + num_new, is_decode(req),
+        decode = is_decode(req)
+        self.features = self.features.plus_row(num_new, req.num_computed_tokens + num_new, decode,
                                                key is not None, key not in self._adapters)
+        if decode:
+            self.decode_features = self.decode_features.plus_row(num_new, req.num_computed_tokens + num_new, True,
+                                                                 key is not None, key not in self._decode_adapters)
+            if key is not None:
+                self._decode_adapters.add(key)
         if key is not None:
             self._adapters.add(key)
 
@@ -117,5 +133,5 @@ class StepPlan:
 
     def _budget_s(self) -> float:
         if self.max_step_ms is None:
-            return AUTO_BUDGET_FACTOR * self.model.predict(self.features)
+            return AUTO_BUDGET_FACTOR * (self.model.typical_decode_s() or self.model.predict(self.decode_features))
         return self.max_step_ms / 1000.0

@@ -139,6 +139,18 @@ class StepTimeModel:
         """Mean |predicted - measured| / measured over the window's predicted steps (0.0 before any)."""
         return float(np.mean(self._errors)) if self._errors else 0.0
 
+    def typical_decode_s(self) -> float:
+        """The typical gap between two tokens of a decoding request when no prefill is in the way: the median over
+        the decode rows of the window's decode-only steps (a step of n rows is n gaps, as clients count them) of
+        their measured time; 0.0 before any decode-only step."""
+        if not self._decode_steps:
+            return 0.0
+        times = np.array([t for _, t in self._decode_steps])              # [n]
+        rows = np.array([v[2] for v, _ in self._decode_steps])            # [n] decode rows
+        order = np.argsort(times, kind="stable")
+        cum = np.cumsum(rows[order])
+        return float(times[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
+
     def observe(self, f: StepFeatures, seconds: float) -> None:
         """One step's features and measured wall time."""
         if f.empty or not np.isfinite(seconds) or seconds <= 0.0:

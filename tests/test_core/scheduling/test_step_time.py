@@ -70,6 +70,26 @@ def test_prefill_cost_survives_a_long_stretch_of_decode_only_steps() -> None:
     assert model.predict(chunk) == pytest.approx(float(chunk.vector() @ truth), rel=0.1)
 
 
+def test_typical_decode_step_is_the_median_gap_over_decode_rows() -> None:
+    """The auto budget's yardstick: the median inter-token gap of the window's decode-only steps as clients count
+    them (a step of 8 rows is 8 gaps); steps that carry prefill, and those that left the window, do not count."""
+    model = StepTimeModel(window=64)                    # 32 decode-only steps kept
+    assert model.typical_decode_s() == 0.0
+    for _ in range(10):
+        model.observe(StepFeatures(0, 1, 100, 0), 0.010)
+    for _ in range(3):
+        model.observe(StepFeatures(0, 8, 800, 0), 0.030)
+        model.observe(StepFeatures(500, 8, 9000, 0), 0.500)        # a prefill step: not a decode-only gap
+    assert model.typical_decode_s() == 0.030                        # 24 of 34 gaps took 30 ms
+    for _ in range(19):
+        model.observe(StepFeatures(0, 1, 100, 0), 0.012)
+    assert model.typical_decode_s() == 0.012                        # 29 one-row gaps of 10-12 ms against 24
+    for _ in range(32):
+        model.observe(StepFeatures(0, 2, 200, 0), 0.020)
+        model.check_integrity()
+    assert model.typical_decode_s() == 0.020
+
+
 def test_adapters_are_counted_once_per_step() -> None:
     f = StepFeatures().plus_row(1, 10, True, True, True).plus_row(1, 20, True, True, False)
     f = f.plus_row(32, 32, False, True, True).plus_row(1, 5, True, False, True)
