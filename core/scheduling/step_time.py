@@ -113,6 +113,7 @@ class StepTimeModel:
         self.last_predicted_s = 0.0
         self.last_measured_s = 0.0
         self._since_fit = 0
+        self._typical_decode_s: float | None = None   # typical_decode_s(), kept until a decode-only step arrives
 
     @property
     def ready(self) -> bool:
@@ -143,13 +144,15 @@ class StepTimeModel:
         """The typical gap between two tokens of a decoding request when no prefill is in the way: the median over
         the decode rows of the window's decode-only steps (a step of n rows is n gaps, as clients count them) of
         their measured time; 0.0 before any decode-only step."""
-        if not self._decode_steps:
-            return 0.0
-        times = np.array([t for _, t in self._decode_steps])              # [n]
-        rows = np.array([v[2] for v, _ in self._decode_steps])            # [n] decode rows
-        order = np.argsort(times, kind="stable")
-        cum = np.cumsum(rows[order])
-        return float(times[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
+        if self._typical_decode_s is None:
+            self._typical_decode_s = 0.0
+            if self._decode_steps:
+                times = np.array([t for _, t in self._decode_steps])      # [n]
+                rows = np.array([v[2] for v, _ in self._decode_steps])    # [n] decode rows
+                order = np.argsort(times, kind="stable")
+                cum = np.cumsum(rows[order])
+                self._typical_decode_s = float(times[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
+        return self._typical_decode_s
 
     def observe(self, f: StepFeatures, seconds: float) -> None:
         """One step's features and measured wall time."""
@@ -161,6 +164,8 @@ class StepTimeModel:
             self._errors.append(abs(predicted - seconds) / seconds)
         self.last_measured_s = seconds
         (self._prefill_steps if f.num_prefill_tokens else self._decode_steps).append((f.vector(), float(seconds)))
+        if not f.num_prefill_tokens:
+            self._typical_decode_s = None        # recomputed on the next ask
         self.num_observations += 1
         self._since_fit += 1
         if self.num_kept >= self.min_observations and (self._since_fit >= self.refit_every or not self.ready):
@@ -192,4 +197,7 @@ class StepTimeModel:
         assert all(t > 0.0 for _, t in [*self._prefill_steps, *self._decode_steps]), "a non-positive step time"
         assert all(e >= 0.0 and np.isfinite(e) for e in self._errors), "a bad prediction error"
         assert self.num_observations >= self.num_kept
+        if self._typical_decode_s is not None:
+            cached, self._typical_decode_s = self._typical_decode_s, None
+            assert self.typical_decode_s() == cached, "a stale typical decode step"
         assert not self.ready or self.num_observations >= self.min_observations
