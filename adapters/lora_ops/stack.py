@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from adapters.lora_ops.cpu_packed import PackedSlot, packed_slot_weights
+
 
 @dataclass(frozen=True)
 class LoRAStack:
@@ -34,7 +36,8 @@ class LoRAStack:
     dora_flags: Optional[torch.Tensor] = None  # [slots] int32, 1: the slot rescales this linear's output
     dora_host: Optional[torch.Tensor] = None   # [slots] bool, CPU mirror of dora_flags
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
-    # fused_slot's cache: {(slot, dtype): (A, B)}, valid while `_fused_version` matches the tensors' versions
+    # fused_slot's and packed_slot's cache: {(slot, dtype): (A, B), ("packed", slot, dtype): PackedSlot}, valid
+    # while its "version" entry matches the tensors' version counters
     _fused: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,6 +140,17 @@ class LoRAStack:
                     b[off:off + n, col:col + r] = self.lora_b[slot, off:off + n, :r].to(dtype) * scalings[s]
                     col += r
             self._fused[key] = (a, b)
+        return self._fused[key]
+
+    def packed_slot(self, slot: int, dtype: torch.dtype) -> Optional[PackedSlot]:
+        """`fused_slot`'s pair reordered once for oneDNN (adapters/lora_ops/cpu_packed.py: the CPU's matmuls for
+        groups of several rows); cached and invalidated with it. None when the slot has no rank here."""
+        fused = self.fused_slot(slot, dtype)      # refreshes the cache when the tensors changed
+        if fused is None:
+            return None
+        key = ("packed", slot, dtype)
+        if key not in self._fused:
+            self._fused[key] = packed_slot_weights(*fused)
         return self._fused[key]
 
     def host_ranks(self) -> list[list[int]]:

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from adapters.lora_ops.cpu_packed import use_packed
 from adapters.lora_ops.metadata import LoRABatchMeta, PaddedGroups
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import compute_dtype
@@ -67,9 +68,16 @@ def torch_add_lora_fused(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, met
     xg = x.index_select(0, rows).to(cdt)                                        # [T_lora, in], grouped by slot
     alloc = torch.empty if all(weights) else torch.zeros                        # every row written, else zeros
     delta = alloc(meta.num_lora_tokens, num_cols, dtype=cdt, device=x.device)   # [T_lora, N]
-    for fused, start, size in zip(weights, meta.group_starts_host, meta.group_sizes_host):
-        if fused is not None:
-            a, b = fused
+    for slot, fused, start, size in zip(meta.group_slots_host, weights, meta.group_starts_host,
+                                        meta.group_sizes_host):
+        if fused is None:
+            continue
+        a, b = fused
+        if use_packed(x, size, a.numel() + b.numel()):   # oneDNN over the slot's packed pair (lora_ops/cpu_packed)
+            packed = stack.packed_slot(slot, cdt)
+            assert packed is not None
+            delta[start:start + size] = packed.apply(xg[start:start + size])                   # [n, N]
+        else:
             torch.mm(torch.mm(xg[start:start + size], a.t()), b.t(), out=delta[start:start + size])   # [n, N]
     _scatter_add(y, rows, delta, y_offset)
 
@@ -81,8 +89,22 @@ def torch_add_lora_runs(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, runs
     cdt = compute_dtype(x)
     ranks = stack.host_ranks()
     scalings = stack.host_scalings()
+    num_cols = stack.lora_b.shape[1]
     for first, size, slot in runs:
         xs = x[first:first + size].to(cdt)                                         # [n, in]
+        fused = stack.fused_slot(slot, cdt)
+        if fused is None:
+            continue
+        if use_packed(x, size, fused[0].numel() + fused[1].numel()):   # oneDNN, every slice at once
+            packed = stack.packed_slot(slot, cdt)
+            assert packed is not None
+            cols = y[first:first + size, y_offset:y_offset + num_cols]
+            delta = packed.apply(xs)                                               # [n, N]
+            if cols.dtype == cdt:
+                cols += delta
+            else:
+                cols.copy_(cols.to(cdt) + delta)                                   # round once
+            continue
         for s in range(stack.num_slices):
             r = ranks[s][slot]
             if r == 0:

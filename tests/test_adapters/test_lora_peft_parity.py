@@ -10,6 +10,7 @@ from torch import nn
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+import adapters.lora_ops.cpu_packed as cpu_packed  # noqa: E402
 from adapters.layers.dims import GROUP_ATTRS, BaseModelDims  # noqa: E402
 from adapters.errors import SlotPoolFullError  # noqa: E402
 from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers  # noqa: E402
@@ -113,9 +114,19 @@ def test_loader_reads_ranks_and_scaling(setup):
     assert qv.target_modules == frozenset({"q_proj", "v_proj"})
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["mm", "onednn-packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mixed_batch_matches_peft(setup, dtype):
+def test_mixed_batch_matches_peft(setup, dtype, packed, monkeypatch):
+    """onednn-packed: every group of at least PACKED_MIN_ROWS rows through the CPU's oneDNN-packed pair
+    (adapters/lora_ops/cpu_packed.py), which this tiny model's sizes would otherwise never choose."""
     base, dims, peft_models, paths = setup
+    calls = []
+    if packed:
+        if not cpu_packed.packing_available():
+            pytest.skip("no oneDNN packed linear in this torch build")
+        monkeypatch.setattr(cpu_packed, "PACKED_MIN_WORK", 0)
+        real_apply = cpu_packed.PackedSlot.apply
+        monkeypatch.setattr(cpu_packed.PackedSlot, "apply", lambda w, x: calls.append(x.shape[0]) or real_apply(w, x))
     pool = LoRASlotPool(num_slots=4, max_rank=16, dims=dims, dtype=dtype)
     model = fused_model(base, dims)
     apply_lora_wrappers(model, pool)
@@ -132,6 +143,7 @@ def test_mixed_batch_matches_peft(setup, dtype):
     else:  # bf16 pool weights vs the fp32 PEFT reference
         model.to(dtype)
         check_parity_bf16(model, pool, peft_models, slot_to_name, token_slots)
+    assert bool(calls) == packed and all(n >= cpu_packed.PACKED_MIN_ROWS for n in calls)
 
 
 def check_parity_bf16(model, pool, peft_models, slot_to_name, token_slots):
