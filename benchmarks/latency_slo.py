@@ -6,7 +6,8 @@ prompts of 64-1024 token ids (each starts with one of 4 shared 32-token system p
 (`ignore_eos`), spread evenly over the base model and the three adapters, 10% with a JSON schema, greedy.
 
 Two servers run side by side, `--max-step-ms 0` (no time budget: today's scheduling) and the default (auto), and
-each point runs on one then the other with the same requests (back to back, so both see the same machine):
+each point runs on one then the other with the same requests (back to back, so both see the same machine; the
+server not being measured is stopped meanwhile, `others_paused`: an idle server's heartbeat made a periodic tail):
 1. saturation: all requests at once; the saturation rate is the `--max-step-ms 0` server's requests/s;
 2. 50% and 80% of that rate (Poisson);
 3. the trade-off curve: servers with explicit budgets (`--budgets-ms`, default 1.2x and 3x the auto server's
@@ -26,15 +27,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -89,6 +92,42 @@ def start_server(args: argparse.Namespace, model: str, load_format: str, adapter
         env["LORAPLEX_STEP_TRACE"] = str(Path(args.step_trace) / f"steps_{label}.jsonl")
     proc = launch_server(cmd, port, "loraplex_slo", args.startup_timeout_s, env=env)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a server's API process, engine process and compile workers)."""
+    out = [pid]
+    children: list[str] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():     # the children of every thread, not only the main one
+            children += (task / "children").read_text().split()
+    except OSError:
+        return out
+    for child in children:
+        out += process_tree(int(child))
+    return out
+
+
+@contextlib.contextmanager
+def others_paused(servers: dict[str, tuple[subprocess.Popen, str]], active: str) -> Iterator[None]:
+    """The servers but `active` stopped (SIGSTOP) while `active` is measured, then continued. An idle server is
+    not silent: its engine reports every `HEARTBEAT_S` (0.5 s), and on this 2-core machine each report stretched a
+    step of the measured server from 15 to 25-40 ms (six decode streams, 288 steps: 1 step past 1.5x the median
+    alone, 4-8 beside an idle server, 0.5 s apart), a periodic tail that is the harness's, not the scheduler's."""
+    stopped: list[int] = []
+    try:
+        for label, (proc, _) in servers.items():
+            if label != active:
+                for pid in process_tree(proc.pid):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def make_requests(num: int, models: list[str], seed: int, args: argparse.Namespace) -> list[dict]:
@@ -183,9 +222,13 @@ def main(argv: list[str] | None = None) -> None:
         for label, (_, base) in servers.items():    # warm-up: grammar compile, adapter loads, the step-time model
             warm = make_requests(12, models, 10_000, args)
             warm[0]["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
-            point(base, warm, float("inf"), 0, slo, f"{label} warm-up")
+            with others_paused(servers, label):
+                point(base, warm, float("inf"), 0, slo, f"{label} warm-up")
         sat_reqs = make_requests(args.num_saturation_requests, models, 1, args)
-        sat = {label: point(base, sat_reqs, float("inf"), 1, slo, label) for label, (_, base) in servers.items()}
+        sat = {}
+        for label, (_, base) in servers.items():
+            with others_paused(servers, label):
+                sat[label] = point(base, sat_reqs, float("inf"), 1, slo, label)
         for p in sat.values():
             p["load"] = "saturation"
         points += list(sat.values())
@@ -195,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             reqs = make_requests(args.num_requests, models, 2 + k, args)
             by_load[load] = {}
             for label, (_, base) in servers.items():
-                p = point(base, reqs, load * sat_rate, 2 + k, slo, label)
+                with others_paused(servers, label):
+                    p = point(base, reqs, load * sat_rate, 2 + k, slo, label)
                 p["load"] = load
                 by_load[load][label] = p
                 points.append(p)

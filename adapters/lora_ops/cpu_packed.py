@@ -8,9 +8,10 @@ expand to 4,096 columns 85 -> 31 us at 17 rows and 213 -> 83 us at 64; a fused q
 24 -> 17 us at 17 rows; at one or two rows oneDNN's fixed cost (about 12 us a call) loses to `torch.mm`
 (4-8 us), and MKL does well on small weights. Over ranks 8-64 on q/k/v, o, gate/up and down (768 hidden,
 2,048 intermediate) and 4-256 rows, the packed pair wins when its weights (sum_r x (in + N)) times
-(rows + `PACKED_ROW_OFFSET`) reach `PACKED_MIN_WORK` (`use_packed`): 1.1-2.0x where it is chosen (a rank-32
-gate/up 1.4-2.1x at 4-256 rows), and where it is not, `torch.mm` is as fast or faster (rank 8 at 4-16 rows:
-packed 0.34-0.69x). Measured pair by pair with /tmp-free code in `benchmarks/cpu_lora_packed.py`.
+(rows + `PACKED_ROW_OFFSET`) reach `PACKED_MIN_WORK` (`use_packed`). Measured pair by pair in
+`benchmarks/cpu_lora_packed.py` (`results/cpu_lora_packed.md`): where the rule picks the pair it is 0.86-2.8x
+`torch.mm` (a rank-32 gate/up 1.3-2.8x at 4-256 rows), where it keeps `torch.mm` the pair is 0.26-1.7x, and over
+the whole grid the rule's choices cost 1.9% more than the better path of each shape.
 
     packed = packed_slot_weights(a, b)     # a [sum_r, in], b [N, sum_r]: `LoRAStack.fused_slot`'s pair
     delta = packed.apply(x)                # (x @ a.T) @ b.T, [n, N]
