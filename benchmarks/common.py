@@ -120,8 +120,31 @@ def now() -> float:
     return time.perf_counter()
 
 
+def kernel_memory_monitor() -> str | None:
+    """The kernel's DAMON monitors (kdamond threads) that are on, e.g. "kdamond 0: paddr, sampling every 500 ms";
+    None where there are none. On this project's CPU machine one samples physical memory every 0.5 s and each
+    sample takes a core for ~11 ms (`perf sched timehist`): a step it lands in stretches by 10-25 ms, the
+    periodic part of an inter-token tail (benchmarks/README.md, "Latency under load")."""
+    root = Path("/sys/kernel/mm/damon/admin/kdamonds")
+    found = []
+    try:
+        for kd in sorted(p for p in root.iterdir() if p.name.isdigit()):
+            if (kd / "state").read_text().strip() != "on":
+                continue
+            for ctx in sorted((kd / "contexts").iterdir()):
+                if not ctx.name.isdigit():
+                    continue
+                ops = (ctx / "operations").read_text().strip()
+                sample_us = int((ctx / "monitoring_attrs" / "intervals" / "sample_us").read_text())
+                found.append(f"kdamond {kd.name}: {ops}, sampling every {sample_us / 1e3:g} ms")
+    except (OSError, ValueError):
+        pass
+    return "; ".join(found) or None
+
+
 def environment() -> dict[str, Any]:
-    """Versions and hardware the figures were measured with (torch, triton, CUDA, GPU)."""
+    """Versions and hardware the figures were measured with (torch, triton, CUDA, GPU, the kernel's memory
+    monitor)."""
     try:
         import triton
         triton_version = triton.__version__
@@ -131,7 +154,8 @@ def environment() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
             "cuda": torch.version.cuda, "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if cuda else None,
-            "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None}
+            "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+            "kernel_memory_monitor": kernel_memory_monitor()}
 
 
 def write_results(name: str, data: dict[str, Any], table: list[tuple[str, str]]) -> Path:

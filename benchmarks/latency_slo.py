@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import torch
 
-from common import bench_model_dir, write_results
+from common import bench_model_dir, kernel_memory_monitor, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
 from serving import SCHEMA, free_port
@@ -110,10 +110,11 @@ def process_tree(pid: int) -> list[int]:
 
 @contextlib.contextmanager
 def others_paused(servers: dict[str, tuple[subprocess.Popen, str]], active: str) -> Iterator[None]:
-    """The servers but `active` stopped (SIGSTOP) while `active` is measured, then continued. An idle server is
-    not silent: its engine reports every `HEARTBEAT_S` (0.5 s), and on this 2-core machine each report stretched a
-    step of the measured server from 15 to 25-40 ms (six decode streams, 288 steps: 1 step past 1.5x the median
-    alone, 4-8 beside an idle server, 0.5 s apart), a periodic tail that is the harness's, not the scheduler's."""
+    """The servers but `active` stopped (SIGSTOP) while `active` is measured, then continued: an idle server still
+    wakes (its engine reports every `HEARTBEAT_S`, its compile threads poll), and beside one the measured server had
+    4-8 of 288 decode steps past 1.5x the median instead of 1-2 (six decode streams, one run each). The periodic
+    stalls that remain with it stopped (every ~0.54 s, ~1% of the steps at 50% load) are the kernel's memory
+    monitor, not a server (`common.kernel_memory_monitor`, benchmarks/README.md, "Latency under load")."""
     stopped: list[int] = []
     try:
         for label, (proc, _) in servers.items():
@@ -277,6 +278,8 @@ def report(args: argparse.Namespace, sat: dict[str, dict], by_load: dict[float, 
     sat_rate = sat["off"]["request_s"]
     top = max(by_load)
     rows: list[tuple[str, str]] = [("load average before / after", f"{load_before} / {load_after}"),
+                                   ("kernel memory monitor (DAMON; its samples stall a core ~11 ms)",
+                                    kernel_memory_monitor() or "none"),
                                    ("saturation rate (no budget, all requests at once)", f"{sat_rate:.2f} req/s")]
     targets: dict[str, Any] = {}
     for load, pair in by_load.items():
