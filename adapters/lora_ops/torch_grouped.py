@@ -13,6 +13,9 @@ Fused (on the CPU, when it takes fewer ops than batched, and always instead of s
 against its slot's weights with every slice fused (`LoRAStack.fused_slot`), where an op's dispatch costs more than
 its FLOPs (decode rows of a few adapters).
 
+On the CPU a run, or a group of the fused path, whose size pays for it (`cpu_packed.use_packed`: a rank-32
+adapter's prefill chunk, not one decode row) multiplies by the slot's fused pair packed once for oneDNN
+(`LoRAStack.packed_slot`) instead of `torch.mm`: MKL re-blocks the weight on every call (1.3-2.8x on LoRA's shapes).
 Both compute in `compute_dtype` (fp32 on the CPU) and round into y once, as `torch_shrink` / `torch_expand`.
 """
 from __future__ import annotations
