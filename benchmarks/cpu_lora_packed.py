@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -70,19 +68,11 @@ def pairs() -> tuple[list[dict], float, float]:
 
 
 def engine(chunks: list[int], reps: int) -> list[dict]:
-    from latency_slo import FIRST_TEXT_ID, RANKS as ADAPTER_RANKS, model_dir
-    from lora_overhead import TARGET_SETS, write_adapter
+    from latency_slo import FIRST_TEXT_ID, RANKS as ADAPTER_RANKS, offline_setup
 
     from core import LLM, SamplingParams
-    from core.config import ModelConfig
 
-    model, load_format = model_dir(None)
-    cfg = ModelConfig.from_path(model)
-    tmp = Path(tempfile.mkdtemp(prefix="loraplex_packed_"))
-    adapters = {f"t{i}": str(write_adapter(tmp / f"a{i}", cfg, rank, i, dtype=torch.float32,
-                                           targets=TARGET_SETS["all"])) for i, rank in enumerate(ADAPTER_RANKS)}
-    trace = tmp / "steps.jsonl"
-    os.environ["LORAPLEX_STEP_TRACE"] = str(trace)
+    model, load_format, cfg, adapters, trace = offline_setup("loraplex_packed_")
     rule = torch_grouped.use_packed
     rows = []
     rng = random.Random(0)

@@ -76,6 +76,19 @@ def model_dir(model: str | None) -> tuple[str, str]:
     return str(out), "dummy"
 
 
+def offline_setup(prefix: str) -> tuple[str, str, ModelConfig, dict[str, str], Path]:
+    """For an in-process `LLM` on this benchmark's model: (model dir, load format, config, adapters t0-t2 of
+    `RANKS`, a step-trace path already set in `LORAPLEX_STEP_TRACE` for the engines built after this call)."""
+    model, load_format = model_dir(None)
+    cfg = ModelConfig.from_path(model)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    adapters = {f"t{i}": str(write_adapter(tmp / f"a{i}", cfg, rank, i, dtype=torch.float32,
+                                           targets=TARGET_SETS["all"])) for i, rank in enumerate(RANKS)}
+    trace = tmp / "steps.jsonl"
+    os.environ["LORAPLEX_STEP_TRACE"] = str(trace)
+    return model, load_format, cfg, adapters, trace
+
+
 def start_server(args: argparse.Namespace, model: str, load_format: str, adapters: dict[str, str],
                  max_step_ms: float | None) -> tuple[subprocess.Popen, str]:
     port = free_port()

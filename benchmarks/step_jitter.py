@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
-import torch
 
 from common import write_results
-from latency_slo import FIRST_TEXT_ID, RANKS, model_dir
-from lora_overhead import TARGET_SETS, write_adapter
+from latency_slo import FIRST_TEXT_ID, RANKS, offline_setup
 
 from core import LLM, SamplingParams
-from core.config import ModelConfig
 
 NUM_ROWS = 6
 PROMPT_LEN = 32
@@ -41,13 +36,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--name", default="step_jitter_cpu")
     args = ap.parse_args()
-    model, load_format = model_dir(None)
-    cfg = ModelConfig.from_path(model)
-    tmp = Path(tempfile.mkdtemp(prefix="loraplex_jitter_"))
-    adapters = {f"t{i}": str(write_adapter(tmp / f"a{i}", cfg, rank, i, dtype=torch.float32,
-                                           targets=TARGET_SETS["all"])) for i, rank in enumerate(RANKS)}
-    trace = tmp / "steps.jsonl"
-    os.environ["LORAPLEX_STEP_TRACE"] = str(trace)
+    model, load_format, cfg, adapters, trace = offline_setup("loraplex_jitter_")
     llm = LLM(model, device="cpu", dtype="float32", load_format=load_format, lora_modules=adapters,
               max_loras=len(adapters), max_lora_rank=max(RANKS))
     rng = random.Random(0)

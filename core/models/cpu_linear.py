@@ -27,20 +27,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+# the one probe of oneDNN's packed linear, shared with the LoRA path's packed weights (adapters cannot import core)
+from adapters.lora_ops.cpu_packed import packing_available
 from core.environment import variables as env
 
 logger = logging.getLogger("loraplex.engine")
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def packing_available() -> bool:
-    """True where oneDNN's packed linear exists in this torch build (x86 and aarch64 CPU builds)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except RuntimeError:
-        return False
 
 
 class PackedCPULinear(nn.Module):
