@@ -9,9 +9,9 @@ expand to 4,096 columns 85 -> 31 us at 17 rows and 213 -> 83 us at 64; a fused q
 (4-8 us), and MKL does well on small weights. Over ranks 8-64 on q/k/v, o, gate/up and down (768 hidden,
 2,048 intermediate) and 4-256 rows, the packed pair wins when its weights (sum_r x (in + N)) times
 (rows + `PACKED_ROW_OFFSET`) reach `PACKED_MIN_WORK` (`use_packed`). Measured pair by pair in
-`benchmarks/cpu_lora_packed.py` (`results/cpu_lora_packed.md`): where the rule picks the pair it is 0.86-2.8x
-`torch.mm` (a rank-32 gate/up 1.3-2.8x at 4-256 rows), where it keeps `torch.mm` the pair is 0.26-1.7x, and over
-the whole grid the rule's choices cost 1.9% more than the better path of each shape.
+`benchmarks/cpu_lora_packed.py` (`benchmarks/results/cpu_lora_packed.md`): where the rule picks the pair it is
+0.86-2.8x `torch.mm` (a rank-32 gate/up 1.3-2.8x at 4-256 rows), where it keeps `torch.mm` the pair is 0.26-1.7x,
+and over the whole grid the rule's choices cost 1.9% more than the better path of each shape.
 
     packed = packed_slot_weights(a, b)     # a [sum_r, in], b [N, sum_r]: `LoRAStack.fused_slot`'s pair
     delta = packed.apply(x)                # (x @ a.T) @ b.T, [n, N]
@@ -26,8 +26,9 @@ from functools import lru_cache
 
 import torch
 
-# a group takes the packed pair when weights x (rows + PACKED_ROW_OFFSET) >= PACKED_MIN_WORK and rows >= PACKED_MIN_ROWS:
-# oneDNN's ~15 us more a pair of calls against MKL's re-blocking of the weights per call and its lower FLOP rate
+# a group takes the packed pair when weights x (rows + PACKED_ROW_OFFSET) >= PACKED_MIN_WORK and
+# rows >= PACKED_MIN_ROWS: oneDNN's ~15 us more a pair of calls against MKL's re-blocking of the weights on every
+# call and its lower FLOP rate
 PACKED_MIN_ROWS = 4
 PACKED_ROW_OFFSET = 24
 PACKED_MIN_WORK = 4_300_000
