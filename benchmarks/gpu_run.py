@@ -99,11 +99,12 @@ STAGES = (
                                         ["--num-requests", "64", "--hf-batch-size", "64", "--hf-repeats", "1"])]],
           "offline throughput vs HF generate (static batch 64)"),
     Stage("serving", 300, lambda d: [["serving.py", *_model(d), *_out("serving"),
-                                      *(["--rates", "inf,16", "--num-requests", "6", "--prompt-len", "16,40",
+                                      *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
                                          "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
                                          "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else
-                                        ["--rates", "inf,4,16,64", "--num-requests", "128", "--max-seconds", "420"])]],
-          "HTTP serving: TTFT / ITL / E2E / goodput, 32-adapter mix and base alone, compiles after warm-up"),
+                                        ["--rates", "inf,0.5x,0.8x", "--num-requests", "96", "--max-seconds", "420"])]],
+          "HTTP serving: TTFT / ITL / E2E / goodput at saturation and at 50% / 80% of it, 32-adapter mix and base "
+          "alone, compiles after warm-up"),
     Stage("many", 420, lambda d: [["many_adapters.py", *_model(d), *_out("many"),
                                    *(["--dry-run", "--kv-cache-memory", str(32 << 20), "--startup-timeout-s", "120"]
                                      if d else ["--targets", "qv", "--num-requests", "1000", "--concurrency", "64",

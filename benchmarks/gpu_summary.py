@@ -244,18 +244,21 @@ def serving_rows(run: Run, table: Table) -> None:
         return f"ITL >= {ms(step)} (batch-1 step); TTFT >= {ms(max(step, prefill))} (mean prompt {prompt:.0f} tokens)"
 
     for w, points in workloads.items():
-        for i, p in enumerate(points or [{"rate": r} for r in (math.inf, 4.0, 16.0, 64.0)]):
+        for i, p in enumerate(points or [{"rate": math.inf}, *({"rate": 0.0, "rate_fraction": f} for f in (0.5, 0.8))]):
             def measure(d: dict, w: str = w, i: int = i) -> tuple[str, bool | None]:
                 q = d["workloads"][w][i]
                 sat = saturation_rate(d["workloads"][w])
-                below = math.isfinite(q["rate"]) and (sat is None or q["rate"] < sat)
+                below = q["rate_fraction"] < 1 if "rate_fraction" in q else \
+                    math.isfinite(q["rate"]) and (sat is None or q["rate"] < sat)
                 ok = q["ttft_p99_s"] <= 0.5 and q["itl_p99_s"] <= 2 * q["itl_p50_s"] if below else None
-                return (f"TTFT p50/p99 {1e3 * q['ttft_p50_s']:.0f}/{1e3 * q['ttft_p99_s']:.0f} ms, ITL p50/p99 "
+                offered = f"offered {q['rate']:.2f} req/s: " if "rate_fraction" in q else ""
+                return (f"{offered}TTFT p50/p99 {1e3 * q['ttft_p50_s']:.0f}/{1e3 * q['ttft_p99_s']:.0f} ms, ITL p50/p99 "
                         f"{1e3 * q['itl_p50_s']:.1f}/{1e3 * q['itl_p99_s']:.1f} ms, E2E p99 {1e3 * q['e2e_p99_s']:.0f} "
                         f"ms, goodput {q['goodput_request_s']:.2f} req/s ({100 * q['goodput_share']:.0f}%), "
                         f"{q['output_tok_s']:.0f} tok/s, {q['request_s']:.2f} req/s", ok)
             finite = math.isfinite(p["rate"])
-            add("serving", f"serving {w} @ {p['rate']:g} req/s", "serving", measure,
+            label = f"{p['rate_fraction']:g}x saturation" if "rate_fraction" in p else f"{p['rate']:g} req/s"
+            add("serving", f"serving {w} @ {label}", "serving", measure,
                 "below saturation: TTFT p99 <= 500 ms, ITL p99 <= 2x p50" if finite else "- (saturation)",
                 lambda d, w=w, i=i: floors(d, w, i))
     add("serving", "serving saturation: mix / base req/s (rate inf)", "serving", lambda d: (

@@ -2,7 +2,8 @@
 
 Starts `python -m gateway serve` once (the real server, which compiles every kernel variant before /health
 answers 200) with K PEFT adapters of ranks 8-64 on all 7 projections, then runs two workloads at each request rate
-(Poisson arrivals; "inf": all at once, the saturation point, run first):
+(Poisson arrivals; "inf": all at once, the saturation point, run first; "0.5x": half the requests/s that point
+reached, so the loads below saturation are the same share of it on any card):
 - mix: requests spread evenly over the base model and the K adapters, a share (--json-share) with a JSON schema;
 - base: the same prompt and output lengths, every request on the base model, no schema (its own system prompts).
 Prompt lengths uniform in [--prompt-len lo,hi] words of a small vocabulary (every prompt starts with one of 4
@@ -134,18 +135,33 @@ def sweep(args: argparse.Namespace, url: str, base_name: str, adapters: list[str
     points: dict[str, list[dict]] = {w: [] for w in args.workloads}
     skipped: list[str] = []
     for i, rate_s in enumerate(args.rates.split(",")):
-        rate = float(rate_s)
         for workload in args.workloads:
             if time.perf_counter() - started > args.max_seconds:
                 skipped.append(f"{workload} @ {rate_s}")
                 continue
+            fraction, rate = resolve_rate(rate_s, points[workload])
             mix = workload == "mix"
             reqs = make_requests(args.num_requests, adapters if mix else [], i, base_name, args.prompt_len,
                                  args.output_len, args.json_share if mix else 0.0, system_seed=workload)
             point = asyncio.run(run_rate(url, reqs, rate, i, slo))
+            if fraction is not None:
+                point["rate_fraction"] = fraction
             print({"workload": workload, **point}, flush=True)
             points[workload].append(point)
     return {"points": points, "skipped": skipped}
+
+
+def resolve_rate(rate_s: str, done: list[dict]) -> tuple[float | None, float]:
+    """A --rates entry as (fraction of saturation or None, requests/s): "inf", a number of requests/s, or "<f>x",
+    that share of the requests/s this workload reached at rate inf (an earlier entry of the same sweep), so that
+    "below saturation" is below it on whatever card runs the sweep."""
+    if not rate_s.endswith("x"):
+        return None, float(rate_s)
+    fraction = float(rate_s[:-1])
+    at_inf = next((p["request_s"] for p in done if p["rate"] == float("inf")), None)
+    if not 0 < fraction or at_inf is None:
+        raise ValueError(f"rate {rate_s!r}: a positive fraction of the rate-inf point, which must run first")
+    return fraction, fraction * at_inf
 
 
 def saturation(points: dict[str, list[dict]]) -> dict[str, Any]:
@@ -157,7 +173,8 @@ def saturation(points: dict[str, list[dict]]) -> dict[str, Any]:
 
 def row(workload: str, p: dict) -> tuple[str, str]:
     ms = {k: 1e3 * v for k, v in p.items() if k.endswith("_s") and isinstance(v, float) and "request" not in k}
-    return (f"{workload}, rate {p['rate']:g} req/s",
+    share = f" ({p['rate_fraction']:g}x saturation)" if "rate_fraction" in p else ""
+    return (f"{workload}, rate {p['rate']:.3g} req/s{share}",
             f"{p['output_tok_s']:.0f} tok/s, {p['request_s']:.2f} req/s, goodput {p['goodput_request_s']:.2f} req/s "
             f"({100 * p['goodput_share']:.0f}%); TTFT p50/p90/p99 {ms['ttft_p50_s']:.0f}/{ms['ttft_p90_s']:.0f}/"
             f"{ms['ttft_p99_s']:.0f} ms; ITL {ms['itl_p50_s']:.1f}/{ms['itl_p90_s']:.1f}/{ms['itl_p99_s']:.1f} ms; "
@@ -168,8 +185,9 @@ def row(workload: str, p: dict) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
-    ap.add_argument("--rates", default="inf,4,16,64",
-                    help="in the order run: inf (saturation) first, so --max-seconds never skips it")
+    ap.add_argument("--rates", default="inf,0.5x,0.8x",
+                    help="in the order run, each requests/s, inf (all at once: saturation) or <f>x (that share of "
+                         "the workload's rate-inf requests/s); inf first, so --max-seconds never skips it")
     ap.add_argument("--num-requests", type=int, default=128, help="requests per rate and workload")
     ap.add_argument("--prompt-len", type=span, default=(128, 1024), help="lo,hi prompt words (approximately)")
     ap.add_argument("--output-len", type=span, default=(64, 256), help="lo,hi output tokens")
