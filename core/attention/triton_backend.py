@@ -52,6 +52,19 @@ class KernelMeta:
     # query tokens per sequence on the split path: 1 (decode) or the k+1 slots of a verification graph's rows
     # (token t belongs to sequence t // q_per_seq), read by the split reduce
     q_per_seq: int = 1
+    # the prefill tile config although the step's AttentionMetadata lists no prefill (a mixed-step graph's)
+    prefill_tiles: bool = False
+
+
+def work_items(q_lens: np.ndarray, splits: np.ndarray, block_q: int) -> np.ndarray:
+    """[3, N] int64 work list of the attention grid: (seq, query block, split) for every query block of every
+    sequence and every split of it, sequence by sequence."""
+    items = _ceil_div(q_lens, block_q) * splits
+    num_items = int(items.sum())
+    seq_of = np.repeat(np.arange(len(q_lens), dtype=np.int64), items)
+    first = np.concatenate([[0], np.cumsum(items)[:-1]]) if len(q_lens) else np.zeros(0, np.int64)
+    local = np.arange(num_items, dtype=np.int64) - first[seq_of]
+    return np.stack([seq_of, local // splits[seq_of], local % splits[seq_of]])
 
 
 def _ceil_div(a: np.ndarray | int, b: int) -> np.ndarray | int:
@@ -93,8 +106,11 @@ class TritonAttentionBackend(AttentionBackend):
         """Queries per program: 1 for decode-only steps, else the full tile. Two values only (not one per
         power of two of the longest chunk), so serving never waits on the compile of a new variant; a short
         chunk only leaves rows of its tile masked."""
-        if max_q_len <= 1:
-            return 1
+        return 1 if max_q_len <= 1 else self.prefill_block_q(g_p2)
+
+    def prefill_block_q(self, g_p2: int) -> int:
+        """Queries per program of a step with prefill chunks (`g_p2`: query heads per KV head, padded to a power
+        of two)."""
         block_m = max(self.config(True, interpreting())["block_m"], 16, g_p2)
         return max(1, block_m // g_p2)
 
@@ -129,12 +145,8 @@ class TritonAttentionBackend(AttentionBackend):
         split_rows = np.nonzero(splits > 1)[0]
         split_offset = int(split_rows[0]) if len(split_rows) else num_decode
 
-        items = q_blocks * splits
-        num_items = int(items.sum())
-        seq_of = np.repeat(np.arange(num_seqs, dtype=np.int64), items)
-        first = np.concatenate([[0], np.cumsum(items)[:-1]]) if num_seqs else np.zeros(0, np.int64)
-        local = np.arange(num_items, dtype=np.int64) - first[seq_of]
-        work = np.stack([seq_of, local // splits[seq_of], local % splits[seq_of]])
+        work = work_items(q_lens, splits, block_q)                                 # [3, N]
+        num_items = work.shape[1]
 
         num_pre = len(pre_lens)
         host, offs = pack_aligned([q_starts, q_lens, splits, np.asarray(meta.prefill_context_lens, np.int64),
@@ -249,7 +261,7 @@ class TritonAttentionBackend(AttentionBackend):
             part_m = part_l = part_out = out  # never touched
         interp = interpreting()
         upcast = (interp or q.dtype == torch.float32) if self.upcast is None else self.upcast
-        cfg = self.config(meta.num_prefills > 0, interp, head_dim)
+        cfg = self.config(meta.num_prefills > 0 or km.prefill_tiles, interp, head_dim)
         K.paged_attention_kernel[(km.num_items, num_kv_heads)](
             out, q, k_cache, v_cache, km.block_tables, km.seq_lens, km.q_starts, km.q_lens, km.num_splits,
             km.work, part_out, part_m, part_l, km.num_items, km.split_token_offset, km.max_splits,

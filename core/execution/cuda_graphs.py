@@ -32,6 +32,7 @@ import torch
 from core.attention.metadata import AttentionMetadata
 from core.kv.pool_size import CUDA_GRAPH_RESERVE_BYTES
 from core.execution.runner import HostBatch, decode_groups
+from core.execution.staging import Staging
 from adapters.lora_ops.graph_meta import GraphLoRABuffers
 
 log = logging.getLogger("loraplex.cuda_graphs")
@@ -91,15 +92,9 @@ class DecodeGraphRunner:
         self.num_kv_heads = k_cache.shape[2]
         self.width = -(-max_model_len // block_size)                    # block table columns
         b, w, t = self.max_batch_size, self.width, self.max_tokens
-        pin = self.device.type == "cuda"
         # int64 [4T]: ids | positions | slots | gather (verification: graph slot of each flat token)
         # int32 [3B + B*W]: seq lens | split counts | query lens | block tables [B, W]
-        # Two staging sets, used in turn: with async scheduling step t+1 is filled while step t's copy may
-        # still be queued; the copy of step t-1 (same set) is done, since its tokens were read.
-        self.staging = [(torch.zeros(4 * t, dtype=torch.int64, pin_memory=pin),
-                         torch.zeros(3 * b + b * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
-        self.num_fills = 0
-        self.copied: list[torch.cuda.Event | None] = [None, None]   # last copy out of each staging set
+        self.staging = Staging([torch.int64, torch.int32], [4 * t, 3 * b + b * w], self.device)
         self.dev64 = torch.zeros(4 * t, dtype=torch.int64, device=self.device)
         self.dev32 = torch.zeros(3 * b + b * w, dtype=torch.int32, device=self.device)
         self.caps = {s: backend.graph_max_splits(s, self.num_kv_heads, self.device) for s in self.sizes}
@@ -114,6 +109,7 @@ class DecodeGraphRunner:
         self.num_verify_steps = 0  # steps with speculative drafts (graph or eager)
         self.num_verify_runs = 0   # of those, the ones through a verification graph (replayed or padded eager)
         self.memory_bytes = 0     # device memory the captures took (graph pool + buffers), measured
+        self.pool: Any = None     # the captures' memory pool (the mixed-step graphs capture into it too)
         self.capture_s = 0.0
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -164,12 +160,7 @@ class DecodeGraphRunner:
     def _fill(self, host: HostBatch | None, size: int, q: int) -> None:
         """Writes a step's inputs (None: the padding of a capture) into the staging buffers; copies them."""
         b, w, t = self.max_batch_size, self.width, self.max_tokens
-        turn = self.num_fills % 2
-        host64, host32 = self.staging[turn]
-        self.num_fills += 1
-        if self.copied[turn] is not None:
-            self.copied[turn].synchronize()   # its last copy is done (already, when tokens are read each step)
-        h64, h32 = host64.numpy(), host32.numpy()
+        h64, h32 = self.staging.next()
         n = 0 if host is None else len(host.requests)
         h64[:2 * t], h64[2 * t:3 * t], h64[3 * t:] = 0, -1, 0
         h32[:3 * b] = 1
@@ -189,13 +180,8 @@ class DecodeGraphRunner:
             tables = h32[3 * b:3 * b + size * w].reshape(size, w)                # [B, W]
             cols = min(w, host.tables.shape[1])
             tables[:n, :cols] = host.tables[:, :cols]
-        non_blocking = self.device.type == "cuda"
-        self.dev64.copy_(host64, non_blocking=non_blocking)
         count = 3 * b + (max(n, 1) if host is not None else size) * w
-        self.dev32[:count].copy_(host32[:count], non_blocking=non_blocking)
-        if non_blocking:
-            self.copied[turn] = torch.cuda.Event()
-            self.copied[turn].record(torch.cuda.current_stream(self.device))
+        self.staging.copy_to([self.dev64, self.dev32], [4 * t, count])
 
     def _forward(self, size: int, q: int) -> torch.Tensor:
         t = self.max_tokens
@@ -236,7 +222,7 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         for size, q, with_lora in self._capture_shapes():
             self._prime(size, q, with_lora)
             self._forward(size, q)                                    # warm-up: compiles the Triton kernels

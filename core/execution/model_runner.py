@@ -14,6 +14,7 @@ from core.distributed.executor import TPExecutor
 from core.engine import faults
 from core.engine.request import PENDING_TOKEN, Request
 from core.execution.cuda_graphs import DecodeGraphRunner, build_decode_graphs
+from core.execution.mixed_graphs import MixedGraphRunner, build_mixed_graphs
 from core.execution.pending import PendingStep, fixup_to_device
 from core.execution.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
 from core.execution.step_io import ForwardOutput, StepBatch
@@ -31,18 +32,25 @@ class ModelRunner:
         self.executor: TPExecutor = parts.executor
         self.device, self.block_size = parts.device, config.cache.block_size
         self.graphs: DecodeGraphRunner | None = None   # built by `capture_decode_graphs` (CUDA, unless enforce_eager)
+        self.mixed: MixedGraphRunner | None = None     # steps with prefill chunks (one rank; built beside `graphs`)
 
     def capture_decode_graphs(self) -> int:
-        """Builds (CUDA) and captures the decode graphs; with a padded runner installed without graphs (CPU
-        tests) it runs each captured size once. Every tensor-parallel worker builds and captures the same sizes
-        in the same order. Returns the number of graphs or warm-up forwards."""
+        """Builds (CUDA) and captures the decode graphs, then the mixed-step graphs in the same memory pool; with
+        padded runners installed without graphs (CPU tests) it runs each captured size once. Every
+        tensor-parallel worker builds and captures the same decode sizes in the same order (mixed-step graphs
+        exist at one rank only). Returns the number of graphs or warm-up forwards."""
         if self.graphs is None:
             self.graphs = build_decode_graphs(self.config, self.parts)
-        if self.graphs is None:
-            return 0
-        g = self.graphs
-        self.executor.capture_graphs(g.sizes, g.use_graphs, g.lora is not None, g.verify_len, g.verify_sizes)
-        return self.graphs.capture()
+        num = 0
+        if self.graphs is not None:
+            g = self.graphs
+            self.executor.capture_graphs(g.sizes, g.use_graphs, g.lora is not None, g.verify_len, g.verify_sizes)
+            num = g.capture()
+            if self.mixed is None and g.use_graphs:
+                self.mixed = build_mixed_graphs(self.config, self.parts, g.backend)
+        if self.mixed is not None:
+            num += self.mixed.capture(self.graphs.pool if self.graphs is not None else None)
+        return num
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> HostBatch:
         """The flat batch of the scheduled (request, new tokens) pairs (`core/execution/runner.py`)."""
@@ -55,6 +63,7 @@ class ModelRunner:
         fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
         use_graph = self.graphs is not None and self.graphs.can_run(host, in_flight=fixup is not None)
+        use_mixed = not use_graph and self.mixed is not None and self.mixed.can_run(host)
         if faults.ACTIVE:
             faults.hit_any("forward", host.requests)
         # the workers run the same forward (and the same patch of in-flight tokens)
@@ -65,10 +74,14 @@ class ModelRunner:
         dev_fixup = fixup_to_device(fixup, self.device)
         self.lora_pool.context.set_step_slots(token_slots)   # the LM head's LoRA rows (after the forward)
         try:
+            on_inputs = (lambda ids: pending.apply_fixup(ids, dev_fixup)) if dev_fixup is not None else None
             if use_graph:
                 assert self.graphs is not None
-                on_inputs = (lambda ids: pending.apply_fixup(ids, dev_fixup)) if dev_fixup is not None else None
                 out = ForwardOutput(self.graphs.run(host, token_slots, on_inputs),       # [B or T, hidden]
+                                    graph_sample_rows(host, self.device))
+            elif use_mixed:
+                assert self.mixed is not None
+                out = ForwardOutput(self.mixed.run(host, token_slots, on_inputs),        # [T, hidden]
                                     graph_sample_rows(host, self.device))
             else:
                 inputs = to_device(host, self.block_size, self.device)
@@ -87,4 +100,5 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drops every reference to device memory (model, KV caches, LoRA slots, decode graphs)."""
-        self.model = self.kv_caches = self.lora_pool = self.graphs = self.parts = None  # type: ignore[assignment]
+        self.graphs = self.mixed = None
+        self.model = self.kv_caches = self.lora_pool = self.parts = None  # type: ignore[assignment]

@@ -1,0 +1,129 @@
+"""The mixed-step graph path (prefill chunks beside decode rows, one graph per padded token count) against the
+references.
+
+On a GPU the engine captures real graphs. Without one the same padded path (persistent buffers, the padding
+sequence, the fixed work list, per-token LoRA slots for the BGMV kernels) runs without capture on the CPU:
+`MixedGraphRunner(use_graphs=False)`, with the Triton kernels in the interpreter. Greedy outputs must equal HF
+transformers / PEFT token for token, with and without async scheduling, with steps above the largest size
+(eager) in between; after every step through the runner, `check_integrity` checks its buffers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
+from core import LLM, SamplingParams  # noqa: E402
+from core.attention.triton_backend import work_items  # noqa: E402
+from core.execution.mixed_graphs import MIXED_GRAPH_SIZES, MixedGraphRunner  # noqa: E402
+from core.execution.runner import HostBatch  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
+from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
+from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
+
+DEVICE = kernel_device()
+CUDA = DEVICE.type == "cuda"
+MODEL = "llama_gqa" if CUDA else "llama_gqa_1layer"
+SIZES = (16, 32)
+NAMES = {"tenant-a": "qv_r4", "tenant-b": "all7_r8"}
+
+
+class CheckedRunner(MixedGraphRunner):
+    """Checks the buffers after every fill and keeps the sizes it ran."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ran: list[tuple[int, int]] = []
+
+    def run(self, host: HostBatch, token_slots: np.ndarray | None, on_inputs=None) -> torch.Tensor:
+        out = super().run(host, token_slots, on_inputs)
+        size = self.padded_size(host.num_tokens)
+        self.check_integrity(host, size)
+        self.ran.append((host.num_tokens, size))
+        assert out.shape[0] == host.num_tokens
+        return out
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", "triton")
+    with torch_threads(1):
+        yield
+
+
+def mixed_llm(**kwargs) -> tuple[LLM, CheckedRunner]:
+    """max_num_seqs 8, steps of at most 24 tokens; mixed-step graphs of 16 and 32 tokens (captured on CUDA)."""
+    llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(DEVICE), max_num_seqs=8, num_kv_blocks=256,
+              max_num_batched_tokens=24, **kwargs)
+    eng = llm.engine
+    backend = eng.model.model.layers[0].self_attn.backend
+    pool = eng.lora_pool
+    lora = GraphLoRABuffers(SIZES[-1], pool.num_slots, eng.device) if pool is not None else None
+    runner = CheckedRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len, SIZES, lora=lora,
+                           lora_context=pool.context if pool is not None else None, use_graphs=CUDA)
+    if CUDA:
+        runner.capture(eng.runner.graphs.pool if eng.runner.graphs is not None else None)
+    eng.runner.mixed = runner
+    return llm, runner
+
+
+def test_sizes() -> None:
+    assert MIXED_GRAPH_SIZES == tuple(sorted(MIXED_GRAPH_SIZES)) and MIXED_GRAPH_SIZES[-1] == 1024
+    assert all(p % 32 == 0 for p in MIXED_GRAPH_SIZES)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_equals_hf(async_scheduling: bool) -> None:
+    """Eight prompts under a 24-token step: chunks beside decode rows, padded to 16 or 32 tokens; every request's
+    tokens are HF's."""
+    path = model_dir(MODEL)
+    prompts = [encode(path, p) for p in PROMPTS]
+    llm, runner = mixed_llm(async_scheduling=async_scheduling)
+    params = [SamplingParams(max_tokens=6 + i % 3, temperature=0.0) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for out, ids, sp in zip(outs, prompts, params):
+        assert peft_greedy_margin(MODEL, None, ids, sp.max_tokens) > 1e-3, "test setup: reference near a tie"
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, sp.max_tokens), out.request_id
+    assert runner.ran, "no step ran through the mixed-step runner"
+    assert {p for _, p in runner.ran} <= set(SIZES), runner.ran
+    assert any(t < p for t, p in runner.ran), "no padded step"
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    big = HostBatch(requests=[], num_new=np.array([33]), cu=np.array([0, 33]), token_ids=np.zeros(33, np.int64),
+                    positions=np.arange(33), slot_mapping=np.arange(33), tables=np.zeros((1, 4), np.int64),
+                    context_lens=np.array([33]), num_decode=0, samples=[])
+    assert not runner.can_run(big), "a step above the largest size runs eagerly"
+
+
+def test_mixed_adapters_equal_peft() -> None:
+    """Base and two adapters in the steps that carry chunks: the BGMV kernels over per-token slots (padding on
+    -1) give PEFT's tokens."""
+    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
+    llm, runner = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8, async_scheduling=True)
+    texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    reqs = [(encode(model_dir(MODEL), t), lora) for t in texts for lora in (None, *NAMES)]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                        SamplingParams(max_tokens=5, temperature=0.0), lora=[lo for _, lo in reqs])
+    for out, (ids, lora) in zip(outs, reqs):
+        adapter = None if lora is None else NAMES[lora]
+        assert peft_greedy_margin(MODEL, adapter, ids, 5) > 1e-3, "test setup: reference near a tie"
+        assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 5), (lora, out.request_id)
+    assert runner.ran
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_work_items_cover_every_token_once(seed: int) -> None:
+    """The attention work list: one item per query block of every sequence, in order, each block inside it."""
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        q_lens = rng.integers(0, 70, int(rng.integers(1, 9)))
+        block_q = int(rng.choice([1, 4, 16]))
+        work = work_items(q_lens, np.ones(len(q_lens), np.int64), block_q)              # [3, N]
+        want = [(s, b) for s, n in enumerate(q_lens) for b in range(-(-int(n) // block_q))]
+        assert list(zip(work[0].tolist(), work[1].tolist())) == want and (work[2] == 0).all()
