@@ -30,7 +30,7 @@ QUANT_TARGETS = {("w4a16", 1): 2.5, ("w4a16", 16): 2.5, ("w4a16", 64): 1.3, ("w4
 LORA_TARGETS = {8: (0.08, 0.045), 32: (0.22, 0.179)}      # decode overhead target, the issue's floor
 STAGE_OF = {"env": "env", "tests": "tests", "kernels": "kernels", "quant": "quant", "roofline_bf16": "roofline",
             "roofline_fp8": "roofline", "lora": "lora", "spec_verify": "spec", "spec_ngram": "spec",
-            "offline": "offline", "serving": "serving", "many": "many"}
+            "offline": "offline", "serving": "serving", "serving_eager": "serving_eager", "many": "many"}
 
 
 class Run:
@@ -228,6 +228,19 @@ def saturation_rate(points: list[dict]) -> float | None:
     return None
 
 
+def graphs_ab(run: Run, eager: dict, workload: str) -> tuple[str, None]:
+    """The serving stage (mixed-step graphs on) over serving_eager (off) at the 0.5x point of `workload`."""
+    on = run.data("serving")
+    if on is None:
+        return "the serving stage is needed", None
+    pick = [next(p for p in d["workloads"][workload] if p.get("rate_fraction") == 0.5) for d in (on, eager)]
+    ratio = [a / b for a, b in zip((pick[0]["itl_p99_s"], pick[0]["ttft_p99_s"], pick[0]["output_tok_s"]),
+                                   (pick[1]["itl_p99_s"], pick[1]["ttft_p99_s"], pick[1]["output_tok_s"]))]
+    return (f"ITL p99 {1e3 * pick[0]['itl_p99_s']:.1f} / {1e3 * pick[1]['itl_p99_s']:.1f} ms ({ratio[0]:.2f}x), "
+            f"TTFT p99 {1e3 * pick[0]['ttft_p99_s']:.0f} / {1e3 * pick[1]['ttft_p99_s']:.0f} ms ({ratio[1]:.2f}x), "
+            f"{ratio[2]:.2f}x tok/s", None)
+
+
 def serving_rows(run: Run, table: Table) -> None:
     add = table.add
     serving = run.data("serving") or {}
@@ -261,6 +274,10 @@ def serving_rows(run: Run, table: Table) -> None:
             add("serving", f"serving {w} @ {label}", "serving", measure,
                 "below saturation: TTFT p99 <= 500 ms, ITL p99 <= 2x p50" if finite else "- (saturation)",
                 lambda d, w=w, i=i: floors(d, w, i))
+    for w in ("mix", "base"):
+        add("serving", f"mixed-step graphs on / off, {w}: ITL p99, TTFT p99 and tok/s at 0.5x saturation",
+            "serving_eager", lambda d, w=w: graphs_ab(run, d, w),
+            "- (on: the serving rows above)")
     add("serving", "serving saturation: mix / base req/s (rate inf)", "serving", lambda d: (
         (f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85)
         if d["saturation"]["mix_over_base"] else (f"rate inf not measured for both (skipped: {d['skipped']})", None)),

@@ -72,7 +72,9 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
         cmd += ["--max-step-ms", f"{args.max_step_ms:g}"]
     if adapters:
         cmd += ["--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
-    return launch_server(cmd, port, "loraplex_serving", args.startup_timeout_s, env=os.environ.copy())
+    env = os.environ.copy()
+    env.update(dict(kv.split("=", 1) for kv in args.server_env))
+    return launch_server(cmd, port, "loraplex_serving", args.startup_timeout_s, env=env)
 
 
 def span(text: str) -> tuple[int, int]:
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: the server's)")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--max-step-ms", type=float, default=None, help="the server's step-time budget (default: auto)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable of the server only (repeatable), e.g. LORAPLEX_MIXED_GRAPHS=0")
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
     ap.add_argument("--max-seconds", type=float, default=float("inf"),
                     help="no new rate starts after this many seconds (they are listed as skipped)")
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             "adapter_ranks": list(RANKS), "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
             "json_share": args.json_share, "async_scheduling": args.async_scheduling, "startup_s": startup_s,
             "vocab_size": cfg.vocab_size, "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
-            "compiles_after_warmup": compiles, "max_step_ms": args.max_step_ms,
+            "compiles_after_warmup": compiles, "max_step_ms": args.max_step_ms, "server_env": args.server_env,
             "step_time_prediction_error_ratio": step_error, "workloads": result["points"], "skipped": result["skipped"],
             "saturation": sat, "token_counting": "stream_options.continuous_usage_stats (tokens per chunk)",
             "workload": f"mix: requests spread over the base model and {args.num_adapters} adapters (ranks "

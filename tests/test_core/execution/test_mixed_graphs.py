@@ -9,6 +9,8 @@ transformers / PEFT token for token, with and without async scheduling, with ste
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.attention.triton_backend import work_items  # noqa: E402
-from core.execution.mixed_graphs import MIXED_GRAPH_SIZES, MixedGraphRunner  # noqa: E402
+from core.execution.mixed_graphs import MAX_LORA_GROUP_TOKENS, MIXED_GRAPH_SIZES, MixedGraphRunner  # noqa: E402
 from core.execution.runner import HostBatch  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
@@ -94,10 +96,37 @@ def test_greedy_equals_hf(async_scheduling: bool) -> None:
     assert any(t < p for t, p in runner.ran), "no padded step"
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
-    big = HostBatch(requests=[], num_new=np.array([33]), cu=np.array([0, 33]), token_ids=np.zeros(33, np.int64),
-                    positions=np.arange(33), slot_mapping=np.arange(33), tables=np.zeros((1, 4), np.int64),
-                    context_lens=np.array([33]), num_decode=0, samples=[])
-    assert not runner.can_run(big), "a step above the largest size runs eagerly"
+    assert not runner.can_run(chunk_batch(33), None), "a step above the largest size runs eagerly"
+
+
+def chunk_batch(num_tokens: int) -> HostBatch:
+    """A step of one prefill chunk (the fields `can_run` reads)."""
+    return HostBatch(requests=[SimpleNamespace(num_spec_tokens=0)], num_new=np.array([num_tokens]), cu=np.array([0, num_tokens]),
+                     token_ids=np.zeros(num_tokens, np.int64), positions=np.arange(num_tokens),
+                     slot_mapping=np.arange(num_tokens), tables=np.zeros((1, 8), np.int64),
+                     context_lens=np.array([num_tokens]), num_decode=0, samples=[])
+
+
+def test_lora_chunks_run_eagerly() -> None:
+    """More than MAX_LORA_GROUP_TOKENS tokens on one adapter (a LoRA prefill chunk) is left to the eager path;
+    base chunks and adapters' decode rows are not."""
+    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
+    llm, _ = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8)
+    eng = llm.engine
+    size = 2 * MAX_LORA_GROUP_TOKENS
+    runner = MixedGraphRunner(eng.model, eng.kv_caches, eng.model.model.layers[0].self_attn.backend,
+                              eng.block_size, eng.max_model_len, (size,),
+                              lora=GraphLoRABuffers(size, eng.lora_pool.num_slots, eng.device),
+                              lora_context=eng.lora_pool.context, use_graphs=False)
+    host = chunk_batch(size)
+    base = np.full(size, -1, np.int64)
+    assert runner.can_run(host, None) and runner.can_run(host, base)
+    split = base.copy()
+    split[:MAX_LORA_GROUP_TOKENS], split[MAX_LORA_GROUP_TOKENS:] = 0, 1       # two adapters, the limit each
+    assert runner.can_run(host, split)
+    over = base.copy()
+    over[:MAX_LORA_GROUP_TOKENS + 1] = 1
+    assert not runner.can_run(host, over) and runner.num_lora_refusals == 1
 
 
 def test_mixed_adapters_equal_peft() -> None:
