@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     (results / STAGE_DIR).mkdir(parents=True, exist_ok=True)
     if args.list:
         for s in STAGES:
-            print(f"{s.name:9s} {stage_status(results, s.name):8s} ~{s.estimate_s:4d} s  {s.what}")
+            print(f"{s.name:13s} {stage_status(results, s.name):8s} ~{s.estimate_s:4d} s  {s.what}")
         return 0
     env = {**os.environ, "LORAPLEX_BENCH_RESULTS": str(results), "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

@@ -134,7 +134,7 @@ class MixedGraphRunner:
         items[0] = n + 1                                                                  # the empty sequence
         items[:, :work.shape[1]] = work
         tables = h32[self.off_tables:self.off_tables + (n + 2) * w].reshape(n + 2, w)    # [n + 2, W]
-        tables[:] = 0
+        tables[n:] = 0              # the step's rows keep stale columns past their blocks: never read
         if host is not None:
             cols = min(w, host.tables.shape[1])
             tables[:n, :cols] = host.tables[:, :cols]
