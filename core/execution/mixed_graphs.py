@@ -48,6 +48,7 @@ MIXED_GRAPH_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 64
 # eagerly (benchmarks/results/gpu_run_h200_2026-11-26b/). So a step with more tokens than this on one adapter runs
 # eagerly, through the segmented kernels; base chunks beside LoRA decode rows take the graph.
 MAX_LORA_GROUP_TOKENS = 64
+MEMORY_MARGIN_BYTES = 256 << 20      # device memory left free beside the largest mixed-step graph's activations
 
 
 def _align4(n: int) -> int:
@@ -249,13 +250,36 @@ class MixedGraphRunner:
                 self.lora_context.clear()
 
 
+def activation_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
+    """A generous bound on what one token of a forward keeps alive at once (the residual stream and its norms, the
+    q/k/v and attention rows, the MLP's gate, up and product): a graph's memory pool grows with its token count."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return elt * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * qkv)
+
+
+def sizes_that_fit(sizes: tuple[int, ...], per_token: int, free_bytes: int,
+                   margin: int = MEMORY_MARGIN_BYTES) -> tuple[int, ...]:
+    """The sizes whose activations fit in the device memory left after the KV pool and the decode graphs."""
+    return tuple(p for p in sizes if p * per_token <= free_bytes - margin)
+
+
 def build_mixed_graphs(config: Any, parts: Any, decode_backend: Any) -> MixedGraphRunner | None:
     """The mixed-step graph runner next to the decode graphs (`decode_backend`: the model's TritonAttentionBackend,
-    None when the decode graphs were not built), at one rank only; None when turned off."""
+    None when the decode graphs were not built), at one rank only, with the sizes the free device memory holds;
+    None when turned off or when none fits."""
     if decode_backend is None or not env.MIXED_GRAPHS.get() or config.parallel.tensor_parallel_size > 1:
         return None
-    sizes = tuple(p for p in MIXED_GRAPH_SIZES if p <= config.scheduler.max_num_batched_tokens) or \
+    wanted = tuple(p for p in MIXED_GRAPH_SIZES if p <= config.scheduler.max_num_batched_tokens) or \
         (MIXED_GRAPH_SIZES[0],)
+    free = torch.cuda.mem_get_info(parts.device)[0] if parts.device.type == "cuda" else 1 << 62
+    sizes = sizes_that_fit(wanted, activation_bytes_per_token(parts.model.config, parts.dtype), free)
+    if sizes != wanted:
+        log.warning("mixed-step graphs: %.0f MiB of device memory free after the KV pool and the decode graphs "
+                    "hold sizes up to %s of %s tokens; larger steps with prefill run eagerly (lower "
+                    "--gpu-memory-utilization for more)", free / 2 ** 20, max(sizes, default=0), max(wanted))
+    if not sizes:
+        return None
     lora = None
     if parts.lora_pool is not None:
         lora = GraphLoRABuffers(max(sizes), parts.lora_pool.num_slots, parts.device)

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.attention.triton_backend import work_items  # noqa: E402
-from core.execution.mixed_graphs import MAX_LORA_GROUP_TOKENS, MIXED_GRAPH_SIZES, MixedGraphRunner  # noqa: E402
+from core.execution.mixed_graphs import (  # noqa: E402
+    MAX_LORA_GROUP_TOKENS, MEMORY_MARGIN_BYTES, MIXED_GRAPH_SIZES, MixedGraphRunner, activation_bytes_per_token,
+    sizes_that_fit,
+)
 from core.execution.runner import HostBatch  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
@@ -144,6 +147,18 @@ def test_mixed_adapters_equal_peft() -> None:
         assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 5), (lora, out.request_id)
     assert runner.ran
     llm.engine.check_integrity()
+
+
+def test_sizes_follow_free_memory() -> None:
+    """The sizes kept are those whose activation bound fits the free memory less the margin; the bound of the 8B
+    shape in bf16 is ~160 KiB a token."""
+    cfg = SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096, intermediate_size=14336)
+    per_token = activation_bytes_per_token(cfg, torch.bfloat16)
+    assert per_token == 2 * (6 * 4096 + 3 * 14336 + 2 * 6144)
+    sizes = (32, 256, 1024)
+    assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES + 1024 * per_token) == sizes
+    assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES + 1023 * per_token) == (32, 256)
+    assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES) == ()
 
 
 @pytest.mark.parametrize("seed", range(3))
