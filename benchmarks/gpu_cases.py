@@ -16,9 +16,10 @@ ATTENTION = {
     True: [("decode, 2 seqs x context 40", [(39, 1), (30, 1)]),
            ("prefill, 24 new tokens after 8 cached", [(8, 24)])],
 }
-# (kind, slots, tokens, seed): "bgmv" = the fused decode kernels, "seg" = segmented shrink + expand
+# (kind, slots, tokens, seed): "bgmv" = the fused decode kernels, "seg" = segmented shrink + expand; "bgmv" at 512
+# tokens is a prefill chunk in a mixed-step graph, beside the segmented kernels' same case (the eager path)
 LORA = {False: [("bgmv", 8, 1, 0), ("bgmv", 8, 64, 1), ("bgmv", 32, 64, 2), ("bgmv", 32, 256, 3),
-                ("seg", 8, 512, 4), ("seg", 32, 2048, 5)],
+                ("seg", 8, 512, 4), ("bgmv", 8, 512, 4), ("seg", 32, 2048, 5)],
         True: [("seg", 2, 8, 0), ("bgmv", 2, 4, 1)]}
 LORA_RANK = {False: 16, True: 8}
 BITMASK_BATCHES = {False: [1, 64, 256], True: [2]}

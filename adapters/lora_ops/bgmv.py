@@ -1,10 +1,11 @@
 """Fused multi-LoRA for decode batches (BGMV): per-row slot metadata and the launchers of its kernels.
 
 A decode step has one token per row. `DecodeLoRAMeta` holds, in persistent device buffers refilled every
-step, each row's slot (-1 = base), the rows sorted by slot and the rows grouped by slot (one group per
-distinct adapter); the kernels' grids depend only on the padded batch size and the pool, so a CUDA graph
-captured once serves every adapter mix. Prefill and mixed steps keep
-the segmented path (`metadata.LoRABatchMeta`, `triton_ops`).
+step, each row's slot (-1 = base), the rows sorted by slot and the rows grouped by slot (groups of at most
+BLOCK_M rows of one adapter); the kernels' grids depend only on the padded batch size and the pool, so a CUDA
+graph captured once serves every adapter mix. The mixed-step graphs (`core/execution/mixed_graphs.py`) run their
+prefill chunks through these kernels too, one token a row; eager prefill and mixed steps take the segmented path
+(`metadata.LoRABatchMeta`, `triton_ops`).
 
     meta = DecodeLoRAMeta.build(slots, device)     # or GraphLoRABuffers(...).meta(B): persistent buffers
     bgmv_add_lora(y, x, stack, meta)          # y[T, out] += LoRA(x[T, in]) for every row with a slot
@@ -42,9 +43,12 @@ def aligned_rows(num_rows: int) -> int:
     return -(-num_rows // 4) * 4
 
 
-def decode_groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_groups(slots: np.ndarray, max_rows: int = BLOCK_M) -> tuple[np.ndarray, np.ndarray]:
     """(rows sorted by slot with base rows last, groups [3, B]: slot, first position in the order, rows) of a
-    decode batch's per-row slots; groups past the distinct slots have slot -1 and 0 rows."""
+    batch's per-row slots. Each slot's rows are cut into groups of at most `max_rows` (consecutive in the order), so
+    no program of the kernels walks more than that many rows: a prefill chunk of 1,000 tokens on one adapter is
+    ~63 programs, not one that walks them in turn. Groups past the step's have slot -1 and 0 rows; there are at
+    most `max_groups(B, num_slots)` of them."""
     slots = np.asarray(slots, dtype=np.int64)
     b = len(slots)
     order = np.argsort(np.where(slots >= 0, slots, np.iinfo(np.int64).max), kind="stable")
@@ -53,21 +57,35 @@ def decode_groups(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ordered = slots[order]                                                      # [B]
     live = ordered[ordered >= 0]
     if live.size:
-        uniq, first, counts = np.unique(live, return_index=True, return_counts=True)
-        groups[0, :uniq.size], groups[1, :uniq.size], groups[2, :uniq.size] = uniq, first, counts
+        uniq, first, counts = np.unique(live, return_index=True, return_counts=True)      # [D] each
+        pieces = -(-counts // max_rows)                                         # [D] groups of each slot
+        owner = np.repeat(np.arange(uniq.size), pieces)                         # [G] slot index of each group
+        piece = np.arange(owner.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)      # [G] index in its slot
+        g = owner.size
+        groups[0, :g] = uniq[owner]
+        groups[1, :g] = first[owner] + piece * max_rows
+        groups[2, :g] = np.minimum(max_rows, counts[owner] - piece * max_rows)
     return order, groups
+
+
+def max_groups(num_rows: int, num_slots: int, max_rows: int = BLOCK_M) -> int:
+    """The most groups `decode_groups` makes of `num_rows` rows over a pool of `num_slots`: the kernels' grid.
+    Each of the d <= min(rows, slots) distinct slots with n rows makes ceil(n / max_rows) <= n // max_rows + 1
+    groups, and every group holds a row."""
+    return min(num_rows, num_rows // max_rows + min(num_rows, num_slots))
 
 
 @dataclass(frozen=True)
 class DecodeLoRAMeta:
     """Per-row LoRA slots of a (padded) decode batch: row i's token is x[i]; slot -1 rows get no LoRA.
-    `groups` [3, num_tokens] int32 holds the rows grouped by slot (slot, first position in `row_order`, number of
-    rows; unused groups have 0 rows), refilled every step with the rest (`graph_meta.GraphLoRABuffers`)."""
+    `groups` [3, num_tokens] int32 holds the rows grouped by slot, at most BLOCK_M rows a group (slot, first
+    position in `row_order`, number of rows; unused groups have 0 rows), refilled every step with the rest
+    (`graph_meta.GraphLoRABuffers`)."""
 
     num_tokens: int            # rows of the batch, padding included
     row_slots: torch.Tensor    # [num_tokens] int32, slot of each row (-1 = base)
     row_order: torch.Tensor    # [num_tokens] int32, the rows sorted by slot, base rows last
-    groups: torch.Tensor       # [3, num_tokens] int32: group slot | first position in row_order | rows
+    groups: torch.Tensor       # [3, num_tokens] int32: group slot | first position in row_order | rows (<= BLOCK_M)
 
     @classmethod
     def build(cls, token_slots: Any, device: torch.device | str = "cpu") -> "DecodeLoRAMeta":
@@ -122,11 +140,13 @@ def _interpreted(t: torch.Tensor) -> bool:
 def choose_splits(in_features: int, slice_sizes: tuple[int, ...], max_rank: int, num_slots: int, num_rows: int,
                   elem: int) -> tuple[int, int]:
     """(K splits of shrink, column chunks of expand) from the bytes model, at the design point of `num_rows` rows
-    spread over min(rows, slots) adapters: the fewest splits/chunks that give MIN_PROGRAMS programs per launch
+    spread evenly over min(rows, slots) adapters, each adapter's rows in groups of at most BLOCK_M (`decode_groups`;
+    every group reads its adapter's A and B once): the fewest splits/chunks that give MIN_PROGRAMS programs per launch
     (bounded by MIN_K_PER_SPLIT / MIN_N_PER_CHUNK columns each), then halved, splits first, until the partials
     (splits x (1 + chunks) x rows x rank x 4 bytes per group and slice) cost at most PARTIALS_BUDGET of the
     group's A+B bytes. Split-K pays only where it adds programs to a launch short of them without that traffic."""
-    num_groups = max(1, min(num_rows, num_slots))
+    num_adapters = max(1, min(num_rows, num_slots))
+    num_groups = num_adapters * -(-(-(-num_rows // num_adapters)) // BLOCK_M)
     rows_per_group = -(-num_rows // num_groups)
     s = len(slice_sizes)
 
@@ -197,7 +217,7 @@ def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     h = torch.empty((cfg.num_k_splits, num_slices, num_rows, cfg.block_r), dtype=torch.float32,
                     device=x.device)                                         # [splits, S, B, BLOCK_R]
-    K.bgmv_shrink_kernel[(min(num_rows, stack.num_slots), num_slices, cfg.num_k_splits)](
+    K.bgmv_shrink_kernel[(max_groups(num_rows, stack.num_slots), num_slices, cfg.num_k_splits)](
         x, stack.lora_a, h, meta.row_order, meta.groups, stack.ranks,
         stack.in_features, cfg.k_per_split, meta.groups.stride(0),
         x.stride(0),
@@ -226,7 +246,7 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
     dora = stack.dora_scale is not None
     d_scale, d_shift, d_flags = (stack.dora_scale, stack.dora_shift, stack.dora_flags) if dora else \
         (stack.scalings, stack.scalings, stack.ranks)             # never read (HAS_DORA off)
-    K.bgmv_expand_kernel[(min(num_rows, stack.num_slots), cfg.num_n_chunks, num_slices)](
+    K.bgmv_expand_kernel[(max_groups(num_rows, stack.num_slots), cfg.num_n_chunks, num_slices)](
         h, stack.lora_b, y, meta.row_order, meta.groups, stack.ranks, stack.scalings, stack.slice_meta,
         d_scale, d_shift, d_flags,
         num_slices, h.shape[0], y_offset, meta.groups.stride(0),

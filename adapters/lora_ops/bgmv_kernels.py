@@ -2,10 +2,13 @@
 
 One shrink and one expand launch per fused linear (q/k/v, o, gate/up, down) cover every row, slot and slice.
 The step's rows are grouped by slot once per step into persistent metadata (`DecodeLoRAMeta.groups`: slot,
-first position in `row_order`, number of rows of each group; groups past the step's distinct slots have 0 rows).
-A program works on one group, so each adapter's A and B tiles are read once per step, not once per row: with 64
-rows over 8 adapters the old per-row kernels read every A and B 8 times. The grids depend only on the padded
-batch size and the pool (`min(rows, slots)` groups), never on the mix, so a graph captured once serves any mix.
+first position in `row_order`, number of rows of each group; groups past the step's have 0 rows), each slot's
+rows cut into groups of at most BLOCK_M (`bgmv.decode_groups`). A program works on one group, so an adapter's A
+and B tiles are read once per BLOCK_M of its rows, not once per row: with 64 rows over 8 adapters the old per-row
+kernels read every A and B 8 times. And no program walks more than BLOCK_M rows: a prefill chunk of 1,000 tokens
+on one adapter in a mixed-step graph is ~63 programs side by side (as one group it was one program walking them in
+turn: 340-1,120 ms a step on an H200). The grids depend only on the padded batch size and the pool
+(`bgmv.max_groups(rows, slots)` groups), never on the mix, so a graph captured once serves any mix.
 
 Shrink, grid (groups, S, num_k_splits): program (g, s, k) computes for the rows of group g
     h[k, s, row, :rank] = x[row, K-range k] @ A[s, slot, :rank, K-range k]^T
@@ -15,8 +18,8 @@ the column tiles c, c + num_n_chunks, ... of slice s adds
 
 Every load of A, B and h stops at the slot's real rank (masked lanes issue no memory traffic): a rank-8 adapter
 in a pool sized for 64 reads 8 rows of A and 8 columns of B. Empty groups and rank-0 slices exit after loading
-two ints. Rows past BLOCK_M in one group loop (A/B re-read per BLOCK_M rows: the config sizes BLOCK_M so a
-group of the design batch fits). The K split and column chunking are runtime arguments chosen per stack by a
+two ints. A group of more than BLOCK_M rows (metadata built with larger groups) would loop, re-reading A/B per
+BLOCK_M rows. The K split and column chunking are runtime arguments chosen per stack by a
 bytes model (`bgmv.bgmv_config`), BLOCK_* fixed per stack: one compiled variant per fused linear.
 
 DOT_FP32 upcasts the tiles and runs an exact (IEEE) fp32 `tl.dot`: fp32 activations (parity with PEFT) and the

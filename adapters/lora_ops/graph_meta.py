@@ -2,8 +2,8 @@
 
 A captured graph replays fixed kernel grids, so the per-step adapter mix lives in device buffers that
 are refilled before every replay: each row's slot (-1 = base; padded rows too), the rows sorted by
-slot, and the rows grouped by slot (`bgmv.decode_groups`: the step's tokens grouped by adapter once, read by
-every LoRA launch of the step). The BGMV grids span the padded batch size and the pool only, so one graph
+slot, and the rows grouped by slot (`bgmv.decode_groups`: the step's tokens grouped by adapter once, at most
+BLOCK_M rows a group, read by every LoRA launch of the step). The BGMV grids span the padded batch size and the pool only, so one graph
 per size serves any mix.
 
     bufs = GraphLoRABuffers(max_batch_size, num_slots, device)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adapters.lora_ops.bgmv import DecodeLoRAMeta, aligned_rows, decode_groups
+from adapters.lora_ops.bgmv import BLOCK_M, DecodeLoRAMeta, aligned_rows, decode_groups, max_groups
 
 NUM_FIELDS = 5          # row slots | row order | group slots | group starts | group rows, each `stride` long
 
@@ -75,14 +75,19 @@ class GraphLoRABuffers:
 
     def check_integrity(self, batch_size: int) -> None:
         """The order is a permutation of the rows, sorted by slot with base rows last; the groups cover the LoRA
-        rows of the order exactly, one group per distinct slot, the unused ones empty."""
+        rows of the order exactly, in order: each slot's rows in consecutive groups of BLOCK_M rows but its last,
+        no group past the kernels' grid (`max_groups`), the unused ones empty."""
         slots, order, groups = (t.cpu().numpy() for t in self._views(batch_size))
         assert sorted(order.tolist()) == list(range(batch_size))
         key = np.where(slots[order] >= 0, slots[order], self.num_slots)
         assert (np.diff(key) >= 0).all() and (slots < self.num_slots).all() and (slots >= -1).all()
-        distinct = np.unique(slots[slots >= 0])
-        n = distinct.size
-        assert (groups[0, :n] == distinct).all() and (groups[2, n:] == 0).all() and (groups[2, :n] > 0).all()
-        for g_slot, start, size in groups[:, :n].T:
+        n = int((groups[2] > 0).sum())
+        assert n <= max_groups(batch_size, self.num_slots), "more groups than the kernels' grid"
+        assert (groups[2, n:] == 0).all() and (groups[2, :n] <= BLOCK_M).all()
+        assert (groups[1, :n] == np.cumsum(groups[2, :n]) - groups[2, :n]).all(), "groups not back to back"
+        for i, (g_slot, start, size) in enumerate(groups[:, :n].T):
             assert (slots[order[start:start + size]] == g_slot).all()
+            last_of_slot = i + 1 == n or groups[0, i + 1] != g_slot
+            assert last_of_slot or size == BLOCK_M, "a slot's group short of BLOCK_M before its last"
         assert groups[2, :n].sum() == (slots >= 0).sum()
+        assert len(np.unique(groups[0, :n])) == len(np.unique(slots[slots >= 0]))

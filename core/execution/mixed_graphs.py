@@ -13,13 +13,15 @@ cache, and it reads finite values from block 0) so every row of the forward hold
 is dropped. The attention grid is fixed per size: a work list of P items (every item covers at least one
 token), the step's items first (`work_items`, query blocks of the prefill tile, no split-KV), the rest on an
 empty sequence (query and context length 0: the program returns at once). LoRA rows go through the BGMV
-kernels with one slot per token (`GraphLoRABuffers`, -1 for base and padding), as in the decode graphs.
+kernels with one slot per token (`GraphLoRABuffers`, -1 for base and padding), as in the decode graphs: an
+adapter's tokens in groups of at most 16, one program each, so a prefill chunk on an adapter is as many programs
+side by side (`bgmv.decode_groups`; as one group per adapter, one program walked a 500-1,000-token chunk in turn
+and such steps took 340-1,120 ms on an H200, `benchmarks/results/gpu_run_h200_2026-11-26b/`).
 
-Steps run here when they carry prefill chunks, no speculative drafts, at most the largest size of tokens and at
-most `MAX_LORA_GROUP_TOKENS` tokens on any one adapter (the BGMV kernels walk an adapter's rows in turn: a LoRA
-prefill chunk keeps the eager, segmented path); the others run as before (decode and verification graphs, or eagerly). `use_graphs=False` runs the same padded
-path without capturing (the CPU tests under TRITON_INTERPRET). Built at one tensor-parallel rank only (the
-workers build no such runner). LORAPLEX_MIXED_GRAPHS=0 turns them off.
+Steps run here when they carry prefill chunks, no speculative drafts and at most the largest size of tokens; the
+others run as before (decode and verification graphs, or eagerly). `use_graphs=False` runs the same padded path
+without capturing (the CPU tests under TRITON_INTERPRET). Built at one tensor-parallel rank only (the workers
+build no such runner). LORAPLEX_MIXED_GRAPHS=0 turns them off.
 """
 from __future__ import annotations
 
@@ -42,12 +44,6 @@ log = logging.getLogger("loraplex.mixed_graphs")
 # padded token counts: fine steps where the padding costs compute (past ~200 tokens on an H100/H200 a step's
 # GEMMs are arithmetic-bound), none past 1024 (larger steps are prefill-heavy: their launch cost is a small share)
 MIXED_GRAPH_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
-# The graphs' LoRA path is the decode graphs' BGMV kernels, whose program for an adapter walks that adapter's rows
-# 16 at a time, in turn: right for decode rows, not for a prefill chunk. On an H200 (8B, 32 adapters), mixed steps
-# whose chunk was on an adapter took 340-1,120 ms in the graph (500-1,000 tokens of one adapter) against ~50-90 ms
-# eagerly (benchmarks/results/gpu_run_h200_2026-11-26b/). So a step with more tokens than this on one adapter runs
-# eagerly, through the segmented kernels; base chunks beside LoRA decode rows take the graph.
-MAX_LORA_GROUP_TOKENS = 64
 MEMORY_MARGIN_BYTES = 256 << 20      # device memory left free beside the largest mixed-step graph's activations
 
 
@@ -82,7 +78,6 @@ class MixedGraphRunner:
         self.kernel_metas = {p: self._kernel_meta(p) for p in self.sizes}
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_runs = 0          # steps through this runner (replayed or, without graphs, padded eager)
-        self.num_lora_refusals = 0  # steps with prefill left eager: more than MAX_LORA_GROUP_TOKENS on one adapter
         self.num_padding_tokens = 0
         self.capture_s = 0.0
 
@@ -98,19 +93,11 @@ class MixedGraphRunner:
     def padded_size(self, num_tokens: int) -> int | None:
         return next((p for p in self.sizes if p >= num_tokens), None)
 
-    def can_run(self, host: HostBatch, token_slots: np.ndarray | None) -> bool:
-        """A step with prefill chunks and no drafts, of at most the largest size of tokens, whose adapters have at
-        most `MAX_LORA_GROUP_TOKENS` tokens each (`token_slots`: per-token LoRA slot, -1 = base)."""
+    def can_run(self, host: HostBatch) -> bool:
+        """A step with prefill chunks and no drafts, of at most the largest size of tokens."""
         if host.decode_only or self.padded_size(host.num_tokens) is None:
             return False
-        if any(r.num_spec_tokens for r in host.requests):
-            return False
-        if token_slots is not None and self.lora is not None:
-            live = token_slots[token_slots >= 0]
-            if live.size and int(np.bincount(live).max()) > MAX_LORA_GROUP_TOKENS:
-                self.num_lora_refusals += 1
-                return False
-        return True
+        return not any(r.num_spec_tokens for r in host.requests)
 
     # ---------------------------------------------------------------- inputs
     def _fill(self, host: HostBatch | None, size: int) -> None:

@@ -63,7 +63,7 @@ class ModelRunner:
         fixup = pending.input_fixup(host) if pending is not None else None
         assert pending is not None or PENDING_TOKEN not in host.token_ids, "a token in flight with no source"
         use_graph = self.graphs is not None and self.graphs.can_run(host, in_flight=fixup is not None)
-        use_mixed = not use_graph and self.mixed is not None and self.mixed.can_run(host, token_slots)
+        use_mixed = not use_graph and self.mixed is not None and self.mixed.can_run(host)
         if faults.ACTIVE:
             faults.hit_any("forward", host.requests)
         # the workers run the same forward (and the same patch of in-flight tokens)

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
-    PARTIALS_BUDGET, DecodeLoRAMeta, bgmv_config, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    BLOCK_M, PARTIALS_BUDGET, DecodeLoRAMeta, bgmv_config, decode_groups, max_groups, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
@@ -97,7 +97,7 @@ def test_bgmv_config_is_fixed_per_stack() -> None:
     big = nan_stack(2, 64, 4096, (64,), [[64, 8]])
     cfg = bgmv_config(big, 64)
     assert cfg.block_r == 64 and cfg.k_per_split * cfg.num_k_splits >= 4096 > cfg.k_per_split * (cfg.num_k_splits - 1)
-    rows_per_group = 64 // 2
+    rows_per_group = BLOCK_M                 # 64 rows over 2 adapters: 4 groups of BLOCK_M (`decode_groups`)
     partials = cfg.num_k_splits * (1 + cfg.num_n_chunks) * rows_per_group * 64 * 4
     assert partials <= PARTIALS_BUDGET * 64 * (4096 + 64) * 4
     forced = bgmv_config(big, 64, k_split_cols=512)
@@ -130,3 +130,29 @@ def test_built_metadata_launches_the_graph_buffers_variants(monkeypatch: pytest.
         keys[source] = rec.keys
         assert sorted(name for name, _ in rec.keys) == ["bgmv_expand_kernel", "bgmv_shrink_kernel"], rec.keys
     assert keys["built"] == keys["graph"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_groups_bound_rows_per_program(seed: int) -> None:
+    """Random batches (one adapter's long chunk, many adapters, all base): every LoRA row in exactly one group, each
+    group of one slot and at most BLOCK_M rows, a slot's groups back to back and full but its last, and never more
+    groups than the kernels' grid (`max_groups`), for any mix of the batch size and pool."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        num_rows, num_slots = int(rng.integers(1, 300)), int(rng.integers(1, 40))
+        kind = rng.integers(3)
+        slots = rng.integers(-1, num_slots, num_rows) if kind == 0 else \
+            np.where(rng.random(num_rows) < 0.9, rng.integers(num_slots), -1) if kind == 1 else \
+            np.full(num_rows, -1)
+        order, groups = decode_groups(slots)
+        assert sorted(order.tolist()) == list(range(num_rows))
+        n = int((groups[2] > 0).sum())
+        assert n <= max_groups(num_rows, num_slots) <= num_rows
+        assert (groups[2, n:] == 0).all() and (groups[0, n:] == -1).all() and (groups[2, :n] <= BLOCK_M).all()
+        seen = np.zeros(num_rows, np.int64)
+        for i, (slot, start, size) in enumerate(groups[:, :n].T):
+            assert (slots[order[start:start + size]] == slot).all()
+            seen[order[start:start + size]] += 1
+            if i + 1 < n and groups[0, i + 1] == slot:
+                assert size == BLOCK_M and groups[1, i + 1] == start + size
+        assert (seen == (slots >= 0)).all(), "a LoRA row in no group or two, or a base row in one"

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from adapters.adapter import LoRAAdapter, LoRAModule  # noqa: E402
 from adapters.layers.dims import TARGET_MODULES, BaseModelDims, fused_groups  # noqa: E402
 from adapters.lora_ops import LoRABackends, LoRABatchMeta, add_lora  # noqa: E402
+from adapters.lora_ops.bgmv import BLOCK_M, max_groups  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.slots.slot_pool import LoRASlotPool  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
@@ -97,7 +98,7 @@ def test_decode_step_launches_exactly_the_planned_kernels(num_adapters: int, mon
     assert grids[0] == grids[1], "launch grids depend on the adapter mix"
     assert keys[0] == keys[1], "a new adapter mix compiled a new variant"
     shrink_groups = {grid[0] for grid in grids[0]}
-    assert shrink_groups == {min(ROWS, num_adapters)}, "one program row per possible group (pool and batch bound)"
+    assert shrink_groups == {max_groups(ROWS, num_adapters)}, "one program row per possible group (pool and batch bound)"
 
 
 def allowed_addresses(tensor: torch.Tensor, index: list[tuple]) -> set[int]:
@@ -159,3 +160,39 @@ def test_empty_groups_cost_two_loads() -> None:
         programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
         meta = launch.args["groups_ptr"]
         assert meta.loaded <= 4 * (programs + 3 * launch.grid[1] * launch.grid[2]), (launch.kernel, meta.loaded)
+
+
+def test_a_chunk_on_one_adapter_is_spread_over_programs() -> None:
+    """A mixed-step graph's prefill chunk: 64 rows of one adapter (and 16 base rows). The groups cut it into 4
+    programs of BLOCK_M rows (one program walking all 64 in turn took 340-1,120 ms a step on an H200); each reads
+    x once per slice and the adapter's A once per group, and the output equals the torch reference."""
+    pool = make_pool(4, [8], 8)
+    rows = 80
+    bufs = GraphLoRABuffers(rows, pool.num_slots, "cpu")
+    slots = np.concatenate([np.full(64, 2), np.full(16, -1)])
+    bufs.fill(slots, rows)
+    bufs.check_integrity(rows)
+    meta = bufs.meta(rows)
+    groups = meta.groups.numpy()                                                         # [3, rows]
+    busy = int((groups[2] > 0).sum())
+    assert busy == 64 // BLOCK_M and (groups[0, :busy] == 2).all() and (groups[2, :busy] == BLOCK_M).all()
+    grp = fused_groups(DIMS)["qkv"]
+    stack = pool.stack(0, "qkv")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, grp.in_features, generator=g)
+    y0 = torch.randn(rows, grp.out_features, generator=g)
+    y_tri, y_ref = y0.clone(), y0.clone()
+    counter = ByteCounter()
+    with counter:
+        add_lora(y_tri, x, stack, meta, backend="triton")
+    add_lora(y_ref, x, stack, LoRABatchMeta.build(slots, "cpu"), backend="torch")
+    torch.testing.assert_close(y_tri, y_ref, rtol=1e-5, atol=1e-5)
+    shrink = counter.launches[0]
+    assert shrink.grid[0] == max_groups(rows, pool.num_slots) >= busy
+    s, rank, elem = stack.num_slices, 8, 4
+    k_splits = shrink.grid[2]
+    assert shrink.args["x_ptr"].loaded == 64 * grp.in_features * elem * s, "x read more than once per slice"
+    a = shrink.args["a_ptr"]
+    assert a.distinct_loaded == rank * grp.in_features * elem * s
+    assert a.loaded == busy * a.distinct_loaded, "A read other than once per group"
+    assert k_splits >= 1

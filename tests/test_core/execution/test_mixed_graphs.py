@@ -5,7 +5,8 @@ On a GPU the engine captures real graphs. Without one the same padded path (pers
 sequence, the fixed work list, per-token LoRA slots for the BGMV kernels) runs without capture on the CPU:
 `MixedGraphRunner(use_graphs=False)`, with the Triton kernels in the interpreter. Greedy outputs must equal HF
 transformers / PEFT token for token, with and without async scheduling, with steps above the largest size
-(eager) in between; after every step through the runner, `check_integrity` checks its buffers.
+(eager) in between, and with prefill chunks on adapters (an adapter's tokens cut into BGMV groups of at most 16);
+after every step through the runner, `check_integrity` checks its buffers and the LoRA groups.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ pytest.importorskip("triton")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
+from adapters.lora_ops.bgmv import BLOCK_M  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.attention.triton_backend import work_items  # noqa: E402
 from core.execution.mixed_graphs import (  # noqa: E402
-    MAX_LORA_GROUP_TOKENS, MEMORY_MARGIN_BYTES, MIXED_GRAPH_SIZES, MixedGraphRunner, activation_bytes_per_token,
+    MEMORY_MARGIN_BYTES, MIXED_GRAPH_SIZES, MixedGraphRunner, activation_bytes_per_token,
     sizes_that_fit,
 )
 from core.execution.runner import HostBatch  # noqa: E402
@@ -39,17 +41,22 @@ NAMES = {"tenant-a": "qv_r4", "tenant-b": "all7_r8"}
 
 
 class CheckedRunner(MixedGraphRunner):
-    """Checks the buffers after every fill and keeps the sizes it ran."""
+    """Checks the buffers (and the LoRA groups of a step with adapters) after every fill; keeps the sizes it ran
+    and the most tokens one adapter had in a step."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ran: list[tuple[int, int]] = []
+        self.max_adapter_tokens = 0
 
     def run(self, host: HostBatch, token_slots: np.ndarray | None, on_inputs=None) -> torch.Tensor:
         out = super().run(host, token_slots, on_inputs)
         size = self.padded_size(host.num_tokens)
         self.check_integrity(host, size)
         self.ran.append((host.num_tokens, size))
+        if token_slots is not None and (token_slots >= 0).any():
+            self.lora.check_integrity(size)
+            self.max_adapter_tokens = max(self.max_adapter_tokens, int(np.bincount(token_slots[token_slots >= 0]).max()))
         assert out.shape[0] == host.num_tokens
         return out
 
@@ -99,7 +106,7 @@ def test_greedy_equals_hf(async_scheduling: bool) -> None:
     assert any(t < p for t, p in runner.ran), "no padded step"
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
-    assert not runner.can_run(chunk_batch(33), None), "a step above the largest size runs eagerly"
+    assert not runner.can_run(chunk_batch(33)), "a step above the largest size runs eagerly"
 
 
 def chunk_batch(num_tokens: int) -> HostBatch:
@@ -110,26 +117,43 @@ def chunk_batch(num_tokens: int) -> HostBatch:
                      context_lens=np.array([num_tokens]), num_decode=0, samples=[])
 
 
-def test_lora_chunks_run_eagerly() -> None:
-    """More than MAX_LORA_GROUP_TOKENS tokens on one adapter (a LoRA prefill chunk) is left to the eager path;
-    base chunks and adapters' decode rows are not."""
+def test_every_step_with_prefill_fits_the_graphs() -> None:
+    """Base chunks, adapters' decode rows and prefill chunks on one adapter alike: any step with prefill of at most
+    the largest size takes the runner (the BGMV groups bound each program's rows, not the chunk)."""
     mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
     llm, _ = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8)
     eng = llm.engine
-    size = 2 * MAX_LORA_GROUP_TOKENS
+    size = 128
     runner = MixedGraphRunner(eng.model, eng.kv_caches, eng.model.model.layers[0].self_attn.backend,
                               eng.block_size, eng.max_model_len, (size,),
                               lora=GraphLoRABuffers(size, eng.lora_pool.num_slots, eng.device),
                               lora_context=eng.lora_pool.context, use_graphs=False)
-    host = chunk_batch(size)
-    base = np.full(size, -1, np.int64)
-    assert runner.can_run(host, None) and runner.can_run(host, base)
-    split = base.copy()
-    split[:MAX_LORA_GROUP_TOKENS], split[MAX_LORA_GROUP_TOKENS:] = 0, 1       # two adapters, the limit each
-    assert runner.can_run(host, split)
-    over = base.copy()
-    over[:MAX_LORA_GROUP_TOKENS + 1] = 1
-    assert not runner.can_run(host, over) and runner.num_lora_refusals == 1
+    assert runner.can_run(chunk_batch(size)) and runner.can_run(chunk_batch(1))
+    assert not runner.can_run(chunk_batch(size + 1))
+    slots = np.full(size, 1, np.int64)                  # a whole chunk on one adapter: size / 16 groups
+    runner.lora.fill(slots, size)
+    runner.lora.check_integrity(size)
+    groups = runner.lora.meta(size).groups.cpu().numpy()                                   # [3, size]
+    assert (groups[2, :size // BLOCK_M] == BLOCK_M).all() and (groups[2, size // BLOCK_M:] == 0).all()
+
+
+def test_adapter_chunks_equal_peft() -> None:
+    """Long prompts on adapters: steps of up to 24 tokens, most of them one adapter's chunk (more than BLOCK_M
+    tokens: two BGMV groups of one slot), through the runner; every request gets PEFT's tokens."""
+    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
+    llm, runner = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8)
+    path = model_dir(MODEL)
+    long_prompt = encode(path, " ".join(PROMPTS))
+    reqs = [(long_prompt, "tenant-a"), (encode(path, PROMPTS[1]), None), (long_prompt[:40], "tenant-b")]
+    assert len(long_prompt) > 2 * 24
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                        SamplingParams(max_tokens=4, temperature=0.0), lora=[lo for _, lo in reqs])
+    for out, (ids, lora) in zip(outs, reqs):
+        adapter = None if lora is None else NAMES[lora]
+        assert peft_greedy_margin(MODEL, adapter, ids, 4) > 1e-3, "test setup: reference near a tie"
+        assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 4), (lora, out.request_id)
+    assert runner.max_adapter_tokens > BLOCK_M, "no step with an adapter's chunk of more than one group"
+    llm.engine.check_integrity()
 
 
 def test_mixed_adapters_equal_peft() -> None:
