@@ -16,6 +16,7 @@ from core.engine.fault_isolation import MAX_FAILED_STEPS, drop_unread_tokens, er
 from core.engine.grammar_compilers import GrammarCompilers
 from core.engine.outputs import RequestDelta
 from core.engine.request import Request, RequestStatus
+from core.engine.step_clock import StepClock
 from core.engine.step_trace import open_step_trace
 from core.engine.setup import EngineParts, build_engine_parts
 from core.errors import RequestFault
@@ -73,6 +74,11 @@ class LLMEngine:
             # request speculates)
             self.async_scheduling = False
         self.stats.spec = self.spec.stats
+        # each step's time as the step-time model learns it (core/engine/step_clock.py): with async scheduling on
+        # CUDA an iteration's wall time is the previous step's device time, so device events time each step
+        self._clock: StepClock[SchedulerOutput] = StepClock(
+            (lambda: torch.cuda.Event(enable_timing=True)) if self.async_scheduling and self.device.type == "cuda"
+            else None)
 
     # ---- start-up -------------------------------------------------------------------------
     @property
@@ -226,7 +232,7 @@ class LLMEngine:
     def _step(self, pending: PendingStep | None, out: list[RequestDelta]) -> None:
         """schedule -> execute -> sample -> update. Everything up to `pending.read()` in `_update` is queued on
         the device without waiting for it: the previous step's tokens are read while this step's forward runs."""
-        start = time.perf_counter()
+        self._clock.begin()
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()                                            # schedule
         self._step_requests = [r for r, _ in sched.scheduled]
@@ -241,12 +247,12 @@ class LLMEngine:
         result = self._sample(batch, fwd, out)                                       # sample
         if result is not None:
             self._hand_off(result, out)                                              # update
-        # the step-time model learns from each step's wall time (with async scheduling: the wait for the
-        # previous step's tokens stands in for this one's, as steps follow each other)
-        seconds = time.perf_counter() - start
-        self.scheduler.observe_step(sched, seconds)
-        if self._trace is not None:
-            self._trace.record(start, sched, seconds)
+        # the step-time model learns each step's time once it is known (with async scheduling on CUDA: an
+        # iteration later, from the step's device events)
+        for done in self._clock.end(sched):
+            self.scheduler.observe_step(done.step, done.seconds)
+            if self._trace is not None:
+                self._trace.record(done.start_s, done.step, done.seconds)
 
     def _prepare(self, sched: SchedulerOutput, pending: PendingStep | None,
                  out: list[RequestDelta]) -> StepBatch | None:
@@ -302,7 +308,9 @@ class LLMEngine:
         request whose token handling raises fails alone."""
         if pending is None:
             return
+        waiting_since = time.perf_counter()
         tokens, lps = pending.read()
+        self._clock.waited(time.perf_counter() - waiting_since)     # another step's device time, not this one's
         for r, t, lp in zip(pending.requests, tokens, lps):
             if r.status.finished:
                 continue
@@ -324,6 +332,11 @@ class LLMEngine:
             return
         self._closed = True
         if self._trace is not None:
+            try:     # the last steps' times (their device events); not after a failure, whose device may be gone
+                for done in self._clock.drain() if graceful else ():
+                    self._trace.record(done.start_s, done.step, done.seconds)
+            except Exception as exc:  # noqa: BLE001 - the rest of the shutdown goes on
+                log.warning("step trace: the last steps' times are lost (%s)", exc)
             self._trace.close()
         self.registry.shutdown()
         self._grammars.close()
@@ -345,6 +358,7 @@ class LLMEngine:
             live = {id(r) for r in self._pending.requests if not r.status.finished}
             assert all(bool(r.num_pending_tokens) == (id(r) in live) for r in self.scheduler.requests.values())
         self.scheduler.check_integrity()
+        self._clock.check_integrity()
         self.sampler.check_integrity()
         self.registry.check_integrity()
         self.lora_pool.check_integrity(deep=False)

@@ -14,6 +14,7 @@ GPU_TEST_FILES: tuple[str, ...] = (
     "tests/test_core/execution/test_verify_graphs.py",
     "tests/test_core/execution/test_mixed_graphs.py",
     "tests/test_core/engine/test_async_scheduling.py",
+    "tests/test_core/engine/test_step_trace.py",
     "tests/test_core/engine/test_llm_shutdown.py",
     "tests/test_core/startup/test_kernel_warmup.py",
     "tests/test_core/startup/test_kernel_selfcheck.py",

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from core import LLM, SamplingParams
 from core.environment import variables
@@ -40,3 +41,26 @@ def test_no_trace_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", warmup=False)
     assert llm.engine._trace is None
     llm.engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device events: CUDA only")
+def test_async_cuda_steps_are_timed_by_their_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async scheduling on CUDA each step's time comes from its device events, an iteration later
+    (core/engine/step_clock.py): still one line per step once the engine is shut down, every time positive."""
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LORAPLEX_STEP_TRACE", str(trace))
+    variables.reset()
+    try:
+        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cuda", warmup=False,
+                  max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=True)
+        assert llm.engine._clock.deferred
+        llm.generate([[5, 6, 7] * 10, [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+        num_steps = llm.engine.scheduler.num_steps
+        llm.engine.check_integrity()
+        llm.engine.shutdown()
+    finally:
+        monkeypatch.delenv("LORAPLEX_STEP_TRACE")
+        variables.reset()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == num_steps and all(s["measured_ms"] > 0 for s in lines)
+    assert sum(s["prefill_tokens"] for s in lines) == 30 + 2
