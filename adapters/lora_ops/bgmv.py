@@ -146,7 +146,8 @@ def choose_splits(in_features: int, slice_sizes: tuple[int, ...], max_rank: int,
     (splits x (1 + chunks) x rows x rank x 4 bytes per group and slice) cost at most PARTIALS_BUDGET of the
     group's A+B bytes. Split-K pays only where it adds programs to a launch short of them without that traffic."""
     num_adapters = max(1, min(num_rows, num_slots))
-    num_groups = num_adapters * -(-(-(-num_rows // num_adapters)) // BLOCK_M)
+    rows_per_adapter = -(-num_rows // num_adapters)
+    num_groups = num_adapters * -(-rows_per_adapter // BLOCK_M)
     rows_per_group = -(-num_rows // num_groups)
     s = len(slice_sizes)
 
