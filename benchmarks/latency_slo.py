@@ -10,8 +10,9 @@ each point runs on one then the other with the same requests (back to back, so b
 server not being measured is stopped meanwhile, `others_paused`: an idle server's heartbeat made a periodic tail):
 1. saturation: all requests at once, `--saturation-rounds` times per server in ABBA order (off, auto, auto, off:
    a drift of the machine during the run weighs on both alike; one round each gave auto / off ratios of 0.86-0.98
-   on the same code); each server's output tokens/s is its tokens over its rounds' summed time, and the saturation
-   rate is the `--max-step-ms 0` server's requests/s;
+   on the same code), each round its own requests (the same for both servers; the same ones again would hit the
+   prefix cache and run twice as fast); each server's output tokens/s is its tokens over its rounds' summed time,
+   and the saturation rate is the `--max-step-ms 0` server's requests/s;
 2. 50% and 80% of that rate (Poisson);
 3. the trade-off curve: servers with explicit budgets (`--budgets-ms`, default 1.2x and 3x the auto server's
    measured decode step, its ITL p50 at 50% load) at 80% load.
@@ -242,9 +243,10 @@ def main(argv: list[str] | None = None) -> None:
             warm[0]["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
             with others_paused(servers, label):
                 point(base, warm, float("inf"), 0, slo, f"{label} warm-up")
-        sat_reqs = make_requests(args.num_saturation_requests, models, 1, args)
         rounds: dict[str, list[dict]] = {label: [] for label in servers}
         for r in range(args.saturation_rounds):
+            # new prompts each round: a round's own prompts again would be prefix-cache hits
+            sat_reqs = make_requests(args.num_saturation_requests, models, 1 if r == 0 else 100 + r, args)
             for label in list(servers) if r % 2 == 0 else list(servers)[::-1]:      # ABBA
                 with others_paused(servers, label):
                     rounds[label].append(point(base_of(servers, label), sat_reqs, float("inf"), 1, slo, label))
