@@ -94,7 +94,7 @@ def offline_setup(prefix: str) -> tuple[str, str, ModelConfig, dict[str, str], P
 
 
 def start_server(args: argparse.Namespace, model: str, load_format: str, adapters: dict[str, str],
-                 max_step_ms: float | None) -> tuple[subprocess.Popen, str]:
+                 max_step_ms: float | None, label: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "gateway", "serve", "--model", model, "--port", str(port), "--device", args.device,
            "--dtype", args.dtype, "--max-loras", str(len(adapters)), "--max-lora-rank", str(max(RANKS)),
@@ -104,7 +104,7 @@ def start_server(args: argparse.Namespace, model: str, load_format: str, adapter
         cmd += ["--max-step-ms", f"{max_step_ms:g}"]
     env = os.environ.copy()
     if args.step_trace:     # each server's steps in a file of its own (core/engine/step_trace.py)
-        label = "auto" if max_step_ms is None else "off" if max_step_ms == 0 else f"{max_step_ms:g}ms"
+        label = label or ("auto" if max_step_ms is None else "off" if max_step_ms == 0 else f"{max_step_ms:g}ms")
         Path(args.step_trace).mkdir(parents=True, exist_ok=True)
         env["LORAPLEX_STEP_TRACE"] = str(Path(args.step_trace) / f"steps_{label}.jsonl")
     proc = launch_server(cmd, port, "loraplex_slo", args.startup_timeout_s, env=env)
@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=span, default=(64, 1024))
     ap.add_argument("--output-len", type=span, default=(32, 256))
     ap.add_argument("--json-share", type=float, default=0.1)
-    ap.add_argument("--loads", default="0.5,0.8", help="fractions of the saturation rate")
+    ap.add_argument("--loads", default="0.5,0.8", help="fractions of the saturation rate (none: saturation only)")
+    ap.add_argument("--auto-ms", type=float, default=None,
+                    help="the budget of the server labelled auto (default: auto); 0 makes an A/A control run")
     ap.add_argument("--budgets-ms", default=None, help="trade-off curve budgets (default: 1.2x, 3x the decode step; none: no curve)")
     ap.add_argument("--ttft-slo-ms", type=float, default=2500.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=150.0)
@@ -234,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     points: list[dict] = []
     try:
-        for label, ms in (("off", 0.0), ("auto", None)):
-            servers[label] = start_server(args, model, load_format, adapters, ms)
+        for label, ms in (("off", 0.0), ("auto", args.auto_ms)):
+            servers[label] = start_server(args, model, load_format, adapters, ms, label)
         base_name = httpx.get(f"{servers['off'][1]}/v1/models").json()["data"][0]["id"]
         models = [base_name, *adapters]
         for label, (_, base) in servers.items():    # warm-up: grammar compile, adapter loads, the step-time model
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         points += list(sat.values())
         sat_rate = sat["off"]["request_s"]
         by_load: dict[float, dict[str, dict]] = {}
-        for k, load in enumerate(float(x) for x in args.loads.split(",")):
+        for k, load in enumerate(loads(args)):
             reqs = make_requests(args.num_requests, models, 2 + k, args)
             by_load[load] = {}
             for label, (_, base) in servers.items():
@@ -263,20 +265,21 @@ def main(argv: list[str] | None = None) -> None:
                 p["load"] = load
                 by_load[load][label] = p
                 points.append(p)
-        decode_ms = 1e3 * by_load[min(by_load)]["auto"]["itl_p50_s"]
-        budgets = [] if args.budgets_ms == "none" else [float(x) for x in args.budgets_ms.split(",")] \
-            if args.budgets_ms else [round(1.2 * decode_ms), round(3.0 * decode_ms)]
+        decode_ms = 1e3 * by_load[min(by_load)]["auto"]["itl_p50_s"] if by_load else 0.0
+        budgets = [] if args.budgets_ms == "none" or not by_load else \
+            [float(x) for x in args.budgets_ms.split(",")] if args.budgets_ms else \
+            [round(1.2 * decode_ms), round(3.0 * decode_ms)]
         for label in list(servers):
             proc, _ = servers.pop(label)
             proc.terminate()
             proc.wait(timeout=60)
-        top = max(by_load)
-        reqs = make_requests(args.num_requests, models, 2 + sorted(by_load).index(top), args)
+        top = max(by_load, default=0.0)
         curve = []
         for ms in budgets:
             label = f"{ms:g} ms"
             servers[label] = start_server(args, model, load_format, adapters, ms)
             base = servers[label][1]
+            reqs = make_requests(args.num_requests, models, 2 + sorted(by_load).index(top), args)
             point(base, make_requests(12, models, 10_000, args), float("inf"), 0, slo, f"{label} warm-up")
             p = point(base, reqs, top * sat_rate, 2 + sorted(by_load).index(top), slo, label)
             p["load"] = top
@@ -290,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
             proc.terminate()
             proc.wait(timeout=60)
     report(args, sat, by_load, curve, points, budgets, load_before, load_average(), time.perf_counter() - started)
+
+
+def loads(args: argparse.Namespace) -> list[float]:
+    return [] if args.loads == "none" else [float(x) for x in args.loads.split(",")]
 
 
 def base_of(servers: dict[str, tuple[subprocess.Popen, str]], label: str) -> str:
@@ -308,7 +315,7 @@ def pooled(runs: list[dict]) -> dict:
 def report(args: argparse.Namespace, sat: dict[str, dict], by_load: dict[float, dict[str, dict]], curve: list[dict],
            points: list[dict], budgets: list[float], load_before: str, load_after: str, wall_s: float) -> None:
     sat_rate = sat["off"]["request_s"]
-    top = max(by_load)
+    top = max(by_load, default=0.0)
     rows: list[tuple[str, str]] = [("load average before / after", f"{load_before} / {load_after}"),
                                    ("kernel memory monitor (DAMON; its samples stall a core ~11 ms)",
                                     kernel_memory_monitor() or "none"),
@@ -340,6 +347,7 @@ def report(args: argparse.Namespace, sat: dict[str, dict], by_load: dict[float, 
             "adapter_ranks": list(RANKS), "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
             "json_share": args.json_share, "num_requests": args.num_requests, "saturation_rate": sat_rate,
             "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}, "budgets_ms": budgets,
+            "auto_server_max_step_ms": args.auto_ms, "saturation_rounds": args.saturation_rounds,
             "load_average": {"before": load_before, "after": load_after}, "targets": targets, "points": points}
     write_results(args.name or f"latency_slo_{args.device}", data, rows)
 
@@ -354,13 +362,13 @@ def from_log(args: argparse.Namespace) -> None:
     sat = {label: pooled([p for p in points[:num_sat] if p["server"] == label]) for label in ("off", "auto")}
     by_load: dict[float, dict[str, dict]] = {}
     rest = points[num_sat:]
-    for k, load in enumerate(float(x) for x in args.loads.split(",")):
+    for k, load in enumerate(loads(args)):
         pair = {p["server"]: {**p, "load": load} for p in rest[2 * k:2 * k + 2]}
         if set(pair) == {"off", "auto"}:     # a run cut short: only the loads with both points
             by_load[load] = pair
-    if not by_load:
+    if loads(args) and not by_load:
         raise SystemExit(f"{args.from_log}: no load with both points")
-    curve = [{**p, "load": max(by_load)} for p in rest[2 * len(args.loads.split(",")):]]
+    curve = [{**p, "load": max(by_load)} for p in rest[2 * len(loads(args)):]] if by_load else []
     budgets = [float(p["server"].split()[0]) for p in curve]
     report(args, sat, by_load, curve, list(sat.values()) + [p for pair in by_load.values() for p in pair.values()]
            + curve, budgets, "not recorded (from the log)", "not recorded (from the log)", float("nan"))
