@@ -150,8 +150,7 @@ class Scheduler:
         if shares is None:
             self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
         backlog = self.waiting.num_tokens + sum(remaining_prefill(r) for r in self.running)
-        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, backlog,
-                        len(self.waiting))
+        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, backlog)
         num_slot_preemptions = len(out.preempted)
         decodes = [r for r in self.running if is_decode(r)]
         prefills = sorted((r for r in self.running if not is_decode(r)), key=self._prefill_key)

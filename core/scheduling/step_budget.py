@@ -43,7 +43,6 @@ AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the typical decode-only step (margi
 MIN_PREFILL_CHUNK = 16      # prefill tokens a step with decode rows may always carry
 BUDGET_EXEMPT_STEPS = 64    # steps since arrival after which the auto budget no longer sizes a request's prefill
 BACKLOG_STEPS = 64          # a step with decode rows carries at least the prefill backlog / this many tokens
-SATURATION_QUEUE = 8        # waiting requests past which the backlog drains in proportionally fewer steps
 
 
 def remaining_prefill(req: Request) -> int:
@@ -58,22 +57,15 @@ def is_decode(req: Request) -> bool:
     return remaining_prefill(req) == 0
 
 
-def backlog_steps(num_waiting: int) -> int:
-    """The steps within which the auto budget's floor drains the prefill backlog: BACKLOG_STEPS while at most
-    SATURATION_QUEUE requests wait to start, proportionally fewer past it (a queue that deep means arrivals outrun
-    the server: bigger chunks then buy throughput, and the inter-token tail is lost to the queue anyway)."""
-    return max(1, BACKLOG_STEPS * SATURATION_QUEUE // max(SATURATION_QUEUE, num_waiting))
-
-
 class StepPlan:
     """The features of the step being scheduled, and the prefill tokens it may still take."""
 
     def __init__(self, model: StepTimeModel, max_step_ms: float | None, max_num_batched_tokens: int,
-                 num_backlog_tokens: int = 0, num_waiting: int = 0) -> None:
+                 num_backlog_tokens: int = 0) -> None:
         self.model = model
         # the prefill tokens a step with decode rows always carries: MIN_PREFILL_CHUNK, or under the auto budget a
-        # share of the backlog (waiting prompts, unfinished prefills) that drains it within `backlog_steps(...)`
-        backlog_share = -(-num_backlog_tokens // backlog_steps(num_waiting)) if max_step_ms is None else 0
+        # share of the backlog (waiting prompts, unfinished prefills) that drains it within BACKLOG_STEPS steps
+        backlog_share = -(-num_backlog_tokens // BACKLOG_STEPS) if max_step_ms is None else 0
         self.min_chunk = max(MIN_PREFILL_CHUNK, backlog_share)
         self.max_step_ms = max_step_ms       # None: auto; 0: off
         self.features = StepFeatures()
