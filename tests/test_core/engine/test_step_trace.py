@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from core import LLM, SamplingParams
 from core.environment import variables
+from kernel_device import kernel_device
 from testlib import model_dir
 
 
@@ -43,7 +43,7 @@ def test_no_trace_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     llm.engine.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="device events: CUDA only")
+@pytest.mark.skipif(kernel_device().type != "cuda", reason="device events: CUDA only")
 def test_async_cuda_steps_are_timed_by_their_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With async scheduling on CUDA each step's time comes from its device events, an iteration later
     (core/engine/step_clock.py): still one line per step once the engine is shut down, every time positive."""
@@ -51,7 +51,7 @@ def test_async_cuda_steps_are_timed_by_their_events(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("LORAPLEX_STEP_TRACE", str(trace))
     variables.reset()
     try:
-        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cuda", warmup=False,
+        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device=str(kernel_device()), warmup=False,
                   max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=True)
         assert llm.engine._clock.deferred
         llm.generate([[5, 6, 7] * 10, [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
