@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import random
-import time
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from core.engine.fault_isolation import MAX_FAILED_STEPS, drop_unread_tokens, er
 from core.engine.grammar_compilers import GrammarCompilers
 from core.engine.outputs import RequestDelta
 from core.engine.request import Request, RequestStatus
-from core.engine.step_clock import StepClock
+from core.engine.step_clock import CudaEvent, StepClock
 from core.engine.step_trace import open_step_trace
 from core.engine.setup import EngineParts, build_engine_parts
 from core.errors import RequestFault
@@ -76,9 +75,9 @@ class LLMEngine:
         self.stats.spec = self.spec.stats
         # each step's time as the step-time model learns it (core/engine/step_clock.py): with async scheduling on
         # CUDA an iteration's wall time is the previous step's device time, so device events time each step
+        device = self.device
         self._clock: StepClock[SchedulerOutput] = StepClock(
-            (lambda: torch.cuda.Event(enable_timing=True)) if self.async_scheduling and self.device.type == "cuda"
-            else None)
+            (lambda: CudaEvent(device)) if self.async_scheduling and device.type == "cuda" else None)
 
     # ---- start-up -------------------------------------------------------------------------
     @property
@@ -308,9 +307,7 @@ class LLMEngine:
         request whose token handling raises fails alone."""
         if pending is None:
             return
-        waiting_since = time.perf_counter()
         tokens, lps = pending.read()
-        self._clock.waited(time.perf_counter() - waiting_since)     # another step's device time, not this one's
         for r, t, lp in zip(pending.requests, tokens, lps):
             if r.status.finished:
                 continue
@@ -332,7 +329,7 @@ class LLMEngine:
             return
         self._closed = True
         if self._trace is not None:
-            try:     # the last steps' times (their device events); not after a failure, whose device may be gone
+            try:     # the last steps' times (their device events, briefly); not after a failure
                 for done in self._clock.drain() if graceful else ():
                     self._trace.record(done.start_s, done.step, done.seconds)
             except Exception as exc:  # noqa: BLE001 - the rest of the shutdown goes on

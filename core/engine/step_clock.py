@@ -8,12 +8,13 @@ With async scheduling on CUDA an iteration launches step t and then reads step t
 step t's host work plus the wait for step t-1's device work. Paired with step t's features, it taught the model the
 previous step's cost: once the device sets the pace (CUDA graphs for decode and for mixed steps: the host work is
 a replay), a step that carried a prefill chunk was charged to the decode-only step after it and the other way
-round, so the budget sized chunks from mixed-up prices. There the clock records a CUDA event before and after
-each step's device work, and observes step t as max(its host time without the wait for step t-1, the time between
-its two events on the device): the device's time when the device is the bottleneck (its first event runs when step
-t-1's work is done), the host's when the host is (the device idles between the launches, and the events span
-them). The events are read only once they have completed, so an observation comes an iteration later and never
-blocks the loop.
+round, so the budget sized chunks from mixed-up prices. There the clock records a CUDA event on the engine
+device's stream at the start and at the end of each iteration, and observes step t as the time between its two
+events on the device. That is the device's time when the device is the bottleneck (the first event runs when step
+t-1's work is done, the last after step t's), and the host's when the host is (the device reaches each event as the
+host records it, and idles between the launches). Whatever the host waits on inside the iteration (the previous
+step's tokens, a staging buffer still in a copy) is not in it unless the device was idle then too. The events are
+read only once they have completed, so an observation comes an iteration later and never blocks the loop.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Generic, Protocol, TypeVar
+
+import torch
 
 S = TypeVar("S")
 
@@ -31,8 +34,6 @@ class DeviceEvent(Protocol):
     def query(self) -> bool: ...
 
     def elapsed_time(self, end: "DeviceEvent") -> float: ...     # milliseconds
-
-    def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -46,21 +47,19 @@ class StepTime(Generic[S]):
 class _OpenStep(Generic[S]):
     start_s: float
     step: S
-    host_s: float
     begin: DeviceEvent
     end: DeviceEvent
 
 
 class StepClock(Generic[S]):
-    """`begin()` at an iteration's start, `waited(s)` for each blocking read of an earlier step's tokens, `end(step)`
-    when the step is launched and handed off: returns the steps whose time is now known (in order)."""
+    """`begin()` at an iteration's start, `end(step)` when the step is launched and handed off: returns the steps
+    whose time is now known (in order)."""
 
     def __init__(self, event_factory: Callable[[], DeviceEvent] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.event_factory = event_factory     # None: the wall time of the iteration is the step's
         self.clock = clock
         self._start = 0.0
-        self._waited = 0.0
         self._begin: DeviceEvent | None = None
         self._open: deque[_OpenStep[S]] = deque()
 
@@ -74,22 +73,18 @@ class StepClock(Generic[S]):
         return len(self._open)
 
     def begin(self) -> None:
-        self._start, self._waited = self.clock(), 0.0
+        self._start = self.clock()
         if self.event_factory is not None:
             self._begin = self.event_factory()
             self._begin.record()
 
-    def waited(self, seconds: float) -> None:
-        self._waited += seconds
-
     def end(self, step: S) -> list[StepTime[S]]:
-        wall = self.clock() - self._start
         if self.event_factory is None:
-            return [StepTime(self._start, step, wall)]
+            return [StepTime(self._start, step, self.clock() - self._start)]
         assert self._begin is not None, "end() without begin()"
         end = self.event_factory()
         end.record()
-        self._open.append(_OpenStep(self._start, step, max(0.0, wall - self._waited), self._begin, end))
+        self._open.append(_OpenStep(self._start, step, self._begin, end))
         self._begin = None
         return self.ready()
 
@@ -99,18 +94,37 @@ class StepClock(Generic[S]):
         done = []
         while self._open and self._open[0].end.query():
             s = self._open.popleft()
-            device_s = s.begin.elapsed_time(s.end) / 1000.0
-            done.append(StepTime(s.start_s, s.step, max(s.host_s, device_s)))
+            done.append(StepTime(s.start_s, s.step, s.begin.elapsed_time(s.end) / 1000.0))
         return done
 
-    def drain(self) -> list[StepTime[S]]:
-        """Every open step, waiting for its events (shutdown: the trace gets the last steps too)."""
-        for s in self._open:
-            s.end.synchronize()
-        return self.ready()
+    def drain(self, timeout_s: float = 1.0) -> list[StepTime[S]]:
+        """The open steps whose events complete within `timeout_s` (shutdown: the trace gets the last steps too; a
+        device stuck behind a lost tensor-parallel worker's collective cannot hold the shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        done = self.ready()
+        while self._open and time.monotonic() < deadline:
+            time.sleep(0.001)
+            done += self.ready()
+        return done
 
     def check_integrity(self) -> None:
         assert self.event_factory is not None or not self._open, "open steps without device events"
-        assert all(s.host_s >= 0 for s in self._open)
         starts = [s.start_s for s in self._open]
         assert starts == sorted(starts), "open steps out of order"
+
+
+class CudaEvent:
+    """A timing CUDA event recorded on the current stream of one device (the engine's, whichever is current)."""
+
+    def __init__(self, device: "torch.device") -> None:
+        self.device = device
+        self.event = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> None:
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def elapsed_time(self, end: "CudaEvent") -> float:
+        return self.event.elapsed_time(end.event)

@@ -44,13 +44,18 @@ def test_a_forced_k_split_is_exercised_on_this_device() -> None:
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("k_split_cols", [512, 16])
-def test_bgmv_equals_reference(case: int, k_split_cols: int) -> None:
+@pytest.mark.parametrize("size", [11, 40])
+def test_bgmv_equals_reference(case: int, k_split_cols: int, size: int) -> None:
+    """11 rows over the slots (a decode batch), or 40 rows mostly of one slot (a prefill chunk in a mixed-step graph:
+    one slot in three groups, each program's K-split partials summed for its own rows)."""
     num_slots, r_max, in_f, outs, ranks = CASES[case]
     stack = nan_stack(num_slots, r_max, in_f, outs, ranks, seed=case)
     rng = np.random.default_rng(case)
-    size = 11
     slots = rng.integers(-1, num_slots, size)
-    slots[0] = num_slots - 1
+    if size > BLOCK_M:
+        slots[:2 * BLOCK_M + 2] = 0
+        assert int((decode_groups(slots)[1][0] == 0).sum()) == 3, "the chunk's slot is not in three groups"
+    slots[-1] = num_slots - 1
     g = torch.Generator().manual_seed(case)
     x = torch.randn(size, in_f, generator=g).to(DEVICE)
     y0 = torch.randn(size, sum(outs), generator=g).to(DEVICE)

@@ -136,11 +136,13 @@ def test_grouped_dora_matches_peft(setup, backend, case):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_decode_and_split_dora_match_peft(setup, backend):
+@pytest.mark.parametrize("token_slots", [[2, -1, 1, 0, 2, 1, -1, 2], TOKEN_SLOTS["prefill-run"]],
+                         ids=["decode", "chunk"])
+def test_decode_and_split_dora_match_peft(setup, backend, token_slots):
     """Per-row slots (the decode / CUDA-graph metadata), whole and split into shrink + all-reduce + expand as a
-    row-parallel linear does it (here one rank: the all-reduce is the identity)."""
+    row-parallel linear does it (here one rank: the all-reduce is the identity); "chunk": a mixed-step graph's
+    prefill chunk, 34 rows of one DoRA slot in three BGMV groups (the DoRA epilogue once per row)."""
     model, pool, slot_to_name = build(setup, backend)
-    token_slots = [2, -1, 1, 0, 2, 1, -1, 2]
     slots = torch.tensor(token_slots)
     meta = DecodeLoRAMeta.build(token_slots, DEVICE)
     g = torch.Generator().manual_seed(8)

@@ -190,9 +190,7 @@ def test_a_chunk_on_one_adapter_is_spread_over_programs() -> None:
     shrink = counter.launches[0]
     assert shrink.grid[0] == max_groups(rows, pool.num_slots) >= busy
     s, rank, elem = stack.num_slices, 8, 4
-    k_splits = shrink.grid[2]
     assert shrink.args["x_ptr"].loaded == 64 * grp.in_features * elem * s, "x read more than once per slice"
     a = shrink.args["a_ptr"]
     assert a.distinct_loaded == rank * grp.in_features * elem * s
     assert a.loaded == busy * a.distinct_loaded, "A read other than once per group"
-    assert k_splits >= 1

@@ -68,15 +68,16 @@ def _setup(monkeypatch: pytest.MonkeyPatch):
         yield
 
 
-def mixed_llm(**kwargs) -> tuple[LLM, CheckedRunner]:
+def mixed_llm(sizes: tuple[int, ...] = SIZES, max_num_batched_tokens: int = 24,
+              **kwargs) -> tuple[LLM, CheckedRunner]:
     """max_num_seqs 8, steps of at most 24 tokens; mixed-step graphs of 16 and 32 tokens (captured on CUDA)."""
     llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(DEVICE), max_num_seqs=8, num_kv_blocks=256,
-              max_num_batched_tokens=24, **kwargs)
+              max_num_batched_tokens=max_num_batched_tokens, **kwargs)
     eng = llm.engine
     backend = eng.model.model.layers[0].self_attn.backend
     pool = eng.lora_pool
-    lora = GraphLoRABuffers(SIZES[-1], pool.num_slots, eng.device) if pool is not None else None
-    runner = CheckedRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len, SIZES, lora=lora,
+    lora = GraphLoRABuffers(max(sizes), pool.num_slots, eng.device) if pool is not None else None
+    runner = CheckedRunner(eng.model, eng.kv_caches, backend, eng.block_size, eng.max_model_len, sizes, lora=lora,
                            lora_context=pool.context if pool is not None else None, use_graphs=CUDA)
     if CUDA:
         runner.capture(eng.runner.graphs.pool if eng.runner.graphs is not None else None)
@@ -195,3 +196,23 @@ def test_work_items_cover_every_token_once(seed: int) -> None:
         work = work_items(q_lens, np.ones(len(q_lens), np.int64), block_q)              # [3, N]
         want = [(s, b) for s, n in enumerate(q_lens) for b in range(-(-int(n) // block_q))]
         assert list(zip(work[0].tolist(), work[1].tolist())) == want and (work[2] == 0).all()
+
+
+def test_a_long_adapter_chunk_takes_the_graph_and_equals_peft() -> None:
+    """Steps of up to 96 tokens, one of them a chunk of more than 64 tokens on one adapter (the limit that sent such
+    steps to the eager path before the BGMV groups were cut at 16 rows): through the runner, PEFT's tokens."""
+    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
+    llm, runner = mixed_llm(sizes=(96,), max_num_batched_tokens=96, lora_modules=mods, max_loras=2,
+                            max_lora_rank=8)
+    path = model_dir(MODEL)
+    long_prompt = encode(path, " ".join(PROMPTS))[:90]
+    assert len(long_prompt) == 90
+    reqs = [(encode(path, PROMPTS[0]), None), (long_prompt, "tenant-b")]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                        SamplingParams(max_tokens=3, temperature=0.0), lora=[lo for _, lo in reqs])
+    for out, (ids, lora) in zip(outs, reqs):
+        adapter = None if lora is None else NAMES[lora]
+        assert peft_greedy_margin(MODEL, adapter, ids, 3) > 1e-3, "test setup: reference near a tie"
+        assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 3), (lora, out.request_id)
+    assert runner.max_adapter_tokens > 64, runner.max_adapter_tokens
+    llm.engine.check_integrity()
