@@ -186,6 +186,20 @@ def peft_greedy_margin(model: str, adapter: str | None, prompt_ids: list[int], m
     return _greedy(model, adapter, tuple(prompt_ids), max_new_tokens)[1]
 
 
+def assert_generate_equals_peft(llm: Any, model: str, names: dict[str, str],
+                                reqs: list[tuple[list[int], str | None]], max_tokens: int) -> None:
+    """`llm.generate` of (prompt ids, served adapter name or None) pairs, greedy, gives `PeftModel`'s tokens for every
+    request (`names`: served name -> adapter fixture); each reference must have a clear logit margin."""
+    from core import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0), lora=[lo for _, lo in reqs])
+    for out, (ids, lora) in zip(outs, reqs):
+        adapter = None if lora is None else names[lora]
+        assert peft_greedy_margin(model, adapter, ids, max_tokens) > 1e-3, "test setup: reference near a tie"
+        assert out.outputs[0].token_ids == peft_greedy(model, adapter, ids, max_tokens), (lora, out.request_id)
+
+
 def norm_text(text: str) -> str:
     """The server's incremental detokenizer never emits the bytes of an unfinished UTF-8 character at the
     end of the output (tokenizers' DecodeStream), while a one-shot `decode` writes them as U+FFFD: the

@@ -23,7 +23,9 @@ from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner, default_capture_sizes  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
-from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
+from lora_fixtures import (  # noqa: E402
+    adapter_dir, assert_generate_equals_peft, peft_greedy_margin, torch_threads,
+)
 from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
 
 DEVICE = kernel_device()
@@ -104,12 +106,7 @@ def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_schedu
                     async_scheduling=async_scheduling)
     texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     reqs = [(encode(model_dir(model), t), lora) for t in texts for lora in (None, *NAMES)]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=[lo for _, lo in reqs])
-    for out, (ids, lora) in zip(outs, reqs):
-        adapter = None if lora is None else NAMES[lora]
-        assert peft_greedy_margin(model, adapter, ids, MAX_TOKENS) > 1e-3, "test setup: reference near a tie"
-        assert out.outputs[0].token_ids == peft_greedy(model, adapter, ids, MAX_TOKENS), (lora, out.request_id)
+    assert_generate_equals_peft(llm, model, NAMES, reqs, MAX_TOKENS)
     llm.engine.check_integrity()
 
 

@@ -30,7 +30,9 @@ from core.execution.mixed_graphs import (  # noqa: E402
 )
 from core.execution.runner import HostBatch  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
-from lora_fixtures import adapter_dir, peft_greedy, peft_greedy_margin, torch_threads  # noqa: E402
+from lora_fixtures import (  # noqa: E402
+    adapter_dir, assert_generate_equals_peft, peft_greedy_margin, torch_threads,
+)
 from testlib import PROMPTS, encode, hf_greedy, model_dir  # noqa: E402
 
 DEVICE = kernel_device()
@@ -85,6 +87,16 @@ def mixed_llm(sizes: tuple[int, ...] = SIZES, max_num_batched_tokens: int = 24,
     return llm, runner
 
 
+def adapter_llm(**kwargs) -> tuple[LLM, CheckedRunner]:
+    """`mixed_llm` serving the two tenants of NAMES (rank 8 at most)."""
+    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
+    return mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8, **kwargs)
+
+
+def assert_equals_peft(llm: LLM, reqs: list[tuple[list[int], str | None]], max_tokens: int) -> None:
+    assert_generate_equals_peft(llm, MODEL, NAMES, reqs, max_tokens)
+
+
 def test_sizes() -> None:
     assert MIXED_GRAPH_SIZES == tuple(sorted(MIXED_GRAPH_SIZES)) and MIXED_GRAPH_SIZES[-1] == 1024
     assert all(p % 32 == 0 for p in MIXED_GRAPH_SIZES)
@@ -121,8 +133,7 @@ def chunk_batch(num_tokens: int) -> HostBatch:
 def test_every_step_with_prefill_fits_the_graphs() -> None:
     """Base chunks, adapters' decode rows and prefill chunks on one adapter alike: any step with prefill of at most
     the largest size takes the runner (the BGMV groups bound each program's rows, not the chunk)."""
-    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
-    llm, _ = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8)
+    llm, _ = adapter_llm()
     eng = llm.engine
     size = 128
     runner = MixedGraphRunner(eng.model, eng.kv_caches, eng.model.model.layers[0].self_attn.backend,
@@ -141,18 +152,12 @@ def test_every_step_with_prefill_fits_the_graphs() -> None:
 def test_adapter_chunks_equal_peft() -> None:
     """Long prompts on adapters: steps of up to 24 tokens, most of them one adapter's chunk (more than BLOCK_M
     tokens: two BGMV groups of one slot), through the runner; every request gets PEFT's tokens."""
-    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
-    llm, runner = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8)
+    llm, runner = adapter_llm()
     path = model_dir(MODEL)
     long_prompt = encode(path, " ".join(PROMPTS))
     reqs = [(long_prompt, "tenant-a"), (encode(path, PROMPTS[1]), None), (long_prompt[:40], "tenant-b")]
     assert len(long_prompt) > 2 * 24
-    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
-                        SamplingParams(max_tokens=4, temperature=0.0), lora=[lo for _, lo in reqs])
-    for out, (ids, lora) in zip(outs, reqs):
-        adapter = None if lora is None else NAMES[lora]
-        assert peft_greedy_margin(MODEL, adapter, ids, 4) > 1e-3, "test setup: reference near a tie"
-        assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 4), (lora, out.request_id)
+    assert_equals_peft(llm, reqs, 4)
     assert runner.max_adapter_tokens > BLOCK_M, "no step with an adapter's chunk of more than one group"
     llm.engine.check_integrity()
 
@@ -160,16 +165,10 @@ def test_adapter_chunks_equal_peft() -> None:
 def test_mixed_adapters_equal_peft() -> None:
     """Base and two adapters in the steps that carry chunks: the BGMV kernels over per-token slots (padding on
     -1) give PEFT's tokens."""
-    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
-    llm, runner = mixed_llm(lora_modules=mods, max_loras=2, max_lora_rank=8, async_scheduling=True)
+    llm, runner = adapter_llm(async_scheduling=True)
     texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     reqs = [(encode(model_dir(MODEL), t), lora) for t in texts for lora in (None, *NAMES)]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
-                        SamplingParams(max_tokens=5, temperature=0.0), lora=[lo for _, lo in reqs])
-    for out, (ids, lora) in zip(outs, reqs):
-        adapter = None if lora is None else NAMES[lora]
-        assert peft_greedy_margin(MODEL, adapter, ids, 5) > 1e-3, "test setup: reference near a tie"
-        assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 5), (lora, out.request_id)
+    assert_equals_peft(llm, reqs, 5)
     assert runner.ran
     llm.engine.check_integrity()
 
@@ -201,18 +200,11 @@ def test_work_items_cover_every_token_once(seed: int) -> None:
 def test_a_long_adapter_chunk_takes_the_graph_and_equals_peft() -> None:
     """Steps of up to 96 tokens, one of them a chunk of more than 64 tokens on one adapter (the limit that sent such
     steps to the eager path before the BGMV groups were cut at 16 rows): through the runner, PEFT's tokens."""
-    mods = {name: str(adapter_dir(MODEL, a)) for name, a in NAMES.items()}
-    llm, runner = mixed_llm(sizes=(96,), max_num_batched_tokens=96, lora_modules=mods, max_loras=2,
-                            max_lora_rank=8)
+    llm, runner = adapter_llm(sizes=(96,), max_num_batched_tokens=96)
     path = model_dir(MODEL)
     long_prompt = encode(path, " ".join(PROMPTS))[:90]
     assert len(long_prompt) == 90
     reqs = [(encode(path, PROMPTS[0]), None), (long_prompt, "tenant-b")]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
-                        SamplingParams(max_tokens=3, temperature=0.0), lora=[lo for _, lo in reqs])
-    for out, (ids, lora) in zip(outs, reqs):
-        adapter = None if lora is None else NAMES[lora]
-        assert peft_greedy_margin(MODEL, adapter, ids, 3) > 1e-3, "test setup: reference near a tie"
-        assert out.outputs[0].token_ids == peft_greedy(MODEL, adapter, ids, 3), (lora, out.request_id)
+    assert_equals_peft(llm, reqs, 3)
     assert runner.max_adapter_tokens > 64, runner.max_adapter_tokens
     llm.engine.check_integrity()
