@@ -149,8 +149,7 @@ class Scheduler:
         shares = out.shares = self._plan_fair_step(out) if self.fairness is not None else None
         if shares is None:
             self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
-        backlog = self.waiting.num_tokens + sum(remaining_prefill(r) for r in self.running)
-        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, backlog)
+        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, self._backlog())
         num_slot_preemptions = len(out.preempted)
         decodes = [r for r in self.running if is_decode(r)]
         prefills = sorted((r for r in self.running if not is_decode(r)), key=self._prefill_key)
@@ -169,6 +168,16 @@ class Scheduler:
         self.last_budget_s = plan.budget_s
         self.num_steps += 1
         return out
+
+    def _backlog(self) -> StepFeatures:
+        """The prefill still to compute (waiting prompts, what running prefills have left) as step-time features,
+        one row per request."""
+        f = self.waiting.prefill_features()
+        for r in self.running:
+            n = remaining_prefill(r)
+            if n:
+                f = f.plus_row(n, r.num_computed_tokens + n, False, r.lora_slot_key is not None)
+        return f
 
     def _aged(self, req: Request) -> bool:
         return self.num_steps - req.arrival_step >= self.waiting.max_wait_steps

@@ -61,12 +61,14 @@ class StepPlan:
     """The features of the step being scheduled, and the prefill tokens it may still take."""
 
     def __init__(self, model: StepTimeModel, max_step_ms: float | None, max_num_batched_tokens: int,
-                 num_backlog_tokens: int = 0) -> None:
+                 backlog: StepFeatures = StepFeatures()) -> None:
         self.model = model
         # the prefill tokens a step with decode rows always carries: MIN_PREFILL_CHUNK, or under the auto budget a
         # share of the backlog (waiting prompts, unfinished prefills) that drains it within BACKLOG_STEPS steps
-        backlog_share = -(-num_backlog_tokens // BACKLOG_STEPS) if max_step_ms is None else 0
+        backlog_share = -(-backlog.num_prefill_tokens // BACKLOG_STEPS) if max_step_ms is None else 0
         self.min_chunk = max(MIN_PREFILL_CHUNK, backlog_share)
+        self.backlog = backlog               # the prefill still to compute, one row per request
+        self._past_saturation: bool | None = None     # decided at the first prefill row a budget would size
         self.max_step_ms = max_step_ms       # None: auto; 0: off
         self.features = StepFeatures()
         self.decode_features = StepFeatures()   # the decode rows alone
@@ -102,6 +104,8 @@ class StepPlan:
         operator's inter-token promise and holds for every step."""
         if num_new <= 0 or not self.limited or (aged and self.max_step_ms is None):
             return num_new
+        if self.max_step_ms is None and self.past_saturation():
+            return num_new
         if not self.budget_s:
             self.budget_s = self._budget_s()
         floor = max(0, min(num_new, self.min_chunk - self.features.num_prefill_tokens))
@@ -123,6 +127,24 @@ class StepPlan:
             else:
                 hi = mid
         return max(lo, floor)
+
+    def past_saturation(self) -> bool:
+        """Auto budget: whether the prefill backlog could not drain within `BACKLOG_STEPS` steps at the budget's
+        pace: the prefill tokens the typical step's headroom (the budget over the typical decode-only step) buys,
+        or `MIN_PREFILL_CHUNK`, whichever is more. Past saturation the step takes the whole token budget (and
+        `budget_s` stays 0): the backlog floor and the aged exemption would lift the budget anyway, only later,
+        after spreading the same prefill over many steps with small decode batches (latency_slo.py at saturation:
+        0.87-0.90x the unbudgeted server's tokens/s for an inter-token p99 no better than its, docs/scheduling.md)."""
+        if self._past_saturation is None:
+            decode_s = self.model.typical_decode_s() or self.model.predict(self.decode_features)
+            headroom_s = self._budget_s() - decode_s
+            work_s = self.model.prefill_work_s(self.backlog)
+            num_tokens = self.backlog.num_prefill_tokens
+            pace = MIN_PREFILL_CHUNK
+            if headroom_s > 0.0:
+                pace = max(pace, headroom_s * num_tokens / work_s) if work_s > 0.0 else float("inf")
+            self._past_saturation = num_tokens > BACKLOG_STEPS * pace
+        return self._past_saturation
 
     def _fits(self, req: Request, num_new: int, waive_overhead: bool) -> bool:
         key = req.lora_slot_key

@@ -130,6 +130,12 @@ class StepTimeModel:
         v = f.vector()
         return float(v[5:7] @ self.coef[5:7]) if self.ready else 0.0
 
+    def prefill_work_s(self, f: StepFeatures) -> float:
+        """Predicted seconds of the per-token terms of `f` (prefill tokens, attention context, LoRA tokens): what its
+        rows cost whatever steps they are spread over, without any step's own costs (0.0 before the model is ready)."""
+        v = f.vector()
+        return float(v[[1, 3, 4]] @ self.coef[[1, 3, 4]]) if self.ready else 0.0
+
     @property
     def num_kept(self) -> int:
         """Steps in the fitting windows."""

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Iterator
 
 from core.scheduling.fairness import VirtualTokenCounter
+from core.scheduling.step_time import StepFeatures
 from core.kv.kv_cache_manager import KVCacheManager
 from core.engine.request import Request
 
@@ -27,6 +28,8 @@ class WaitingQueue:
         self._queue: deque[Request] = deque()
         self._remaining: dict[int, int] = {}    # id(request) -> remaining prefill, estimated at `prepare`
         self.num_tokens = 0                     # the queued requests' tokens (prompts, and outputs of preempted ones)
+        self.num_lora_tokens = 0                # ... of the requests served through an adapter
+        self.num_context_pairs = 0              # sum of num_tokens ** 2: the attention of each prefilled in one row
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -39,23 +42,37 @@ class WaitingQueue:
 
     def append(self, req: Request) -> None:
         self._queue.append(req)
-        self.num_tokens += req.num_tokens
+        self._count(req, 1)
 
     def push_front(self, req: Request) -> None:
         self._queue.appendleft(req)
-        self.num_tokens += req.num_tokens
+        self._count(req, 1)
 
     def remove(self, req: Request) -> None:
         self._queue.remove(req)
-        self.num_tokens -= req.num_tokens
+        self._count(req, -1)
 
     def pop(self) -> Request:
         req = self._queue.popleft()
-        self.num_tokens -= req.num_tokens
+        self._count(req, -1)
         return req
+
+    def _count(self, req: Request, sign: int) -> None:
+        n = req.num_tokens
+        self.num_tokens += sign * n
+        self.num_lora_tokens += sign * n * (req.lora_slot_key is not None)
+        self.num_context_pairs += sign * n * n
+
+    def prefill_features(self) -> StepFeatures:
+        """The queued requests' prefill as step-time features (each request one row over its whole prompt): the
+        work the step-time model predicts for the queue, whatever the chunks it will be computed in."""
+        return StepFeatures(self.num_tokens, 0, self.num_context_pairs, self.num_lora_tokens)
 
     def check_integrity(self) -> None:
         assert self.num_tokens == sum(r.num_tokens for r in self._queue), "waiting token count out of step"
+        assert self.num_lora_tokens == sum(r.num_tokens for r in self._queue if r.lora_slot_key is not None), \
+            "waiting LoRA token count out of step"
+        assert self.num_context_pairs == sum(r.num_tokens ** 2 for r in self._queue), "waiting context count out of step"
         assert len({id(r) for r in self._queue}) == len(self._queue), "a request queued twice"
 
     def _cached_len(self, r: Request) -> int:

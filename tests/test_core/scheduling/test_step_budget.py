@@ -298,25 +298,59 @@ def test_random_operations_keep_the_budget_and_drain(seed: int, monkeypatch: pyt
     assert sched.kv.usage() == 0.0
 
 
-# prefill tokens so dear (5 ms each) that the auto budget alone admits none: only the floors move prefill
+# prefill tokens so dear (5 ms each) that the auto budget alone admits none: only the minimum chunk moves prefill
 DEAR = COST + np.array([0.0, 5e-3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("num_waiting,floor", [(1, MIN_PREFILL_CHUNK), (40, 40 * 400 // BACKLOG_STEPS)])
-def test_a_backlog_drains_within_backlog_steps_under_the_auto_budget(num_waiting: int, floor: int) -> None:
-    """Under the auto budget a step with decode rows carries at least the prefill backlog / BACKLOG_STEPS tokens:
-    one waiting prompt keeps the minimum chunk; a queue of 40 (a burst, saturation) fills the decode batch sooner
-    instead of trickling in 32 tokens a step."""
-    sched = scheduler(max_step_ms=None, cost=DEAR)
-    start_decoding(sched, 4, cost=DEAR)
+def light_decode_heavy_step(num_decoding: int) -> Scheduler:
+    """The auto budget's typical decode-only step is one of 2 rows (12 ms under COST: a 21.6 ms budget, 9.6 ms of
+    headroom that buys 48 prefill tokens of 0.2 ms), while `num_decoding` rows decode now."""
+    sched = scheduler(max_step_ms=None)
+    usual = StepFeatures(0, 2, 600, 0)
+    for _ in range(250):
+        sched.step_time.observe(usual, float(usual.vector() @ COST))
+    assert sched.step_time.typical_decode_s() == pytest.approx(0.012 + 6e-7, rel=1e-6)
+    start_decoding(sched, num_decoding)
+    return sched
+
+
+# one 400-token prompt costs 400 x 0.2 ms + 400 ** 2 x 1 ns = 80.16 ms of prefill work: 0.2004 ms a token, so the
+# typical step's headroom paces 47.9 tokens a step and BACKLOG_STEPS of them drain 3,066 tokens
+@pytest.mark.parametrize("num_waiting,expected", [(1, MIN_PREFILL_CHUNK), (7, -(-7 * 400 // BACKLOG_STEPS)),
+                                                  (8, 512 - 16)])
+def test_a_backlog_drains_within_backlog_steps_under_the_auto_budget(num_waiting: int, expected: int) -> None:
+    """Under the auto budget a step with decode rows carries at least the prefill backlog / BACKLOG_STEPS tokens,
+    even when its own decode rows (16, heavier than the typical 2) leave the budget no room: one waiting prompt
+    keeps the minimum chunk, a queue of 7 (2,800 tokens) drains within BACKLOG_STEPS steps. A backlog the budget's
+    pace could not drain within BACKLOG_STEPS steps (8 prompts, 3,200 tokens: past saturation) lifts the budget:
+    the step takes the whole token budget and reports none (`budget_s` 0)."""
+    sched = light_decode_heavy_step(16)
     for i in range(num_waiting):
         sched.add_request(make_request(f"w{i}", 400, 4, start=100 + i))
-    backlog = sched.waiting.num_tokens
-    assert backlog == 400 * num_waiting
     out = sched.schedule()
-    assert sum(1 for _, n in out.scheduled if n == 1) == 4, "every decode row still runs"
-    assert prefill_tokens(out) == max(MIN_PREFILL_CHUNK, -(-backlog // BACKLOG_STEPS)) == max(floor, MIN_PREFILL_CHUNK)
-    advance(sched, out, cost=DEAR)
+    assert sum(1 for _, n in out.scheduled if n == 1) == 16, "every decode row still runs"
+    assert prefill_tokens(out) == expected
+    assert (out.budget_s == 0.0) == (num_waiting == 8)
+    advance(sched, out)
+
+
+def test_past_saturation_the_budget_returns_once_the_backlog_drains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst lifts the auto budget only while its backlog exceeds what the budget's pace drains in BACKLOG_STEPS
+    steps: the steps after it carry budget-sized chunks again (no request ages out of the budget here)."""
+    monkeypatch.setattr(step_budget, "BUDGET_EXEMPT_STEPS", 10**6)
+    sched = light_decode_heavy_step(2)
+    for i in range(12):
+        sched.add_request(make_request(f"w{i}", 400, 1000, start=100 + i))
+    lifted, steps = [], 0
+    while sched.waiting or any(not is_decode(r) for r in sched.running):
+        out = sched.schedule()
+        lifted.append(out.budget_s == 0.0 and out.features.num_decode_tokens > 0)
+        assert out.features.num_decode_tokens > 0
+        advance(sched, out)
+        steps += 1
+    assert lifted[0] and not lifted[-1], lifted
+    assert lifted == sorted(lifted, reverse=True), "lifted while past saturation, then budgeted until drained"
+    assert 0 < sum(lifted) < steps / 4
 
 
 def test_an_explicit_budget_keeps_only_the_minimum_chunk_whatever_the_backlog() -> None:

@@ -39,6 +39,22 @@ def test_model_recovers_a_linear_cost_with_noise(seed: int) -> None:
     assert 0.0 < model.error_ratio < 0.06
 
 
+def test_prefill_work_is_the_per_token_terms_alone() -> None:
+    """`prefill_work_s`: what rows cost whatever steps they run in (prefill tokens, context pairs, LoRA tokens),
+    without the per-step terms (intercept, decode rows, the prefill indicators, adapters)."""
+    truth = np.array([1e-2, 2e-4, 1e-3, 1e-9, 1e-4, 5e-3, 7e-3, 2e-3])
+    model = StepTimeModel(window=256)
+    rng = random.Random(0)
+    f = StepFeatures(400, 3, 400 * 400, 100, 1)
+    assert model.prefill_work_s(f) == 0.0       # not fitted yet
+    for _ in range(300):
+        g = random_step(rng)
+        model.observe(g, float(g.vector() @ truth))
+    want = 400 * 2e-4 + 400 * 400 * 1e-9 + 100 * 1e-4
+    assert model.prefill_work_s(f) == pytest.approx(want, rel=0.02)
+    assert model.prefill_work_s(f) < model.predict(f) - 1e-2
+
+
 def test_model_follows_a_slower_machine_within_its_window() -> None:
     rng = random.Random(7)
     fast = np.array([5e-3, 4e-4, 5e-4, 1e-8, 0.0, 4e-3, 0.0, 2e-3])
