@@ -33,6 +33,17 @@ arrival (64, the aging bound's value; 32 measured in benchmarks/README.md) prefi
 saturation a queue of prefills would otherwise trickle in a few dozen tokens per step, every decode batch would
 stay small, and throughput would fall (measured in benchmarks/scheduler_sim.py: 0.83x the unbudgeted server's
 tokens/s at saturation without this rule, 0.93x with it, and no change at 50% or 80% load).
+
+Past saturation the auto budget lifts itself (`StepPlan.past_saturation`): when the prefill backlog could not drain
+within `BACKLOG_STEPS` steps at the budget's pace (the prefill tokens the typical step's headroom buys, from the
+step-time model's per-token terms over the backlog's rows, or `MIN_PREFILL_CHUNK` if more), the step takes the whole
+token budget, as `--max-step-ms 0` would, until the backlog is back within that reach. Such a backlog is a burst or
+a queue the budget cannot serve: its requests would age into the exemption above anyway, after their prefill had
+been spread over many steps whose decode batches stayed small and whose last requests then decoded alone. Measured
+on latency_slo.py (32 requests at once; step traces in benchmarks/README.md, "Past saturation"): the budget held
+the inter-token p99 there no better than no budget (699 and 787 ms against 736 and 714 ms, 32 and 96 requests)
+and cost 0.87-0.90x its output tokens/s; with this rule 0.94x, and 0.98x over four rounds. An
+explicit `--max-step-ms` is an operator's promise and is never lifted.
 """
 from __future__ import annotations
 
