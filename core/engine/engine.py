@@ -11,7 +11,7 @@ import torch
 
 from adapters.registry.registry import LoadedAdapter
 from core.config import EngineConfig
-from core.engine.fault_isolation import MAX_FAILED_STEPS, drop_unread_tokens, error_delta, fault_of, is_fatal, step_failure
+from core.engine.fault_isolation import MAX_FAILED_STEPS, error_delta, fault_of, is_fatal, step_failure
 from core.engine.grammar_compilers import GrammarCompilers
 from core.engine.outputs import RequestDelta
 from core.engine.request import Request, RequestStatus
@@ -219,7 +219,7 @@ class LLMEngine:
             self._num_failed_steps = 0
             return out
         except BaseException as exc:
-            drop_unread_tokens(self.scheduler.requests.values())
+            self.scheduler.drop_unread_tokens()
             self.spec.reset(self.scheduler.requests.values())
             self._pending = None
             self._num_failed_steps += 1

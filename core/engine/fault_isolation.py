@@ -20,7 +20,7 @@ its stream gets a `RequestFault`: a 400 where its input was at fault, a 500 othe
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from core.errors import RequestFault
 from core.engine.outputs import RequestDelta
@@ -43,14 +43,6 @@ def error_delta(req: Request, fault: BaseException) -> RequestDelta:
     return RequestDelta(request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
                         finish_reason=None, num_prompt_tokens=req.num_prompt_tokens,
                         num_output_tokens=req.num_output_tokens, error=str(fault), exception=fault)
-
-
-def drop_unread_tokens(reqs: Iterable[Request]) -> None:
-    """After a step that raised: an unread token is dropped (its request samples it again, with the same seed
-    and step), and the step's progress was never recorded, so its KV is recomputed."""
-    for r in list(reqs):
-        if r.num_pending_tokens:
-            r.drop_pending_token()
 
 
 def step_failure(exc: BaseException, step_requests: list[Request]) -> list[tuple[Request, RequestFault]]:

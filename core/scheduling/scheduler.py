@@ -25,7 +25,7 @@ from core.scheduling import step_budget
 from core.scheduling.step_budget import StepPlan, is_decode, remaining_prefill
 from core.scheduling.step_time import StepFeatures, StepTimeModel
 from core.engine.request import Request, RequestStatus
-from core.scheduling.waiting_queue import WaitingQueue
+from core.scheduling.waiting_queue import WaitingQueue, causal_pairs
 
 
 @dataclass
@@ -38,6 +38,7 @@ class SchedulerOutput:
     features: StepFeatures = field(default_factory=StepFeatures)   # for the step-time model (core/scheduling/step_time.py)
     predicted_s: float = 0.0             # the step's predicted wall time (0.0: the model is not fitted yet)
     budget_s: float = 0.0                # the time budget its prefill chunks were sized to (0.0: none)
+    budget_lifted: bool = False          # the auto budget lifted itself past saturation (step_budget.py)
 
     @property
     def empty(self) -> bool:
@@ -163,7 +164,7 @@ class Scheduler:
             budget = self._admit_waiting(out, budget, adapters, plan, scheduled)
         self._schedule_running(later, out, budget, adapters, plan, scheduled)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
-        out.features, out.budget_s = plan.features, plan.budget_s
+        out.features, out.budget_s, out.budget_lifted = plan.features, plan.budget_s, plan.lifted
         out.predicted_s = self.step_time.predict(plan.features)
         self.last_budget_s = plan.budget_s
         self.num_steps += 1
@@ -173,11 +174,25 @@ class Scheduler:
         """The prefill still to compute (waiting prompts, what running prefills have left) as step-time features,
         one row per request."""
         f = self.waiting.prefill_features()
+        num_tokens, pairs, num_lora = f.num_prefill_tokens, f.num_context_tokens, f.num_lora_tokens
         for r in self.running:
             n = remaining_prefill(r)
             if n:
-                f = f.plus_row(n, r.num_computed_tokens + n, False, r.lora_slot_key is not None)
-        return f
+                num_tokens += n
+                pairs += n * r.num_computed_tokens + causal_pairs(n)
+                num_lora += n * (r.lora_slot_key is not None)
+        return StepFeatures(num_tokens, 0, pairs, num_lora)
+
+    def drop_unread_tokens(self) -> None:
+        """After a step that raised: every request's unread token is dropped (it samples it again, with the same
+        seed and step), queued ones (preempted with a token in flight) through the queue, which counts their tokens."""
+        for r in list(self.requests.values()):
+            if not r.num_pending_tokens:
+                continue
+            if r.status == RequestStatus.WAITING:
+                self.waiting.drop_pending_token(r)
+            else:
+                r.drop_pending_token()
 
     def _aged(self, req: Request) -> bool:
         return self.num_steps - req.arrival_step >= self.waiting.max_wait_steps

@@ -34,10 +34,12 @@ saturation a queue of prefills would otherwise trickle in a few dozen tokens per
 stay small, and throughput would fall (measured in benchmarks/scheduler_sim.py: 0.83x the unbudgeted server's
 tokens/s at saturation without this rule, 0.93x with it, and no change at 50% or 80% load).
 
-Past saturation the auto budget lifts itself (`StepPlan.past_saturation`): when the prefill backlog could not drain
-within `BACKLOG_STEPS` steps at the budget's pace (the prefill tokens the typical step's headroom buys, from the
-step-time model's per-token terms over the backlog's rows, or `MIN_PREFILL_CHUNK` if more), the step takes the whole
-token budget, as `--max-step-ms 0` would, until the backlog is back within that reach. Such a backlog is a burst or
+Past saturation the auto budget lifts itself (`StepPlan.past_saturation`): when the prefill backlog is more than
+`BACKLOG_STEPS` steps' worth at the budget's pace (the prefill tokens the typical step's headroom buys, priced by the
+step-time model's per-token terms over the backlog: its tokens less cached prefixes, the query-key pairs of their
+causal prefill, its LoRA tokens; or `MIN_PREFILL_CHUNK` if more), the step takes the whole token budget, as
+`--max-step-ms 0` would, until the backlog is back within that reach (so the backlog floor above only acts below
+it). Such a backlog is a burst or
 a queue the budget cannot serve: its requests would age into the exemption above anyway, after their prefill had
 been spread over many steps whose decode batches stayed small and whose last requests then decoded alone. Measured
 on latency_slo.py (32 requests at once; step traces in benchmarks/README.md, "Past saturation"): the budget held
@@ -139,10 +141,15 @@ class StepPlan:
                 hi = mid
         return max(lo, floor)
 
+    @property
+    def lifted(self) -> bool:
+        """True when this step's prefill rows were not held to the auto budget because of `past_saturation`."""
+        return bool(self._past_saturation)
+
     def past_saturation(self) -> bool:
-        """Auto budget: whether the prefill backlog could not drain within `BACKLOG_STEPS` steps at the budget's
-        pace: the prefill tokens the typical step's headroom (the budget over the typical decode-only step) buys,
-        or `MIN_PREFILL_CHUNK`, whichever is more. Past saturation the step takes the whole token budget (and
+        """Auto budget: whether the prefill backlog is more than `BACKLOG_STEPS` steps' worth at the budget's pace
+        (an estimate: the prefill tokens the typical step's headroom, the budget over the typical decode-only step,
+        buys at the backlog's own cost per token, or `MIN_PREFILL_CHUNK`, whichever is more). Past saturation the step takes the whole token budget (and
         `budget_s` stays 0): the backlog floor and the aged exemption would lift the budget anyway, only later,
         after spreading the same prefill over many steps with small decode batches (latency_slo.py at saturation:
         0.87-0.90x the unbudgeted server's tokens/s for an inter-token p99 no better than its, docs/scheduling.md)."""

@@ -18,6 +18,11 @@ from core.kv.kv_cache_manager import KVCacheManager
 from core.engine.request import Request
 
 
+def causal_pairs(n: int) -> int:
+    """The query-key pairs a causal prefill of `n` tokens reads, however it is chunked."""
+    return n * (n + 1) // 2
+
+
 class WaitingQueue:
     def __init__(self, kv: KVCacheManager, max_wait_steps: int = 64, max_sorted: int = 128,
                  fairness: VirtualTokenCounter | None = None) -> None:
@@ -27,9 +32,10 @@ class WaitingQueue:
         self.max_sorted = max_sorted
         self._queue: deque[Request] = deque()
         self._remaining: dict[int, int] = {}    # id(request) -> remaining prefill, estimated at `prepare`
+        self._prefix_hits: list[Request] = []   # the requests `prepare` found a cached prefix for
         self.num_tokens = 0                     # the queued requests' tokens (prompts, and outputs of preempted ones)
         self.num_lora_tokens = 0                # ... of the requests served through an adapter
-        self.num_context_pairs = 0              # sum of num_tokens ** 2: the attention of each prefilled in one row
+        self.num_context_pairs = 0              # the query-key pairs of their causal prefill, n (n + 1) / 2 each
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -57,22 +63,37 @@ class WaitingQueue:
         self._count(req, -1)
         return req
 
+    def drop_pending_token(self, req: Request) -> None:
+        """A queued request (preempted with a token in flight) forgets that token after a failed step."""
+        self._count(req, -1)
+        req.drop_pending_token()
+        self._count(req, 1)
+
     def _count(self, req: Request, sign: int) -> None:
         n = req.num_tokens
         self.num_tokens += sign * n
         self.num_lora_tokens += sign * n * (req.lora_slot_key is not None)
-        self.num_context_pairs += sign * n * n
+        self.num_context_pairs += sign * causal_pairs(n)
 
     def prefill_features(self) -> StepFeatures:
-        """The queued requests' prefill as step-time features (each request one row over its whole prompt): the
-        work the step-time model predicts for the queue, whatever the chunks it will be computed in."""
-        return StepFeatures(self.num_tokens, 0, self.num_context_pairs, self.num_lora_tokens)
+        """The queued requests' prefill as step-time features: their tokens less the cached prefixes `prepare` found
+        (for the head of the queue it sorted), and the query-key pairs of a causal prefill of the rest after them.
+        Read between `prepare` and the step's admissions."""
+        num_tokens, pairs, num_lora = self.num_tokens, self.num_context_pairs, self.num_lora_tokens
+        for r in self._prefix_hits:
+            rem = self._remaining[id(r)]
+            cached = r.num_tokens - rem
+            num_tokens -= cached
+            pairs -= causal_pairs(r.num_tokens) - (rem * cached + causal_pairs(rem))
+            num_lora -= cached * (r.lora_slot_key is not None)
+        return StepFeatures(num_tokens, 0, pairs, num_lora)
 
     def check_integrity(self) -> None:
         assert self.num_tokens == sum(r.num_tokens for r in self._queue), "waiting token count out of step"
         assert self.num_lora_tokens == sum(r.num_tokens for r in self._queue if r.lora_slot_key is not None), \
             "waiting LoRA token count out of step"
-        assert self.num_context_pairs == sum(r.num_tokens ** 2 for r in self._queue), "waiting context count out of step"
+        assert self.num_context_pairs == sum(causal_pairs(r.num_tokens) for r in self._queue), \
+            "waiting context count out of step"
         assert len({id(r) for r in self._queue}) == len(self._queue), "a request queued twice"
 
     def _cached_len(self, r: Request) -> int:
@@ -89,6 +110,7 @@ class WaitingQueue:
         cached = {id(r): self._cached_len(r) for r in rest}
         for r in rest:
             self._remaining[id(r)] = r.num_tokens - cached[id(r)]
+        self._prefix_hits.extend(r for r in rest if cached[id(r)] > 0)
         rest.sort(key=lambda r: (self._remaining[id(r)], -cached[id(r)], r.arrival_step))
         return aged + rest
 
@@ -114,6 +136,7 @@ class WaitingQueue:
     def prepare(self, now_step: int) -> None:
         """Reorders the head of the queue for this step's admissions."""
         self._remaining = {}
+        self._prefix_hits = []
         if len(self._queue) < 2:
             return
         if self.fairness is not None:

@@ -72,6 +72,7 @@ class _WorkerProcess:
         self._init = init_message
         self.memory_bytes = memory_bytes  # RLIMIT_DATA of the worker (0: none)
         self.proc: subprocess.Popen | None = None
+        self._kill_lock = threading.Lock()   # the pool thread (a timeout) and `CompilePool.close` may kill at once
         self.restarts = 0
         self.cfg_ready = False  # the worker imported xgrammar (grammar/cfg/worker_side.py)
         self.lower_ready = False  # the worker imported the schema lowering (grammar/compile/lowering.py)
@@ -193,10 +194,11 @@ class _WorkerProcess:
 
     def _exit_code(self) -> int | None:
         """The worker's exit status once its pipe closed (it may take a moment to be reaped)."""
-        if self.proc is None:
+        proc = self.proc        # `CompilePool.close` may kill it from another thread meanwhile
+        if proc is None:
             return None
         try:
-            return self.proc.wait(timeout=2.0)
+            return proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             return None
 
@@ -206,17 +208,19 @@ class _WorkerProcess:
         self.restarts += 1
 
     def kill(self) -> None:
-        if self.proc is None:
+        """Kills and reaps the worker; safe from two threads at once (one of them finds nothing to kill)."""
+        with self._kill_lock:
+            proc, self.proc = self.proc, None
+        if proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
             try:
                 stream.close()  # type: ignore[union-attr]
             except OSError:
                 pass
-        self.proc = None
 
 
 WALL_FACTOR = 4.0

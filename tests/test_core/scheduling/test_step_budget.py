@@ -302,15 +302,16 @@ def test_random_operations_keep_the_budget_and_drain(seed: int, monkeypatch: pyt
 DEAR = COST + np.array([0.0, 5e-3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
 
 
-def light_decode_heavy_step(num_decoding: int) -> Scheduler:
+def light_decode_heavy_step(num_decoding: int, cost: np.ndarray = COST, policy: str = "fcfs",
+                            caching: bool = False) -> Scheduler:
     """The auto budget's typical decode-only step is one of 2 rows (12 ms under COST: a 21.6 ms budget, 9.6 ms of
     headroom that buys 48 prefill tokens of 0.2 ms), while `num_decoding` rows decode now."""
-    sched = scheduler(max_step_ms=None)
+    sched = scheduler(max_step_ms=None, cost=cost, policy=policy, caching=caching)
     usual = StepFeatures(0, 2, 600, 0)
     for _ in range(250):
-        sched.step_time.observe(usual, float(usual.vector() @ COST))
-    assert sched.step_time.typical_decode_s() == pytest.approx(0.012 + 6e-7, rel=1e-6)
-    start_decoding(sched, num_decoding)
+        sched.step_time.observe(usual, float(usual.vector() @ cost))
+    assert sched.step_time.typical_decode_s() == pytest.approx(float(usual.vector() @ cost), rel=1e-6)
+    start_decoding(sched, num_decoding, cost=cost)
     return sched
 
 
@@ -344,13 +345,99 @@ def test_past_saturation_the_budget_returns_once_the_backlog_drains(monkeypatch:
     lifted, steps = [], 0
     while sched.waiting or any(not is_decode(r) for r in sched.running):
         out = sched.schedule()
-        lifted.append(out.budget_s == 0.0 and out.features.num_decode_tokens > 0)
+        lifted.append(out.budget_lifted)
         assert out.features.num_decode_tokens > 0
+        if out.budget_lifted:       # the whole token budget, as --max-step-ms 0 would take
+            assert out.budget_s == 0.0 and out.num_batched_tokens == 512
+        else:
+            assert out.budget_s > 0.0
         advance(sched, out)
         steps += 1
     assert lifted[0] and not lifted[-1], lifted
     assert lifted == sorted(lifted, reverse=True), "lifted while past saturation, then budgeted until drained"
     assert 0 < sum(lifted) < steps / 4
+
+
+def test_a_running_prefill_alone_can_be_past_saturation() -> None:
+    """A 4,000-token prompt is a backlog of its own: its first two chunks take the token budget (the second with the
+    queue empty, from what the running prefill has left: 3,490 tokens, past the ~3,040 the budget's pace drains in
+    BACKLOG_STEPS steps), the third is sized to the budget (2,980 left)."""
+    sched = light_decode_heavy_step(2)
+    sched.add_request(make_request("long", 4000, 4, start=100))
+    seen = []
+    for _ in range(3):
+        out = sched.schedule()
+        seen.append((out.budget_lifted, tokens_of(out, "long")))
+        advance(sched, out)
+    assert seen[0] == (True, 510) and seen[1] == (True, 510)
+    assert not sched.waiting
+    assert seen[2][0] is False and MIN_PREFILL_CHUNK <= seen[2][1] < 100
+
+
+# attention dear: 100 ns per query-key pair (COST: 1 ns)
+ATTENTION_DEAR = COST + np.array([0.0, 0.0, 0.0, 99e-9, 0.0, 0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("cost,lifted", [(COST, False), (ATTENTION_DEAR, True)])
+def test_the_attention_of_long_prompts_counts_in_the_backlog(cost: np.ndarray, lifted: bool) -> None:
+    """Two 1,300-token prompts: 2,600 tokens are within BACKLOG_STEPS steps of the budget's pace when a prompt token
+    costs ~0.2 ms, not when their causal attention adds another 0.065 ms a token (0.845M pairs each at 100 ns)."""
+    sched = light_decode_heavy_step(2, cost=cost)
+    for i in range(2):
+        sched.add_request(make_request(f"w{i}", 1300, 4, start=100 + i))
+    out = sched.schedule()
+    assert out.budget_lifted is lifted
+    assert (prefill_tokens(out) == 510) is lifted
+    advance(sched, out, cost=cost)
+
+
+def test_cached_prefixes_do_not_count_in_the_backlog() -> None:
+    """Eight prompts of 400 tokens past a 384-token prefix the cache holds: 128 tokens to compute, not 3,200 (which
+    would be past saturation, as the cold case shows)."""
+    for warm in (False, True):
+        sched = light_decode_heavy_step(2, caching=True)
+        if warm:
+            sched.add_request(make_request("warm", 385, 1, start=7))
+            while "warm" in sched.requests:
+                advance(sched, sched.schedule())
+        for i in range(8):
+            prompt = make_request(f"w{i}", 400, 4, start=7)
+            prompt.all_token_ids[384:400] = [(100 + 16 * i + j) % 50 for j in range(16)]
+            sched.add_request(prompt)
+        sched.waiting.prepare(sched.num_steps)
+        backlog = sched.waiting.prefill_features()
+        assert backlog.num_prefill_tokens == (8 * 16 if warm else 8 * 400)
+        out = sched.schedule()
+        assert out.budget_lifted is not warm
+
+
+def test_past_saturation_under_the_fair_policy_keeps_the_tenants_shares() -> None:
+    sched = light_decode_heavy_step(2, policy="fair")
+    for i in range(8):
+        sched.add_request(make_request(f"{'ab'[i % 2]}{i}", 400, 4, tenant="AB"[i % 2], start=100 + i))
+    out = sched.schedule()
+    assert out.budget_lifted and prefill_tokens(out) > 4 * MIN_PREFILL_CHUNK
+    assert out.shares is not None and out.num_batched_tokens <= 512
+    by_tenant = {t: sum(n for r, n in out.scheduled if r.tenant == t and not is_decode(r)) for t in "AB"}
+    assert by_tenant["A"] > 0 and by_tenant["B"] > 0
+    advance(sched, out)
+
+
+def test_a_queued_request_that_drops_its_token_in_flight_keeps_the_queue_counts() -> None:
+    """A request preempted with a token in flight waits with it; after a failed step it forgets it: the queue's
+    token counts follow (they drifted by one token before)."""
+    sched = scheduler(max_step_ms=None, max_num_seqs=4)
+    req = make_request("r", 40, 8, lora="lora-a")
+    sched.add_request(req)
+    advance(sched, sched.schedule())
+    req.append_pending_token()
+    sched.running.remove(req)
+    sched._preempt(req)
+    sched.check_integrity()
+    sched.drop_unread_tokens()
+    assert req.num_pending_tokens == 0 and req.status == RequestStatus.WAITING
+    sched.check_integrity()
+    assert sched.waiting.prefill_features().num_prefill_tokens == req.num_tokens
 
 
 def test_an_explicit_budget_keeps_only_the_minimum_chunk_whatever_the_backlog() -> None:
