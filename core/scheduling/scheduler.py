@@ -65,6 +65,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_time = StepTimeModel()     # fed by the engine with each step's measured wall time
         self.last_budget_s = 0.0             # the time budget of the last step's prefill chunks (0.0: none)
+        self._budget_lifted = False          # the auto budget's last decision was past saturation (step_budget.py)
 
     # ---- queue management -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -150,7 +151,11 @@ class Scheduler:
         shares = out.shares = self._plan_fair_step(out) if self.fairness is not None else None
         if shares is None:
             self.waiting.prepare(self.num_steps)    # policy "fair": ordered by _plan_fair_step
-        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, self._backlog())
+        backlog = self._backlog()
+        if not backlog.num_prefill_tokens:
+            self._budget_lifted = False     # the burst has drained: the entry threshold applies to the next one
+        plan = StepPlan(self.step_time, self.cfg.max_step_ms, self.cfg.max_num_batched_tokens, backlog,
+                        self._budget_lifted)
         num_slot_preemptions = len(out.preempted)
         decodes = [r for r in self.running if is_decode(r)]
         prefills = sorted((r for r in self.running if not is_decode(r)), key=self._prefill_key)
@@ -165,6 +170,8 @@ class Scheduler:
         self._schedule_running(later, out, budget, adapters, plan, scheduled)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         out.features, out.budget_s, out.budget_lifted = plan.features, plan.budget_s, plan.lifted
+        if plan.decided:
+            self._budget_lifted = plan.lifted
         out.predicted_s = self.step_time.predict(plan.features)
         self.last_budget_s = plan.budget_s
         self.num_steps += 1

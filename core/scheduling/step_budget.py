@@ -56,6 +56,7 @@ AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the typical decode-only step (margi
 MIN_PREFILL_CHUNK = 16      # prefill tokens a step with decode rows may always carry
 BUDGET_EXEMPT_STEPS = 64    # steps since arrival after which the auto budget no longer sizes a request's prefill
 BACKLOG_STEPS = 64          # a step with decode rows carries at least the prefill backlog / this many tokens
+LIFT_EXIT_STEPS = 16        # once lifted past saturation, the budget returns below this many steps' worth
 
 
 def remaining_prefill(req: Request) -> int:
@@ -74,7 +75,7 @@ class StepPlan:
     """The features of the step being scheduled, and the prefill tokens it may still take."""
 
     def __init__(self, model: StepTimeModel, max_step_ms: float | None, max_num_batched_tokens: int,
-                 backlog: StepFeatures = StepFeatures()) -> None:
+                 backlog: StepFeatures = StepFeatures(), was_lifted: bool = False) -> None:
         self.model = model
         # the prefill tokens a step with decode rows always carries: MIN_PREFILL_CHUNK, or under the auto budget a
         # share of the backlog (waiting prompts, unfinished prefills) that drains it within BACKLOG_STEPS steps
@@ -82,6 +83,7 @@ class StepPlan:
         self.min_chunk = max(MIN_PREFILL_CHUNK, backlog_share)
         self.backlog = backlog               # the prefill still to compute, one row per request
         self._past_saturation: bool | None = None     # decided at the first prefill row a budget would size
+        self._was_lifted = was_lifted        # the last step that decided was lifted: the exit threshold applies
         self.max_step_ms = max_step_ms       # None: auto; 0: off
         self.features = StepFeatures()
         self.decode_features = StepFeatures()   # the decode rows alone
@@ -149,7 +151,9 @@ class StepPlan:
     def past_saturation(self) -> bool:
         """Auto budget: whether the prefill backlog is more than `BACKLOG_STEPS` steps' worth at the budget's pace
         (an estimate: the prefill tokens the typical step's headroom, the budget over the typical decode-only step,
-        buys at the backlog's own cost per token, or `MIN_PREFILL_CHUNK`, whichever is more). Past saturation the step takes the whole token budget (and
+        buys at the backlog's own cost per token, or `MIN_PREFILL_CHUNK`, whichever is more); once lifted, until
+        it is `LIFT_EXIT_STEPS` steps' worth (hysteresis: the burst's last prompts go with it, not at the backlog
+        floor's pace until they age out, and a backlog near the threshold does not flip the budget every step). Past saturation the step takes the whole token budget (and
         `budget_s` stays 0): the backlog floor and the aged exemption would lift the budget anyway, only later,
         after spreading the same prefill over many steps with small decode batches (latency_slo.py at saturation:
         0.87-0.90x the unbudgeted server's tokens/s for an inter-token p99 no better than its, docs/scheduling.md)."""
@@ -161,8 +165,14 @@ class StepPlan:
             pace = MIN_PREFILL_CHUNK
             if headroom_s > 0.0:
                 pace = max(pace, headroom_s * num_tokens / work_s) if work_s > 0.0 else float("inf")
-            self._past_saturation = num_tokens > BACKLOG_STEPS * pace
+            steps = LIFT_EXIT_STEPS if self._was_lifted else BACKLOG_STEPS
+            self._past_saturation = num_tokens > steps * pace
         return self._past_saturation
+
+    @property
+    def decided(self) -> bool:
+        """True when this step decided `past_saturation` (it had a prefill row the auto budget would size)."""
+        return self._past_saturation is not None
 
     def _fits(self, req: Request, num_new: int, waive_overhead: bool) -> bool:
         key = req.lora_slot_key

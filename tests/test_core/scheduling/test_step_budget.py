@@ -359,19 +359,26 @@ def test_past_saturation_the_budget_returns_once_the_backlog_drains(monkeypatch:
 
 
 def test_a_running_prefill_alone_can_be_past_saturation() -> None:
-    """A 4,000-token prompt is a backlog of its own: its first two chunks take the token budget (the second with the
-    queue empty, from what the running prefill has left: 3,490 tokens, past the ~3,040 the budget's pace drains in
-    BACKLOG_STEPS steps), the third is sized to the budget (2,980 left)."""
+    """A 4,000-token prompt is a backlog of its own (past the ~3,040 tokens the budget's pace drains in
+    BACKLOG_STEPS steps): its chunks take the token budget, from the second one on with the queue empty (what the
+    running prefill has left), until it has less than LIFT_EXIT_STEPS steps' worth left (~760 tokens: 430 after
+    seven chunks of 510); the rest is sized to the budget. Once it has drained, the entry threshold applies again:
+    a 2,800-token burst is not lifted."""
     sched = light_decode_heavy_step(2)
     sched.add_request(make_request("long", 4000, 4, start=100))
     seen = []
-    for _ in range(3):
+    while not is_decode(sched.requests["long"]) if "long" in sched.requests else False:
         out = sched.schedule()
         seen.append((out.budget_lifted, tokens_of(out, "long")))
         advance(sched, out)
-    assert seen[0] == (True, 510) and seen[1] == (True, 510)
-    assert not sched.waiting
-    assert seen[2][0] is False and MIN_PREFILL_CHUNK <= seen[2][1] < 100
+        assert not sched.waiting
+    assert seen[:7] == [(True, 510)] * 7
+    assert not any(lifted for lifted, _ in seen[7:]) and all(n < 100 for _, n in seen[7:])
+    assert sum(n for _, n in seen) == 4000
+    for i in range(7):
+        sched.add_request(make_request(f"w{i}", 400, 4, start=200 + i))
+    out = sched.schedule()
+    assert not out.budget_lifted and prefill_tokens(out) < 100
 
 
 # attention dear: 100 ns per query-key pair (COST: 1 ns)
