@@ -44,7 +44,8 @@ a queue the budget cannot serve: its requests would age into the exemption above
 been spread over many steps whose decode batches stayed small and whose last requests then decoded alone. Measured
 on latency_slo.py (32 requests at once; step traces in benchmarks/README.md, "Past saturation"): the budget held
 the inter-token p99 there no better than no budget (699 and 787 ms against 736 and 714 ms, 32 and 96 requests)
-and cost 0.87-0.90x its output tokens/s; with this rule 0.94x, and 0.98x over four rounds. An
+and cost 0.87-0.90x its output tokens/s; with this rule and its hysteresis 0.99x and 1.01x, 1.03x over four
+rounds (latency_slo_cpu_hyst*). An
 explicit `--max-step-ms` is an operator's promise and is never lifted.
 """
 from __future__ import annotations
