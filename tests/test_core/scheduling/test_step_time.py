@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from core.scheduling.step_time import NUM_FEATURES, StepFeatures, StepTimeModel, nnls
+from core.scheduling.step_time import LEVEL_CLIP, NUM_FEATURES, StepFeatures, StepTimeModel, nnls
 
 
 def random_step(rng: random.Random) -> StepFeatures:
@@ -84,6 +84,74 @@ def test_prefill_cost_survives_a_long_stretch_of_decode_only_steps() -> None:
         model.check_integrity()
     chunk = StepFeatures(929, 1, 929 * 929 + 300, 0, 0)
     assert model.predict(chunk) == pytest.approx(float(chunk.vector() @ truth), rel=0.1)
+
+
+def _prediction_errors(model: StepTimeModel, truth: np.ndarray, machine: list[float], seed: int) -> list[float]:
+    """|predicted / measured - 1| of each step once the model is ready, on a machine whose speed is `machine[i]`
+    times `truth` at step i, with 2% independent noise on top."""
+    rng = random.Random(seed)
+    errors = []
+    for speed in machine:
+        f = random_step(rng)
+        seconds = float(f.vector() @ truth) * speed * rng.uniform(0.98, 1.02)
+        if model.ready:
+            errors.append(abs(model.predict(f) / seconds - 1.0))
+        model.observe(f, seconds)
+        model.check_integrity()
+    return errors
+
+
+TRUTH = np.array([1.6e-2, 3.4e-4, 2.7e-3, 2.7e-7, 1e-5, 7e-3, 0.0, 2e-3])
+
+
+def test_a_drifting_machine_is_followed_by_the_residual_level() -> None:
+    """Step times that run above or below the fit for stretches (another process on the cores): one step's residual
+    predicts the next's, and the level follows it. Stretches of 12-40 steps at 0.85x-1.2x the cost: the fit alone
+    (the window's average machine) errs by 8% or more on the mean; with the level, a few steps into each stretch,
+    by about the 2% noise."""
+    rng = random.Random(5)
+    machine: list[float] = []
+    while len(machine) < 1500:
+        machine += [rng.choice([0.85, 0.92, 1.0, 1.1, 1.2])] * rng.randint(12, 40)
+    model = StepTimeModel(window=256)
+    errors = _prediction_errors(model, TRUTH, machine, seed=6)[300:]
+    assert model.level.gain > 0.0
+    assert float(np.mean(errors)) < 0.04, float(np.mean(errors))
+    assert float(np.percentile(errors, 90)) < 0.08, float(np.percentile(errors, 90))
+
+
+def test_independent_noise_leaves_the_level_at_rest() -> None:
+    """Where each step's noise is its own (no drift), chasing it would only add the last step's noise to the next
+    prediction: the level's gain stays 0 nearly always, and the predictions are as good as the fit alone's."""
+    model = StepTimeModel(window=256)
+    rng = random.Random(8)
+    gains = []
+    for _ in range(1500):
+        f = random_step(rng)
+        model.observe(f, float(f.vector() @ TRUTH) * float(np.exp(rng.gauss(0.0, 0.1))))
+        gains.append(model.level.gain)
+    assert np.mean(np.array(gains[300:]) == 0.0) > 0.8
+    assert model.level.scale == 1.0 or model.level.gain > 0.0
+    f = StepFeatures(200, 8, 200 * 400 + 8 * 300, 100, 1)
+    assert model.predict(f) == pytest.approx(float(f.vector() @ TRUTH), rel=0.1)
+
+
+def test_an_outlier_step_moves_the_level_a_bounded_step() -> None:
+    """A step that stalls (a page fault storm, a 20x step) moves the level by at most gain x LEVEL_CLIP: the next
+    predictions grow by at most e^0.5, and the level settles back within a few steps."""
+    rng = random.Random(9)
+    machine = [1.0] * 400
+    model = StepTimeModel(window=256)
+    _prediction_errors(model, TRUTH, machine, seed=10)
+    f = StepFeatures(64, 8, 64 * 400 + 8 * 300, 0, 0)
+    before = model.predict(f)
+    model.observe(f, 20 * float(f.vector() @ TRUTH))
+    assert model.predict(f) <= before * np.exp(0.5 * LEVEL_CLIP) + 1e-12
+    for _ in range(30):
+        g = random_step(rng)
+        model.observe(g, float(g.vector() @ TRUTH))
+        model.check_integrity()
+    assert model.predict(f) == pytest.approx(float(f.vector() @ TRUTH), rel=0.05)
 
 
 def test_typical_decode_step_is_the_median_gap_over_decode_rows() -> None:
