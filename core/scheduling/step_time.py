@@ -114,10 +114,11 @@ class ResidualLevel:
     """The recent log residual of the step-time fit, log(measured / fitted), as an exponentially weighted mean with
     the gain (among `LEVEL_GAINS`) whose one-step-ahead predictions of the residual erred least lately."""
 
-    def __init__(self) -> None:
-        self._gains = np.array(LEVEL_GAINS)
-        self._levels = np.zeros(len(LEVEL_GAINS))      # [G] each candidate gain's level
-        self._errors = np.zeros(len(LEVEL_GAINS))      # [G] its decayed mean squared one-step error
+    def __init__(self, gains: tuple[float, ...] = LEVEL_GAINS) -> None:
+        assert gains and all(0.0 <= g <= 1.0 for g in gains)
+        self._gains = np.array(gains)
+        self._levels = np.zeros(len(gains))      # [G] each candidate gain's level
+        self._errors = np.zeros(len(gains))      # [G] its decayed mean squared one-step error
         self._best = 0                                 # index of the gain in force (0: no correction)
 
     @property
