@@ -16,7 +16,8 @@ server not being measured is stopped meanwhile, `others_paused`: an idle server'
 2. 50% and 80% of that rate (Poisson);
 3. the trade-off curve: servers with explicit budgets (`--budgets-ms`, default 1.2x and 3x the auto server's
    measured decode step, its ITL p50 at 50% load) at 80% load.
-Per point: TTFT p50/p99, ITL p50/p99 (the gaps between chunks that carry tokens), E2E, goodput (TTFT <= 2.5 s and
+Per point: TTFT p50/p99 (and its p50 by quarter of the prompt lengths), ITL p50/p99 (the gaps between chunks that
+carry tokens), E2E, goodput (TTFT <= 2.5 s and
 TPOT <= 150 ms on the CPU: --ttft-slo-ms / --tpot-slo-ms) and output tokens/s; the targets (issue 36): at 50% and 80%
 load, ITL p99 <= 2x ITL p50 with the default budget and TTFT p50 <= 2.5x the unbudgeted server's; saturation
 output tokens/s within 5% of the unbudgeted server's. The load average (`uptime`) is recorded before and after:
@@ -332,6 +333,11 @@ def report(args: argparse.Namespace, sat: dict[str, dict], by_load: dict[float, 
                  (f"{load:.0%} load: target ITL p99/p50 <= {TARGET_ITL_RATIO:g} (auto)",
                   f"{itl_ratio:.2f} (--max-step-ms 0: {off['itl_p99_s'] / off['itl_p50_s']:.2f})"),
                  (f"{load:.0%} load: target TTFT p50 auto / off <= {TARGET_TTFT_RATIO:g}", f"{ttft_ratio:.2f}")]
+        quarters = [a / o for a, o in zip(auto.get("ttft_p50_by_prompt_quarter_s", []),
+                                          off.get("ttft_p50_by_prompt_quarter_s", []))]
+        if quarters:
+            rows.append((f"{load:.0%} load: TTFT p50 auto / off by prompt length, shortest quarter first",
+                         ", ".join(f"{x:.2f}" for x in quarters)))
     sat_ratio = sat["auto"]["output_tok_s"] / sat["off"]["output_tok_s"]
     per_round = [a / o for a, o in zip(sat["auto"].get("rounds_output_tok_s", []),
                                       sat["off"].get("rounds_output_tok_s", []))]

@@ -120,6 +120,16 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def ttft_by_prompt_quarter(ok: list[dict[str, Any]]) -> list[float]:
+    """TTFT p50 of the requests in each quarter of the prompt lengths, shortest first (empty when the server does not
+    report prompt tokens): under least-remaining-first ordering, which prompts wait."""
+    sized = sorted((r["prompt_tokens"], r["ttft"]) for r in ok if r["prompt_tokens"] is not None)
+    if len(sized) < 4:
+        return []
+    quarters = [sized[len(sized) * k // 4:len(sized) * (k + 1) // 4] for k in range(4)]
+    return [pct([t for _, t in q], 0.5) for q in quarters]
+
+
 def summarize(results: list[dict[str, Any]], rate: float, slo: SLO) -> dict[str, Any]:
     ok = [r for r in results if r["error"] is None]
     span = max(r["end"] for r in ok) - min(r["start"] for r in results) if ok else float("nan")
@@ -143,6 +153,7 @@ def summarize(results: list[dict[str, Any]], rate: float, slo: SLO) -> dict[str,
                 "mean_ttft_s": statistics.fmean(r["ttft"] for r in ok) if ok else nan,
                 "output_tokens": num_out, "duration_s": span,
                 "prompt_tokens_mean": statistics.fmean(prompts) if prompts else nan,
+                "ttft_p50_by_prompt_quarter_s": ttft_by_prompt_quarter(ok),
                 "tokens_per_chunk": num_out / num_chunks if num_chunks else nan,
                 "empty_text_chunk_share": empty / num_chunks if num_chunks else nan})
     return out
