@@ -10,7 +10,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from scheduler_sim import DEFAULT_COEF, Result, make_workload, simulate  # noqa: E402
+from scheduler_sim import DEFAULT_COEF, Machine, Result, make_workload, simulate  # noqa: E402
 
 
 def test_the_budget_cuts_the_inter_token_tail_in_simulation() -> None:
@@ -31,3 +31,16 @@ def test_the_budget_cuts_the_inter_token_tail_in_simulation() -> None:
     ratio = {name: res.pct(res.gaps, 99) / res.pct(res.gaps, 50) for name, res in pooled.items()}
     assert ratio["auto"] < 2.5 and ratio["off"] > 10, ratio
     assert pooled["auto"].tok_s > 0.9 * pooled["off"].tok_s
+
+
+def test_the_simulated_machine_drifts_as_asked() -> None:
+    """`Machine`: with `--drift` the log step-time factor is an AR(1) process of that stationary sigma and step-to-step
+    correlation, plus the independent `--noise`; without it, independent noise alone."""
+    m = Machine(0.0, seed=1, drift=0.1, drift_corr=0.9)
+    drift = np.log([m.factor() for _ in range(20_000)])
+    assert abs(float(np.std(drift)) - 0.1) < 0.01
+    assert abs(float(np.corrcoef(drift[:-1], drift[1:])[0, 1]) - 0.9) < 0.02
+    m = Machine(0.05, seed=2)
+    iid = np.log([m.factor() for _ in range(20_000)])
+    assert abs(float(np.std(iid)) - 0.05) < 0.003
+    assert abs(float(np.corrcoef(iid[:-1], iid[1:])[0, 1])) < 0.03
