@@ -63,13 +63,26 @@ def print_ready(report: WarmupReport) -> None:
           f"{report.seconds:.1f} s ({report.num_jit_compiles} Triton JIT compiles{checked}); ready", flush=True)
 
 
+class StdoutHandler(logging.Handler):
+    """Writes each record to `sys.stdout` as it is when the record is emitted, not as it was when the handler was
+    made: an application that embeds the server (or a test harness) may replace stdout afterwards, and a handler
+    bound to the old one would write into a closed file."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging's own policy: report on stderr, never raise
+            self.handleError(record)
+
+
 def configure_access_log(enabled: bool) -> None:
     """`loraplex.access`: one JSON object per line on stdout, whatever the --log-level (off: --no-access-log)."""
     access = logging.getLogger("loraplex.access")
     access.propagate = False
     access.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
     if enabled and not access.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = StdoutHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         access.addHandler(handler)
 
