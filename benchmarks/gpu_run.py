@@ -98,14 +98,14 @@ STAGES = (
                                          "--hf-batch-size", "4", "--repeats", "1"] if d else
                                         ["--num-requests", "64", "--hf-batch-size", "64", "--hf-repeats", "1"])]],
           "offline throughput vs HF generate (static batch 64)"),
-    Stage("serving", 300, lambda d: [["serving.py", *_model(d), *_out("serving"),
+    Stage("serving", 300, lambda d: [["serving.py", *_model(d), *_out("serving"), "--step-trace",
                                       *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
                                          "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
                                          "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else
                                         ["--rates", "inf,0.5x,0.8x", "--num-requests", "96", "--max-seconds", "420"])]],
           "HTTP serving: TTFT / ITL / E2E / goodput at saturation and at 50% / 80% of it, 32-adapter mix and base "
           "alone, compiles after warm-up"),
-    Stage("serving_eager", 300, lambda d: [["serving.py", *_model(d), *_out("serving_eager"),
+    Stage("serving_eager", 300, lambda d: [["serving.py", *_model(d), *_out("serving_eager"), "--step-trace",
                                             "--server-env", "LORAPLEX_MIXED_GRAPHS=0",
                                             *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
                                                "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import torch
 
-from common import add_model_args, bench_model_dir, load_format_of, write_results
+from common import RESULTS, add_model_args, bench_model_dir, load_format_of, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
 from serving_client import SLO, launch_server, run_rate
@@ -59,6 +59,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def step_trace_path(args: argparse.Namespace) -> Path:
+    """`--step-trace`: the server's engine steps (core/engine/step_trace.py), next to the results file."""
+    return RESULTS / f"{args.name or f'serving_{args.device}'}.steps.jsonl"
+
+
 def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str], port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "gateway", "serve", "--model", model, "--port", str(port), "--device", args.device,
            "--dtype", args.dtype, "--max-loras", str(max(1, min(len(adapters), args.max_loras))),
@@ -74,6 +79,11 @@ def start_server(args: argparse.Namespace, model: str, adapters: dict[str, str],
         cmd += ["--lora-modules", *[f"{k}={v}" for k, v in adapters.items()]]
     env = os.environ.copy()
     env.update(dict(kv.split("=", 1) for kv in args.server_env))
+    if args.step_trace:
+        trace = step_trace_path(args)
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.unlink(missing_ok=True)         # the trace appends: a rerun starts a fresh one
+        env["LORAPLEX_STEP_TRACE"] = str(trace)
     return launch_server(cmd, port, "loraplex_serving", args.startup_timeout_s, env=env)
 
 
@@ -205,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-step-ms", type=float, default=None, help="the server's step-time budget (default: auto)")
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable of the server only (repeatable), e.g. LORAPLEX_MIXED_GRAPHS=0")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="write the server's engine steps (LORAPLEX_STEP_TRACE) to RESULTS/NAME.steps.jsonl: which "
+                         "steps make the inter-token tail (benchmarks/step_time_replay.py replays the model on them)")
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
     ap.add_argument("--max-seconds", type=float, default=float("inf"),
                     help="no new rate starts after this many seconds (they are listed as skipped)")

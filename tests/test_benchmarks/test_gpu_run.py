@@ -67,6 +67,9 @@ def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
         assert "unreadable" not in r["dry_run_parsed"]["measured"], r
     assert table.with_suffix(".md").read_text().count("not measured (dry run)") >= len(rows)
     assert "| figure | measured | target | floor | met |" in proc.stdout        # the table comes last
+    for name in ("serving", "serving_eager"):      # each serving stage leaves its server's step trace to analyse
+        steps = [json.loads(line) for line in (tmp_path / "gpu_run" / f"{name}.steps.jsonl").read_text().splitlines()]
+        assert steps and all(s["measured_ms"] > 0 and "budget_ms" in s for s in steps), name
     print(f"dry run: {seconds:.0f} s")
     # a second call resumes: every stage finished, only the table is built again
     again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_run.py"), "--dry-run", "--results",
