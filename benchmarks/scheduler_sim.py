@@ -20,6 +20,7 @@ yardstick, a 16-token minimum chunk) gives ITL p99/p50 2.21 and 2.05 and TTFT p5
 load, 0.97x at saturation, against 2.16-2.31, 1.50-1.87, 1.64-1.82x, 2.67-2.68x and 0.91-0.97x measured in two runs
 (`latency_slo_cpu_typical{1,2}.md`): it overstates TTFT at 50% load and understates it at 80%, where both real
 servers run 96-98% busy.
+(Those figures are from before the step-time model's residual level, below: `--no-level` reproduces its model.)
 The simulation is a model: it leaves out HTTP and JSON-schema masks, and the machine's noise is what `--noise`
 and `--drift` say; the real figures are latency_slo.py's. `--drift SIGMA --drift-corr RHO` adds a machine that
 runs above or below its mean for stretches (an AR(1) log factor), as this 2-core VM does: fitted to the lag-1 and
@@ -112,13 +113,15 @@ class Machine:
     a shared machine's speed, which runs above or below its mean for stretches of steps."""
 
     def __init__(self, noise: float, seed: int, drift: float = 0.0, drift_corr: float = 0.0) -> None:
+        assert noise >= 0.0 and drift >= 0.0 and 0.0 <= drift_corr < 1.0, (noise, drift, drift_corr)
         self.rng = np.random.default_rng(seed)
         self.noise, self.drift, self.drift_corr = noise, drift, drift_corr
         self._level = 0.0
 
     def factor(self) -> float:
-        self._level = self.drift_corr * self._level + self.drift * np.sqrt(1.0 - self.drift_corr ** 2) * \
-            self.rng.normal()
+        if self.drift > 0.0:      # (no draw without a drift: the noise stream of runs without one stays as it was)
+            self._level = self.drift_corr * self._level + self.drift * np.sqrt(1.0 - self.drift_corr ** 2) * \
+                self.rng.normal()
         return float(np.exp(self._level + self.rng.normal(0.0, self.noise)))
 
 

@@ -37,6 +37,7 @@ class SchedulerOutput:
     shares: StepShares | None = None     # policy "fair": the step's token and slot shares per tenant (as left)
     features: StepFeatures = field(default_factory=StepFeatures)   # for the step-time model (core/scheduling/step_time.py)
     predicted_s: float = 0.0             # the step's predicted wall time (0.0: the model is not fitted yet)
+    residual_levels: tuple[float, ...] = ()   # the step-time model's residual levels when it was scheduled
     budget_s: float = 0.0                # the time budget its prefill chunks were sized to (0.0: none)
     budget_lifted: bool = False          # the auto budget lifted itself past saturation (step_budget.py)
 
@@ -113,7 +114,7 @@ class Scheduler:
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The measured wall time of the step `out` scheduled: the step-time model learns from it."""
-        self.step_time.observe(out.features, seconds)
+        self.step_time.observe(out.features, seconds, out.predicted_s, out.residual_levels)
 
     # ---- one step -------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
@@ -173,6 +174,7 @@ class Scheduler:
         if plan.decided:
             self._budget_lifted = plan.lifted
         out.predicted_s = self.step_time.predict(plan.features)
+        out.residual_levels = self.step_time.level.snapshot()
         self.last_budget_s = plan.budget_s
         self.num_steps += 1
         return out

@@ -32,10 +32,11 @@ The fit's residual is not noise alone: on a shared machine a step's time runs ab
 of steps (other processes on the cores, clocks, caches), and one step's residual predicts the next's
 (latency_slo.py's step traces on the 2-core CPU: lag-1 correlation of the log residual 0.66, lag 10 0.33). Every
 prediction is therefore the fit times a level, an exponentially weighted mean of the recent log residuals
-(`ResidualLevel`), whose gain is chosen online among `LEVEL_GAINS` by its own one-step-ahead error: 0 (no
-correction) where the residuals are independent, up to 0.5 where the machine drifts. On those traces, replayed:
-the log residual's spread fell from 0.113 to 0.083, and the 97th percentile of a budget-sized step's measured over
-predicted time from 1.26 to 1.19, the margin the inter-token tail needs (benchmarks/README.md, "Latency under load").
+(`ResidualLevel`), whose gain is chosen online among `LEVEL_GAINS` by its own error on the steps since: 0 (no
+correction) where the residuals are independent, up to 0.5 where the machine drifts. Replayed on those traces
+(benchmarks/step_time_replay.py, results/step_time_replay_cpu.md): the mean error fell from 0.077 to 0.053, and the
+97th percentile of a budget-sized step's measured over predicted time from 1.26 to 1.19, the margin the inter-token
+tail needs (benchmarks/README.md, "Latency under load").
 
 The scheduler (core/scheduling/step_budget.py) asks it how many prefill tokens fit a step-time budget.
 """
@@ -112,7 +113,12 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class ResidualLevel:
     """The recent log residual of the step-time fit, log(measured / fitted), as an exponentially weighted mean with
-    the gain (among `LEVEL_GAINS`) whose one-step-ahead predictions of the residual erred least lately."""
+    the gain (among `LEVEL_GAINS`) whose predictions of the residual erred least lately. A candidate is scored on
+    what it predicted when the step was scheduled (`snapshot()` then, handed back to `observe`): with async
+    scheduling a step is scheduled before the one ahead of it is observed, so the level in force is two steps old,
+    and a gain that only predicts one step ahead well would be chosen for the wrong horizon. Residuals are clipped
+    to +-`LEVEL_CLIP` for the scores as for the levels: one stalled step must not decide the gain for the next
+    hundreds."""
 
     def __init__(self, gains: tuple[float, ...] = LEVEL_GAINS) -> None:
         assert gains and all(0.0 <= g <= 1.0 for g in gains)
@@ -130,9 +136,18 @@ class ResidualLevel:
     def gain(self) -> float:
         return float(self._gains[self._best])
 
-    def observe(self, log_residual: float) -> None:
-        self._errors = LEVEL_MEMORY * self._errors + (1.0 - LEVEL_MEMORY) * (log_residual - self._levels) ** 2
+    def snapshot(self) -> tuple[float, ...]:
+        """Every candidate's level now: what each predicts for the step being scheduled."""
+        return tuple(float(v) for v in self._levels)
+
+    def observe(self, log_residual: float, scheduled: tuple[float, ...] = ()) -> None:
+        """A step's log residual; `scheduled`: the `snapshot()` taken when that step was scheduled (default: the
+        levels now, as when each step is observed before the next is scheduled)."""
+        if not np.isfinite(log_residual):
+            return
         clipped = min(max(log_residual, -LEVEL_CLIP), LEVEL_CLIP)
+        predicted = np.array(scheduled) if len(scheduled) == len(self._levels) else self._levels     # [G]
+        self._errors = LEVEL_MEMORY * self._errors + (1.0 - LEVEL_MEMORY) * (clipped - predicted) ** 2
         self._levels += self._gains * (clipped - self._levels)
         self._best = int(np.argmin(self._errors))       # ties: the smallest gain
 
@@ -212,17 +227,21 @@ class StepTimeModel:
                 self._typical_decode_s = float(times[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
         return self._typical_decode_s
 
-    def observe(self, f: StepFeatures, seconds: float) -> None:
-        """One step's features and measured wall time."""
+    def observe(self, f: StepFeatures, seconds: float, predicted_s: float = 0.0,
+                levels: tuple[float, ...] = ()) -> None:
+        """One step's features and measured wall time; `predicted_s` and `levels`: the prediction the scheduler made
+        for it and the residual level's `snapshot()` then (with async scheduling a step is observed after the next
+        one was scheduled: the error reported is the one the scheduler acted on). Without them, the prediction now."""
         if f.empty or not np.isfinite(seconds) or seconds <= 0.0:
             return
         if self.ready:
-            predicted = self.predict(f)
+            predicted = predicted_s if predicted_s > 0.0 else self.predict(f)
             self.last_predicted_s = predicted
             self._errors.append(abs(predicted - seconds) / seconds)
             fitted = self._fitted(f)
             if fitted > 0.0:
-                self.level.observe(float(np.log(seconds / fitted)))
+                with np.errstate(over="ignore", divide="ignore"):
+                    self.level.observe(float(np.log(seconds / fitted)), levels)
         self.last_measured_s = seconds
         (self._prefill_steps if f.num_prefill_tokens else self._decode_steps).append((f.vector(), float(seconds)))
         if not f.num_prefill_tokens:

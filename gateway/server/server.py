@@ -69,9 +69,10 @@ class StdoutHandler(logging.Handler):
     bound to the old one would write into a closed file."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stdout or sys.stderr      # None under pythonw or a daemon that closed it: as StreamHandler does
         try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
+            stream.write(self.format(record) + "\n")
+            stream.flush()
         except Exception:  # noqa: BLE001 - logging's own policy: report on stderr, never raise
             self.handleError(record)
 
