@@ -126,11 +126,12 @@ class ResidualLevel:
         self._levels = np.zeros(len(gains))      # [G] each candidate gain's level
         self._errors = np.zeros(len(gains))      # [G] its decayed mean squared one-step error
         self._best = 0                                 # index of the gain in force (0: no correction)
+        self._scale = 1.0                              # exp(the level in force), kept: predict() runs per chunk size
 
     @property
     def scale(self) -> float:
         """What the fit's prediction is multiplied by: exp(the level in force)."""
-        return float(np.exp(self._levels[self._best]))
+        return self._scale
 
     @property
     def gain(self) -> float:
@@ -150,6 +151,7 @@ class ResidualLevel:
         self._errors = LEVEL_MEMORY * self._errors + (1.0 - LEVEL_MEMORY) * (clipped - predicted) ** 2
         self._levels += self._gains * (clipped - self._levels)
         self._best = int(np.argmin(self._errors))       # ties: the smallest gain
+        self._scale = float(np.exp(self._levels[self._best]))
 
     def check_integrity(self) -> None:
         assert np.all(np.isfinite(self._levels)) and np.all(np.abs(self._levels) <= LEVEL_CLIP + 1e-12)
@@ -157,6 +159,7 @@ class ResidualLevel:
             "a level moved with gain 0"
         assert np.all(self._errors >= 0.0) and np.all(np.isfinite(self._errors)), "a bad level error"
         assert 0 <= self._best < len(self._gains) and self._errors[self._best] == self._errors.min()
+        assert self._scale == float(np.exp(self._levels[self._best])), "a stale scale"
 
 
 class StepTimeModel:
