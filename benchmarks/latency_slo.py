@@ -53,7 +53,7 @@ from common import bench_model_dir, kernel_memory_monitor, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
 from serving import SCHEMA, free_port
-from serving_client import SLO, launch_server, run_rate
+from serving_client import SLO, launch_server, median_ratio_interval, run_rate
 from synthetic_tokenizer import build_synthetic_tokenizer
 
 CPU_SLO_CONFIG = {
@@ -187,6 +187,12 @@ def point(base: str, reqs: list[dict], rate: float, seed: int, slo: SLO, label: 
         raise RuntimeError(f"{label} @ {rate}: {p['errors']}")
     print(json.dumps({k: v for k, v in p.items() if k != "errors"}), flush=True)
     return p
+
+
+def interval(ci: list[float]) -> str:
+    """' [lo-hi, 90%]' for a bootstrap interval (serving_client.py): how far one run's ratio is from the target
+    next to its own sampling noise (48 requests a point; empty if none)."""
+    return f" [{ci[0]:.2f}-{ci[1]:.2f}, 90%]" if ci else ""
 
 
 def fmt(p: dict) -> str:
@@ -326,13 +332,18 @@ def report(args: argparse.Namespace, sat: dict[str, dict], by_load: dict[float, 
         off, auto = pair["off"], pair["auto"]
         itl_ratio = auto["itl_p99_s"] / auto["itl_p50_s"]
         ttft_ratio = auto["ttft_p50_s"] / off["ttft_p50_s"]
+        ttft_ci = median_ratio_interval(auto.get("ttft_values_s", []), off.get("ttft_values_s", []))
         targets[f"{load:g}"] = {"itl_p99_over_p50": itl_ratio, "ttft_p50_over_off": ttft_ratio,
+                                "itl_p99_over_p50_ci90": auto.get("itl_tail_ratio_ci90", []),
+                                "ttft_p50_over_off_ci90": ttft_ci,
                                 "met": itl_ratio <= TARGET_ITL_RATIO and ttft_ratio <= TARGET_TTFT_RATIO}
         rows += [(f"{load:.0%} load ({load * sat_rate:.2f} req/s), --max-step-ms 0", fmt(off)),
                  (f"{load:.0%} load, default (auto)", fmt(auto)),
                  (f"{load:.0%} load: target ITL p99/p50 <= {TARGET_ITL_RATIO:g} (auto)",
-                  f"{itl_ratio:.2f} (--max-step-ms 0: {off['itl_p99_s'] / off['itl_p50_s']:.2f})"),
-                 (f"{load:.0%} load: target TTFT p50 auto / off <= {TARGET_TTFT_RATIO:g}", f"{ttft_ratio:.2f}")]
+                  f"{itl_ratio:.2f}{interval(auto.get('itl_tail_ratio_ci90', []))} "
+                  f"(--max-step-ms 0: {off['itl_p99_s'] / off['itl_p50_s']:.2f})"),
+                 (f"{load:.0%} load: target TTFT p50 auto / off <= {TARGET_TTFT_RATIO:g}",
+                  f"{ttft_ratio:.2f}{interval(ttft_ci)}")]
         quarters = [a / o for a, o in zip(auto.get("ttft_p50_by_prompt_quarter_s", []),
                                           off.get("ttft_p50_by_prompt_quarter_s", []))]
         if quarters:

@@ -130,6 +130,31 @@ def ttft_by_prompt_quarter(ok: list[dict[str, Any]]) -> list[float]:
     return [pct([t for _, t in q], 0.5) for q in quarters]
 
 
+def itl_tail_interval(ok: list[dict[str, Any]], num_resamples: int = 400, seed: int = 0) -> list[float]:
+    """A 90% bootstrap interval of ITL p99 / p50, resampling requests (a request's gaps move together: they share
+    its steps); empty for fewer than 4 requests with gaps."""
+    gaps = [r["itl"] for r in ok if r["itl"]]
+    if len(gaps) < 4:
+        return []
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(num_resamples):
+        pooled = [x for g in rng.choices(gaps, k=len(gaps)) for x in g]
+        ratios.append(pct(pooled, 0.99) / pct(pooled, 0.5))
+    ratios.sort()
+    return [ratios[int(0.05 * num_resamples)], ratios[int(0.95 * num_resamples) - 1]]
+
+
+def median_ratio_interval(a: list[float], b: list[float], num_resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A 90% bootstrap interval of median(a) / median(b), each resampled on its own; empty if either is empty."""
+    if not a or not b:
+        return []
+    rng = random.Random(seed)
+    ratios = sorted(pct(rng.choices(a, k=len(a)), 0.5) / pct(rng.choices(b, k=len(b)), 0.5)
+                    for _ in range(num_resamples))
+    return [ratios[int(0.05 * num_resamples)], ratios[int(0.95 * num_resamples) - 1]]
+
+
 def summarize(results: list[dict[str, Any]], rate: float, slo: SLO) -> dict[str, Any]:
     ok = [r for r in results if r["error"] is None]
     span = max(r["end"] for r in ok) - min(r["start"] for r in results) if ok else float("nan")
@@ -154,6 +179,8 @@ def summarize(results: list[dict[str, Any]], rate: float, slo: SLO) -> dict[str,
                 "output_tokens": num_out, "duration_s": span,
                 "prompt_tokens_mean": statistics.fmean(prompts) if prompts else nan,
                 "ttft_p50_by_prompt_quarter_s": ttft_by_prompt_quarter(ok),
+                "ttft_values_s": [round(r["ttft"], 5) for r in ok],      # per request: intervals of TTFT ratios
+                "itl_tail_ratio_ci90": itl_tail_interval(ok),
                 "tokens_per_chunk": num_out / num_chunks if num_chunks else nan,
                 "empty_text_chunk_share": empty / num_chunks if num_chunks else nan})
     return out
