@@ -4,7 +4,8 @@ beside the least time its bytes or FLOPs allow, so one GPU run shows which kerne
 Families (each checked against its torch path first: relative error ||out - ref|| / ||ref|| in fp32):
 - paged attention, decode (split-KV as the backend picks it) and prefill (fresh chunks and chunks over a cached
   prefix), through `TritonAttentionBackend.forward` (KV store included);
-- LoRA segmented shrink + expand (prefill/mixed steps) and the fused decode BGMV (one shrink + one expand launch);
+- LoRA segmented shrink + expand (prefill/mixed steps) and the fused decode BGMV (one shrink + one expand launch),
+  and a sweep of the BGMV launch config (K splits x column chunks) beside the latency model's time of each;
 - the grammar bitmask apply.
 The quantized GEMMs have their own stage (benchmarks/quant_layers.py: against bf16 cuBLAS on the same shapes).
 
@@ -40,7 +41,10 @@ from ceilings import l2_bytes, matmul_flops, read_bandwidth
 from common import write_results
 from gpu_cases import ATTENTION, BITMASK_BATCHES, LORA, LORA_RANK, SHAPES, attention_name, bitmask_name, lora_name
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
-from adapters.lora_ops.bgmv import DecodeLoRAMeta, torch_bgmv_add_lora, triton_bgmv_add_lora
+from adapters.lora_ops.bgmv import (
+    DecodeLoRAMeta, config_with_splits, bgmv_config, choose_splits, config_cost_us, torch_bgmv_add_lora,
+    triton_bgmv_add_lora,
+)
 from core.attention.metadata import AttentionMetadata
 from core.attention.torch_backend import TorchAttentionBackend
 from core.attention.triton_backend import TritonAttentionBackend
@@ -240,6 +244,56 @@ def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int,
     return rows
 
 
+# the BGMV config sweep: (fused linear, in, slice outs, slots, rows) at rank 16, each timed at every (K splits, column
+# chunks) of SWEEP_CONFIGS and at the latency model's choice, beside the model's time: the data its constants are
+# fitted to (adapters/lora_ops/bgmv.py: TILE_US, SHRINK_PROGRAM_US, EXPAND_PROGRAM_US, LAUNCH_PAIR_US)
+SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 64), ("q/k/v", 4096, (4096, 1024, 1024), 32, 64),
+                 ("gate/up", 4096, (14336, 14336), 8, 64), ("down", 14336, (4096,), 8, 64)],
+         True: [("q/k/v", 64, (64, 32, 32), 2, 4)]}
+# (K splits, column chunks[, BLOCK_K, BLOCK_N]): 64-column tiles unless named; the wider tiles ask whether fewer,
+# wider iterations beat more splits (each iteration is a latency, whatever its width)
+SWEEP_CONFIGS = {False: [(2, 2), (2, 8), (4, 16), (8, 16), (8, 32), (16, 16), (16, 32), (16, 64), (32, 32), (32, 64),
+                         (4, 8, 128, 128), (4, 16, 256, 128), (8, 8, 256, 256), (2, 4, 512, 256)],
+                 True: [(1, 1), (2, 2), (1, 1, 64, 64)]}
+
+
+def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tuple[int, int]], rank: int) -> list[dict]:
+    rows = []
+    for ci, (name, fan_in, slices, num_slots, num_tokens) in enumerate(cases):
+        stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 100 + ci)
+        g = torch.Generator().manual_seed(200 + ci)
+        token_slots = torch.arange(num_tokens) % num_slots                               # every row on an adapter
+        x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
+        y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
+        y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
+        meta = DecodeLoRAMeta.build(token_slots, b.device)        # thousands of bf16 adds would drown the delta)
+        chosen = choose_splits(fan_in, tuple(slices), num_slots, num_tokens)
+        base = bgmv_config(stack, num_tokens)
+        elem = torch.finfo(dtype).bits // 8
+        stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
+                            for i in range(b.copies(_lora_bytes(stack, set(range(num_slots)), elem)) - 1)]
+        for splits, chunks, *tiles in configs + ([chosen] if chosen not in configs else []):
+            bk, bn = tiles or (base.block_k, base.block_n)
+            cfg = config_with_splits(base.block_m, base.block_r, bk, bn, fan_in, splits, chunks, max(slices))
+            out = y0.clone()
+            triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
+            ref = y0.float().clone()
+            torch_bgmv_add_lora(ref, x.float(), stack, meta)
+            err = rel_err(out.float() - y0.float(), ref - y0.float())
+            ms = b.time_ms([lambda st=st, c=cfg: triton_bgmv_add_lora(y_time, x, st, meta, config=c)
+                            for st in stacks])
+            modeled = None if tiles else config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks)
+            tag = " (the model's choice)" if (splits, chunks) == chosen and not tiles else ""
+            tag += f" (tiles K {bk} x N {bn})" if tiles else ""
+            rows.append({"name": f"BGMV sweep: {name} r{rank}, {num_slots} slots x {num_tokens} rows, "
+                                 f"{cfg.num_k_splits} splits x {cfg.num_n_chunks} chunks{tag}",
+                         "linear": name, "slots": num_slots, "rows": num_tokens, "splits": cfg.num_k_splits,
+                         "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
+                         "chosen": (splits, chunks) == chosen and not tiles, "ms": ms, **b.last,
+                         "modeled_us": modeled, "rel_err": err, "dry_run": b.dry})
+    return rows
+
+
 def bitmask_rows(b: Bench, s: dict, batches: list[int]) -> list[dict]:
     rows = []
     vocab = s["vocab"]
@@ -281,10 +335,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.float32 if dry else torch.bfloat16
     rows = (attention_rows(b, s, dtype, ATTENTION[dry]) + lora_rows(b, s, dtype, LORA[dry], LORA_RANK[dry])
             + bitmask_rows(b, s, BITMASK_BATCHES[dry]))
+    sweep = bgmv_sweep_rows(b, dtype, SWEEP[dry], SWEEP_CONFIGS[dry], LORA_RANK[dry])
     tol = 0.0 if dry else 2e-2
-    bad = [r for r in rows if not r["rel_err"] <= max(tol, 1e-4)]
-    table = [(r["name"], fmt(r)) for r in rows]
-    data = {"rows": rows, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12,
+    bad = [r for r in rows + sweep if not r["rel_err"] <= max(tol, 1e-4)]
+    table = [(r["name"], fmt(r)) for r in rows] + [
+        (r["name"], f"{1e3 * r['ms']:.1f} us (modeled "
+                    f"{'-' if r['modeled_us'] is None else format(r['modeled_us'], '.1f')} us); rel err {r['rel_err']:.1e}")
+        for r in sweep]
+    data = {"rows": rows, "sweep": sweep, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12,
             "l2_bytes": b.l2, "dtype": str(dtype),
             "wrong": [r["name"] for r in bad]}
     write_results(args.name, data, table)

@@ -24,14 +24,23 @@ import torch
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import torch_add_lora_rows
 
-# the bytes model of `bgmv_config` (see docs/lora_kernels.md): programs wanted per launch (an H100 has 132 SMs;
-# an assumption, not a measurement), columns of K at least one shrink program streams, and the largest share of
-# the adapters' A+B bytes the K-split partials may add (written by shrink, read by every column chunk of expand)
-MIN_PROGRAMS = 132
-MIN_K_PER_SPLIT = 512
-MIN_N_PER_CHUNK = 256
-PARTIALS_BUDGET = 0.05
-SPLIT_OPTIONS = (1, 2, 4, 8, 16)
+# the latency model of `choose_splits` (docs/lora_kernels.md), fitted to the H200's sweep of decode configs
+# (results/gpu_run_h200_2026-11-27b/kernels.json "sweep": q/k/v, gate/up and down at 64 rows over 8 and 32 adapters,
+# 40 configs, mean error 10%): a launch pair takes ~0.9 us per tile iteration of its longest program (the loads of
+# a program are a chain of dependent latencies: the bytes, ~3 MB a launch, are under a microsecond of HBM time),
+# plus a cost per program of each grid (empty ones too), plus a fixed cost
+TILE_US = 0.91
+SHRINK_PROGRAM_US = 0.023
+EXPAND_PROGRAM_US = 0.0072
+LAUNCH_PAIR_US = 3.1
+SPLIT_OPTIONS = (1, 2, 4, 8, 16, 32)
+CHUNK_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
+# K-split partials expand sums per load: one [PARTIALS_PER_LOAD, BLOCK_M, BLOCK_R] tile, so 16 splits cost two
+# dependent loads, not sixteen
+PARTIALS_PER_LOAD = 8
+# tile widths of the compiled kernels (the interpreter runs 32 for speed; the model always counts these)
+GPU_BLOCK_K = 64
+GPU_BLOCK_N = 64
 # rows of one group a program takes at a time (tl.dot's minimum): decode groups are mostly smaller (64 rows over 8+
 # adapters); a larger group loops and re-reads its A/B tiles once per 16 rows. Fixed: one variant per stack.
 BLOCK_M = 16
@@ -137,35 +146,37 @@ def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
-def choose_splits(in_features: int, slice_sizes: tuple[int, ...], max_rank: int, num_slots: int, num_rows: int,
-                  elem: int) -> tuple[int, int]:
-    """(K splits of shrink, column chunks of expand) from the bytes model, at the design point of `num_rows` rows
-    spread evenly over min(rows, slots) adapters, each adapter's rows in groups of at most BLOCK_M (`decode_groups`;
-    every group reads its adapter's A and B once): the fewest splits/chunks that give MIN_PROGRAMS programs per launch
-    (bounded by MIN_K_PER_SPLIT / MIN_N_PER_CHUNK columns each), then halved, splits first, until the partials
-    (splits x (1 + chunks) x rows x rank x 4 bytes per group and slice) cost at most PARTIALS_BUDGET of the
-    group's A+B bytes. Split-K pays only where it adds programs to a launch short of them without that traffic."""
-    num_adapters = max(1, min(num_rows, num_slots))
-    rows_per_adapter = -(-num_rows // num_adapters)
-    num_groups = num_adapters * -(-rows_per_adapter // BLOCK_M)
-    rows_per_group = -(-num_rows // num_groups)
+def config_cost_us(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int, splits: int,
+                   chunks: int) -> float:
+    """Modeled time of shrink + expand with `splits` K splits and `chunks` column chunks at `num_rows` padded rows and
+    a pool of `num_slots`: shrink's programs walk their K range in GPU_BLOCK_K tiles; expand's sum the partials
+    (PARTIALS_PER_LOAD a load), then walk their column tiles; every program of both grids (`max_groups` groups x
+    slices x splits or chunks) costs its share of the launch."""
     s = len(slice_sizes)
+    k_tiles = -(-in_features // GPU_BLOCK_K)
+    n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
+    iterations = -(-k_tiles // splits) + -(-splits // PARTIALS_PER_LOAD) + -(-n_tiles // chunks)
+    grid = max_groups(num_rows, num_slots) * s
+    return TILE_US * iterations + SHRINK_PROGRAM_US * grid * splits + EXPAND_PROGRAM_US * grid * chunks + LAUNCH_PAIR_US
 
-    def fewest(limit: int) -> int:
-        for n in SPLIT_OPTIONS:
-            if num_groups * s * n >= MIN_PROGRAMS or n * 2 > limit:
-                return n
-        return SPLIT_OPTIONS[-1]
 
-    splits = fewest(max(1, in_features // MIN_K_PER_SPLIT))
-    chunks = fewest(max(1, max(slice_sizes) // MIN_N_PER_CHUNK))
-    ab = max_rank * (in_features + sum(slice_sizes) / s) * elem                 # A+B bytes per group and slice
-    while splits * (1 + chunks) * rows_per_group * max_rank * 4 > PARTIALS_BUDGET * ab and max(splits, chunks) > 1:
-        if splits > 1:
-            splits //= 2
-        else:
-            chunks //= 2
-    return splits, chunks
+def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int) -> tuple[int, int]:
+    """(K splits of shrink, column chunks of expand) of least `config_cost_us`, the fewest on a tie: at most one
+    split per K tile and one chunk per column tile of the widest slice. Decode launches are latency-bound, so
+    splits and chunks shorten the programs' chains of tiles until the programs themselves cost more."""
+    k_tiles = -(-in_features // GPU_BLOCK_K)
+    n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
+    best = (float("inf"), 1, 1)
+    for splits in SPLIT_OPTIONS:
+        if splits > k_tiles:
+            break
+        for chunks in CHUNK_OPTIONS:
+            if chunks > n_tiles:
+                break
+            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks)
+            if cost < best[0] * (1 - 1e-9):
+                best = (cost, splits, chunks)
+    return best[1], best[2]
 
 
 def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None = None) -> BGMVConfig:
@@ -176,15 +187,16 @@ def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None =
     block_k = 32 if interpreted else 64
     block_n = 32 if interpreted else 64
     block_m = BLOCK_M
-    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.max_rank, stack.num_slots, num_rows,
-                                   stack.lora_a.element_size())
-    return _with_splits(block_m, block_r, block_k, block_n, stack.in_features,
-                        splits if k_split_cols is None else -(-stack.in_features // k_split_cols),
-                        chunks, max(stack.slice_sizes))
+    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows)
+    return config_with_splits(block_m, block_r, block_k, block_n, stack.in_features,
+                              splits if k_split_cols is None else -(-stack.in_features // k_split_cols),
+                              chunks, max(stack.slice_sizes))
 
 
-def _with_splits(block_m: int, block_r: int, block_k: int, block_n: int, k: int, splits: int, chunks: int,
-                 n_max: int) -> BGMVConfig:
+def config_with_splits(block_m: int, block_r: int, block_k: int, block_n: int, k: int, splits: int, chunks: int,
+                       n_max: int) -> BGMVConfig:
+    """The config of these tiles with `splits` K splits of whole BLOCK_K tiles and `chunks` column chunks (at most
+    one per BLOCK_N tile of the widest slice, `n_max` columns)."""
     per_split = -(-k // max(1, splits))
     k_per_split = -(-per_split // block_k) * block_k                  # rounded up to a multiple of BLOCK_K
     chunks = max(1, min(chunks, -(-n_max // block_n)))
@@ -196,12 +208,11 @@ def scaled_config(stack: LoRAStack, real_in: int, real_sizes: tuple[int, ...], n
     """The config the kernels choose at the real widths (in `real_in`, slices `real_sizes`), with every width of
     the tiling divided by `scale`: run on a stack `scale` times narrower, it launches the real grids
     (benchmarks/lora_kernel_bytes.py, which counts bytes in the interpreter at reduced widths)."""
-    splits, chunks = choose_splits(real_in, real_sizes, stack.max_rank, stack.num_slots, num_rows,
-                                   stack.lora_a.element_size())
+    splits, chunks = choose_splits(real_in, real_sizes, stack.num_slots, num_rows)
     block_m = BLOCK_M
     tile = max(16, 64 // scale)
-    cfg = _with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits, chunks,
-                       max(stack.slice_sizes))
+    cfg = config_with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits,
+                             chunks, max(stack.slice_sizes))
     assert cfg.num_k_splits == splits and cfg.num_n_chunks == chunks, f"{cfg} does not scale to {splits}/{chunks}"
     return cfg
 
@@ -256,7 +267,7 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
-        HAS_DORA=dora)
+        HAS_DORA=dora, SPLITS_PER_LOAD=PARTIALS_PER_LOAD)
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,

@@ -12,7 +12,8 @@ turn: 340-1,120 ms a step on an H200). The grids depend only on the padded batch
 
 Shrink, grid (groups, S, num_k_splits): program (g, s, k) computes for the rows of group g
     h[k, s, row, :rank] = x[row, K-range k] @ A[s, slot, :rank, K-range k]^T
-Expand, grid (groups, num_n_chunks, S): program (g, c, s) sums the K-split partials of its rows once, then for
+Expand, grid (groups, num_n_chunks, S): program (g, c, s) sums the K-split partials of its rows once
+(SPLITS_PER_LOAD of them a load: the loads of a decode program are a chain of dependent latencies), then for
 the column tiles c, c + num_n_chunks, ... of slice s adds
     y[row, y_offset + off_s + cols] += scale[s, slot] * h[s, row, :rank] @ B[slot, off_s + cols, :rank]^T
 
@@ -20,7 +21,7 @@ Every load of A, B and h stops at the slot's real rank (masked lanes issue no me
 in a pool sized for 64 reads 8 rows of A and 8 columns of B. Empty groups and rank-0 slices exit after loading
 two ints. A group of more than BLOCK_M rows (metadata built with larger groups) would loop, re-reading A/B per
 BLOCK_M rows. The K split and column chunking are runtime arguments chosen per stack by a
-bytes model (`bgmv.bgmv_config`), BLOCK_* fixed per stack: one compiled variant per fused linear.
+latency model (`bgmv.choose_splits`), BLOCK_* fixed per stack: one compiled variant per fused linear.
 
 DOT_FP32 upcasts the tiles and runs an exact (IEEE) fp32 `tl.dot`: fp32 activations (parity with PEFT) and the
 CPU interpreter, which mis-computes bf16 dots. Import after TRITON_INTERPRET is set.
@@ -89,7 +90,7 @@ def bgmv_expand_kernel(
     stride_ym,
     stride_rank_s, stride_scale_s, stride_dslot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    HAS_DORA: tl.constexpr,
+    HAS_DORA: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
 ):
     g = tl.program_id(0)
     c = tl.program_id(1)
@@ -118,8 +119,11 @@ def bgmv_expand_kernel(
         h_tile = h_ptr + s * stride_hs + rows[:, None] * stride_hm + offs_r[None, :]                 # [BM, BR]
         hm = m_mask[:, None] & r_mask[None, :]
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in range(0, num_k_splits):                  # the K-split partials, summed once per program
-            h += tl.load(h_tile + k * stride_hk, mask=hm, other=0.0)
+        for k0 in range(0, num_k_splits, SPLITS_PER_LOAD):   # the K-split partials, SPLITS_PER_LOAD a load
+            kk = k0 + tl.arange(0, SPLITS_PER_LOAD)                                                  # [P]
+            part = tl.load(h_tile[None, :, :] + kk[:, None, None].to(tl.int64) * stride_hk,
+                           mask=(kk < num_k_splits)[:, None, None] & hm[None, :, :], other=0.0)     # [P, BM, BR]
+            h += tl.sum(part, axis=0)
         for n0 in range(c * BLOCK_N, n_size, num_chunks * BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < n_size

@@ -3,6 +3,9 @@ torch references, on `kernel_device()`: compiled on a GPU, in the CPU interprete
 each slot's rank proves the kernels never read beyond a row's real rank."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +14,8 @@ pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
-    BLOCK_M, PARTIALS_BUDGET, DecodeLoRAMeta, bgmv_config, decode_groups, max_groups, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, PARTIALS_PER_LOAD, SPLIT_OPTIONS, DecodeLoRAMeta, bgmv_config,
+    choose_splits, config_cost_us, decode_groups, max_groups, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
@@ -75,6 +79,21 @@ def test_bgmv_equals_reference(case: int, k_split_cols: int, size: int) -> None:
     torch.testing.assert_close(out_t, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_bgmv_more_splits_than_one_partials_load() -> None:
+    """More K splits than expand sums in one load (PARTIALS_PER_LOAD), not a multiple of it: 720 columns in splits of
+    one tile (23 splits of 32 columns interpreted, 12 of 64 compiled), the last load of partials masked."""
+    stack = nan_stack(3, 16, 720, (40, 24), [[16, 8, 5], [3, 16, 0]], seed=11)
+    slots = np.array([0, 2, -1, 1, 0, 0, 2, 1, -1, 0, 2])
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(len(slots), 720, generator=g).to(DEVICE)
+    y0 = torch.randn(len(slots), 64, generator=g).to(DEVICE)
+    cfg = bgmv_config(stack, len(slots), k_split_cols=1)
+    assert cfg.num_k_splits > PARTIALS_PER_LOAD and cfg.num_k_splits % PARTIALS_PER_LOAD, cfg
+    out = y0.clone()
+    triton_bgmv_add_lora(out, x, stack, DecodeLoRAMeta.build(slots, DEVICE), config=cfg)
+    torch.testing.assert_close(out, reference(y0, x, stack, slots), rtol=1e-5, atol=1e-5)
+
+
 def test_bgmv_bf16_through_graph_buffers_and_dispatch() -> None:
     """bf16 weights and activations, the graph buffers' padded rows, and `add_lora`'s decode dispatch."""
     num_slots, r_max, in_f, outs, ranks = CASES[0]
@@ -96,17 +115,64 @@ def test_bgmv_bf16_through_graph_buffers_and_dispatch() -> None:
 
 def test_bgmv_config_is_fixed_per_stack() -> None:
     """The tile config depends on the stack and the padded batch size only: every step of any mix launches the same
-    variant; the K splits cover K, and the bytes model keeps the partials within their budget of the A+B bytes."""
+    variant; the K splits cover K, a forced split is honoured."""
     stack = nan_stack(*CASES[0])
     assert bgmv_config(stack, 8) == bgmv_config(stack, 8)
     big = nan_stack(2, 64, 4096, (64,), [[64, 8]])
     cfg = bgmv_config(big, 64)
     assert cfg.block_r == 64 and cfg.k_per_split * cfg.num_k_splits >= 4096 > cfg.k_per_split * (cfg.num_k_splits - 1)
-    rows_per_group = BLOCK_M                 # 64 rows over 2 adapters: 4 groups of BLOCK_M (`decode_groups`)
-    partials = cfg.num_k_splits * (1 + cfg.num_n_chunks) * rows_per_group * 64 * 4
-    assert partials <= PARTIALS_BUDGET * 64 * (4096 + 64) * 4
     forced = bgmv_config(big, 64, k_split_cols=512)
     assert forced.num_k_splits == 8 and forced.k_per_split == 512
+
+
+# the H200's BGMV rows (results/gpu_run_h200_2026-11-27/kernels.md): q/k/v of Llama-3-8B at rank 16, (slots, rows,
+# the K splits and column chunks the old bytes model chose, measured us of shrink + expand, graph-replayed)
+H200_QKV = [(8, 64, 2, 8, 43.3), (32, 64, 2, 2, 65.2), (32, 256, 2, 2, 66.4), (8, 512, 2, 2, 59.8)]
+LLAMA_8B = {"q/k/v": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate/up": (4096, (14336, 14336)),
+            "down": (14336, (4096,))}
+SWEEP = Path(__file__).resolve().parents[2] / "benchmarks/results/gpu_run_h200_2026-11-27b/kernels.json"
+
+
+@pytest.mark.parametrize("slots, rows, splits, chunks, measured_us", H200_QKV)
+def test_latency_model_predicts_the_first_h200_run(slots: int, rows: int, splits: int, chunks: int,
+                                                   measured_us: float) -> None:
+    """Configs the model was not fitted to (another run, base rows in the batch, up to 512 rows): within 17%."""
+    modeled = config_cost_us(*LLAMA_8B["q/k/v"], slots, rows, splits, chunks)
+    assert abs(modeled / measured_us - 1) <= 0.17, (modeled, measured_us)
+
+
+def test_latency_model_fits_the_h200_sweep() -> None:
+    """The 40 configs of the sweep its constants are fitted to: mean error <= 12%, none past 40%; and on every shape
+    the model's choice ran within 15% of the fastest config measured there (or was not among them)."""
+    rows = json.loads(SWEEP.read_text())["sweep"]
+    errs = [config_cost_us(*LLAMA_8B[r["linear"]], r["slots"], r["rows"], r["splits"], r["chunks"]) / (1e3 * r["ms"]) - 1
+            for r in rows]
+    assert len(errs) == 40 and np.mean(np.abs(errs)) <= 0.12 and max(np.abs(errs)) <= 0.40, errs
+    for name, slots in {(r["linear"], r["slots"]) for r in rows}:
+        shape = [r for r in rows if (r["linear"], r["slots"]) == (name, slots)]
+        choice = choose_splits(*LLAMA_8B[name], slots, 64)
+        ran = [1e3 * r["ms"] for r in shape if (r["splits"], r["chunks"]) == choice]
+        assert not ran or ran[0] <= 1.15 * min(1e3 * r["ms"] for r in shape), (name, slots, choice, ran)
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_8B))
+@pytest.mark.parametrize("slots, rows", [(8, 1), (8, 64), (32, 64), (32, 256), (8, 512), (4, 2048)])
+def test_choose_splits_is_the_models_least_cost(name: str, slots: int, rows: int) -> None:
+    """The chosen (splits, chunks) is the model's least cost among every option (the fewest on a tie), within one
+    K tile a split and one column tile a chunk; at 64 decode rows it is well under the old bytes model's choice."""
+    k, sizes = LLAMA_8B[name]
+    k_tiles, n_tiles = -(-k // GPU_BLOCK_K), max(-(-n // GPU_BLOCK_N) for n in sizes)
+    splits, chunks = choose_splits(k, sizes, slots, rows)
+    assert splits <= k_tiles and chunks <= n_tiles
+    best = config_cost_us(k, sizes, slots, rows, splits, chunks)
+    for s in (s for s in SPLIT_OPTIONS if s <= k_tiles):
+        for c in (c for c in CHUNK_OPTIONS if c <= n_tiles):
+            other = config_cost_us(k, sizes, slots, rows, s, c)
+            assert best <= other * (1 + 1e-9), ((splits, chunks), (s, c))
+            assert other > best * (1 + 1e-9) or (splits, chunks) <= (s, c), "a tie goes to the fewest"
+    if name == "q/k/v" and rows == 64:
+        old = next(m for s_, r_, _, _, m in H200_QKV if (s_, r_) == (slots, rows))
+        assert best < 0.7 * old, (best, old)
 
 
 def test_built_metadata_launches_the_graph_buffers_variants(monkeypatch: pytest.MonkeyPatch) -> None:
