@@ -244,11 +244,13 @@ def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int,
     return rows
 
 
-# the BGMV config sweep: (fused linear, in, slice outs, slots, rows) at rank 16, each timed at every (K splits, column
+# the BGMV config sweep: (fused linear, in, slice outs, slots, rows) at rank 16 (256 rows: a mixed-step graph's
+# padded batch, prefill chunks one token a row), each timed at every (K splits, column
 # chunks) of SWEEP_CONFIGS and at the latency model's choice, beside the model's time: the data its constants are
 # fitted to (adapters/lora_ops/bgmv.py: TILE_US, SHRINK_PROGRAM_US, EXPAND_PROGRAM_US, LAUNCH_PAIR_US)
 SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 64), ("q/k/v", 4096, (4096, 1024, 1024), 32, 64),
-                 ("gate/up", 4096, (14336, 14336), 8, 64), ("down", 14336, (4096,), 8, 64)],
+                 ("gate/up", 4096, (14336, 14336), 8, 64), ("down", 14336, (4096,), 8, 64),
+                 ("q/k/v", 4096, (4096, 1024, 1024), 8, 256), ("down", 14336, (4096,), 8, 256)],
          True: [("q/k/v", 64, (64, 32, 32), 2, 4)]}
 # (K splits, column chunks[, BLOCK_K, BLOCK_N]): 64-column tiles unless named; the wider tiles ask whether fewer,
 # wider iterations beat more splits (each iteration is a latency, whatever its width)
