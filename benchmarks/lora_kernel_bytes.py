@@ -11,13 +11,14 @@ bytes of unmasked lanes, per kernel argument), and compares each launch with its
   the output read-modify-written more than once, metadata loads of programs that exit (empty groups).
 
 Shapes: the GPU benchmark's (Llama-3-8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads of 128; 64 decode
-rows; rank 16; 8 and 32 adapters, one per row round-robin; bf16) with every width divided by --scale (16: hidden
-256, intermediate 896, head_dim 8) so the interpreter finishes. The launch configs are the ones the kernels choose
+rows; rank 16; 8 and 32 adapters, one per row round-robin; bf16) with every width divided by --scale (4: hidden
+1024, intermediate 3584, head_dim 32; at most 4, so the 64-column GPU tiles scale to 16, tl.dot's least) so the
+interpreter finishes. The launch configs are the ones the kernels choose
 at the real shapes (tile widths divided by the same factor), so every grid matches the GPU's and the bytes split
 exactly: A, B, x and y scale with the widths (x scale), h partials and metadata do not. "GPU-equivalent" columns
 multiply the width-proportional bytes back by --scale. The floor formula scales the same way, exactly.
 
-Usage: python benchmarks/lora_kernel_bytes.py [--scale 16] [--num-adapters 8,32] [--rows 64] [--name NAME]
+Usage: python benchmarks/lora_kernel_bytes.py [--scale 4] [--num-adapters 8,32] [--rows 64] [--name NAME]
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def summarize(case: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--scale", type=int, default=16)
+    ap.add_argument("--scale", type=int, default=4)
     ap.add_argument("--num-adapters", default="8,32")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)

@@ -213,7 +213,8 @@ def scaled_config(stack: LoRAStack, real_in: int, real_sizes: tuple[int, ...], n
     tile = max(16, 64 // scale)
     cfg = config_with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits,
                              chunks, max(stack.slice_sizes))
-    assert cfg.num_k_splits == splits and cfg.num_n_chunks == chunks, f"{cfg} does not scale to {splits}/{chunks}"
+    assert cfg.num_k_splits == splits and cfg.num_n_chunks == chunks, \
+        f"{cfg} does not scale to {splits}/{chunks}: tiles of 64 / {scale} columns are under 16 (scale at most 4)"
     return cfg
 
 
