@@ -15,6 +15,7 @@ parallelism all-reduces the shrink result between the two (`bgmv_split`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,10 +161,12 @@ def config_cost_us(in_features: int, slice_sizes: tuple[int, ...], num_slots: in
     return TILE_US * iterations + SHRINK_PROGRAM_US * grid * splits + EXPAND_PROGRAM_US * grid * chunks + LAUNCH_PAIR_US
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int) -> tuple[int, int]:
     """(K splits of shrink, column chunks of expand) of least `config_cost_us`, the fewest on a tie: at most one
     split per K tile and one chunk per column tile of the widest slice. Decode launches are latency-bound, so
-    splits and chunks shorten the programs' chains of tiles until the programs themselves cost more."""
+    splits and chunks shorten the programs' chains of tiles until the programs themselves cost more. Cached: an
+    eager step asks once per fused linear, with a handful of distinct shapes."""
     k_tiles = -(-in_features // GPU_BLOCK_K)
     n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
     best = (float("inf"), 1, 1)
