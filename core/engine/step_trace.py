@@ -3,8 +3,9 @@
 Each line: the step's start (`time.perf_counter()` seconds), its features as the step-time model sees them
 (prefill tokens, decode tokens, attention context, LoRA tokens, adapters; core/scheduling/step_time.py), the
 model's prediction and the budget its prefill chunks were sized to (0: none), whether the auto budget lifted itself
-past saturation (`budget_lifted`, core/scheduling/step_budget.py), the measured wall time, and its
-rows. From such a trace one reads which steps make the inter-token tail, how far they ran past their budget, and
+past saturation (`budget_lifted`, core/scheduling/step_budget.py), why a budgeted step took prefill past its budget
+(`exempt_tokens`: aged requests' chunks; `floor_tokens`: the minimum chunk beyond what fit; `overhead_waived`: the
+one-off prefill cost left uncharged), the measured wall time, and its rows. From such a trace one reads which steps make the inter-token tail, how far they ran past their budget, and
 how well the model predicts (benchmarks/README.md, "Latency under load", used it to find a model that forgot the
 price of prefill and the per-adapter cost of the CPU's LoRA path). The file is opened once, at engine start, and
 appended to line by line; `latency_slo.py --step-trace DIR` gives each of its servers a file.
@@ -30,6 +31,8 @@ class StepTrace:
             "decode_tokens": f.num_decode_tokens, "context": f.num_context_tokens, "lora_tokens": f.num_lora_tokens,
             "adapters": f.num_lora_groups, "predicted_ms": round(1e3 * out.predicted_s, 3),
             "budget_ms": round(1e3 * out.budget_s, 3), "budget_lifted": out.budget_lifted,
+            "exempt_tokens": out.num_exempt_tokens, "floor_tokens": out.num_floor_tokens,
+            "overhead_waived": out.overhead_waived,
             "measured_ms": round(1e3 * seconds, 3),
             "rows": len(out.scheduled)}) + "\n")
 

@@ -40,6 +40,9 @@ class SchedulerOutput:
     residual_levels: tuple[float, ...] = ()   # the step-time model's residual levels when it was scheduled
     budget_s: float = 0.0                # the time budget its prefill chunks were sized to (0.0: none)
     budget_lifted: bool = False          # the auto budget lifted itself past saturation (step_budget.py)
+    num_exempt_tokens: int = 0           # prefill tokens of aged requests the budget did not size (step_budget.py)
+    num_floor_tokens: int = 0            # prefill tokens past the budget for the minimum chunk (step_budget.py)
+    overhead_waived: bool = False        # the one-off prefill cost was not charged to the chunks (step_budget.py)
 
     @property
     def empty(self) -> bool:
@@ -171,6 +174,8 @@ class Scheduler:
         self._schedule_running(later, out, budget, adapters, plan, scheduled)
         out.num_batched_tokens = sum(n for _, n in out.scheduled)
         out.features, out.budget_s, out.budget_lifted = plan.features, plan.budget_s, plan.lifted
+        out.num_exempt_tokens, out.num_floor_tokens = plan.num_exempt_tokens, plan.num_floor_tokens
+        out.overhead_waived = plan.overhead_waived
         if plan.decided:
             self._budget_lifted = plan.lifted
         out.predicted_s = self.step_time.predict(plan.features)

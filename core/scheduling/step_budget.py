@@ -92,6 +92,13 @@ class StepPlan:
         self._decode_adapters: set[object] = set()   # ... of the decode rows
         self.budget_s = 0.0                  # the budget applied in this step (0: none)
         self._cap_tokens = max_num_batched_tokens
+        # why a limited step took prefill past its budget, in tokens of the rows it added (the step trace's
+        # `exempt_tokens` / `floor_tokens`): aged requests' whole chunks, and the minimum chunk's tokens beyond
+        # what fit; and whether the one-off prefill cost was left uncharged (`overhead_waived`)
+        self.num_exempt_tokens = 0
+        self.num_floor_tokens = 0
+        self.overhead_waived = False
+        self._pending: dict[str, tuple[int, int]] = {}   # request id -> (exempt, floor) tokens of its capped chunk
 
     @property
     def limited(self) -> bool:
@@ -112,13 +119,19 @@ class StepPlan:
                 self._decode_adapters.add(key)
         if key is not None:
             self._adapters.add(key)
+        exempt, floor = self._pending.pop(req.request_id, (0, 0))
+        self.num_exempt_tokens += min(exempt, num_new)
+        self.num_floor_tokens += min(floor, num_new)
 
     def prefill_cap(self, req: Request, num_new: int, aged: bool = False) -> int:
         """The most of `num_new` prefill tokens of `req` the step may take (0: none). Under the auto budget an
         `aged` request (one that has waited the scheduler's aging bound) is not held to it: the budget bounds how
         much a prefill delays decodes, not how long a prefill may wait. An explicit `--max-step-ms` is an
         operator's inter-token promise and holds for every step."""
-        if num_new <= 0 or not self.limited or (aged and self.max_step_ms is None):
+        if num_new <= 0 or not self.limited:
+            return num_new
+        if aged and self.max_step_ms is None:
+            self._pending[req.request_id] = (num_new, 0)
             return num_new
         if self.max_step_ms is None and self.past_saturation():
             return num_new
@@ -133,6 +146,7 @@ class StepPlan:
         # then bounds what the prefill tokens add. Otherwise (the CPU, where every step runs eagerly), and under
         # an explicit `--max-step-ms`, the whole predicted step is charged.
         waive = self.max_step_ms is None and floor > 0 and not self._fits(req, floor, False)
+        self.overhead_waived |= waive
         if self._fits(req, num_new, waive):
             return num_new
         lo, hi = 0, num_new       # lo fits (0 always does), hi does not
@@ -142,6 +156,8 @@ class StepPlan:
                 lo = mid
             else:
                 hi = mid
+        if floor > lo:
+            self._pending[req.request_id] = (0, floor - lo)
         return max(lo, floor)
 
     @property

@@ -33,6 +33,8 @@ def test_each_step_is_one_line_with_its_features_and_times(tmp_path: Path, monke
     assert all(s["measured_ms"] > 0 and s["rows"] >= 1 and s["adapters"] == 0 for s in lines)
     assert [s["start_s"] for s in lines] == sorted(s["start_s"] for s in lines)
     assert lines[0]["prefill_tokens"] == 16                          # chunked by --max-num-batched-tokens
+    # why a budgeted step ran past its budget: nothing here (no fitted model yet, no budget)
+    assert all(s["exempt_tokens"] == 0 and s["floor_tokens"] == 0 and s["overhead_waived"] is False for s in lines)
 
 
 def test_no_trace_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -146,14 +146,15 @@ def test_the_one_off_cost_of_carrying_prefill_is_not_charged_to_an_auto_budget_c
     chunk = tokens_of(out, "long")
     overhead = sched.step_time.prefill_overhead(out.features)
     assert overhead == pytest.approx(0.05, rel=0.05)                      # the fit found the jump
+    assert out.overhead_waived is (max_step_ms is None) and out.num_exempt_tokens == 0   # what the trace records
     if max_step_ms is None:
-        assert out.budget_s < 0.05 and chunk > 1.5 * MIN_PREFILL_CHUNK
+        assert out.budget_s < 0.05 and chunk > 1.5 * MIN_PREFILL_CHUNK and out.num_floor_tokens == 0
         assert out.predicted_s - overhead <= out.budget_s * (1 + 1e-9)
         # one token more would not fit: the chunk is the budget's, not the token cap's
         more = out.features.plus_row(1, chunk + 1, False, False)
         assert float(more.vector() @ JUMP) - 0.05 > out.budget_s * (1 - 0.05)
     else:
-        assert chunk == MIN_PREFILL_CHUNK
+        assert chunk == MIN_PREFILL_CHUNK and out.num_floor_tokens == MIN_PREFILL_CHUNK   # none of it fit
     advance(sched, out, cost=JUMP)
 
 
@@ -165,6 +166,7 @@ def test_a_budget_the_decodes_alone_exceed_still_moves_prefill() -> None:
     while sched.requests.get("long") is not None and not is_decode(sched.requests["long"]):
         out = sched.schedule()
         assert prefill_tokens(out) == min(MIN_PREFILL_CHUNK, 200 - steps * MIN_PREFILL_CHUNK)
+        assert out.num_floor_tokens == prefill_tokens(out) and not out.num_exempt_tokens    # all past the budget
         advance(sched, out)
         steps += 1
     assert steps == -(-200 // MIN_PREFILL_CHUNK)
@@ -180,13 +182,16 @@ def test_an_aged_prefill_is_not_held_to_the_auto_budget(max_step_ms: float | Non
     out = sched.schedule()
     young = tokens_of(out, "long")
     assert MIN_PREFILL_CHUNK <= young < 512 - 4 and out.predicted_s <= out.budget_s * (1 + 1e-9)
+    assert out.num_exempt_tokens == out.num_floor_tokens == 0
     advance(sched, out)
     sched.num_steps = sched.requests["long"].arrival_step + sched.waiting.max_wait_steps   # it has waited the bound
     out = sched.schedule()
     if max_step_ms is None:
         assert tokens_of(out, "long") == 512 - 4 and out.predicted_s > out.budget_s
+        assert out.num_exempt_tokens == 512 - 4              # the step trace says why it ran past its budget
     else:
         assert tokens_of(out, "long") < 512 - 4 and out.predicted_s <= out.budget_s * (1 + 1e-9)
+        assert out.num_exempt_tokens == 0
     assert sum(1 for r, n in out.scheduled if n == 1) == 4          # the decode rows still run
     advance(sched, out)
 
