@@ -142,7 +142,7 @@ class StepPlan:
         # on a GPU, an eager step instead of a decode graph's replay) keeps even the minimum chunk out of the
         # budget, that cost is not charged to the chunk: charged, every chunk would be `MIN_PREFILL_CHUNK` and a
         # queue of prompts would pay it once per 32 tokens (a likely cause of the H200's 32-adapter mix figures,
-        # ITL p50 50 ms against the base's 7 and TTFT p50 1.6 s at 4 req/s: not re-measured since). The budget
+        # ITL p50 50 ms against the base's 7 and TTFT p50 1.6 s at 4 req/s, before the mixed-step graphs). The budget
         # then bounds what the prefill tokens add. Otherwise (the CPU, where every step runs eagerly), and under
         # an explicit `--max-step-ms`, the whole predicted step is charged.
         waive = self.max_step_ms is None and floor > 0 and not self._fits(req, floor, False)
