@@ -340,11 +340,12 @@ def main(argv: list[str] | None = None) -> None:
     sweep = bgmv_sweep_rows(b, dtype, SWEEP[dry], SWEEP_CONFIGS[dry], LORA_RANK[dry])
     tol = 0.0 if dry else 2e-2
     bad = [r for r in rows + sweep if not r["rel_err"] <= max(tol, 1e-4)]
+    modeled = ["-" if r["modeled_us"] is None else f"{r['modeled_us']:.1f}" for r in sweep]
     table = [(r["name"], fmt(r)) for r in rows] + [
-        (r["name"], f"{1e3 * r['ms']:.1f} us (modeled "
-                    f"{'-' if r['modeled_us'] is None else format(r['modeled_us'], '.1f')} us); rel err {r['rel_err']:.1e}")
-        for r in sweep]
-    data = {"rows": rows, "sweep": sweep, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9, "matmul_tflops": b.flops / 1e12,
+        (r["name"], f"{1e3 * r['ms']:.1f} us (modeled {m} us); rel err {r['rel_err']:.1e}")
+        for r, m in zip(sweep, modeled)]
+    data = {"rows": rows, "sweep": sweep, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9,
+            "matmul_tflops": b.flops / 1e12,
             "l2_bytes": b.l2, "dtype": str(dtype),
             "wrong": [r["name"] for r in bad]}
     write_results(args.name, data, table)

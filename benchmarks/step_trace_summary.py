@@ -99,7 +99,8 @@ def row(label: str, w: dict[str, Any]) -> tuple[str, str]:
         if w["reasons_recorded"] else ("", ", why not recorded (an older trace)")
     return (label, f"{w['num_steps']} steps in {w['seconds']:.1f} s; decode-only {d['num_steps']} "
                    f"({_fmt(d['ms_p50_p90_p99'])} ms, {d['mean_rows']:.1f} rows); with prefill {p['num_steps']} "
-                   f"({_fmt(p['ms_p50_p90_p99'])} ms, chunk {p['mean_chunk']:.0f}, budget {p['budget_ms_p50']:.1f} ms); "
+                   f"({_fmt(p['ms_p50_p90_p99'])} ms, chunk {p['mean_chunk']:.0f}, "
+                   f"budget {p['budget_ms_p50']:.1f} ms); "
                    f"gaps p50 / p99 {_fmt(w['gaps_ms_p50_p99'])} ms; {w['num_over_budget']} predicted past 1.5x "
                    f"their budget{waived}; tail {t['num_steps']} steps (prefill {t['mean_prefill']:.0f}, "
                    f"{t['num_budgeted']} under a budget{why}; {t['num_lifted']} lifted)")

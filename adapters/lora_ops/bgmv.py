@@ -36,9 +36,11 @@ EXPAND_PROGRAM_US = 0.0072
 LAUNCH_PAIR_US = 3.1
 SPLIT_OPTIONS = (1, 2, 4, 8, 16, 32)
 CHUNK_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
-# K-split partials expand sums per load: one [PARTIALS_PER_LOAD, BLOCK_M, BLOCK_R] tile, so 16 splits cost two
-# dependent loads, not sixteen
+# K-split partials expand sums per load: one [splits_per_load(BLOCK_R), BLOCK_M, BLOCK_R] fp32 tile of at most
+# PARTIALS_TILE values (32 registers a thread at 4 warps), so 16 splits of a rank-16 pool cost two dependent loads,
+# not sixteen
 PARTIALS_PER_LOAD = 8
+PARTIALS_TILE = 4096
 # tile widths of the compiled kernels (the interpreter runs 32 for speed; the model always counts these)
 GPU_BLOCK_K = 64
 GPU_BLOCK_N = 64
@@ -147,36 +149,48 @@ def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
+def splits_per_load(block_r: int) -> int:
+    """K-split partials one load of expand sums: PARTIALS_PER_LOAD, fewer for wide ranks (PARTIALS_TILE values)."""
+    return max(1, min(PARTIALS_PER_LOAD, PARTIALS_TILE // (BLOCK_M * block_r)))
+
+
+def effective_splits(k_tiles: int, splits: int) -> int:
+    """The K splits a launch runs when asked for `splits` over `k_tiles` tiles: every split takes the same whole
+    number of tiles (`config_with_splits`), so 32 asked over 224 tiles run as 32 of 7, over 216 as 31 (30 of 7, the
+    last of 6)."""
+    return -(-k_tiles // -(-k_tiles // max(1, splits)))
+
+
 def config_cost_us(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int, splits: int,
-                   chunks: int) -> float:
+                   chunks: int, block_r: int = 16) -> float:
     """Modeled time of shrink + expand with `splits` K splits and `chunks` column chunks at `num_rows` padded rows and
-    a pool of `num_slots`: shrink's programs walk their K range in GPU_BLOCK_K tiles; expand's sum the partials
-    (PARTIALS_PER_LOAD a load), then walk their column tiles; every program of both grids (`max_groups` groups x
-    slices x splits or chunks) costs its share of the launch."""
+    a pool of `num_slots` (rank tile `block_r`): shrink's programs walk their K range in GPU_BLOCK_K tiles; expand's
+    sum the partials (`splits_per_load` a load), then walk their column tiles; every program of both grids
+    (`max_groups` groups x slices x splits or chunks) costs its share of the launch."""
     s = len(slice_sizes)
     k_tiles = -(-in_features // GPU_BLOCK_K)
     n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
-    iterations = -(-k_tiles // splits) + -(-splits // PARTIALS_PER_LOAD) + -(-n_tiles // chunks)
+    iterations = -(-k_tiles // splits) + -(-splits // splits_per_load(block_r)) + -(-n_tiles // chunks)
     grid = max_groups(num_rows, num_slots) * s
     return TILE_US * iterations + SHRINK_PROGRAM_US * grid * splits + EXPAND_PROGRAM_US * grid * chunks + LAUNCH_PAIR_US
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int) -> tuple[int, int]:
-    """(K splits of shrink, column chunks of expand) of least `config_cost_us`, the fewest on a tie: at most one
-    split per K tile and one chunk per column tile of the widest slice. Decode launches are latency-bound, so
-    splits and chunks shorten the programs' chains of tiles until the programs themselves cost more. Cached: an
-    eager step asks once per fused linear, with a handful of distinct shapes."""
+def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int,
+                  block_r: int = 16) -> tuple[int, int]:
+    """(K splits of shrink, column chunks of expand) of least `config_cost_us`, the fewest on a tie, among the
+    configs a launch runs (`effective_splits` of each option: at most one split per K tile; at most one chunk per
+    column tile of the widest slice). Decode launches are latency-bound, so splits and chunks shorten the programs'
+    chains of tiles until the programs themselves cost more. Cached: an eager step asks once per fused linear,
+    with a handful of distinct shapes."""
     k_tiles = -(-in_features // GPU_BLOCK_K)
     n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
     best = (float("inf"), 1, 1)
-    for splits in SPLIT_OPTIONS:
-        if splits > k_tiles:
-            break
+    for splits in sorted({effective_splits(k_tiles, n) for n in SPLIT_OPTIONS}):
         for chunks in CHUNK_OPTIONS:
             if chunks > n_tiles:
                 break
-            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks)
+            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks, block_r)
             if cost < best[0] * (1 - 1e-9):
                 best = (cost, splits, chunks)
     return best[1], best[2]
@@ -190,7 +204,7 @@ def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None =
     block_k = 32 if interpreted else 64
     block_n = 32 if interpreted else 64
     block_m = BLOCK_M
-    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows)
+    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows, block_r)
     return config_with_splits(block_m, block_r, block_k, block_n, stack.in_features,
                               splits if k_split_cols is None else -(-stack.in_features // k_split_cols),
                               chunks, max(stack.slice_sizes))
@@ -211,7 +225,7 @@ def scaled_config(stack: LoRAStack, real_in: int, real_sizes: tuple[int, ...], n
     """The config the kernels choose at the real widths (in `real_in`, slices `real_sizes`), with every width of
     the tiling divided by `scale`: run on a stack `scale` times narrower, it launches the real grids
     (benchmarks/lora_kernel_bytes.py, which counts bytes in the interpreter at reduced widths)."""
-    splits, chunks = choose_splits(real_in, real_sizes, stack.num_slots, num_rows)
+    splits, chunks = choose_splits(real_in, real_sizes, stack.num_slots, num_rows, max(16, _next_pow2(stack.max_rank)))
     block_m = BLOCK_M
     tile = max(16, 64 // scale)
     cfg = config_with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits,
@@ -271,7 +285,7 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
-        HAS_DORA=dora, SPLITS_PER_LOAD=PARTIALS_PER_LOAD)
+        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r))
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,

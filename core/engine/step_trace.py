@@ -1,14 +1,15 @@
 """`LORAPLEX_STEP_TRACE=path`: one JSON line per engine step, to see what the step-time budget does.
 
-Each line: the step's start (`time.perf_counter()` seconds), its features as the step-time model sees them
-(prefill tokens, decode tokens, attention context, LoRA tokens, adapters; core/scheduling/step_time.py), the
-model's prediction and the budget its prefill chunks were sized to (0: none), whether the auto budget lifted itself
-past saturation (`budget_lifted`, core/scheduling/step_budget.py), why a budgeted step took prefill past its budget
+Each line: the step's start (`time.perf_counter()` seconds), its features as the step-time model sees them (prefill
+tokens, decode tokens, attention context, LoRA tokens, adapters; core/scheduling/step_time.py), the model's
+prediction and the budget its prefill chunks were sized to (0: none), whether the auto budget lifted itself past
+saturation (`budget_lifted`, core/scheduling/step_budget.py), why a budgeted step took prefill past its budget
 (`exempt_tokens`: aged requests' chunks; `floor_tokens`: the minimum chunk beyond what fit; `overhead_waived`: the
-one-off prefill cost left uncharged), the measured wall time, and its rows. From such a trace one reads which steps make the inter-token tail, how far they ran past their budget, and
-how well the model predicts (benchmarks/README.md, "Latency under load", used it to find a model that forgot the
-price of prefill and the per-adapter cost of the CPU's LoRA path). The file is opened once, at engine start, and
-appended to line by line; `latency_slo.py --step-trace DIR` gives each of its servers a file.
+one-off prefill cost left uncharged), the measured wall time, and its rows. From such a trace one reads which steps
+make the inter-token tail, how far they ran past their budget, and how well the model predicts
+(benchmarks/README.md, "Latency under load", used it to find a model that forgot the price of prefill and the
+per-adapter cost of the CPU's LoRA path). The file is opened once, at engine start, and appended to line by line;
+`latency_slo.py --step-trace DIR` gives each of its servers a file.
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class StepPlan:
         self.num_exempt_tokens = 0
         self.num_floor_tokens = 0
         self.overhead_waived = False
-        self._pending: dict[str, tuple[int, int]] = {}   # request id -> (exempt, floor) tokens of its capped chunk
+        self._pending: dict[str, tuple[int, int, bool]] = {}   # request id -> (exempt, floor, waived) of its chunk
 
     @property
     def limited(self) -> bool:
@@ -119,9 +119,11 @@ class StepPlan:
                 self._decode_adapters.add(key)
         if key is not None:
             self._adapters.add(key)
-        exempt, floor = self._pending.pop(req.request_id, (0, 0))
-        self.num_exempt_tokens += min(exempt, num_new)
-        self.num_floor_tokens += min(floor, num_new)
+        if self._pending:           # the reasons prefill_cap noted for this row, counted once it is scheduled
+            exempt, floor, waived = self._pending.pop(req.request_id, (0, 0, False))
+            self.num_exempt_tokens += min(exempt, num_new)
+            self.num_floor_tokens += min(floor, num_new)
+            self.overhead_waived |= waived
 
     def prefill_cap(self, req: Request, num_new: int, aged: bool = False) -> int:
         """The most of `num_new` prefill tokens of `req` the step may take (0: none). Under the auto budget an
@@ -131,9 +133,12 @@ class StepPlan:
         if num_new <= 0 or not self.limited:
             return num_new
         if aged and self.max_step_ms is None:
-            self._pending[req.request_id] = (num_new, 0)
+            if not self._past_saturation and not self.budget_s:   # the step's budget, which this row runs past
+                self.budget_s = self._budget_s()
+            self._pending[req.request_id] = (num_new, 0, False)
             return num_new
         if self.max_step_ms is None and self.past_saturation():
+            self.budget_s = 0.0                   # past saturation no budget applies to the step (`lifted`)
             return num_new
         if not self.budget_s:
             self.budget_s = self._budget_s()
@@ -146,8 +151,8 @@ class StepPlan:
         # then bounds what the prefill tokens add. Otherwise (the CPU, where every step runs eagerly), and under
         # an explicit `--max-step-ms`, the whole predicted step is charged.
         waive = self.max_step_ms is None and floor > 0 and not self._fits(req, floor, False)
-        self.overhead_waived |= waive
         if self._fits(req, num_new, waive):
+            self._pending[req.request_id] = (0, 0, waive)
             return num_new
         lo, hi = 0, num_new       # lo fits (0 always does), hi does not
         while hi - lo > 1:
@@ -156,8 +161,7 @@ class StepPlan:
                 lo = mid
             else:
                 hi = mid
-        if floor > lo:
-            self._pending[req.request_id] = (0, floor - lo)
+        self._pending[req.request_id] = (0, max(0, floor - lo), waive)
         return max(lo, floor)
 
     @property
@@ -170,10 +174,11 @@ class StepPlan:
         (an estimate: the prefill tokens the typical step's headroom, the budget over the typical decode-only step,
         buys at the backlog's own cost per token, or `MIN_PREFILL_CHUNK`, whichever is more); once lifted, until
         it is `LIFT_EXIT_STEPS` steps' worth (hysteresis: the burst's last prompts go with it, not at the backlog
-        floor's pace until they age out, and a backlog near the threshold does not flip the budget every step). Past saturation the step takes the whole token budget (and
-        `budget_s` stays 0): the backlog floor and the aged exemption would lift the budget anyway, only later,
-        after spreading the same prefill over many steps with small decode batches (latency_slo.py at saturation:
-        0.87-0.90x the unbudgeted server's tokens/s for an inter-token p99 no better than its, docs/scheduling.md)."""
+        floor's pace until they age out, and a backlog near the threshold does not flip the budget every step).
+        Past saturation the step takes the whole token budget (and `budget_s` is 0): the backlog floor and the aged
+        exemption would lift the budget anyway, only later, after spreading the same prefill over many steps with
+        small decode batches (latency_slo.py at saturation: 0.87-0.90x the unbudgeted server's tokens/s for an
+        inter-token p99 no better than its, docs/scheduling.md)."""
         if self._past_saturation is None:
             decode_s = self.model.typical_decode_s() or self.model.predict(self.decode_features)
             headroom_s = self._budget_s() - decode_s

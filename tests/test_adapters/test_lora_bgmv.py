@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
     BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, PARTIALS_PER_LOAD, SPLIT_OPTIONS, DecodeLoRAMeta, bgmv_config,
-    choose_splits, config_cost_us, decode_groups, max_groups, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    choose_splits, config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config,
+    splits_per_load, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
@@ -145,12 +146,12 @@ def test_latency_model_fits_the_h200_sweep() -> None:
     """The 40 configs of the sweep its constants are fitted to: mean error <= 12%, none past 40%; and on every shape
     the model's choice ran within 15% of the fastest config measured there (or was not among them)."""
     rows = json.loads(SWEEP.read_text())["sweep"]
-    errs = [config_cost_us(*LLAMA_8B[r["linear"]], r["slots"], r["rows"], r["splits"], r["chunks"]) / (1e3 * r["ms"]) - 1
-            for r in rows]
+    errs = [config_cost_us(*LLAMA_8B[r["linear"]], r["slots"], r["rows"], r["splits"], r["chunks"])
+            / (1e3 * r["ms"]) - 1 for r in rows]
     assert len(errs) == 40 and np.mean(np.abs(errs)) <= 0.12 and max(np.abs(errs)) <= 0.40, errs
-    for name, slots in {(r["linear"], r["slots"]) for r in rows}:
-        shape = [r for r in rows if (r["linear"], r["slots"]) == (name, slots)]
-        choice = choose_splits(*LLAMA_8B[name], slots, 64)
+    for name, slots, num_rows in {(r["linear"], r["slots"], r["rows"]) for r in rows}:
+        shape = [r for r in rows if (r["linear"], r["slots"], r["rows"]) == (name, slots, num_rows)]
+        choice = choose_splits(*LLAMA_8B[name], slots, num_rows)
         ran = [1e3 * r["ms"] for r in shape if (r["splits"], r["chunks"]) == choice]
         assert not ran or ran[0] <= 1.15 * min(1e3 * r["ms"] for r in shape), (name, slots, choice, ran)
 
@@ -165,7 +166,7 @@ def test_choose_splits_is_the_models_least_cost(name: str, slots: int, rows: int
     splits, chunks = choose_splits(k, sizes, slots, rows)
     assert splits <= k_tiles and chunks <= n_tiles
     best = config_cost_us(k, sizes, slots, rows, splits, chunks)
-    for s in (s for s in SPLIT_OPTIONS if s <= k_tiles):
+    for s in sorted({effective_splits(k_tiles, n) for n in SPLIT_OPTIONS}):
         for c in (c for c in CHUNK_OPTIONS if c <= n_tiles):
             other = config_cost_us(k, sizes, slots, rows, s, c)
             assert best <= other * (1 + 1e-9), ((splits, chunks), (s, c))
@@ -173,6 +174,28 @@ def test_choose_splits_is_the_models_least_cost(name: str, slots: int, rows: int
     if name == "q/k/v" and rows == 64:
         old = next(m for s_, r_, _, _, m in H200_QKV if (s_, r_) == (slots, rows))
         assert best < 0.7 * old, (best, old)
+
+
+@pytest.mark.parametrize("k, sizes, rows", [(18944, (3584,), 64), (13824, (4096,), 64), (3584, (3584,), 1),
+                                            (1040, (24,), 9), (4096, (4096, 1024, 1024), 64)])
+def test_the_chosen_config_is_the_one_that_launches(k: int, sizes: tuple[int, ...], rows: int) -> None:
+    """K tiles that the chosen splits do not divide (18944 / 64 = 296 tiles) run as fewer splits of whole tiles: the
+    model prices and returns the config that launches, and the 1/4-width byte count (`scaled_config`) scales it."""
+    splits, chunks = choose_splits(k, sizes, 8, rows)
+    cfg = config_with_splits(BLOCK_M, 16, GPU_BLOCK_K, GPU_BLOCK_N, k, splits, chunks, max(sizes))
+    assert (cfg.num_k_splits, cfg.num_n_chunks) == (splits, chunks)
+    assert effective_splits(-(-k // GPU_BLOCK_K), splits) == splits
+    if k % 256 == 0 and all(n % 256 == 0 for n in sizes):
+        narrow = nan_stack(8, 16, k // 4, tuple(n // 4 for n in sizes), [[16] * 8] * len(sizes))
+        assert scaled_config(narrow, k, sizes, rows, 4).num_k_splits == splits
+
+
+def test_wide_ranks_sum_fewer_partials_a_load() -> None:
+    """The expand's partials tile stays within PARTIALS_TILE values: 8 splits a load at rank 16-32, 4 at 64, 2 at
+    128; a rank-64 pool's config is priced with its own loads."""
+    assert [splits_per_load(r) for r in (16, 32, 64, 128)] == [8, 8, 4, 2]
+    assert config_cost_us(*LLAMA_8B["down"], 8, 64, 32, 32, block_r=64) > config_cost_us(*LLAMA_8B["down"], 8, 64,
+                                                                                         32, 32)
 
 
 def test_built_metadata_launches_the_graph_buffers_variants(monkeypatch: pytest.MonkeyPatch) -> None:
