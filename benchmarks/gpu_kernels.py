@@ -245,12 +245,14 @@ def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int,
 
 
 # the BGMV config sweep: (fused linear, in, slice outs, slots, rows) at rank 16 (256 rows: a mixed-step graph's
-# padded batch, prefill chunks one token a row), each timed at every (K splits, column
+# padded batch, prefill chunks one token a row; a 6th field: the pool's rank, --max-lora-rank's default 64), each
+# timed at every (K splits, column
 # chunks) of SWEEP_CONFIGS and at the latency model's choice, beside the model's time: the data its constants are
 # fitted to (adapters/lora_ops/bgmv.py: TILE_US, SHRINK_PROGRAM_US, EXPAND_PROGRAM_US, LAUNCH_PAIR_US)
 SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 64), ("q/k/v", 4096, (4096, 1024, 1024), 32, 64),
                  ("gate/up", 4096, (14336, 14336), 8, 64), ("down", 14336, (4096,), 8, 64),
-                 ("q/k/v", 4096, (4096, 1024, 1024), 8, 256), ("down", 14336, (4096,), 8, 256)],
+                 ("q/k/v", 4096, (4096, 1024, 1024), 8, 256), ("down", 14336, (4096,), 8, 256),
+                 ("q/k/v", 4096, (4096, 1024, 1024), 8, 64, 64), ("down", 14336, (4096,), 8, 64, 64)],
          True: [("q/k/v", 64, (64, 32, 32), 2, 4)]}
 # (K splits, column chunks[, BLOCK_K, BLOCK_N]): 64-column tiles unless named; the wider tiles ask whether fewer,
 # wider iterations beat more splits (each iteration is a latency, whatever its width)
@@ -259,9 +261,11 @@ SWEEP_CONFIGS = {False: [(2, 2), (2, 8), (4, 16), (8, 16), (8, 32), (16, 16), (1
                  True: [(1, 1), (2, 2), (1, 1, 64, 64)]}
 
 
-def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tuple[int, int]], rank: int) -> list[dict]:
+def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tuple[int, ...]],
+                    default_rank: int) -> list[dict]:
     rows = []
-    for ci, (name, fan_in, slices, num_slots, num_tokens) in enumerate(cases):
+    for ci, (name, fan_in, slices, num_slots, num_tokens, *pool) in enumerate(cases):
+        rank = pool[0] if pool else default_rank
         stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 100 + ci)
         g = torch.Generator().manual_seed(200 + ci)
         token_slots = torch.arange(num_tokens) % num_slots                               # every row on an adapter
@@ -269,7 +273,7 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
         y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
         y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
         meta = DecodeLoRAMeta.build(token_slots, b.device)        # thousands of bf16 adds would drown the delta)
-        chosen = choose_splits(fan_in, tuple(slices), num_slots, num_tokens)
+        chosen = choose_splits(fan_in, tuple(slices), num_slots, num_tokens, max(16, rank))
         base = bgmv_config(stack, num_tokens)
         elem = torch.finfo(dtype).bits // 8
         stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
@@ -284,13 +288,14 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
             err = rel_err(out.float() - y0.float(), ref - y0.float())
             ms = b.time_ms([lambda st=st, c=cfg: triton_bgmv_add_lora(y_time, x, st, meta, config=c)
                             for st in stacks])
-            modeled = None if tiles else config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks)
+            modeled = None if tiles else config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks,
+                                                        max(16, rank))
             tag = " (the model's choice)" if (splits, chunks) == chosen and not tiles else ""
             tag += f" (tiles K {bk} x N {bn})" if tiles else ""
             rows.append({"name": f"BGMV sweep: {name} r{rank}, {num_slots} slots x {num_tokens} rows, "
                                  f"{cfg.num_k_splits} splits x {cfg.num_n_chunks} chunks{tag}",
-                         "linear": name, "slots": num_slots, "rows": num_tokens, "splits": cfg.num_k_splits,
-                         "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
+                         "linear": name, "rank": rank, "slots": num_slots, "rows": num_tokens,
+                         "splits": cfg.num_k_splits, "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
                          "chosen": (splits, chunks) == chosen and not tiles, "ms": ms, **b.last,
                          "modeled_us": modeled, "rel_err": err, "dry_run": b.dry})
     return rows
