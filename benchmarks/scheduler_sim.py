@@ -50,7 +50,7 @@ from core.config import SchedulerConfig   # noqa: E402
 from core.engine.request import Request, RequestStatus   # noqa: E402
 from core.kv.kv_cache_manager import KVCacheManager   # noqa: E402
 from core.sampling.params import SamplingParams   # noqa: E402
-from core.scheduling import step_budget   # noqa: E402
+from core.scheduling import step_budget, step_time   # noqa: E402
 from core.scheduling.scheduler import Scheduler   # noqa: E402
 from core.scheduling.step_time import ResidualLevel   # noqa: E402
 
@@ -207,6 +207,9 @@ def main() -> None:
     ap.add_argument("--exempt-steps", type=int, default=step_budget.BUDGET_EXEMPT_STEPS,
                     help="steps of waiting after which the auto budget stops sizing a prefill "
                          "(step_budget.BUDGET_EXEMPT_STEPS; a large value: never)")
+    ap.add_argument("--typical-steps", type=int, default=step_time.TYPICAL_GAP_STEPS,
+                    help="decode-only steps the auto budget's typical gap is the median over "
+                         "(step_time.TYPICAL_GAP_STEPS)")
     ap.add_argument("--backlog-steps", type=int, default=step_budget.BACKLOG_STEPS,
                     help="a step with decode rows carries at least the prefill backlog / this many tokens "
                          "(step_budget.BACKLOG_STEPS; a large value: only the minimum chunk)")
@@ -216,6 +219,7 @@ def main() -> None:
     step_budget.MIN_PREFILL_CHUNK = args.min_chunk
     step_budget.BUDGET_EXEMPT_STEPS = args.exempt_steps
     step_budget.BACKLOG_STEPS = args.backlog_steps
+    step_time.TYPICAL_GAP_STEPS = args.typical_steps
     coef = np.array([float(x) for x in args.coef.split(",")])
     coef = np.pad(coef, (0, max(0, len(DEFAULT_COEF) - len(coef))))     # older fits: no one-off prefill cost, no adapter term
     budgets = [budget_arg(b) for b in args.budgets_ms.split(",")]

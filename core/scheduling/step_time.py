@@ -53,6 +53,7 @@ _RIDGE = 1e-6           # relative to the scaled normal matrix's diagonal
 LEVEL_GAINS = (0.0, 0.1, 0.2, 0.3, 0.5)   # the residual level's candidate gains (0: no correction)
 LEVEL_MEMORY = 0.99     # per step, the decay of each candidate's mean squared one-step-ahead error
 LEVEL_CLIP = 1.0        # a step's log residual is clipped to +-this before it moves the level (an outlier: e^1 x)
+TYPICAL_GAP_STEPS = 128  # the decode-only steps whose median gap is `typical_decode_s` (the auto budget's yardstick)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,8 @@ class StepTimeModel:
         self.last_measured_s = 0.0
         self._since_fit = 0
         self._typical_decode_s: float | None = None   # typical_decode_s(), kept until a decode-only step arrives
+        # (seconds, decode rows) of the last decode-only steps: the typical gap's sample
+        self._gaps: deque[tuple[float, int]] = deque(maxlen=TYPICAL_GAP_STEPS)
         self.level = ResidualLevel()      # the recent residual of the fit: every prediction is scaled by it
 
     @property
@@ -218,13 +221,13 @@ class StepTimeModel:
 
     def typical_decode_s(self) -> float:
         """The typical gap between two tokens of a decoding request when no prefill is in the way: the median over
-        the decode rows of the window's decode-only steps (a step of n rows is n gaps, as clients count them) of
-        their measured time; 0.0 before any decode-only step."""
+        the decode rows of the last `TYPICAL_GAP_STEPS` decode-only steps (a step of n rows is n gaps, as clients
+        count them) of their measured time; 0.0 before any decode-only step."""
         if self._typical_decode_s is None:
             self._typical_decode_s = 0.0
-            if self._decode_steps:
-                times = np.array([t for _, t in self._decode_steps])      # [n]
-                rows = np.array([v[2] for v, _ in self._decode_steps])    # [n] decode rows
+            if self._gaps:
+                times = np.array([t for t, _ in self._gaps])              # [n]
+                rows = np.array([n for _, n in self._gaps])               # [n] decode rows
                 order = np.argsort(times, kind="stable")
                 cum = np.cumsum(rows[order])
                 self._typical_decode_s = float(times[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
@@ -248,6 +251,7 @@ class StepTimeModel:
         self.last_measured_s = seconds
         (self._prefill_steps if f.num_prefill_tokens else self._decode_steps).append((f.vector(), float(seconds)))
         if not f.num_prefill_tokens:
+            self._gaps.append((float(seconds), f.num_decode_tokens))
             self._typical_decode_s = None        # recomputed on the next ask
         self.num_observations += 1
         self._since_fit += 1
@@ -280,6 +284,8 @@ class StepTimeModel:
         assert all(t > 0.0 for _, t in [*self._prefill_steps, *self._decode_steps]), "a non-positive step time"
         assert all(e >= 0.0 and np.isfinite(e) for e in self._errors), "a bad prediction error"
         assert self.num_observations >= self.num_kept
+        assert len(self._gaps) <= (self._gaps.maxlen or 0) and all(t > 0.0 and n > 0 for t, n in self._gaps), \
+            "a bad decode-only step in the typical gap's sample"
         if self._typical_decode_s is not None:
             cached, self._typical_decode_s = self._typical_decode_s, None
             assert self.typical_decode_s() == cached, "a stale typical decode step"

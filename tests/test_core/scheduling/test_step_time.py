@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from core.scheduling import step_time
 from core.scheduling.step_time import (LEVEL_CLIP, LEVEL_GAINS, NUM_FEATURES, ResidualLevel, StepFeatures,
                                       StepTimeModel, nnls)
 
@@ -210,9 +211,11 @@ def test_an_outlier_step_moves_the_level_a_bounded_step() -> None:
     assert model.predict(f) == pytest.approx(float(f.vector() @ TRUTH), rel=0.05)
 
 
-def test_typical_decode_step_is_the_median_gap_over_decode_rows() -> None:
-    """The auto budget's yardstick: the median inter-token gap of the window's decode-only steps as clients count
-    them (a step of 8 rows is 8 gaps); steps that carry prefill, and those that left the window, do not count."""
+def test_typical_decode_step_is_the_median_gap_over_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auto budget's yardstick: the median inter-token gap of the last TYPICAL_GAP_STEPS decode-only steps as
+    clients count them (a step of 8 rows is 8 gaps); steps that carry prefill, and those that left the sample, do
+    not count."""
+    monkeypatch.setattr(step_time, "TYPICAL_GAP_STEPS", 32)
     model = StepTimeModel(window=64)                    # 32 decode-only steps kept
     assert model.typical_decode_s() == 0.0
     for _ in range(10):
@@ -228,6 +231,9 @@ def test_typical_decode_step_is_the_median_gap_over_decode_rows() -> None:
         model.observe(StepFeatures(0, 2, 200, 0), 0.020)
         model.check_integrity()
     assert model.typical_decode_s() == 0.020
+    for _ in range(20):                                 # 40 gaps of 40 ms among 64 left: the older ones are gone
+        model.observe(StepFeatures(0, 2, 200, 0), 0.040)
+    assert model.typical_decode_s() == 0.040
 
 
 def test_adapters_are_counted_once_per_step() -> None:
