@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import step_trace_summary as traces
 from gpu_cases import QUANT_FORMATS, QUANT_TOKENS, kernel_names
 from gpu_run import STAGE_DIR, STAGES
 
@@ -94,6 +95,66 @@ class Table:
                           "floor": floor_text, "met": met})
 
 
+    def add_parsed(self, section: str, figure: str, text: str) -> None:
+        """A row per item of a result that `add` does not name in advance (the sweep's shapes, a trace's
+        workloads): informative, no target; in the dry run its figure is replaced as in `add`."""
+        row = {"section": section, "figure": figure, "measured": text, "target": "-", "floor": "-", "met": None}
+        if self.run.dry:
+            row.update(measured=DRY, dry_run_parsed={"measured": text, "floor": "-"})
+        self.rows.append(row)
+
+
+def sweep_rows(run: Run, table: Table) -> None:
+    """Per shape of the kernels stage's BGMV config sweep: the latency model's choice against the fastest config
+    swept (adapters/lora_ops/bgmv.py fits its model to these rows)."""
+    data = run.data("kernels")
+    shapes: dict[tuple, list[dict]] = {}
+    for r in (data or {}).get("sweep", []):
+        shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"]), []).append(r)
+
+    def config(r: dict) -> str:
+        wide = (r.get("block_k", 64), r.get("block_n", 64)) != (64, 64)
+        return f"{r['splits']} x {r['chunks']}" + (f" (tiles {r['block_k']} x {r['block_n']})" if wide else "")
+
+    for (linear, rank, slots, rows), rs in shapes.items():
+        best = min(rs, key=lambda r: r["ms"])
+        chosen = [r for r in rs if r.get("chosen")]
+        text = f"fastest {config(best)}: {1e3 * best['ms']:.1f} us"
+        if chosen:
+            text = f"choice {config(chosen[0])}: {1e3 * chosen[0]['ms']:.1f} us ({chosen[0]['ms'] / best['ms']:.2f}x " \
+                   f"the {text})"
+        table.add_parsed("kernels", f"BGMV launch config, {linear} r{rank}, {slots} slots x {rows} rows: the model's "
+                                    f"choice (K splits x column chunks) vs the sweep's fastest", text)
+
+
+def serving_labels(data: dict) -> list[str]:
+    """The serving stage's workloads in the order they ran: every rate, the mix then the base at each."""
+    points = data["workloads"]
+    labels = []
+    for i in range(max((len(p) for p in points.values()), default=0)):
+        for workload, pts in points.items():
+            if i < len(pts):
+                rate = pts[i]["rate"]
+                labels.append(f"{workload} @ {'inf' if math.isinf(rate) else f'{rate:.3g}'} req/s")
+    return labels
+
+
+def trace_rows(run: Run, table: Table) -> None:
+    """Each serving stage's step trace read workload by workload (benchmarks/step_trace_summary.py): which steps
+    make the inter-token tail and why they ran past their budget."""
+    for stage in ("serving", "serving_eager"):
+        data, path = run.data(stage), run.dir / f"{stage}.steps.jsonl"
+        if data is None or not path.exists():
+            continue
+        read = [w for w in traces.windows(traces.load(path)) if len(w) >= traces.MIN_STEPS]
+        labels = serving_labels(data)
+        if len(labels) != len(read):                 # a workload too short to read, or two run without a pause
+            labels = [f"window {i}" for i in range(len(read))]
+        for label, window in zip(labels, read):
+            text = traces.row(label, traces.read_window(window))[1]
+            table.add_parsed("serving", f"{stage} step trace: {label}", text)
+
+
 def build(run: Run, table: Table) -> None:
     add = table.add
     add("tests", "GPU tests (pytest -m gpu)", "tests", lambda d: (
@@ -149,6 +210,7 @@ def build(run: Run, table: Table) -> None:
             f"{' (graph)' if d['rows'][i].get('graph_ms') is not None else ''}, rel err "
             f"{d['rows'][i]['rel_err']:.1e}", d["rows"][i]["rel_err"] <= 2e-2), "correct; near its floor",
             lambda d, i=i: f"{1e3 * d['rows'][i]['floor_ms']:.1f} us ({d['rows'][i]['bound']})")
+    sweep_rows(run, table)
     quant = run.data("quant") or {}
     keys = [(r["format"], r["tokens"]) for r in quant.get("rows", [])] or \
         [(f, t) for f in QUANT_FORMATS for t in QUANT_TOKENS[run.dry]]
@@ -196,6 +258,7 @@ def build(run: Run, table: Table) -> None:
         f"{d['num_requests']} requests, HF static batch {d['hf_batch_size']})",
         d["speedup_vs_hf"] >= 15), ">= 15x (issue 13)")
     serving_rows(run, table)
+    trace_rows(run, table)
 
 
 def fp8_part_rows(run: Run, table: Table, quant: dict) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import os
 import random
 import subprocess
@@ -169,3 +170,25 @@ def test_gpu_test_files_exist_and_are_marked() -> None:
                           text=True, timeout=120)
     collected = [line for line in proc.stdout.splitlines() if "::" in line]
     assert collected and all(line.startswith(gpu_tests.DRY_RUN_FILE) for line in collected), proc.stdout[-2000:]
+
+
+def test_the_table_reads_the_sweep_and_the_serving_traces(tmp_path: Path) -> None:
+    """On the H200 runs of 2026-11-27: a row per swept BGMV shape (the model's choice against the fastest), and a
+    row per serving workload of each step trace, labelled in the order serving.py ran them."""
+    results = ROOT / "benchmarks" / "results"
+    for folder, expect in (("gpu_run_h200_2026-11-27b", "BGMV launch config"),
+                           ("gpu_run_h200_2026-11-27", "step trace")):
+        shutil.rmtree(tmp_path / "gpu_run", ignore_errors=True)
+        shutil.copytree(results / folder, tmp_path / "gpu_run")
+        run = gpu_summary.Run(tmp_path, dry=False)
+        table = gpu_summary.Table(run)
+        gpu_summary.build(run, table)
+        rows = [r for r in table.rows if expect in r["figure"]]
+        if expect == "step trace":
+            assert [r["figure"].split(": ", 1)[1] for r in rows[:6]] == [
+                "mix @ inf req/s", "base @ inf req/s", "mix @ 3.9 req/s", "base @ 8.17 req/s",
+                "mix @ 6.25 req/s", "base @ 13.1 req/s"]
+            assert len(rows) == 12 and "gaps p50 / p99 22.2 / 88.1 ms" in rows[2]["measured"]
+        else:
+            assert len(rows) == 4 and "(1.12x the fastest 8 x 32: 21.3 us)" in rows[0]["measured"]
+        assert all(r["met"] is None and "unreadable" not in r["measured"] for r in rows)
