@@ -15,6 +15,13 @@ each LM-head call names its rows of the step:
 
     with pool.context.logit_rows(rows):     # rows of the step's flat batch, in the order of the LM head's input
         logits = model.compute_logits(hidden[rows])
+
+The rows are host indices (a numpy array): the metadata is built on the host, and a device tensor read back here
+would make the host wait for the step's forward, so with async scheduling the device would sit idle while the host
+schedules the next step. Until 2026-11-27 the sampled rows of eager and mixed-step graph steps came here as a
+device tensor: the likely cause of the H200 step trace's ~8-10 ms more for a step with a prefill chunk and
+adapters than for the same step without (benchmarks/results/gpu_run_h200_2026-11-27/, docs/scheduling.md; the
+fix is not yet measured on a GPU). A torch tensor is refused.
 """
 
 from __future__ import annotations
@@ -73,8 +80,12 @@ class LoRAContext:
         return self._step_slots is not None and bool((self._step_slots >= 0).any())
 
     @contextmanager
-    def logit_rows(self, rows: Union[torch.Tensor, np.ndarray, None]) -> Iterator[None]:
-        """While open, the LM head's input rows are these rows of the step (None: every row of the step)."""
+    def logit_rows(self, rows: Optional[np.ndarray]) -> Iterator[None]:
+        """While open, the LM head's input rows are these rows of the step (host indices; None: every row of the
+        step)."""
+        if isinstance(rows, torch.Tensor):
+            raise LoRAContextError("the LM head's rows must be host indices: reading a device tensor back would wait "
+                                   "for the step's forward")
         if not self.step_has_lora:
             yield
             return
@@ -82,7 +93,7 @@ class LoRAContext:
         if rows is None:
             slots = self._step_slots
         else:
-            idx = rows.to("cpu", torch.int64).numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+            idx = np.asarray(rows, dtype=np.int64)
             if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self._step_slots)):
                 raise LoRAContextError(f"LM-head rows outside the step's {len(self._step_slots)} tokens")
             slots = self._step_slots[idx]

@@ -286,7 +286,7 @@ class LLMEngine:
         if not rows:
             return None
         reqs = [batch.host.requests[i] for i in rows]
-        return self.sampler.sample_hidden(reqs, fwd.hidden, fwd.rows) if logits is None \
+        return self.sampler.sample_hidden(reqs, fwd.hidden, fwd.rows, fwd.host_rows) if logits is None \
             else self.sampler.sample_logits(reqs, logits)
 
     def _hand_off(self, result: StepResult, out: list[RequestDelta]) -> None:

@@ -16,7 +16,7 @@ from core.engine.request import PENDING_TOKEN, Request
 from core.execution.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from core.execution.mixed_graphs import MixedGraphRunner, build_mixed_graphs
 from core.execution.pending import PendingStep, fixup_to_device
-from core.execution.runner import HostBatch, graph_sample_rows, prepare_batch, to_device
+from core.execution.runner import HostBatch, graph_sample_rows, prepare_batch, sample_rows, to_device
 from core.execution.step_io import ForwardOutput, StepBatch
 from core.sampling.prompt_logprobs import record_prompt_logprobs
 
@@ -78,11 +78,11 @@ class ModelRunner:
             if use_graph:
                 assert self.graphs is not None
                 out = ForwardOutput(self.graphs.run(host, token_slots, on_inputs),       # [B or T, hidden]
-                                    graph_sample_rows(host, self.device))
+                                    graph_sample_rows(host, self.device), sample_rows(host, graph=True))
             elif use_mixed:
                 assert self.mixed is not None
                 out = ForwardOutput(self.mixed.run(host, token_slots, on_inputs),        # [T, hidden]
-                                    graph_sample_rows(host, self.device))
+                                    graph_sample_rows(host, self.device), sample_rows(host, graph=True))
             else:
                 inputs = to_device(host, self.block_size, self.device)
                 if dev_fixup is not None:
@@ -90,7 +90,7 @@ class ModelRunner:
                 if token_slots is not None:
                     self.lora_pool.context.set_batch(token_slots)
                 out = ForwardOutput(self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta),
-                                    inputs.logits_indices)                                        # [T, hidden]
+                                    inputs.logits_indices, sample_rows(host, graph=False))        # [T, hidden]
         finally:
             self.lora_pool.unpin_all()
             self.lora_pool.context.clear()

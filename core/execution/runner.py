@@ -105,14 +105,21 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
-def graph_sample_rows(host: HostBatch, device: torch.device) -> torch.Tensor | None:
-    """The rows of a graph runner's output that sample (None: all of them): batch rows of a decode step, the
-    last flat token of each sampled row of a verification step (its output is in flat token order)."""
-    if not host.decode_only:
-        return host_to_device(host.cu[1:][host.samples] - 1, device)
+def sample_rows(host: HostBatch, graph: bool) -> np.ndarray | None:
+    """The rows of a step's forward output that sample, on the host (None: all of them). Eager and mixed-step
+    output is in flat token order: the last flat token of each sampled row. A decode graph's output has a row per
+    request: its sampled rows (None when every row samples)."""
+    if not (graph and host.decode_only):
+        return host.cu[1:][host.samples] - 1
     if len(host.samples) == len(host.requests):
         return None
-    return host_to_device(np.asarray(host.samples, dtype=np.int64), device)
+    return np.asarray(host.samples, dtype=np.int64)
+
+
+def graph_sample_rows(host: HostBatch, device: torch.device) -> torch.Tensor | None:
+    """`sample_rows` of a graph runner's output (decode, verification or mixed-step graph) on `device`."""
+    rows = sample_rows(host, graph=True)
+    return None if rows is None else host_to_device(rows, device)
 
 
 def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelInput:
@@ -121,7 +128,7 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> ModelIn
     decode_blocks = int(-(-ctx[:num_decode].max() // block_size)) if num_decode else 0
     pre_blocks = [-(-int(c) // block_size) for c in ctx[num_decode:]]
     # one copy for all per-token int64 data: ids | positions | slots | logits rows | decode lens (aligned)
-    logits_rows = host.cu[1:][host.samples] - 1
+    logits_rows = sample_rows(host, graph=False)
     packed_host, offs = pack_aligned([host.token_ids, host.positions, host.slot_mapping, logits_rows,
                                       ctx[:num_decode]], np.int64)
     packed = host_to_device(packed_host, device)

@@ -50,6 +50,9 @@ class ForwardOutput:
     """What execute hands to sample: the step's hidden states, queued on the device."""
     hidden: torch.Tensor                      # [T, hidden] eager or verification graph, [B, hidden] decode graph
     rows: torch.Tensor | None                 # [N] rows of `hidden` that sample (None: every row)
+    # [N] the same rows on the host (None: every row): the LM head's LoRA metadata is built from them, as reading
+    # `rows` back would make the host wait for this step's forward (no overlap with the next step's scheduling)
+    host_rows: np.ndarray | None
     prompt_faults: list[tuple[Request, RequestFault]] = field(default_factory=list)  # prompt log-probs that failed
 
 

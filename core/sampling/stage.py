@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from core.engine import faults
@@ -28,10 +29,10 @@ class LogitsHead(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-LogitRows = Callable[[torch.Tensor | None], AbstractContextManager]   # names the LM head's rows of the step
+LogitRows = Callable[[np.ndarray | None], AbstractContextManager]   # names the LM head's rows of the step (host)
 
 
-def no_logit_rows(rows: torch.Tensor | None) -> AbstractContextManager:
+def no_logit_rows(rows: np.ndarray | None) -> AbstractContextManager:
     return nullcontext()
 
 
@@ -64,14 +65,17 @@ class SamplingStage:
             self.penalties.record(penalties, tokens)
         return tokens, sbatch
 
-    def sample_hidden(self, reqs: list[Request], hidden: torch.Tensor, rows: torch.Tensor | None) -> StepResult:
-        """Samples the rows of `reqs` (hidden states `hidden[rows]`, or every row): tokens [N], their log-probs,
-        and the rows that failed alone (their tokens are dummies). Raises when the stage fails for no single row."""
-        return self.sample_logits(reqs, self.logits(hidden, rows))
+    def sample_hidden(self, reqs: list[Request], hidden: torch.Tensor, rows: torch.Tensor | None,
+                      host_rows: np.ndarray | None) -> StepResult:
+        """Samples the rows of `reqs` (hidden states `hidden[rows]`, or every row; `host_rows`: the same rows on the
+        host): tokens [N], their log-probs, and the rows that failed alone (their tokens are dummies). Raises when
+        the stage fails for no single row."""
+        return self.sample_logits(reqs, self.logits(hidden, rows, host_rows))
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The LM head on `hidden[rows]` (None: every row) [N, vocab], its LoRA told which rows of the step these are."""
-        with self.logit_rows(rows):
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None, host_rows: np.ndarray | None) -> torch.Tensor:
+        """The LM head on `hidden[rows]` (None: every row) [N, vocab], its LoRA told which rows of the step these are
+        (`host_rows`, the same rows on the host: nothing here waits for the forward)."""
+        with self.logit_rows(host_rows):
             return self.head.compute_logits(hidden if rows is None else hidden[rows])
 
     def sample_logits(self, reqs: list[Request], logits: torch.Tensor) -> StepResult:

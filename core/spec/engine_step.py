@@ -151,7 +151,7 @@ class SpecStage:
         """One LM-head pass over the layout's rows, then the verification of every speculating row (after
         `update_after_step`)."""
         flat = host_to_device(layout.rows, self.device)                                        # [N]
-        logits = self.sampler.logits(hidden, flat)                                             # [N, vocab]
+        logits = self.sampler.logits(hidden, flat, layout.rows)                                # [N, vocab]
         where = torch.full((host.num_tokens,), -1, dtype=torch.int64, device=self.device)     # [T] flat -> logits row
         where[flat] = torch.arange(len(layout.rows), dtype=torch.int64, device=self.device)
 

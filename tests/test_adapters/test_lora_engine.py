@@ -74,6 +74,28 @@ def test_mixed_batch_chunked_prefill() -> None:
     check_mixed("llama_gqa", llm)
 
 
+def test_lm_head_lora_rows_never_read_back_from_the_device() -> None:
+    """The LM head's LoRA learns the sampled rows of every step from host indices: a device tensor read back there
+    would make the host wait for the step's forward (on a GPU with async scheduling: no overlap of the next step's
+    scheduling with this one for any step with prefill and adapters). Outputs stay PEFT's."""
+    import numpy as np
+    import torch
+
+    llm = make_llm("llama_gqa", max_num_batched_tokens=24)        # prefill chunks beside decode rows
+    sampler = llm.engine.sampler
+    real = sampler.logit_rows
+    seen: list[type] = []
+
+    def recording(rows):
+        seen.append(type(rows))
+        return real(rows)
+
+    sampler.logit_rows = recording
+    check_mixed("llama_gqa", llm)
+    assert seen and torch.Tensor not in seen, f"LM-head rows given as {set(seen)}"
+    assert np.ndarray in seen, "no step named its sampled rows (every step sampled all of its rows?)"
+
+
 # ---- 4. the adapters really change the output -------------------------------------------------
 @pytest.mark.parametrize("model", ["llama_gqa", "qwen2_tied"])
 def test_adapters_change_outputs(model: str) -> None:

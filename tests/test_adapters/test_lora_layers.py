@@ -1,5 +1,6 @@
 """LoRALinear / apply_lora_wrappers behaviour outside the numeric parity tests."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -90,6 +91,12 @@ def test_stale_context_is_an_error_and_bad_shapes_rejected():
     pool.context.set_batch([slot, slot])
     with pytest.raises(LoRAContextError):
         model.layers[0].self_attn.qkv_proj(torch.randn(3, 16))
+    pool.context.set_step_slots(np.array([slot, -1, slot]))
+    with pytest.raises(LoRAContextError, match="host indices"):      # a device tensor would sync the step
+        with pool.context.logit_rows(torch.tensor([0, 2])):
+            pass
+    with pool.context.logit_rows(np.array([0, 2])):
+        assert pool.context.logits_meta(2) is not None
     with pytest.raises(ValueError):
         LoRALinear(nn.Linear(16, 30), fused_groups(DIMS)["qkv"].slice_spec(), pool, 0)
     with pytest.raises(ValueError):

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from core import LLM, SamplingParams
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -148,6 +149,36 @@ def test_mixed_workload_equals_sync() -> None:
         elif fmt is not None and reason == "stop":   # json_object (a long string at 60 tokens: "length")
             assert isinstance(json.loads(text), dict), text
     assert num_validated == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: a read-back of a device tensor")
+def test_lm_head_of_steps_with_adapters_does_not_wait_for_the_forward() -> None:
+    """On CUDA the LM head of a step with adapters and prefill chunks is queued without reading anything back from
+    the device (torch's sync debug mode raises on a read-back): with one, the host waited for each such step's
+    forward before it scheduled the next, and async scheduling overlapped nothing for those steps."""
+    from lora_fixtures import adapter_dir
+
+    path = model_dir("llama_gqa")
+    loras = {"a": str(adapter_dir("llama_gqa", "qv_r4")), "b": str(adapter_dir("llama_gqa", "all7_r8"))}
+    llm = LLM(str(path), dtype="float32", device="cuda", max_loras=2, lora_modules=loras, async_scheduling=True,
+              max_num_batched_tokens=32)
+    sampler, real = llm.engine.sampler, llm.engine.sampler.logits
+    checked: list[bool] = []
+
+    def logits(hidden, rows, host_rows):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = real(hidden, rows, host_rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(host_rows is not None)
+        return out
+
+    sampler.logits = logits
+    prompts = prompts_for(path, 6, seed=3)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora=["a", None, "b", "a", "b", None])
+    assert any(checked), "no step with a prefill chunk sampled"
+    llm.engine.check_integrity()
 
 
 def test_failed_step_leaves_no_token_in_flight() -> None:
