@@ -30,7 +30,14 @@ a drift of 0.095 with a step-to-step correlation of 0.93. On that machine (`--co
 machine's steps) the step-time model's residual level moved ITL p99/p50 from 2.14 to 2.06 and TTFT p50 from 2.03x
 to 1.95x at 50% load, and from 2.00 to 1.98 and 1.72x to 1.70x at 80% (`--no-level` holds it at rest).
 
+`--workload gpu-mix` / `gpu-base` replays the GPU serving benchmark's workload instead (benchmarks/serving.py: the
+base model and 32 adapters in turn, or the base alone; prompts of 320-2,560 tokens), to be used with step costs
+fitted to a GPU step trace: `--coef h200-mix`, `h200-base` (the H200 trace of 2026-11-27; with `--noise 0.08
+--drift 0.08` and `0.03` it reproduces the measured saturation rates and the base model's latencies, docs/scheduling.md
+"The 32-adapter mix on the H200, in simulation"), `h200-mix-fixed` (the mix without the host wait fixed since).
+
     python benchmarks/scheduler_sim.py [--budgets-ms auto,0,150] [--loads 0.5,0.8] [--seeds 3]
+    python benchmarks/scheduler_sim.py --workload gpu-mix --coef h200-mix --noise 0.08 --drift 0.08 --num-requests 64
 """
 from __future__ import annotations
 
@@ -55,6 +62,15 @@ from core.scheduling.scheduler import Scheduler   # noqa: E402
 from core.scheduling.step_time import ResidualLevel   # noqa: E402
 
 DEFAULT_COEF = (0.01582, 5.557e-4, 7.138e-4, 1.423e-7, 6.757e-5, 0.0, 0.001003, 0.002734)
+# the same fit to the H200's serving trace (results/gpu_run_h200_2026-11-27/serving.steps.jsonl, mixed-step graphs):
+# the 32-adapter mix's three rates (mean error 0.079) and the base model's 50% load (0.018). The mix's 7 ms a step for
+# carrying prefill with adapters (the base pays 0.8 ms) is most likely the LM head's read-back of its rows, fixed
+# since (adapters/layers/context.py): `H200_MIX_FIXED_COEF` is the mix with the base's one-off cost instead
+H200_MIX_COEF = (0.007287, 2.141e-05, 2.754e-05, 9.85e-10, 1.279e-05, 0.0, 0.006956, 0.0003862)
+H200_MIX_FIXED_COEF = (0.007287, 2.141e-05, 2.754e-05, 9.85e-10, 1.279e-05, 0.0008195, 0.0, 0.0003862)
+H200_BASE_COEF = (0.005199, 1.612e-05, 9.068e-05, 3.947e-10, 0.0, 0.0008195, 0.0, 0.0)
+NAMED_COEF = {"cpu": DEFAULT_COEF, "h200-mix": H200_MIX_COEF, "h200-mix-fixed": H200_MIX_FIXED_COEF,
+              "h200-base": H200_BASE_COEF}
 SYSTEM_LEN = 32
 VOCAB = 4096
 
@@ -67,18 +83,39 @@ class Workload:
     loras: list[object]
 
 
-def make_workload(num: int, rate: float, seed: int, prompt_len: tuple[int, int] = (64, 1024),
-                  output_len: tuple[int, int] = (32, 256)) -> Workload:
-    """`num` requests as latency_slo.py draws them; Poisson arrivals at `rate` req/s (inf: all at once)."""
+@dataclass(frozen=True)
+class Shape:
+    """A workload's request shape: latency_slo.py's by default (three adapters on 3 of 4 requests), or the GPU
+    benchmark's 32-adapter mix (`GPU_MIX`: benchmarks/serving.py's lengths in Llama-3 tokens, the base model and 32
+    adapters in turn)."""
+
+    prompt_len: tuple[int, int] = (64, 1024)
+    output_len: tuple[int, int] = (32, 256)
+    num_adapters: int = 3           # requests go to the base model and these adapters in turn
+    system_len: int = SYSTEM_LEN
+
+
+# serving.py's mix: prompts of 128-1024 words (~2.5 Llama-3 tokens a word in the dummy's 2,048-token vocabulary:
+# 1,374-1,620 tokens on average in the H200 runs), outputs of 64-256 tokens, 4 system prompts of 64 words
+GPU_MIX = Shape(prompt_len=(320, 2560), output_len=(64, 256), num_adapters=32, system_len=160)
+GPU_BASE = Shape(prompt_len=(320, 2560), output_len=(64, 256), num_adapters=0, system_len=160)
+SHAPES = {"cpu": Shape(), "gpu-mix": GPU_MIX, "gpu-base": GPU_BASE}
+
+
+def make_workload(num: int, rate: float, seed: int, shape: Shape = Shape()) -> Workload:
+    """`num` requests as latency_slo.py draws them (or `shape`'s); Poisson arrivals at `rate` req/s (inf: all at
+    once)."""
     rng = random.Random(seed)
-    systems = [[random.Random(f"system-{k}").randrange(200, VOCAB) for _ in range(SYSTEM_LEN)] for k in range(4)]
+    systems = [[random.Random(f"system-{k}").randrange(200, VOCAB) for _ in range(shape.system_len)]
+               for k in range(4)]
     arrivals, prompts, max_tokens, loras = [], [], [], []
     t = 0.0
     for i in range(num):
-        n = rng.randint(*prompt_len)
-        prompts.append(systems[i % 4] + [rng.randrange(200, VOCAB) for _ in range(max(1, n - SYSTEM_LEN))])
-        max_tokens.append(rng.randint(*output_len))
-        loras.append(None if i % 4 == 0 else f"tenant-{i % 4}")
+        n = rng.randint(*shape.prompt_len)
+        prompts.append(systems[i % 4] + [rng.randrange(200, VOCAB) for _ in range(max(1, n - shape.system_len))])
+        max_tokens.append(rng.randint(*shape.output_len))
+        model = i % (1 + shape.num_adapters)
+        loras.append(None if model == 0 else f"tenant-{model}")
         arrivals.append(t)
         if math.isfinite(rate):
             t += rng.expovariate(rate)
@@ -127,17 +164,18 @@ class Machine:
 
 def simulate(work: Workload, max_step_ms: float | None, coef: np.ndarray, noise: float, seed: int,
              max_num_batched_tokens: int = 2048, num_blocks: int = 16384, block_size: int = 16,
-             drift: float = 0.0, drift_corr: float = 0.0, level: bool = True) -> Result:
+             drift: float = 0.0, drift_corr: float = 0.0, level: bool = True, shape: Shape = Shape(),
+             max_loras: int = 4) -> Result:
     """`work` on a fresh scheduler warmed up as latency_slo.py warms its servers (12 requests at once, so the
     step-time model is fitted before the measured requests arrive); `level=False` holds the step-time model's
     residual level at rest (the fit alone)."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_step_ms=max_step_ms), kv, max_model_len=4096, max_loras=4)
+                                      max_step_ms=max_step_ms), kv, max_model_len=4096, max_loras=max_loras)
     if not level:
         sched.step_time.level = ResidualLevel(gains=(0.0,))
     machine = Machine(noise, seed, drift, drift_corr)
-    run(sched, make_workload(12, float("inf"), 10_000), coef, machine, "w")
+    run(sched, make_workload(12, float("inf"), 10_000, shape), coef, machine, "w")
     return run(sched, work, coef, machine, "r")
 
 
@@ -190,13 +228,16 @@ def budget_arg(text: str) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--coef", default=",".join(f"{c:g}" for c in DEFAULT_COEF))
+    ap.add_argument("--coef", default="cpu", help=f"seconds per feature, comma-separated, or one of {list(NAMED_COEF)}")
     ap.add_argument("--noise", type=float, default=0.16, help="log-normal sigma of each step's time")
     ap.add_argument("--drift", type=float, default=0.0,
                     help="stationary sigma of the machine's slow drift (log), on top of --noise")
     ap.add_argument("--drift-corr", type=float, default=0.93, help="the drift's correlation from one step to the next")
     ap.add_argument("--no-level", action="store_true", help="hold the step-time model's residual level at rest")
     ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--workload", choices=tuple(SHAPES), default="cpu",
+                    help="cpu: latency_slo.py's requests; gpu-mix, gpu-base: serving.py's 32-adapter mix and its base "
+                         "workload (use with a --coef fitted to a GPU step trace)")
     ap.add_argument("--loads", default="0.5,0.8")
     ap.add_argument("--budgets-ms", default="0,auto", help="comma list: 0 (off), auto, or milliseconds")
     ap.add_argument("--seeds", type=int, default=3, help="workloads per point (figures pooled)")
@@ -220,15 +261,18 @@ def main() -> None:
     step_budget.BUDGET_EXEMPT_STEPS = args.exempt_steps
     step_budget.BACKLOG_STEPS = args.backlog_steps
     step_time.TYPICAL_GAP_STEPS = args.typical_steps
-    coef = np.array([float(x) for x in args.coef.split(",")])
+    coef = np.array(NAMED_COEF.get(args.coef) or [float(x) for x in args.coef.split(",")])
     coef = np.pad(coef, (0, max(0, len(DEFAULT_COEF) - len(coef))))     # older fits: no one-off prefill cost, no adapter term
     budgets = [budget_arg(b) for b in args.budgets_ms.split(",")]
+    shape = SHAPES[args.workload]
+    max_loras = max(4, shape.num_adapters)
 
     def pooled(rate: float, budget: float | None) -> Result:
         total = Result()
         for s in range(args.seeds):
-            r = simulate(make_workload(args.num_requests, rate, 1 + s), budget, coef, args.noise, s,
-                         drift=args.drift, drift_corr=args.drift_corr, level=not args.no_level)
+            r = simulate(make_workload(args.num_requests, rate, 1 + s, shape), budget, coef, args.noise, s,
+                         drift=args.drift, drift_corr=args.drift_corr, level=not args.no_level, shape=shape,
+                         max_loras=max_loras)
             total.ttft += r.ttft
             total.gaps += r.gaps
             total.num_output_tokens += r.num_output_tokens

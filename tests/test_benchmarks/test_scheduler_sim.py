@@ -10,7 +10,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from scheduler_sim import DEFAULT_COEF, Machine, Result, make_workload, simulate  # noqa: E402
+from scheduler_sim import (  # noqa: E402
+    DEFAULT_COEF, GPU_MIX, H200_MIX_FIXED_COEF, Machine, Result, Shape, make_workload, simulate,
+)
 
 
 def test_the_budget_cuts_the_inter_token_tail_in_simulation() -> None:
@@ -19,7 +21,7 @@ def test_the_budget_cuts_the_inter_token_tail_in_simulation() -> None:
     coef = np.array(DEFAULT_COEF)
     pooled = {"off": Result(), "auto": Result()}
     for seed in (1, 2, 3):
-        work = make_workload(24, rate=0.8, seed=seed, prompt_len=(64, 1024), output_len=(32, 128))
+        work = make_workload(24, rate=0.8, seed=seed, shape=Shape(prompt_len=(64, 1024), output_len=(32, 128)))
         for name, budget in (("off", 0.0), ("auto", None)):
             res = simulate(work, budget, coef, noise=0.0, seed=0)
             assert len(res.ttft) == 24 and res.num_output_tokens == sum(work.max_tokens)
@@ -44,3 +46,13 @@ def test_the_simulated_machine_drifts_as_asked() -> None:
     iid = np.log([m.factor() for _ in range(20_000)])
     assert abs(float(np.std(iid)) - 0.05) < 0.003
     assert abs(float(np.corrcoef(iid[:-1], iid[1:])[0, 1])) < 0.03
+
+
+def test_the_gpu_mix_spreads_requests_over_32_adapters_and_every_one_ends() -> None:
+    """`--workload gpu-mix`: serving.py's mix (the base model and 32 adapters in turn, longer prompts) runs to the end
+    with as many LoRA slots as adapters, under the auto budget, with the H200 fit's step costs."""
+    work = make_workload(40, rate=4.0, seed=5, shape=GPU_MIX)
+    assert {lora for lora in work.loras} == {None, *(f"tenant-{i}" for i in range(1, 33))}
+    assert min(map(len, work.prompts)) >= GPU_MIX.prompt_len[0] and max(map(len, work.prompts)) <= GPU_MIX.prompt_len[1]
+    res = simulate(work, None, np.array(H200_MIX_FIXED_COEF), noise=0.05, seed=0, shape=GPU_MIX, max_loras=32)
+    assert len(res.ttft) == 40 and res.num_output_tokens == sum(work.max_tokens)
