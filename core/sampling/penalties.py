@@ -166,7 +166,8 @@ class PenaltyState:
             if batch.need_counts:
                 x.sub_(counts * batch.frequency).sub_(in_output * batch.presence)
         if batch.ban_rows.numel():
-            banned = x.index_put((batch.ban_rows, batch.ban_tokens), torch.tensor(float("-inf"), device=x.device))
+            # (the -inf filled on the device: torch.tensor(value, device=cuda) is a blocking copy from the host)
+            banned = x.index_put((batch.ban_rows, batch.ban_tokens), x.new_full((), float("-inf")))
             # never leave a row with nothing to sample (a grammar state where only EOS or stop tokens fit)
             x = torch.where(torch.isneginf(banned).all(dim=-1, keepdim=True), x, banned)
         return x
