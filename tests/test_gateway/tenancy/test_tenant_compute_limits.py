@@ -84,13 +84,17 @@ def open_stream(http: httpx.Client, key: str, **body: Any) -> tuple[Any, Iterato
 
 
 def eventually_ok(call: Callable[[], httpx.Response], within_s: float) -> float:
-    """Seconds until `call` answers 200 (fails after `within_s`)."""
+    """Seconds until the first `call` that answers 200 was sent (fails after `within_s`): the time it was refused,
+    not the time the admitted request then took to generate (counted in, a CI run on the 2-core machine measured
+    5.98 s against a bound of 5 for a refund, where a refill takes ~29 s)."""
     start = time.monotonic()
+    sent = start
     while (resp := call()).status_code != 200:
         assert resp.status_code == 429, resp.text
         assert time.monotonic() - start < within_s, f"still refused after {within_s}s: {resp.text}"
         time.sleep(0.1)
-    return time.monotonic() - start
+        sent = time.monotonic()
+    return sent - start
 
 
 def test_a_request_alone_over_a_limit_is_a_400_naming_it(server: ServerProcess) -> None:
