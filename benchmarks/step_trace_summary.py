@@ -12,7 +12,11 @@ the trace is cut into windows at idle gaps (`--gap-s`, 0.5 s) and each window is
 - how many steps had the one-off prefill cost left uncharged (`overhead_waived`: the minimum chunk did not fit);
 - the steps that make the gap tail (at or above the gaps' p99): how many, their mean prefill, how many ran under a
   budget and why past it (aged requests' chunks, `exempt_tokens`; the minimum chunk, `floor_tokens`), how many with
-  the budget lifted past saturation.
+  the budget lifted past saturation;
+- who set the pace (traces with `host_ms`, the host's own time in each step's iteration): the host's median time in
+  decode-only steps and in steps with prefill, and the share of each whose host time reached `HOST_BOUND` of the
+  step's time (host-bound: Python, or a wait on the device inside the iteration; on a GPU with async scheduling the
+  host should stay well under the device).
 
     python benchmarks/step_trace_summary.py results/gpu_run_h200_2026-11-27/serving.steps.jsonl \
         [--labels "mix inf,base inf,mix 0.5x,base 0.5x,mix 0.8x,base 0.8x"] [--name NAME]
@@ -32,6 +36,7 @@ import numpy as np
 from common import write_results
 
 MIN_STEPS = 20          # windows with fewer steps (a warm-up probe, a stray request) are listed but not read
+HOST_BOUND = 0.9        # a step whose host time is at least this share of its time: the host set the pace
 
 
 def load(path: str | Path) -> list[dict[str, Any]]:
@@ -66,6 +71,7 @@ def read_window(steps: list[dict[str, Any]]) -> dict[str, Any]:
     exempt = np.array([s.get("exempt_tokens", 0) for s in steps])              # [n] (older traces: 0)
     floor = np.array([s.get("floor_tokens", 0) for s in steps])                # [n]
     waived = np.array([bool(s.get("overhead_waived", False)) for s in steps])  # [n]
+    host = np.array([s.get("host_ms", np.nan) for s in steps], dtype=float)    # [n] (older traces: nan)
     with_prefill = prefill > 0
     gaps = np.repeat(ms, decode)                                                # [sum decode]: one gap per row
     p99 = float(np.percentile(gaps, 99)) if gaps.size else 0.0
@@ -85,6 +91,10 @@ def read_window(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "tail": {"num_steps": int(tail.sum()), "mean_prefill": float(prefill[tail].mean()) if tail.any() else 0.0,
                  "num_budgeted": int((tail & (budget > 0)).sum()), "num_lifted": int((tail & lifted).sum()),
                  "num_exempt": int((tail & (exempt > 0)).sum()), "num_floor": int((tail & (floor > 0)).sum())},
+        "host": None if np.isnan(host).all() else {
+            kind: {"ms_p50": float(np.median(host[sel])) if sel.any() else 0.0,
+                   "host_bound_share": float((host[sel] >= HOST_BOUND * ms[sel]).mean()) if sel.any() else 0.0}
+            for kind, sel in (("decode_only", ~with_prefill), ("with_prefill", with_prefill))},
     }
 
 
@@ -97,13 +107,17 @@ def row(label: str, w: dict[str, Any]) -> tuple[str, str]:
     waived, why = (f", {w['num_overhead_waived']} with the prefill overhead waived",
                    f": {t['num_exempt']} with aged requests, {t['num_floor']} with the minimum chunk") \
         if w["reasons_recorded"] else ("", ", why not recorded (an older trace)")
+    h = w.get("host")
+    host = "" if h is None else (
+        f"; host {h['decode_only']['ms_p50']:.1f} / {h['with_prefill']['ms_p50']:.1f} ms (decode-only / with prefill), "
+        f"host-bound {100 * h['decode_only']['host_bound_share']:.0f}% / {100 * h['with_prefill']['host_bound_share']:.0f}%")
     return (label, f"{w['num_steps']} steps in {w['seconds']:.1f} s; decode-only {d['num_steps']} "
                    f"({_fmt(d['ms_p50_p90_p99'])} ms, {d['mean_rows']:.1f} rows); with prefill {p['num_steps']} "
                    f"({_fmt(p['ms_p50_p90_p99'])} ms, chunk {p['mean_chunk']:.0f}, "
                    f"budget {p['budget_ms_p50']:.1f} ms); "
                    f"gaps p50 / p99 {_fmt(w['gaps_ms_p50_p99'])} ms; {w['num_over_budget']} predicted past 1.5x "
                    f"their budget{waived}; tail {t['num_steps']} steps (prefill {t['mean_prefill']:.0f}, "
-                   f"{t['num_budgeted']} under a budget{why}; {t['num_lifted']} lifted)")
+                   f"{t['num_budgeted']} under a budget{why}; {t['num_lifted']} lifted){host}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -251,7 +252,7 @@ class LLMEngine:
         for done in self._clock.end(sched):
             self.scheduler.observe_step(done.step, done.seconds)
             if self._trace is not None:
-                self._trace.record(done.start_s, done.step, done.seconds)
+                self._trace.record(done.start_s, done.step, done.seconds, done.host_s)
 
     def _prepare(self, sched: SchedulerOutput, pending: PendingStep | None,
                  out: list[RequestDelta]) -> StepBatch | None:
@@ -307,7 +308,9 @@ class LLMEngine:
         request whose token handling raises fails alone."""
         if pending is None:
             return
+        start = time.perf_counter()
         tokens, lps = pending.read()
+        self._clock.waited(time.perf_counter() - start)     # the device's time, not the host's (step_clock.py)
         for r, t, lp in zip(pending.requests, tokens, lps):
             if r.status.finished:
                 continue
@@ -331,7 +334,7 @@ class LLMEngine:
         if self._trace is not None:
             try:     # the last steps' times (their device events, briefly); not after a failure
                 for done in self._clock.drain() if graceful else ():
-                    self._trace.record(done.start_s, done.step, done.seconds)
+                    self._trace.record(done.start_s, done.step, done.seconds, done.host_s)
             except Exception as exc:  # noqa: BLE001 - the rest of the shutdown goes on
                 log.warning("step trace: the last steps' times are lost (%s)", exc)
             self._trace.close()

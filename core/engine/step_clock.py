@@ -15,6 +15,14 @@ t-1's work is done, the last after step t's), and the host's when the host is (t
 host records it, and idles between the launches). Whatever the host waits on inside the iteration (the previous
 step's tokens, a staging buffer still in a copy) is not in it unless the device was idle then too. The events are
 read only once they have completed, so an observation comes an iteration later and never blocks the loop.
+
+Beside it each step carries the host's own time in its iteration (`host_s`): the iteration's wall time less the
+time it waited for an earlier step's tokens (`waited()`). Where the host's own time reaches the step's time, the
+host sets the pace (Python, or an unintended wait on the device inside the iteration, which counts as host time
+here); where it stays well under, the device does. On 2026-11-27 the H200 trace showed every step with prefill and
+adapters costing ~8-10 ms more than its features explained; the cause, found by reading the code, was such a
+wait (the LM head's LoRA reading its rows back from the device). With `host_ms` in the trace the next one shows
+itself (benchmarks/step_trace_summary.py: the share of host-bound steps per workload).
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ class StepTime(Generic[S]):
     start_s: float       # time.perf_counter() at the iteration's start
     step: S              # what the scheduler planned (its features)
     seconds: float       # the step's time, as observed
+    host_s: float = 0.0  # the host's own time in the iteration: its wall time less its waits for earlier steps
 
 
 @dataclass
@@ -49,6 +58,7 @@ class _OpenStep(Generic[S]):
     step: S
     begin: DeviceEvent
     end: DeviceEvent
+    host_s: float
 
 
 class StepClock(Generic[S]):
@@ -60,6 +70,7 @@ class StepClock(Generic[S]):
         self.event_factory = event_factory     # None: the wall time of the iteration is the step's
         self.clock = clock
         self._start = 0.0
+        self._waited_s = 0.0          # this iteration's waits for earlier steps' tokens
         self._begin: DeviceEvent | None = None
         self._open: deque[_OpenStep[S]] = deque()
 
@@ -74,17 +85,24 @@ class StepClock(Generic[S]):
 
     def begin(self) -> None:
         self._start = self.clock()
+        self._waited_s = 0.0
         if self.event_factory is not None:
             self._begin = self.event_factory()
             self._begin.record()
 
+    def waited(self, seconds: float) -> None:
+        """The iteration spent `seconds` waiting for an earlier step's tokens (not the host's own work)."""
+        self._waited_s += max(0.0, seconds)
+
     def end(self, step: S) -> list[StepTime[S]]:
+        wall = self.clock() - self._start
+        host = max(0.0, wall - self._waited_s)
         if self.event_factory is None:
-            return [StepTime(self._start, step, self.clock() - self._start)]
+            return [StepTime(self._start, step, wall, host)]
         assert self._begin is not None, "end() without begin()"
         end = self.event_factory()
         end.record()
-        self._open.append(_OpenStep(self._start, step, self._begin, end))
+        self._open.append(_OpenStep(self._start, step, self._begin, end, host))
         self._begin = None
         return self.ready()
 
@@ -94,7 +112,7 @@ class StepClock(Generic[S]):
         done = []
         while self._open and self._open[0].end.query():
             s = self._open.popleft()
-            done.append(StepTime(s.start_s, s.step, s.begin.elapsed_time(s.end) / 1000.0))
+            done.append(StepTime(s.start_s, s.step, s.begin.elapsed_time(s.end) / 1000.0, s.host_s))
         return done
 
     def drain(self, timeout_s: float = 1.0) -> list[StepTime[S]]:
@@ -111,6 +129,7 @@ class StepClock(Generic[S]):
         assert self.event_factory is not None or not self._open, "open steps without device events"
         starts = [s.start_s for s in self._open]
         assert starts == sorted(starts), "open steps out of order"
+        assert self._waited_s >= 0.0 and all(s.host_s >= 0.0 for s in self._open), "a negative host time"
 
 
 class CudaEvent:

@@ -75,3 +75,16 @@ def test_the_tail_says_why_its_budgeted_steps_ran_past_the_budget() -> None:
     assert w["tail"]["num_exempt"] == 1 and w["tail"]["num_budgeted"] >= 1 and w["num_overhead_waived"] == 1
     assert w["reasons_recorded"] is False        # a window mixing old lines is not read as "no reason"
     assert read_window(steps)["tail"]["num_exempt"] == 0 and read_window([big, small])["reasons_recorded"]
+
+
+def test_host_time_names_the_steps_the_host_set_the_pace_of() -> None:
+    """With `host_ms` in the trace: a window whose steps with prefill have the host busy as long as the step (the
+    H200 mix before the LM head's read-back was fixed) reads host-bound there, and not in its graph-replayed decode
+    steps; an older trace without the field reads no host figures."""
+    steps = workload(0.0, 100, 4, 1000)
+    for s in steps:
+        s["host_ms"] = s["measured_ms"] * (0.95 if s["prefill_tokens"] else 0.2)
+    h = read_window(steps)["host"]
+    assert h["with_prefill"]["host_bound_share"] == 1.0 and h["decode_only"]["host_bound_share"] == 0.0
+    assert h["decode_only"]["ms_p50"] == pytest.approx(2.0) and h["with_prefill"]["ms_p50"] == pytest.approx(19.0)
+    assert read_window(workload(0.0, 100, 4, 1000))["host"] is None

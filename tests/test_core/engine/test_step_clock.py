@@ -149,3 +149,35 @@ def test_host_waits_on_earlier_steps_are_not_charged() -> None:
         observed[s.step] = s.seconds
     for t in range(1, n):
         assert observed[t] == pytest.approx(device[t], abs=1e-9), t
+
+
+def test_the_host_time_is_the_iteration_less_its_wait_for_tokens() -> None:
+    """`host_s`: each step's host work, the token read's wait taken out. Graph replays (host 1 ms, device 6 ms):
+    host 1 ms a step, well under the step's time. The same steps with an unintended wait on the device inside the
+    iteration (the host blocks until its own step's forward ends, as the LM head's LoRA read-back did): that wait is
+    host time, and every step reads host-bound."""
+    for blocks in (False, True):
+        sim = Sim()
+        clock = StepClock(sim.event, clock=lambda: sim.now)
+        got, prev_done = [], None
+        for t in range(40):
+            clock.begin()
+            sim.now += 0.001                                        # schedule and launch
+            sim.device_free = max(sim.device_free, sim.now - 0.001) + 0.006
+            done_t = sim.device_free
+            if prev_done is not None and sim.now < prev_done:       # read step t-1's tokens
+                clock.waited(prev_done - sim.now)
+                sim.now = prev_done
+            if blocks:
+                sim.now = max(sim.now, done_t)                      # waits for its own forward
+            got += clock.end(t)
+            prev_done = done_t
+        sim.now = max(sim.now, sim.device_free)
+        got += clock.drain()
+        steady = got[2:]
+        assert len(got) == 40 and all(s.host_s >= 0.0 for s in got)
+        if blocks:
+            assert all(s.host_s >= 0.9 * s.seconds for s in steady), [(s.host_s, s.seconds) for s in steady[:3]]
+        else:
+            assert all(s.host_s == pytest.approx(0.001, abs=1e-9) for s in steady)
+            assert all(s.seconds == pytest.approx(0.006, abs=1e-9) for s in steady)

@@ -31,6 +31,8 @@ def test_each_step_is_one_line_with_its_features_and_times(tmp_path: Path, monke
     assert sum(s["prefill_tokens"] for s in lines) == 30 + 2
     assert sum(s["decode_tokens"] for s in lines) == 2 * 3          # 4 tokens each: the first from the prefill
     assert all(s["measured_ms"] > 0 and s["rows"] >= 1 and s["adapters"] == 0 for s in lines)
+    # synchronous steps (the CPU): the host's own time is the step's, less nothing (its tokens are read at once)
+    assert all(0 < s["host_ms"] <= s["measured_ms"] + 1e-3 for s in lines)
     assert [s["start_s"] for s in lines] == sorted(s["start_s"] for s in lines)
     assert lines[0]["prefill_tokens"] == 16                          # chunked by --max-num-batched-tokens
     # why a budgeted step ran past its budget: nothing here (no fitted model yet, no budget)
