@@ -91,10 +91,11 @@ def read_window(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "tail": {"num_steps": int(tail.sum()), "mean_prefill": float(prefill[tail].mean()) if tail.any() else 0.0,
                  "num_budgeted": int((tail & (budget > 0)).sum()), "num_lifted": int((tail & lifted).sum()),
                  "num_exempt": int((tail & (exempt > 0)).sum()), "num_floor": int((tail & (floor > 0)).sum())},
-        "host": None if np.isnan(host).all() else {
+        "host": None if np.isnan(host).all() else {        # over the steps that recorded it (older lines: not)
             kind: {"ms_p50": float(np.median(host[sel])) if sel.any() else 0.0,
                    "host_bound_share": float((host[sel] >= HOST_BOUND * ms[sel]).mean()) if sel.any() else 0.0}
-            for kind, sel in (("decode_only", ~with_prefill), ("with_prefill", with_prefill))},
+            for kind, sel in (("decode_only", ~with_prefill & ~np.isnan(host)),
+                              ("with_prefill", with_prefill & ~np.isnan(host)))},
     }
 
 
@@ -109,8 +110,9 @@ def row(label: str, w: dict[str, Any]) -> tuple[str, str]:
         if w["reasons_recorded"] else ("", ", why not recorded (an older trace)")
     h = w.get("host")
     host = "" if h is None else (
-        f"; host {h['decode_only']['ms_p50']:.1f} / {h['with_prefill']['ms_p50']:.1f} ms (decode-only / with prefill), "
-        f"host-bound {100 * h['decode_only']['host_bound_share']:.0f}% / {100 * h['with_prefill']['host_bound_share']:.0f}%")
+        f"; host {h['decode_only']['ms_p50']:.1f} / {h['with_prefill']['ms_p50']:.1f} ms (decode-only / with "
+        f"prefill), host-bound {100 * h['decode_only']['host_bound_share']:.0f}% / "
+        f"{100 * h['with_prefill']['host_bound_share']:.0f}%")
     return (label, f"{w['num_steps']} steps in {w['seconds']:.1f} s; decode-only {d['num_steps']} "
                    f"({_fmt(d['ms_p50_p90_p99'])} ms, {d['mean_rows']:.1f} rows); with prefill {p['num_steps']} "
                    f"({_fmt(p['ms_p50_p90_p99'])} ms, chunk {p['mean_chunk']:.0f}, "

@@ -19,9 +19,9 @@ each LM-head call names its rows of the step:
 The rows are host indices (a numpy array): the metadata is built on the host, and a device tensor read back here
 would make the host wait for the step's forward, so with async scheduling the device would sit idle while the host
 schedules the next step. Until 2026-11-27 the sampled rows of eager and mixed-step graph steps came here as a
-device tensor: the likely cause of the H200 step trace's ~8-10 ms more for a step with a prefill chunk and
-adapters than for the same step without (benchmarks/results/gpu_run_h200_2026-11-27/, docs/scheduling.md; the
-fix is not yet measured on a GPU). A torch tensor is refused.
+device tensor: the likely cause of the H200 step trace's 20-24 ms for a step with a prefill chunk (up to 192
+tokens) and adapters, against ~12 ms for a decode step with as many adapters; the base model's pair 8.4 and 5.9 ms
+(benchmarks/results/gpu_run_h200_2026-11-27/, docs/gpu.md; the fix is not yet measured on a GPU). A torch tensor is refused.
 """
 
 from __future__ import annotations

@@ -27,6 +27,13 @@ MAX_PADDING_FACTOR = 2
 MIN_RUN_TOKENS = 32
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: pinned and non-blocking on CUDA (a pageable copy waits for the queued work)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(frozen=True)
 class TorchSplit:
     """The torch path's split of a step: `runs` (first row, number of rows, slot) of at least `MIN_RUN_TOKENS`
@@ -64,6 +71,7 @@ class LoRABatchMeta:
     num_lora_tokens: int  # tokens with slot >= 0
     max_group_size: int  # largest number of tokens of one slot (grid sizing)
     token_ids: torch.Tensor  # [num_lora_tokens] int32, token positions grouped by slot
+    token_ids_host: torch.Tensor  # [num_lora_tokens] int64 on the host, the same (nothing reads the device back)
     group_slots: torch.Tensor  # [G] int32, slot of each group (ascending)
     group_starts: torch.Tensor  # [G] int32, first position of the group in token_ids
     group_sizes: torch.Tensor  # [G] int32, tokens in the group (>= 1)
@@ -100,7 +108,7 @@ class LoRABatchMeta:
         linear of the step shares it)."""
         slots = torch.full((self.num_tokens,), -1, dtype=torch.int64)                        # [T]
         sizes = torch.tensor(self.group_sizes_host, dtype=torch.int64)                        # [G]
-        slots[self.token_ids.to("cpu", torch.int64)] = torch.repeat_interleave(
+        slots[self.token_ids_host] = torch.repeat_interleave(
             torch.tensor(self.group_slots_host, dtype=torch.int64), sizes)
         change = torch.ones(self.num_tokens, dtype=torch.bool)                                 # [T] a run starts
         change[1:] = slots[1:] != slots[:-1]
@@ -134,7 +142,7 @@ class LoRABatchMeta:
         if num_entries * width > MAX_PADDING_FACTOR * self.num_lora_tokens:
             return None
         entries = tuple(s - lo for s in self.group_slots_host) if dense else tuple(range(g))
-        token_rows = self.token_ids.to("cpu", torch.int64)                    # [T_lora]
+        token_rows = self.token_ids_host                                      # [T_lora]
         src = torch.zeros(num_entries * width, dtype=torch.int64)             # [E * width]
         pos = torch.empty(self.num_lora_tokens, dtype=torch.int64)            # [T_lora]
         for e, start, size in zip(entries, self.group_starts_host, self.group_sizes_host):
@@ -145,8 +153,10 @@ class LoRABatchMeta:
         slots = torch.arange(lo, hi) if dense else torch.tensor(self.group_slots_host, dtype=torch.int64)  # [E]
         dev = self.device
         return PaddedGroups(num_entries=num_entries, width=width, slot_lo=lo if dense else None,
-                            group_entries=entries, entry_slots=slots.to(dev), src_rows=src.to(dev),
-                            valid_positions=None if identity else pos.to(dev), token_rows=token_rows.to(dev))
+                            group_entries=entries, entry_slots=_to_device(slots, dev),
+                            src_rows=_to_device(src, dev),
+                            valid_positions=None if identity else _to_device(pos, dev),
+                            token_rows=_to_device(token_rows, dev))
 
     @classmethod
     def build(
@@ -185,16 +195,13 @@ class LoRABatchMeta:
         for i, part in enumerate((group_slots, starts, sizes)):
             packed[t_pad + i * g_pad:t_pad + i * g_pad + g] = part
         packed[:t_lora] = token_ids
-        target = torch.device(device)
-        if target.type == "cuda":
-            packed = packed.pin_memory().to(target, non_blocking=True)
-        else:
-            packed = packed.to(target)
+        packed = _to_device(packed, torch.device(device))
         return cls(
             num_tokens=num_tokens,
             num_lora_tokens=t_lora,
             max_group_size=int(sizes.max()) if g else 0,
             token_ids=packed[:t_lora],
+            token_ids_host=token_ids,
             group_slots=packed[t_pad:t_pad + g],
             group_starts=packed[t_pad + g_pad:t_pad + g_pad + g],
             group_sizes=packed[t_pad + 2 * g_pad:t_pad + 2 * g_pad + g],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import random
-import time
 from typing import Any
 
 import torch
@@ -308,9 +307,9 @@ class LLMEngine:
         request whose token handling raises fails alone."""
         if pending is None:
             return
-        start = time.perf_counter()
+        with self._clock.waiting():     # the device's time, not the host's (core/engine/step_clock.py)
+            pending.wait()
         tokens, lps = pending.read()
-        self._clock.waited(time.perf_counter() - start)     # the device's time, not the host's (step_clock.py)
         for r, t, lp in zip(pending.requests, tokens, lps):
             if r.status.finished:
                 continue

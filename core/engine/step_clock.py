@@ -17,19 +17,23 @@ step's tokens, a staging buffer still in a copy) is not in it unless the device 
 read only once they have completed, so an observation comes an iteration later and never blocks the loop.
 
 Beside it each step carries the host's own time in its iteration (`host_s`): the iteration's wall time less the
-time it waited for an earlier step's tokens (`waited()`). Where the host's own time reaches the step's time, the
-host sets the pace (Python, or an unintended wait on the device inside the iteration, which counts as host time
-here); where it stays well under, the device does. On 2026-11-27 the H200 trace showed every step with prefill and
-adapters costing ~8-10 ms more than its features explained; the cause, found by reading the code, was such a
-wait (the LM head's LoRA reading its rows back from the device). With `host_ms` in the trace the next one shows
-itself (benchmarks/step_trace_summary.py: the share of host-bound steps per workload).
+time it waited for a step's sampled tokens (`waiting()`: with async scheduling the previous step's; without, its
+own). Where the host's own time reaches the step's time, the host sets the pace: Python, or a wait on the device
+inside the iteration other than the token read, which counts as host time here. That includes the reads that wait
+for the step's own forward by design (a speculative step's verification, prompt log-probs): on such steps it is
+not a pace indicator. Host work between iterations (adapter loads, the caller's handling of the deltas) is in no
+step's `host_s`. On 2026-11-27 the H200 trace showed every step with prefill and adapters costing ~8-12 ms more
+than a decode step with as many adapters; the likely cause, found by reading the code (not yet confirmed on a
+GPU), was such a wait: the LM head's LoRA read its rows back from the device. With `host_ms` in the trace such a
+wait shows itself (benchmarks/step_trace_summary.py: the share of host-bound steps per workload).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Generic, Protocol, TypeVar
+from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -49,7 +53,7 @@ class StepTime(Generic[S]):
     start_s: float       # time.perf_counter() at the iteration's start
     step: S              # what the scheduler planned (its features)
     seconds: float       # the step's time, as observed
-    host_s: float = 0.0  # the host's own time in the iteration: its wall time less its waits for earlier steps
+    host_s: float        # the host's own time in the iteration: its wall time less its waits for step tokens
 
 
 @dataclass
@@ -90,9 +94,14 @@ class StepClock(Generic[S]):
             self._begin = self.event_factory()
             self._begin.record()
 
-    def waited(self, seconds: float) -> None:
-        """The iteration spent `seconds` waiting for an earlier step's tokens (not the host's own work)."""
-        self._waited_s += max(0.0, seconds)
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The iteration waits here for an earlier step's tokens: not the host's own work."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self._waited_s += max(0.0, self.clock() - start)
 
     def end(self, step: S) -> list[StepTime[S]]:
         wall = self.clock() - self._start

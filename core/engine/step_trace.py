@@ -6,8 +6,8 @@ prediction and the budget its prefill chunks were sized to (0: none), whether th
 saturation (`budget_lifted`, core/scheduling/step_budget.py), why a budgeted step took prefill past its budget
 (`exempt_tokens`: aged requests' chunks; `floor_tokens`: the minimum chunk beyond what fit; `overhead_waived`: the
 one-off prefill cost left uncharged), the measured wall time, the host's own time in the step's iteration
-(`host_ms`: its wall time less its wait for the previous step's tokens, core/engine/step_clock.py; near
-`measured_ms`, the host set the pace), and its rows. From such a trace one reads which steps
+(`host_ms`: its wall time less its wait for sampled tokens, core/engine/step_clock.py; near `measured_ms`, the
+host set the pace), and its rows. From such a trace one reads which steps
 make the inter-token tail, how far they ran past their budget, and how well the model predicts
 (benchmarks/README.md, "Latency under load", used it to find a model that forgot the price of prefill and the
 per-adapter cost of the CPU's LoRA path). The file is opened once, at engine start, and appended to line by line;
@@ -25,7 +25,7 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self._file: TextIO | None = open(path, "a", buffering=1, encoding="utf-8")   # a line per write
 
-    def record(self, start_s: float, out: SchedulerOutput, seconds: float, host_s: float = 0.0) -> None:
+    def record(self, start_s: float, out: SchedulerOutput, seconds: float, host_s: float) -> None:
         if self._file is None:
             return
         f = out.features

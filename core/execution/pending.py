@@ -92,10 +92,14 @@ class PendingStep:
     def apply_fixup(self, input_ids: torch.Tensor, fixup: DeviceFixup | None) -> None:
         patch_inputs(input_ids, self.tokens, fixup)
 
-    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Waits for this step's sampling (not for later work on the stream); tokens and log-prob entries."""
+    def wait(self) -> None:
+        """Waits for this step's sampling (not for later work on the stream)."""
         if self.event is not None:
             self.event.synchronize()
+
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """This step's tokens and log-prob entries (after `wait`)."""
+        self.wait()
         tokens = self.host_tokens.tolist()
         if self.host_logprobs is None:
             return tokens, [None] * len(tokens)

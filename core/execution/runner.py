@@ -106,9 +106,9 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def sample_rows(host: HostBatch, graph: bool) -> np.ndarray | None:
-    """The rows of a step's forward output that sample, on the host (None: all of them). Eager and mixed-step
-    output is in flat token order: the last flat token of each sampled row. A decode graph's output has a row per
-    request: its sampled rows (None when every row samples)."""
+    """The rows of a step's forward output that sample, on the host (None: all of them). Eager, mixed-step and
+    verification graph output is in flat token order: the last flat token of each sampled row. A decode graph's
+    output has a row per request: its sampled rows (None when every row samples)."""
     if not (graph and host.decode_only):
         return host.cu[1:][host.samples] - 1
     if len(host.samples) == len(host.requests):

@@ -103,7 +103,8 @@ class PenaltyState:
         self.bias_vals[slot].zero_()
         if bias:
             self.bias_ids[slot, :len(bias)] = self._ids([t for t, _ in bias])
-            self.bias_vals[slot, :len(bias)] = torch.tensor([b for _, b in bias], dtype=torch.float32).to(self.device)
+            self.bias_vals[slot, :len(bias)] = torch.tensor([b for _, b in bias], dtype=torch.float32).to(
+                self.device, non_blocking=True)     # (a blocking copy would wait for the queued forward)
         self._num_counted[req.request_id] = len(req.output_token_ids)
         self._bias_len[req.request_id] = len(bias)
 

@@ -88,3 +88,6 @@ def test_host_time_names_the_steps_the_host_set_the_pace_of() -> None:
     assert h["with_prefill"]["host_bound_share"] == 1.0 and h["decode_only"]["host_bound_share"] == 0.0
     assert h["decode_only"]["ms_p50"] == pytest.approx(2.0) and h["with_prefill"]["ms_p50"] == pytest.approx(19.0)
     assert read_window(workload(0.0, 100, 4, 1000))["host"] is None
+    older = workload(0.0, 100, 4, 1000)[:50] + steps[50:]          # a trace appended to by a newer engine
+    h = read_window(older)["host"]
+    assert h["with_prefill"]["host_bound_share"] == 1.0 and h["decode_only"]["ms_p50"] == pytest.approx(2.0)

@@ -166,8 +166,8 @@ def test_the_host_time_is_the_iteration_less_its_wait_for_tokens() -> None:
             sim.device_free = max(sim.device_free, sim.now - 0.001) + 0.006
             done_t = sim.device_free
             if prev_done is not None and sim.now < prev_done:       # read step t-1's tokens
-                clock.waited(prev_done - sim.now)
-                sim.now = prev_done
+                with clock.waiting():
+                    sim.now = prev_done
             if blocks:
                 sim.now = max(sim.now, done_t)                      # waits for its own forward
             got += clock.end(t)

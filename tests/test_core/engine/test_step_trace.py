@@ -3,6 +3,7 @@ step took (core/engine/step_trace.py); off by default."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,36 @@ def test_each_step_is_one_line_with_its_features_and_times(tmp_path: Path, monke
     assert lines[0]["prefill_tokens"] == 16                          # chunked by --max-num-batched-tokens
     # why a budgeted step ran past its budget: nothing here (no fitted model yet, no budget)
     assert all(s["exempt_tokens"] == 0 and s["floor_tokens"] == 0 and s["overhead_waived"] is False for s in lines)
+
+
+def test_the_host_time_leaves_out_the_wait_for_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`host_ms` is the iteration's wall time less its wait for sampled tokens: with async scheduling on the CPU
+    and that wait made 50 ms long, every step that read tokens has a host time 50 ms under its measured time."""
+    from core.execution.pending import PendingStep
+
+    real_wait = PendingStep.wait
+
+    def slow_wait(self) -> None:
+        time.sleep(0.05)
+        real_wait(self)
+
+    monkeypatch.setattr(PendingStep, "wait", slow_wait)
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LORAPLEX_STEP_TRACE", str(trace))
+    variables.reset()
+    try:
+        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", warmup=False, async_scheduling=True,
+                  enable_prefix_caching=False)
+        llm.generate([[5, 6, 7] * 4, [8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+        llm.engine.shutdown()
+    finally:
+        monkeypatch.delenv("LORAPLEX_STEP_TRACE")
+        variables.reset()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    reads = lines[1:]             # every step after the first reads the step before it
+    assert len(reads) >= 5
+    assert all(s["measured_ms"] >= 50 and 0 < s["host_ms"] <= s["measured_ms"] - 45 for s in reads), reads
+    assert lines[0]["host_ms"] == pytest.approx(lines[0]["measured_ms"], abs=1.0)   # nothing to read yet
 
 
 def test_no_trace_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
