@@ -6,6 +6,9 @@ Families (each checked against its torch path first: relative error ||out - ref|
   prefix), through `TritonAttentionBackend.forward` (KV store included);
 - LoRA segmented shrink + expand (prefill/mixed steps) and the fused decode BGMV (one shrink + one expand launch),
   and a sweep of the BGMV launch config (K splits x column chunks) beside the latency model's time of each;
+- a mixed-step graph's LoRA (a prefill chunk on one adapter beside decode rows on others, through the BGMV
+  kernels) with groups of 16, 32 and 64 rows (`DecodeLoRAMeta.group_rows`: a chunk reads its adapter's A and B
+  once per group), beside the segmented kernels on the same rows (the eager path);
 - the grammar bitmask apply.
 The quantized GEMMs have their own stage (benchmarks/quant_layers.py: against bf16 cuBLAS on the same shapes).
 
@@ -42,8 +45,8 @@ from common import write_results
 from gpu_cases import ATTENTION, BITMASK_BATCHES, LORA, LORA_RANK, SHAPES, attention_name, bitmask_name, lora_name
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
 from adapters.lora_ops.bgmv import (
-    DecodeLoRAMeta, config_with_splits, bgmv_config, choose_splits, config_cost_us, torch_bgmv_add_lora,
-    triton_bgmv_add_lora,
+    GROUP_ROWS_OPTIONS, DecodeLoRAMeta, config_with_splits, bgmv_config, choose_splits, config_cost_us,
+    torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from core.attention.metadata import AttentionMetadata
 from core.attention.torch_backend import TorchAttentionBackend
@@ -301,6 +304,53 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
     return rows
 
 
+# a mixed-step graph's LoRA rows: (fused linear, in, slice outs, slots, padded rows, prefill chunk on slot 0, rank);
+# the other rows decode, one on each other slot in turn
+CHUNK_GROUPS = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 256, 240, 16),
+                        ("down", 14336, (4096,), 8, 256, 240, 16),
+                        ("q/k/v", 4096, (4096, 1024, 1024), 8, 512, 480, 64)],
+                True: [("q/k/v", 64, (64, 32, 32), 3, 48, 40, 8)]}
+
+
+def chunk_group_rows(b: Bench, dtype: torch.dtype, cases: list) -> list[dict]:
+    """The BGMV kernels on a mixed step's rows with each group size of GROUP_ROWS_OPTIONS (at the latency model's
+    config for it), and the segmented kernels on the same rows: which one a mixed-step graph's chunks should take."""
+    rows = []
+    elem = torch.finfo(dtype).bits // 8
+    for ci, (name, fan_in, slices, num_slots, num_rows, chunk, rank) in enumerate(cases):
+        stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 400 + ci)
+        g = torch.Generator().manual_seed(500 + ci)
+        token_slots = torch.cat([torch.zeros(chunk, dtype=torch.int64),
+                                 1 + torch.arange(num_rows - chunk) % (num_slots - 1)])          # [rows]
+        x = torch.randn(num_rows, fan_in, generator=g).to(b.device, dtype)
+        y0 = torch.randn(num_rows, sum(slices), generator=g).to(b.device, dtype)
+        ref = y0.float().clone()
+        f32 = LoRAStack.from_slices([stack.lora_a[i].float() for i in range(len(slices))],
+                                    [stack.lora_b[:, o:o + n].float() for o, n in zip(stack.slice_offsets, slices)],
+                                    stack.host_ranks(), stack.host_scalings())
+        seg_meta = LoRABatchMeta.build(token_slots, device=b.device, num_slots=num_slots)
+        add_lora(ref, x.float(), f32, seg_meta, backend="torch")
+        used = set(range(num_slots))
+        nbytes = _lora_bytes(stack, used, elem) + x.numel() * elem + 2 * y0.numel() * elem
+        flops = 2 * num_rows * rank * (len(slices) * fan_in + sum(slices))
+        stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 600 + 10 * ci + i)
+                            for i in range(b.copies(_lora_bytes(stack, used, elem)) - 1)]
+        y_time = y0.clone()
+        runs = [(f"BGMV, groups of {gr} rows", DecodeLoRAMeta.build(token_slots, b.device, group_rows=gr))
+                for gr in GROUP_ROWS_OPTIONS] + [("segmented kernels (eager path)", seg_meta)]
+        for label, meta in runs:
+            out = y0.clone()
+            add_lora(out, x, stack, meta, backend="triton")
+            err = rel_err(out.float() - y0.float(), ref - y0.float())
+            ms = b.time_ms([lambda st=st, m=meta: add_lora(y_time, x, st, m, backend="triton") for st in stacks])
+            row = b.row(f"LoRA mixed step: {name} r{rank}, {num_rows} rows ({chunk}-token chunk + "
+                        f"{num_rows - chunk} decode rows over {num_slots} slots), {label}", ms, nbytes, flops, err,
+                        "bytes: A and B (real ranks) of the slots + x read + y read and written; FLOPs: 2 x rows x "
+                        "rank x (slices x in + sum of slice outs)")
+            rows.append({**row, "group_rows": getattr(meta, "group_rows", None)})
+    return rows
+
+
 def bitmask_rows(b: Bench, s: dict, batches: list[int]) -> list[dict]:
     rows = []
     vocab = s["vocab"]
@@ -341,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     s = SHAPES[dry]
     dtype = torch.float32 if dry else torch.bfloat16
     rows = (attention_rows(b, s, dtype, ATTENTION[dry]) + lora_rows(b, s, dtype, LORA[dry], LORA_RANK[dry])
-            + bitmask_rows(b, s, BITMASK_BATCHES[dry]))
+            + chunk_group_rows(b, dtype, CHUNK_GROUPS[dry]) + bitmask_rows(b, s, BITMASK_BATCHES[dry]))
     sweep = bgmv_sweep_rows(b, dtype, SWEEP[dry], SWEEP_CONFIGS[dry], LORA_RANK[dry])
     tol = 0.0 if dry else 2e-2
     bad = [r for r in rows + sweep if not r["rel_err"] <= max(tol, 1e-4)]

@@ -45,8 +45,12 @@ PARTIALS_TILE = 4096
 GPU_BLOCK_K = 64
 GPU_BLOCK_N = 64
 # rows of one group a program takes at a time (tl.dot's minimum): decode groups are mostly smaller (64 rows over 8+
-# adapters); a larger group loops and re-reads its A/B tiles once per 16 rows. Fixed: one variant per stack.
+# adapters); a larger group loops and re-reads its A/B tiles once per 16 rows. The default of every metadata; a
+# metadata built with larger groups (`group_rows`, one of GROUP_ROWS_OPTIONS) runs the kernels with that BLOCK_M:
+# a prefill chunk then reads its adapter's A and B once per `group_rows` of its tokens instead of once per 16
+# (`benchmarks/gpu_kernels.py` times both; not measured yet, so nothing builds such metadata by default).
 BLOCK_M = 16
+GROUP_ROWS_OPTIONS = (16, 32, 64)
 
 
 def aligned_rows(num_rows: int) -> int:
@@ -97,23 +101,28 @@ class DecodeLoRAMeta:
     num_tokens: int            # rows of the batch, padding included
     row_slots: torch.Tensor    # [num_tokens] int32, slot of each row (-1 = base)
     row_order: torch.Tensor    # [num_tokens] int32, the rows sorted by slot, base rows last
-    groups: torch.Tensor       # [3, num_tokens] int32: group slot | first position in row_order | rows (<= BLOCK_M)
+    groups: torch.Tensor       # [3, num_tokens] int32: group slot | first position in row_order | rows (<= group_rows)
+    group_rows: int = BLOCK_M  # the most rows of a group (the kernels' BLOCK_M)
+
+    def __post_init__(self) -> None:
+        assert self.group_rows in GROUP_ROWS_OPTIONS, f"group_rows {self.group_rows} not in {GROUP_ROWS_OPTIONS}"
 
     @classmethod
-    def build(cls, token_slots: Any, device: torch.device | str = "cpu") -> "DecodeLoRAMeta":
+    def build(cls, token_slots: Any, device: torch.device | str = "cpu",
+              group_rows: int = BLOCK_M) -> "DecodeLoRAMeta":
         """The metadata of host per-row slots (one host-to-device copy; outside graphs: tests, warm-up). The fields
         start on 16-byte boundaries as in the graphs' persistent buffers (`graph_meta.GraphLoRABuffers`): Triton
         specializes pointers on that alignment, so the warm-up's launches on this metadata are the variants the
         graphs replay (and the ones its self-check compares)."""
         slots = np.asarray(torch.as_tensor(token_slots).cpu(), dtype=np.int64)
-        order, groups = decode_groups(slots)
+        order, groups = decode_groups(slots, group_rows)
         b = len(slots)
         bp = aligned_rows(b)
         packed = np.zeros(2 * bp + 3 * b, dtype=np.int32)                      # slots | order | groups, aligned
         packed[:b], packed[bp:bp + b], packed[2 * bp:] = slots, order, groups.ravel()
         dev = torch.from_numpy(packed).to(device)
         return cls(num_tokens=b, row_slots=dev[:b], row_order=dev[bp:bp + b],
-                   groups=dev[2 * bp:].view(3, b))                             # [3, B]
+                   groups=dev[2 * bp:].view(3, b), group_rows=group_rows)      # [3, B]
 
     @property
     def has_lora(self) -> bool:
@@ -149,9 +158,10 @@ def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
 
 
-def splits_per_load(block_r: int) -> int:
-    """K-split partials one load of expand sums: PARTIALS_PER_LOAD, fewer for wide ranks (PARTIALS_TILE values)."""
-    return max(1, min(PARTIALS_PER_LOAD, PARTIALS_TILE // (BLOCK_M * block_r)))
+def splits_per_load(block_r: int, block_m: int = BLOCK_M) -> int:
+    """K-split partials one load of expand sums: PARTIALS_PER_LOAD, fewer for wide ranks or groups (PARTIALS_TILE
+    values)."""
+    return max(1, min(PARTIALS_PER_LOAD, PARTIALS_TILE // (block_m * block_r)))
 
 
 def effective_splits(k_tiles: int, splits: int) -> int:
@@ -162,22 +172,24 @@ def effective_splits(k_tiles: int, splits: int) -> int:
 
 
 def config_cost_us(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int, splits: int,
-                   chunks: int, block_r: int = 16) -> float:
+                   chunks: int, block_r: int = 16, block_m: int = BLOCK_M) -> float:
     """Modeled time of shrink + expand with `splits` K splits and `chunks` column chunks at `num_rows` padded rows and
-    a pool of `num_slots` (rank tile `block_r`): shrink's programs walk their K range in GPU_BLOCK_K tiles; expand's
-    sum the partials (`splits_per_load` a load), then walk their column tiles; every program of both grids
-    (`max_groups` groups x slices x splits or chunks) costs its share of the launch."""
+    a pool of `num_slots` (rank tile `block_r`, groups of at most `block_m` rows): shrink's programs walk their K
+    range in GPU_BLOCK_K tiles; expand's sum the partials (`splits_per_load` a load), then walk their column tiles;
+    every program of both grids (`max_groups` groups x slices x splits or chunks) costs its share of the launch.
+    Fitted at BLOCK_M 16: for larger groups it assumes a tile iteration costs the same whatever its rows (a latency
+    chain), not measured yet."""
     s = len(slice_sizes)
     k_tiles = -(-in_features // GPU_BLOCK_K)
     n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
-    iterations = -(-k_tiles // splits) + -(-splits // splits_per_load(block_r)) + -(-n_tiles // chunks)
-    grid = max_groups(num_rows, num_slots) * s
+    iterations = -(-k_tiles // splits) + -(-splits // splits_per_load(block_r, block_m)) + -(-n_tiles // chunks)
+    grid = max_groups(num_rows, num_slots, block_m) * s
     return TILE_US * iterations + SHRINK_PROGRAM_US * grid * splits + EXPAND_PROGRAM_US * grid * chunks + LAUNCH_PAIR_US
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int,
-                  block_r: int = 16) -> tuple[int, int]:
+                  block_r: int = 16, block_m: int = BLOCK_M) -> tuple[int, int]:
     """(K splits of shrink, column chunks of expand) of least `config_cost_us`, the fewest on a tie, among the
     configs a launch runs (`effective_splits` of each option: at most one split per K tile; at most one chunk per
     column tile of the widest slice). Decode launches are latency-bound, so splits and chunks shorten the programs'
@@ -190,21 +202,21 @@ def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int
         for chunks in CHUNK_OPTIONS:
             if chunks > n_tiles:
                 break
-            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks, block_r)
+            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks, block_r, block_m)
             if cost < best[0] * (1 - 1e-9):
                 best = (cost, splits, chunks)
     return best[1], best[2]
 
 
-def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None = None) -> BGMVConfig:
-    """The decode config of `stack` at `num_rows` padded rows; `k_split_cols` forces K splits of that many columns
-    (tests), otherwise `choose_splits` decides."""
+def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None = None,
+                block_m: int = BLOCK_M) -> BGMVConfig:
+    """The decode config of `stack` at `num_rows` padded rows in groups of at most `block_m` rows (the metadata's
+    `group_rows`); `k_split_cols` forces K splits of that many columns (tests), otherwise `choose_splits` decides."""
     interpreted = _interpreted(stack.lora_a)
     block_r = max(16, _next_pow2(stack.max_rank))
     block_k = 32 if interpreted else 64
     block_n = 32 if interpreted else 64
-    block_m = BLOCK_M
-    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows, block_r)
+    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows, block_r, block_m)
     return config_with_splits(block_m, block_r, block_k, block_n, stack.in_features,
                               splits if k_split_cols is None else -(-stack.in_features // k_split_cols),
                               chunks, max(stack.slice_sizes))
@@ -221,12 +233,12 @@ def config_with_splits(block_m: int, block_r: int, block_k: int, block_n: int, k
 
 
 def scaled_config(stack: LoRAStack, real_in: int, real_sizes: tuple[int, ...], num_rows: int,
-                  scale: int) -> BGMVConfig:
+                  scale: int, block_m: int = BLOCK_M) -> BGMVConfig:
     """The config the kernels choose at the real widths (in `real_in`, slices `real_sizes`), with every width of
     the tiling divided by `scale`: run on a stack `scale` times narrower, it launches the real grids
     (benchmarks/lora_kernel_bytes.py, which counts bytes in the interpreter at reduced widths)."""
-    splits, chunks = choose_splits(real_in, real_sizes, stack.num_slots, num_rows, max(16, _next_pow2(stack.max_rank)))
-    block_m = BLOCK_M
+    splits, chunks = choose_splits(real_in, real_sizes, stack.num_slots, num_rows, max(16, _next_pow2(stack.max_rank)),
+                                   block_m)
     tile = max(16, 64 // scale)
     cfg = config_with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits,
                              chunks, max(stack.slice_sizes))
@@ -243,11 +255,12 @@ def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
     from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert x.stride(1) == 1 and stack.lora_a.stride(3) == 1, "BGMV shrink needs unit x column / A K strides"
-    cfg = config or bgmv_config(stack, meta.num_tokens)
+    cfg = config or bgmv_config(stack, meta.num_tokens, block_m=meta.group_rows)
+    assert cfg.block_m == meta.group_rows, f"BLOCK_M {cfg.block_m} for groups of {meta.group_rows} rows"
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     h = torch.empty((cfg.num_k_splits, num_slices, num_rows, cfg.block_r), dtype=torch.float32,
                     device=x.device)                                         # [splits, S, B, BLOCK_R]
-    K.bgmv_shrink_kernel[(max_groups(num_rows, stack.num_slots), num_slices, cfg.num_k_splits)](
+    K.bgmv_shrink_kernel[(max_groups(num_rows, stack.num_slots, cfg.block_m), num_slices, cfg.num_k_splits)](
         x, stack.lora_a, h, meta.row_order, meta.groups, stack.ranks,
         stack.in_features, cfg.k_per_split, meta.groups.stride(0),
         x.stride(0),
@@ -269,14 +282,15 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
     from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert y.stride(1) == 1 and stack.lora_b.stride(2) == 1, "BGMV expand needs unit y column / B rank strides"
-    cfg = config or bgmv_config(stack, meta.num_tokens)
+    cfg = config or bgmv_config(stack, meta.num_tokens, block_m=meta.group_rows)
+    assert cfg.block_m == meta.group_rows, f"BLOCK_M {cfg.block_m} for groups of {meta.group_rows} rows"
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     assert h.dim() == 4 and tuple(h.shape[1:]) == (num_slices, num_rows, cfg.block_r) and \
         h.dtype == torch.float32 and h.stride(3) == 1, f"h {tuple(h.shape)} is not this stack's shrink output"
     dora = stack.dora_scale is not None
     d_scale, d_shift, d_flags = (stack.dora_scale, stack.dora_shift, stack.dora_flags) if dora else \
         (stack.scalings, stack.scalings, stack.ranks)             # never read (HAS_DORA off)
-    K.bgmv_expand_kernel[(max_groups(num_rows, stack.num_slots), cfg.num_n_chunks, num_slices)](
+    K.bgmv_expand_kernel[(max_groups(num_rows, stack.num_slots, cfg.block_m), cfg.num_n_chunks, num_slices)](
         h, stack.lora_b, y, meta.row_order, meta.groups, stack.ranks, stack.scalings, stack.slice_meta,
         d_scale, d_shift, d_flags,
         num_slices, h.shape[0], y_offset, meta.groups.stride(0),
@@ -285,13 +299,13 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
-        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r))
+        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r, cfg.block_m))
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
                          y_offset: int = 0, config: BGMVConfig | None = None) -> None:
     """y[row] += LoRA_slot(row)(x[row]) for every row: one shrink and one expand launch for all slices."""
-    cfg = config or bgmv_config(stack, meta.num_tokens)
+    cfg = config or bgmv_config(stack, meta.num_tokens, block_m=meta.group_rows)
     h = triton_bgmv_shrink(x, stack, meta, cfg)                              # [splits, S, B, BLOCK_R]
     triton_bgmv_expand(y, h, stack, meta, y_offset, cfg)
 

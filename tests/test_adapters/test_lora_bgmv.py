@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
-    BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, PARTIALS_PER_LOAD, SPLIT_OPTIONS, DecodeLoRAMeta, bgmv_config,
-    choose_splits, config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config,
+    BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, GROUP_ROWS_OPTIONS, PARTIALS_PER_LOAD, SPLIT_OPTIONS,
+    DecodeLoRAMeta, bgmv_config, choose_splits, config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config,
     splits_per_load, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
@@ -78,6 +78,52 @@ def test_bgmv_equals_reference(case: int, k_split_cols: int, size: int) -> None:
     out_t = y0.clone()
     torch_bgmv_add_lora(out_t, x, stack, meta)
     torch.testing.assert_close(out_t, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_rows", GROUP_ROWS_OPTIONS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_larger_groups_equal_the_reference(case: int, group_rows: int) -> None:
+    """Metadata of groups of up to `group_rows` rows runs the kernels at that BLOCK_M: a 70-row chunk of one slot
+    (two, three or five groups), decode rows of every slot and base rows, with K splits (their partials summed
+    fewer a load when the groups are wide), through the graph buffers too; equal to the reference, base rows
+    untouched."""
+    num_slots, r_max, in_f, outs, ranks = CASES[case]
+    stack = nan_stack(num_slots, r_max, in_f, outs, ranks, seed=20 + case)
+    rng = np.random.default_rng(20 + case)
+    slots = np.concatenate([np.zeros(70, np.int64), rng.integers(-1, num_slots, 26)])
+    g = torch.Generator().manual_seed(case)
+    x = torch.randn(len(slots), in_f, generator=g).to(DEVICE)
+    y0 = torch.randn(len(slots), sum(outs), generator=g).to(DEVICE)
+    meta = DecodeLoRAMeta.build(slots, DEVICE, group_rows=group_rows)
+    groups = meta.groups.cpu().numpy()                                                  # [3, B]
+    assert int(((groups[0] == 0) & (groups[2] > 0)).sum()) == -(-int((slots == 0).sum()) // group_rows)
+    cfg = bgmv_config(stack, len(slots), k_split_cols=16, block_m=group_rows)
+    assert cfg.block_m == group_rows
+    out = y0.clone()
+    triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
+    ref = reference(y0, x, stack, slots)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    base = torch.from_numpy(slots < 0).to(DEVICE)
+    assert torch.equal(out[base], y0[base]), "base rows must be untouched"
+    bufs = GraphLoRABuffers(128, num_slots, DEVICE, group_rows=group_rows)
+    bufs.fill(slots, 112)
+    bufs.check_integrity(112)
+    padded_x, padded_y = torch.zeros(112, in_f, device=DEVICE), torch.zeros(112, sum(outs), device=DEVICE)
+    padded_x[:len(slots)], padded_y[:len(slots)] = x, y0
+    triton_bgmv_add_lora(padded_y, padded_x, stack, bufs.meta(112))
+    torch.testing.assert_close(padded_y[:len(slots)], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded_y[len(slots):], torch.zeros_like(padded_y[len(slots):])), "padding rows written"
+
+
+def test_a_config_must_match_its_metadata_groups() -> None:
+    """A config of one BLOCK_M on metadata grouped for another would skip rows (or read past a group): refused."""
+    num_slots, r_max, in_f, outs, ranks = CASES[0]
+    stack = nan_stack(num_slots, r_max, in_f, outs, ranks, seed=3)
+    slots = np.zeros(40, np.int64)
+    meta = DecodeLoRAMeta.build(slots, DEVICE, group_rows=64)
+    x, y = torch.zeros(40, in_f, device=DEVICE), torch.zeros(40, sum(outs), device=DEVICE)
+    with pytest.raises(AssertionError, match="BLOCK_M"):
+        triton_bgmv_add_lora(y, x, stack, meta, config=bgmv_config(stack, 40))
 
 
 def test_bgmv_more_splits_than_one_partials_load() -> None:

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from adapters.adapter import LoRAAdapter, LoRAModule  # noqa: E402
 from adapters.layers.dims import TARGET_MODULES, BaseModelDims, fused_groups  # noqa: E402
 from adapters.lora_ops import LoRABackends, LoRABatchMeta, add_lora  # noqa: E402
-from adapters.lora_ops.bgmv import BLOCK_M, max_groups  # noqa: E402
+from adapters.lora_ops.bgmv import GROUP_ROWS_OPTIONS, max_groups  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.slots.slot_pool import LoRASlotPool  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
@@ -162,20 +162,22 @@ def test_empty_groups_cost_two_loads() -> None:
         assert meta.loaded <= 4 * (programs + 3 * launch.grid[1] * launch.grid[2]), (launch.kernel, meta.loaded)
 
 
-def test_a_chunk_on_one_adapter_is_spread_over_programs() -> None:
-    """A mixed-step graph's prefill chunk: 64 rows of one adapter (and 16 base rows). The groups cut it into 4
-    programs of BLOCK_M rows (one program walking all 64 in turn took 340-1,120 ms a step on an H200); each reads
-    x once per slice and the adapter's A once per group, and the output equals the torch reference."""
+@pytest.mark.parametrize("group_rows", GROUP_ROWS_OPTIONS)
+def test_a_chunk_on_one_adapter_is_spread_over_programs(group_rows: int) -> None:
+    """A mixed-step graph's prefill chunk: 64 rows of one adapter (and 16 base rows). The groups cut it into
+    64 / `group_rows` programs (one program walking all 64 in turn took 340-1,120 ms a step on an H200); each reads
+    x once per slice and the adapter's A once per group, and the output equals the torch reference. So groups of 64
+    rows read A a quarter as often as groups of 16 (BLOCK_M), x as often."""
     pool = make_pool(4, [8], 8)
     rows = 80
-    bufs = GraphLoRABuffers(rows, pool.num_slots, "cpu")
+    bufs = GraphLoRABuffers(rows, pool.num_slots, "cpu", group_rows=group_rows)
     slots = np.concatenate([np.full(64, 2), np.full(16, -1)])
     bufs.fill(slots, rows)
     bufs.check_integrity(rows)
     meta = bufs.meta(rows)
     groups = meta.groups.numpy()                                                         # [3, rows]
     busy = int((groups[2] > 0).sum())
-    assert busy == 64 // BLOCK_M and (groups[0, :busy] == 2).all() and (groups[2, :busy] == BLOCK_M).all()
+    assert busy == 64 // group_rows and (groups[0, :busy] == 2).all() and (groups[2, :busy] == group_rows).all()
     grp = fused_groups(DIMS)["qkv"]
     stack = pool.stack(0, "qkv")
     g = torch.Generator().manual_seed(5)
@@ -188,7 +190,7 @@ def test_a_chunk_on_one_adapter_is_spread_over_programs() -> None:
     add_lora(y_ref, x, stack, LoRABatchMeta.build(slots, "cpu"), backend="torch")
     torch.testing.assert_close(y_tri, y_ref, rtol=1e-5, atol=1e-5)
     shrink = counter.launches[0]
-    assert shrink.grid[0] == max_groups(rows, pool.num_slots) >= busy
+    assert shrink.grid[0] == max_groups(rows, pool.num_slots, group_rows) >= busy
     s, rank, elem = stack.num_slices, 8, 4
     assert shrink.args["x_ptr"].loaded == 64 * grp.in_features * elem * s, "x read more than once per slice"
     a = shrink.args["a_ptr"]
