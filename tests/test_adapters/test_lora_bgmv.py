@@ -15,12 +15,24 @@ pytest.importorskip("triton")
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
     BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, GROUP_ROWS_OPTIONS, PARTIALS_PER_LOAD, SPLIT_OPTIONS,
-    DecodeLoRAMeta, bgmv_config, choose_splits, config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config,
+    BGMVConfig, DecodeLoRAMeta, bgmv_config, choose_splits, config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config,
     splits_per_load, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
 from lora_nan_stacks import DEVICE, nan_stack  # noqa: E402
+
+
+def check_kernels(y0: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta, cfg: BGMVConfig,
+                  slots: np.ndarray) -> torch.Tensor:
+    """The kernels at `cfg` on `meta` equal the reference and leave base rows untouched; returns the reference."""
+    out = y0.clone()
+    triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
+    ref = reference(y0, x, stack, slots)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    base = torch.from_numpy(slots < 0).to(DEVICE)
+    assert torch.equal(out[base], y0[base]), "base rows must be untouched"
+    return ref
 
 
 def reference(y0: torch.Tensor, x: torch.Tensor, stack: LoRAStack, slots: np.ndarray) -> torch.Tensor:
@@ -69,12 +81,7 @@ def test_bgmv_equals_reference(case: int, k_split_cols: int, size: int) -> None:
     # a forced split is rounded up to whole BLOCK_K tiles (32 columns in the interpreter, 64 compiled)
     per_split = -(-k_split_cols // cfg.block_k) * cfg.block_k
     assert (cfg.num_k_splits > 1) == (per_split < in_f)
-    out = y0.clone()
-    triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
-    ref = reference(y0, x, stack, slots)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    base = torch.from_numpy(slots < 0).to(DEVICE)
-    assert torch.equal(out[base], y0[base]), "base rows must be untouched"
+    ref = check_kernels(y0, x, stack, meta, cfg, slots)
     out_t = y0.clone()
     torch_bgmv_add_lora(out_t, x, stack, meta)
     torch.testing.assert_close(out_t, ref, rtol=1e-5, atol=1e-5)
@@ -99,12 +106,7 @@ def test_larger_groups_equal_the_reference(case: int, group_rows: int) -> None:
     assert int(((groups[0] == 0) & (groups[2] > 0)).sum()) == -(-int((slots == 0).sum()) // group_rows)
     cfg = bgmv_config(stack, len(slots), k_split_cols=16, block_m=group_rows)
     assert cfg.block_m == group_rows
-    out = y0.clone()
-    triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
-    ref = reference(y0, x, stack, slots)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    base = torch.from_numpy(slots < 0).to(DEVICE)
-    assert torch.equal(out[base], y0[base]), "base rows must be untouched"
+    ref = check_kernels(y0, x, stack, meta, cfg, slots)
     bufs = GraphLoRABuffers(128, num_slots, DEVICE, group_rows=group_rows)
     bufs.fill(slots, 112)
     bufs.check_integrity(112)
