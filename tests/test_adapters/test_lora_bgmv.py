@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
     BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, GROUP_ROWS_OPTIONS, PARTIALS_PER_LOAD, SPLIT_OPTIONS,
-    BGMVConfig, DecodeLoRAMeta, bgmv_config, choose_splits, config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config,
-    splits_per_load, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    BGMVConfig, DecodeLoRAMeta, bgmv_config, choose_splits, config_cost_us, config_with_splits, decode_groups,
+    effective_splits, max_groups, scaled_config, splits_per_load, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
