@@ -61,9 +61,15 @@ class PackedSlot:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """(x @ A^T) @ B^T for x [n, in] in `dtype`: [n, N], a new tensor."""
-        linear = torch.ops.mkldnn._linear_pointwise
-        h = linear(x.contiguous(), self.a, None, "none", [], "")       # [n, sum_r]
-        return linear(h, self.b, None, "none", [], "")                 # [n, N]
+        return self.expand(self.shrink(x))
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ A^T for x [n, in] in `dtype`: [n, sum_r]."""
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.a, None, "none", [], "")
+
+    def expand(self, h: torch.Tensor) -> torch.Tensor:
+        """h @ B^T for h [n, sum_r] in `dtype`: [n, N]."""
+        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), self.b, None, "none", [], "")
 
 
 def packed_slot_weights(a: torch.Tensor, b: torch.Tensor) -> PackedSlot:

@@ -106,10 +106,7 @@ class LoRABatchMeta:
     def torch_split(self) -> TorchSplit:
         """Long runs of one slot and the rest of the step's LoRA tokens; built on first use and kept (every wrapped
         linear of the step shares it)."""
-        slots = torch.full((self.num_tokens,), -1, dtype=torch.int64)                        # [T]
-        sizes = torch.tensor(self.group_sizes_host, dtype=torch.int64)                        # [G]
-        slots[self.token_ids_host] = torch.repeat_interleave(
-            torch.tensor(self.group_slots_host, dtype=torch.int64), sizes)
+        slots = self.token_slots_host.clone()                                                   # [T]
         change = torch.ones(self.num_tokens, dtype=torch.bool)                                 # [T] a run starts
         change[1:] = slots[1:] != slots[:-1]
         starts = torch.nonzero(change).squeeze(1)                                             # [num_runs]
@@ -122,6 +119,36 @@ class LoRABatchMeta:
             slots[first:first + size] = -1
         rest = LoRABatchMeta.build(slots, self.device) if bool((slots >= 0).any()) else None
         return TorchSplit(runs, rest)
+
+    @cached_property
+    def token_slots_host(self) -> torch.Tensor:
+        """[T] int64 on the host: the slot of every token of the flat batch (-1: base)."""
+        slots = torch.full((self.num_tokens,), -1, dtype=torch.int64)                        # [T]
+        slots[self.token_ids_host] = self.grouped_slots_host
+        return slots
+
+    @cached_property
+    def grouped_slots_host(self) -> torch.Tensor:
+        """[T_lora] int64 on the host: the slot of each LoRA token in `token_ids`' (grouped) order."""
+        return torch.repeat_interleave(torch.tensor(self.group_slots_host, dtype=torch.int64),
+                                       torch.tensor(self.group_sizes_host, dtype=torch.int64))
+
+    def other_slot_mask(self, col_slots: torch.Tensor, layout: tuple, all_rows: bool) -> Optional[torch.Tensor]:
+        """[rows, C] bool, True where a row's slot is not its column's (`col_slots` [C]): the rows are the flat
+        batch's (`all_rows`) or the LoRA tokens in grouped order. Built once per step and column `layout` (the
+        stacked pair's key, adapters/lora_ops/cpu_stacked.py), shared by the step's linears of that layout; None
+        when every row's slot owns every column (one adapter, every row its)."""
+        key = (layout, all_rows)
+        cache = self._masks
+        if key not in cache:
+            rows = self.token_slots_host if all_rows else self.grouped_slots_host                # [rows]
+            mask = rows.to(col_slots.device)[:, None] != col_slots[None, :]                      # [rows, C]
+            cache[key] = mask if bool(mask.any()) else None
+        return cache[key]
+
+    @cached_property
+    def _masks(self) -> dict:
+        return {}
 
     @cached_property
     def token_rows(self) -> torch.Tensor:

@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from adapters.lora_ops.cpu_packed import PackedSlot, packed_slot_weights
+from adapters.lora_ops.cpu_packed import PackedSlot, packed_slot_weights, packing_available
+from adapters.lora_ops.cpu_stacked import STACKED_CACHE_SIZE, StackedSlots, stacked_weights
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,9 @@ class LoRAStack:
     dora_flags: Optional[torch.Tensor] = None  # [slots] int32, 1: the slot rescales this linear's output
     dora_host: Optional[torch.Tensor] = None   # [slots] bool, CPU mirror of dora_flags
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
-    # fused_slot's and packed_slot's cache: {(slot, dtype): (A, B), ("packed", slot, dtype): PackedSlot}, valid
-    # while its "version" entry matches the tensors' version counters
+    # fused_slot's, packed_slot's and stacked_slots' cache: {(slot, dtype): (A, B), ("packed", slot, dtype):
+    # PackedSlot, ("stacked", slots, dtype): StackedSlots}, valid while its "version" entry matches the tensors'
+    # version counters; at most STACKED_CACHE_SIZE stacked entries (the oldest goes first)
     _fused: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -151,6 +153,24 @@ class LoRAStack:
         key = ("packed", slot, dtype)
         if key not in self._fused:
             self._fused[key] = packed_slot_weights(*fused)
+        return self._fused[key]
+
+    def stacked_slots(self, slots: tuple[int, ...], dtype: torch.dtype) -> Optional[StackedSlots]:
+        """The fused pairs of `slots` side by side (adapters/lora_ops/cpu_stacked.py: the CPU's LoRA for small
+        decode batches of a few adapters), with oneDNN's packed copy on a CPU build that has it; cached with the
+        fused pairs, at most `STACKED_CACHE_SIZE` sets of slots. None when no slot has a rank here or the stacked
+        B is not finite."""
+        versions = self._versions()
+        key = ("stacked", slots, dtype)
+        if self._fused.get("version") == versions and key in self._fused:
+            self._fused[key] = self._fused.pop(key)                  # most recently used last
+            return self._fused[key]
+        pairs = [self.fused_slot(slot, dtype) for slot in slots]     # refreshes the cache when the tensors changed
+        stacked = [k for k in self._fused if isinstance(k, tuple) and k[0] == "stacked"]
+        for old in stacked[:max(0, len(stacked) - STACKED_CACHE_SIZE + 1)]:
+            del self._fused[old]
+        pack = self.lora_b.device.type == "cpu" and packing_available()
+        self._fused[key] = stacked_weights(slots, pairs, pack)
         return self._fused[key]
 
     def host_ranks(self) -> list[list[int]]:

@@ -9,6 +9,9 @@ scatter.
 Runs (prefill chunks: at least `MIN_RUN_TOKENS` consecutive tokens of one slot): matmuls on the run's slices
 of x and y, the expand accumulating into y itself (`addmm_`): no gather, scatter or delta buffer.
 Segmented (the tokens outside runs, when padding them would cost too much): a loop over their groups.
+Stacked (on the CPU, a decode batch of at most `STACKED_MAX_ADAPTERS` adapters and `STACKED_MAX_ROWS` rows, first):
+the step's adapters' fused pairs side by side, every row against all of them with the other adapters' columns
+zeroed (`cpu_stacked`): two matmuls and a fill per linear whatever the number of adapters.
 Fused (on the CPU, when it takes fewer ops than batched, and always instead of segmented): two matmuls per adapter
 against its slot's weights with every slice fused (`LoRAStack.fused_slot`), where an op's dispatch costs more than
 its FLOPs (decode rows of a few adapters).
@@ -25,6 +28,8 @@ from typing import Optional
 import torch
 
 from adapters.lora_ops.cpu_packed import use_packed
+from adapters.lora_ops import cpu_stacked
+from adapters.lora_ops.cpu_stacked import STACKED_MAX_ADAPTERS, STACKED_MAX_ROWS
 from adapters.lora_ops.metadata import LoRABatchMeta, PaddedGroups
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import compute_dtype
@@ -39,6 +44,8 @@ def torch_add_lora_grouped(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, m
         torch_add_lora_runs(y, x, stack, split.runs, y_offset)
     rest = split.rest
     if rest is None:
+        return
+    if x.device.type == "cpu" and stacked_pays(rest) and torch_add_lora_stacked(y, x, stack, rest, y_offset):
         return
     plan = rest.padded
     if x.device.type == "cpu" and (plan is None or fused_pays(stack, rest)):
@@ -56,6 +63,41 @@ def fused_pays(stack: LoRAStack, meta: LoRABatchMeta) -> bool:
     8 rows over 3 adapters of ranks 8/16/32: 36 ms a step batched, the base model's 15 ms plus 7 ms an adapter;
     23 ms fused)."""
     return meta.num_groups <= 3 * stack.num_slices
+
+
+def stacked_pays(meta: LoRABatchMeta) -> bool:
+    """Whether the step's LoRA tokens take the stacked pair (`cpu_stacked`): a decode batch of a few adapters,
+    where every row's product with the other adapters' columns costs less than the calls it saves."""
+    return meta.num_groups <= STACKED_MAX_ADAPTERS and meta.num_lora_tokens <= STACKED_MAX_ROWS
+
+
+def torch_add_lora_stacked(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,
+                           y_offset: int = 0) -> bool:
+    """Every LoRA token against the step's adapters stacked (`LoRAStack.stacked_slots`), the other adapters'
+    columns zeroed, added to its row: on the flat batch's rows when LoRA tokens are at least half of them (into
+    y's columns, no gather or scatter; the base rows' products are zeroed too), else on the gathered LoRA rows.
+    False (nothing done) when the rows times the stacked weights exceed `STACKED_MAX_WORK`, or the stacked pair is
+    refused (a non-finite B): the caller takes another path."""
+    cdt = compute_dtype(x)
+    stacked = stack.stacked_slots(meta.group_slots_host, cdt)
+    if stacked is None:
+        return not any(stack.fused_slot(slot, cdt) for slot in meta.group_slots_host)   # no rank: nothing to add
+    all_rows = 2 * meta.num_lora_tokens >= meta.num_tokens
+    if (meta.num_tokens if all_rows else meta.num_lora_tokens) * stacked.num_weights > cpu_stacked.STACKED_MAX_WORK:
+        return False                    # every row against every adapter costs more than the calls it saves
+    xs = x.to(cdt) if all_rows else x.index_select(0, meta.token_rows).to(cdt)          # [rows, in]
+    h = stacked.products(xs, meta.other_slot_mask(stacked.col_slots, stacked.layout, all_rows))   # [rows, C]
+    if not all_rows:
+        _scatter_add(y, meta.token_rows, stacked.expand(h), y_offset)
+        return True
+    cols = y[:, y_offset:y_offset + stacked.num_cols]                                   # [T, N] view
+    if cols.dtype != cdt:
+        cols.copy_(cols.to(cdt) + stacked.expand(h))                                    # round once
+    elif stacked.uses_packed(h):
+        cols += stacked.expand(h)
+    else:
+        cols.addmm_(h, stacked.b.t())
+    return True
 
 
 def torch_add_lora_fused(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,

@@ -19,17 +19,18 @@ IN_F = 64
 
 
 class _ApplyCounter:
-    """Counts `PackedSlot.apply` calls and the rows they take."""
+    """Counts the packed pairs' products (`PackedSlot.shrink`: a slot's pair, or the step's adapters stacked,
+    adapters/lora_ops/cpu_stacked.py) and the rows they take."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rows: list[int] = []
-        real = PackedSlot.apply
+        real = PackedSlot.shrink
 
-        def apply(packed: PackedSlot, x: torch.Tensor) -> torch.Tensor:
+        def shrink(packed: PackedSlot, x: torch.Tensor) -> torch.Tensor:
             self.rows.append(x.shape[0])
             return real(packed, x)
 
-        monkeypatch.setattr(PackedSlot, "apply", apply)
+        monkeypatch.setattr(PackedSlot, "shrink", shrink)
 
 
 def _stack_and_ref(token_slots: list[int], num_slots: int, ranks: list[list[int]], seed: int,

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
+import adapters.lora_ops.torch_grouped as torch_grouped
 from adapters.lora_ops.metadata import MIN_RUN_TOKENS
 from adapters.lora_ops.torch_grouped import torch_add_lora_fused, torch_add_lora_padded, torch_add_lora_segmented
 from lora_dense_reference import naive
@@ -96,11 +97,16 @@ class _ShapeRecorder(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("token_slots", [[0, 1, 0, 1, -1, 1], [0] * 12 + [1], [1] * 40 + [0] * 33],
-                         ids=["padded", "segmented", "runs"])
-def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None:
+@pytest.mark.parametrize("token_slots,stacked", [([0, 1, 0, 1, -1, 1], False), ([0] * 12 + [1], False),
+                                                  ([1] * 40 + [0] * 33, False), ([0, 1, 0, 1, -1, 1], True)],
+                         ids=["padded", "segmented", "runs", "stacked"])
+def test_cost_follows_adapter_rank_not_pool_rank(monkeypatch: pytest.MonkeyPatch, token_slots: list[int],
+                                                 stacked: bool) -> None:
     """A rank-8 and a rank-24 adapter in a pool sized for rank 64: no op but a view touches a tensor with 64 (the
-    pool's rank) in its shape, and the matmuls' rank dims are 8 and 24 (mixed ranks cost the sum of their ranks)."""
+    pool's rank) in its shape, and the matmuls' rank dims are 8 and 24 (mixed ranks cost the sum of their ranks);
+    stacked (adapters/lora_ops/cpu_stacked.py), both adapters' slices side by side: 3 x 8 + 3 x 24."""
+    if not stacked:
+        monkeypatch.setattr(torch_grouped, "stacked_pays", lambda meta: False)
     pool_rank, ranks = 64, [[8, 24]] * len(OUTS)
     stack = nan_stack(2, pool_rank, IN_F, OUTS, ranks, seed=3)
     meta = LoRABatchMeta.build(token_slots, num_slots=2)
@@ -117,6 +123,9 @@ def test_cost_follows_adapter_rank_not_pool_rank(token_slots: list[int]) -> None
         {shape[-2] for op, shape in rec.shapes if op in ("mm", "bmm")}
     # per slice (rank r) or, on the fused path, all slices of an adapter at once (len(OUTS) x r)
     s = len(OUTS)
+    if stacked:
+        assert s * (8 + 24) in rank_dims and not rank_dims & {16, 32, 64, s * 64}
+        return
     assert rank_dims & {8, s * 8} and rank_dims & {24, s * 24} and not rank_dims & {16, 32, 64, s * 64}
 
 

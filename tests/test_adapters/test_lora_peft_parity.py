@@ -11,6 +11,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import adapters.lora_ops.cpu_packed as cpu_packed  # noqa: E402
+import adapters.lora_ops.torch_grouped as torch_grouped  # noqa: E402
 from adapters.layers.dims import GROUP_ATTRS, BaseModelDims  # noqa: E402
 from adapters.errors import SlotPoolFullError  # noqa: E402
 from adapters.layers.lora_linear import LoRALinear, apply_lora_wrappers  # noqa: E402
@@ -114,19 +115,30 @@ def test_loader_reads_ranks_and_scaling(setup):
     assert qv.target_modules == frozenset({"q_proj", "v_proj"})
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["mm", "onednn-packed"])
+@pytest.mark.parametrize("path", ["mm", "onednn-packed", "per-adapter"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mixed_batch_matches_peft(setup, dtype, packed, monkeypatch):
-    """onednn-packed: every group of at least PACKED_MIN_ROWS rows through the CPU's oneDNN-packed pair
-    (adapters/lora_ops/cpu_packed.py), which this tiny model's sizes would otherwise never choose."""
+def test_mixed_batch_matches_peft(setup, dtype, path, monkeypatch):
+    """mm: the step's adapters stacked into one pair (adapters/lora_ops/cpu_stacked.py, this batch's layout on the
+    CPU) through `torch.mm`; onednn-packed: every product of at least PACKED_MIN_ROWS rows through the CPU's
+    oneDNN-packed pair (adapters/lora_ops/cpu_packed.py), which this tiny model's sizes would otherwise never
+    choose; per-adapter: the stacked pair off (the fused and padded paths of torch_grouped.py)."""
     base, dims, peft_models, paths = setup
     calls = []
+    packed = path == "onednn-packed"
     if packed:
         if not cpu_packed.packing_available():
             pytest.skip("no oneDNN packed linear in this torch build")
         monkeypatch.setattr(cpu_packed, "PACKED_MIN_WORK", 0)
-        real_apply = cpu_packed.PackedSlot.apply
-        monkeypatch.setattr(cpu_packed.PackedSlot, "apply", lambda w, x: calls.append(x.shape[0]) or real_apply(w, x))
+        real_shrink = cpu_packed.PackedSlot.shrink
+        monkeypatch.setattr(cpu_packed.PackedSlot, "shrink",
+                            lambda w, x: calls.append(x.shape[0]) or real_shrink(w, x))
+    stacked = []
+    if path == "per-adapter":
+        monkeypatch.setattr(torch_grouped, "stacked_pays", lambda meta: False)
+    else:
+        real_stacked = torch_grouped.torch_add_lora_stacked
+        monkeypatch.setattr(torch_grouped, "torch_add_lora_stacked",
+                            lambda *a, **k: stacked.append(1) or real_stacked(*a, **k))
     pool = LoRASlotPool(num_slots=4, max_rank=16, dims=dims, dtype=dtype)
     model = fused_model(base, dims)
     apply_lora_wrappers(model, pool)
@@ -144,6 +156,7 @@ def test_mixed_batch_matches_peft(setup, dtype, packed, monkeypatch):
         model.to(dtype)
         check_parity_bf16(model, pool, peft_models, slot_to_name, token_slots)
     assert bool(calls) == packed and all(n >= cpu_packed.PACKED_MIN_ROWS for n in calls)
+    assert bool(stacked) == (path != "per-adapter")
 
 
 def check_parity_bf16(model, pool, peft_models, slot_to_name, token_slots):

@@ -1,0 +1,159 @@
+"""The CPU torch path's stacked pair (adapters/lora_ops/cpu_stacked.py): every adapter of a decode batch side by side
+in one pair, the other adapters' columns zeroed. Equal to the per-token reference on the layouts that take it
+(the flat batch's rows, or the gathered rows beside a prefill run; base rows; slices with rank 0; bf16; an output
+offset); one adapter's non-finite weights never reach another's rows or the base rows; the cache follows a slot
+rewrite and keeps at most STACKED_CACHE_SIZE sets; the work bound hands large batches to the per-adapter path."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import adapters.lora_ops.cpu_stacked as cpu_stacked
+import adapters.lora_ops.torch_grouped as torch_grouped
+from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
+from adapters.lora_ops.cpu_stacked import STACKED_CACHE_SIZE, STACKED_MAX_ADAPTERS
+from lora_dense_reference import naive
+from lora_nan_stacks import nan_stack
+
+OUTS = (48, 16, 16)
+IN_F = 64
+
+
+class _Calls:
+    """Records whether each `torch_add_lora_stacked` call took the stacked pair."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.taken: list[bool] = []
+        real = torch_grouped.torch_add_lora_stacked
+
+        def stacked(*args, **kwargs) -> bool:
+            self.taken.append(real(*args, **kwargs))
+            return self.taken[-1]
+
+        monkeypatch.setattr(torch_grouped, "torch_add_lora_stacked", stacked)
+
+
+def _lists(stack: LoRAStack) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The stack's A and B per slice for the reference, NaN past the ranks zeroed (the reference reads :r only)."""
+    a_list = [torch.nan_to_num(stack.lora_a[s].double(), nan=0.0) for s in range(stack.num_slices)]
+    b_list = [torch.nan_to_num(stack.lora_b[:, o:o + n].double(), nan=0.0)
+              for o, n in zip(stack.slice_offsets, stack.slice_sizes)]
+    return a_list, b_list
+
+
+def _case(token_slots: list[int], num_slots: int, ranks: list[list[int]], seed: int,
+          dtype: torch.dtype = torch.float32, width: int = 0) -> tuple[LoRAStack, torch.Tensor, torch.Tensor]:
+    stack = nan_stack(num_slots, 16, IN_F, OUTS, ranks, dtype=dtype, seed=seed)     # NaN past every rank
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(token_slots), IN_F, generator=g).to(dtype)
+    y = torch.randn(len(token_slots), width or sum(OUTS), generator=g).to(dtype)
+    return stack, x, y
+
+
+LAYOUTS = [
+    ("decode-rows", 3, [0, 1, 2, 0, 1, 2, 1]),                   # every row an adapter's: the flat batch's rows
+    ("decode-and-base", 4, [3, -1, 0, 3, -1, 1, 1, 0]),          # base rows zeroed by the mask
+    ("one-adapter", 2, [1] * 9),                                 # no mask at all
+    ("run-and-decodes", 3, [1] * 40 + [0, -1, 2, 1, 0]),         # a run (runs path), the rest gathered
+    ("chunk-beside-decodes", 3, [2] * 17 + [0, -1, 1, 2]),       # a 16-token chunk plus decode rows: flat rows
+]
+
+
+@pytest.mark.parametrize("y_offset,width", [(0, 0), (7, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,num_slots,token_slots", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_stacked_matches_the_reference(monkeypatch: pytest.MonkeyPatch, name: str, num_slots: int,
+                                       token_slots: list[int], dtype: torch.dtype, y_offset: int,
+                                       width: int) -> None:
+    calls = _Calls(monkeypatch)
+    ranks = [[16, 8, 0, 4][:num_slots], [16, 0, 12, 4][:num_slots], [16, 8, 12, 0][:num_slots]]
+    stack, x, y, = _case(token_slots, num_slots, ranks, seed=len(token_slots), dtype=dtype, width=width)
+    a_list, b_list = _lists(stack)
+    ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots, y_offset)
+    add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=num_slots), y_offset=y_offset, backend="torch")
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=0.02)
+    torch.testing.assert_close(y.double(), ref, **tol)
+    base_rows = [t for t, slot in enumerate(token_slots) if slot < 0]
+    assert torch.equal(y[base_rows], ref[base_rows].to(dtype)), "a base row changed"
+    assert calls.taken == [True], "the stacked pair was not taken"
+
+
+def test_randomized_layouts_equal_the_reference() -> None:
+    """Random decode batches of 1-4 adapters (and base rows) over pools of 2-6 slots with random ranks."""
+    rng = random.Random(0)
+    for trial in range(40):
+        num_slots = rng.randint(2, 6)
+        live = rng.sample(range(num_slots), rng.randint(1, min(STACKED_MAX_ADAPTERS, num_slots)))
+        token_slots = [rng.choice(live + [-1]) for _ in range(rng.randint(1, 24))]
+        ranks = [[rng.choice([0, 2, 4, 8, 16]) for _ in range(num_slots)] for _ in OUTS]
+        stack, x, y = _case(token_slots, num_slots, ranks, seed=trial)
+        a_list, b_list = _lists(stack)
+        ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
+        add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=num_slots), backend="torch")
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("poison", ["a", "b"])
+def test_a_non_finite_adapter_stays_in_its_rows(monkeypatch: pytest.MonkeyPatch, poison: str) -> None:
+    """Slot 1's A (or B) holds inf inside its rank: the rows of slot 0 and the base rows get exactly what they get
+    without slot 1 in the batch. A poisoned A is zeroed out of the other rows by the mask's fill; a poisoned B
+    refuses the stacked pair (0 x inf would reach every row) and the per-adapter path runs."""
+    calls = _Calls(monkeypatch)
+    ranks = [[8, 8]] * len(OUTS)
+    token_slots = [0, 1, -1, 0, 1, 1]
+    stack, x, y = _case(token_slots, 2, ranks, seed=5)
+    stack = LoRAStack(torch.nan_to_num(stack.lora_a, nan=0.0), torch.nan_to_num(stack.lora_b, nan=0.0),
+                      stack.ranks, stack.scalings, stack.slice_offsets, stack.slice_sizes,
+                      ranks_host=stack.ranks_host, scalings_host=stack.scalings_host)
+    if poison == "a":
+        stack.lora_a[0, 1, 3, 5] = float("inf")
+    else:
+        stack.lora_b[1, 2, 3] = float("inf")
+    out = y.clone()
+    add_lora(out, x, stack, LoRABatchMeta.build(token_slots, num_slots=2), backend="torch")
+    clean = [t for t, slot in enumerate(token_slots) if slot != 1]
+    alone = y[clean].clone()
+    add_lora(alone, x[clean], stack, LoRABatchMeta.build([token_slots[t] for t in clean], num_slots=2),
+             backend="torch")
+    assert torch.isfinite(out[clean]).all()
+    torch.testing.assert_close(out[clean], alone, atol=1e-5, rtol=1e-5)
+    assert calls.taken[0] == (poison == "a")
+
+
+def test_the_cache_follows_a_rewrite_and_stays_bounded() -> None:
+    ranks = [[8] * 8] * len(OUTS)
+    stack, x, y = _case([0, 1], 8, ranks, seed=2)
+    stack = LoRAStack(torch.nan_to_num(stack.lora_a, nan=0.0), torch.nan_to_num(stack.lora_b, nan=0.0),
+                      stack.ranks.clone(), stack.scalings.clone(), stack.slice_offsets, stack.slice_sizes)
+    meta = LoRABatchMeta.build([0, 1], num_slots=8)
+    first = y.clone()
+    add_lora(first, x, stack, meta, backend="torch")
+    stack.lora_b[1].mul_(-3.0)                    # slot 1 rewritten in place
+    stack.scalings[:, 0] = 0.25                   # slot 0 rescaled
+    again = y.clone()
+    add_lora(again, x, stack, meta, backend="torch")
+    a_list, b_list = _lists(stack)
+    ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), [0, 1])
+    torch.testing.assert_close(again.double(), ref, atol=1e-4, rtol=1e-5)
+    for first_slot in range(7):                   # seven different sets of two slots
+        stack.stacked_slots((first_slot, first_slot + 1), torch.float32)
+    kept = [key for key in stack._fused if isinstance(key, tuple) and key[0] == "stacked"]
+    assert len(kept) == STACKED_CACHE_SIZE
+    assert ("stacked", (6, 7), torch.float32) in kept and ("stacked", (0, 1), torch.float32) not in kept
+
+
+def test_large_batches_take_the_per_adapter_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows x stacked weights over STACKED_MAX_WORK: the per-adapter path, still equal to the reference."""
+    calls = _Calls(monkeypatch)
+    ranks = [[8, 8]] * len(OUTS)
+    token_slots = [0, 1] * 6
+    stack, x, y = _case(token_slots, 2, ranks, seed=9)
+    weights = 2 * len(OUTS) * 8 * (IN_F + sum(OUTS))
+    monkeypatch.setattr(cpu_stacked, "STACKED_MAX_WORK", len(token_slots) * weights - 1)
+    a_list, b_list = _lists(stack)
+    ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
+    add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=2), backend="torch")
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+    assert calls.taken == [False]
