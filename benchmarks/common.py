@@ -10,7 +10,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -118,6 +118,16 @@ def now() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def time_us(fn: Callable[[], object], num_iters: int = 200, num_warmup: int = 20) -> float:
+    """Mean microseconds of one call of `fn` on the host (no device sync), after `num_warmup` calls."""
+    for _ in range(num_warmup):
+        fn()
+    start = time.perf_counter()
+    for _ in range(num_iters):
+        fn()
+    return (time.perf_counter() - start) / num_iters * 1e6
 
 
 def kernel_memory_monitor() -> str | None:

@@ -20,13 +20,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import write_results
+from common import time_us, write_results
 
 import adapters.lora_ops.torch_grouped as torch_grouped
 from adapters.lora_ops.cpu_packed import packed_slot_weights, packing_available, use_packed
@@ -34,15 +33,6 @@ from adapters.lora_ops.cpu_packed import packed_slot_weights, packing_available,
 PROJECTIONS = {"qkv": (768, 1280, 3), "o": (768, 768, 1), "gate_up": (768, 4096, 2), "down": (2048, 768, 1)}
 RANKS = (8, 16, 32, 64)
 ROWS = (4, 8, 16, 64, 256)
-
-
-def _time_us(fn: Callable[[], object], num_iters: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    start = time.perf_counter()
-    for _ in range(num_iters):
-        fn()
-    return (time.perf_counter() - start) / num_iters * 1e6
 
 
 def pairs() -> tuple[list[dict], float, float]:
@@ -57,8 +47,8 @@ def pairs() -> tuple[list[dict], float, float]:
             for rows in ROWS:
                 x = torch.randn(rows, k)
                 o = torch.empty(rows, n)
-                mm_us = _time_us(lambda: torch.mm(torch.mm(x, a.t()), b.t(), out=o))
-                packed_us = _time_us(lambda: o.copy_(packed.apply(x)))
+                mm_us = time_us(lambda: torch.mm(torch.mm(x, a.t()), b.t(), out=o))
+                packed_us = time_us(lambda: o.copy_(packed.apply(x)))
                 picks = use_packed(x, rows, packed.num_weights)
                 rule_total += packed_us if picks else mm_us
                 best_total += min(mm_us, packed_us)

@@ -20,13 +20,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import write_results
+from common import time_us, write_results
 
 import adapters.lora_ops.torch_grouped as torch_grouped
 from adapters.lora_ops import cpu_stacked
@@ -39,15 +38,6 @@ RANKS = (8, 16, 32, 64)
 ROWS = (4, 8, 16, 32, 64)
 MIXES = {"one adapter (r8)": ["t0"] * 8, "one adapter (r32)": ["t2"] * 8, "two adapters": ["t0", "t1"] * 4,
          "three adapters and base rows": ["t0", "t1", "t2", None] * 2}
-
-
-def _time_us(fn: Callable[[], object], num_iters: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    start = time.perf_counter()
-    for _ in range(num_iters):
-        fn()
-    return (time.perf_counter() - start) / num_iters * 1e6
 
 
 def _stack(in_features: int, slice_sizes: tuple[int, ...], num_adapters: int) -> LoRAStack:
@@ -76,7 +66,7 @@ def ops() -> tuple[list[dict], float, float]:
                 for variant, pays, work in (("stacked", lambda m: True, float("inf")),
                                             ("per_adapter", lambda m: False, max_work), ("rule", rule, max_work)):
                     torch_grouped.stacked_pays, cpu_stacked.STACKED_MAX_WORK = pays, work
-                    times[variant] = _time_us(lambda: torch_grouped.torch_add_lora_grouped(y, x, stack, meta))
+                    times[variant] = time_us(lambda: torch_grouped.torch_add_lora_grouped(y, x, stack, meta), 300)
                 torch_grouped.stacked_pays = rule
                 picks = rule(meta) and torch_grouped.torch_add_lora_stacked(y, x, stack, meta)
                 rule_total += times["rule"]
