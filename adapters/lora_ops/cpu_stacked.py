@@ -12,8 +12,9 @@ Stacked, every adapter of the step is one block of columns of one pair,
 
 so that h = x @ A.T computes every row against every adapter of the step, the columns of the other adapters are
 zeroed in h (`masked_fill_`, a mask built once per step and column layout), and y += h @ B.T adds each row's own
-delta, into y's columns directly when the rows are (most of) the step's: two matmuls and a fill per linear whatever
-the number of adapters, no gather, no scatter. A row's delta is its adapter's alone: the other adapters' columns of
+delta, into y's columns directly when the LoRA rows are at least half of the step's: two matmuls and a fill per
+linear whatever the number of adapters, no gather, no scatter (the base rows then get exact zeros added: their
+values are unchanged, a -0.0 becomes +0.0). A row's delta is its adapter's alone: the other adapters' columns of
 h are exact zeros (a fill, not a product, so a non-finite A of another adapter cannot reach the row), and a stacked
 B with a non-finite value is never built (`stacked_weights` returns None and the per-adapter path runs), so no
 0 x inf reaches a row of another tenant.
@@ -30,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from adapters.lora_ops.cpu_packed import PackedSlot, packed_slot_weights, use_packed
+from adapters.lora_ops.metadata import ColumnLayout
 
 STACKED_MAX_ADAPTERS = 4   # adapters of a step the stacked pair takes (each adds its columns to every row's work)
 STACKED_MAX_ROWS = 64      # LoRA rows of a step the stacked pair takes (beyond, the per-adapter matmuls' FLOPs win)
@@ -39,13 +41,12 @@ STACKED_CACHE_SIZE = 4     # stacked pairs kept per linear (one per recent set o
 
 @dataclass(frozen=True)
 class StackedSlots:
-    """Some slots' fused LoRA pairs side by side: columns `[col_start[i], col_start[i + 1])` are `slots[i]`'s."""
+    """Some slots' fused LoRA pairs side by side, one block of columns per slot with a rank on this linear, in
+    `layout`'s order."""
 
-    slots: tuple[int, ...]
     a: torch.Tensor                 # [C, in] in the compute dtype
     b: torch.Tensor                 # [N, C], scalings folded in
-    col_slots: torch.Tensor         # [C] int64, the slot of each column
-    layout: tuple[tuple[int, int], ...]   # (slot, columns) of each block: the key of the step's mask
+    layout: ColumnLayout            # (slot, columns) of each block: the key of the step's mask
     packed: Optional[PackedSlot]    # the pair in oneDNN's layout (None: this torch build has no packed linear)
 
     @property
@@ -92,7 +93,4 @@ def stacked_weights(slots: Sequence[int], pairs: Sequence[Optional[tuple[torch.T
     if not bool(torch.isfinite(b).all()):
         return None
     layout = tuple((slot, pair[0].shape[0]) for slot, pair in live)
-    col_slots = torch.repeat_interleave(torch.tensor([s for s, _ in layout], dtype=torch.int64),
-                                        torch.tensor([n for _, n in layout], dtype=torch.int64))   # [C]
-    return StackedSlots(slots=tuple(slots), a=a, b=b, col_slots=col_slots.to(a.device), layout=layout,
-                        packed=packed_slot_weights(a, b) if pack else None)
+    return StackedSlots(a=a, b=b, layout=layout, packed=packed_slot_weights(a, b) if pack else None)

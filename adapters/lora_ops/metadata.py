@@ -20,6 +20,7 @@ import torch
 from adapters.errors import LoRAContextError
 
 SlotsLike = Union[Sequence[int], torch.Tensor]
+ColumnLayout = tuple[tuple[int, int], ...]   # (slot, columns) of each block of a stacked pair's columns
 
 # the torch path pads groups into one batched matmul while that computes at most this many times the LoRA rows
 MAX_PADDING_FACTOR = 2
@@ -133,16 +134,18 @@ class LoRABatchMeta:
         return torch.repeat_interleave(torch.tensor(self.group_slots_host, dtype=torch.int64),
                                        torch.tensor(self.group_sizes_host, dtype=torch.int64))
 
-    def other_slot_mask(self, col_slots: torch.Tensor, layout: tuple, all_rows: bool) -> Optional[torch.Tensor]:
-        """[rows, C] bool, True where a row's slot is not its column's (`col_slots` [C]): the rows are the flat
-        batch's (`all_rows`) or the LoRA tokens in grouped order. Built once per step and column `layout` (the
-        stacked pair's key, adapters/lora_ops/cpu_stacked.py), shared by the step's linears of that layout; None
-        when every row's slot owns every column (one adapter, every row its)."""
+    def other_slot_mask(self, layout: ColumnLayout, all_rows: bool) -> Optional[torch.Tensor]:
+        """[rows, C] bool, True where a row's slot is not its column's, for columns in blocks of (slot, columns)
+        (`layout`: a stacked pair's, adapters/lora_ops/cpu_stacked.py): the rows are the flat batch's (`all_rows`)
+        or the LoRA tokens in grouped order. Built once per step and layout, shared by the step's linears of that
+        layout; None when every row's slot owns every column (one adapter, every row its)."""
         key = (layout, all_rows)
         cache = self._masks
         if key not in cache:
             rows = self.token_slots_host if all_rows else self.grouped_slots_host                # [rows]
-            mask = rows.to(col_slots.device)[:, None] != col_slots[None, :]                      # [rows, C]
+            col_slots = torch.repeat_interleave(torch.tensor([slot for slot, _ in layout], dtype=torch.int64),
+                                                torch.tensor([n for _, n in layout], dtype=torch.int64))  # [C]
+            mask = (rows[:, None] != col_slots[None, :]).to(self.device)                         # [rows, C]
             cache[key] = mask if bool(mask.any()) else None
         return cache[key]
 

@@ -39,7 +39,7 @@ class LoRAStack:
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
     # fused_slot's, packed_slot's and stacked_slots' cache: {(slot, dtype): (A, B), ("packed", slot, dtype):
     # PackedSlot, ("stacked", slots, dtype): StackedSlots}, valid while its "version" entry matches the tensors'
-    # version counters; at most STACKED_CACHE_SIZE stacked entries (the oldest goes first)
+    # version counters; at most STACKED_CACHE_SIZE stacked entries (the least recently used goes first)
     _fused: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:

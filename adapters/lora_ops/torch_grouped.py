@@ -86,7 +86,7 @@ def torch_add_lora_stacked(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, m
     if (meta.num_tokens if all_rows else meta.num_lora_tokens) * stacked.num_weights > cpu_stacked.STACKED_MAX_WORK:
         return False                    # every row against every adapter costs more than the calls it saves
     xs = x.to(cdt) if all_rows else x.index_select(0, meta.token_rows).to(cdt)          # [rows, in]
-    h = stacked.products(xs, meta.other_slot_mask(stacked.col_slots, stacked.layout, all_rows))   # [rows, C]
+    h = stacked.products(xs, meta.other_slot_mask(stacked.layout, all_rows))   # [rows, C]
     if not all_rows:
         _scatter_add(y, meta.token_rows, stacked.expand(h), y_offset)
         return True

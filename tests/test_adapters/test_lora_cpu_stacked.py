@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import adapters.lora_ops.cpu_stacked as cpu_stacked
+import adapters.lora_ops.stack as stack_module
 import adapters.lora_ops.torch_grouped as torch_grouped
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
 from adapters.lora_ops.cpu_stacked import STACKED_CACHE_SIZE, STACKED_MAX_ADAPTERS
@@ -58,7 +59,10 @@ LAYOUTS = [
     ("one-adapter", 2, [1] * 9),                                 # no mask at all
     ("run-and-decodes", 3, [1] * 40 + [0, -1, 2, 1, 0]),         # a run (runs path), the rest gathered
     ("chunk-beside-decodes", 3, [2] * 17 + [0, -1, 1, 2]),       # a 16-token chunk plus decode rows: flat rows
+    ("run-and-many-decodes", 3, [1] * 32 + [0, 2] * 16),         # a run split off, the rest on the flat rows
+    ("rankless-slot", 5, [4, 0, 4, 1, -1, 4]),                   # slot 4 has no rank on this linear at all
 ]
+RANKS = [[16, 8, 0, 4, 0], [16, 0, 12, 4, 0], [16, 8, 12, 0, 0]]
 
 
 @pytest.mark.parametrize("y_offset,width", [(0, 0), (7, 100)])
@@ -68,31 +72,41 @@ def test_stacked_matches_the_reference(monkeypatch: pytest.MonkeyPatch, name: st
                                        token_slots: list[int], dtype: torch.dtype, y_offset: int,
                                        width: int) -> None:
     calls = _Calls(monkeypatch)
-    ranks = [[16, 8, 0, 4][:num_slots], [16, 0, 12, 4][:num_slots], [16, 8, 12, 0][:num_slots]]
-    stack, x, y, = _case(token_slots, num_slots, ranks, seed=len(token_slots), dtype=dtype, width=width)
+    ranks = [row[:num_slots] for row in RANKS]
+    stack, x, y = _case(token_slots, num_slots, ranks, seed=len(token_slots), dtype=dtype, width=width)
     a_list, b_list = _lists(stack)
     ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots, y_offset)
     add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=num_slots), y_offset=y_offset, backend="torch")
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=0.02)
-    torch.testing.assert_close(y.double(), ref, **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+    else:   # rounded into bf16 once: every element is the reference's rounding but for ties the fp32 sum moved
+        assert (y != ref.to(dtype)).float().mean() < 0.01
     base_rows = [t for t, slot in enumerate(token_slots) if slot < 0]
-    assert torch.equal(y[base_rows], ref[base_rows].to(dtype)), "a base row changed"
+    assert torch.equal(y[base_rows], ref[base_rows].to(dtype)), "a base row changed"   # values (-0.0 == 0.0)
     assert calls.taken == [True], "the stacked pair was not taken"
 
 
-def test_randomized_layouts_equal_the_reference() -> None:
-    """Random decode batches of 1-4 adapters (and base rows) over pools of 2-6 slots with random ranks."""
+def test_randomized_layouts_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random decode batches of 1-4 adapters (and base rows, and at times a prefill run) over pools of 2-6 slots
+    with random ranks, at random output offsets; every one that has a rank takes the stacked pair."""
+    calls = _Calls(monkeypatch)
     rng = random.Random(0)
-    for trial in range(40):
+    for trial in range(60):
         num_slots = rng.randint(2, 6)
         live = rng.sample(range(num_slots), rng.randint(1, min(STACKED_MAX_ADAPTERS, num_slots)))
         token_slots = [rng.choice(live + [-1]) for _ in range(rng.randint(1, 24))]
+        if rng.random() < 0.3:
+            token_slots = [rng.choice(live)] * rng.randint(32, 48) + token_slots     # a run, split off
         ranks = [[rng.choice([0, 2, 4, 8, 16]) for _ in range(num_slots)] for _ in OUTS]
-        stack, x, y = _case(token_slots, num_slots, ranks, seed=trial)
+        y_offset = rng.choice([0, 5])
+        stack, x, y = _case(token_slots, num_slots, ranks, seed=trial, width=sum(OUTS) + y_offset + 3)
         a_list, b_list = _lists(stack)
-        ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
-        add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=num_slots), backend="torch")
+        ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots, y_offset)
+        calls.taken.clear()
+        add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=num_slots), y_offset=y_offset,
+                 backend="torch")
         torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+        assert all(calls.taken), f"trial {trial}: the stacked pair was refused"
 
 
 @pytest.mark.parametrize("poison", ["a", "b"])
@@ -122,7 +136,7 @@ def test_a_non_finite_adapter_stays_in_its_rows(monkeypatch: pytest.MonkeyPatch,
     assert calls.taken[0] == (poison == "a")
 
 
-def test_the_cache_follows_a_rewrite_and_stays_bounded() -> None:
+def test_the_cache_follows_a_rewrite_and_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     ranks = [[8] * 8] * len(OUTS)
     stack, x, y = _case([0, 1], 8, ranks, seed=2)
     stack = LoRAStack(torch.nan_to_num(stack.lora_a, nan=0.0), torch.nan_to_num(stack.lora_b, nan=0.0),
@@ -137,11 +151,21 @@ def test_the_cache_follows_a_rewrite_and_stays_bounded() -> None:
     a_list, b_list = _lists(stack)
     ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), [0, 1])
     torch.testing.assert_close(again.double(), ref, atol=1e-4, rtol=1e-5)
-    for first_slot in range(7):                   # seven different sets of two slots
-        stack.stacked_slots((first_slot, first_slot + 1), torch.float32)
-    kept = [key for key in stack._fused if isinstance(key, tuple) and key[0] == "stacked"]
-    assert len(kept) == STACKED_CACHE_SIZE
-    assert ("stacked", (6, 7), torch.float32) in kept and ("stacked", (0, 1), torch.float32) not in kept
+    built: list[tuple[int, ...]] = []
+    real = stack_module.stacked_weights
+    monkeypatch.setattr(stack_module, "stacked_weights",
+                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    sets = [(k, k + 1) for k in range(2, STACKED_CACHE_SIZE + 3)]     # not (0, 1), cached above
+    for slots in sets[:STACKED_CACHE_SIZE]:       # the cache full
+        stack.stacked_slots(slots, torch.float32)
+    stack.stacked_slots(sets[0], torch.float32)   # used again: the most recent
+    stack.stacked_slots(sets[-1], torch.float32)  # one more set: the least recently used (sets[1]) goes
+    assert built == sets[:STACKED_CACHE_SIZE] + [sets[-1]]
+    for slots in [sets[0]] + sets[2:]:            # kept: no rebuild
+        stack.stacked_slots(slots, torch.float32)
+    assert built == sets[:STACKED_CACHE_SIZE] + [sets[-1]]
+    stack.stacked_slots(sets[1], torch.float32)   # evicted: built again
+    assert built[-1] == sets[1]
 
 
 def test_large_batches_take_the_per_adapter_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,8 +174,8 @@ def test_large_batches_take_the_per_adapter_path(monkeypatch: pytest.MonkeyPatch
     ranks = [[8, 8]] * len(OUTS)
     token_slots = [0, 1] * 6
     stack, x, y = _case(token_slots, 2, ranks, seed=9)
-    weights = 2 * len(OUTS) * 8 * (IN_F + sum(OUTS))
-    monkeypatch.setattr(cpu_stacked, "STACKED_MAX_WORK", len(token_slots) * weights - 1)
+    num_weights = 2 * len(OUTS) * 8 * (IN_F + sum(OUTS))
+    monkeypatch.setattr(cpu_stacked, "STACKED_MAX_WORK", len(token_slots) * num_weights - 1)
     a_list, b_list = _lists(stack)
     ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
     add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=2), backend="torch")
