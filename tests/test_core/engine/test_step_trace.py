@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from core import LLM, SamplingParams
+from core.engine.step_clock import StepClock
 from core.environment import variables
 from kernel_device import kernel_device
 from testlib import model_dir
@@ -78,24 +79,69 @@ def test_no_trace_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     llm.engine.shutdown()
 
 
-@pytest.mark.skipif(kernel_device().type != "cuda", reason="device events: CUDA only")
-def test_async_cuda_steps_are_timed_by_their_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With async scheduling on CUDA each step's time comes from its device events, an iteration later
-    (core/engine/step_clock.py): still one line per step once the engine is shut down, every time positive."""
+class LateEvent:
+    """A device event as the deferred clock sees one on a busy GPU: not complete the first two times it is asked
+    (the step's time is known iterations later; the last steps' only when the shutdown drains them), complete
+    from then on."""
+
+    num_late = 0
+
+    def __init__(self) -> None:
+        self.t, self.num_asked = 0.0, 0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        self.num_asked += 1
+        if self.num_asked <= 2:
+            LateEvent.num_late += 1
+            return False
+        return True
+
+    def elapsed_time(self, end: "LateEvent") -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def run_deferred(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, late_events: bool) -> None:
+    """Async scheduling with the clock deferred to the steps' device events: one line per forward once the engine
+    is shut down, every time positive. The engine's last schedule is empty (the previous step's tokens end the
+    requests only when read: no forward, no line), so the lines match the forwards run (`stats.num_steps`), not
+    the schedules (`scheduler.num_steps`)."""
     trace = tmp_path / "steps.jsonl"
     monkeypatch.setenv("LORAPLEX_STEP_TRACE", str(trace))
     variables.reset()
     try:
-        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device=str(kernel_device()), warmup=False,
-                  max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=True)
+        llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device=device, warmup=False,
+                  max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=True,
+                  num_kv_blocks=64)   # not sized from the free memory: other test workers share a GPU
+        assert llm.engine.async_scheduling
+        if late_events:
+            llm.engine._clock = StepClock(LateEvent)
         assert llm.engine._clock.deferred
         llm.generate([[5, 6, 7] * 10, [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
-        num_steps = llm.engine.scheduler.num_steps
+        num_forwards, num_schedules = llm.engine.stats.num_steps, llm.engine.scheduler.num_steps
         llm.engine.check_integrity()
         llm.engine.shutdown()
     finally:
         monkeypatch.delenv("LORAPLEX_STEP_TRACE")
         variables.reset()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert len(lines) == num_steps and all(s["measured_ms"] > 0 for s in lines)
+    assert num_schedules == num_forwards + 1
+    assert len(lines) == num_forwards and all(s["measured_ms"] > 0 for s in lines)
+    assert [s["start_s"] for s in lines] == sorted(s["start_s"] for s in lines)
     assert sum(s["prefill_tokens"] for s in lines) == 30 + 2
+    assert sum(s["decode_tokens"] for s in lines) >= 2 * 3        # async: a step may run past a request's end
+
+
+def test_deferred_steps_are_traced_an_iteration_later_and_drained(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    LateEvent.num_late = 0
+    run_deferred(tmp_path, monkeypatch, "cpu", late_events=True)
+    assert LateEvent.num_late > 0      # the steps' times came later than their iterations' ends
+
+
+@pytest.mark.skipif(kernel_device().type != "cuda", reason="device events: CUDA only")
+def test_async_cuda_steps_are_timed_by_their_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async scheduling on CUDA each step's time comes from its device events (core/engine/step_clock.py)."""
+    run_deferred(tmp_path, monkeypatch, str(kernel_device()), late_events=False)

@@ -101,8 +101,11 @@ def test_every_layer_launches_the_warmed_up_lora_variants(monkeypatch: pytest.Mo
     them on every layer's views of the slot pool. With 3 slots a layer's int32 ranks table is 12 / 24 / 36
     bytes, so a contiguous pool started layer 1's ranks, scalings and DoRA flags off the 16-byte boundary:
     other pointer specializations, compiled by the first prefill with an adapter (6 segmented variants in
-    the interpreter). Two layers, LoRA kernels only (attention on the torch path: cheap)."""
+    the interpreter). Two layers, LoRA kernels only (attention on the torch path: cheap). On CUDA the mixed-step
+    graphs would replay the prefill (per-token BGMV, nothing launched to record): off, so the prefill runs eagerly
+    on the segmented kernels as it does past the graphs' largest size."""
     monkeypatch.setenv("LORAPLEX_LORA_BACKEND", "triton")
+    monkeypatch.setenv("LORAPLEX_MIXED_GRAPHS", "0")
     rec = KernelRecorder.install(monkeypatch)
     model = "llama_gqa"                       # two layers
     with torch_threads(1):
