@@ -45,7 +45,7 @@ from common import write_results
 from gpu_cases import ATTENTION, BITMASK_BATCHES, LORA, LORA_RANK, SHAPES, attention_name, bitmask_name, lora_name
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
 from adapters.lora_ops.bgmv import (
-    GROUP_ROWS_OPTIONS, DecodeLoRAMeta, config_with_splits, bgmv_config, choose_splits, config_cost_us,
+    GROUP_ROWS_OPTIONS, DecodeLoRAMeta, config_with_splits, bgmv_config, choose_config, config_cost_us,
     torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from core.attention.metadata import AttentionMetadata
@@ -250,8 +250,8 @@ def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int,
 # the BGMV config sweep: (fused linear, in, slice outs, slots, rows) at rank 16 (256 rows: a mixed-step graph's
 # padded batch, prefill chunks one token a row; a 6th field: the pool's rank, --max-lora-rank's default 64), each
 # timed at every (K splits, column
-# chunks) of SWEEP_CONFIGS and at the latency model's choice, beside the model's time: the data its constants are
-# fitted to (adapters/lora_ops/bgmv.py: TILE_US, SHRINK_PROGRAM_US, EXPAND_PROGRAM_US, LAUNCH_PAIR_US)
+# chunks[, BLOCK_K, BLOCK_N]) of SWEEP_CONFIGS and at the latency model's choice (tiles too), beside the model's
+# time: the data its constants are fitted to (adapters/lora_ops/bgmv.py: SHRINK_ITERATION_US ... LAUNCH_PAIR_US)
 SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 64), ("q/k/v", 4096, (4096, 1024, 1024), 32, 64),
                  ("gate/up", 4096, (14336, 14336), 8, 64), ("down", 14336, (4096,), 8, 64),
                  ("q/k/v", 4096, (4096, 1024, 1024), 8, 256), ("down", 14336, (4096,), 8, 256),
@@ -260,7 +260,8 @@ SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 64), ("q/k/v", 4096, (40
 # (K splits, column chunks[, BLOCK_K, BLOCK_N]): 64-column tiles unless named; the wider tiles ask whether fewer,
 # wider iterations beat more splits (each iteration is a latency, whatever its width)
 SWEEP_CONFIGS = {False: [(2, 2), (2, 8), (4, 16), (8, 16), (8, 32), (16, 16), (16, 32), (16, 64), (32, 32), (32, 64),
-                         (4, 8, 128, 128), (4, 16, 256, 128), (8, 8, 256, 256), (2, 4, 512, 256)],
+                         (4, 8, 128, 128), (4, 16, 256, 128), (8, 8, 256, 256), (2, 4, 512, 256),
+                         (4, 16, 256, 256), (8, 16, 256, 256), (8, 32, 256, 128)],
                  True: [(1, 1), (2, 2), (1, 1, 64, 64)]}
 
 
@@ -276,13 +277,16 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
         y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
         y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
         meta = DecodeLoRAMeta.build(token_slots, b.device)        # thousands of bf16 adds would drown the delta)
-        chosen = choose_splits(fan_in, tuple(slices), num_slots, num_tokens, max(16, rank))
         base = bgmv_config(stack, num_tokens)
+        bk0, bn0, *splits_chunks = choose_config(fan_in, tuple(slices), num_slots, num_tokens, base.block_r,
+                                                 elem_bytes=stack.lora_a.element_size())
+        # the model's choice, tiles included; the configs without tiles run 64-column tiles
+        chosen = (*splits_chunks, bk0, bn0) if not b.dry else (*splits_chunks,)
         elem = torch.finfo(dtype).bits // 8
         stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
                             for i in range(b.copies(_lora_bytes(stack, set(range(num_slots)), elem)) - 1)]
         for splits, chunks, *tiles in configs + ([chosen] if chosen not in configs else []):
-            bk, bn = tiles or (base.block_k, base.block_n)
+            bk, bn = tiles or ((64, 64) if not b.dry else (base.block_k, base.block_n))
             cfg = config_with_splits(base.block_m, base.block_r, bk, bn, fan_in, splits, chunks, max(slices))
             out = y0.clone()
             triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
@@ -291,15 +295,16 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
             err = rel_err(out.float() - y0.float(), ref - y0.float())
             ms = b.time_ms([lambda st=st, c=cfg: triton_bgmv_add_lora(y_time, x, st, meta, config=c)
                             for st in stacks])
-            modeled = None if tiles else config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks,
-                                                        max(16, rank))
-            tag = " (the model's choice)" if (splits, chunks) == chosen and not tiles else ""
+            modeled = config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks, base.block_r,
+                                     base.block_m, bk, bn)
+            is_chosen = (splits, chunks, *tiles) == chosen
+            tag = " (the model's choice)" if is_chosen else ""
             tag += f" (tiles K {bk} x N {bn})" if tiles else ""
             rows.append({"name": f"BGMV sweep: {name} r{rank}, {num_slots} slots x {num_tokens} rows, "
                                  f"{cfg.num_k_splits} splits x {cfg.num_n_chunks} chunks{tag}",
                          "linear": name, "rank": rank, "slots": num_slots, "rows": num_tokens,
                          "splits": cfg.num_k_splits, "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
-                         "chosen": (splits, chunks) == chosen and not tiles, "ms": ms, **b.last,
+                         "chosen": is_chosen, "ms": ms, **b.last,
                          "modeled_us": modeled, "rel_err": err, "dry_run": b.dry})
     return rows
 

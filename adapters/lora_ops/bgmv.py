@@ -25,25 +25,39 @@ import torch
 from adapters.lora_ops.stack import LoRAStack
 from adapters.lora_ops.torch_ops import torch_add_lora_rows
 
-# the latency model of `choose_splits` (docs/lora_kernels.md), fitted to the H200's sweep of decode configs
-# (results/gpu_run_h200_2026-11-27b/kernels.json "sweep": q/k/v, gate/up and down at 64 rows over 8 and 32 adapters,
-# 40 configs, mean error 10%): a launch pair takes ~0.9 us per tile iteration of its longest program (the loads of
-# a program are a chain of dependent latencies: the bytes, ~3 MB a launch, are under a microsecond of HBM time),
-# plus a cost per program of each grid (empty ones too), plus a fixed cost
-TILE_US = 0.91
-SHRINK_PROGRAM_US = 0.023
-EXPAND_PROGRAM_US = 0.0072
-LAUNCH_PAIR_US = 3.1
+# the latency model of `choose_config` (docs/lora_kernels.md), fitted to the H200's sweep of decode configs
+# (results/gpu_run_h200_2026-11-27c/kernels.json "sweep": q/k/v, gate/up and down at 64 and 256 rows over 8 and 32
+# adapters, pools of rank 16 and 64, tiles of TILE_OPTIONS, 106 configs, mean error 11%; the earlier run's 40
+# configs, not fitted: 12%): a launch pair takes a latency per tile iteration of its longest shrink and expand
+# programs (the loads of a program are a chain of dependent latencies: the bytes, ~3 MB a launch, are under a
+# microsecond of HBM time), a wider tile a little more per iteration (per 1,024 values of its A or B tile), a
+# latency per extra load of K-split partials, a cost per program of each grid (empty ones too), and a fixed cost
+SHRINK_ITERATION_US = 0.74
+SHRINK_US_PER_KVALUES = 0.133      # per 1,024 values of an A tile (BLOCK_K x BLOCK_R), per iteration
+EXPAND_ITERATION_US = 0.66
+EXPAND_US_PER_KVALUES = 0.287      # per 1,024 values of a B tile (BLOCK_R x BLOCK_N), per iteration
+PARTIALS_LOAD_US = 6.8             # each load of partials past the first (more than splits_per_load splits)
+SHRINK_PROGRAM_US = 0.0059
+EXPAND_PROGRAM_US = 0.0085
+LAUNCH_PAIR_US = 6.10
 SPLIT_OPTIONS = (1, 2, 4, 8, 16, 32)
 CHUNK_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
+# (BLOCK_K, BLOCK_N) of the compiled kernels, the sweep's tiles: fewer, wider iterations beat more splits of narrow
+# ones (q/k/v at 64 rows over 8 rank-16 adapters: 17.2 us at 256 x 256, 21.6 us at the best 64 x 64 config); an A
+# or B tile holds at most MAX_TILE_VALUES values (a rank-64 pool: 256 columns; at 512 x 256 it ran 2.7x slower).
+# The sweep ran bf16 weights: fp32 ones (tests, --dtype float32) keep the first, whose tl.dot operands fit the
+# shared memory at any rank the pool takes
+TILE_OPTIONS = ((64, 64), (128, 128), (256, 128), (256, 256))
+MAX_TILE_VALUES = 16384
+# the tiles are fixed per stack (one compiled variant per fused linear, whatever the batch size): chosen at this
+# many padded rows, a decode batch's typical size; the splits and chunks then follow each batch size
+TILE_REFERENCE_ROWS = 64
+INTERPRETER_TILE = 32     # the interpreter's BLOCK_K / BLOCK_N (speed); it keeps the GPU's splits and chunks
 # K-split partials expand sums per load: one [splits_per_load(BLOCK_R), BLOCK_M, BLOCK_R] fp32 tile of at most
 # PARTIALS_TILE values (32 registers a thread at 4 warps), so 16 splits of a rank-16 pool cost two dependent loads,
 # not sixteen
 PARTIALS_PER_LOAD = 8
 PARTIALS_TILE = 4096
-# tile widths of the compiled kernels (the interpreter runs 32 for speed; the model always counts these)
-GPU_BLOCK_K = 64
-GPU_BLOCK_N = 64
 # rows of one group a program takes at a time (tl.dot's minimum): decode groups are mostly smaller (64 rows over 8+
 # adapters); a larger group loops and re-reads its A/B tiles once per 16 rows. The default of every metadata; a
 # metadata built with larger groups (`group_rows`, one of GROUP_ROWS_OPTIONS) runs the kernels with that BLOCK_M:
@@ -172,52 +186,94 @@ def effective_splits(k_tiles: int, splits: int) -> int:
 
 
 def config_cost_us(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int, splits: int,
-                   chunks: int, block_r: int = 16, block_m: int = BLOCK_M) -> float:
+                   chunks: int, block_r: int = 16, block_m: int = BLOCK_M, block_k: int = 64,
+                   block_n: int = 64) -> float:
     """Modeled time of shrink + expand with `splits` K splits and `chunks` column chunks at `num_rows` padded rows and
-    a pool of `num_slots` (rank tile `block_r`, groups of at most `block_m` rows): shrink's programs walk their K
-    range in GPU_BLOCK_K tiles; expand's sum the partials (`splits_per_load` a load), then walk their column tiles;
-    every program of both grids (`max_groups` groups x slices x splits or chunks) costs its share of the launch.
-    Fitted at BLOCK_M 16: for larger groups it assumes a tile iteration costs the same whatever its rows (a latency
-    chain), not measured yet."""
+    a pool of `num_slots` (tiles BLOCK_K x BLOCK_N, rank tile `block_r`, groups of at most `block_m` rows): shrink's
+    programs walk their K range in `block_k` tiles; expand's sum the partials (`splits_per_load` a load), then walk
+    their column tiles; every program of both grids (`max_groups` groups x slices x splits or chunks) costs its share
+    of the launch. Fitted at BLOCK_M 16: for larger groups it assumes a tile iteration costs the same whatever its
+    rows (a latency chain), not measured yet."""
     s = len(slice_sizes)
-    k_tiles = -(-in_features // GPU_BLOCK_K)
-    n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
-    iterations = -(-k_tiles // splits) + -(-splits // splits_per_load(block_r, block_m)) + -(-n_tiles // chunks)
+    k_tiles = -(-in_features // block_k)
+    n_tiles = max(-(-n // block_n) for n in slice_sizes)
+    splits = effective_splits(k_tiles, splits)
+    chunks = max(1, min(chunks, n_tiles))
+    shrink = -(-k_tiles // splits) * (SHRINK_ITERATION_US + SHRINK_US_PER_KVALUES * block_k * block_r / 1024)
+    expand = -(-n_tiles // chunks) * (EXPAND_ITERATION_US + EXPAND_US_PER_KVALUES * block_n * block_r / 1024)
+    partials = (-(-splits // splits_per_load(block_r, block_m)) - 1) * PARTIALS_LOAD_US
     grid = max_groups(num_rows, num_slots, block_m) * s
-    return TILE_US * iterations + SHRINK_PROGRAM_US * grid * splits + EXPAND_PROGRAM_US * grid * chunks + LAUNCH_PAIR_US
+    return shrink + expand + partials + SHRINK_PROGRAM_US * grid * splits + EXPAND_PROGRAM_US * grid * chunks \
+        + LAUNCH_PAIR_US
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int,
-                  block_r: int = 16, block_m: int = BLOCK_M) -> tuple[int, int]:
-    """(K splits of shrink, column chunks of expand) of least `config_cost_us`, the fewest on a tie, among the
-    configs a launch runs (`effective_splits` of each option: at most one split per K tile; at most one chunk per
-    column tile of the widest slice). Decode launches are latency-bound, so splits and chunks shorten the programs'
-    chains of tiles until the programs themselves cost more. Cached: an eager step asks once per fused linear,
-    with a handful of distinct shapes."""
-    k_tiles = -(-in_features // GPU_BLOCK_K)
-    n_tiles = max(-(-n // GPU_BLOCK_N) for n in slice_sizes)
+                  block_r: int = 16, block_m: int = BLOCK_M, block_k: int = 64, block_n: int = 64) -> tuple[int, int]:
+    """(K splits of shrink, column chunks of expand) of least `config_cost_us` at these tiles, the fewest on a tie,
+    among the configs a launch runs (`effective_splits` of each option: at most one split per K tile; at most one
+    chunk per column tile of the widest slice). Decode launches are latency-bound, so splits and chunks shorten the
+    programs' chains of tiles until the programs themselves cost more. Cached: an eager step asks once per fused
+    linear, with a handful of distinct shapes."""
+    k_tiles = -(-in_features // block_k)
+    n_tiles = max(-(-n // block_n) for n in slice_sizes)
     best = (float("inf"), 1, 1)
     for splits in sorted({effective_splits(k_tiles, n) for n in SPLIT_OPTIONS}):
         for chunks in CHUNK_OPTIONS:
             if chunks > n_tiles:
                 break
-            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks, block_r, block_m)
+            cost = config_cost_us(in_features, slice_sizes, num_slots, num_rows, splits, chunks, block_r, block_m,
+                                  block_k, block_n)
             if cost < best[0] * (1 - 1e-9):
                 best = (cost, splits, chunks)
     return best[1], best[2]
 
 
+def tile_options(block_r: int, elem_bytes: int = 2) -> tuple[tuple[int, int], ...]:
+    """The (BLOCK_K, BLOCK_N) of TILE_OPTIONS whose A and B tiles hold at most MAX_TILE_VALUES values at `block_r`;
+    the first only for weights of more than 2 bytes (not measured wider)."""
+    if elem_bytes > 2:
+        return TILE_OPTIONS[:1]
+    fits = tuple(t for t in TILE_OPTIONS if max(t) * block_r <= MAX_TILE_VALUES)
+    return fits or TILE_OPTIONS[:1]
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_tiles(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, block_r: int = 16,
+                 block_m: int = BLOCK_M, elem_bytes: int = 2) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_N) of a stack: the `tile_options` whose best splits and chunks cost least at
+    TILE_REFERENCE_ROWS padded rows (the first on a tie). Fixed per stack, never per batch size: one compiled variant
+    per fused linear."""
+    best = (float("inf"), TILE_OPTIONS[0])
+    for bk, bn in tile_options(block_r, elem_bytes):
+        splits, chunks = choose_splits(in_features, slice_sizes, num_slots, TILE_REFERENCE_ROWS, block_r, block_m,
+                                       bk, bn)
+        cost = config_cost_us(in_features, slice_sizes, num_slots, TILE_REFERENCE_ROWS, splits, chunks, block_r,
+                              block_m, bk, bn)
+        if cost < best[0] * (1 - 1e-9):
+            best = (cost, (bk, bn))
+    return best[1]
+
+
+def choose_config(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int,
+                  block_r: int = 16, block_m: int = BLOCK_M, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_K, BLOCK_N, K splits, column chunks) of a stack at `num_rows` padded rows: the stack's tiles
+    (`choose_tiles`), then the splits and chunks of least modeled time at those tiles and rows."""
+    bk, bn = choose_tiles(in_features, slice_sizes, num_slots, block_r, block_m, elem_bytes)
+    return (bk, bn, *choose_splits(in_features, slice_sizes, num_slots, num_rows, block_r, block_m, bk, bn))
+
+
 def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None = None,
                 block_m: int = BLOCK_M) -> BGMVConfig:
     """The decode config of `stack` at `num_rows` padded rows in groups of at most `block_m` rows (the metadata's
-    `group_rows`); `k_split_cols` forces K splits of that many columns (tests), otherwise `choose_splits` decides."""
-    interpreted = _interpreted(stack.lora_a)
+    `group_rows`); `k_split_cols` forces K splits of that many columns (tests), otherwise `choose_config` decides.
+    The interpreter runs INTERPRETER_TILE-wide tiles with the GPU's splits and chunks."""
     block_r = max(16, _next_pow2(stack.max_rank))
-    block_k = 32 if interpreted else 64
-    block_n = 32 if interpreted else 64
-    splits, chunks = choose_splits(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows, block_r, block_m)
-    return config_with_splits(block_m, block_r, block_k, block_n, stack.in_features,
+    bk, bn, splits, chunks = choose_config(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows, block_r,
+                                           block_m, stack.lora_a.element_size())
+    if _interpreted(stack.lora_a):
+        bk = bn = INTERPRETER_TILE
+    return config_with_splits(block_m, block_r, bk, bn, stack.in_features,
                               splits if k_split_cols is None else -(-stack.in_features // k_split_cols),
                               chunks, max(stack.slice_sizes))
 
@@ -233,17 +289,18 @@ def config_with_splits(block_m: int, block_r: int, block_k: int, block_n: int, k
 
 
 def scaled_config(stack: LoRAStack, real_in: int, real_sizes: tuple[int, ...], num_rows: int,
-                  scale: int, block_m: int = BLOCK_M) -> BGMVConfig:
-    """The config the kernels choose at the real widths (in `real_in`, slices `real_sizes`), with every width of
-    the tiling divided by `scale`: run on a stack `scale` times narrower, it launches the real grids
-    (benchmarks/lora_kernel_bytes.py, which counts bytes in the interpreter at reduced widths)."""
-    splits, chunks = choose_splits(real_in, real_sizes, stack.num_slots, num_rows, max(16, _next_pow2(stack.max_rank)),
-                                   block_m)
-    tile = max(16, 64 // scale)
-    cfg = config_with_splits(block_m, max(16, _next_pow2(stack.max_rank)), tile, tile, stack.in_features, splits,
-                             chunks, max(stack.slice_sizes))
+                  scale: int, block_m: int = BLOCK_M, real_elem_bytes: int = 2) -> BGMVConfig:
+    """The config the kernels choose at the real widths (in `real_in`, slices `real_sizes`, weights of
+    `real_elem_bytes`), with every width of the tiling divided by `scale`: run on a stack `scale` times narrower (of
+    any dtype), it launches the real grids (benchmarks/lora_kernel_bytes.py, which counts bytes in the interpreter
+    at reduced widths)."""
+    block_r = max(16, _next_pow2(stack.max_rank))
+    bk, bn, splits, chunks = choose_config(real_in, real_sizes, stack.num_slots, num_rows, block_r, block_m,
+                                           real_elem_bytes)
+    cfg = config_with_splits(block_m, block_r, max(16, bk // scale), max(16, bn // scale), stack.in_features,
+                             splits, chunks, max(stack.slice_sizes))
     assert cfg.num_k_splits == splits and cfg.num_n_chunks == chunks, \
-        f"{cfg} does not scale to {splits}/{chunks}: tiles of 64 / {scale} columns are under 16 (scale at most 4)"
+        f"{cfg} does not scale to {splits}/{chunks}: tiles of {bk} x {bn} / {scale} columns are under 16"
     return cfg
 
 

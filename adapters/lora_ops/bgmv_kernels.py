@@ -21,7 +21,7 @@ Every load of A, B and h stops at the slot's real rank (masked lanes issue no me
 in a pool sized for 64 reads 8 rows of A and 8 columns of B. Empty groups and rank-0 slices exit after loading
 two ints. A group of more than BLOCK_M rows (metadata built with larger groups) would loop, re-reading A/B per
 BLOCK_M rows. The K split and column chunking are runtime arguments chosen per stack by a
-latency model (`bgmv.choose_splits`), BLOCK_* fixed per stack: one compiled variant per fused linear.
+latency model (`bgmv.choose_config`), the BLOCK_* tiles fixed per stack: one compiled variant per fused linear.
 
 DOT_FP32 upcasts the tiles and runs an exact (IEEE) fp32 `tl.dot`: fp32 activations (parity with PEFT) and the
 CPU interpreter, which mis-computes bf16 dots. Import after TRITON_INTERPRET is set.

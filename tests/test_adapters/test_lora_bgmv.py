@@ -14,9 +14,10 @@ pytest.importorskip("triton")
 
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora  # noqa: E402
 from adapters.lora_ops.bgmv import (  # noqa: E402
-    BLOCK_M, CHUNK_OPTIONS, GPU_BLOCK_K, GPU_BLOCK_N, GROUP_ROWS_OPTIONS, PARTIALS_PER_LOAD, SPLIT_OPTIONS,
-    BGMVConfig, DecodeLoRAMeta, bgmv_config, choose_splits, config_cost_us, config_with_splits, decode_groups,
-    effective_splits, max_groups, scaled_config, splits_per_load, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    BLOCK_M, CHUNK_OPTIONS, GROUP_ROWS_OPTIONS, INTERPRETER_TILE, PARTIALS_PER_LOAD, SPLIT_OPTIONS,
+    TILE_OPTIONS, TILE_REFERENCE_ROWS, BGMVConfig, DecodeLoRAMeta, bgmv_config, choose_config, choose_splits,
+    config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config, splits_per_load,
+    tile_options, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
@@ -179,7 +180,20 @@ def test_bgmv_config_is_fixed_per_stack() -> None:
 H200_QKV = [(8, 64, 2, 8, 43.3), (32, 64, 2, 2, 65.2), (32, 256, 2, 2, 66.4), (8, 512, 2, 2, 59.8)]
 LLAMA_8B = {"q/k/v": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate/up": (4096, (14336, 14336)),
             "down": (14336, (4096,))}
-SWEEP = Path(__file__).resolve().parents[2] / "benchmarks/results/gpu_run_h200_2026-11-27b/kernels.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
+SWEEP = RESULTS / "gpu_run_h200_2026-11-27c/kernels.json"            # the constants are fitted to this one
+EARLIER_SWEEP = RESULTS / "gpu_run_h200_2026-11-27b/kernels.json"    # not fitted to
+
+
+def sweep_rows(path: Path) -> list[dict]:
+    """A sweep's rows at the tiles the model may choose (`tile_options` at the pool's rank tile)."""
+    rows = json.loads(path.read_text())["sweep"]
+    return [r for r in rows if (r.get("block_k", 64), r.get("block_n", 64)) in tile_options(max(16, r.get("rank", 16)))]
+
+
+def modeled_us(r: dict) -> float:
+    return config_cost_us(*LLAMA_8B[r["linear"]], r["slots"], r["rows"], r["splits"], r["chunks"],
+                          max(16, r.get("rank", 16)), BLOCK_M, r.get("block_k", 64), r.get("block_n", 64))
 
 
 @pytest.mark.parametrize("slots, rows, splits, chunks, measured_us", H200_QKV)
@@ -190,50 +204,89 @@ def test_latency_model_predicts_the_first_h200_run(slots: int, rows: int, splits
     assert abs(modeled / measured_us - 1) <= 0.17, (modeled, measured_us)
 
 
-def test_latency_model_fits_the_h200_sweep() -> None:
-    """The 40 configs of the sweep its constants are fitted to: mean error <= 12%, none past 40%; and on every shape
-    the model's choice ran within 15% of the fastest config measured there (or was not among them)."""
-    rows = json.loads(SWEEP.read_text())["sweep"]
-    errs = [config_cost_us(*LLAMA_8B[r["linear"]], r["slots"], r["rows"], r["splits"], r["chunks"])
-            / (1e3 * r["ms"]) - 1 for r in rows]
-    assert len(errs) == 40 and np.mean(np.abs(errs)) <= 0.12 and max(np.abs(errs)) <= 0.40, errs
-    for name, slots, num_rows in {(r["linear"], r["slots"], r["rows"]) for r in rows}:
-        shape = [r for r in rows if (r["linear"], r["slots"], r["rows"]) == (name, slots, num_rows)]
-        choice = choose_splits(*LLAMA_8B[name], slots, num_rows)
-        ran = [1e3 * r["ms"] for r in shape if (r["splits"], r["chunks"]) == choice]
-        assert not ran or ran[0] <= 1.15 * min(1e3 * r["ms"] for r in shape), (name, slots, choice, ran)
+def test_latency_model_fits_the_h200_sweeps() -> None:
+    """The 106 configs of the sweep its constants are fitted to (the tiles of TILE_OPTIONS, ranks 16 and 64, 64 and
+    256 rows): mean error <= 12%, none past 45%; the earlier run's 40 configs, not fitted to: mean error <= 13%."""
+    rows = sweep_rows(SWEEP)
+    errs = np.array([modeled_us(r) / (1e3 * r["ms"]) - 1 for r in rows])
+    assert len(errs) == 106 and np.mean(np.abs(errs)) <= 0.12 and np.max(np.abs(errs)) <= 0.45, errs
+    earlier = np.array([modeled_us(r) / (1e3 * r["ms"]) - 1 for r in sweep_rows(EARLIER_SWEEP)])
+    assert len(earlier) == 40 and np.mean(np.abs(earlier)) <= 0.13, earlier
+
+
+def test_the_models_choice_was_the_sweeps_fastest() -> None:
+    """On every shape of the sweep, the configs the model ranks first among those measured ran within 5% of the
+    fastest measured; where the model's own choice (tiles, splits, chunks) was measured, within 10%. The 64-column
+    choice of the earlier model ran 1.15-1.52x the fastest on these shapes."""
+    shapes: dict[tuple, list[dict]] = {}
+    for r in sweep_rows(SWEEP):
+        shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"]), []).append(r)
+    assert len(shapes) == 8
+    for (name, rank, slots, num_rows), rs in shapes.items():
+        fastest = min(1e3 * r["ms"] for r in rs)
+        ranked = min(rs, key=modeled_us)
+        assert 1e3 * ranked["ms"] <= 1.05 * fastest, (name, rank, slots, num_rows, ranked["name"])
+        bk, bn, splits, chunks = choose_config(*LLAMA_8B[name], slots, num_rows, max(16, rank))
+        ran = [1e3 * r["ms"] for r in rs
+               if (r.get("block_k", 64), r.get("block_n", 64), r["splits"], r["chunks"]) == (bk, bn, splits, chunks)]
+        assert not ran or ran[0] <= 1.10 * fastest, (name, rank, slots, num_rows, (bk, bn, splits, chunks), ran)
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_8B))
 @pytest.mark.parametrize("slots, rows", [(8, 1), (8, 64), (32, 64), (32, 256), (8, 512), (4, 2048)])
-def test_choose_splits_is_the_models_least_cost(name: str, slots: int, rows: int) -> None:
-    """The chosen (splits, chunks) is the model's least cost among every option (the fewest on a tie), within one
-    K tile a split and one column tile a chunk; at 64 decode rows it is well under the old bytes model's choice."""
+@pytest.mark.parametrize("block_r", [16, 64])
+def test_choose_config_is_the_models_least_cost(name: str, slots: int, rows: int, block_r: int) -> None:
+    """The stack's tiles are the model's least cost among `tile_options` at TILE_REFERENCE_ROWS, whatever the batch
+    size; the chosen (splits, chunks) is the least cost at those tiles among every option (the fewest on a tie),
+    within one K tile a split and one column tile a chunk; at 64 decode rows it is well under the old bytes
+    model's choice."""
     k, sizes = LLAMA_8B[name]
-    k_tiles, n_tiles = -(-k // GPU_BLOCK_K), max(-(-n // GPU_BLOCK_N) for n in sizes)
-    splits, chunks = choose_splits(k, sizes, slots, rows)
+    bk, bn, splits, chunks = choose_config(k, sizes, slots, rows, block_r)
+    assert (bk, bn) in tile_options(block_r)
+    assert all(choose_config(k, sizes, slots, n, block_r)[:2] == (bk, bn) for n in (1, 8, 64, 256, 2048))
+
+    def least(tiles: tuple[int, int]) -> float:
+        s_, c_ = choose_splits(k, sizes, slots, TILE_REFERENCE_ROWS, block_r, BLOCK_M, *tiles)
+        return config_cost_us(k, sizes, slots, TILE_REFERENCE_ROWS, s_, c_, block_r, BLOCK_M, *tiles)
+
+    assert all(least((bk, bn)) <= least(t) * (1 + 1e-9) for t in tile_options(block_r))
+    k_tiles, n_tiles = -(-k // bk), max(-(-n // bn) for n in sizes)
     assert splits <= k_tiles and chunks <= n_tiles
-    best = config_cost_us(k, sizes, slots, rows, splits, chunks)
+    best = config_cost_us(k, sizes, slots, rows, splits, chunks, block_r, BLOCK_M, bk, bn)
     for s in sorted({effective_splits(k_tiles, n) for n in SPLIT_OPTIONS}):
         for c in (c for c in CHUNK_OPTIONS if c <= n_tiles):
-            other = config_cost_us(k, sizes, slots, rows, s, c)
+            other = config_cost_us(k, sizes, slots, rows, s, c, block_r, BLOCK_M, bk, bn)
             assert best <= other * (1 + 1e-9), ((splits, chunks), (s, c))
             assert other > best * (1 + 1e-9) or (splits, chunks) <= (s, c), "a tie goes to the fewest"
-    if name == "q/k/v" and rows == 64:
+    if name == "q/k/v" and rows == 64 and block_r == 16:
         old = next(m for s_, r_, _, _, m in H200_QKV if (s_, r_) == (slots, rows))
         assert best < 0.7 * old, (best, old)
+
+
+def test_tiles_hold_at_most_a_rank_64_tile_and_fp32_keeps_the_narrow_ones() -> None:
+    """A rank-64 pool may take 256-column tiles (16,384 values an A or B tile), a rank-128 one 128 at most; fp32
+    weights keep 64 x 64 (the sweep measured bf16); the interpreter runs its own narrow tiles with the GPU's
+    splits and chunks."""
+    assert tile_options(16) == tile_options(64) == TILE_OPTIONS
+    assert tile_options(128) == ((64, 64), (128, 128))
+    assert tile_options(16, elem_bytes=4) == ((64, 64),)
+    assert choose_config(4096, (4096, 1024, 1024), 8, 64, 16)[:2] == (256, 256)
+    stack = nan_stack(*CASES[0])
+    cfg = bgmv_config(stack, 8)
+    if stack.lora_a.device.type != "cuda":
+        assert (cfg.block_k, cfg.block_n) == (INTERPRETER_TILE, INTERPRETER_TILE)
 
 
 @pytest.mark.parametrize("k, sizes, rows", [(18944, (3584,), 64), (13824, (4096,), 64), (3584, (3584,), 1),
                                             (1040, (24,), 9), (4096, (4096, 1024, 1024), 64)])
 def test_the_chosen_config_is_the_one_that_launches(k: int, sizes: tuple[int, ...], rows: int) -> None:
-    """K tiles that the chosen splits do not divide (18944 / 64 = 296 tiles) run as fewer splits of whole tiles: the
+    """K tiles that the chosen splits do not divide (18944 / 256 = 74 tiles) run as fewer splits of whole tiles: the
     model prices and returns the config that launches, and the 1/4-width byte count (`scaled_config`) scales it."""
-    splits, chunks = choose_splits(k, sizes, 8, rows)
-    cfg = config_with_splits(BLOCK_M, 16, GPU_BLOCK_K, GPU_BLOCK_N, k, splits, chunks, max(sizes))
+    bk, bn, splits, chunks = choose_config(k, sizes, 8, rows)
+    cfg = config_with_splits(BLOCK_M, 16, bk, bn, k, splits, chunks, max(sizes))
     assert (cfg.num_k_splits, cfg.num_n_chunks) == (splits, chunks)
-    assert effective_splits(-(-k // GPU_BLOCK_K), splits) == splits
-    if k % 256 == 0 and all(n % 256 == 0 for n in sizes):
+    assert effective_splits(-(-k // bk), splits) == splits
+    if k % 1024 == 0 and all(n % 1024 == 0 for n in sizes):
         narrow = nan_stack(8, 16, k // 4, tuple(n // 4 for n in sizes), [[16] * 8] * len(sizes))
         assert scaled_config(narrow, k, sizes, rows, 4).num_k_splits == splits
 
