@@ -9,7 +9,8 @@ Stages run in order (`STAGES`), each as subprocesses with its own time limit (<=
 process instead, which imported torch once). Each writes its results
 under <results>/gpu_run/ (<results>: benchmarks/results, or --results) together with `<stage>.stage.json` (status,
 seconds, the commands, the log's tail): a later call skips stages that finished ("ok") and goes on with the
-next; a failed or timed-out stage is retried only when named (`--stages`) or with --retry-failed. After every
+next; a failed or timed-out stage is retried only when named (`--stages`) or with --retry-failed, and a stage
+named in `--stages` runs whatever its state (one that finished, e.g. the tests after a fix, too). After every
 stage the state folder is packed into $OUT/gpu_run.tar.gz (when OUT is set): unpack it into the repository before
 the next call (`tar xzf .../gpu_run.tar.gz -C <repo>`), so a fresh machine resumes too. The summary stage runs at
 the end of every call: the table it prints last covers every stage, pending ones as "not measured yet".
@@ -124,6 +125,19 @@ SUMMARY = Stage("summary", 10, lambda d: [["gpu_summary.py", *_dry(d)]], "the ta
 
 def stage_file(results: Path, name: str) -> Path:
     return results / STAGE_DIR / f"{name}.stage.json"
+
+
+def wanted(name: str, status: str, named: list[str] | None, force: bool, retry_failed: bool) -> bool:
+    """Whether this call runs a stage: every stage named in `--stages`, whatever its state (naming it is the
+    intent: a finished one runs again too); otherwise the pending ones, the finished ones with --force and the failed
+    or timed-out ones with --retry-failed."""
+    if named is not None:
+        return name in named
+    if status == "ok":
+        return force
+    if status in ("failed", "timeout"):
+        return retry_failed or force
+    return True
 
 
 def stage_status(results: Path, name: str) -> str:
@@ -255,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no stage whose estimate would end past this (default 540; the dry run: no limit)")
     ap.add_argument("--retry-failed", action="store_true", help="run failed / timed-out stages again")
-    ap.add_argument("--force", action="store_true", help="run the chosen stages even if they finished")
+    ap.add_argument("--force", action="store_true", help="run every stage again, finished ones too (a stage named in "
+                    "--stages runs anyway)")
     ap.add_argument("--results", type=Path, default=None,
                     help="results folder (default benchmarks/results; the dry run: benchmarks/results/tmp/gpu_dry)")
     ap.add_argument("--list", action="store_true")
@@ -282,11 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     started, ran = time.perf_counter(), []
     for stage in STAGES:
         status = stage_status(results, stage.name)
-        if named is not None and stage.name not in named:
-            continue
-        if status == "ok" and not args.force:
-            continue
-        if status in ("failed", "timeout") and named is None and not args.retry_failed:
+        if not wanted(stage.name, status, named, args.force, args.retry_failed):
             continue
         elapsed = time.perf_counter() - started
         if ran and elapsed + stage.estimate_s > budget:

@@ -192,3 +192,20 @@ def test_the_table_reads_the_sweep_and_the_serving_traces(tmp_path: Path) -> Non
         else:
             assert len(rows) == 4 and "(1.12x the fastest 8 x 32: 21.3 us)" in rows[0]["measured"]
         assert all(r["met"] is None and "unreadable" not in r["measured"] for r in rows)
+
+
+def test_a_named_stage_runs_whatever_its_state() -> None:
+    """A stage named in --stages runs even when it finished: on 2026-11-27 a named `tests` stage whose tests had
+    failed (the command itself ran: status ok) was skipped, and the device call re-ran nothing of it. Unnamed:
+    pending ones run, finished ones only with --force, failed ones with --retry-failed or --force."""
+    import gpu_run
+
+    for status in ("pending", "ok", "failed", "timeout"):
+        assert gpu_run.wanted("tests", status, ["tests", "lora"], force=False, retry_failed=False)
+        assert not gpu_run.wanted("kernels", status, ["tests", "lora"], force=True, retry_failed=True)
+    assert gpu_run.wanted("tests", "pending", None, force=False, retry_failed=False)
+    assert not gpu_run.wanted("tests", "ok", None, force=False, retry_failed=True)
+    assert gpu_run.wanted("tests", "ok", None, force=True, retry_failed=False)
+    assert not gpu_run.wanted("tests", "failed", None, force=False, retry_failed=False)
+    assert gpu_run.wanted("tests", "timeout", None, force=False, retry_failed=True)
+    assert gpu_run.wanted("tests", "failed", None, force=True, retry_failed=False)
