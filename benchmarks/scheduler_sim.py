@@ -165,17 +165,18 @@ class Machine:
 def simulate(work: Workload, max_step_ms: float | None, coef: np.ndarray, noise: float, seed: int,
              max_num_batched_tokens: int = 2048, num_blocks: int = 16384, block_size: int = 16,
              drift: float = 0.0, drift_corr: float = 0.0, level: bool = True, shape: Shape = Shape(),
-             max_loras: int = 4) -> Result:
+             max_loras: int = 4, warm_shape: Shape | None = None, num_warm: int = 12) -> Result:
     """`work` on a fresh scheduler warmed up as latency_slo.py warms its servers (12 requests at once, so the
-    step-time model is fitted before the measured requests arrive); `level=False` holds the step-time model's
-    residual level at rest (the fit alone)."""
+    step-time model is fitted before the measured requests arrive), or on one that first served `num_warm`
+    requests of `warm_shape` at once (serving.py's order: the base model's workload, then the mix's, on one
+    server); `level=False` holds the step-time model's residual level at rest (the fit alone)."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens,
                                       max_step_ms=max_step_ms), kv, max_model_len=4096, max_loras=max_loras)
     if not level:
         sched.step_time.level = ResidualLevel(gains=(0.0,))
     machine = Machine(noise, seed, drift, drift_corr)
-    run(sched, make_workload(12, float("inf"), 10_000, shape), coef, machine, "w")
+    run(sched, make_workload(num_warm, float("inf"), 10_000, warm_shape or shape), coef, machine, "w")
     return run(sched, work, coef, machine, "r")
 
 
@@ -249,8 +250,12 @@ def main() -> None:
                     help="steps of waiting after which the auto budget stops sizing a prefill "
                          "(step_budget.BUDGET_EXEMPT_STEPS; a large value: never)")
     ap.add_argument("--typical-steps", type=int, default=step_time.TYPICAL_GAP_STEPS,
-                    help="decode-only steps the auto budget's typical gap is the median over "
+                    help="the last steps whose decode-only ones the auto budget's typical gap is the median over "
                          "(step_time.TYPICAL_GAP_STEPS)")
+    ap.add_argument("--warm-workload", choices=tuple(SHAPES), default=None,
+                    help="warm the scheduler up on this workload's requests instead of the measured one's (serving.py "
+                         "runs the base model's workload before the mix's on one server)")
+    ap.add_argument("--warm-requests", type=int, default=12, help="requests of the warm-up, all at once")
     ap.add_argument("--backlog-steps", type=int, default=step_budget.BACKLOG_STEPS,
                     help="a step with decode rows carries at least the prefill backlog / this many tokens "
                          "(step_budget.BACKLOG_STEPS; a large value: only the minimum chunk)")
@@ -272,7 +277,8 @@ def main() -> None:
         for s in range(args.seeds):
             r = simulate(make_workload(args.num_requests, rate, 1 + s, shape), budget, coef, args.noise, s,
                          drift=args.drift, drift_corr=args.drift_corr, level=not args.no_level, shape=shape,
-                         max_loras=max_loras)
+                         max_loras=max_loras, warm_shape=SHAPES[args.warm_workload] if args.warm_workload else None,
+                         num_warm=args.warm_requests)
             total.ttft += r.ttft
             total.gaps += r.gaps
             total.num_output_tokens += r.num_output_tokens

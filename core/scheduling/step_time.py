@@ -53,7 +53,8 @@ _RIDGE = 1e-6           # relative to the scaled normal matrix's diagonal
 LEVEL_GAINS = (0.0, 0.1, 0.2, 0.3, 0.5)   # the residual level's candidate gains (0: no correction)
 LEVEL_MEMORY = 0.99     # per step, the decay of each candidate's mean squared one-step-ahead error
 LEVEL_CLIP = 1.0        # a step's log residual is clipped to +-this before it moves the level (an outlier: e^1 x)
-TYPICAL_GAP_STEPS = 128  # the decode-only steps whose median gap is `typical_decode_s` (the auto budget's yardstick)
+TYPICAL_GAP_STEPS = 128  # the decode-only steps among the last this many steps observed: `typical_decode_s`'s
+                         # sample (the auto budget's yardstick)
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,9 @@ class StepTimeModel:
         self.last_measured_s = 0.0
         self._since_fit = 0
         self._typical_decode_s: float | None = None   # typical_decode_s(), kept until a decode-only step arrives
-        # (seconds, decode rows) of the last decode-only steps: the typical gap's sample
-        self._gaps: deque[tuple[float, int]] = deque(maxlen=TYPICAL_GAP_STEPS)
+        # (seconds, decode rows, observation number) of the decode-only steps among the last TYPICAL_GAP_STEPS
+        # observed: the typical gap's sample
+        self._gaps: deque[tuple[float, int, int]] = deque(maxlen=TYPICAL_GAP_STEPS)
         self.level = ResidualLevel()      # the recent residual of the fit: every prediction is scaled by it
 
     @property
@@ -221,13 +223,18 @@ class StepTimeModel:
 
     def typical_decode_s(self) -> float:
         """The typical gap between two tokens of a decoding request when no prefill is in the way: the median over
-        the decode rows of the last `TYPICAL_GAP_STEPS` decode-only steps (a step of n rows is n gaps, as clients
-        count them) of their measured time; 0.0 before any decode-only step."""
+        the decode rows of the decode-only steps among the last `TYPICAL_GAP_STEPS` steps observed (a step of n rows
+        is n gaps, as clients count them) of their measured time; 0.0 when there is none (the budget then prices the
+        step's own decode rows). A count of decode-only steps alone went stale when they were rare: on the H200
+        (results/gpu_run_h200_2026-11-27c, serving) the 32-adapter mix's first ~600 steps at 50% load, most of them
+        carrying prefill, kept the base model's 7 ms steps of the workload before as the yardstick of their 12 ms
+        ones, so the budget left room for the minimum chunk only, prompts aged into the exemption, and their
+        whole prefills at once made 12 of the 14 worst gaps."""
         if self._typical_decode_s is None:
             self._typical_decode_s = 0.0
             if self._gaps:
-                times = np.array([t for t, _ in self._gaps])              # [n]
-                rows = np.array([n for _, n in self._gaps])               # [n] decode rows
+                times = np.array([t for t, _, _ in self._gaps])           # [n]
+                rows = np.array([n for _, n, _ in self._gaps])            # [n] decode rows
                 order = np.argsort(times, kind="stable")
                 cum = np.cumsum(rows[order])
                 self._typical_decode_s = float(times[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
@@ -251,8 +258,11 @@ class StepTimeModel:
         self.last_measured_s = seconds
         (self._prefill_steps if f.num_prefill_tokens else self._decode_steps).append((f.vector(), float(seconds)))
         if not f.num_prefill_tokens:
-            self._gaps.append((float(seconds), f.num_decode_tokens))
+            self._gaps.append((float(seconds), f.num_decode_tokens, self.num_observations))
             self._typical_decode_s = None        # recomputed on the next ask
+        while self._gaps and self._gaps[0][2] <= self.num_observations - TYPICAL_GAP_STEPS:
+            self._gaps.popleft()                 # older than the last TYPICAL_GAP_STEPS steps
+            self._typical_decode_s = None
         self.num_observations += 1
         self._since_fit += 1
         if self.num_kept >= self.min_observations and (self._since_fit >= self.refit_every or not self.ready):
@@ -284,8 +294,10 @@ class StepTimeModel:
         assert all(t > 0.0 for _, t in [*self._prefill_steps, *self._decode_steps]), "a non-positive step time"
         assert all(e >= 0.0 and np.isfinite(e) for e in self._errors), "a bad prediction error"
         assert self.num_observations >= self.num_kept
-        assert len(self._gaps) <= (self._gaps.maxlen or 0) and all(t > 0.0 and n > 0 for t, n in self._gaps), \
+        assert len(self._gaps) <= (self._gaps.maxlen or 0) and all(t > 0.0 and n > 0 for t, n, _ in self._gaps), \
             "a bad decode-only step in the typical gap's sample"
+        assert all(self.num_observations - TYPICAL_GAP_STEPS <= i < self.num_observations for _, _, i in self._gaps), \
+            "a decode-only step older than the typical gap's last steps"
         if self._typical_decode_s is not None:
             cached, self._typical_decode_s = self._typical_decode_s, None
             assert self.typical_decode_s() == cached, "a stale typical decode step"

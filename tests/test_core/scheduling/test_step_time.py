@@ -212,9 +212,9 @@ def test_an_outlier_step_moves_the_level_a_bounded_step() -> None:
 
 
 def test_typical_decode_step_is_the_median_gap_over_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The auto budget's yardstick: the median inter-token gap of the last TYPICAL_GAP_STEPS decode-only steps as
-    clients count them (a step of 8 rows is 8 gaps); steps that carry prefill, and those that left the sample, do
-    not count."""
+    """The auto budget's yardstick: the median inter-token gap of the decode-only steps among the last
+    TYPICAL_GAP_STEPS steps as clients count them (a step of 8 rows is 8 gaps); steps that carry prefill, and those
+    that left the sample, do not count."""
     monkeypatch.setattr(step_time, "TYPICAL_GAP_STEPS", 32)
     model = StepTimeModel(window=64)                    # 32 decode-only steps kept
     assert model.typical_decode_s() == 0.0
@@ -226,7 +226,7 @@ def test_typical_decode_step_is_the_median_gap_over_decode_rows(monkeypatch: pyt
     assert model.typical_decode_s() == 0.030                        # 24 of 34 gaps took 30 ms
     for _ in range(19):
         model.observe(StepFeatures(0, 1, 100, 0), 0.012)
-    assert model.typical_decode_s() == 0.012                        # 29 one-row gaps of 10-12 ms against 24
+    assert model.typical_decode_s() == 0.012                        # 26 one-row gaps of 10-12 ms against 24
     for _ in range(32):
         model.observe(StepFeatures(0, 2, 200, 0), 0.020)
         model.check_integrity()
@@ -234,6 +234,29 @@ def test_typical_decode_step_is_the_median_gap_over_decode_rows(monkeypatch: pyt
     for _ in range(20):                                 # 40 gaps of 40 ms among 64 left: the older ones are gone
         model.observe(StepFeatures(0, 2, 200, 0), 0.040)
     assert model.typical_decode_s() == 0.040
+
+
+
+def test_the_typical_gap_forgets_decode_steps_older_than_its_last_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When most steps carry prefill, decode-only steps are rare: a sample of the last N of them reached back to
+    another workload's (the H200's base model at 7 ms before the 32-adapter mix at 12 ms: the mix's budget was
+    sized to the base model's gap for ~600 steps). Only the decode-only steps among the last TYPICAL_GAP_STEPS steps
+    count; with none, the typical gap is 0.0 (the budget prices the step's own decode rows)."""
+    monkeypatch.setattr(step_time, "TYPICAL_GAP_STEPS", 32)
+    model = StepTimeModel(window=64)
+    for _ in range(32):
+        model.observe(StepFeatures(0, 8, 800, 0), 0.007)         # the base model's workload
+    assert model.typical_decode_s() == 0.007
+    for i in range(31):                                         # the mix: prefill in most steps
+        model.observe(StepFeatures(200, 8, 9000, 8, 4), 0.020)
+        if i % 10 == 0:
+            model.observe(StepFeatures(0, 8, 800, 8, 4), 0.012)
+        model.check_integrity()
+    assert model.typical_decode_s() == 0.012                    # 4 of the mix's decode-only steps, not the base's
+    for _ in range(32):
+        model.observe(StepFeatures(200, 8, 9000, 8, 4), 0.020)
+    assert model.typical_decode_s() == 0.0
+    model.check_integrity()
 
 
 def test_adapters_are_counted_once_per_step() -> None:
