@@ -23,6 +23,7 @@ Usage: python benchmarks/gpu_kernels.py [--dry-run] [--name gpu_kernels]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -255,14 +256,21 @@ def lora_rows(b: Bench, s: dict, dtype: torch.dtype, cases: list[tuple[str, int,
 SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 64), ("q/k/v", 4096, (4096, 1024, 1024), 32, 64),
                  ("gate/up", 4096, (14336, 14336), 8, 64), ("down", 14336, (4096,), 8, 64),
                  ("q/k/v", 4096, (4096, 1024, 1024), 8, 256), ("down", 14336, (4096,), 8, 256),
-                 ("q/k/v", 4096, (4096, 1024, 1024), 8, 64, 64), ("down", 14336, (4096,), 8, 64, 64)],
-         True: [("q/k/v", 64, (64, 32, 32), 2, 4)]}
-# (K splits, column chunks[, BLOCK_K, BLOCK_N]): 64-column tiles unless named; the wider tiles ask whether fewer,
-# wider iterations beat more splits (each iteration is a latency, whatever its width)
+                 ("q/k/v", 4096, (4096, 1024, 1024), 8, 64, 64), ("down", 14336, (4096,), 8, 64, 64),
+                 ("q/k/v", 4096, (4096, 1024, 1024), 32, 8, 64, 1), ("down", 14336, (4096,), 32, 8, 64, 1)],
+         True: [("q/k/v", 64, (64, 32, 32), 2, 4), ("q/k/v", 64, (64, 32, 32), 4, 3, 16, 1)]}
+# (a 7th field: the adapters the rows use, all of the pool's slots otherwise. The serving trace of 2026-11-27c: a
+# decode step of up to 7 rows cost 5.5 ms on the base model and 9.0 ms with one adapter in a rank-64 pool of 32
+# slots, so the LoRA kernels' fixed cost, not their adapters, is what a lightly loaded mix pays)
+# (K splits, column chunks[, BLOCK_K, BLOCK_N[, warps, pipeline stages]]): 64-column tiles unless named, Triton's
+# default warps and stages unless named (None); the wider tiles ask whether fewer, wider iterations beat more splits
+# (each iteration is a latency, whatever its width), the warps and stages whether more loads in flight shorten it
 SWEEP_CONFIGS = {False: [(2, 2), (2, 8), (4, 16), (8, 16), (8, 32), (16, 16), (16, 32), (16, 64), (32, 32), (32, 64),
                          (4, 8, 128, 128), (4, 16, 256, 128), (8, 8, 256, 256), (2, 4, 512, 256),
-                         (4, 16, 256, 256), (8, 16, 256, 256), (8, 32, 256, 128)],
-                 True: [(1, 1), (2, 2), (1, 1, 64, 64)]}
+                         (4, 16, 256, 256), (8, 16, 256, 256), (8, 32, 256, 128),
+                         (8, 8, 256, 256, 8, None), (8, 8, 256, 256, None, 2), (8, 8, 256, 256, None, 4),
+                         (16, 16, 128, 128, 8, None)],
+                 True: [(1, 1), (2, 2), (1, 1, 64, 64), (1, 1, 64, 64, 2, None)]}
 
 
 def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tuple[int, ...]],
@@ -270,9 +278,10 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
     rows = []
     for ci, (name, fan_in, slices, num_slots, num_tokens, *pool) in enumerate(cases):
         rank = pool[0] if pool else default_rank
+        num_live = pool[1] if len(pool) > 1 else num_slots
         stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 100 + ci)
         g = torch.Generator().manual_seed(200 + ci)
-        token_slots = torch.arange(num_tokens) % num_slots                               # every row on an adapter
+        token_slots = torch.arange(num_tokens) % num_live                  # every row on an adapter, num_live of them
         x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
         y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
         y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
@@ -284,10 +293,13 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
         chosen = (*splits_chunks, bk0, bn0) if not b.dry else (*splits_chunks,)
         elem = torch.finfo(dtype).bits // 8
         stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
-                            for i in range(b.copies(_lora_bytes(stack, set(range(num_slots)), elem)) - 1)]
-        for splits, chunks, *tiles in configs + ([chosen] if chosen not in configs else []):
+                            for i in range(b.copies(_lora_bytes(stack, set(range(num_live)), elem)) - 1)]
+        for splits, chunks, *rest in configs + ([chosen] if chosen not in configs else []):
+            tiles = tuple(rest[:2])
+            warps, stages = (tuple(rest[2:4]) + (None, None))[:2]
             bk, bn = tiles or ((64, 64) if not b.dry else (base.block_k, base.block_n))
-            cfg = config_with_splits(base.block_m, base.block_r, bk, bn, fan_in, splits, chunks, max(slices))
+            cfg = dataclasses.replace(config_with_splits(base.block_m, base.block_r, bk, bn, fan_in, splits, chunks,
+                                                         max(slices)), num_warps=warps, num_stages=stages)
             out = y0.clone()
             triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
             ref = y0.float().clone()
@@ -297,12 +309,15 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
                             for st in stacks])
             modeled = config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks, base.block_r,
                                      base.block_m, bk, bn)
-            is_chosen = (splits, chunks, *tiles) == chosen
+            is_chosen = (splits, chunks, *rest) == chosen
             tag = " (the model's choice)" if is_chosen else ""
             tag += f" (tiles K {bk} x N {bn})" if tiles else ""
-            rows.append({"name": f"BGMV sweep: {name} r{rank}, {num_slots} slots x {num_tokens} rows, "
+            tag += f" ({warps or 'default'} warps, {stages or 'default'} stages)" if rest[2:] else ""
+            live = f" on {num_live}" if num_live != num_slots else ""
+            rows.append({"name": f"BGMV sweep: {name} r{rank}, {num_slots} slots x {num_tokens} rows{live}, "
                                  f"{cfg.num_k_splits} splits x {cfg.num_n_chunks} chunks{tag}",
-                         "linear": name, "rank": rank, "slots": num_slots, "rows": num_tokens,
+                         "linear": name, "rank": rank, "slots": num_slots, "rows": num_tokens, "live": num_live,
+                         "num_warps": warps, "num_stages": stages,
                          "splits": cfg.num_k_splits, "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
                          "chosen": is_chosen, "ms": ms, **b.last,
                          "modeled_us": modeled, "rel_err": err, "dry_run": b.dry})

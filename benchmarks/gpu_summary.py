@@ -110,21 +110,25 @@ def sweep_rows(run: Run, table: Table) -> None:
     data = run.data("kernels")
     shapes: dict[tuple, list[dict]] = {}
     for r in (data or {}).get("sweep", []):
-        shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"]), []).append(r)
+        shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"], r.get("live", r["slots"])),
+                          []).append(r)
 
     def config(r: dict) -> str:
         wide = (r.get("block_k", 64), r.get("block_n", 64)) != (64, 64)
-        return f"{r['splits']} x {r['chunks']}" + (f" (tiles {r['block_k']} x {r['block_n']})" if wide else "")
+        launch = [f"{r[k]} {w}" for k, w in (("num_warps", "warps"), ("num_stages", "stages")) if r.get(k)]
+        return f"{r['splits']} x {r['chunks']}" + (f" (tiles {r['block_k']} x {r['block_n']})" if wide else "") + \
+            (f" ({', '.join(launch)})" if launch else "")
 
-    for (linear, rank, slots, rows), rs in shapes.items():
+    for (linear, rank, slots, rows, live), rs in shapes.items():
         best = min(rs, key=lambda r: r["ms"])
         chosen = [r for r in rs if r.get("chosen")]
         text = f"fastest {config(best)}: {1e3 * best['ms']:.1f} us"
         if chosen:
             text = f"choice {config(chosen[0])}: {1e3 * chosen[0]['ms']:.1f} us ({chosen[0]['ms'] / best['ms']:.2f}x " \
                    f"the {text})"
-        table.add_parsed("kernels", f"BGMV launch config, {linear} r{rank}, {slots} slots x {rows} rows: the model's "
-                                    f"choice (K splits x column chunks) vs the sweep's fastest", text)
+        on = f" on {live}" if live != slots else ""
+        table.add_parsed("kernels", f"BGMV launch config, {linear} r{rank}, {slots} slots x {rows} rows{on}: the "
+                                    f"model's choice (K splits x column chunks) vs the sweep's fastest", text)
 
 
 def serving_labels(data: dict) -> list[str]:

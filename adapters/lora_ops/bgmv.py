@@ -162,6 +162,14 @@ class BGMVConfig:
     num_k_splits: int
     k_per_split: int
     num_n_chunks: int
+    # warps a program and pipelining depth of both launches (None: Triton's defaults, 4 warps): what serving runs.
+    # Other values are the kernels stage's sweep, asking whether more loads in flight shorten a latency-bound chain
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def launch_options(self) -> dict[str, int]:
+        """The launch keywords these set (none by default: Triton's defaults)."""
+        return {k: v for k, v in (("num_warps", self.num_warps), ("num_stages", self.num_stages)) if v is not None}
 
 
 def _next_pow2(n: int) -> int:
@@ -324,7 +332,7 @@ def triton_bgmv_shrink(x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
         stack.lora_a.stride(0), stack.lora_a.stride(1), stack.lora_a.stride(2),
         h.stride(0), h.stride(1), h.stride(2),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, DOT_FP32=_dot_fp32(x))
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, DOT_FP32=_dot_fp32(x), **cfg.launch_options())
     return h
 
 
@@ -356,7 +364,7 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
-        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r, cfg.block_m))
+        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r, cfg.block_m), **cfg.launch_options())
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,

@@ -163,6 +163,37 @@ def test_bgmv_bf16_through_graph_buffers_and_dispatch() -> None:
     assert torch.equal(out[1], y0[1]) and torch.equal(out[7], y0[7])
 
 
+
+def test_launch_options_reach_both_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config's warps and pipelining depth (the kernels stage's sweep tries them) are passed to the shrink and
+    the expand launch, and change nothing of the result; the default config passes none (Triton's defaults: the
+    variants serving compiles stay as they were)."""
+    import dataclasses
+
+    from kernel_recorder import KernelRecorder
+
+    num_slots, r_max, in_f, outs, ranks = CASES[0]
+    stack = nan_stack(num_slots, r_max, in_f, outs, ranks, seed=3)
+    slots = np.array([0, 1, -1, 1, 0, 2 % num_slots, 0, -1])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(len(slots), in_f, generator=g).to(DEVICE)
+    y0 = torch.randn(len(slots), sum(outs), generator=g).to(DEVICE)
+    meta = DecodeLoRAMeta.build(slots, DEVICE)
+    base = bgmv_config(stack, len(slots))
+    assert base.launch_options() == {}
+    rec = KernelRecorder.install(monkeypatch)
+    check_kernels(y0, x, stack, meta, base, slots)
+    def options(key: tuple) -> set[tuple]:
+        return {e for e in key if len(e) == 2 and e[0] in ("num_warps", "num_stages")}
+
+    assert len(rec.keys) == 2 and all(not options(key) for _, key in rec.keys), rec.keys
+    rec.reset()
+    tuned = dataclasses.replace(base, num_warps=2, num_stages=1)
+    check_kernels(y0, x, stack, meta, tuned, slots)
+    assert {name for name, _ in rec.keys} == {"bgmv_shrink_kernel", "bgmv_expand_kernel"}
+    assert all(options(key) == {("num_stages", 1), ("num_warps", 2)} for _, key in rec.keys), rec.keys
+
+
 def test_bgmv_config_is_fixed_per_stack() -> None:
     """The tile config depends on the stack and the padded batch size only: every step of any mix launches the same
     variant; the K splits cover K, a forced split is honoured."""
