@@ -49,6 +49,10 @@ CHUNK_OPTIONS = (1, 2, 4, 8, 16, 32, 64)
 # shared memory at any rank the pool takes
 TILE_OPTIONS = ((64, 64), (128, 128), (256, 128), (256, 256))
 MAX_TILE_VALUES = 16384
+# and at most this share of the device's shared memory a block (`max_tile_bytes`): Triton's software pipeline keeps
+# up to three stages of a tile there, so a 256 x 64 bf16 A tile (32 KiB) fits a Hopper's or an A100's 164-227 KiB,
+# not the ~99 KiB of an A10, L4 or RTX 4090, which get 128-column tiles at rank 64 (not measured on those)
+TILE_SHARED_MEMORY_SHARE = 4
 # the tiles are fixed per stack (one compiled variant per fused linear, whatever the batch size): chosen at this
 # many padded rows, a decode batch's typical size; the splits and chunks then follow each batch size
 TILE_REFERENCE_ROWS = 64
@@ -237,23 +241,36 @@ def choose_splits(in_features: int, slice_sizes: tuple[int, ...], num_slots: int
     return best[1], best[2]
 
 
-def tile_options(block_r: int, elem_bytes: int = 2) -> tuple[tuple[int, int], ...]:
-    """The (BLOCK_K, BLOCK_N) of TILE_OPTIONS whose A and B tiles hold at most MAX_TILE_VALUES values at `block_r`;
-    the first only for weights of more than 2 bytes (not measured wider)."""
+def tile_options(block_r: int, elem_bytes: int = 2, max_bytes: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The (BLOCK_K, BLOCK_N) of TILE_OPTIONS whose A and B tiles hold at most MAX_TILE_VALUES values at `block_r`
+    and, when given, at most `max_bytes` bytes (`max_tile_bytes` of the device); the first only for weights of more
+    than 2 bytes (not measured wider)."""
     if elem_bytes > 2:
         return TILE_OPTIONS[:1]
-    fits = tuple(t for t in TILE_OPTIONS if max(t) * block_r <= MAX_TILE_VALUES)
+    fits = tuple(t for t in TILE_OPTIONS if max(t) * block_r <= MAX_TILE_VALUES
+                 and (max_bytes is None or max(t) * block_r * elem_bytes <= max_bytes))
     return fits or TILE_OPTIONS[:1]
+
+
+@functools.lru_cache(maxsize=16)
+def max_tile_bytes(device: torch.device) -> int | None:
+    """The most bytes an A or B tile may take on `device`: its shared memory a block over TILE_SHARED_MEMORY_SHARE;
+    None off CUDA (the interpreter runs its own tiles)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 49152)
+    return int(smem) // TILE_SHARED_MEMORY_SHARE
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_tiles(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, block_r: int = 16,
-                 block_m: int = BLOCK_M, elem_bytes: int = 2) -> tuple[int, int]:
+                 block_m: int = BLOCK_M, elem_bytes: int = 2, max_bytes: int | None = None) -> tuple[int, int]:
     """(BLOCK_K, BLOCK_N) of a stack: the `tile_options` whose best splits and chunks cost least at
     TILE_REFERENCE_ROWS padded rows (the first on a tie). Fixed per stack, never per batch size: one compiled variant
     per fused linear."""
     best = (float("inf"), TILE_OPTIONS[0])
-    for bk, bn in tile_options(block_r, elem_bytes):
+    for bk, bn in tile_options(block_r, elem_bytes, max_bytes):
         splits, chunks = choose_splits(in_features, slice_sizes, num_slots, TILE_REFERENCE_ROWS, block_r, block_m,
                                        bk, bn)
         cost = config_cost_us(in_features, slice_sizes, num_slots, TILE_REFERENCE_ROWS, splits, chunks, block_r,
@@ -264,10 +281,12 @@ def choose_tiles(in_features: int, slice_sizes: tuple[int, ...], num_slots: int,
 
 
 def choose_config(in_features: int, slice_sizes: tuple[int, ...], num_slots: int, num_rows: int,
-                  block_r: int = 16, block_m: int = BLOCK_M, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+                  block_r: int = 16, block_m: int = BLOCK_M, elem_bytes: int = 2,
+                  max_bytes: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_K, BLOCK_N, K splits, column chunks) of a stack at `num_rows` padded rows: the stack's tiles
-    (`choose_tiles`), then the splits and chunks of least modeled time at those tiles and rows."""
-    bk, bn = choose_tiles(in_features, slice_sizes, num_slots, block_r, block_m, elem_bytes)
+    (`choose_tiles`, within `max_bytes` a tile), then the splits and chunks of least modeled time at those tiles and
+    rows."""
+    bk, bn = choose_tiles(in_features, slice_sizes, num_slots, block_r, block_m, elem_bytes, max_bytes)
     return (bk, bn, *choose_splits(in_features, slice_sizes, num_slots, num_rows, block_r, block_m, bk, bn))
 
 
@@ -278,7 +297,7 @@ def bgmv_config(stack: LoRAStack, num_rows: int = 64, k_split_cols: int | None =
     The interpreter runs INTERPRETER_TILE-wide tiles with the GPU's splits and chunks."""
     block_r = max(16, _next_pow2(stack.max_rank))
     bk, bn, splits, chunks = choose_config(stack.in_features, stack.slice_sizes, stack.num_slots, num_rows, block_r,
-                                           block_m, stack.lora_a.element_size())
+                                           block_m, stack.lora_a.element_size(), max_tile_bytes(stack.lora_a.device))
     if _interpreted(stack.lora_a):
         bk = bn = INTERPRETER_TILE
     return config_with_splits(block_m, block_r, bk, bn, stack.in_features,

@@ -17,7 +17,7 @@ from adapters.lora_ops.bgmv import (  # noqa: E402
     BLOCK_M, CHUNK_OPTIONS, GROUP_ROWS_OPTIONS, INTERPRETER_TILE, PARTIALS_PER_LOAD, SPLIT_OPTIONS,
     TILE_OPTIONS, TILE_REFERENCE_ROWS, BGMVConfig, DecodeLoRAMeta, bgmv_config, choose_config, choose_splits,
     config_cost_us, config_with_splits, decode_groups, effective_splits, max_groups, scaled_config, splits_per_load,
-    tile_options, torch_bgmv_add_lora, triton_bgmv_add_lora,
+    max_tile_bytes, tile_options, torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
@@ -301,6 +301,11 @@ def test_tiles_hold_at_most_a_rank_64_tile_and_fp32_keeps_the_narrow_ones() -> N
     assert tile_options(16) == tile_options(64) == TILE_OPTIONS
     assert tile_options(128) == ((64, 64), (128, 128))
     assert tile_options(16, elem_bytes=4) == ((64, 64),)
+    # a device with ~99 KiB of shared memory a block (A10, L4, RTX 4090): at most 24 KiB a tile
+    assert tile_options(64, 2, 99 * 1024 // 4) == ((64, 64), (128, 128))
+    assert tile_options(16, 2, 99 * 1024 // 4) == TILE_OPTIONS
+    assert choose_config(14336, (4096,), 8, 64, 64, max_bytes=99 * 1024 // 4)[:2] == (128, 128)
+    assert max_tile_bytes(torch.device("cpu")) is None
     assert choose_config(4096, (4096, 1024, 1024), 8, 64, 16)[:2] == (256, 256)
     stack = nan_stack(*CASES[0])
     cfg = bgmv_config(stack, 8)
