@@ -46,7 +46,7 @@ from common import write_results
 from gpu_cases import ATTENTION, BITMASK_BATCHES, LORA, LORA_RANK, SHAPES, attention_name, bitmask_name, lora_name
 from adapters.lora_ops import LoRABatchMeta, LoRAStack, add_lora
 from adapters.lora_ops.bgmv import (
-    GROUP_ROWS_OPTIONS, DecodeLoRAMeta, config_with_splits, bgmv_config, choose_config, config_cost_us,
+    GROUP_ROWS_OPTIONS, DecodeLoRAMeta, config_with_splits, bgmv_config, choose_config, config_cost_us, max_tile_bytes,
     torch_bgmv_add_lora, triton_bgmv_add_lora,
 )
 from core.attention.metadata import AttentionMetadata
@@ -281,19 +281,22 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
         num_live = pool[1] if len(pool) > 1 else num_slots
         stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 100 + ci)
         g = torch.Generator().manual_seed(200 + ci)
-        token_slots = torch.arange(num_tokens) % num_live                  # every row on an adapter, num_live of them
+        # every row on an adapter: all of the pool's, or its last num_live (full rank: lora_stack halves every 4th)
+        token_slots = num_slots - num_live + torch.arange(num_tokens) % num_live
         x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
         y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
         y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
         meta = DecodeLoRAMeta.build(token_slots, b.device)        # thousands of bf16 adds would drown the delta)
         base = bgmv_config(stack, num_tokens)
         bk0, bn0, *splits_chunks = choose_config(fan_in, tuple(slices), num_slots, num_tokens, base.block_r,
-                                                 elem_bytes=stack.lora_a.element_size())
+                                                 elem_bytes=stack.lora_a.element_size(),
+                                                 max_bytes=max_tile_bytes(stack.lora_a.device))
         # the model's choice, tiles included; the configs without tiles run 64-column tiles
         chosen = (*splits_chunks, bk0, bn0) if not b.dry else (*splits_chunks,)
         elem = torch.finfo(dtype).bits // 8
         stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
-                            for i in range(b.copies(_lora_bytes(stack, set(range(num_live)), elem)) - 1)]
+                            for i in range(b.copies(_lora_bytes(stack, set(range(num_slots - num_live, num_slots)),
+                                                                elem)) - 1)]
         for splits, chunks, *rest in configs + ([chosen] if chosen not in configs else []):
             tiles = tuple(rest[:2])
             warps, stages = (tuple(rest[2:4]) + (None, None))[:2]

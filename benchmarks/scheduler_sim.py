@@ -276,15 +276,16 @@ def main() -> None:
     coef = np.pad(coef, (0, max(0, len(DEFAULT_COEF) - len(coef))))     # older fits: no one-off prefill cost, no adapter term
     budgets = [budget_arg(b) for b in args.budgets_ms.split(",")]
     shape = SHAPES[args.workload]
-    max_loras = max(4, shape.num_adapters)
+    warm_shape = SHAPES[args.warm_workload] if args.warm_workload else None
+    # the warm-up's steps are priced with --coef too (a base-model warm-up under a mix fit pays the mix's fixed cost)
+    max_loras = max(4, shape.num_adapters, warm_shape.num_adapters if warm_shape else 0)
 
     def pooled(rate: float, budget: float | None) -> Result:
         total = Result()
         for s in range(args.seeds):
             r = simulate(make_workload(args.num_requests, rate, 1 + s, shape), budget, coef, args.noise, s,
                          drift=args.drift, drift_corr=args.drift_corr, level=not args.no_level, shape=shape,
-                         max_loras=max_loras, warm_shape=SHAPES[args.warm_workload] if args.warm_workload else None,
-                         num_warm=args.warm_requests)
+                         max_loras=max_loras, warm_shape=warm_shape, num_warm=args.warm_requests)
             total.ttft += r.ttft
             total.gaps += r.gaps
             total.num_output_tokens += r.num_output_tokens

@@ -252,15 +252,25 @@ def tile_options(block_r: int, elem_bytes: int = 2, max_bytes: int | None = None
     return fits or TILE_OPTIONS[:1]
 
 
+# shared memory a block may opt into, by compute capability: torch's device properties name it only from 2.6 on
+SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 227 << 10, (8, 0): 163 << 10, (8, 7): 163 << 10, (8, 6): 99 << 10,
+                               (8, 9): 99 << 10, (7, 5): 64 << 10, (7, 0): 96 << 10}
+
+
+def shared_memory_bytes(props: Any) -> int:
+    """The shared memory a block may opt into on a device with these properties (torch's, or a stand-in): the
+    property where torch has it, else by compute capability (48 KiB where unknown)."""
+    smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    return smem or SHARED_MEMORY_BY_CAPABILITY.get((props.major, props.minor), 48 << 10)
+
+
 @functools.lru_cache(maxsize=16)
 def max_tile_bytes(device: torch.device) -> int | None:
     """The most bytes an A or B tile may take on `device`: its shared memory a block over TILE_SHARED_MEMORY_SHARE;
     None off CUDA (the interpreter runs its own tiles)."""
     if device.type != "cuda":
         return None
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 49152)
-    return int(smem) // TILE_SHARED_MEMORY_SHARE
+    return shared_memory_bytes(torch.cuda.get_device_properties(device)) // TILE_SHARED_MEMORY_SHARE
 
 
 @functools.lru_cache(maxsize=1024)

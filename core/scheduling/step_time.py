@@ -54,7 +54,8 @@ LEVEL_GAINS = (0.0, 0.1, 0.2, 0.3, 0.5)   # the residual level's candidate gains
 LEVEL_MEMORY = 0.99     # per step, the decay of each candidate's mean squared one-step-ahead error
 LEVEL_CLIP = 1.0        # a step's log residual is clipped to +-this before it moves the level (an outlier: e^1 x)
 TYPICAL_GAP_STEPS = 128  # the decode-only steps among the last this many steps observed: `typical_decode_s`'s
-                         # sample (the auto budget's yardstick)
+                         # sample (the auto budget's yardstick) ...
+TYPICAL_GAP_MIN_STEPS = 4  # ... when it holds at least this many (fewer: one outlier, a pause, would set the budget)
 
 
 @dataclass(frozen=True)
@@ -224,15 +225,15 @@ class StepTimeModel:
     def typical_decode_s(self) -> float:
         """The typical gap between two tokens of a decoding request when no prefill is in the way: the median over
         the decode rows of the decode-only steps among the last `TYPICAL_GAP_STEPS` steps observed (a step of n rows
-        is n gaps, as clients count them) of their measured time; 0.0 when there is none (the budget then prices the
-        step's own decode rows). A count of decode-only steps alone went stale when they were rare: on the H200
+        is n gaps, as clients count them) of their measured time; 0.0 when there are fewer than
+        `TYPICAL_GAP_MIN_STEPS` (the budget then prices the step's own decode rows). A count of decode-only steps alone went stale when they were rare: on the H200
         (results/gpu_run_h200_2026-11-27c, serving) the 32-adapter mix's first ~600 steps at 50% load, most of them
         carrying prefill, kept the base model's 7 ms steps of the workload before as the yardstick of their 12 ms
         ones, so the budget left room for the minimum chunk only, prompts aged into the exemption, and their
         whole prefills at once made 12 of the 14 worst gaps."""
         if self._typical_decode_s is None:
             self._typical_decode_s = 0.0
-            if self._gaps:
+            if len(self._gaps) >= TYPICAL_GAP_MIN_STEPS:
                 times = np.array([t for t, _, _ in self._gaps])           # [n]
                 rows = np.array([n for _, n, _ in self._gaps])            # [n] decode rows
                 order = np.argsort(times, kind="stable")

@@ -195,10 +195,23 @@ def test_launch_options_reach_both_launches(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_bgmv_config_is_fixed_per_stack() -> None:
-    """The tile config depends on the stack and the padded batch size only: every step of any mix launches the same
-    variant; the K splits cover K, a forced split is honoured."""
+    """The config depends on the stack and the padded batch size only: every step of any mix launches the same
+    variant; its tiles (constexprs: a compiled variant each) are the same at every batch size the warm-up and the
+    graphs launch, and on a GPU the ones `choose_config` picks within the device's tile bytes; the K splits cover K,
+    a forced split is honoured."""
     stack = nan_stack(*CASES[0])
-    assert bgmv_config(stack, 8) == bgmv_config(stack, 8)
+    sizes = (1, 3, 8, 64, 256, 2048)
+    assert len({(c.block_m, c.block_r, c.block_k, c.block_n) for c in (bgmv_config(stack, n) for n in sizes)}) == 1
+    bf16 = LoRAStack.from_slices([stack.lora_a[i].to(torch.bfloat16) for i in range(stack.num_slices)],
+                                 [stack.lora_b[:, o:o + n].to(torch.bfloat16)
+                                  for o, n in zip(stack.slice_offsets, stack.slice_sizes)],
+                                 stack.host_ranks(), stack.host_scalings())
+    tiles = {(c.block_k, c.block_n) for c in (bgmv_config(bf16, n) for n in sizes)}
+    assert len(tiles) == 1
+    if DEVICE.type == "cuda":
+        dev = torch.device(DEVICE)
+        assert tiles == {choose_config(bf16.in_features, bf16.slice_sizes, bf16.num_slots, 64, 16, BLOCK_M, 2,
+                                       max_tile_bytes(dev))[:2]}
     big = nan_stack(2, 64, 4096, (64,), [[64, 8]])
     cfg = bgmv_config(big, 64)
     assert cfg.block_r == 64 and cfg.k_per_split * cfg.num_k_splits >= 4096 > cfg.k_per_split * (cfg.num_k_splits - 1)
@@ -245,10 +258,11 @@ def test_latency_model_fits_the_h200_sweeps() -> None:
     assert len(earlier) == 40 and np.mean(np.abs(earlier)) <= 0.13, earlier
 
 
-def test_the_models_choice_was_the_sweeps_fastest() -> None:
-    """On every shape of the sweep, the configs the model ranks first among those measured ran within 5% of the
-    fastest measured; where the model's own choice (tiles, splits, chunks) was measured, within 10%. The 64-column
-    choice of the earlier model ran 1.15-1.52x the fastest on these shapes."""
+def test_the_model_ranks_the_sweeps_fastest_configs_first() -> None:
+    """On every shape of the sweep, the config the model ranks first among those measured ran within 5% of the
+    fastest measured (in-sample: the constants are fitted to these rows); where the model's own choice (tiles,
+    splits, chunks) was measured, within 10% (2 of the 8 shapes here; the next sweep times every choice). The
+    64-column choice of the earlier model ran 1.15-1.52x the fastest on these shapes."""
     shapes: dict[tuple, list[dict]] = {}
     for r in sweep_rows(SWEEP):
         shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"]), []).append(r)
@@ -306,6 +320,21 @@ def test_tiles_hold_at_most_a_rank_64_tile_and_fp32_keeps_the_narrow_ones() -> N
     assert tile_options(16, 2, 99 * 1024 // 4) == TILE_OPTIONS
     assert choose_config(14336, (4096,), 8, 64, 64, max_bytes=99 * 1024 // 4)[:2] == (128, 128)
     assert max_tile_bytes(torch.device("cpu")) is None
+
+
+def test_shared_memory_from_the_property_or_the_capability() -> None:
+    """torch names a device's opt-in shared memory only from 2.6 on: without it, the compute capability decides
+    (an older torch on an H100 must not fall to 48 KiB and 64-column tiles)."""
+    from types import SimpleNamespace
+
+    from adapters.lora_ops.bgmv import shared_memory_bytes
+
+    assert shared_memory_bytes(SimpleNamespace(shared_memory_per_block_optin=232448, major=9, minor=0)) == 232448
+    assert shared_memory_bytes(SimpleNamespace(major=9, minor=0)) == 227 << 10
+    assert shared_memory_bytes(SimpleNamespace(shared_memory_per_block_optin=0, major=8, minor=9)) == 99 << 10
+    assert shared_memory_bytes(SimpleNamespace(major=6, minor=1)) == 48 << 10
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) >= (8, 0):
+        assert max_tile_bytes(torch.device(DEVICE)) >= 24 << 10
     assert choose_config(4096, (4096, 1024, 1024), 8, 64, 16)[:2] == (256, 256)
     stack = nan_stack(*CASES[0])
     cfg = bgmv_config(stack, 8)

@@ -11,7 +11,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from scheduler_sim import (  # noqa: E402
-    DEFAULT_COEF, GPU_MIX, H200_MIX_FIXED_COEF, Machine, Result, Shape, make_workload, simulate,
+    DEFAULT_COEF, GPU_BASE, GPU_MIX, H200_MIX_27C_COEF, H200_MIX_FIXED_COEF, Machine, Result, Shape, make_workload,
+    simulate,
 )
 
 
@@ -56,3 +57,20 @@ def test_the_gpu_mix_spreads_requests_over_32_adapters_and_every_one_ends() -> N
     assert min(map(len, work.prompts)) >= GPU_MIX.prompt_len[0] and max(map(len, work.prompts)) <= GPU_MIX.prompt_len[1]
     res = simulate(work, None, np.array(H200_MIX_FIXED_COEF), noise=0.05, seed=0, shape=GPU_MIX, max_loras=32)
     assert len(res.ttft) == 40 and res.num_output_tokens == sum(work.max_tokens)
+
+
+def test_a_warm_up_on_another_workload_ends_and_the_mix_still_runs() -> None:
+    """`--warm-workload gpu-base`: the scheduler first serves the base model's workload (serving.py's order on one
+    server), then the mix: every measured request ends, and the warm-up's workload is the one asked for (its steps
+    shape the step-time model the mix starts with, so the mix's figures differ from a mix warm-up's). What the
+    yardstick does after such a switch is tested on the step-time model
+    (tests/test_core/scheduling/test_step_time.py)."""
+    work = make_workload(40, rate=3.0, seed=5, shape=GPU_MIX)
+    coef = np.array(H200_MIX_27C_COEF)
+    after_base = simulate(work, None, coef, noise=0.0, seed=0, shape=GPU_MIX, max_loras=32, warm_shape=GPU_BASE,
+                          num_warm=96)
+    after_mix = simulate(work, None, coef, noise=0.0, seed=0, shape=GPU_MIX, max_loras=32, warm_shape=GPU_MIX,
+                         num_warm=96)
+    for r in (after_base, after_mix):
+        assert len(r.ttft) == 40 and r.num_output_tokens == sum(work.max_tokens)
+    assert (after_base.ttft, after_base.gaps) != (after_mix.ttft, after_mix.gaps)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from core.scheduling import step_time
-from core.scheduling.step_time import (LEVEL_CLIP, LEVEL_GAINS, NUM_FEATURES, ResidualLevel, StepFeatures,
-                                      StepTimeModel, nnls)
+from core.scheduling.step_time import (LEVEL_CLIP, LEVEL_GAINS, NUM_FEATURES, TYPICAL_GAP_MIN_STEPS, ResidualLevel,
+                                      StepFeatures, StepTimeModel, nnls)
 
 
 def random_step(rng: random.Random) -> StepFeatures:
@@ -249,13 +249,28 @@ def test_the_typical_gap_forgets_decode_steps_older_than_its_last_steps(monkeypa
     assert model.typical_decode_s() == 0.007
     for i in range(31):                                         # the mix: prefill in most steps
         model.observe(StepFeatures(200, 8, 9000, 8, 4), 0.020)
-        if i % 10 == 0:
+        if i % 6 == 0:
             model.observe(StepFeatures(0, 8, 800, 8, 4), 0.012)
         model.check_integrity()
-    assert model.typical_decode_s() == 0.012                    # 4 of the mix's decode-only steps, not the base's
+    assert model.typical_decode_s() == 0.012                    # 5 of the mix's decode-only steps, not the base's
     for _ in range(32):
         model.observe(StepFeatures(200, 8, 9000, 8, 4), 0.020)
     assert model.typical_decode_s() == 0.0
+    model.check_integrity()
+
+
+def test_a_few_decode_steps_are_no_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under prefill-heavy load the last steps may hold one or two decode-only steps: one of them paused (a GC, a
+    noisy neighbour) would set the budget for the next TYPICAL_GAP_STEPS steps. Fewer than TYPICAL_GAP_MIN_STEPS are
+    no sample (0.0: the budget prices the step's own decode rows)."""
+    monkeypatch.setattr(step_time, "TYPICAL_GAP_STEPS", 32)
+    model = StepTimeModel(window=64)
+    for i in range(TYPICAL_GAP_MIN_STEPS - 1):
+        model.observe(StepFeatures(0, 8, 800, 0), 0.500 if i == 0 else 0.010)   # a 500 ms pause among them
+        model.observe(StepFeatures(200, 8, 9000, 0), 0.020)
+    assert model.typical_decode_s() == 0.0
+    model.observe(StepFeatures(0, 8, 800, 0), 0.010)
+    assert model.typical_decode_s() == 0.010
     model.check_integrity()
 
 
