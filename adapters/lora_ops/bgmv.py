@@ -32,6 +32,7 @@ from adapters.lora_ops.torch_ops import torch_add_lora_rows
 # programs (the loads of a program are a chain of dependent latencies: the bytes, ~3 MB a launch, are under a
 # microsecond of HBM time), a wider tile a little more per iteration (per 1,024 values of its A or B tile), a
 # latency per extra load of K-split partials, a cost per program of each grid (empty ones too), and a fixed cost
+# (refit: benchmarks/fit_bgmv_model.py)
 SHRINK_ITERATION_US = 0.74
 SHRINK_US_PER_KVALUES = 0.133      # per 1,024 values of an A tile (BLOCK_K x BLOCK_R), per iteration
 EXPAND_ITERATION_US = 0.66
