@@ -69,9 +69,9 @@ class Bench:
         self.l2 = l2_bytes(device)
         self.last: dict[str, float | None] = {"eager_ms": None, "graph_ms": None}     # of the latest time_ms
 
-    def copies(self, nbytes: int) -> int:
-        """Input sets to rotate through so that together they overflow L2 four times."""
-        return 1 if self.dry or nbytes <= 0 else max(1, min(32, -(-4 * self.l2 // nbytes)))
+    def copies(self, nbytes: int, cap: int = 32) -> int:
+        """Input sets to rotate through so that together they overflow L2 four times (at most `cap`)."""
+        return 1 if self.dry or nbytes <= 0 else max(1, min(cap, -(-4 * self.l2 // nbytes)))
 
     def time_ms(self, fns: list[Callable[[], Any]]) -> float:
         """Median ms per call. On a GPU the calls are timed two ways (`self.last` keeps both): eagerly with
@@ -295,8 +295,10 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
         chosen = (*splits_chunks, bk0, bn0) if not b.dry else (*splits_chunks,)
         elem = torch.finfo(dtype).bits // 8
         stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
+                            # one live adapter reads ~1-2 MB a call: up to 160 pools (each whole, 42-75 MB at rank 64
+                            # over 32 slots) so that its weights come from HBM, as between a step's layers
                             for i in range(b.copies(_lora_bytes(stack, set(range(num_slots - num_live, num_slots)),
-                                                                elem)) - 1)]
+                                                                elem), 32 if num_live == num_slots else 160) - 1)]
         for splits, chunks, *rest in configs + ([chosen] if chosen not in configs else []):
             tiles = tuple(rest[:2])
             warps, stages = (tuple(rest[2:4]) + (None, None))[:2]
