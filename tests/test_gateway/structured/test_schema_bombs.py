@@ -230,4 +230,11 @@ def test_schema_admission_checks_never_stall_the_event_loop(server: ServerProces
             gaps.append(time.perf_counter() - start)
         for a in attacks:
             assert a.result().status_code in (200, 400), a.result().text
-    assert gaps and max(gaps) < 0.4, f"/health took up to {max(gaps):.2f} s while schemas were checked: {gaps}"
+    # On the loop each check stalls every connection for ~0.35 s: measured (2 cores) 4-5 probes answered,
+    # median 0.36 s, most over 0.25 s. Off the loop: ~35 probes, median ~0.05 s; the odd probe reaches 0.3-0.5 s
+    # when three 250 KB bodies arrive at once on a busy 2-core machine (CPU contention, not a stalled callback:
+    # asyncio's debug mode reports none over 0.1 s), so the test judges the distribution, not its maximum.
+    gaps.sort()
+    median, num_slow = gaps[len(gaps) // 2], sum(g > 0.25 for g in gaps)
+    assert len(gaps) >= 8 and median < 0.15 and num_slow <= len(gaps) // 10, \
+        f"/health stalled while schemas were checked: median {median:.2f} s, {num_slow} over 0.25 s: {gaps}"
