@@ -186,6 +186,9 @@ def summarize(results: list[dict[str, Any]], rate: float, slo: SLO) -> dict[str,
     return out
 
 
+CLIENT_KEEPALIVE_S = 2.0   # under uvicorn's `timeout_keep_alive` (5 s), so the client always closes first
+
+
 async def run_rate(url: str, reqs: list[dict], rate: float, seed: int, slo: SLO,
                    transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
     """All of `reqs` with Poisson arrivals at `rate` per second (inf: all at once); `transport`: tests."""
@@ -195,7 +198,11 @@ async def run_rate(url: str, reqs: list[dict], rate: float, seed: int, slo: SLO,
         delays.append(t)
         if rate != float("inf"):
             t += rng.expovariate(rate)
-    limits = httpx.Limits(max_connections=len(reqs), max_keepalive_connections=len(reqs))
+    # an idle connection is dropped here before the server's keep-alive timeout (uvicorn: 5 s) can close it: at
+    # httpx's default expiry, also 5 s, a request sent on a connection the server was closing failed with
+    # ReadError('') (latency_slo.py, 50% load, once)
+    limits = httpx.Limits(max_connections=len(reqs), max_keepalive_connections=len(reqs),
+                          keepalive_expiry=CLIENT_KEEPALIVE_S)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, transport=transport) as client:
         results = await asyncio.gather(*(stream_one(client, url, b, d) for b, d in zip(reqs, delays)))
     return summarize(list(results), rate, slo)

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_summary  # noqa: E402
 from gpu_test_files import GPU_TEST_FILES  # noqa: E402
-from serving_client import SLO, TokenCountError, run_rate  # noqa: E402
+from serving_client import CLIENT_KEEPALIVE_S, SLO, TokenCountError, run_rate  # noqa: E402
 from synthetic_tokenizer import build_synthetic_tokenizer  # noqa: E402
 
 # every figure of the table, by the start of its name: a stage that forgets one fails here
@@ -209,3 +210,9 @@ def test_a_named_stage_runs_whatever_its_state() -> None:
     assert not gpu_run.wanted("tests", "failed", None, force=False, retry_failed=False)
     assert gpu_run.wanted("tests", "timeout", None, force=False, retry_failed=True)
     assert gpu_run.wanted("tests", "failed", None, force=True, retry_failed=False)
+
+
+def test_serving_client_closes_idle_connections_before_the_server_does() -> None:
+    """A pooled connection the server's keep-alive timeout is closing must never carry a request (ReadError(''))."""
+    server_keepalive_s = uvicorn.Config(app=None).timeout_keep_alive   # loraplex serve keeps uvicorn's default
+    assert CLIENT_KEEPALIVE_S < server_keepalive_s - 1.0
