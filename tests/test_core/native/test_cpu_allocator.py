@@ -48,7 +48,8 @@ def test_large_activations_reuse_heap_pages_step_after_step() -> None:
     # tuned: not one fresh mapping of it in the two steps. (Not near zero: in one CI run on this shared machine, whose
     # kernel runs a DAMON monitor of physical memory, most likely proactive reclaim, a tuned probe took 3,104 faults,
     # a 12 MiB buffer's worth.)
-    assert _faults(tune=True) < fresh // 2, "tuned: the steps reuse the heap's pages"
+    # Reclaim can only add faults: one of three probes under the bound is the allocator's own count.
+    assert any(_faults(tune=True) < fresh // 2 for _ in range(3)), "tuned: the steps reuse the heap's pages"
     assert _faults(tune=True, switch="0") > pages // 4, "LORAPLEX_CPU_MALLOC_TUNING=0 keeps glibc's defaults"
 
 
