@@ -37,6 +37,7 @@ STACKED_MAX_ADAPTERS = 4   # adapters of a step the stacked pair takes (each add
 STACKED_MAX_ROWS = 64      # LoRA rows of a step the stacked pair takes (beyond, the per-adapter matmuls' FLOPs win)
 STACKED_MAX_WORK = 32_000_000   # the most rows x stacked weights (C x (in + N)) a linear takes stacked
 STACKED_CACHE_SIZE = 4     # stacked pairs kept per linear (one per recent set of the step's adapters)
+OWN_PAIR_AFTER_STEPS = 64  # a mix's own pair is built once it ran this many steps in a row (else the pool's pair)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 import torch
 
 from adapters.lora_ops.cpu_packed import PackedSlot, packed_slot_weights, packing_available
-from adapters.lora_ops.cpu_stacked import STACKED_CACHE_SIZE, StackedSlots, stacked_weights
+from adapters.lora_ops.cpu_stacked import (OWN_PAIR_AFTER_STEPS, STACKED_CACHE_SIZE, STACKED_MAX_ADAPTERS,
+                                            StackedSlots, stacked_weights)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class LoRAStack:
     dora_host: Optional[torch.Tensor] = None   # [slots] bool, CPU mirror of dora_flags
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
     # fused_slot's, packed_slot's and stacked_slots' cache: {(slot, dtype): (A, B), ("packed", slot, dtype):
-    # PackedSlot, ("stacked", slots, dtype): StackedSlots}, valid while its "version" entry matches the tensors'
+    # PackedSlot, ("stacked", slots, dtype): StackedSlots, "live": the slots with a rank, "run": (the last mix, its
+    # steps in a row)}, valid while its "version" entry matches the tensors'
     # version counters; at most STACKED_CACHE_SIZE stacked entries (the least recently used goes first)
     _fused: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
@@ -115,16 +117,20 @@ class LoRAStack:
         scalings = self.scalings_host if self.scalings_host is not None else self.scalings
         return self.lora_a._version, self.lora_b._version, ranks._version, scalings._version
 
+    def _check_version(self) -> None:
+        """Drops every cached pair once the stack's tensors were written (their version counters moved)."""
+        versions = self._versions()
+        if self._fused.get("version") != versions:
+            self._fused.clear()
+            self._fused["version"] = versions
+
     def fused_slot(self, slot: int, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One slot's LoRA on this linear as two matrices in `dtype`: A [sum_r, in], every slice's A at its rank
         stacked, and B [N, sum_r], each slice's B rows in its own columns (zeros elsewhere) times its scaling. Then
         y[:, :N] += (x @ A.T) @ B.T is the slot's delta over all slices in two matmuls: the torch path's decode
         layout, where an op's dispatch costs more than its FLOPs. None when no slice of the slot has a rank.
         Built on first use and kept until a write to the stack's tensors (their version counters)."""
-        versions = self._versions()
-        if self._fused.get("version") != versions:
-            self._fused.clear()
-            self._fused["version"] = versions
+        self._check_version()
         key = (slot, dtype)
         if key not in self._fused:
             ranks = [row[slot] for row in self.host_ranks()]
@@ -155,6 +161,30 @@ class LoRAStack:
             self._fused[key] = packed_slot_weights(*fused)
         return self._fused[key]
 
+    def stacking_slots(self, step_slots: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+        """The slots of the stacked pair a step over `step_slots` takes. While the pool holds at most
+        `STACKED_MAX_ADAPTERS` slots with a rank on this linear, the pool's pair, built once, serves every mix of
+        them (the step's mask zeroes the columns of the slots it does not use, as it does another adapter's): keyed
+        on each step's own mix, a pool of three adapters has seven mixes for `STACKED_CACHE_SIZE` = 4 entries, and
+        steps whose mix changed rebuilt their linears' pairs on their clock (8-13x a call, docs/cpu.md). The step's
+        own mix's pair when it is cached, or once that mix has run `OWN_PAIR_AFTER_STEPS` steps in a row (its
+        build then pays for itself: the pool's pair costs a steady step of one rank-8 adapter ~10% more). With
+        more slots than that in the pool: the step's own, as always."""
+        self._check_version()
+        live = self._fused.get("live")
+        if live is None:
+            ranks = self.host_ranks()
+            live = self._fused["live"] = tuple(slot for slot in range(self.num_slots)
+                                               if any(row[slot] for row in ranks))
+        if len(live) > STACKED_MAX_ADAPTERS or step_slots == live:
+            return step_slots                    # (a slot without a rank here adds nothing to a pair)
+        run_slots, run = self._fused.get("run", ((), 0))
+        run = run + 1 if run_slots == step_slots else 1
+        self._fused["run"] = (step_slots, run)
+        if run >= OWN_PAIR_AFTER_STEPS or ("stacked", step_slots, dtype) in self._fused:
+            return step_slots
+        return live
+
     def stacked_slots(self, slots: tuple[int, ...], dtype: torch.dtype) -> Optional[StackedSlots]:
         """The fused pairs of `slots` side by side (adapters/lora_ops/cpu_stacked.py: the CPU's LoRA for small
         decode batches of a few adapters), with oneDNN's packed copy on a CPU build that has it; cached with the
@@ -166,7 +196,8 @@ class LoRAStack:
             self._fused[key] = self._fused.pop(key)                  # most recently used last
             return self._fused[key]
         pairs = [self.fused_slot(slot, dtype) for slot in slots]     # refreshes the cache when the tensors changed
-        stacked = [k for k in self._fused if isinstance(k, tuple) and k[0] == "stacked"]
+        pool = self._fused.get("live")          # the pool's pair stays: every mix may take it (stacking_slots)
+        stacked = [k for k in self._fused if isinstance(k, tuple) and k[0] == "stacked" and k[1] != pool]
         for old in stacked[:max(0, len(stacked) - STACKED_CACHE_SIZE + 1)]:
             del self._fused[old]
         pack = self.lora_b.device.type == "cpu" and packing_available()

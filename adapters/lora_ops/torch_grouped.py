@@ -73,17 +73,27 @@ def stacked_pays(meta: LoRABatchMeta) -> bool:
 
 def torch_add_lora_stacked(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: LoRABatchMeta,
                            y_offset: int = 0) -> bool:
-    """Every LoRA token against the step's adapters stacked (`LoRAStack.stacked_slots`), the other adapters'
-    columns zeroed, added to its row: on the flat batch's rows when LoRA tokens are at least half of them (into
-    y's columns, no gather or scatter; the base rows' products are zeroed too), else on the gathered LoRA rows.
+    """Every LoRA token against the step's adapters stacked (`LoRAStack.stacked_slots`; with few adapters in the
+    pool, all of them: `LoRAStack.stacking_slots`), the other adapters' columns zeroed, added to its row: on the
+    flat batch's rows when LoRA tokens are at least half of them (into y's columns, no gather or scatter; the base
+    rows' products are zeroed too), else on the gathered LoRA rows.
     False (nothing done) when the rows times the stacked weights exceed `STACKED_MAX_WORK`, or the stacked pair is
     refused (a non-finite B): the caller takes another path."""
     cdt = compute_dtype(x)
-    stacked = stack.stacked_slots(meta.group_slots_host, cdt)
-    if stacked is None:
-        return not any(stack.fused_slot(slot, cdt) for slot in meta.group_slots_host)   # no rank: nothing to add
     all_rows = 2 * meta.num_lora_tokens >= meta.num_tokens
-    if (meta.num_tokens if all_rows else meta.num_lora_tokens) * stacked.num_weights > cpu_stacked.STACKED_MAX_WORK:
+    num_rows = meta.num_tokens if all_rows else meta.num_lora_tokens
+    own = meta.group_slots_host
+    stacked = None
+    pool = stack.stacking_slots(own, cdt)   # the pool's every adapter when few: one pair for every mix of them
+    if pool != own:
+        stacked = stack.stacked_slots(pool, cdt)
+        if stacked is not None and num_rows * stacked.num_weights > cpu_stacked.STACKED_MAX_WORK:
+            stacked = None              # the other adapters' columns cost more than a pair of the step's own
+    if stacked is None:
+        stacked = stack.stacked_slots(own, cdt)
+    if stacked is None:
+        return not any(stack.fused_slot(slot, cdt) for slot in own)   # no rank: nothing to add
+    if num_rows * stacked.num_weights > cpu_stacked.STACKED_MAX_WORK:
         return False                    # every row against every adapter costs more than the calls it saves
     xs = x.to(cdt) if all_rows else x.index_select(0, meta.token_rows).to(cdt)          # [rows, in]
     h = stacked.products(xs, meta.other_slot_mask(stacked.layout, all_rows))   # [rows, C]

@@ -181,3 +181,85 @@ def test_large_batches_take_the_per_adapter_path(monkeypatch: pytest.MonkeyPatch
     add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=2), backend="torch")
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
     assert calls.taken == [False]
+
+
+def test_every_mix_of_a_small_pool_shares_one_stacked_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three adapters make seven mixes, more than STACKED_CACHE_SIZE: keyed on each step's own mix, steps cycling
+    through them rebuilt pairs on the step's clock; one pair of the whole pool serves them all, equal to the
+    reference (the mask zeroes the columns of the adapters a step does not use)."""
+    calls = _Calls(monkeypatch)
+    ranks = [[16, 8, 4, 0], [16, 0, 12, 0], [16, 8, 12, 0]]        # slot 3 has no rank here: never stacked
+    stack, _, _ = _case([0], 4, ranks, seed=11)
+    built: list[tuple[int, ...]] = []
+    real = stack_module.stacked_weights
+    monkeypatch.setattr(stack_module, "stacked_weights",
+                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    a_list, b_list = _lists(stack)
+    mixes = [[0], [1], [2], [0, 1], [0, 2], [1, 2], [0, 1, 2], [3, 0], [3]]
+    rng = random.Random(3)
+    for trial in range(3 * len(mixes)):
+        mix = mixes[trial % len(mixes)]
+        token_slots = [rng.choice(mix + [-1]) for _ in range(6)] + mix
+        _, x, y = _case(token_slots, 4, ranks, seed=100 + trial)
+        ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
+        add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=4), backend="torch")
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+    assert built == [(0, 1, 2)], built
+    assert all(calls.taken)
+
+
+def test_a_pool_pair_over_the_work_bound_falls_back_to_the_steps_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole pool's pair costs more rows x weights than STACKED_MAX_WORK allows but the step's own adapters'
+    does not: the step's own pair runs (the stacked path is not given up)."""
+    calls = _Calls(monkeypatch)
+    ranks = [[8, 8, 8]] * len(OUTS)
+    token_slots = [0, 0, 0, 0]
+    stack, x, y = _case(token_slots, 3, ranks, seed=13)
+    one = len(OUTS) * 8 * (IN_F + sum(OUTS))                          # one slot's fused pair
+    monkeypatch.setattr(cpu_stacked, "STACKED_MAX_WORK", len(token_slots) * 2 * one)
+    built: list[tuple[int, ...]] = []
+    real = stack_module.stacked_weights
+    monkeypatch.setattr(stack_module, "stacked_weights",
+                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    a_list, b_list = _lists(stack)
+    ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
+    add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=3), backend="torch")
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+    assert built == [(0, 1, 2), (0,)] and calls.taken == [True]
+
+
+def test_a_steady_mix_gets_its_own_pair_and_the_pools_pair_is_never_evicted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mix that runs OWN_PAIR_AFTER_STEPS steps in a row builds its own (smaller) pair and keeps it; a change of
+    mix goes back to the pool's pair without a build; however many own pairs come and go, the pool's stays."""
+    monkeypatch.setattr(stack_module, "OWN_PAIR_AFTER_STEPS", 3)
+    ranks = [[8, 8, 8, 8]] * len(OUTS)
+    stack, _, _ = _case([0], 4, ranks, seed=17)
+    built: list[tuple[int, ...]] = []
+    real = stack_module.stacked_weights
+    monkeypatch.setattr(stack_module, "stacked_weights",
+                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    a_list, b_list = _lists(stack)
+
+    def step(token_slots: list[int], seed: int) -> None:
+        _, x, y = _case(token_slots, 4, ranks, seed=seed)
+        ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
+        add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=4), backend="torch")
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+
+    pool = (0, 1, 2, 3)
+    step([0, 1, 0], 1)
+    step([1, 0, -1], 2)
+    assert built == [pool]                                   # two steps of mix (0, 1): the pool's pair
+    step([0, 1], 3)
+    assert built == [pool, (0, 1)]                           # the third in a row: its own pair
+    step([2, 3], 4)
+    step([0, 1, 1], 5)
+    assert built == [pool, (0, 1)]                           # a change of mix, then (0, 1) again: both cached
+    for k, mix in enumerate([(1, 2), (2, 3), (0, 2), (1, 3), (0, 3)]):   # five more own pairs come and go
+        for j in range(3):
+            step(list(mix), 10 * k + j + 6)
+    assert built[:2] == [pool, (0, 1)] and built[2:] == [(1, 2), (2, 3), (0, 2), (1, 3), (0, 3)]
+    step([0, 1, 2], 99)                                      # a new mix: the pool's pair, still cached
+    assert len(built) == 7
+    assert ("stacked", pool, torch.float32) in stack._fused
+    assert sum(isinstance(k, tuple) and k[0] == "stacked" for k in stack._fused) <= STACKED_CACHE_SIZE + 1
