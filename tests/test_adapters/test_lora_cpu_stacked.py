@@ -36,6 +36,15 @@ class _Calls:
         monkeypatch.setattr(torch_grouped, "torch_add_lora_stacked", stacked)
 
 
+def _record_builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The slots of every stacked pair built from now on, in order."""
+    built: list[tuple[int, ...]] = []
+    real = stack_module.stacked_weights
+    monkeypatch.setattr(stack_module, "stacked_weights",
+                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    return built
+
+
 def _lists(stack: LoRAStack) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The stack's A and B per slice for the reference, NaN past the ranks zeroed (the reference reads :r only)."""
     a_list = [torch.nan_to_num(stack.lora_a[s].double(), nan=0.0) for s in range(stack.num_slices)]
@@ -151,10 +160,7 @@ def test_the_cache_follows_a_rewrite_and_stays_bounded(monkeypatch: pytest.Monke
     a_list, b_list = _lists(stack)
     ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), [0, 1])
     torch.testing.assert_close(again.double(), ref, atol=1e-4, rtol=1e-5)
-    built: list[tuple[int, ...]] = []
-    real = stack_module.stacked_weights
-    monkeypatch.setattr(stack_module, "stacked_weights",
-                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    built = _record_builds(monkeypatch)
     sets = [(k, k + 1) for k in range(2, STACKED_CACHE_SIZE + 3)]     # not (0, 1), cached above
     for slots in sets[:STACKED_CACHE_SIZE]:       # the cache full
         stack.stacked_slots(slots, torch.float32)
@@ -190,10 +196,7 @@ def test_every_mix_of_a_small_pool_shares_one_stacked_pair(monkeypatch: pytest.M
     calls = _Calls(monkeypatch)
     ranks = [[16, 8, 4, 0], [16, 0, 12, 0], [16, 8, 12, 0]]        # slot 3 has no rank here: never stacked
     stack, _, _ = _case([0], 4, ranks, seed=11)
-    built: list[tuple[int, ...]] = []
-    real = stack_module.stacked_weights
-    monkeypatch.setattr(stack_module, "stacked_weights",
-                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    built = _record_builds(monkeypatch)
     a_list, b_list = _lists(stack)
     mixes = [[0], [1], [2], [0, 1], [0, 2], [1, 2], [0, 1, 2], [3, 0], [3]]
     rng = random.Random(3)
@@ -217,10 +220,7 @@ def test_a_pool_pair_over_the_work_bound_falls_back_to_the_steps_own(monkeypatch
     stack, x, y = _case(token_slots, 3, ranks, seed=13)
     one = len(OUTS) * 8 * (IN_F + sum(OUTS))                          # one slot's fused pair
     monkeypatch.setattr(cpu_stacked, "STACKED_MAX_WORK", len(token_slots) * 2 * one)
-    built: list[tuple[int, ...]] = []
-    real = stack_module.stacked_weights
-    monkeypatch.setattr(stack_module, "stacked_weights",
-                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    built = _record_builds(monkeypatch)
     a_list, b_list = _lists(stack)
     ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
     add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=3), backend="torch")
@@ -234,10 +234,7 @@ def test_a_steady_mix_gets_its_own_pair_and_the_pools_pair_is_never_evicted(monk
     monkeypatch.setattr(stack_module, "OWN_PAIR_AFTER_STEPS", 3)
     ranks = [[8, 8, 8, 8]] * len(OUTS)
     stack, _, _ = _case([0], 4, ranks, seed=17)
-    built: list[tuple[int, ...]] = []
-    real = stack_module.stacked_weights
-    monkeypatch.setattr(stack_module, "stacked_weights",
-                        lambda slots, *args: built.append(tuple(slots)) or real(slots, *args))
+    built = _record_builds(monkeypatch)
     a_list, b_list = _lists(stack)
 
     def step(token_slots: list[int], seed: int) -> None:
