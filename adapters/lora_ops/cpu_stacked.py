@@ -22,6 +22,12 @@ B with a non-finite value is never built (`stacked_weights` returns None and the
 The extra FLOPs (every row against every adapter's columns) are bounded by `stacked_pays`: at most
 `STACKED_MAX_ADAPTERS` adapters and `STACKED_MAX_ROWS` LoRA rows, the regime where the calls cost more than the
 FLOPs (measured in benchmarks/cpu_lora_stacked.py; results/cpu_lora_stacked.md).
+
+Which adapters a pair holds: while the pool has at most `STACKED_MAX_ADAPTERS` adapters with a rank on the linear,
+all of them (`LoRAStack.stacking_slots`: one pair for every mix, so a step whose mix changed never rebuilds pairs on
+its clock), else the step's own. A row's delta is the same in every case up to rounding: a wider pair (more
+columns of other adapters, exact zeros in h) can change the matmul's blocking and so the last bits of a row's
+result, as the step's mix already could; it never changes which weights reach the row.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ from adapters.lora_ops.metadata import ColumnLayout
 STACKED_MAX_ADAPTERS = 4   # adapters of a step the stacked pair takes (each adds its columns to every row's work)
 STACKED_MAX_ROWS = 64      # LoRA rows of a step the stacked pair takes (beyond, the per-adapter matmuls' FLOPs win)
 STACKED_MAX_WORK = 32_000_000   # the most rows x stacked weights (C x (in + N)) a linear takes stacked
-STACKED_CACHE_SIZE = 4     # stacked pairs kept per linear (one per recent set of the step's adapters)
+STACKED_CACHE_SIZE = 4     # own-mix stacked pairs kept per linear (one per recent set of the step's adapters), and
+                           # the pool's pair besides, which is never evicted
 OWN_PAIR_AFTER_STEPS = 64  # a mix's own pair is built once it ran this many steps in a row (else the pool's pair)
 
 

@@ -40,8 +40,8 @@ class LoRAStack:
     slice_meta: torch.Tensor = field(init=False, repr=False)  # [2, S] int32 on lora_b.device
     # fused_slot's, packed_slot's and stacked_slots' cache: {(slot, dtype): (A, B), ("packed", slot, dtype):
     # PackedSlot, ("stacked", slots, dtype): StackedSlots, "live": the slots with a rank, "run": (the last mix, its
-    # steps in a row)}, valid while its "version" entry matches the tensors'
-    # version counters; at most STACKED_CACHE_SIZE stacked entries (the least recently used goes first)
+    # steps in a row)}, valid while its "version" entry matches the tensors' version counters; at most
+    # STACKED_CACHE_SIZE stacked entries of steps' own mixes (the least recently used goes first) and the pool's
     _fused: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -252,11 +252,66 @@ def test_a_steady_mix_gets_its_own_pair_and_the_pools_pair_is_never_evicted(monk
     step([2, 3], 4)
     step([0, 1, 1], 5)
     assert built == [pool, (0, 1)]                           # a change of mix, then (0, 1) again: both cached
-    for k, mix in enumerate([(1, 2), (2, 3), (0, 2), (1, 3), (0, 3)]):   # five more own pairs come and go
-        for j in range(3):
-            step(list(mix), 10 * k + j + 6)
-    assert built[:2] == [pool, (0, 1)] and built[2:] == [(1, 2), (2, 3), (0, 2), (1, 3), (0, 3)]
-    step([0, 1, 2], 99)                                      # a new mix: the pool's pair, still cached
-    assert len(built) == 7
+    # more own pairs than the cache holds, each built at its mix's first step (so the pool's pair is not the most
+    # recently used when they evict): plain LRU would drop the pool's pair among them
+    monkeypatch.setattr(stack_module, "OWN_PAIR_AFTER_STEPS", 1)
+    own = [(1, 2), (2, 3), (0, 2), (1, 3), (0, 3)]
+    for k, mix in enumerate(own):
+        step(list(mix), k + 6)
+    assert built == [pool, (0, 1)] + own
     assert ("stacked", pool, torch.float32) in stack._fused
-    assert sum(isinstance(k, tuple) and k[0] == "stacked" for k in stack._fused) <= STACKED_CACHE_SIZE + 1
+    assert sum(isinstance(k, tuple) and k[0] == "stacked" for k in stack._fused) == STACKED_CACHE_SIZE + 1
+    monkeypatch.setattr(stack_module, "OWN_PAIR_AFTER_STEPS", 3)
+    step([0, 1, 2], 99)                                      # a new mix: the pool's pair, still cached
+    assert built == [pool, (0, 1)] + own
+
+
+@pytest.mark.parametrize("poison", ["a", "b"])
+def test_a_non_finite_adapter_outside_the_step_stays_out_of_it(monkeypatch: pytest.MonkeyPatch, poison: str) -> None:
+    """Slot 2 of a pool of three holds inf inside its rank and no row of the step uses it: a poisoned A rides in the
+    pool's pair and the mask's fill keeps it out of every row; a poisoned B refuses the pool's pair and the step's
+    own runs. Either way every row equals the definition."""
+    calls = _Calls(monkeypatch)
+    ranks = [[8, 8, 8]] * len(OUTS)
+    token_slots = [0, -1, 1, 0, -1, 1, 1]
+    stack, x, y = _case(token_slots, 3, ranks, seed=21)
+    stack = LoRAStack(torch.nan_to_num(stack.lora_a, nan=0.0), torch.nan_to_num(stack.lora_b, nan=0.0),
+                      stack.ranks, stack.scalings, stack.slice_offsets, stack.slice_sizes,
+                      ranks_host=stack.ranks_host, scalings_host=stack.scalings_host)
+    a_list, b_list = _lists(stack)          # slot 2 is not in the step: the definition never reads it
+    ref = naive(y, x, a_list, b_list, ranks, stack.scalings.tolist(), token_slots)
+    if poison == "a":
+        stack.lora_a[1, 2, 3, 5] = float("inf")
+    else:
+        stack.lora_b[2, 2, 3] = float("inf")
+    built = _record_builds(monkeypatch)
+    add_lora(y, x, stack, LoRABatchMeta.build(token_slots, num_slots=3), backend="torch")
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+    assert built == ([(0, 1, 2)] if poison == "a" else [(0, 1, 2), (0, 1)]) and calls.taken == [True]
+
+
+def test_the_pools_pair_follows_a_rewrite_and_a_new_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the pool's pair cached, a slot rewritten in place and an adapter loaded into an empty slot (the pool
+    grows) are both in the next step's result."""
+    ranks = [[8, 8, 0]] * len(OUTS)
+    token_slots = [0, 1, 0]
+    stack, x, y = _case(token_slots, 3, ranks, seed=23)
+    stack = LoRAStack(torch.nan_to_num(stack.lora_a, nan=0.0), torch.nan_to_num(stack.lora_b, nan=0.0),
+                      stack.ranks.clone(), stack.scalings.clone(), stack.slice_offsets, stack.slice_sizes)
+    built = _record_builds(monkeypatch)
+
+    def check(slots: list[int]) -> None:
+        out = y.clone()
+        add_lora(out, x, stack, LoRABatchMeta.build(slots, num_slots=3), backend="torch")
+        a_list, b_list = _lists(stack)
+        ref = naive(y, x, a_list, b_list, stack.ranks.tolist(), stack.scalings.tolist(), slots)
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+
+    check(token_slots)
+    stack.lora_b[1].mul_(-3.0)                   # slot 1 rewritten in place
+    check(token_slots)
+    stack.ranks[:, 2] = 8                        # an adapter loaded into slot 2: the pool is now (0, 1, 2)
+    check([2, 0, 1])
+    check([0, 1, 1])                             # a mix without it takes the grown pool's pair
+    assert built == [(0, 1), (0, 1), (0, 1, 2)]
