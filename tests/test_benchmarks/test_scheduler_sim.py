@@ -74,3 +74,16 @@ def test_a_warm_up_on_another_workload_ends_and_the_mix_still_runs() -> None:
     for r in (after_base, after_mix):
         assert len(r.ttft) == 40 and r.num_output_tokens == sum(work.max_tokens)
     assert (after_base.ttft, after_base.gaps) != (after_mix.ttft, after_mix.gaps)
+
+
+def test_rates_replay_a_measured_runs_offered_rates(capsys, monkeypatch) -> None:
+    """`--rates`: rows at the given arrival rates (a measured run's, since the simulated saturation is not the
+    measured one), after the `--loads` rows (none when the list is empty); a named GPU fit is accepted."""
+    import scheduler_sim
+    monkeypatch.setattr(sys, "argv", ["scheduler_sim.py", "--workload", "gpu-base", "--coef", "h200-base-27d",
+                                      "--loads", "", "--rates", "2.0,3.5", "--num-requests", "6", "--seeds", "1",
+                                      "--budgets-ms", "auto"])
+    scheduler_sim.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if "budget" in line]
+    assert [line.split()[0] for line in rows] == ["saturation", "2.00", "3.50"], rows
+    assert all("TTFT" in line for line in rows)
