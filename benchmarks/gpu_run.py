@@ -84,6 +84,14 @@ STAGES = (
                                            "--num-adapters", "8,32", "--prefill-prompt-len", "2048"])]],
           "LoRA decode-step / prefill (2048-token prompts) / generate overhead with 8 and 32 adapters vs their "
           "floors, Triton compiles after the warm-up"),
+    Stage("lora_overlap", 60, lambda d: [["lora_overhead.py", *_model(d), "--phases", "decode", "--lora-overlap",
+                                           *_out("lora_overlap"),
+                                           *(["--num-requests", "4", "--prompt-len", "16", "--max-tokens", "3",
+                                              "--num-adapters", "2", "--decode-steps", "2"] if d
+                                             else ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
+                                                   "--num-adapters", "8,32"])]],
+          "the LoRA decode step with each fused linear's LoRA beside its base GEMM (LORAPLEX_LORA_OVERLAP=1), "
+          "8 and 32 adapters: the A/B of the lora stage's decode rows"),
     Stage("spec", 100, lambda d: [
         ["spec_verify_cost.py", *_model(d), "--k", "4", *_out("spec_verify"),
          *(["--batch-sizes", "1,2", "--context", "64", "--repeats", "2"] if d else

@@ -14,6 +14,7 @@ apart from them the compiles of that warm-up (a new slot count is a new speciali
 Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
        python benchmarks/lora_overhead.py --model cpu-cold-spec --num-requests 48 --name lora_overhead_cpu_spec
            # the CPU path at its floor (issue 34): the 8 x 1024 Llama of adapter_cold_load.py
+       --lora-overlap: the decode LoRA beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1; the GPU run's lora_overlap stage)
        --prefill-prompt-len 2048: the prefill phase on prompts of that length (the issue's prefill figure)
        --pool-rank 64: the slot pool sized for rank 64 (--max-lora-rank) while the adapters keep --rank: the cost
            must follow the adapters' rank, not the pool's
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -39,6 +41,7 @@ from ceilings import weight_bytes
 from common import add_model_args, bench_model_dir, load_format_of, now, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
+from core.environment import variables as env
 from core.startup.kernel_compiles import COMPILES
 
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -176,8 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--prefill-prompt-len", type=int, default=0,
                     help="prompt length of the prefill phase (default: --prompt-len)")
+    ap.add_argument("--lora-overlap", action="store_true",
+                    help="LORAPLEX_LORA_OVERLAP=1 for the engines of this run: each fused linear's decode LoRA as a "
+                         "delta on a side stream beside its base GEMM (adapters/lora_ops/bgmv_overlap.py)")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
+    if args.lora_overlap:      # read once per process by the engine: set before the first engine is built
+        os.environ["LORAPLEX_LORA_OVERLAP"] = "1"
+        env.LORA_OVERLAP.reset()
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
     rng = random.Random(0)
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
     rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rank": args.rank, "pool_rank": args.pool_rank or args.rank, "targets": args.targets, "device": args.device,
-                      "dtype": args.dtype, "phases": args.phases}
+                      "dtype": args.dtype, "phases": args.phases, "lora_overlap": args.lora_overlap}
     num_out = args.num_requests * args.max_tokens
     wanted = set(args.phases.split(","))
     for num_adapters in (int(k) for k in args.num_adapters.split(",")):

@@ -46,6 +46,7 @@ class LoRAContext:
         self._meta: Optional[LoRABatchMeta] = None
         self._step_slots: Optional[np.ndarray] = None      # [T] the step's slot per token (-1: base)
         self._logits_meta: Optional[LoRABatchMeta] = None   # the LM head's rows, while `logit_rows` is open
+        self._side_stream: Optional[torch.cuda.Stream] = None   # the LoRA deltas' stream (`backends.overlap`)
 
     @property
     def meta(self) -> Optional[LoRABatchMeta]:
@@ -69,6 +70,15 @@ class LoRAContext:
 
     def clear(self) -> None:
         self._meta = None
+
+    def side_stream(self) -> Optional[torch.cuda.Stream]:
+        """The stream the wrappers run LoRA deltas on beside the base GEMMs (`backends.overlap`; one per pool, made
+        on first use); None off CUDA (Triton's CPU interpreter: the delta runs in turn, tests)."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
 
     # ---- the LM head's rows ------------------------------------------------------------------
     def set_step_slots(self, token_slots: Optional[np.ndarray]) -> None:

@@ -15,6 +15,8 @@ from torch import nn
 from adapters.layers.dims import GROUP_ATTRS
 from adapters.layers.vocab_lora import apply_vocab_lora_wrappers, remove_vocab_lora_wrappers
 from adapters.lora_ops import add_lora
+from adapters.lora_ops.bgmv import DecodeLoRAMeta
+from adapters.lora_ops.bgmv_overlap import delta_buffer, triton_bgmv_add_delta, triton_bgmv_delta
 from adapters.slots.slot_pool import LoRASlotPool
 
 SliceSpec = tuple[str, int, int]  # (HF module name, output column offset, output size)
@@ -63,13 +65,37 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         meta = self.context.meta
         if meta is None or not meta.has_lora:
-            return y  # base-only step: no extra work
+            return self.base(x)  # base-only step: no extra work
+        backends = self.context.backends
+        if backends.overlaps(meta):
+            return self._forward_beside(x, meta)
+        y = self.base(x)
         x2 = x.reshape(-1, x.shape[-1])  # [T, in]
         y2 = y.view(-1, y.shape[-1])  # [T, out]
-        add_lora(y2, x2, self.stack, meta, self.y_offset, backend=self.context.backends.for_meta(meta))
+        add_lora(y2, x2, self.stack, meta, self.y_offset, backend=backends.for_meta(meta))
+        return y
+
+    def _forward_beside(self, x: torch.Tensor, meta: DecodeLoRAMeta) -> torch.Tensor:
+        """The LoRA delta on the side stream while the base GEMM runs, then added (bgmv_overlap.py). Every tensor the
+        side stream touches is made on the main stream, or on the side stream and dropped there; the main stream
+        waits for the side stream before it reads the delta or frees x (both after the join, in this call)."""
+        x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+        meta.check_num_tokens(x2.shape[0])
+        delta = delta_buffer(self.stack, meta, x.device)   # [T, N] float32, the main stream's
+        side = self.context.side_stream()
+        if side is None:                       # no CUDA (Triton's interpreter): the same ops in turn
+            triton_bgmv_delta(x2, self.stack, meta, delta)
+            y = self.base(x)
+        else:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)             # x, the step's metadata, the slots and the buffer are ready
+            with torch.cuda.stream(side):
+                triton_bgmv_delta(x2, self.stack, meta, delta)   # its h: made and dropped on the side stream
+            y = self.base(x)
+            main.wait_stream(side)
+        triton_bgmv_add_delta(y.view(-1, y.shape[-1]), delta, self.stack, meta, self.y_offset)   # [T, out]
         return y
 
     def extra_repr(self) -> str:

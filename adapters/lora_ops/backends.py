@@ -24,9 +24,11 @@ class LoRABackends:
     """The paths of one pool's LoRA ops, resolved by the engine for the pool's device: `segmented` for the
     grouped metadata of prefill and mixed steps (`LoRABatchMeta`), `decode` for the fused decode (BGMV) ops of
     padded decode batches (`DecodeLoRAMeta`, the CUDA-graph path). Triton off CUDA runs only in Triton's CPU
-    interpreter (tests); the engine checks that before it names it."""
+    interpreter (tests); the engine checks that before it names it. `overlap`: the fused decode ops on the kernels
+    run as a delta beside the base linear's GEMM (adapters/lora_ops/bgmv_overlap.py; LORAPLEX_LORA_OVERLAP)."""
     segmented: Backend = "torch"
     decode: Backend = "torch"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         check_backend(self.segmented)
@@ -35,3 +37,8 @@ class LoRABackends:
     def for_meta(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> Backend:
         """The path of a step with this metadata."""
         return self.decode if isinstance(meta, DecodeLoRAMeta) else self.segmented
+
+    def overlaps(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> bool:
+        """Whether a step with this metadata computes its LoRA as a delta beside the base GEMM: `overlap` on, and
+        the fused decode ops (padded decode and mixed-step batches, the CUDA-graph path) on the kernels."""
+        return self.overlap and self.decode == "triton" and isinstance(meta, DecodeLoRAMeta)

@@ -371,9 +371,11 @@ def _dot_fp32(t: torch.Tensor) -> bool:
 
 
 def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,
-                       y_offset: int = 0, config: BGMVConfig | None = None) -> None:
+                       y_offset: int = 0, config: BGMVConfig | None = None, accumulate: bool = True,
+                       dora: bool = True) -> None:
     """y[row, y_offset + slice columns] += scale * (sum over K splits of h[:, s, row]) @ B_slot(row)^T, then a
-    DoRA slot's rescaling of those columns (in the kernel's epilogue)."""
+    DoRA slot's rescaling of those columns (in the kernel's epilogue). `accumulate=False` writes the delta instead
+    of adding it (y is a delta buffer), `dora=False` leaves the rescaling out (bgmv_overlap.py does both later)."""
     from adapters.lora_ops import bgmv_kernels as K  # optional: triton
 
     assert y.stride(1) == 1 and stack.lora_b.stride(2) == 1, "BGMV expand needs unit y column / B rank strides"
@@ -382,7 +384,7 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
     num_rows, num_slices = meta.num_tokens, stack.num_slices
     assert h.dim() == 4 and tuple(h.shape[1:]) == (num_slices, num_rows, cfg.block_r) and \
         h.dtype == torch.float32 and h.stride(3) == 1, f"h {tuple(h.shape)} is not this stack's shrink output"
-    dora = stack.dora_scale is not None
+    dora = dora and stack.dora_scale is not None
     d_scale, d_shift, d_flags = (stack.dora_scale, stack.dora_shift, stack.dora_flags) if dora else \
         (stack.scalings, stack.scalings, stack.ranks)             # never read (HAS_DORA off)
     K.bgmv_expand_kernel[(max_groups(num_rows, stack.num_slots, cfg.block_m), cfg.num_n_chunks, num_slices)](
@@ -394,7 +396,8 @@ def triton_bgmv_expand(y: torch.Tensor, h: torch.Tensor, stack: LoRAStack, meta:
         y.stride(0),
         stack.ranks.stride(0), stack.scalings.stride(0), d_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, DOT_FP32=_dot_fp32(stack.lora_b),
-        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r, cfg.block_m), **cfg.launch_options())
+        HAS_DORA=dora, SPLITS_PER_LOAD=splits_per_load(cfg.block_r, cfg.block_m), ACCUMULATE=accumulate,
+        **cfg.launch_options())
 
 
 def triton_bgmv_add_lora(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: DecodeLoRAMeta,

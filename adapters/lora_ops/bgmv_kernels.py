@@ -90,7 +90,7 @@ def bgmv_expand_kernel(
     stride_ym,
     stride_rank_s, stride_scale_s, stride_dslot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    HAS_DORA: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr,
+    HAS_DORA: tl.constexpr, SPLITS_PER_LOAD: tl.constexpr, ACCUMULATE: tl.constexpr = True,
 ):
     g = tl.program_id(0)
     c = tl.program_id(1)
@@ -135,11 +135,52 @@ def bgmv_expand_kernel(
                 delta = tl.dot(h.to(bt.dtype), bt)
             y_ptrs = y_ptr + rows[:, None] * stride_ym + (y_offset + n_off + offs_n)[None, :]
             ym = m_mask[:, None] & n_mask[None, :]
-            cur = tl.load(y_ptrs, mask=ym, other=0.0).to(tl.float32)
-            out = cur + delta * scale
+            if ACCUMULATE:
+                cur = tl.load(y_ptrs, mask=ym, other=0.0).to(tl.float32)
+                out = cur + delta * scale
+            else:             # y is a delta buffer (bgmv_overlap.py): the product, unscaled, written, not read
+                out = delta
             if HAS_DORA:      # DoRA: the slot's per-column scale and shift of the whole output (each column once)
                 if tl.load(dora_flags_ptr + slot) != 0:
                     d_off = slot * stride_dslot + n_off + offs_n                                    # [BN]
                     out = out * tl.load(dora_scale_ptr + d_off, mask=n_mask, other=1.0)[None, :] \
                         + tl.load(dora_shift_ptr + d_off, mask=n_mask, other=0.0)[None, :]
             tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ym)
+
+
+@triton.jit(do_not_specialize=["stride_dm"])
+def bgmv_add_delta_kernel(
+    y_ptr, d_ptr, row_slots_ptr, ranks_ptr, scalings_ptr, slice_meta_ptr,
+    dora_scale_ptr, dora_shift_ptr, dora_flags_ptr,
+    num_slices, y_offset, stride_ym, stride_dm, stride_rank_s, stride_scale_s, stride_dslot,
+    BLOCK_N: tl.constexpr, HAS_DORA: tl.constexpr,
+):
+    """Program (row, s, c): for the columns c, c + num_chunks, ... tiles of slice s of a LoRA row whose slot has a
+    rank there, y[row, y_offset + cols] = y + scale * d[row, cols], then the slot's DoRA rescaling of those columns:
+    the expand's epilogue, in its order, after a delta computed beside the base GEMM (bgmv_overlap.py)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    c = tl.program_id(2)
+    num_chunks = tl.num_programs(2)
+    slot = tl.load(row_slots_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    if tl.load(ranks_ptr + s * stride_rank_s + slot) == 0:
+        return
+    n_off = tl.load(slice_meta_ptr + s)
+    n_size = tl.load(slice_meta_ptr + num_slices + s)
+    scale = tl.load(scalings_ptr + s * stride_scale_s + slot)
+    flagged = False
+    if HAS_DORA:
+        flagged = tl.load(dora_flags_ptr + slot) != 0
+    for n0 in range(c * BLOCK_N, n_size, num_chunks * BLOCK_N):
+        cols = n_off + n0 + tl.arange(0, BLOCK_N)
+        mask = n0 + tl.arange(0, BLOCK_N) < n_size
+        y_ptrs = y_ptr + row * stride_ym + y_offset + cols
+        cur = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        out = cur + tl.load(d_ptr + row * stride_dm + cols, mask=mask, other=0.0) * scale
+        if flagged:
+            d_off = slot * stride_dslot + cols
+            out = out * tl.load(dora_scale_ptr + d_off, mask=mask, other=1.0) \
+                + tl.load(dora_shift_ptr + d_off, mask=mask, other=0.0)
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)

@@ -19,6 +19,7 @@ from core.distributed.lora import ShardedSlotPool, apply_tp_lora_wrappers
 from core.distributed.parallel_state import TPGroup
 from core.distributed.shard import TPShard
 from core.distributed.weights import load_weights
+from core.environment import variables as env
 from core.environment.backends import lora_backends
 from core.models.llama import LlamaForCausalLM
 from core.models.cpu_linear import pack_cpu_linears
@@ -96,7 +97,9 @@ def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
                              config.quantization.method)
     pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,
-                           journal=tp.rank == 0 and tp.world_size > 1, backends=LoRABackends(*lora_backends(device.type)),
+                           journal=tp.rank == 0 and tp.world_size > 1,
+                           backends=LoRABackends(*lora_backends(device.type),
+                                                 overlap=env.LORA_OVERLAP.get() and tp.world_size == 1),
                            tp=tp)
     apply_tp_lora_wrappers(model, pool, tp)
     return RankState(shard=shard, model=model, lora_pool=pool, device=device, dtype=dtype, kv_caches=[])

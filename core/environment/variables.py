@@ -176,6 +176,11 @@ MIXED_GRAPHS = EnvVar("LORAPLEX_MIXED_GRAPHS", "0|1", True, "1",
                       "CUDA graphs for steps that carry prefill chunks (one per padded token count up to 1024, "
                       "core/execution/mixed_graphs.py) beside the decode graphs; 0 = such steps run eagerly",
                       _bool)
+LORA_OVERLAP = EnvVar("LORAPLEX_LORA_OVERLAP", "0|1", False, "0",
+                      "1: with the LoRA kernels on a single GPU, each fused linear's decode LoRA (the CUDA-graph "
+                      "path) runs as a delta on a side stream beside the base GEMM, added after it "
+                      "(adapters/lora_ops/bgmv_overlap.py; results bit for bit the same); not measured on a GPU yet",
+                      _bool)
 ENGINE_PROCESS = EnvVar("LORAPLEX_ENGINE_PROCESS", "0|1", True, "1",
                         "the default of --engine-process: 1 = the engine core in its own process, 0 = a thread "
                         "of the API process; the flag wins", _bool)
@@ -209,7 +214,8 @@ TESTS_DIR = EnvVar("LORAPLEX_TESTS_DIR", "path", None, "unset",
 ALL: tuple[EnvVar, ...] = (
     ATTENTION_BACKEND, FUSED_OPS, LORA_BACKEND, BITMASK_BACKEND, QUANT_GEMM, KERNEL_SELFCHECK, CPU_PACKED_LINEAR,
     NATIVE_KERNELS, CPU_MALLOC_TUNING, TRITON_INTERPRET,
-    ASYNC_SCHEDULING, ALLOW_LONG_MAX_MODEL_LEN, TP_START_TIMEOUT_S, TP_STEP_TIMEOUT_S, MIXED_GRAPHS, ENGINE_PROCESS,
+    ASYNC_SCHEDULING, ALLOW_LONG_MAX_MODEL_LEN, TP_START_TIMEOUT_S, TP_STEP_TIMEOUT_S, MIXED_GRAPHS, LORA_OVERLAP,
+    ENGINE_PROCESS,
     STEP_TRACE,
     GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_WORKER_MEMORY_MB, GRAMMAR_MAX_REGEX_CHARS, ENGINE_TEST_HOOK, TESTS_DIR,
 )

@@ -26,6 +26,7 @@ GPU_TEST_FILES: tuple[str, ...] = (
     "tests/test_core/spec/test_spec_warmup.py",
     "tests/test_adapters/test_lora_bgmv.py",
     "tests/test_adapters/test_lora_bgmv_split.py",
+    "tests/test_adapters/test_lora_bgmv_overlap.py",
     "tests/test_adapters/test_lora_ops_triton.py",
     "tests/test_grammar/test_bitmask_triton.py",
     "tests/test_grammar/test_bitmask_backend.py",

@@ -16,11 +16,13 @@ pytest.importorskip("triton")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
+from adapters.layers import lora_linear  # noqa: E402
 from adapters.lora_ops import LoRABatchMeta, LoRAStack  # noqa: E402
 from adapters.lora_ops.bgmv import triton_bgmv_add_lora  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
+from core.environment import variables as env  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner, default_capture_sizes  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from lora_fixtures import (  # noqa: E402
@@ -97,16 +99,33 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
     llm.engine.check_integrity()
 
 
-def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool = True) -> None:
+@pytest.fixture
+def lora_overlap(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """LORAPLEX_LORA_OVERLAP for one test (the value is read once per process: reset before and after)."""
+    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", request.param)
+    env.LORA_OVERLAP.reset()
+    yield request.param == "1"
+    env.LORA_OVERLAP.reset()
+
+
+@pytest.mark.parametrize("lora_overlap", ["0", "1"], indirect=True)
+def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, lora_overlap: bool,
+                                   async_scheduling: bool = True) -> None:
     """Base and two adapters in every decode step: the fused BGMV decode kernels give PEFT's tokens (with async
-    scheduling, the GPU default; the graph inputs without it are covered by `test_greedy_equals_hf[False]`)."""
+    scheduling, the GPU default; the graph inputs without it are covered by `test_greedy_equals_hf[False]`), also
+    as deltas beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1: on a GPU on the side stream inside the graphs)."""
     model = MODEL
     mods = {name: str(adapter_dir(model, a)) for name, a in NAMES.items()}
+    deltas: list[int] = []
+    real = lora_linear.triton_bgmv_delta
+    monkeypatch.setattr(lora_linear, "triton_bgmv_delta", lambda *a, **k: (deltas.append(1), real(*a, **k))[1])
     llm = graph_llm(model, monkeypatch, lora_modules=mods, max_loras=2, max_lora_rank=8,
                     async_scheduling=async_scheduling)
+    assert llm.engine.lora_pool.context.backends.overlap == lora_overlap
     texts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
     reqs = [(encode(model_dir(model), t), lora) for t in texts for lora in (None, *NAMES)]
     assert_generate_equals_peft(llm, model, NAMES, reqs, MAX_TOKENS)
+    assert bool(deltas) == lora_overlap, "the delta path ran without overlap, or never with it"
     llm.engine.check_integrity()
 
 
