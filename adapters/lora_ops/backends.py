@@ -38,7 +38,13 @@ class LoRABackends:
         """The path of a step with this metadata."""
         return self.decode if isinstance(meta, DecodeLoRAMeta) else self.segmented
 
+    @property
+    def decode_overlap(self) -> bool:
+        """Whether the fused decode ops run as deltas beside the base GEMMs: `overlap` on, and those ops on the
+        kernels (the torch path has no delta ops)."""
+        return self.overlap and self.decode == "triton"
+
     def overlaps(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> bool:
-        """Whether a step with this metadata computes its LoRA as a delta beside the base GEMM: `overlap` on, and
-        the fused decode ops (padded decode and mixed-step batches, the CUDA-graph path) on the kernels."""
-        return self.overlap and self.decode == "triton" and isinstance(meta, DecodeLoRAMeta)
+        """Whether a step with this metadata computes its LoRA as a delta beside the base GEMM: `decode_overlap`,
+        and the fused decode metadata (padded decode and mixed-step batches, the CUDA-graph path)."""
+        return self.decode_overlap and isinstance(meta, DecodeLoRAMeta)

@@ -137,14 +137,14 @@ def bgmv_expand_kernel(
             ym = m_mask[:, None] & n_mask[None, :]
             if ACCUMULATE:
                 cur = tl.load(y_ptrs, mask=ym, other=0.0).to(tl.float32)
-                out = cur + delta * scale
+                out = tl.fma(delta, scale, cur)     # one rounding, as bgmv_add_delta_kernel (not left to the compiler)
             else:             # y is a delta buffer (bgmv_overlap.py): the product, unscaled, written, not read
                 out = delta
             if HAS_DORA:      # DoRA: the slot's per-column scale and shift of the whole output (each column once)
                 if tl.load(dora_flags_ptr + slot) != 0:
                     d_off = slot * stride_dslot + n_off + offs_n                                    # [BN]
-                    out = out * tl.load(dora_scale_ptr + d_off, mask=n_mask, other=1.0)[None, :] \
-                        + tl.load(dora_shift_ptr + d_off, mask=n_mask, other=0.0)[None, :]
+                    out = tl.fma(out, tl.load(dora_scale_ptr + d_off, mask=n_mask, other=1.0)[None, :],
+                                 tl.load(dora_shift_ptr + d_off, mask=n_mask, other=0.0)[None, :])
             tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=ym)
 
 
@@ -178,9 +178,9 @@ def bgmv_add_delta_kernel(
         mask = n0 + tl.arange(0, BLOCK_N) < n_size
         y_ptrs = y_ptr + row * stride_ym + y_offset + cols
         cur = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        out = cur + tl.load(d_ptr + row * stride_dm + cols, mask=mask, other=0.0) * scale
+        out = tl.fma(tl.load(d_ptr + row * stride_dm + cols, mask=mask, other=0.0), scale, cur)
         if flagged:
             d_off = slot * stride_dslot + cols
-            out = out * tl.load(dora_scale_ptr + d_off, mask=mask, other=1.0) \
-                + tl.load(dora_shift_ptr + d_off, mask=mask, other=0.0)
+            out = tl.fma(out, tl.load(dora_scale_ptr + d_off, mask=mask, other=1.0),
+                         tl.load(dora_shift_ptr + d_off, mask=mask, other=0.0))
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)

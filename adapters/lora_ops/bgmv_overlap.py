@@ -16,11 +16,11 @@ expand, if the GPU runs the side stream's programs beside the GEMM's (whether it
 `lora_overlap` stage measures: not measured yet).
 
 The add is the expand's epilogue moved: the delta holds the float32 product `h @ B^T` exactly as the expand's dot
-returns it, and the add computes `float32(y) + delta * scale`, then the DoRA rescaling, with the epilogue's
-expressions in its order, so the result is the fused path's bit for bit (in Triton's CPU interpreter:
-`tests/test_adapters/test_lora_bgmv_overlap.py`; on a GPU the compiler contracts both the same way, which the GPU
-test of that file checks). The delta holds only the rows and slices the expand writes; the add reads no others
-(base rows, slices of rank 0), so it starts uninitialized.
+returns it, and the add computes `fma(delta, scale, float32(y))`, then the DoRA rescaling `fma(out, m, shift)`, the
+epilogue's own operations (both kernels write the fused multiply-adds out, so no compiler contraction can tell
+them apart), so the result is the fused path's bit for bit (`tests/test_adapters/test_lora_bgmv_overlap.py`: in
+Triton's CPU interpreter, and on a GPU inside a CUDA graph). The delta holds only the rows and slices the expand
+writes; the add reads no others (base rows, slices of rank 0), so it starts uninitialized.
 """
 from __future__ import annotations
 

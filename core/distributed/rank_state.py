@@ -5,6 +5,7 @@ engine (a shard of world size 1: the whole model) and the speculative draft mode
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from core.models.registry import model_class
 from core.models.rope import layer_rotaries
 from core.quant.config import QuantScheme, UnsupportedQuantization, detect_quantization
 from core.quant.loader import finish_quantized, prepare_quantized, quantize_dummy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,6 +99,9 @@ def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     writes for the workers). The KV pool comes later (`allocate_kv`), once every rank knows its size."""
     model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
                              config.quantization.method)
+    if env.LORA_OVERLAP.get() and tp.world_size > 1 and tp.rank == 0:
+        log.warning("LORAPLEX_LORA_OVERLAP=1 is ignored with tensor parallelism (%d ranks): the LoRA deltas run "
+                    "beside the base GEMMs on one GPU only", tp.world_size)
     pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,
                            journal=tp.rank == 0 and tp.world_size > 1,
                            backends=LoRABackends(*lora_backends(device.type),

@@ -237,12 +237,15 @@ class MixedGraphRunner:
                 self.lora_context.clear()
 
 
-def activation_bytes_per_token(cfg: Any, dtype: torch.dtype) -> int:
+def activation_bytes_per_token(cfg: Any, dtype: torch.dtype, lora_overlap: bool = False) -> int:
     """A generous bound on what one token of a forward keeps alive at once (the residual stream and its norms, the
-    q/k/v and attention rows, the MLP's gate, up and product): a graph's memory pool grows with its token count."""
+    q/k/v and attention rows, the MLP's gate, up and product; with `lora_overlap`, the float32 LoRA delta of the
+    widest fused linear, gate/up, beside them: adapters/lora_ops/bgmv_overlap.py): a graph's memory pool grows with
+    its token count."""
     elt = torch.empty(0, dtype=dtype).element_size()
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    return elt * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * qkv)
+    delta = 4 * max(2 * cfg.intermediate_size, qkv) if lora_overlap else 0
+    return elt * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * qkv) + delta
 
 
 def sizes_that_fit(sizes: tuple[int, ...], per_token: int, free_bytes: int,
@@ -260,7 +263,8 @@ def build_mixed_graphs(config: Any, parts: Any, decode_backend: Any) -> MixedGra
     wanted = tuple(p for p in MIXED_GRAPH_SIZES if p <= config.scheduler.max_num_batched_tokens) or \
         (MIXED_GRAPH_SIZES[0],)
     free = torch.cuda.mem_get_info(parts.device)[0] if parts.device.type == "cuda" else 1 << 62
-    sizes = sizes_that_fit(wanted, activation_bytes_per_token(parts.model.config, parts.dtype), free)
+    overlap = parts.lora_pool is not None and parts.lora_pool.context.backends.overlap
+    sizes = sizes_that_fit(wanted, activation_bytes_per_token(parts.model.config, parts.dtype, overlap), free)
     if sizes != wanted:
         log.warning("mixed-step graphs: %.0f MiB of device memory free after the KV pool and the decode graphs "
                     "hold sizes up to %s of %s tokens; larger steps with prefill run eagerly (lower "

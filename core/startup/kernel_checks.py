@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from adapters.lora_ops import bgmv
+from adapters.lora_ops import bgmv, bgmv_overlap
 from adapters.lora_ops.bgmv_split import torch_bgmv_expand, torch_bgmv_shrink
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink
 from core.attention.torch_backend import TorchAttentionBackend
@@ -166,3 +166,15 @@ def check_bgmv(check: KernelSelfCheck, label: str, y: torch.Tensor, x: torch.Ten
     bgmv.triton_bgmv_expand(got, h_in, stack, meta, y_offset)   # via the module: the self-check tests replace it
     torch_bgmv_expand(want, h_ref, stack, meta, y_offset)
     check.compare(f"bgmv_expand_kernel [{label}]", "lora", got, want, x.dtype)
+
+
+def check_bgmv_delta(check: KernelSelfCheck, label: str, y: torch.Tensor, x: torch.Tensor, stack: Any, meta: Any,
+                     y_offset: int) -> None:
+    """The LoRA delta beside the base GEMM (LORAPLEX_LORA_OVERLAP, `bgmv_overlap`): its shrink, its expand into the
+    delta and its add, against the torch shrink and expand of the same rows."""
+    got, want = y.clone(), y.clone()
+    delta = bgmv_overlap.delta_buffer(stack, meta, x.device)                                 # [B, N] float32
+    bgmv_overlap.triton_bgmv_delta(x, stack, meta, delta)
+    bgmv_overlap.triton_bgmv_add_delta(got, delta, stack, meta, y_offset)
+    torch_bgmv_expand(want, torch_bgmv_shrink(x, stack, meta), stack, meta, y_offset)
+    check.compare(f"bgmv_add_delta_kernel [{label}]", "lora", got, want, x.dtype)

@@ -42,8 +42,9 @@ from core.startup.kernel_selfcheck import KernelSelfCheck, selfcheck_enabled
 from core.execution.runner import HostBatch, to_device
 from core.sampling.grammar_masks import apply_token_masks, bitmask_backend
 from core.quant.warmup import quant_gemm_warmups
-from core.startup.kernel_checks import check_bgmv, check_bitmask, check_lora_segment, forward_hooks
+from core.startup.kernel_checks import check_bgmv, check_bgmv_delta, check_bitmask, check_lora_segment, forward_hooks
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, triton_bgmv_add_lora
+from adapters.lora_ops.bgmv_overlap import delta_buffer, triton_bgmv_add_delta, triton_bgmv_delta
 from adapters.lora_ops import LoRABatchMeta, LoRAStack
 from adapters.layers.lora_linear import LoRALinear
 from adapters.layers.vocab_lora import LoRAEmbedding, LoRALMHead
@@ -171,6 +172,9 @@ def lora_variants(model: Any, pool: Any) -> list[KernelVariant]:
                                           lambda chk, m=module, c=cfg, lb=label: _segment(m, c, lb, chk)))
         variants.append(KernelVariant("lora", f"{module.group} bgmv", lambda m=module: _bgmv(m),
                                       lambda chk, m=module: _bgmv(m, f"{m.group}", chk)))
+        if pool.context.backends.decode_overlap:                      # LORAPLEX_LORA_OVERLAP's kernels
+            variants.append(KernelVariant("lora", f"{module.group} bgmv delta", lambda m=module: _bgmv_delta(m),
+                                          lambda chk, m=module: _bgmv_delta(m, f"{m.group}", chk)))
     for module in (model.model.embed_tokens, model.lm_head):     # LoRA on the vocabulary: segmented kernels
         if isinstance(module, (LoRAEmbedding, LoRALMHead)):
             variants += [KernelVariant("lora", f"{type(module).__name__} BLOCK_M={cfg.block_m} SPLIT_K={cfg.split_k}",
@@ -237,6 +241,17 @@ def _bgmv(module: Any, label: str = "", check: KernelSelfCheck | None = None) ->
         return
 
     check_bgmv(check, label, y, x, stack, meta, module.y_offset)
+
+
+def _bgmv_delta(module: Any, label: str = "", check: KernelSelfCheck | None = None) -> None:
+    stack, x, y = _scratch(module)
+    meta = DecodeLoRAMeta.build([0, -1, 0], x.device)                                       # [B] = 3 rows
+    if check is None:
+        delta = delta_buffer(stack, meta, x.device)                                         # [B, N] float32
+        triton_bgmv_delta(x, stack, meta, delta)
+        triton_bgmv_add_delta(y, delta, stack, meta, module.y_offset)
+        return
+    check_bgmv_delta(check, label, y, x, stack, meta, module.y_offset)
 
 
 def kernel_variants(engine: Any) -> list[KernelVariant]:

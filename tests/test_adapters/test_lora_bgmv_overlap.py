@@ -16,6 +16,7 @@ from adapters.layers.dims import BaseModelDims, fused_groups  # noqa: E402
 from adapters.layers.lora_linear import LoRALinear  # noqa: E402
 from adapters.lora_ops import LoRABackends, LoRAStack  # noqa: E402
 from adapters.lora_ops.bgmv import DecodeLoRAMeta, bgmv_config, triton_bgmv_add_lora  # noqa: E402
+from adapters.lora_ops import bgmv_overlap  # noqa: E402
 from adapters.lora_ops.bgmv_overlap import delta_buffer, triton_bgmv_add_delta, triton_bgmv_delta  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.slots.slot_pool import LoRASlotPool  # noqa: E402
@@ -56,12 +57,16 @@ def both_paths(y0: torch.Tensor, x: torch.Tensor, stack: LoRAStack, meta: Decode
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("dora", [False, True])
-@pytest.mark.parametrize("group_rows,k_split_cols", [(16, None), (16, 16), (64, 16)])
+@pytest.mark.parametrize("group_rows,k_split_cols,add_block_n", [(16, None, 1024), (16, 16, 16), (64, 16, 16)])
 def test_the_delta_path_is_the_fused_path_bit_for_bit(case: int, dora: bool, group_rows: int,
-                                                      k_split_cols: int | None) -> None:
+                                                      k_split_cols: int | None, add_block_n: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows of every slot, a 40-row chunk of slot 0 and base rows, into the middle columns of a wider
-    output (the linear's slices at an offset), with and without K splits and DoRA slots: equal to the fused
-    kernels bit for bit; base rows and the columns outside the slices untouched."""
+    output (the linear's slices at an offset), with and without K splits and DoRA slots, the add's columns in one
+    tile or (16-column tiles, as a served model's 4,096-14,336-column slices are in 1,024-column ones) in several
+    chunks each walking several tiles: equal to the fused kernels bit for bit; base rows and the columns outside
+    the slices untouched."""
+    monkeypatch.setattr(bgmv_overlap, "ADD_BLOCK_N", add_block_n)
     num_slots, r_max, in_f, outs, ranks = CASES[case]
     stack = nan_stack(num_slots, r_max, in_f, outs, ranks, seed=40 + case)
     if dora:
@@ -81,9 +86,10 @@ def test_the_delta_path_is_the_fused_path_bit_for_bit(case: int, dora: bool, gro
     assert torch.equal(beside[:, :off], y0[:, :off]) and torch.equal(beside[:, off + n:], y0[:, off + n:])
 
 
-def test_bf16_outputs_through_the_graph_buffers() -> None:
-    """bf16 weights and activations over the graph buffers' padded rows: equal to the fused kernels bit for bit,
-    padding rows untouched."""
+def test_bf16_outputs_through_the_graph_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights and activations over the graph buffers' padded rows, the add's columns in 16-column tiles:
+    equal to the fused kernels bit for bit, padding rows untouched."""
+    monkeypatch.setattr(bgmv_overlap, "ADD_BLOCK_N", 16)
     num_slots, r_max, in_f, outs, ranks = CASES[0]
     stack = with_dora(nan_stack(num_slots, r_max, in_f, outs, ranks, dtype=torch.bfloat16, seed=9), [0, 1, 0, 1], 9)
     bufs = GraphLoRABuffers(16, num_slots, DEVICE)
@@ -102,7 +108,8 @@ DIMS = BaseModelDims(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_h
 
 
 def wrapped_qkv(overlap: bool, dtype: torch.dtype = torch.float32) -> tuple[LoRALinear, LoRASlotPool]:
-    """A q/k/v linear over a two-slot pool on the kernels (q and v of adapter a, rank 8; v of b, rank 4)."""
+    """A q/k/v linear over a two-slot pool on the kernels (q and v of adapter a, rank 8; v of b, rank 4), slot 1
+    with a DoRA rescaling of the linear's output (random, as the pool's DoRA norms would set it)."""
     pool = LoRASlotPool(2, 8, DIMS, DEVICE, dtype, backends=LoRABackends("triton", "triton", overlap=overlap))
     g = torch.Generator().manual_seed(3)
     grp = fused_groups(DIMS)["qkv"]
@@ -114,7 +121,12 @@ def wrapped_qkv(overlap: bool, dtype: torch.dtype = torch.float32) -> tuple[LoRA
     base = torch.nn.Linear(32, grp.out_features, bias=True)
     torch.nn.init.normal_(base.weight, generator=g)
     torch.nn.init.normal_(base.bias, generator=g)
-    return LoRALinear(base.to(DEVICE, dtype), grp.slice_spec(), pool, 0), pool
+    layer = LoRALinear(base.to(DEVICE, dtype), grp.slice_spec(), pool, 0)
+    st = layer.stack
+    st.dora_scale[1] = (1 + 0.3 * torch.randn(grp.out_features, generator=g)).to(DEVICE)
+    st.dora_shift[1] = (0.2 * torch.randn(grp.out_features, generator=g)).to(DEVICE)
+    st.dora_flags[1], st.dora_host[1] = 1, True
+    return layer, pool
 
 
 def test_the_wrapper_takes_the_delta_path_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,8 +22,8 @@ from adapters.lora_ops.bgmv import triton_bgmv_add_lora  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from adapters.lora_ops.torch_ops import torch_expand, torch_shrink  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
-from core.environment import variables as env  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner, default_capture_sizes  # noqa: E402
+from envlib import setenv  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from lora_fixtures import (  # noqa: E402
     adapter_dir, assert_generate_equals_peft, peft_greedy_margin, torch_threads,
@@ -99,22 +99,14 @@ def test_greedy_equals_hf(monkeypatch: pytest.MonkeyPatch, async_scheduling: boo
     llm.engine.check_integrity()
 
 
-@pytest.fixture
-def lora_overlap(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
-    """LORAPLEX_LORA_OVERLAP for one test (the value is read once per process: reset before and after)."""
-    monkeypatch.setenv("LORAPLEX_LORA_OVERLAP", request.param)
-    env.LORA_OVERLAP.reset()
-    yield request.param == "1"
-    env.LORA_OVERLAP.reset()
-
-
-@pytest.mark.parametrize("lora_overlap", ["0", "1"], indirect=True)
+@pytest.mark.parametrize("lora_overlap", [False, True])
 def test_mixed_adapters_equal_peft(monkeypatch: pytest.MonkeyPatch, lora_overlap: bool,
                                    async_scheduling: bool = True) -> None:
     """Base and two adapters in every decode step: the fused BGMV decode kernels give PEFT's tokens (with async
     scheduling, the GPU default; the graph inputs without it are covered by `test_greedy_equals_hf[False]`), also
     as deltas beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1: on a GPU on the side stream inside the graphs)."""
     model = MODEL
+    setenv(monkeypatch, "LORAPLEX_LORA_OVERLAP", "1" if lora_overlap else "0")
     mods = {name: str(adapter_dir(model, a)) for name, a in NAMES.items()}
     deltas: list[int] = []
     real = lora_linear.triton_bgmv_delta

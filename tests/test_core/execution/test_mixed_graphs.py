@@ -29,6 +29,7 @@ from core.execution.mixed_graphs import (  # noqa: E402
     sizes_that_fit,
 )
 from core.execution.runner import HostBatch  # noqa: E402
+from envlib import setenv  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from lora_fixtures import (  # noqa: E402
     adapter_dir, assert_generate_equals_peft, peft_greedy_margin, torch_threads,
@@ -149,10 +150,14 @@ def test_every_step_with_prefill_fits_the_graphs() -> None:
     assert (groups[2, :size // BLOCK_M] == BLOCK_M).all() and (groups[2, size // BLOCK_M:] == 0).all()
 
 
-def test_adapter_chunks_equal_peft() -> None:
+@pytest.mark.parametrize("lora_overlap", ["0", "1"])
+def test_adapter_chunks_equal_peft(lora_overlap: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Long prompts on adapters: steps of up to 24 tokens, most of them one adapter's chunk (more than BLOCK_M
-    tokens: two BGMV groups of one slot), through the runner; every request gets PEFT's tokens."""
+    tokens: two BGMV groups of one slot), through the runner; every request gets PEFT's tokens, also with the LoRA
+    deltas beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1)."""
+    setenv(monkeypatch, "LORAPLEX_LORA_OVERLAP", lora_overlap)
     llm, runner = adapter_llm()
+    assert llm.engine.lora_pool.context.backends.decode_overlap == (lora_overlap == "1")
     path = model_dir(MODEL)
     long_prompt = encode(path, " ".join(PROMPTS))
     reqs = [(long_prompt, "tenant-a"), (encode(path, PROMPTS[1]), None), (long_prompt[:40], "tenant-b")]
@@ -179,6 +184,8 @@ def test_sizes_follow_free_memory() -> None:
     cfg = SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096, intermediate_size=14336)
     per_token = activation_bytes_per_token(cfg, torch.bfloat16)
     assert per_token == 2 * (6 * 4096 + 3 * 14336 + 2 * 6144)
+    # LORAPLEX_LORA_OVERLAP: the float32 LoRA delta of gate/up (the widest fused linear) lives beside them
+    assert activation_bytes_per_token(cfg, torch.bfloat16, lora_overlap=True) == per_token + 4 * 2 * 14336
     sizes = (32, 256, 1024)
     assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES + 1024 * per_token) == sizes
     assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES + 1023 * per_token) == (32, 256)
@@ -197,9 +204,13 @@ def test_work_items_cover_every_token_once(seed: int) -> None:
         assert list(zip(work[0].tolist(), work[1].tolist())) == want and (work[2] == 0).all()
 
 
-def test_a_long_adapter_chunk_takes_the_graph_and_equals_peft() -> None:
+@pytest.mark.parametrize("lora_overlap", ["0", "1"])
+def test_a_long_adapter_chunk_takes_the_graph_and_equals_peft(lora_overlap: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of up to 96 tokens, one of them a chunk of more than 64 tokens on one adapter (the limit that sent such
-    steps to the eager path before the BGMV groups were cut at 16 rows): through the runner, PEFT's tokens."""
+    steps to the eager path before the BGMV groups were cut at 16 rows): through the runner, PEFT's tokens, also
+    with the LoRA deltas beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1)."""
+    setenv(monkeypatch, "LORAPLEX_LORA_OVERLAP", lora_overlap)
     llm, runner = adapter_llm(sizes=(96,), max_num_batched_tokens=96)
     path = model_dir(MODEL)
     long_prompt = encode(path, " ".join(PROMPTS))[:90]

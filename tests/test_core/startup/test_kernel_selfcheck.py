@@ -165,3 +165,34 @@ def test_comparison_and_tolerances(monkeypatch: pytest.MonkeyPatch) -> None:
     setenv(monkeypatch, "LORAPLEX_KERNEL_SELFCHECK", "yes")
     with pytest.raises(ValueError, match="LORAPLEX_KERNEL_SELFCHECK"):
         selfcheck_enabled(torch.device("cpu"))
+
+
+def test_the_lora_delta_kernels_are_checked_when_overlap_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LORAPLEX_LORA_OVERLAP=1: the warm-up also launches and checks the LoRA delta path the graphs then run beside
+    the base GEMMs (its expand into the delta and its add); a wrong add stops the engine, naming its kernel and the
+    torch switch."""
+    from adapters.lora_ops import bgmv_overlap
+
+    for var in (*SWITCHES, "LORAPLEX_LORA_OVERLAP", "LORAPLEX_KERNEL_SELFCHECK"):
+        setenv(monkeypatch, var, "1" if var in ("LORAPLEX_LORA_OVERLAP", "LORAPLEX_KERNEL_SELFCHECK") else "triton")
+    setenv(monkeypatch, "LORAPLEX_BITMASK_BACKEND", "torch")        # faster: only the LoRA and forward kernels
+    seen: list[KernelSelfCheck] = []
+    raise_on_failure = KernelSelfCheck.raise_on_failure
+    monkeypatch.setattr(KernelSelfCheck, "raise_on_failure",
+                        lambda self, device: (seen.append(self), raise_on_failure(self, device))[1])
+    with torch_threads(1):
+        llm = LLM(str(model_dir(MODEL)), dtype="float32", device=str(kernel_device()),
+                  lora_modules={"t-all8": str(adapter_dir(MODEL, "all7_r8"))}, max_loras=1, max_lora_rank=8,
+                  max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64, warmup=False)
+        engine = llm.engine
+        assert engine.lora_pool.context.backends.decode_overlap
+        engine.warmup()
+        delta = [c for c in seen[0].checks if c.kernel.startswith("bgmv_add_delta_kernel")]
+        assert len(delta) == 4 and all(c.ok for c in delta), delta        # one per fused linear
+        monkeypatch.setattr(bgmv_overlap, "triton_bgmv_add_delta", _scaled(bgmv_overlap.triton_bgmv_add_delta, arg=1))
+        engine.warmup_report = None
+        with pytest.raises(KernelSelfCheckError) as info:
+            engine.warmup()
+    failures = info.value.failures
+    assert failures and all(f.kernel.startswith("bgmv_add_delta_kernel") for f in failures)
+    assert "LORAPLEX_LORA_BACKEND=torch" in str(info.value)
