@@ -16,7 +16,10 @@ the trace is cut into windows at idle gaps (`--gap-s`, 0.5 s) and each window is
 - who set the pace (traces with `host_ms`, the host's own time in each step's iteration): the host's median time in
   decode-only steps and in steps with prefill, and the share of each whose host time reached `HOST_BOUND` of the
   step's time (host-bound: Python, or a wait on the device inside the iteration; on a GPU with async scheduling the
-  host should stay well under the device).
+  host should stay well under the device);
+- on CUDA (traces with the caching allocator's running counts): the device mallocs, frees and failed allocations
+  retried after freeing the cache during the window (a free or a retry waits for the device: one of the waits
+  that make a step host-bound).
 
     python benchmarks/step_trace_summary.py results/gpu_run_h200_2026-11-27/serving.steps.jsonl \
         [--labels "mix inf,base inf,mix 0.5x,base 0.5x,mix 0.8x,base 0.8x"] [--name NAME]
@@ -91,6 +94,8 @@ def read_window(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "tail": {"num_steps": int(tail.sum()), "mean_prefill": float(prefill[tail].mean()) if tail.any() else 0.0,
                  "num_budgeted": int((tail & (budget > 0)).sum()), "num_lifted": int((tail & lifted).sum()),
                  "num_exempt": int((tail & (exempt > 0)).sum()), "num_floor": int((tail & (floor > 0)).sum())},
+        "allocator": None if "cuda_allocs" not in steps[-1] or "cuda_allocs" not in steps[0] else {
+            name: int(steps[-1][name] - steps[0][name]) for name in ("cuda_allocs", "cuda_frees", "cuda_alloc_retries")},
         "host": None if np.isnan(host).all() else {        # over the steps that recorded it (older lines: not)
             kind: {"ms_p50": float(np.median(host[sel])) if sel.any() else 0.0,
                    "host_bound_share": float((host[sel] >= HOST_BOUND * ms[sel]).mean()) if sel.any() else 0.0}
@@ -113,6 +118,10 @@ def row(label: str, w: dict[str, Any]) -> tuple[str, str]:
         f"; host {h['decode_only']['ms_p50']:.1f} / {h['with_prefill']['ms_p50']:.1f} ms (decode-only / with "
         f"prefill), host-bound {100 * h['decode_only']['host_bound_share']:.0f}% / "
         f"{100 * h['with_prefill']['host_bound_share']:.0f}%")
+    a = w.get("allocator")
+    if a is not None:
+        host += (f"; CUDA allocator {a['cuda_allocs']} mallocs, {a['cuda_frees']} frees, "
+                 f"{a['cuda_alloc_retries']} retries")
     return (label, f"{w['num_steps']} steps in {w['seconds']:.1f} s; decode-only {d['num_steps']} "
                    f"({_fmt(d['ms_p50_p90_p99'])} ms, {d['mean_rows']:.1f} rows); with prefill {p['num_steps']} "
                    f"({_fmt(p['ms_p50_p90_p99'])} ms, chunk {p['mean_chunk']:.0f}, "

@@ -65,7 +65,7 @@ class LLMEngine:
         self._num_failed_steps = 0                     # whole-step failures in a row (core/engine/fault_isolation.py)
         self._step_requests: list[Request] = []        # the requests scheduled in the running step
         self._closed = False
-        self._trace = open_step_trace(STEP_TRACE.get())   # LORAPLEX_STEP_TRACE: a JSON line per step
+        self._trace = open_step_trace(STEP_TRACE.get(), self.device)   # LORAPLEX_STEP_TRACE: a JSON line per step
         # speculative decoding (core/spec/): NoSpeculation when off
         self.spec = build_speculator(config, p, self.sampler, self._append, self._fail)
         if self.spec.enabled and self.executor.has_workers:

@@ -91,3 +91,17 @@ def test_host_time_names_the_steps_the_host_set_the_pace_of() -> None:
     older = workload(0.0, 100, 4, 1000)[:50] + steps[50:]          # a trace appended to by a newer engine
     h = read_window(older)["host"]
     assert h["with_prefill"]["host_bound_share"] == 1.0 and h["decode_only"]["ms_p50"] == pytest.approx(2.0)
+
+
+def test_the_cuda_allocator_counts_read_as_their_increase_over_the_window() -> None:
+    """With the caching allocator's running counts in the trace (CUDA): the window reads how many device mallocs,
+    frees and retried allocations its steps paid (the last line's counts less the first's), and the row says so;
+    a CPU trace (no counts) reads none."""
+    from step_trace_summary import row
+    steps = workload(0.0, 100, 4, 1000)
+    for i, s in enumerate(steps):
+        s.update(cuda_allocs=50 + i // 10, cuda_frees=7 + i // 50, cuda_alloc_retries=2 + (i >= 60))
+    w = read_window(steps)
+    assert w["allocator"] == {"cuda_allocs": 9, "cuda_frees": 1, "cuda_alloc_retries": 1}
+    assert "CUDA allocator 9 mallocs, 1 frees, 1 retries" in row("mix", w)[1]
+    assert read_window(workload(0.0, 100, 4, 1000))["allocator"] is None

@@ -39,6 +39,7 @@ def test_each_step_is_one_line_with_its_features_and_times(tmp_path: Path, monke
     assert lines[0]["prefill_tokens"] == 16                          # chunked by --max-num-batched-tokens
     # why a budgeted step ran past its budget: nothing here (no fitted model yet, no budget)
     assert all(s["exempt_tokens"] == 0 and s["floor_tokens"] == 0 and s["overhead_waived"] is False for s in lines)
+    assert not any("cuda_allocs" in s for s in lines)              # the CUDA allocator's counts: CUDA only
 
 
 def test_the_host_time_leaves_out_the_wait_for_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,6 +133,13 @@ def run_deferred(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, l
     assert [s["start_s"] for s in lines] == sorted(s["start_s"] for s in lines)
     assert sum(s["prefill_tokens"] for s in lines) == 30 + 2
     assert sum(s["decode_tokens"] for s in lines) >= 2 * 3        # async: a step may run past a request's end
+    if device.startswith("cuda"):       # the caching allocator's running counts: never falling, mallocs at all
+        for name in ("cuda_allocs", "cuda_frees", "cuda_alloc_retries"):
+            counts = [s[name] for s in lines]
+            assert counts == sorted(counts) and counts[0] >= 0, name
+        assert lines[-1]["cuda_allocs"] > 0
+    else:
+        assert not any("cuda_allocs" in s for s in lines)
 
 
 def test_deferred_steps_are_traced_an_iteration_later_and_drained(tmp_path: Path,
