@@ -122,6 +122,14 @@ STAGES = (
                                               if d else ["--rates", "inf,0.5x,0.8x", "--num-requests", "96",
                                                          "--max-seconds", "420"])]],
           "the serving stage again with the mixed-step CUDA graphs off (LORAPLEX_MIXED_GRAPHS=0): their A/B"),
+    Stage("serving_overlap", 300, lambda d: [["serving.py", *_model(d), *_out("serving_overlap"), "--step-trace",
+                                              "--server-env", "LORAPLEX_LORA_OVERLAP=1",
+                                              *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
+                                                 "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
+                                                 "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)]
+                                                if d else ["--rates", "inf,0.5x,0.8x", "--num-requests", "96",
+                                                           "--max-seconds", "420"])]],
+          "the serving stage again with each linear's LoRA beside its base GEMM (LORAPLEX_LORA_OVERLAP=1): its A/B"),
     Stage("many", 420, lambda d: [["many_adapters.py", *_model(d), *_out("many"),
                                    *(["--dry-run", "--kv-cache-memory", str(32 << 20), "--startup-timeout-s", "120"]
                                      if d else ["--targets", "qv", "--num-requests", "1000", "--concurrency", "64",

@@ -32,7 +32,8 @@ LORA_TARGETS = {8: (0.08, 0.045), 32: (0.22, 0.179)}      # decode overhead targ
 STAGE_OF = {"env": "env", "tests": "tests", "kernels": "kernels", "quant": "quant", "roofline_bf16": "roofline",
             "roofline_fp8": "roofline", "lora": "lora", "lora_overlap": "lora_overlap", "spec_verify": "spec",
             "spec_ngram": "spec",
-            "offline": "offline", "serving": "serving", "serving_eager": "serving_eager", "many": "many"}
+            "offline": "offline", "serving": "serving", "serving_eager": "serving_eager",
+            "serving_overlap": "serving_overlap", "many": "many"}
 
 
 class Run:
@@ -147,7 +148,7 @@ def serving_labels(data: dict) -> list[str]:
 def trace_rows(run: Run, table: Table) -> None:
     """Each serving stage's step trace read workload by workload (benchmarks/step_trace_summary.py): which steps
     make the inter-token tail and why they ran past their budget."""
-    for stage in ("serving", "serving_eager"):
+    for stage in ("serving", "serving_eager", "serving_overlap"):
         data, path = run.data(stage), run.dir / f"{stage}.steps.jsonl"
         if data is None or not path.exists():
             continue
@@ -316,7 +317,20 @@ def graphs_ab(run: Run, eager: dict, workload: str) -> tuple[str, None]:
     on = run.data("serving")
     if on is None:
         return "the serving stage is needed", None
-    pick = [next(p for p in d["workloads"][workload] if p.get("rate_fraction") == 0.5) for d in (on, eager)]
+    return serving_ab(on, eager, workload)
+
+
+def overlap_ab(run: Run, overlap: dict, workload: str) -> tuple[str, None]:
+    """serving_overlap (the LoRA beside the base GEMMs) over the serving stage (not) at the 0.5x point of `workload`."""
+    off = run.data("serving")
+    if off is None:
+        return "the serving stage is needed", None
+    return serving_ab(overlap, off, workload)
+
+
+def serving_ab(a: dict, b: dict, workload: str) -> tuple[str, None]:
+    """Serving run `a` over run `b` at the 0.5x point of `workload`: ITL p99, TTFT p99 and output tokens/s."""
+    pick = [next(p for p in d["workloads"][workload] if p.get("rate_fraction") == 0.5) for d in (a, b)]
     ratio = [a / b for a, b in zip((pick[0]["itl_p99_s"], pick[0]["ttft_p99_s"], pick[0]["output_tok_s"]),
                                    (pick[1]["itl_p99_s"], pick[1]["ttft_p99_s"], pick[1]["output_tok_s"]))]
     return (f"ITL p99 {1e3 * pick[0]['itl_p99_s']:.1f} / {1e3 * pick[1]['itl_p99_s']:.1f} ms ({ratio[0]:.2f}x), "
@@ -361,6 +375,9 @@ def serving_rows(run: Run, table: Table) -> None:
         add("serving", f"mixed-step graphs on / off, {w}: ITL p99, TTFT p99 and tok/s at 0.5x saturation",
             "serving_eager", lambda d, w=w: graphs_ab(run, d, w),
             "- (on: the serving rows above)")
+        add("serving", f"LoRA beside the base GEMMs on / off, {w}: ITL p99, TTFT p99 and tok/s at 0.5x saturation",
+            "serving_overlap", lambda d, w=w: overlap_ab(run, d, w),
+            "- (off: the serving rows above)")
     add("serving", "serving saturation: mix / base req/s (rate inf)", "serving", lambda d: (
         (f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85)
         if d["saturation"]["mix_over_base"] else (f"rate inf not measured for both (skipped: {d['skipped']})", None)),

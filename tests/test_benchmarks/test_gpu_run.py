@@ -32,6 +32,7 @@ EXPECTED = ("GPU tests", "decode step, batch 1,", "FP8 decode step, batch 1", "L
             "LoRA shrink + expand", "LoRA fused decode (BGMV)", "grammar bitmask apply", "BF16 linears",
             "W4A16 linears", "W8A16 linears", "FP8 linears", "FP8 parts of a layer",
             "verification step / decode step, batch 1", "n-gram speculation", "offline throughput", "serving mix @",
+            "LoRA beside the base GEMMs on / off, mix", "mixed-step graphs on / off, mix",
             "serving base @", "serving saturation",
             "serving errors", "kernel compiles after the warm-up (serving)",
             "kernel compiles after the warm-up (LoRA stage", "LoRA decode-step overhead beside the base GEMMs",
@@ -70,7 +71,7 @@ def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
         assert "unreadable" not in r["dry_run_parsed"]["measured"], r
     assert table.with_suffix(".md").read_text().count("not measured (dry run)") >= len(rows)
     assert "| figure | measured | target | floor | met |" in proc.stdout        # the table comes last
-    for name in ("serving", "serving_eager"):      # each serving stage leaves its server's step trace to analyse
+    for name in ("serving", "serving_eager", "serving_overlap"):   # each serving stage leaves its step trace
         steps = [json.loads(line) for line in (tmp_path / "gpu_run" / f"{name}.steps.jsonl").read_text().splitlines()]
         assert steps and all(s["measured_ms"] > 0 and "budget_ms" in s for s in steps), name
     print(f"dry run: {seconds:.0f} s")
