@@ -59,6 +59,17 @@ def _dry(dry: bool) -> list[str]:
     return ["--dry-run"] if dry else []
 
 
+def _serving(dry: bool, name: str, *server_env: str) -> list[str]:
+    """serving.py's command for the serving stage `name`, its server run with `server_env` (NAME=VALUE) set: the
+    step trace on, saturation and 50% / 80% of it (the dry run: a tiny model, two rates, six requests)."""
+    env = [arg for pair in server_env for arg in ("--server-env", pair)]
+    return ["serving.py", *_model(dry), *_out(name), "--step-trace", *env,
+            *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40", "--output-len", "3,8",
+               "--num-adapters", "2", "--max-loras", "2", "--startup-timeout-s", "120",
+               "--kv-cache-memory", str(32 << 20)] if dry else
+              ["--rates", "inf,0.5x,0.8x", "--num-requests", "96", "--max-seconds", "420"])]
+
+
 STAGES = (
     Stage("env", 15, lambda d: [["gpu_env.py", *_dry(d), *_out("env")]],
           "versions (torch, triton, CUDA, driver, GPU, packages), read bandwidth, bf16 matrix rate"),
@@ -107,28 +118,12 @@ STAGES = (
                                          "--hf-batch-size", "4", "--repeats", "1"] if d else
                                         ["--num-requests", "64", "--hf-batch-size", "64", "--hf-repeats", "1"])]],
           "offline throughput vs HF generate (static batch 64)"),
-    Stage("serving", 300, lambda d: [["serving.py", *_model(d), *_out("serving"), "--step-trace",
-                                      *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
-                                         "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
-                                         "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)] if d else
-                                        ["--rates", "inf,0.5x,0.8x", "--num-requests", "96", "--max-seconds", "420"])]],
+    Stage("serving", 300, lambda d: [_serving(d, "serving")],
           "HTTP serving: TTFT / ITL / E2E / goodput at saturation and at 50% / 80% of it, 32-adapter mix and base "
           "alone, compiles after warm-up"),
-    Stage("serving_eager", 300, lambda d: [["serving.py", *_model(d), *_out("serving_eager"), "--step-trace",
-                                            "--server-env", "LORAPLEX_MIXED_GRAPHS=0",
-                                            *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
-                                               "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
-                                               "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)]
-                                              if d else ["--rates", "inf,0.5x,0.8x", "--num-requests", "96",
-                                                         "--max-seconds", "420"])]],
+    Stage("serving_eager", 300, lambda d: [_serving(d, "serving_eager", "LORAPLEX_MIXED_GRAPHS=0")],
           "the serving stage again with the mixed-step CUDA graphs off (LORAPLEX_MIXED_GRAPHS=0): their A/B"),
-    Stage("serving_overlap", 300, lambda d: [["serving.py", *_model(d), *_out("serving_overlap"), "--step-trace",
-                                              "--server-env", "LORAPLEX_LORA_OVERLAP=1",
-                                              *(["--rates", "inf,0.5x", "--num-requests", "6", "--prompt-len", "16,40",
-                                                 "--output-len", "3,8", "--num-adapters", "2", "--max-loras", "2",
-                                                 "--startup-timeout-s", "120", "--kv-cache-memory", str(32 << 20)]
-                                                if d else ["--rates", "inf,0.5x,0.8x", "--num-requests", "96",
-                                                           "--max-seconds", "420"])]],
+    Stage("serving_overlap", 300, lambda d: [_serving(d, "serving_overlap", "LORAPLEX_LORA_OVERLAP=1")],
           "the serving stage again with each linear's LoRA beside its base GEMM (LORAPLEX_LORA_OVERLAP=1): its A/B"),
     Stage("many", 420, lambda d: [["many_adapters.py", *_model(d), *_out("many"),
                                    *(["--dry-run", "--kv-cache-memory", str(32 << 20), "--startup-timeout-s", "120"]
