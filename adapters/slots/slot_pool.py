@@ -76,7 +76,7 @@ class LoRASlotPool:
             # the kernels' buffers: every layer view 16-byte aligned, as the warm-up's scratch stacks are
             # (layer_buffers.py: one compiled variant for every layer)
             a = layer_buffer(L, (S, num_slots, max_rank, grp.in_features), dtype, self.device)
-            if backends == LoRABackends("torch", "torch"):
+            if (backends.segmented, backends.decode) == ("torch", "torch"):    # whatever `overlap` says
                 # rank-major storage: the torch ops' expand multiplies by B^T [r, out], rows of `out` contiguous
                 # (twice as fast as unit rank stride on the CPU); the Triton kernels need the unit rank stride
                 b = layer_buffer(L, (num_slots, max_rank, grp.out_features), dtype, self.device).transpose(2, 3)

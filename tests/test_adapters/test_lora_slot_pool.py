@@ -186,3 +186,16 @@ def test_every_layer_view_is_16_byte_aligned(num_slots, backends):
         pool.load(aid, ad)
         pool.check_integrity(deep=True)
     check_outputs(pool, {a: adapters[a] for a in pool.loaded_ids}, rng)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_torch_path_keeps_its_rank_major_b_whatever_the_overlap_flag(overlap):
+    """A pool on the torch path stores B rank-major ([slots, R, N] under the [slots, N, R] view: the CPU expand's
+    fast layout) also with `overlap` asked (LORAPLEX_LORA_OVERLAP on a CPU server: the flag only concerns the
+    kernels); a pool on the kernels stores B with the unit rank stride they need."""
+    torch_pool = LoRASlotPool(num_slots=2, max_rank=8, dims=DIMS, backends=LoRABackends("torch", "torch", overlap))
+    kernel_pool = LoRASlotPool(num_slots=2, max_rank=8, dims=DIMS, backends=LoRABackends("triton", "triton", overlap))
+    for name in torch_pool.groups:
+        b_torch, b_kernel = torch_pool.groups[name].stacks[0].lora_b, kernel_pool.groups[name].stacks[0].lora_b
+        assert b_torch.stride(1) == 1 and b_torch.stride(2) != 1, (name, b_torch.stride())      # rank-major
+        assert b_kernel.stride(2) == 1, (name, b_kernel.stride())
