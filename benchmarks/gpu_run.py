@@ -103,6 +103,9 @@ STAGES = (
                                                    "--num-adapters", "8,32"])]],
           "the LoRA decode step with each fused linear's LoRA beside its base GEMM (LORAPLEX_LORA_OVERLAP=1), "
           "8 and 32 adapters: the A/B of the lora stage's decode rows"),
+    Stage("host", 90, lambda d: [["host_profile.py", *_model(d), *_dry(d), *_out("host")]],
+          "where the host's time goes in an eager step with a 2,000-token chunk beside 64 decode rows, base vs the "
+          "32-adapter mix: host ms, device waits by call site (sync debug mode), allocator retries, cProfile"),
     Stage("spec", 100, lambda d: [
         ["spec_verify_cost.py", *_model(d), "--k", "4", *_out("spec_verify"),
          *(["--batch-sizes", "1,2", "--context", "64", "--repeats", "2"] if d else

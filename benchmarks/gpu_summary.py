@@ -30,7 +30,7 @@ QUANT_TARGETS = {("w4a16", 1): 2.5, ("w4a16", 16): 2.5, ("w4a16", 64): 1.3, ("w4
                  ("fp8", 256): 1.3}
 LORA_TARGETS = {8: (0.08, 0.045), 32: (0.22, 0.179)}      # decode overhead target, the issue's floor
 STAGE_OF = {"env": "env", "tests": "tests", "kernels": "kernels", "quant": "quant", "roofline_bf16": "roofline",
-            "roofline_fp8": "roofline", "lora": "lora", "lora_overlap": "lora_overlap", "spec_verify": "spec",
+            "roofline_fp8": "roofline", "lora": "lora", "lora_overlap": "lora_overlap", "host": "host", "spec_verify": "spec",
             "spec_ngram": "spec",
             "offline": "offline", "serving": "serving", "serving_eager": "serving_eager",
             "serving_overlap": "serving_overlap", "many": "many"}
@@ -104,6 +104,24 @@ class Table:
         if self.run.dry:
             row.update(measured=DRY, dry_run_parsed={"measured": text, "floor": "-"})
         self.rows.append(row)
+
+
+def host_rows(table: Table) -> None:
+    """The host stage (host_profile.py): an eager step with a long chunk beside decode rows, base against the mix,
+    where its host time goes. Diagnostic rows: no target."""
+    def shape(d: dict) -> str:
+        return f"{d['chunk']}-token chunk, {d['num_decoding']} decode rows"
+
+    table.add("host", "host time of an eager step with prefill (host stage): base / mix", "host", lambda d: (
+        f"{d['base']['host_ms_median']:.1f} / {d['mix']['host_ms_median']:.1f} ms; the step "
+        f"{d['base']['measured_ms_median']:.1f} / {d['mix']['measured_ms_median']:.1f} ms ({shape(d)})", None))
+    table.add("host", "device waits inside it (host stage, sync debug mode): base / mix", "host", lambda d: (
+        f"{d['base']['syncs_per_step']:.2f} / {d['mix']['syncs_per_step']:.2f} a step; mix: "
+        + ("; ".join(f"{site} x{n}" for site, n in list(d["mix"]["sync_sites"].items())[:3]) or "none"), None))
+    table.add("host", "caching allocator retries in it (host stage): base / mix", "host", lambda d: (
+        f"{d['base']['alloc_retries']} / {d['mix']['alloc_retries']}", None))
+    table.add("host", "mix: functions by own host time (host stage, cProfile, ms a step)", "host", lambda d: (
+        ", ".join(f"{p['function']} {p['own_ms_per_step']:.2f}" for p in d["mix"]["profile"][:6]), None))
 
 
 def sweep_rows(run: Run, table: Table) -> None:
@@ -224,6 +242,7 @@ def build(run: Run, table: Table) -> None:
             f"<= +{100 * LORA_TARGETS[k][0]:.0f}%" if k in LORA_TARGETS else "-")
         add("LoRA", f"kernel compiles after the warm-up (lora_overlap stage, {k} adapters)", "lora_overlap",
             lambda d, k=k: (str(d[f"k{k}"]["compiles_after_warmup"]), d[f"k{k}"]["compiles_after_warmup"] == 0), "0")
+    host_rows(table)
     kernels = run.data("kernels") or {}
     for i, name in enumerate([r["name"] for r in kernels.get("rows", [])] or kernel_names(run.dry)):
         add("kernels", name, "kernels", lambda d, i=i: (

@@ -36,7 +36,8 @@ EXPECTED = ("GPU tests", "decode step, batch 1,", "FP8 decode step, batch 1", "L
             "serving base @", "serving saturation",
             "serving errors", "kernel compiles after the warm-up (serving)",
             "kernel compiles after the warm-up (LoRA stage", "LoRA decode-step overhead beside the base GEMMs",
-            "kernel compiles after the warm-up (lora_overlap stage",
+            "kernel compiles after the warm-up (lora_overlap stage", "host time of an eager step with prefill",
+            "device waits inside it", "caching allocator retries in it", "mix: functions by own host time",
             "kernel compiles after the warm-up (speculative verification)", "many adapters: output tok/s",
             "many adapters: host-to-device copies/s", "many adapters: TTFT p99, cold", "many adapters: worst gap",
             "many adapters: adapters in host memory")
