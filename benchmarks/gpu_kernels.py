@@ -8,7 +8,8 @@ Families (each checked against its torch path first: relative error ||out - ref|
   and a sweep of the BGMV launch config (K splits x column chunks) beside the latency model's time of each;
 - a mixed-step graph's LoRA (a prefill chunk on one adapter beside decode rows on others, through the BGMV
   kernels) with groups of 16, 32 and 64 rows (`DecodeLoRAMeta.group_rows`: a chunk reads its adapter's A and B
-  once per group), beside the segmented kernels on the same rows (the eager path);
+  once per group), beside the segmented kernels on the same rows (the eager path), and a sweep of the BGMV launch
+  config on those rows (`mixed_sweep`: the latency model was fitted to decode batches only);
 - the grammar bitmask apply.
 The quantized GEMMs have their own stage (benchmarks/quant_layers.py: against bf16 cuBLAS on the same shapes).
 
@@ -279,53 +280,81 @@ def bgmv_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tup
     for ci, (name, fan_in, slices, num_slots, num_tokens, *pool) in enumerate(cases):
         rank = pool[0] if pool else default_rank
         num_live = pool[1] if len(pool) > 1 else num_slots
-        stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 100 + ci)
-        g = torch.Generator().manual_seed(200 + ci)
         # every row on an adapter: all of the pool's, or its last num_live (full rank: lora_stack halves every 4th)
         token_slots = num_slots - num_live + torch.arange(num_tokens) % num_live
-        x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
-        y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
-        y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
-        meta = DecodeLoRAMeta.build(token_slots, b.device)        # thousands of bf16 adds would drown the delta)
-        base = bgmv_config(stack, num_tokens)
-        bk0, bn0, *splits_chunks = choose_config(fan_in, tuple(slices), num_slots, num_tokens, base.block_r,
-                                                 elem_bytes=stack.lora_a.element_size(),
-                                                 max_bytes=max_tile_bytes(stack.lora_a.device))
-        # the model's choice, tiles included; the configs without tiles run 64-column tiles
-        chosen = (*splits_chunks, bk0, bn0) if not b.dry else (*splits_chunks,)
-        elem = torch.finfo(dtype).bits // 8
-        stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
-                            # one live adapter reads ~1-2 MB a call: up to 160 pools (each whole, 42-75 MB at rank 64
-                            # over 32 slots) so that its weights come from HBM, as between a step's layers
-                            for i in range(b.copies(_lora_bytes(stack, set(range(num_slots - num_live, num_slots)),
-                                                                elem), 32 if num_live == num_slots else 160) - 1)]
-        for splits, chunks, *rest in configs + ([chosen] if chosen not in configs else []):
-            tiles = tuple(rest[:2])
-            warps, stages = (tuple(rest[2:4]) + (None, None))[:2]
-            bk, bn = tiles or ((64, 64) if not b.dry else (base.block_k, base.block_n))
-            cfg = dataclasses.replace(config_with_splits(base.block_m, base.block_r, bk, bn, fan_in, splits, chunks,
-                                                         max(slices)), num_warps=warps, num_stages=stages)
-            out = y0.clone()
-            triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
-            ref = y0.float().clone()
-            torch_bgmv_add_lora(ref, x.float(), stack, meta)
-            err = rel_err(out.float() - y0.float(), ref - y0.float())
-            ms = b.time_ms([lambda st=st, c=cfg: triton_bgmv_add_lora(y_time, x, st, meta, config=c)
-                            for st in stacks])
-            modeled = config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks, base.block_r,
-                                     base.block_m, bk, bn)
-            is_chosen = (splits, chunks, *rest) == chosen
-            tag = " (the model's choice)" if is_chosen else ""
-            tag += f" (tiles K {bk} x N {bn})" if tiles else ""
-            tag += f" ({warps or 'default'} warps, {stages or 'default'} stages)" if rest[2:] else ""
-            live = f" on {num_live}" if num_live != num_slots else ""
-            rows.append({"name": f"BGMV sweep: {name} r{rank}, {num_slots} slots x {num_tokens} rows{live}, "
-                                 f"{cfg.num_k_splits} splits x {cfg.num_n_chunks} chunks{tag}",
-                         "linear": name, "rank": rank, "slots": num_slots, "rows": num_tokens, "live": num_live,
-                         "num_warps": warps, "num_stages": stages,
-                         "splits": cfg.num_k_splits, "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
-                         "chosen": is_chosen, "ms": ms, **b.last,
-                         "modeled_us": modeled, "rel_err": err, "dry_run": b.dry})
+        live = f" on {num_live}" if num_live != num_slots else ""
+        rows += _sweep_case(b, dtype, configs, ci, name, fan_in, slices, num_slots, rank, token_slots,
+                            set(range(num_slots - num_live, num_slots)), f"{num_slots} slots x {num_tokens} rows{live}",
+                            {"live": num_live})
+    return rows
+
+
+def chunk_sweep_rows(b: Bench, dtype: torch.dtype, cases: list, configs: list[tuple[int, ...]]) -> list[dict]:
+    """The BGMV config sweep on a mixed-step graph's rows (CHUNK_SWEEP: a prefill chunk on slot 0 beside decode rows
+    on the others, groups of GROUP_ROWS_OPTIONS[0] rows): the latency model was fitted to decode batches, whose
+    groups spread over the slots; a chunk is dozens of groups of one adapter, each reading its A and B. Kept apart
+    from the decode sweep (`mixed_sweep` in the results: fit_bgmv_model.py fits decode rows only)."""
+    rows = []
+    for ci, (name, fan_in, slices, num_slots, num_rows, chunk, rank) in enumerate(cases):
+        token_slots = torch.cat([torch.zeros(chunk, dtype=torch.int64),
+                                 1 + torch.arange(num_rows - chunk) % (num_slots - 1)])          # [rows]
+        rows += _sweep_case(b, dtype, configs, 50 + ci, name, fan_in, slices, num_slots, rank, token_slots,
+                            set(range(num_slots)), f"{num_rows} rows ({chunk}-token chunk + {num_rows - chunk} "
+                            f"decode rows over {num_slots} slots)", {"chunk": chunk}, GROUP_ROWS_OPTIONS[0])
+    return rows
+
+
+def _sweep_case(b: Bench, dtype: torch.dtype, configs: list[tuple[int, ...]], ci: int, name: str, fan_in: int,
+                slices: tuple[int, ...], num_slots: int, rank: int, token_slots: torch.Tensor, used: set[int],
+                shape: str, fields: dict, group_rows: int | None = None) -> list[dict]:
+    """One shape of a sweep: every config of `configs` and the latency model's choice, each checked against the
+    torch path and timed over enough copies of the pool that its weights come from HBM."""
+    num_tokens = int(token_slots.numel())
+    stack = lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 100 + ci)
+    g = torch.Generator().manual_seed(200 + ci)
+    x = torch.randn(num_tokens, fan_in, generator=g).to(b.device, dtype)
+    y0 = torch.randn(num_tokens, sum(slices), generator=g).to(b.device, dtype)
+    y_time = y0.clone()           # the timed calls accumulate here; y0 stays the checks' input (a y grown by
+    meta = DecodeLoRAMeta.build(token_slots, b.device, **({"group_rows": group_rows} if group_rows else {}))
+    block_m = meta.group_rows     # thousands of bf16 adds would drown the delta)
+    base = bgmv_config(stack, num_tokens, block_m=block_m)
+    bk0, bn0, *splits_chunks = choose_config(fan_in, tuple(slices), num_slots, num_tokens, base.block_r, block_m,
+                                             elem_bytes=stack.lora_a.element_size(),
+                                             max_bytes=max_tile_bytes(stack.lora_a.device))
+    # the model's choice, tiles included; the configs without tiles run 64-column tiles
+    chosen = (*splits_chunks, bk0, bn0) if not b.dry else (*splits_chunks,)
+    elem = torch.finfo(dtype).bits // 8
+    stacks = [stack] + [lora_stack(list(slices), fan_in, num_slots, rank, dtype, b.device, 300 + 10 * ci + i)
+                        # one live adapter reads ~1-2 MB a call: up to 160 pools (each whole, 42-75 MB at rank 64
+                        # over 32 slots) so that its weights come from HBM, as between a step's layers
+                        for i in range(b.copies(_lora_bytes(stack, used, elem),
+                                                32 if len(used) == num_slots else 160) - 1)]
+    rows = []
+    for splits, chunks, *rest in configs + ([chosen] if chosen not in configs else []):
+        tiles = tuple(rest[:2])
+        warps, stages = (tuple(rest[2:4]) + (None, None))[:2]
+        bk, bn = tiles or ((64, 64) if not b.dry else (base.block_k, base.block_n))
+        cfg = dataclasses.replace(config_with_splits(base.block_m, base.block_r, bk, bn, fan_in, splits, chunks,
+                                                     max(slices)), num_warps=warps, num_stages=stages)
+        out = y0.clone()
+        triton_bgmv_add_lora(out, x, stack, meta, config=cfg)
+        ref = y0.float().clone()
+        torch_bgmv_add_lora(ref, x.float(), stack, meta)
+        err = rel_err(out.float() - y0.float(), ref - y0.float())
+        ms = b.time_ms([lambda st=st, c=cfg: triton_bgmv_add_lora(y_time, x, st, meta, config=c) for st in stacks])
+        modeled = config_cost_us(fan_in, tuple(slices), num_slots, num_tokens, splits, chunks, base.block_r,
+                                 base.block_m, bk, bn)
+        is_chosen = (splits, chunks, *rest) == chosen
+        tag = " (the model's choice)" if is_chosen else ""
+        tag += f" (tiles K {bk} x N {bn})" if tiles else ""
+        tag += f" ({warps or 'default'} warps, {stages or 'default'} stages)" if rest[2:] else ""
+        rows.append({"name": f"BGMV sweep: {name} r{rank}, {shape}, {cfg.num_k_splits} splits x "
+                             f"{cfg.num_n_chunks} chunks{tag}",
+                     "linear": name, "rank": rank, "slots": num_slots, "rows": num_tokens, **fields,
+                     "group_rows": base.block_m, "num_warps": warps, "num_stages": stages,
+                     "splits": cfg.num_k_splits, "chunks": cfg.num_n_chunks, "block_k": bk, "block_n": bn,
+                     "chosen": is_chosen, "ms": ms, **b.last,
+                     "modeled_us": modeled, "rel_err": err, "dry_run": b.dry})
     return rows
 
 
@@ -335,6 +364,18 @@ CHUNK_GROUPS = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 256, 240, 16),
                         ("down", 14336, (4096,), 8, 256, 240, 16),
                         ("q/k/v", 4096, (4096, 1024, 1024), 8, 512, 480, 64)],
                 True: [("q/k/v", 64, (64, 32, 32), 3, 48, 40, 8)]}
+
+
+# the BGMV config sweep on a mixed-step graph's rows (CHUNK_GROUPS' fields), groups of 16 rows; (K splits, column
+# chunks[, BLOCK_K, BLOCK_N]) as SWEEP_CONFIGS. A chunk of 480 tokens is 30 groups of one adapter, so the decode
+# configs' many K splits multiply the partials every expand program sums; fewer splits and wider chunks may win
+CHUNK_SWEEP = {False: [("q/k/v", 4096, (4096, 1024, 1024), 8, 512, 480, 64),
+                       ("down", 14336, (4096,), 8, 256, 240, 16)],
+               True: [("q/k/v", 64, (64, 32, 32), 3, 48, 40, 8)]}
+CHUNK_SWEEP_CONFIGS = {False: [(1, 4, 256, 256), (1, 8, 256, 256), (2, 8, 256, 256), (4, 8, 256, 256),
+                               (8, 8, 256, 256), (1, 16, 256, 128), (2, 16, 256, 128), (1, 32, 128, 128),
+                               (2, 4, 512, 256), (4, 16, 256, 256)],
+                       True: [(1, 1), (2, 2)]}
 
 
 def chunk_group_rows(b: Bench, dtype: torch.dtype, cases: list) -> list[dict]:
@@ -418,13 +459,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = (attention_rows(b, s, dtype, ATTENTION[dry]) + lora_rows(b, s, dtype, LORA[dry], LORA_RANK[dry])
             + chunk_group_rows(b, dtype, CHUNK_GROUPS[dry]) + bitmask_rows(b, s, BITMASK_BATCHES[dry]))
     sweep = bgmv_sweep_rows(b, dtype, SWEEP[dry], SWEEP_CONFIGS[dry], LORA_RANK[dry])
+    mixed_sweep = chunk_sweep_rows(b, dtype, CHUNK_SWEEP[dry], CHUNK_SWEEP_CONFIGS[dry])
     tol = 0.0 if dry else 2e-2
-    bad = [r for r in rows + sweep if not r["rel_err"] <= max(tol, 1e-4)]
-    modeled = ["-" if r["modeled_us"] is None else f"{r['modeled_us']:.1f}" for r in sweep]
+    bad = [r for r in rows + sweep + mixed_sweep if not r["rel_err"] <= max(tol, 1e-4)]
+    modeled = ["-" if r["modeled_us"] is None else f"{r['modeled_us']:.1f}" for r in sweep + mixed_sweep]
     table = [(r["name"], fmt(r)) for r in rows] + [
         (r["name"], f"{1e3 * r['ms']:.1f} us (modeled {m} us); rel err {r['rel_err']:.1e}")
-        for r, m in zip(sweep, modeled)]
-    data = {"rows": rows, "sweep": sweep, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9,
+        for r, m in zip(sweep + mixed_sweep, modeled)]
+    data = {"rows": rows, "sweep": sweep, "mixed_sweep": mixed_sweep, "dry_run": dry, "read_bandwidth_gb_s": b.bw / 1e9,
             "matmul_tflops": b.flops / 1e12,
             "l2_bytes": b.l2, "dtype": str(dtype),
             "wrong": [r["name"] for r in bad]}

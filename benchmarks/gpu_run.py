@@ -76,7 +76,7 @@ STAGES = (
     Stage("tests", 100, lambda d: [["gpu_tests.py", *_dry(d), "--timeout-s", "240", *(() if d else ("--workers", "8")),
                                     *_out("tests")]],
           "pytest -m gpu (tests/helpers/gpu_test_files.py) with the installed torch"),
-    Stage("kernels", 170, lambda d: [["gpu_kernels.py", *_dry(d), *_out("kernels")]],
+    Stage("kernels", 200, lambda d: [["gpu_kernels.py", *_dry(d), *_out("kernels")]],
           "Triton kernels at 8B serving shapes vs their bytes/FLOP floors"),
     Stage("quant", 75, lambda d: [["quant_layers.py", *_dry(d), *_out("quant")]],
           "W4A16 / W8A16 / FP8 linears vs bf16 cuBLAS and their packed-weight bytes"),

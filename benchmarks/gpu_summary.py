@@ -129,9 +129,9 @@ def sweep_rows(run: Run, table: Table) -> None:
     swept (adapters/lora_ops/bgmv.py fits its model to these rows)."""
     data = run.data("kernels")
     shapes: dict[tuple, list[dict]] = {}
-    for r in (data or {}).get("sweep", []):
-        shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"], r.get("live", r["slots"])),
-                          []).append(r)
+    for r in (data or {}).get("sweep", []) + (data or {}).get("mixed_sweep", []):
+        shapes.setdefault((r["linear"], r.get("rank", 16), r["slots"], r["rows"], r.get("live", r["slots"]),
+                           r.get("chunk")), []).append(r)
 
     def config(r: dict) -> str:
         wide = (r.get("block_k", 64), r.get("block_n", 64)) != (64, 64)
@@ -139,7 +139,7 @@ def sweep_rows(run: Run, table: Table) -> None:
         return f"{r['splits']} x {r['chunks']}" + (f" (tiles {r['block_k']} x {r['block_n']})" if wide else "") + \
             (f" ({', '.join(launch)})" if launch else "")
 
-    for (linear, rank, slots, rows, live), rs in shapes.items():
+    for (linear, rank, slots, rows, live, chunk), rs in shapes.items():
         best = min(rs, key=lambda r: r["ms"])
         chosen = [r for r in rs if r.get("chosen")]
         text = f"fastest {config(best)}: {1e3 * best['ms']:.1f} us"
@@ -147,7 +147,9 @@ def sweep_rows(run: Run, table: Table) -> None:
             text = f"choice {config(chosen[0])}: {1e3 * chosen[0]['ms']:.1f} us ({chosen[0]['ms'] / best['ms']:.2f}x " \
                    f"the {text})"
         on = f" on {live}" if live != slots else ""
-        table.add_parsed("kernels", f"BGMV launch config, {linear} r{rank}, {slots} slots x {rows} rows{on}: the "
+        shape = f"{slots} slots x {rows} rows{on}" if chunk is None else \
+            f"a mixed step of {rows} rows ({chunk}-token chunk, decode rows over {slots - 1} other slots)"
+        table.add_parsed("kernels", f"BGMV launch config, {linear} r{rank}, {shape}: the "
                                     f"model's choice (K splits x column chunks) vs the sweep's fastest", text)
 
 

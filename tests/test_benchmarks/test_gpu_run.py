@@ -67,6 +67,9 @@ def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
     assert data["dry_run"] and set(data["stages"].values()) == {"ok"}, data["stages"]
     rows = data["rows"]
     _check_expected(rows)
+    # the kernels stage's sweeps: a row per shape, the decode batches' and the mixed step's
+    assert any(f.startswith("BGMV launch config, q/k/v r8, 2 slots x 4 rows") for f in _figures(rows))
+    assert any(f.startswith("BGMV launch config, q/k/v r8, a mixed step of 48 rows") for f in _figures(rows))
     for r in rows:
         assert r["measured"] == gpu_summary.DRY, r                   # no CPU figure passes for a GPU one
         assert "unreadable" not in r["dry_run_parsed"]["measured"], r
