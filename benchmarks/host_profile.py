@@ -175,24 +175,22 @@ def main(argv: list[str] | None = None) -> None:
                   "num_adapters": args.num_adapters, "adapter_ranks": list(RANKS), "num_decoding": args.num_decoding,
                   "prompt_len": args.prompt_len, "chunk": args.chunk, "repeats": args.repeats}
     rows: list[tuple[str, str]] = []
-    for label in ("base", "mix"):
-        trace = tmp / f"{label}.steps.jsonl"
-        os.environ[env.STEP_TRACE.name] = str(trace)      # read when the engine starts
-        env.STEP_TRACE.reset()
-        llm = LLM(model, device=args.device, dtype=args.dtype, lora_modules=modules, max_loras=args.num_adapters,
-                  max_lora_rank=max(RANKS), enable_prefix_caching=False, load_format=load_format_of(args.model),
-                  max_num_seqs=args.num_decoding + 4, max_num_batched_tokens=args.chunk + args.num_decoding + 8,
-                  max_model_len=args.chunk + 64, max_step_ms=0)
-        names = [f"t{i % args.num_adapters}" for i in range(args.num_decoding)]
+    trace = tmp / "steps.jsonl"
+    os.environ[env.STEP_TRACE.name] = str(trace)          # read when the engine starts
+    env.STEP_TRACE.reset()
+    llm = LLM(model, device=args.device, dtype=args.dtype, lora_modules=modules, max_loras=args.num_adapters,
+              max_lora_rank=max(RANKS), enable_prefix_caching=False, load_format=load_format_of(args.model),
+              max_num_seqs=args.num_decoding + 4, max_num_batched_tokens=args.chunk + args.num_decoding + 8,
+              max_model_len=args.chunk + 64, max_step_ms=0)
+    os.environ.pop(env.STEP_TRACE.name, None)
+    env.STEP_TRACE.reset()
+    names = [f"t{i % args.num_adapters}" for i in range(args.num_decoding)]
+    for label in ("base", "mix"):                         # one engine: the same warm-up, pools and KV for both
         loras = [None] * args.num_decoding if label == "base" else \
             [None if i % (args.num_adapters + 1) == args.num_adapters else n for i, n in enumerate(names)]
         chunk_loras = [None if label == "base" else f"t{i % args.num_adapters}" for i in range(args.repeats)]
         data[label] = workload(llm, cfg, trace, args, loras, chunk_loras)
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    os.environ.pop(env.STEP_TRACE.name, None)
-    env.STEP_TRACE.reset()
+    llm.shutdown()
     base, mix = data["base"], data["mix"]
     shape = f"a {args.chunk}-token chunk beside {args.num_decoding} decode rows"
     rows.append((f"host time of an eager step with {shape}: base / mix", (
