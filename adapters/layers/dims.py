@@ -61,6 +61,7 @@ class BaseModelDims:
     moe_intermediate_size: int = 0     # MoE: each expert's width
     sparse_layers: tuple[bool, ...] = ()   # MoE: per layer, True where the MLP is the sparse block
     shared_expert: bool = False        # MoE: the sparse block has a dense shared expert (Qwen2-MoE)
+    checkpoint_fused: bool = False     # the layers hold qkv_proj / gate_up_proj, not q/k/v and gate/up (Phi-3)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -100,6 +101,7 @@ class BaseModelDims:
             moe_intermediate_size=int(getattr(cfg, "moe_intermediate_size", 0)),
             sparse_layers=tuple(bool(v) for v in getattr(cfg, "sparse_layers", ())),
             shared_expert=bool(getattr(cfg, "shared_expert", False)),
+            checkpoint_fused=getattr(cfg, "model_type", None) == "phi3",
         )
 
     def is_sparse_layer(self, layer: int) -> bool:

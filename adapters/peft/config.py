@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from adapters.layers.dims import PEFT_TARGET_NAMES
 from adapters.errors import (
@@ -51,6 +51,12 @@ class PeftLoRAConfig:
     alpha_pattern: Mapping[str, float]
     base_model_name_or_path: Optional[str]
     use_dora: bool = False
+    # which modules PEFT puts LoRA on (`targets`): what the weights must cover, no more and no less
+    target_modules: Union[None, str, tuple[str, ...]] = None
+    target_parameters: bool = False      # `target_parameters` set (MoE experts: adapters/peft/expert_keys.py)
+    exclude_modules: Union[None, str, tuple[str, ...]] = None
+    layers_to_transform: Union[None, int, tuple[int, ...]] = None
+    layers_pattern: tuple[str, ...] = ()
 
     def rank_for(self, module_key: str) -> int:
         """PEFT's rank for a module (`model.layers.0.self_attn.q_proj`)."""
@@ -64,6 +70,45 @@ class PeftLoRAConfig:
     def scaling_for(self, module_key: str, rank: int) -> float:
         alpha = self.alpha_for(module_key)
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def targets(self, module_key: str) -> Optional[bool]:
+        """Whether PEFT puts LoRA on the module (`model.layers.0.self_attn.q_proj`), by the same rules as
+        peft.tuners.tuners_utils.check_target_module_exists (exclude_modules, a regex or a list of suffixes,
+        layers_to_transform / layers_pattern); None when the config does not say (no target_modules at all:
+        PEFT takes a default per model type, the weights decide)."""
+        excl = self.exclude_modules
+        if excl is not None:
+            if isinstance(excl, str):
+                if re.fullmatch(excl, module_key):
+                    return False
+            elif module_key in excl or any(module_key.endswith(f".{e}") for e in excl):
+                return False
+        targets = self.target_modules
+        if targets is None:
+            return False if self.target_parameters else None
+        if isinstance(targets, str):
+            if targets.lower() == "all-linear":   # every linear but the output embedding (lm_head)
+                return module_key.split(".")[-1] not in ("embed_tokens", "lm_head")
+            return re.fullmatch(targets, module_key) is not None
+        if module_key in targets:
+            return True
+        if not any(module_key.endswith(f".{t}") for t in targets):
+            return False
+        layers = self.layers_to_transform
+        if layers is None or layers == ():
+            return True
+        if not self.layers_pattern:   # the first numbered segment is the layer index
+            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_key)
+        else:
+            m = None
+            for pattern in self.layers_pattern:
+                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_key)
+                if m is not None:
+                    break
+        if m is None:
+            return False
+        idx = int(m["idx"])
+        return idx == layers if isinstance(layers, int) else idx in layers
 
 
 def _pattern_key(patterns: Mapping[str, Any], module_key: str) -> str:
@@ -86,6 +131,43 @@ def _check_target_modules(targets: Any) -> None:
             CODE_UNSUPPORTED_TARGET)
 
 
+def _names(raw: Mapping[str, Any], field: str) -> Union[None, str, tuple[str, ...]]:
+    """target_modules / exclude_modules: None, a regex (checked here) or a list of names."""
+    value = raw.get(field)
+    if value is None or isinstance(value, str):
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise _invalid(f"bad {field} regex {shown(value)!r}: {exc}") from exc
+        return value
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _invalid(f"{field} must be a string or a list of strings")
+    return tuple(value)
+
+
+def _layer_selection(raw: Mapping[str, Any]) -> tuple[Union[None, int, tuple[int, ...]], tuple[str, ...]]:
+    """(layers_to_transform, layers_pattern) as PEFT reads them."""
+    layers, pattern = raw.get("layers_to_transform"), raw.get("layers_pattern")
+    ints = (lambda v: isinstance(v, int) and not isinstance(v, bool))
+    if not (layers is None or ints(layers) or (isinstance(layers, list) and all(ints(v) for v in layers))):
+        raise _invalid("layers_to_transform must be a layer index or a list of them")
+    if pattern is None or pattern == "":
+        patterns: tuple[str, ...] = ()
+    elif isinstance(pattern, str):
+        patterns = (pattern,)
+    elif isinstance(pattern, list) and all(isinstance(v, str) for v in pattern):
+        patterns = tuple(pattern)
+    else:
+        raise _invalid("layers_pattern must be a string or a list of strings")
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as exc:
+            raise _invalid(f"bad layers_pattern {shown(p)!r}: {exc}") from exc
+    return (tuple(layers) if isinstance(layers, list) else layers), patterns
+
+
 def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
     """Validate a parsed adapter_config.json; raise AdapterError (400) with the reason."""
     if not isinstance(raw, Mapping):
@@ -106,6 +188,8 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
             f"init_lora_weights={shown(init)!r} adapters need a modified base model; convert the "
             "adapter to plain LoRA before serving", CODE_UNSUPPORTED_FEATURE)
     _check_target_modules(raw.get("target_modules"))
+    target_modules, exclude_modules = _names(raw, "target_modules"), _names(raw, "exclude_modules")
+    layers_to_transform, layers_pattern = _layer_selection(raw)
     try:
         r = int(raw.get("r", 8))
         alpha = float(raw.get("lora_alpha", 8))
@@ -124,4 +208,6 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
         base_model_name_or_path=raw.get("base_model_name_or_path"), use_dora=bool(raw.get("use_dora", False)),
+        target_modules=target_modules, target_parameters=bool(raw.get("target_parameters")),
+        exclude_modules=exclude_modules, layers_to_transform=layers_to_transform, layers_pattern=layers_pattern,
     )

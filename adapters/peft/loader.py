@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from typing import BinaryIO, Mapping, Optional, Union
 
@@ -154,7 +155,11 @@ def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
         raise _invalid(f"no {SAFETENSORS_NAME} or {BIN_NAME} in the adapter folder")
     with f:
         try:
-            state = torch.load(f, map_location="cpu", weights_only=True)
+            state = torch.load(f, map_location="cpu", weights_only=True)   # never unpickles anything else
+        except pickle.UnpicklingError as exc:   # torch's text advises weights_only=False: not to a tenant
+            raise _invalid(f"cannot read {BIN_NAME}: not a plain state dict of tensors (corrupt, or it pickles other "
+                           f"objects, which are never loaded; save the adapter as {SAFETENSORS_NAME})",
+                           CODE_CORRUPT) from exc
         except Exception as exc:  # noqa: BLE001
             raise _invalid(f"cannot read {BIN_NAME} (corrupt?): {_describe(exc)}", CODE_CORRUPT) from exc
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -183,6 +188,16 @@ def _module_key(module_path: str) -> str:
     return module_path[len(prefix):] if module_path.startswith(prefix) else module_path
 
 
+def _peft_module_key(module_path: str, entry_key: tuple[int, str], dims: BaseModelDims) -> str:
+    """The module's name in the base model, as PEFT's rank / alpha patterns and target_modules match it: a dense
+    MLP name on a sparse MoE layer is Qwen2-MoE's shared expert (`split_expert_state` renamed its keys)."""
+    key = _module_key(module_path)
+    layer, name = entry_key
+    if layer >= 0 and _PARENT[name] == "mlp" and layer < dims.num_layers and dims.is_sparse_layer(layer):
+        key = re.sub(r"\.mlp\.(\w+)$", r".mlp.shared_expert.\1", key)
+    return key
+
+
 def build_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
                   max_lora_rank: int) -> dict[tuple[int, str], LoRAModule]:
     """The decoder layers' LoRA modules of a PEFT state dict (see `build_adapter_modules` for the vocabulary's)."""
@@ -209,7 +224,7 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
         want_dim = 1 if part == "M" else 2
         if not tensor.is_floating_point() or tensor.dim() != want_dim:
             raise _invalid(f"{shown(key)} must be a {want_dim}-D floating point tensor", CODE_CORRUPT)
-        entry = pairs.setdefault(entry_key, {"key": _module_key(m["module"])})
+        entry = pairs.setdefault(entry_key, {"key": _peft_module_key(m["module"], entry_key, dims)})
         if part in entry:
             raise _invalid(f"duplicate LoRA {part} weight for {shown(str(entry['key']))}")
         entry[part] = tensor
@@ -228,7 +243,42 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
                 raise _invalid(f"{shown(str(entry['key']))}: layer {layer} has LoRA on both {part} and a fused "
                                "module holding it")
             modules[(layer, part)] = part_module
+    check_dense_mlp_targets(modules, dims)
+    _check_config_targets(pairs, cfg, dims)
     return modules, vocab
+
+
+_LAYER_PREFIX_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)\d+\.")
+
+
+def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]], cfg: PeftLoRAConfig,
+                          dims: BaseModelDims) -> None:
+    """The weights cover exactly the modules the config puts LoRA on, as PEFT decides it: PEFT ignores weights of
+    a module it does not target, and gives a targeted module without weights its initial LoRA (random where
+    `init_lora_weights` is false): serving either as saved would differ from PEFT."""
+    for entry in pairs.values():
+        mkey = str(entry["key"])
+        if cfg.targets(mkey) is False:
+            raise _invalid(f"adapter has LoRA weights for {shown(mkey)}, which adapter_config.json does not target "
+                           "(target_modules / exclude_modules / layers_to_transform); PEFT would ignore them")
+    layer_keys = [str(e["key"]) for (layer, _), e in pairs.items() if layer >= 0]
+    prefixes = {m["prefix"] for m in map(_LAYER_PREFIX_RE.match, layer_keys) if m} or {"model.layers."}
+    fused = dims.checkpoint_fused or any(name in CHECKPOINT_FUSED for _, name in pairs)
+    attn = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+    mlp = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    expected: list[tuple[tuple[int, str], str]] = []
+    for prefix in sorted(prefixes):
+        for layer in range(dims.num_layers):
+            names = [("self_attn", n) for n in attn]
+            if not dims.is_sparse_layer(layer):      # a sparse MoE layer's MLP is its experts (expert_keys.py)
+                names += [("mlp", n) for n in mlp]
+            expected += [((layer, n), f"{prefix}{layer}.{parent}.{n}") for parent, n in names]
+        outer = prefix[:-len("layers.")]             # `model.layers.` -> `model.embed_tokens`
+        expected += [((-1, "embed_tokens"), f"{outer}embed_tokens"), ((-1, "lm_head"), "lm_head")]
+    for entry_key, mkey in expected:
+        if entry_key not in pairs and cfg.targets(mkey):
+            raise _invalid(f"adapter_config.json targets {shown(mkey)} but the adapter has no LoRA weights for it "
+                           "(truncated adapter, or one for another model?)", CODE_SHAPE_MISMATCH)
 
 
 def _check_vocab_table(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> None:
@@ -328,7 +378,6 @@ def load_peft_adapter(
     state, expert_state = split_expert_state(_read_weights(files))   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
     modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank) if state or not experts else ({}, {})
-    check_dense_mlp_targets(modules, dims)
     return LoRAAdapter(
         source=files.label, path=files.path, modules=modules,
         base_model_name_or_path=cfg.base_model_name_or_path, config=raw, expert_modules=experts,

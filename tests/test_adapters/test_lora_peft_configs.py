@@ -1,0 +1,183 @@
+"""PEFT config options a tenant's adapter may carry: each served as `PeftModel` computes it (greedy fp32 token for
+token) or refused at load with a 400 naming the reason. The weights must cover exactly the modules the config
+targets, by PEFT's own rules (target_modules as names or a regex, exclude_modules, layers_to_transform /
+layers_pattern): PEFT ignores weights of a module it does not target and gives a targeted module without weights its
+initial LoRA, so serving such files as saved would differ from PEFT."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from adapters.errors import AdapterError  # noqa: E402
+from adapters.layers.dims import BaseModelDims  # noqa: E402
+from adapters.peft.loader import load_peft_adapter  # noqa: E402
+from core import LLM, SamplingParams  # noqa: E402
+from core.config import ModelConfig  # noqa: E402
+from lora_fixtures import _fresh_base, _save_adapter  # noqa: E402
+from lora_tree import peft_greedy_path  # noqa: E402
+from moe_models import moe_dir  # noqa: E402
+from testlib import PROMPTS, encode, model_dir  # noqa: E402
+
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_TOKENS = 6
+
+
+def save(path: Path, out: Path, seed: int = 5, b_mult: float = 1.0, **kwargs) -> Path:
+    kwargs.setdefault("r", 4)
+    kwargs.setdefault("lora_alpha", 8)
+    return _save_adapter(_fresh_base(str(path)), kwargs, b_mult, seed, out)
+
+
+def edit_weights(src: Path, out: Path, edit) -> Path:
+    shutil.copytree(src, out)
+    state = load_file(str(out / "adapter_model.safetensors"))
+    edit(state)
+    save_file(state, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def expect_400(path: Path, dims: BaseModelDims, code: str, match: str) -> AdapterError:
+    with pytest.raises(AdapterError, match=match) as err:
+        load_peft_adapter(path, dims, max_lora_rank=16)
+    assert (err.value.status, err.value.code) == (400, code)
+    return err.value
+
+
+def check_served_as_peft(path: Path, adapters: dict[str, Path], texts: list[str]) -> None:
+    llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, dtype="float32", device="cpu",
+              max_loras=len(adapters), max_lora_rank=16)
+    try:
+        reqs = [(encode(path, t), name) for name in adapters for t in texts]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=[n for _, n in reqs])
+        for out, (ids, name) in zip(outs, reqs):
+            want, margin = peft_greedy_path(path, adapters[name], ids, MAX_TOKENS)
+            assert margin > 1e-3, f"test setup: {name}'s reference is near a tie"
+            assert out.outputs[0].token_ids == want, name
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BaseModelDims, Path]:
+    path = model_dir("llama_gqa")
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    return path, dims, tmp_path_factory.mktemp("configs")
+
+
+def test_weights_of_modules_the_config_does_not_target_are_refused(llama) -> None:
+    path, dims, tmp = llama
+    qv = save(path, tmp / "qv", target_modules=["q_proj", "v_proj"])
+    ltt = save(path, tmp / "ltt", target_modules=["q_proj"], layers_to_transform=[1], layers_pattern="layers")
+    rx = save(path, tmp / "rx", target_modules=r".*layers\.1\.self_attn\.(q|v)_proj")
+    ex = save(path, tmp / "ex", target_modules=ALL7, exclude_modules=["model.layers.0.self_attn.q_proj", "down_proj"])
+    gen = torch.Generator().manual_seed(1)
+    k_proj = {"base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight": torch.randn(4, 64, generator=gen),
+              "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight": torch.randn(32, 4, generator=gen)}
+
+    def copy_layer(state: dict, key: str, src: str, dst: str) -> None:
+        for ab in ("A", "B"):
+            state[key.format(dst, ab)] = state[key.format(src, ab)].clone()
+
+    q_key = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    down_key = "base_model.model.model.layers.{}.mlp.down_proj.lora_{}.weight"
+    for name, src, edit in (
+            ("extra-k", qv, lambda s: s.update(k_proj)),            # PEFT ignores them: served, they would count
+            ("extra-rx", rx, lambda s: s.update(k_proj)),
+            ("extra-layer", ltt, lambda s: copy_layer(s, q_key, 1, 0)),
+            ("excluded", ex, lambda s: copy_layer(s, q_key, 1, 0)),
+            ("excluded-down", ex, lambda s: s.update({down_key.format(0, ab): torch.randn(*shape, generator=gen)
+                                                      for ab, shape in (("A", (4, 128)), ("B", (64, 4)))}))):
+        bad = edit_weights(src, tmp / name, edit)
+        err = expect_400(bad, dims, "invalid_adapter", "does not target")
+        assert "PEFT would ignore them" in str(err) and str(tmp) not in str(err)
+    for good in (qv, ltt, rx, ex):
+        load_peft_adapter(good, dims, max_lora_rank=16)
+
+
+def test_a_targeted_module_without_weights_is_refused(llama) -> None:
+    path, dims, tmp = llama
+    qv = save(path, tmp / "qv-missing", target_modules=["q_proj", "v_proj"])
+
+    def drop(sub: str):
+        return lambda s: [s.pop(k) for k in [k for k in s if sub in k]]
+
+    one = edit_weights(qv, tmp / "no-v1", drop("layers.1.self_attn.v_proj"))
+    expect_400(one, dims, "adapter_shape_mismatch", r"targets model\.layers\.1\.self_attn\.v_proj but the adapter "
+                                                    "has no LoRA weights")
+    every = edit_weights(qv, tmp / "no-v", drop("v_proj"))
+    expect_400(every, dims, "adapter_shape_mismatch", "v_proj but the adapter has no LoRA weights")
+    cfg = json.loads((every / "adapter_config.json").read_text())
+    (every / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": True}))
+    expect_400(every, dims, "adapter_shape_mismatch", "no LoRA weights")      # missing is missing, whatever the init
+    vocab = save(path, tmp / "vocab-missing", target_modules=["q_proj", "lm_head"])
+    expect_400(edit_weights(vocab, tmp / "no-head", drop("lm_head")), dims, "adapter_shape_mismatch",
+               "targets lm_head")
+
+
+def test_config_options_are_served_as_peft(llama) -> None:
+    """Options that change which modules get LoRA, with which rank and scale, and how the files are saved."""
+    path, _, tmp = llama
+    adapters = {
+        "patterns": save(path, tmp / "patterns", r=8, target_modules=ALL7, use_rslora=True,
+                         rank_pattern={r"layers\.[01]\.self_attn\.(q|k)_proj": 2, ".*mlp.*": 6},
+                         alpha_pattern={"^model.*o_proj": 2.5, r"1\.mlp\.gate_proj": 40, "self_attn.v_proj": 3}),
+        "exclude": save(path, tmp / "exclude", target_modules=ALL7, exclude_modules=r".*layers\.1\.mlp.*"),
+        "layers": save(path, tmp / "layers", target_modules=["q_proj", "o_proj", "layers.1.mlp.down_proj"],
+                       layers_to_transform=0, layers_pattern=["layers"], seed=7, b_mult=1.5),
+        "regex": save(path, tmp / "regex", target_modules=r".*\.(k_proj|up_proj)", seed=8, b_mult=1.5),
+        "all-linear": save(path, tmp / "all-linear", target_modules="all-linear", seed=9),
+    }
+    half = tmp / "fp16-newer-peft"       # saved in fp16 by a newer peft (unknown config keys), .bin weights
+    shutil.copytree(adapters["regex"], half)
+    state = {k: v.half() for k, v in load_file(str(half / "adapter_model.safetensors")).items()}
+    torch.save(state, str(half / "adapter_model.bin"))
+    (half / "adapter_model.safetensors").unlink()
+    cfg = json.loads((half / "adapter_config.json").read_text())
+    (half / "adapter_config.json").write_text(json.dumps({**cfg, "peft_version": "9.0.0", "some_future_option": 1}))
+    adapters["fp16-bin"] = half
+    check_served_as_peft(path, adapters, [PROMPTS[2], PROMPTS[7]])
+
+
+def test_rank_and_alpha_patterns_on_a_shared_expert_match_peft(tmp_path: Path) -> None:
+    """Qwen2-MoE's shared expert: PEFT's patterns match its own name (`mlp.shared_expert.down_proj`), which the
+    loader's renamed keys once hid (the pattern silently ignored: another scale than PEFT's)."""
+    path = moe_dir("qwen2_moe")
+    adapter = save(path, tmp_path / "shared", r=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
+                   alpha_pattern={"shared_expert.down_proj": 80}, rank_pattern={"layers.1.mlp.shared_expert.up_proj": 2},
+                   seed=3)
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    ad = load_peft_adapter(adapter, dims, max_lora_rank=16)
+    assert ad.module(1, "up_proj").rank == 2 and ad.module(0, "down_proj").scaling == pytest.approx(80 / 4)
+    check_served_as_peft(path, {"shared": adapter}, [PROMPTS[2]])
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_a_pickled_bin_is_never_unpickled_beyond_tensors(llama) -> None:
+    path, dims, tmp = llama
+    evil = tmp / "evil"
+    shutil.copytree(save(path, tmp / "for-bin", target_modules=["q_proj"]), evil)
+    (evil / "adapter_model.safetensors").unlink()
+    marker = tmp / "pwned"
+    with open(evil / "adapter_model.bin", "wb") as f:
+        pickle.dump({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": _RunsCode(marker)}, f)
+    err = expect_400(evil, dims, "corrupt_adapter_weights", "adapter_model.bin: not a plain state dict of tensors")
+    assert not marker.exists() and "weights_only" not in str(err)
