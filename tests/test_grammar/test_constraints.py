@@ -105,6 +105,12 @@ def test_grammar_outputs_parse(decode_compiler: Any) -> None:
     ({"json": {"type": "number", "multipleOf": 0.01}}, {}, None, "structured_outputs.json",
      "unsupported_json_schema"),
     (None, {"guided_json": "{not json"}, None, "guided_json", "invalid_structured_outputs"),
+    # a schema string nested past the parser's recursion limit, or one whose escape decodes to a lone surrogate
+    # (a body-level check sees only the string's own text): a 500 once, from the admission thread
+    (None, {"guided_json": '{"a":' * 100_000 + "1" + "}" * 100_000}, None, "guided_json",
+     "invalid_structured_outputs"),
+    ({"json": "[" * 100_000 + "]" * 100_000}, {}, None, "structured_outputs.json", "invalid_structured_outputs"),
+    (None, {"guided_json": '{"const": "\\ud800"}'}, None, "guided_json", "invalid_structured_outputs"),
     (None, {"guided_grammar": ""}, None, "guided_grammar", "invalid_grammar"),
 ])
 def test_admission_errors_name_the_field(so: Any, guided: Any, rf: Any, param: str, code: str) -> None:
