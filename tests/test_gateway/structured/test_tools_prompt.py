@@ -62,3 +62,16 @@ def test_named_choice_and_errors(tokenizer: Any) -> None:
         plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[TOOL],
                                          tool_choice="sometimes"), tokenizer, DEFAULT_OPTIONS)
     assert info.value.status == 400 and info.value.param == "tool_choice"
+
+
+def test_tool_call_arguments_nested_too_deeply_are_a_400(tokenizer: Any) -> None:
+    """An assistant turn's `arguments` string nested past the JSON parser's recursion limit raised RecursionError
+    through the history check: a 500 for a body that is as invalid as any other non-object `arguments`."""
+    args = '{"a":' * 100_000 + "1" + "}" * 100_000
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "lookup", "arguments": args}}]}])
+    with pytest.raises(APIError) as info:
+        chat_prompt(PromptEncoder(tokenizer, len(tokenizer)), body, plan_tools(body, tokenizer, DEFAULT_OPTIONS))
+    assert info.value.status == 400 and info.value.param == "messages[1].tool_calls[0].function.arguments"
