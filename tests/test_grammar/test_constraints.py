@@ -128,6 +128,23 @@ def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
     assert decode_compiler.compile(parse_constraints({"regex": "ok+"}, {}, None)) is not None
 
 
+@pytest.mark.parametrize("text", ["root ::= ", 'root ::= undefined_rule', 'root ::= [z-a]'])
+def test_grammar_parse_errors_name_no_library_path(text: str) -> None:
+    """xgrammar's parser errors start with '[hh:mm:ss] /project/cpp/grammar_parser.cc:820: ': the message of a
+    400 keeps the parser's reason alone, whether the API process parses the GBNF (xgrammar loaded) or the compile
+    worker does (the worker's message once reached the client whole, path included)."""
+    from grammar.cfg.cfg_grammar import check_grammar
+    from grammar.cfg.worker_side import compile_in_worker
+
+    with pytest.raises(GrammarError) as admission:
+        check_grammar(text, "guided_grammar")
+    with pytest.raises(ValueError) as worker:
+        compile_in_worker(None, text)   # parses before it needs the tokenizer info
+    for message in (admission.value.message, str(worker.value)):
+        assert "EBNF parser error at line 1" in message, message
+        assert "/" not in message and ".cc" not in message and "820" not in message and "[" not in message, message
+
+
 def test_json_through_structured_outputs(decode_compiler: Any) -> None:
     import json
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
