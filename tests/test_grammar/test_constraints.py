@@ -119,6 +119,22 @@ def test_admission_errors_name_the_field(so: Any, guided: Any, rf: Any, param: s
     assert info.value.param == param and info.value.code == code, info.value
 
 
+@pytest.mark.parametrize("guided, keyword", [
+    ({"guided_json": '{"type": "number", "minimum": NaN}'}, "minimum"),
+    ({"guided_json": '{"type": "number", "maximum": -Infinity}'}, "maximum"),
+    ({"guided_json": {"type": "integer", "exclusiveMaximum": float("inf")}}, "exclusiveMaximum"),
+    ({"guided_json": {"type": "number", "multipleOf": float("nan"), "minimum": 0, "maximum": 1}}, "multipleOf"),
+])
+def test_non_finite_numeric_bounds_name_their_keyword(guided: Any, keyword: str) -> None:
+    """NaN and the infinities (Python's JSON parser reads them, in a guided_json string or a body) are no bound:
+    a 400 naming the keyword and its pointer, not the lowering's 'could not be lowered: InvalidOperation'."""
+    with pytest.raises(GrammarError) as info:
+        lowered(parse_constraints(None, guided, None))
+    err = info.value
+    assert err.param == "guided_json" and err.code == "unsupported_json_schema", err
+    assert f"'{keyword}' at '#'" in err.message and "lowered" not in err.message, err
+
+
 def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
     """Parsed at admission once xgrammar is loaded in the process, else by the compile worker: a 400 either way."""
     for text in ("root ::= undefined_rule", 'root ::= "a" |'):
