@@ -267,3 +267,13 @@ def test_deeply_nested_json_is_a_400(base, good_dir, tmp_path, text):
     shutil.copy(good_dir / "adapter_config.json", path / "adapter_config.json")
     (path / "added_tokens.json").write_text(text)
     expect_error(path, base[1], code="unsupported_adapter_feature", match="added tokens")
+
+
+@pytest.mark.parametrize("change", [dict(lora_alpha=float("nan")), dict(lora_alpha=float("inf")),
+                                    dict(lora_alpha="-inf"), dict(alpha_pattern={"q_proj": float("nan")})])
+def test_non_finite_alpha_is_a_400(base, good_dir, tmp_path, change):
+    """A NaN or infinite lora_alpha (Python's JSON reader takes NaN / Infinity, float() takes "inf") made a NaN or
+    infinite scaling: the adapter loaded, and every request naming it got NaN logits."""
+    path = clone(good_dir, tmp_path)
+    edit_config(path, **change)
+    expect_error(path, base[1], code="invalid_adapter", match="finite")
