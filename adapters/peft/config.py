@@ -199,6 +199,8 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid(f"bad r / lora_alpha / rank_pattern / alpha_pattern: {shown(str(exc))}") from exc
     if r <= 0 or any(v <= 0 for v in rank_pattern.values()):
         raise _invalid("LoRA rank must be positive")
+    if not all(math.isfinite(a) for a in (alpha, *alpha_pattern.values())):   # NaN / inf: every logit NaN
+        raise _invalid("lora_alpha and alpha_pattern values must be finite numbers")
     for pattern in list(rank_pattern) + list(alpha_pattern):
         try:
             re.compile(pattern)

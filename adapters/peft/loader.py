@@ -112,6 +112,8 @@ def _read_json(files: AdapterFiles, fname: str) -> object:
         return json.loads(data.decode("utf-8"))
     except (OSError, ValueError) as exc:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise _invalid(f"cannot read {fname}: {_describe(exc)}") from exc
+    except RecursionError:                 # arrays or objects nested past the parser's recursion limit
+        raise _invalid(f"cannot read {fname}: nested too deeply") from None
 
 
 def _read_config(files: AdapterFiles) -> dict:

@@ -33,7 +33,9 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.registry.load_stats import LoadStats
 from adapters.registry.loader_pool import LoaderPool, host_copy
 from adapters.registry.entry_read import CODE_CHANGED, read_entry
-from adapters.registry.lora_dirs import AdapterLocation, FailedReads, Fingerprint, LoraDirectories, fingerprint
+from adapters.registry.lora_dirs import (
+    MAX_NAME_CHARS, AdapterLocation, FailedReads, Fingerprint, LoraDirectories, fingerprint, valid_name,
+)
 from adapters.peft.loader import load_peft_adapter
 
 Loader = Callable[[Union[str, AdapterFiles], BaseModelDims, int], LoRAAdapter]   # a path, or a --lora-dir entry's files
@@ -92,8 +94,10 @@ class AdapterRegistry:
     # ---- gateway side ---------------------------------------------------------------------
     def load(self, name: str, path: str) -> LoadedAdapter:
         """Reads and validates the adapter (blocking: call off the engine thread) and registers it."""
-        if not name:
-            raise AdapterError("lora_name must be a non-empty string", code="invalid_adapter_name")
+        if not valid_name(name):   # the rules of a --lora-dir name: it is shown on /v1/models, /metrics, logs
+            raise AdapterError(
+                f"lora_name must be 1 to {MAX_NAME_CHARS} characters, with no NUL or backslash, no leading '/' and "
+                "no empty, '.' or '..' part between '/'s", code="invalid_adapter_name")
         with self._lock:
             self._check_free_name_locked(name)
         t0 = time.monotonic()

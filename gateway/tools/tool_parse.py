@@ -59,7 +59,7 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
         name, args_at = text[name_at:mid_at], mid_at + len(fmt.mid)
         try:
             _, end = _DECODER.raw_decode(text, args_at)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: nested past the decoder's limit
             end = -1
         if end < 0 or not text.startswith(fmt.close, end):
             partial = text[args_at:max(args_at, len(text) - len(fmt.close))]

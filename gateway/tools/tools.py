@@ -124,7 +124,7 @@ def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
         raise invalid(f"{p} needs a string id and function.name", param=p)
     try:
         args = json.loads(fn.get("arguments"))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):   # RecursionError: nested past the parser's limit
         args = None
     if not isinstance(args, dict):
         raise invalid(f"{p}.function.arguments must be a JSON object encoded as a string",

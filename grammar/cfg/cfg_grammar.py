@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grammar.cfg.worker_side import parse_gbnf
 from grammar.matching.compiled import copy_mask_row
 from grammar.errors import GrammarError
 from grammar.matching.bitmask import unpack_bitmask
@@ -27,13 +28,10 @@ _INFO_LOCK = threading.Lock()
 
 def check_grammar(text: str, param: str) -> None:
     """Parses the GBNF (cheap, linear); a syntax error or an undefined rule -> GrammarError(invalid_grammar)."""
-    import xgrammar as xgr  # xgrammar: seconds to import (and torch), for GBNF requests only
-
     try:
-        xgr.Grammar.from_ebnf(text)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
-        message = str(e).split("] ", 1)[-1].split("/grammar_parser.cc", 1)[-1].strip(": \n")
-        raise GrammarError(f"the grammar does not parse: {message}"[:1000], "invalid_grammar", param) from None
+        parse_gbnf(text)
+    except ValueError as e:
+        raise GrammarError(f"the grammar does not parse: {e}"[:1000], "invalid_grammar", param) from None
 
 
 def grammar_accepts(text_grammar: str, text: str) -> bool:

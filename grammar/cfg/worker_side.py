@@ -1,9 +1,28 @@
 """The worker side of context-free grammar compiles (imported by grammar/compile/worker.py: no torch here)."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from grammar.cfg.emptiness import admits_a_string
+
+# xgrammar's errors start with its log prefix: "[14:22:30] /project/cpp/grammar_parser.cc:820: "
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*[^\s:]+:\d+:\s*")
+
+
+def parse_error_message(exc: BaseException) -> str:
+    """The reason of an xgrammar parse error, without the library's log prefix (its source file's path)."""
+    return _LOG_PREFIX.sub("", str(exc)).strip()
+
+
+def parse_gbnf(text: str) -> Any:
+    """xgrammar's Grammar of the GBNF `text`; a syntax error or an undefined rule -> ValueError(the reason)."""
+    import xgrammar as xgr  # xgrammar: seconds to import (callers import it only for GBNF requests)
+
+    try:
+        return xgr.Grammar.from_ebnf(text)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
+        raise ValueError(parse_error_message(e)) from None
 
 
 def tokenizer_info(token_map: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]) -> Any:
@@ -24,7 +43,7 @@ def compile_in_worker(info: Any, text: str) -> bytes:
     """Worker side: compile the GBNF for `info`; the result crosses the pipe as JSON bytes."""
     import xgrammar as xgr  # xgrammar: seconds to import, at the worker's cfg_init only
 
-    grammar = xgr.Grammar.from_ebnf(text)
+    grammar = parse_gbnf(text)
     if not admits_a_string(str(grammar)):
         raise ValueError("the grammar admits no string (its root rule derives no finite string)")
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

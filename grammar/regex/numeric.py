@@ -8,7 +8,7 @@ round a generated value onto or across a bound.
 
 from __future__ import annotations
 
-from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 
 INTEGER_ANY = r"(?:0|-?[1-9][0-9]*)"
 NUMBER_ANY = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]{1,2})?"
@@ -168,6 +168,14 @@ def number_range_regex(
     """Regex for JSON numbers x with lo <(=) x <(=) hi; None if empty."""
     if lo is None and hi is None:
         return NUMBER_ANY
+    with localcontext() as ctx:   # rounding onto the grid keeps every integer digit: 1e308 has 309, past 28
+        ctx.prec = max(ctx.prec, *(x.adjusted() + FRACTION_DIGITS + 2 for x in (lo, hi) if x is not None))
+        return _number_range_regex(lo, lo_excl, hi, hi_excl)
+
+
+def _number_range_regex(
+    lo: Decimal | None, lo_excl: bool, hi: Decimal | None, hi_excl: bool
+) -> str | None:
     big = any(x is not None and abs(x) >= _BIG for x in (lo, hi))
     width = 0 if big else FRACTION_DIGITS
     q = Decimal(1).scaleb(-width)

@@ -118,6 +118,9 @@ def to_decimal(x: Any) -> Decimal:
     return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
 
 
+_NUMERIC_KEYWORDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf")
+
+
 def lower_number(lw: "Lowerer", subs: list["Sub"], integer_only: bool) -> Node | None:
     lo: Decimal | None = None
     hi: Decimal | None = None
@@ -125,6 +128,9 @@ def lower_number(lw: "Lowerer", subs: list["Sub"], integer_only: bool) -> Node |
     multiples: list[tuple[Decimal, str]] = []
     for sub in subs:
         sc = sub.schema
+        for keyword in _NUMERIC_KEYWORDS:   # NaN / Infinity: Python's JSON parser reads them
+            if sub.has(keyword) and not to_decimal(sc[keyword]).is_finite():
+                return lw.fail(keyword, sub.pointer, "not a finite number")
         if sub.has("minimum") and (lo is None or to_decimal(sc["minimum"]) > lo):
             lo, lo_excl = to_decimal(sc["minimum"]), False
         if sub.has("exclusiveMinimum") and (lo is None or to_decimal(sc["exclusiveMinimum"]) >= lo):

@@ -83,8 +83,14 @@ def json_spec(schema: Any, param: str, options: SchemaOptions) -> GrammarSpec:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+            json.dumps(schema, ensure_ascii=False).encode("utf-8")   # the spec's key is UTF-8 text
+        except UnicodeEncodeError:
+            raise _bad("the JSON schema string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff)",
+                       param) from None
         except ValueError as e:
             raise _bad(f"the JSON schema string does not parse: {e}", param) from None
+        except RecursionError:
+            raise _bad("the JSON schema string is nested too deeply", param) from None
     if not isinstance(schema, (dict, bool)):
         raise _bad("json must be a JSON schema (an object)", param)
     try:

@@ -219,3 +219,19 @@ def test_scan_is_bounded(tmp_path: Path) -> None:
     d = LoraDirectory(str(tmp_path), max_scan_dirs=10)
     assert 0 < len(d.scan()) <= 10
     assert LoraDirectory(str(tmp_path)).scan() == [f"d{i:02d}" for i in range(30)]
+
+
+@pytest.mark.parametrize("name", ["../x", "acme/../x", "/x", "x/", ".", "acme//a", "a\x00b", "a\\b", "n" * 513])
+def test_loaded_names_follow_the_directory_names_rules(tmp_path: Path, name: str) -> None:
+    """An admin load (or --lora-modules) took any non-empty string as a name, a 30 MB one or one with a NUL
+    included (each shown on /v1/models, /metrics and every log line): a served name now follows the rules a
+    --lora-dir name does (at most 512 characters, no NUL or backslash, no leading '/', no empty, '.' or '..' part),
+    else a 400 that does not echo it."""
+    _touch_adapter(tmp_path / "a")
+    (tmp_path / "dirs").mkdir()
+    reg = _registry(tmp_path / "dirs", 4, FakeLoader())
+    with pytest.raises(AdapterError) as info:
+        reg.load(name, str(tmp_path / "a"))
+    assert info.value.code == "invalid_adapter_name" and info.value.status == 400, info.value
+    assert len(info.value.message) < 300, info.value   # the 513 characters are not echoed
+    assert reg.load("acme/support-v2", str(tmp_path / "a")).name == "acme/support-v2"

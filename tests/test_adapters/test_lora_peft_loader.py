@@ -255,3 +255,25 @@ def test_weight_keys_in_messages_show_no_path_and_stay_bounded(base, good_dir, t
     edit_config(path, peft_type="/srv/loras/globex/IA3")
     err = expect_error(path, base[1], code="unsupported_adapter_feature")
     assert "srv/loras" not in err.message.lower(), err
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"r": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+def test_deeply_nested_json_is_a_400(base, good_dir, tmp_path, text):
+    """An adapter_config.json (or added_tokens.json) nested past the parser's recursion limit raised
+    RecursionError through the loader: the admin load answered 500, not the 400 of any other unreadable config."""
+    path = clone(good_dir, tmp_path)
+    (path / "adapter_config.json").write_text(text)
+    expect_error(path, base[1], code="invalid_adapter", match="adapter_config.json")
+    shutil.copy(good_dir / "adapter_config.json", path / "adapter_config.json")
+    (path / "added_tokens.json").write_text(text)
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="added tokens")
+
+
+@pytest.mark.parametrize("change", [dict(lora_alpha=float("nan")), dict(lora_alpha=float("inf")),
+                                    dict(lora_alpha="-inf"), dict(alpha_pattern={"q_proj": float("nan")})])
+def test_non_finite_alpha_is_a_400(base, good_dir, tmp_path, change):
+    """A NaN or infinite lora_alpha (Python's JSON reader takes NaN / Infinity, float() takes "inf") made a NaN or
+    infinite scaling: the adapter loaded, and every request naming it got NaN logits."""
+    path = clone(good_dir, tmp_path)
+    edit_config(path, **change)
+    expect_error(path, base[1], code="invalid_adapter", match="finite")

@@ -105,12 +105,34 @@ def test_grammar_outputs_parse(decode_compiler: Any) -> None:
     ({"json": {"type": "number", "multipleOf": 0.01}}, {}, None, "structured_outputs.json",
      "unsupported_json_schema"),
     (None, {"guided_json": "{not json"}, None, "guided_json", "invalid_structured_outputs"),
+    # a schema string nested past the parser's recursion limit, or one whose escape decodes to a lone surrogate
+    # (a body-level check sees only the string's own text): a 500 once, from the admission thread
+    (None, {"guided_json": '{"a":' * 100_000 + "1" + "}" * 100_000}, None, "guided_json",
+     "invalid_structured_outputs"),
+    ({"json": "[" * 100_000 + "]" * 100_000}, {}, None, "structured_outputs.json", "invalid_structured_outputs"),
+    (None, {"guided_json": '{"const": "\\ud800"}'}, None, "guided_json", "invalid_structured_outputs"),
     (None, {"guided_grammar": ""}, None, "guided_grammar", "invalid_grammar"),
 ])
 def test_admission_errors_name_the_field(so: Any, guided: Any, rf: Any, param: str, code: str) -> None:
     with pytest.raises(GrammarError) as info:   # at admission, or where a compile worker lowers the schema
         lowered(parse_constraints(so, guided, rf))
     assert info.value.param == param and info.value.code == code, info.value
+
+
+@pytest.mark.parametrize("guided, keyword", [
+    ({"guided_json": '{"type": "number", "minimum": NaN}'}, "minimum"),
+    ({"guided_json": '{"type": "number", "maximum": -Infinity}'}, "maximum"),
+    ({"guided_json": {"type": "integer", "exclusiveMaximum": float("inf")}}, "exclusiveMaximum"),
+    ({"guided_json": {"type": "number", "multipleOf": float("nan"), "minimum": 0, "maximum": 1}}, "multipleOf"),
+])
+def test_non_finite_numeric_bounds_name_their_keyword(guided: Any, keyword: str) -> None:
+    """NaN and the infinities (Python's JSON parser reads them, in a guided_json string or a body) are no bound:
+    a 400 naming the keyword and its pointer, not the lowering's 'could not be lowered: InvalidOperation'."""
+    with pytest.raises(GrammarError) as info:
+        lowered(parse_constraints(None, guided, None))
+    err = info.value
+    assert err.param == "guided_json" and err.code == "unsupported_json_schema", err
+    assert f"'{keyword}' at '#'" in err.message and "lowered" not in err.message, err
 
 
 def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
@@ -120,6 +142,23 @@ def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
             decode_compiler.compile(parse_constraints(None, {"guided_grammar": text}, None))
         assert info.value.code == "invalid_grammar" and info.value.param == "guided_grammar"
     assert decode_compiler.compile(parse_constraints({"regex": "ok+"}, {}, None)) is not None
+
+
+@pytest.mark.parametrize("text", ["root ::= ", 'root ::= undefined_rule', 'root ::= [z-a]'])
+def test_grammar_parse_errors_name_no_library_path(text: str) -> None:
+    """xgrammar's parser errors start with '[hh:mm:ss] /project/cpp/grammar_parser.cc:820: ': the message of a
+    400 keeps the parser's reason alone, whether the API process parses the GBNF (xgrammar loaded) or the compile
+    worker does (the worker's message once reached the client whole, path included)."""
+    from grammar.cfg.cfg_grammar import check_grammar
+    from grammar.cfg.worker_side import compile_in_worker
+
+    with pytest.raises(GrammarError) as admission:
+        check_grammar(text, "guided_grammar")
+    with pytest.raises(ValueError) as worker:
+        compile_in_worker(None, text)   # parses before it needs the tokenizer info
+    for message in (admission.value.message, str(worker.value)):
+        assert "EBNF parser error at line 1" in message, message
+        assert "/" not in message and ".cc" not in message and "820" not in message and "[" not in message, message
 
 
 def test_json_through_structured_outputs(decode_compiler: Any) -> None:

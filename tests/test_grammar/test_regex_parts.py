@@ -63,6 +63,17 @@ def test_number_bounds_rounded_inward_and_no_exponent() -> None:
     assert big is not None and re.fullmatch(big, "999999999999") and not re.fullmatch(big, "1.5")
 
 
+
+def test_number_bounds_past_the_default_decimal_precision() -> None:
+    """Rounding a bound onto the grid keeps all its integer digits: 1e308 has 309, past decimal's default
+    precision of 28, and quantize raised InvalidOperation (a valid schema refused as 'could not be lowered')."""
+    above = number_range_regex(Decimal("1e308"), False, None, False)
+    assert above is not None and re.fullmatch(above, "1" + "0" * 308) and not re.fullmatch(above, "9" * 308)
+    below = number_range_regex(None, False, Decimal("-1.5e300"), True)
+    assert below is not None and re.fullmatch(below, "-2" + "0" * 300) and not re.fullmatch(below, "-1" + "0" * 300)
+    assert number_range_regex(Decimal("1e308"), False, Decimal("-1e308"), False) is None
+
+
 @pytest.mark.parametrize(
     "pattern, good, bad",
     [

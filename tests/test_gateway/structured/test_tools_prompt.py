@@ -62,3 +62,28 @@ def test_named_choice_and_errors(tokenizer: Any) -> None:
         plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[TOOL],
                                          tool_choice="sometimes"), tokenizer, DEFAULT_OPTIONS)
     assert info.value.status == 400 and info.value.param == "tool_choice"
+
+
+def test_tool_call_arguments_nested_too_deeply_are_a_400(tokenizer: Any) -> None:
+    """An assistant turn's `arguments` string nested past the JSON parser's recursion limit raised RecursionError
+    through the history check: a 500 for a body that is as invalid as any other non-object `arguments`."""
+    args = '{"a":' * 100_000 + "1" + "}" * 100_000
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "lookup", "arguments": args}}]}])
+    with pytest.raises(APIError) as info:
+        chat_prompt(PromptEncoder(tokenizer, len(tokenizer)), body, plan_tools(body, tokenizer, DEFAULT_OPTIONS))
+    assert info.value.status == 400 and info.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_generated_arguments_nested_too_deeply_are_an_incomplete_call() -> None:
+    """The model's text is parsed for tool calls as it streams and when it ends: arguments nested past the JSON
+    decoder's recursion limit (a model told to repeat '[' a few thousand times) raised RecursionError out of the
+    parser, failing the response; they are a call that never closed, as any other unreadable arguments."""
+    from gateway.tools.tool_parse import final_calls, parse_calls
+
+    text = HERMES.open + "lookup" + HERMES.mid + "[" * 5000 + "]" * 5000 + HERMES.close
+    assert [c.complete for c in parse_calls(text, HERMES, finished=False).calls] == [False]
+    content, calls = final_calls(text, HERMES)
+    assert calls == [] and content is not None
