@@ -83,7 +83,7 @@ def test_generated_arguments_nested_too_deeply_are_an_incomplete_call() -> None:
     parser, failing the response; they are a call that never closed, as any other unreadable arguments."""
     from gateway.tools.tool_parse import final_calls, parse_calls
 
-    text = HERMES.open + "lookup" + HERMES.mid + "[" * 5000 + "]" * 5000 + HERMES.close
+    text = HERMES.open + "lookup" + HERMES.mid + "[" * 100_000 + "]" * 100_000 + HERMES.close
     assert [c.complete for c in parse_calls(text, HERMES, finished=False).calls] == [False]
     content, calls = final_calls(text, HERMES)
     assert calls == [] and content is not None
