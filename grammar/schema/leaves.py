@@ -121,25 +121,38 @@ def to_decimal(x: Any) -> Decimal:
 _NUMERIC_KEYWORDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf")
 
 
+def _unbounding(keyword: str, value: Any) -> bool:
+    """A bound on the open side of the number line (maximum: Infinity, minimum: -Infinity) excludes no number."""
+    if not isinstance(value, float) or not math.isinf(value):
+        return False
+    if keyword in ("maximum", "exclusiveMaximum"):
+        return value > 0
+    return keyword in ("minimum", "exclusiveMinimum") and value < 0
+
+
 def lower_number(lw: "Lowerer", subs: list["Sub"], integer_only: bool) -> Node | None:
     lo: Decimal | None = None
     hi: Decimal | None = None
     lo_excl = hi_excl = False
     multiples: list[tuple[Decimal, str]] = []
     for sub in subs:
-        sc = sub.schema
-        for keyword in _NUMERIC_KEYWORDS:   # NaN / Infinity: Python's JSON parser reads them
-            if sub.has(keyword) and not to_decimal(sc[keyword]).is_finite():
-                return lw.fail(keyword, sub.pointer, "not a finite number")
-        if sub.has("minimum") and (lo is None or to_decimal(sc["minimum"]) > lo):
+        sc = {k: sub.schema[k] for k in _NUMERIC_KEYWORDS                   # maximum: Infinity bounds nothing
+              if sub.has(k) and not _unbounding(k, sub.schema[k])}
+        for keyword in _NUMERIC_KEYWORDS:   # NaN / Infinity: Python's JSON parser reads them (and 1e400 as inf)
+            if keyword in sc and not to_decimal(sc[keyword]).is_finite():
+                # maximum: -Infinity, minimum: Infinity: no number satisfies it; NaN is no bound at all (jsonschema
+                # compares with it as false: every number passes) and a meaningless one: left unenforced
+                exact = keyword != "multipleOf" and math.isinf(sc[keyword])
+                return lw.fail(keyword, sub.pointer, "not a finite number", exact=exact)
+        if "minimum" in sc and (lo is None or to_decimal(sc["minimum"]) > lo):
             lo, lo_excl = to_decimal(sc["minimum"]), False
-        if sub.has("exclusiveMinimum") and (lo is None or to_decimal(sc["exclusiveMinimum"]) >= lo):
+        if "exclusiveMinimum" in sc and (lo is None or to_decimal(sc["exclusiveMinimum"]) >= lo):
             lo, lo_excl = to_decimal(sc["exclusiveMinimum"]), True
-        if sub.has("maximum") and (hi is None or to_decimal(sc["maximum"]) < hi):
+        if "maximum" in sc and (hi is None or to_decimal(sc["maximum"]) < hi):
             hi, hi_excl = to_decimal(sc["maximum"]), False
-        if sub.has("exclusiveMaximum") and (hi is None or to_decimal(sc["exclusiveMaximum"]) <= hi):
+        if "exclusiveMaximum" in sc and (hi is None or to_decimal(sc["exclusiveMaximum"]) <= hi):
             hi, hi_excl = to_decimal(sc["exclusiveMaximum"]), True
-        if sub.has("multipleOf") and not (integer_only and to_decimal(sc["multipleOf"]) == 1):
+        if "multipleOf" in sc and not (integer_only and to_decimal(sc["multipleOf"]) == 1):
             multiples.append((to_decimal(sc["multipleOf"]), sub.pointer + "/multipleOf"))
     if multiples:
         return _enumerate_multiples(lw, subs, lo, hi, multiples)
