@@ -7,7 +7,7 @@ from typing import Any
 from grammar.cfg.emptiness import admits_a_string
 
 # xgrammar's errors start with its log prefix: "[14:22:30] /project/cpp/grammar_parser.cc:820: "
-_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*[^\s:]+:\d+:\s*")
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*.*?:\d+:\s*")        # the path may hold spaces or a drive's colon
 
 
 def parse_error_message(exc: BaseException) -> str:
@@ -47,4 +47,7 @@ def compile_in_worker(info: Any, text: str) -> bytes:
     if not admits_a_string(str(grammar)):
         raise ValueError("the grammar admits no string (its root rule derives no finite string)")
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    return compiler.compile_grammar(grammar).serialize_json().encode()
+    try:
+        return compiler.compile_grammar(grammar).serialize_json().encode()
+    except Exception as e:  # noqa: BLE001 - its message carries the library's log prefix, as the parser's
+        raise ValueError(parse_error_message(e)) from None

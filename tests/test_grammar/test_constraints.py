@@ -158,6 +158,16 @@ def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
     assert decode_compiler.compile(parse_constraints({"regex": "ok+"}, {}, None)) is not None
 
 
+@pytest.mark.parametrize("raw", ["[14:22:30] /opt/my build/cpp/grammar_parser.cc:820: bad rule",
+                                 "[14:22:30] C:\\src\\xgrammar\\grammar_compiler.cc:77: bad rule"])
+def test_the_library_log_prefix_goes_whatever_its_path(raw: str) -> None:
+    """xgrammar's log prefix names its source file: a build path with a space or a drive's colon went to the
+    client whole."""
+    from grammar.cfg.worker_side import parse_error_message
+
+    assert parse_error_message(RuntimeError(raw)) == "bad rule"
+
+
 @pytest.mark.parametrize("text", ["root ::= ", 'root ::= undefined_rule', 'root ::= [z-a]'])
 def test_grammar_parse_errors_name_no_library_path(text: str) -> None:
     """xgrammar's parser errors start with '[hh:mm:ss] /project/cpp/grammar_parser.cc:820: ': the message of a
