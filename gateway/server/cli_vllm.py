@@ -14,6 +14,7 @@ from typing import Any, Callable
 from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from adapters.registry.lora_dirs import valid_name     # torch-free
 from gateway.reasoning.reasoning import REASONING_PARSERS
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 
@@ -157,6 +158,9 @@ def lora_modules(args: argparse.Namespace, model: str, names: tuple[str, ...],
     if len({name for name, _ in pairs}) != len(pairs):
         parser.error("--lora-modules: duplicate adapter name")
     for name, _, base in args.lora_modules:
+        if not valid_name(name):   # the admin API's and --lora-dir's rule, checked before the model loads
+            parser.error(f"--lora-modules: bad adapter name {name[:64]!r}: at most 512 characters, no NUL or "
+                         "backslash, no leading '/', no empty, '.' or '..' part between '/'s")
         if name in names:
             parser.error(f"--lora-modules: {name!r} is the base model's served name")
         if base is not None and base not in (*names, model):

@@ -107,6 +107,8 @@ def test_chat_template_as_text() -> None:
     (["--model", "/m", "--lora-modules", "a=/p", '{"name": "a", "path": "/q"}'], "duplicate"),
     (["--served-model-name", "x", "x"], "distinct"),
     (["--served-model-name", "x", "--lora-modules", "x=/p"], "base model's served name"),
+    (["--lora-modules", "../up=/p"], "bad adapter name"),         # refused before the model loads, not after
+    (["--lora-modules", '{"name": "a/./b", "path": "/p"}'], "bad adapter name"),
     (["--enable-expert-parallel"], "unrecognized arguments"),
 ])
 def test_refusals_are_clear(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
