@@ -272,8 +272,8 @@ class Lowerer:
             if_sub = holder.applicator(schema["if"], "if")
             then_sub = holder.applicator(schema.get("then", True), "then")
             else_sub = holder.applicator(schema.get("else", True), "else")
-            yes = self.lower(rest + [if_sub, then_sub], stack)
-            no = self.lower(rest + [else_sub], stack)
+            yes = self._branch_member(rest + [if_sub, then_sub], stack)
+            no = self._branch_member(rest + [else_sub], stack)
             if no is not None:
                 no = exclude(self, no, [if_sub], stack)
             out = make_union([yes, no])
@@ -281,7 +281,7 @@ class Lowerer:
         members = [holder.applicator(m, keyword, i) for i, m in enumerate(schema[keyword])]
         options: list[Node | None] = []
         for i, member in enumerate(members):
-            node = self.lower(rest + [member], stack)
+            node = self._branch_member(rest + [member], stack)
             if keyword == "oneOf":
                 for j, other in enumerate(members):
                     if node is not None and j != i:
@@ -291,6 +291,16 @@ class Lowerer:
             options.append(node)
         out = make_union(options)
         return out if out is not None else self.fail(keyword, holder.pointer)
+
+    def _branch_member(self, conj: list[Sub], stack: tuple[int, ...]) -> Node | None:
+        """One branch of an anyOf / oneOf / if: None when no value satisfies it (it drops out of the union), but a
+        branch with a keyword the compiler cannot enforce is rejected, as an optional property is, never silently
+        left out of what can be generated (beside a null branch, the model could only ever write null)."""
+        num_unenforced = len(self.unenforced)
+        node = self.lower(conj, stack)
+        if node is None and len(self.unenforced) > num_unenforced:
+            raise self.unenforced[num_unenforced]
+        return node
 
     def _apply_dependent_schemas(self, subs: list[Sub]) -> list[Sub] | None:
         """Merge dependentSchemas whose trigger property is required; None if none applies."""

@@ -149,6 +149,22 @@ def test_a_bound_at_infinity_on_the_open_side_excludes_no_number(schema: str) ->
     assert all(re.fullmatch(spec.regex, n) for n in ("12", "-7", "123456789012345678901234567890")), spec.regex
 
 
+def test_an_anyof_branch_the_compiler_cannot_enforce_is_a_400_not_dropped() -> None:
+    """A branch with a keyword the compiler cannot enforce was silently left out of the union: with a null branch
+    beside it the model could only ever write null. It is refused as an optional property with one is; a branch
+    no value can satisfy still drops out (exact)."""
+    import re
+
+    for schema in ({"anyOf": [{"type": "number", "multipleOf": 0.01}, {"type": "null"}]},
+                   {"if": {"type": "number"}, "then": {"multipleOf": 0.01}, "else": {"type": "null"}}):
+        with pytest.raises(GrammarError) as info:
+            lowered(parse_constraints(None, {"guided_json": schema}, None))
+        assert info.value.code == "unsupported_json_schema" and "multipleOf" in info.value.message, info.value
+    spec = lowered(parse_constraints(None, {"guided_json": {"anyOf": [{"type": "integer", "minimum": 5,
+                                                                       "maximum": 1}, {"type": "null"}]}}, None))
+    assert re.fullmatch(spec.regex, "null") and not re.fullmatch(spec.regex, "3"), spec.regex
+
+
 def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
     """Parsed at admission once xgrammar is loaded in the process, else by the compile worker: a 400 either way."""
     for text in ("root ::= undefined_rule", 'root ::= "a" |'):
