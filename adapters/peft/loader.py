@@ -82,6 +82,7 @@ def resolve_adapter_dir(source: Union[str, os.PathLike], revision: Optional[str]
     raise AdapterNotFoundError(f"adapter {text!r} not found locally or on the hub")
 
 
+MAX_KEY_CHARS = 256         # a weight's name: real ones are ~100 characters; config regexes run on them (safe_regex.py)
 MAX_JSON_BYTES = 16 << 20   # adapter_config.json / added_tokens.json: real ones are a few KiB
 _ABSENT = object()          # `_read_json`: no such file
 
@@ -167,6 +168,14 @@ def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise _invalid(f"{BIN_NAME} is not a state dict of tensors", CODE_CORRUPT)
     return dict(state)
+
+
+def _check_key_lengths(state: Mapping[str, torch.Tensor]) -> None:
+    """The config's regexes run on the weights' names (linear to cubic time in their length: safe_regex.py)."""
+    for key in state:
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise _invalid(f"adapter weight name {shown(str(key))!r} is longer than {MAX_KEY_CHARS} characters",
+                           CODE_UNSUPPORTED_TARGET)
 
 
 def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterError:
@@ -265,6 +274,9 @@ def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]],
                            "(target_modules / exclude_modules / layers_to_transform); PEFT would ignore them")
     layer_keys = [str(e["key"]) for (layer, _), e in pairs.items() if layer >= 0]
     prefixes = {m["prefix"] for m in map(_LAYER_PREFIX_RE.match, layer_keys) if m} or {"model.layers."}
+    if len(prefixes) > 1:      # one decoder; and each prefix below costs a targets() per module of the base
+        raise _invalid(f"adapter has LoRA weights under more than one stack of layers "
+                       f"({shown(', '.join(sorted(prefixes)[:2]))}); one decoder's are supported", CODE_UNSUPPORTED_TARGET)
     fused = dims.checkpoint_fused or any(name in CHECKPOINT_FUSED for _, name in pairs)
     attn = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
@@ -377,7 +389,9 @@ def load_peft_adapter(
     raw = _read_config(files)
     cfg = parse_peft_config(raw)
     _check_added_tokens(files)
-    state, expert_state = split_expert_state(_read_weights(files))   # MoE experts: adapters/peft/expert_keys.py
+    weights = _read_weights(files)
+    _check_key_lengths(weights)
+    state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
     modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank) if state or not experts else ({}, {})
     return LoRAAdapter(
