@@ -201,10 +201,12 @@ def _module_key(module_path: str) -> str:
 
 def _peft_module_key(module_path: str, entry_key: tuple[int, str], dims: BaseModelDims) -> str:
     """The module's name in the base model, as PEFT's rank / alpha patterns and target_modules match it: a dense
-    MLP name on a sparse MoE layer is Qwen2-MoE's shared expert (`split_expert_state` renamed its keys)."""
+    MLP name on a sparse MoE layer of a base with a shared expert is Qwen2-MoE's shared expert (`split_expert_state`
+    renamed its keys); elsewhere (Mixtral, Qwen3-MoE) it stays as saved (refused: `check_dense_mlp_targets`)."""
     key = _module_key(module_path)
     layer, name = entry_key
-    if layer >= 0 and _PARENT[name] == "mlp" and layer < dims.num_layers and dims.is_sparse_layer(layer):
+    if (layer >= 0 and _PARENT[name] == "mlp" and dims.shared_expert and layer < dims.num_layers
+            and dims.is_sparse_layer(layer)):
         key = re.sub(r"\.mlp\.(\w+)$", r".mlp.shared_expert.\1", key)
     return key
 
