@@ -288,6 +288,8 @@ def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]],
             names = [("self_attn", n) for n in attn]
             if not dims.is_sparse_layer(layer):      # a sparse MoE layer's MLP is its experts (expert_keys.py)
                 names += [("mlp", n) for n in mlp]
+            elif dims.shared_expert:                 # ... and Qwen2-MoE's shared expert (its keys renamed: (layer, n))
+                names += [("mlp.shared_expert", n) for n in mlp]
             expected += [((layer, n), f"{prefix}{layer}.{parent}.{n}") for parent, n in names]
         outer = prefix[:-len("layers.")]             # `model.layers.` -> `model.embed_tokens`
         expected += [((-1, "embed_tokens"), f"{outer}embed_tokens"), ((-1, "lm_head"), "lm_head")]
@@ -395,7 +397,11 @@ def load_peft_adapter(
     _check_key_lengths(weights)
     state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
-    modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank) if state or not experts else ({}, {})
+    if state or not experts:
+        modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank)
+    else:                       # experts' weights only: still none missing of the modules the config targets
+        modules, vocab = {}, {}
+        _check_config_targets({}, cfg, dims)
     return LoRAAdapter(
         source=files.label, path=files.path, modules=modules,
         base_model_name_or_path=cfg.base_model_name_or_path, config=raw, expert_modules=experts,

@@ -26,6 +26,7 @@ from core import LLM, SamplingParams  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
 from lora_fixtures import _fresh_base, _save_adapter  # noqa: E402
 from lora_tree import peft_greedy_path  # noqa: E402
+from moe_adapters import expert_params_adapter  # noqa: E402
 from moe_models import moe_dir  # noqa: E402
 from testlib import PROMPTS, encode, model_dir  # noqa: E402
 
@@ -181,3 +182,26 @@ def test_a_pickled_bin_is_never_unpickled_beyond_tensors(llama) -> None:
         pickle.dump({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": _RunsCode(marker)}, f)
     err = expect_400(evil, dims, "corrupt_adapter_weights", "adapter_model.bin: not a plain state dict of tensors")
     assert not marker.exists() and "weights_only" not in str(err)
+
+
+def test_targeted_modules_without_weights_are_refused_on_moe_bases(tmp_path: Path) -> None:
+    """Two gaps of the missing-weights check: Qwen2-MoE's shared expert (`mlp.shared_expert.down_proj`, targeted by
+    `down_proj`) was not among the modules checked, and an adapter with only experts' weights was never checked
+    (a config targeting q_proj with no q_proj weights loaded; PEFT would give q_proj its initial LoRA)."""
+    qwen2 = moe_dir("qwen2_moe")
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(qwen2))
+    sparse = next(layer for layer in range(dims.num_layers) if dims.is_sparse_layer(layer))
+    shared = save(qwen2, tmp_path / "shared", target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    load_peft_adapter(shared, dims, max_lora_rank=16)
+    no_shared_down = edit_weights(shared, tmp_path / "no-shared-down", lambda s: [
+        s.pop(k) for k in [k for k in s if f"layers.{sparse}.mlp.shared_expert.down_proj" in k]])
+    expect_400(no_shared_down, dims, "adapter_shape_mismatch",
+               rf"targets model\.layers\.{sparse}\.mlp\.shared_expert\.down_proj but the adapter has no LoRA weights")
+    qwen3 = moe_dir("qwen3_moe")
+    dims3 = BaseModelDims.from_model_config(ModelConfig.from_path(qwen3))
+    experts = expert_params_adapter(qwen3, tmp_path / "experts", ["experts.gate_up_proj", "experts.down_proj"],
+                                    ["q_proj"], 4, 8, 1.0, 71)
+    load_peft_adapter(experts, dims3, max_lora_rank=16)
+    experts_only = edit_weights(experts, tmp_path / "experts-only", lambda s: [
+        s.pop(k) for k in [k for k in s if "q_proj" in k]])
+    expect_400(experts_only, dims3, "adapter_shape_mismatch", r"targets model\.layers\.0\.self_attn\.q_proj but")
