@@ -205,3 +205,68 @@ def test_targeted_modules_without_weights_are_refused_on_moe_bases(tmp_path: Pat
     experts_only = edit_weights(experts, tmp_path / "experts-only", lambda s: [
         s.pop(k) for k in [k for k in s if "q_proj" in k]])
     expect_400(experts_only, dims3, "adapter_shape_mismatch", r"targets model\.layers\.0\.self_attn\.q_proj but")
+
+
+@pytest.mark.parametrize("spelling", ["all-linear", "ALL-Linear"])
+def test_a_hand_written_all_linear_config_loads_and_missing_weights_under_it_are_refused(llama, spelling) -> None:
+    """peft expands "all-linear" into the names when it saves; a hand-written config may keep the shorthand (any
+    case, as peft reads it): every linear but the LM head, so the seven projections' weights load and an adapter
+    missing one of them is refused."""
+    path, dims, tmp = llama
+    tag = spelling.lower().replace("-", "_") + spelling[0]
+    all7 = save(path, tmp / f"all7-{tag}", target_modules=ALL7)
+
+    def shorthand(src: Path) -> Path:
+        cfg = json.loads((src / "adapter_config.json").read_text())
+        (src / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": spelling}))
+        return src
+
+    ad = load_peft_adapter(shorthand(all7), dims, max_lora_rank=16)
+    assert {name for _, name in ad.modules} == set(ALL7)
+    no_v = edit_weights(all7, tmp / f"all-linear-no-v-{tag}",
+                        lambda s: [s.pop(k) for k in [k for k in s if "layers.1.self_attn.v_proj" in k]])
+    expect_400(no_v, dims, "adapter_shape_mismatch", r"targets model\.layers\.1\.self_attn\.v_proj but the adapter")
+    head = save(path, tmp / f"head-{tag}", target_modules=ALL7 + ["lm_head"])
+    expect_400(shorthand(head), dims, "invalid_adapter", "lm_head, which adapter_config.json does not target")
+
+
+_MATRIX_KEYS = [
+    "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "model.layers.12.mlp.down_proj",
+    "model.layers.1.mlp.shared_expert.up_proj", "model.layers.1.mlp.experts.0.gate_proj",
+    "model.language_model.layers.0.self_attn.q_proj", "model.embed_tokens", "lm_head",
+    "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", "transformer.h.2.attn.q_proj",
+    "q_proj", "model.layers.0.self_attn.q_projx", "model.layers.0.self_attn.xq_proj",
+]
+_MATRIX_CONFIGS = [
+    dict(target_modules=["q_proj", "v_proj"]),
+    dict(target_modules=["q_proj", "down_proj", "lm_head", "embed_tokens"]),
+    dict(target_modules=["model.layers.0.self_attn.q_proj", "layers.1.self_attn.v_proj", "shared_expert.up_proj"]),
+    dict(target_modules=r".*\.(q_proj|v_proj)"),
+    dict(target_modules=r"(.*\.)?(q_proj|down_proj)"),
+    dict(target_modules=r".*\.layers\.\d+\.(self_attn|mlp)\.(q_proj|v_proj)$"),
+    dict(target_modules=r"model\.language_model.*\.(q_proj|k_proj)"),
+    dict(target_modules=ALL7, exclude_modules=["model.layers.0.self_attn.q_proj", "down_proj"]),
+    dict(target_modules=ALL7, exclude_modules=r".*layers\.1\..*"),
+    dict(target_modules=ALL7, exclude_modules=r".*vision_tower.*"),
+    dict(target_modules=ALL7, layers_to_transform=[0, 12]),
+    dict(target_modules=ALL7, layers_to_transform=1, layers_pattern="layers"),
+    dict(target_modules=ALL7, layers_to_transform=[0, 2], layers_pattern=["h", "layers"]),
+    dict(target_modules=ALL7, layers_to_transform=[0], layers_pattern="encoder.layers"),
+    dict(target_modules=["q_proj", "gate_proj"], layers_to_transform=[]),
+    dict(target_modules=None, target_parameters=["mlp.experts.gate_up_proj"]),
+]
+
+
+@pytest.mark.parametrize("raw", _MATRIX_CONFIGS, ids=[str(i) for i in range(len(_MATRIX_CONFIGS))])
+def test_targets_agree_with_peft(raw) -> None:
+    """PeftLoRAConfig.targets() is peft's check_target_module_exists, whatever the config and the module path."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from adapters.peft.config import parse_peft_config
+
+    cfg, peft_cfg = parse_peft_config(raw), LoraConfig(**raw)
+    for key in _MATRIX_KEYS:
+        ours = cfg.targets(key)
+        if ours is not None:
+            assert ours == bool(check_target_module_exists(peft_cfg, key)), key
