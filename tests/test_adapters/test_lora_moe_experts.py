@@ -197,7 +197,7 @@ def test_lora_on_a_layer_without_that_module_is_refused(qwen3: tuple[Path, Path]
         save_file({**state, **extra}, str(bad / "adapter_model.safetensors"))
         cfg = json.loads((bad / "adapter_config.json").read_text())
         cfg["r"], cfg["lora_alpha"] = 2, 4
-        cfg["rank_pattern"] = {"q_proj": 4, "experts": 4}
+        cfg["rank_pattern"] = {"q_proj": 4, r"experts\.(gate_up|down)_proj": 4}   # PEFT: the parameter's path
         (bad / "adapter_config.json").write_text(json.dumps(cfg))
         with pytest.raises(AdapterError, match="no such MoE layer|no dense MLP") as err:
             load_peft_adapter(bad, dims, max_lora_rank=16)

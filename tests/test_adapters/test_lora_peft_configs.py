@@ -270,3 +270,21 @@ def test_targets_agree_with_peft(raw) -> None:
         ours = cfg.targets(key)
         if ours is not None:
             assert ours == bool(check_target_module_exists(peft_cfg, key)), key
+
+
+@pytest.mark.parametrize(("family", "targets"), [("qwen3_moe", ALL7), ("mixtral", "all-linear")])
+def test_moe_adapters_peft_saves_for_transformers_5_are_served_as_peft(tmp_path: Path, family: str, targets) -> None:
+    """peft 0.21 turns gate/up/down on a transformers-5 MoE into `target_parameters` named bare (`gate_up_proj`,
+    `down_proj`; Mixtral's all-linear also the router's `gate.weight`) with the fused tensor's rank doubled through
+    a rank_pattern matched against the parameter's path (`.*\\.gate_up_proj`). Both were refused ("unsupported
+    target parameter 'gate_up_proj'"); served as PEFT, greedy token for token."""
+    path = moe_dir(family)
+    adapter = save(path, tmp_path / family, target_modules=targets, seed=11, b_mult=2.0)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert {"gate_up_proj", "down_proj"} <= set(cfg["target_parameters"]), cfg   # the layout under test
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    ad = load_peft_adapter(adapter, dims, max_lora_rank=16)
+    assert {p for _, _, p in ad.expert_modules} >= {"gate_proj", "up_proj", "down_proj"}
+    assert ("gate.weight" in cfg["target_parameters"]) == (family == "mixtral") == any(
+        e == -1 for _, e, _ in ad.expert_modules)                                  # the router's LoRA
+    check_served_as_peft(path, {family: adapter}, [PROMPTS[2], PROMPTS[7]])
