@@ -49,6 +49,9 @@ _VOCAB_KEY_RE = re.compile(
     r"(?:lora_embedding_(?P<eab>A|B)(?:\.[\w-]+)?|lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight"
     r"|(?P<mag>lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?|(?P<base>base_layer\.weight))$"
 )
+# A multimodal base's vision tower (Gemma 3: `model.vision_tower.vision_model.encoder.layers.N.self_attn.q_proj`,
+# targeted by a plain `q_proj`): the server takes text only, so its LoRA never reaches an output; skipped
+_VISION_TOWER_RE = re.compile(r"(?:^|\.)vision_tower\.")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
            "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
@@ -222,6 +225,8 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
     """(decoder layers' modules keyed (layer, HF name), vocabulary modules keyed "embed_tokens" / "lm_head")."""
     pairs: dict[tuple[int, str], dict[str, object]] = {}
     for key, tensor in state.items():
+        if _VISION_TOWER_RE.search(key):
+            continue
         m = _KEY_RE.match(key)
         if m is not None and m["parent"] == _PARENT[m["name"]]:
             part, entry_key = ("M" if m["mag"] else m["ab"]), (int(m["layer"]), m["name"])

@@ -288,3 +288,17 @@ def test_moe_adapters_peft_saves_for_transformers_5_are_served_as_peft(tmp_path:
     assert ("gate.weight" in cfg["target_parameters"]) == (family == "mixtral") == any(
         e == -1 for _, e, _ in ad.expert_modules)                                  # the router's LoRA
     check_served_as_peft(path, {family: adapter}, [PROMPTS[2], PROMPTS[7]])
+
+
+def test_vision_tower_lora_of_a_multimodal_base_is_skipped(tmp_path: Path) -> None:
+    """A plain `q_proj` target puts LoRA on Gemma 3's vision tower too (`vision_tower...encoder.layers.N.
+    self_attn.q_proj`): the adapter was refused as a "duplicate LoRA A weight for model.language_model.layers.0...".
+    The server takes text only, so the tower's LoRA never reaches an output: skipped, served as PEFT on text."""
+    from family_models import gemma3_multimodal_dir
+
+    path = gemma3_multimodal_dir()
+    adapter = save(path, tmp_path / "gemma3-qv", target_modules=["q_proj", "v_proj"], seed=13, b_mult=2.0)
+    assert any("vision_tower" in k for k in load_file(str(adapter / "adapter_model.safetensors")))
+    ad = load_peft_adapter(adapter, BaseModelDims.from_model_config(ModelConfig.from_path(path)), max_lora_rank=16)
+    assert {name for _, name in ad.modules} == {"q_proj", "v_proj"}
+    check_served_as_peft(path, {"gemma3-qv": adapter}, [PROMPTS[2], PROMPTS[7]])
