@@ -214,12 +214,6 @@ def _peft_module_key(module_path: str, entry_key: tuple[int, str], dims: BaseMod
     return key
 
 
-def build_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
-                  max_lora_rank: int) -> dict[tuple[int, str], LoRAModule]:
-    """The decoder layers' LoRA modules of a PEFT state dict (see `build_adapter_modules` for the vocabulary's)."""
-    return build_adapter_modules(state, cfg, dims, max_lora_rank)[0]
-
-
 def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
                           max_lora_rank: int) -> tuple[dict[tuple[int, str], LoRAModule], dict[str, LoRAModule]]:
     """(decoder layers' modules keyed (layer, HF name), vocabulary modules keyed "embed_tokens" / "lm_head")."""

@@ -331,3 +331,16 @@ def test_weights_under_two_stacks_of_layers_are_refused(base, good_dir, tmp_path
     state = {k.replace("model.model.layers.1.", "model.other.layers.1."): v for k, v in state.items()}
     save_file(state, str(path / "adapter_model.safetensors"))
     expect_error(path, base[1], code="unsupported_target_modules", match="more than one stack of layers")
+
+
+def test_dims_read_a_typed_checkpoint_fused_field():
+    """A config object that says whether its checkpoint holds fused qkv_proj / gate_up_proj is believed over the
+    Phi-3 model_type guess."""
+    from types import SimpleNamespace
+
+    fields = dict(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
+                  vocab_size=64)
+    assert BaseModelDims.from_model_config(SimpleNamespace(**fields, model_type="phi3")).checkpoint_fused
+    assert BaseModelDims.from_model_config(SimpleNamespace(**fields, model_type="x", checkpoint_fused=True)).checkpoint_fused
+    assert not BaseModelDims.from_model_config(SimpleNamespace(**fields, model_type="phi3",
+                                                               checkpoint_fused=False)).checkpoint_fused
