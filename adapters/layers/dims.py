@@ -101,7 +101,7 @@ class BaseModelDims:
             moe_intermediate_size=int(getattr(cfg, "moe_intermediate_size", 0)),
             sparse_layers=tuple(bool(v) for v in getattr(cfg, "sparse_layers", ())),
             shared_expert=bool(getattr(cfg, "shared_expert", False)),
-            checkpoint_fused=getattr(cfg, "model_type", None) == "phi3",
+            checkpoint_fused=bool(getattr(cfg, "checkpoint_fused", getattr(cfg, "model_type", None) == "phi3")),
         )
 
     def is_sparse_layer(self, layer: int) -> bool:

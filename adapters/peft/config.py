@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from adapters.layers.dims import PEFT_TARGET_NAMES
+from adapters.peft.safe_regex import UnsafeRegex, check_regex
 from adapters.errors import (
     CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, shown,
 )
@@ -34,6 +35,12 @@ _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
     ("arrow_config", "Arrow routing is not supported"),
     ("kasa_config", "KaSA is not supported"),
 )
+# Entries of a list / dict field (target_modules, ...), of a list / dict of regexes (rank_pattern, ...; each one run
+# on every module) and characters of one name: real configs hold a few dozen short names; a 16 MiB config could
+# otherwise hold ~10^6 for every module's targets() / rank_for() to scan.
+MAX_ENTRIES = 4096
+MAX_PATTERNS = 1024
+MAX_NAME_CHARS = 512
 # init_lora_weights values whose adapters need a modified base model (or a LoRA variant).
 _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "mica", "lora_ga")
 
@@ -52,19 +59,23 @@ class PeftLoRAConfig:
     base_model_name_or_path: Optional[str]
     use_dora: bool = False
     # which modules PEFT puts LoRA on (`targets`): what the weights must cover, no more and no less
-    target_modules: Union[None, str, tuple[str, ...]] = None
+    # (a regex, or a set of names matched against each dotted suffix of a module's name)
+    target_modules: Union[None, str, frozenset[str]] = None
     target_parameters: bool = False      # `target_parameters` set (MoE experts: adapters/peft/expert_keys.py)
-    exclude_modules: Union[None, str, tuple[str, ...]] = None
-    layers_to_transform: Union[None, int, tuple[int, ...]] = None
+    exclude_modules: Union[None, str, frozenset[str]] = None
+    layers_to_transform: Union[None, int, frozenset[int]] = None
     layers_pattern: tuple[str, ...] = ()
+    # rank_pattern / alpha_pattern keys as PEFT runs them, compiled once (parse_peft_config)
+    rank_regexes: tuple[tuple[str, "re.Pattern[str]"], ...] = field(default=(), compare=False, repr=False)
+    alpha_regexes: tuple[tuple[str, "re.Pattern[str]"], ...] = field(default=(), compare=False, repr=False)
 
     def rank_for(self, module_key: str) -> int:
         """PEFT's rank for a module (`model.layers.0.self_attn.q_proj`)."""
-        key = _pattern_key(self.rank_pattern, module_key)
+        key = _pattern_key(self.rank_regexes or _compiled(self.rank_pattern), module_key)
         return int(self.rank_pattern.get(key, self.r))
 
     def alpha_for(self, module_key: str) -> float:
-        key = _pattern_key(self.alpha_pattern, module_key)
+        key = _pattern_key(self.alpha_regexes or _compiled(self.alpha_pattern), module_key)
         return float(self.alpha_pattern.get(key, self.lora_alpha))
 
     def scaling_for(self, module_key: str, rank: int) -> float:
@@ -81,7 +92,7 @@ class PeftLoRAConfig:
             if isinstance(excl, str):
                 if re.fullmatch(excl, module_key):
                     return False
-            elif module_key in excl or any(module_key.endswith(f".{e}") for e in excl):
+            elif _names_a_suffix(excl, module_key):
                 return False
         targets = self.target_modules
         if targets is None:
@@ -92,17 +103,17 @@ class PeftLoRAConfig:
             return re.fullmatch(targets, module_key) is not None
         if module_key in targets:
             return True
-        if not any(module_key.endswith(f".{t}") for t in targets):
+        if not _names_a_suffix(targets, module_key):
             return False
         layers = self.layers_to_transform
-        if layers is None or layers == ():
+        if layers is None or layers == frozenset():
             return True
         if not self.layers_pattern:   # the first numbered segment is the layer index
             m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_key)
         else:
             m = None
             for pattern in self.layers_pattern:
-                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_key)
+                m = re.match(_LAYERS_PATTERN.format(pattern), module_key)
                 if m is not None:
                     break
         if m is None:
@@ -111,12 +122,53 @@ class PeftLoRAConfig:
         return idx == layers if isinstance(layers, int) else idx in layers
 
 
-def _pattern_key(patterns: Mapping[str, Any], module_key: str) -> str:
+# How PEFT runs a layers_pattern / a rank_pattern or alpha_pattern key (checked in that form: safe_regex.py)
+_LAYERS_PATTERN = "(?:^|.*?\\.){}\\.(?P<idx>\\d+)\\."
+_PATTERN_KEY = "(.*\\.)?({})$"
+
+
+def _names_a_suffix(names: frozenset[str], module_key: str) -> bool:
+    """PEFT's `module_key in names or any(module_key.endswith(f".{n}") for n in names)`, by set look-ups of the
+    key and each dotted suffix of it (no longer than the longest name could match)."""
+    if module_key in names:
+        return True
+    start = max(0, len(module_key) - MAX_NAME_CHARS - 1)
+    dot = module_key.find(".", start)
+    while dot >= 0:
+        if module_key[dot + 1:] in names:
+            return True
+        dot = module_key.find(".", dot + 1)
+    return False
+
+
+def _compiled(patterns: Mapping[str, Any]) -> tuple[tuple[str, "re.Pattern[str]"], ...]:
+    return tuple((p, re.compile(_PATTERN_KEY.format(p))) for p in patterns)
+
+
+def _pattern_key(patterns: tuple[tuple[str, "re.Pattern[str]"], ...], module_key: str) -> str:
     """Same rule as peft.utils.other.get_pattern_key: first pattern matching a dotted suffix."""
-    for pattern in patterns:
-        if re.match(rf"(.*\.)?({pattern})$", module_key):
+    for pattern, regex in patterns:
+        if regex.match(module_key):
             return pattern
     return module_key
+
+
+def _check_regex(field: str, pattern: str, as_run: str = "{}") -> None:
+    """400 naming the field for a pattern that does not compile or could backtrack badly, checked in the form PEFT
+    runs it (`as_run`)."""
+    try:
+        check_regex(as_run.format(pattern))
+    except UnsafeRegex as exc:
+        raise _invalid(f"bad {field} regex {shown(pattern)!r}: {exc}") from None
+
+
+def _bounded(field: str, value: Any, most: int) -> None:
+    """400 for a list / dict field with more than `most` entries or a name longer than MAX_NAME_CHARS."""
+    if isinstance(value, (list, tuple, dict)):
+        if len(value) > most:
+            raise _invalid(f"{field} has {len(value)} entries; at most {most} are supported")
+        if any(isinstance(v, str) and len(v) > MAX_NAME_CHARS for v in value):
+            raise _invalid(f"{field} has a name longer than {MAX_NAME_CHARS} characters")
 
 
 def _check_target_modules(targets: Any) -> None:
@@ -136,14 +188,11 @@ def _names(raw: Mapping[str, Any], field: str) -> Union[None, str, tuple[str, ..
     value = raw.get(field)
     if value is None or isinstance(value, str):
         if isinstance(value, str):
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise _invalid(f"bad {field} regex {shown(value)!r}: {exc}") from exc
+            _check_regex(field, value)
         return value
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise _invalid(f"{field} must be a string or a list of strings")
-    return tuple(value)
+    return frozenset(value)
 
 
 def _layer_selection(raw: Mapping[str, Any]) -> tuple[Union[None, int, tuple[int, ...]], tuple[str, ...]]:
@@ -161,11 +210,8 @@ def _layer_selection(raw: Mapping[str, Any]) -> tuple[Union[None, int, tuple[int
     else:
         raise _invalid("layers_pattern must be a string or a list of strings")
     for p in patterns:
-        try:
-            re.compile(p)
-        except re.error as exc:
-            raise _invalid(f"bad layers_pattern {shown(p)!r}: {exc}") from exc
-    return (tuple(layers) if isinstance(layers, list) else layers), patterns
+        _check_regex("layers_pattern", p, _LAYERS_PATTERN)
+    return (frozenset(layers) if isinstance(layers, list) else layers), patterns
 
 
 def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
@@ -187,6 +233,10 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid(
             f"init_lora_weights={shown(init)!r} adapters need a modified base model; convert the "
             "adapter to plain LoRA before serving", CODE_UNSUPPORTED_FEATURE)
+    for field in ("target_modules", "exclude_modules", "layers_to_transform", "target_parameters"):
+        _bounded(field, raw.get(field), MAX_ENTRIES)
+    for field in ("layers_pattern", "rank_pattern", "alpha_pattern"):
+        _bounded(field, raw.get(field), MAX_PATTERNS)
     _check_target_modules(raw.get("target_modules"))
     target_modules, exclude_modules = _names(raw, "target_modules"), _names(raw, "exclude_modules")
     layers_to_transform, layers_pattern = _layer_selection(raw)
@@ -201,15 +251,14 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid("LoRA rank must be positive")
     if not all(math.isfinite(a) for a in (alpha, *alpha_pattern.values())):   # NaN / inf: every logit NaN
         raise _invalid("lora_alpha and alpha_pattern values must be finite numbers")
-    for pattern in list(rank_pattern) + list(alpha_pattern):
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise _invalid(f"bad rank/alpha pattern {shown(pattern)!r}: {exc}") from exc
+    for field, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        for pattern in patterns:
+            _check_regex(field, pattern, _PATTERN_KEY)
     return PeftLoRAConfig(
         r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
         base_model_name_or_path=raw.get("base_model_name_or_path"), use_dora=bool(raw.get("use_dora", False)),
         target_modules=target_modules, target_parameters=bool(raw.get("target_parameters")),
         exclude_modules=exclude_modules, layers_to_transform=layers_to_transform, layers_pattern=layers_pattern,
+        rank_regexes=_compiled(rank_pattern), alpha_regexes=_compiled(alpha_pattern),
     )

@@ -60,7 +60,8 @@ def _module_key(module_path: str) -> str:
 
 
 def expert_parameter_order(raw: Mapping[str, Any]) -> tuple[str, ...]:
-    """`target_parameters` as expert tensor names; 400 for anything else."""
+    """`target_parameters` as expert tensor names (a parameter's path or a dotted suffix of it, as PEFT matches
+    them: `mlp.experts.gate_up_proj`, `experts.down_proj`, `gate_up_proj`); 400 for anything else."""
     targets = raw.get("target_parameters") or []
     if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
         raise _invalid("target_parameters must be a list", CODE_UNSUPPORTED_TARGET)
@@ -69,10 +70,11 @@ def expert_parameter_order(raw: Mapping[str, Any]) -> tuple[str, ...]:
         if str(t) == "gate.weight" or str(t).endswith((".mlp.gate.weight", "mlp.gate.weight")):
             names.append("gate")                      # the router's weight
             continue
-        name = str(t).rsplit(".", 1)[-1]
-        if name not in EXPERT_PARAMETERS or not str(t).endswith(f"experts.{name}"):
+        name = str(t).rsplit(".", 1)[-1]   # `mlp.experts.gate_up_proj`, `experts.gate_up_proj` or bare, as peft
+        if name not in EXPERT_PARAMETERS:   # 0.21 saves it for transformers 5 models (it matches dotted suffixes)
             raise _invalid(f"unsupported target parameter {str(t)!r}; supported: LoRA on the MoE experts' "
-                           f"{' / '.join('experts.' + p for p in EXPERT_PARAMETERS)} and the router's "
+                           f"{' / '.join('mlp.experts.' + p for p in EXPERT_PARAMETERS)} (or a dotted suffix: "
+                           f"{' / '.join(EXPERT_PARAMETERS)}) and the router's "
                            "mlp.gate.weight", CODE_UNSUPPORTED_TARGET)
         names.append(name)
     return tuple(names)
@@ -136,6 +138,12 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
             if proj not in order:
                 raise _invalid(f"{shown(mkey)}: LoRA on experts.{proj}, which target_parameters does not name",
                                CODE_UNSUPPORTED_TARGET)
+        # the name PEFT matches rank / alpha patterns against: a parameter's path (`mlp.experts.gate_up_proj`, the
+        # router's `mlp.gate.weight` under target_parameters), else the module's
+        if expert is None:
+            mkey = f"{mkey}.{proj}"
+        elif expert == ROUTER and "gate" in order:
+            mkey = f"{mkey}.weight"
         in_f, out_f = in_out[proj]
         num = 1 if expert is not None else num_experts
         rank = int(a.shape[0]) // num

@@ -49,6 +49,9 @@ _VOCAB_KEY_RE = re.compile(
     r"(?:lora_embedding_(?P<eab>A|B)(?:\.[\w-]+)?|lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight"
     r"|(?P<mag>lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?|(?P<base>base_layer\.weight))$"
 )
+# A multimodal base's vision tower (Gemma 3: `model.vision_tower.vision_model.encoder.layers.N.self_attn.q_proj`,
+# targeted by a plain `q_proj`): the server takes text only, so its LoRA never reaches an output; skipped
+_VISION_TOWER_RE = re.compile(r"(?:^|\.)vision_tower\.")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
            "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
@@ -82,6 +85,7 @@ def resolve_adapter_dir(source: Union[str, os.PathLike], revision: Optional[str]
     raise AdapterNotFoundError(f"adapter {text!r} not found locally or on the hub")
 
 
+MAX_KEY_CHARS = 256         # a weight's name: real ones are ~100 characters; config regexes run on them (safe_regex.py)
 MAX_JSON_BYTES = 16 << 20   # adapter_config.json / added_tokens.json: real ones are a few KiB
 _ABSENT = object()          # `_read_json`: no such file
 
@@ -169,6 +173,14 @@ def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+def _check_key_lengths(state: Mapping[str, torch.Tensor]) -> None:
+    """The config's regexes run on the weights' names (linear to cubic time in their length: safe_regex.py)."""
+    for key in state:
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise _invalid(f"adapter weight name {shown(str(key))!r} is longer than {MAX_KEY_CHARS} characters",
+                           CODE_UNSUPPORTED_TARGET)
+
+
 def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterError:
     if "embed_tokens" in key or "lm_head" in key:
         # Embedding / lm_head weights are [vocab, hidden]: another vocab size means resized.
@@ -192,18 +204,14 @@ def _module_key(module_path: str) -> str:
 
 def _peft_module_key(module_path: str, entry_key: tuple[int, str], dims: BaseModelDims) -> str:
     """The module's name in the base model, as PEFT's rank / alpha patterns and target_modules match it: a dense
-    MLP name on a sparse MoE layer is Qwen2-MoE's shared expert (`split_expert_state` renamed its keys)."""
+    MLP name on a sparse MoE layer of a base with a shared expert is Qwen2-MoE's shared expert (`split_expert_state`
+    renamed its keys); elsewhere (Mixtral, Qwen3-MoE) it stays as saved (refused: `check_dense_mlp_targets`)."""
     key = _module_key(module_path)
     layer, name = entry_key
-    if layer >= 0 and _PARENT[name] == "mlp" and layer < dims.num_layers and dims.is_sparse_layer(layer):
+    if (layer >= 0 and _PARENT[name] == "mlp" and dims.shared_expert and layer < dims.num_layers
+            and dims.is_sparse_layer(layer)):
         key = re.sub(r"\.mlp\.(\w+)$", r".mlp.shared_expert.\1", key)
     return key
-
-
-def build_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
-                  max_lora_rank: int) -> dict[tuple[int, str], LoRAModule]:
-    """The decoder layers' LoRA modules of a PEFT state dict (see `build_adapter_modules` for the vocabulary's)."""
-    return build_adapter_modules(state, cfg, dims, max_lora_rank)[0]
 
 
 def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
@@ -211,6 +219,8 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
     """(decoder layers' modules keyed (layer, HF name), vocabulary modules keyed "embed_tokens" / "lm_head")."""
     pairs: dict[tuple[int, str], dict[str, object]] = {}
     for key, tensor in state.items():
+        if _VISION_TOWER_RE.search(key):
+            continue
         m = _KEY_RE.match(key)
         if m is not None and m["parent"] == _PARENT[m["name"]]:
             part, entry_key = ("M" if m["mag"] else m["ab"]), (int(m["layer"]), m["name"])
@@ -265,6 +275,9 @@ def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]],
                            "(target_modules / exclude_modules / layers_to_transform); PEFT would ignore them")
     layer_keys = [str(e["key"]) for (layer, _), e in pairs.items() if layer >= 0]
     prefixes = {m["prefix"] for m in map(_LAYER_PREFIX_RE.match, layer_keys) if m} or {"model.layers."}
+    if len(prefixes) > 1:      # one decoder; and each prefix below costs a targets() per module of the base
+        raise _invalid(f"adapter has LoRA weights under more than one stack of layers "
+                       f"({shown(', '.join(sorted(prefixes)[:2]))}); one decoder's are supported", CODE_UNSUPPORTED_TARGET)
     fused = dims.checkpoint_fused or any(name in CHECKPOINT_FUSED for _, name in pairs)
     attn = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
@@ -274,6 +287,8 @@ def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]],
             names = [("self_attn", n) for n in attn]
             if not dims.is_sparse_layer(layer):      # a sparse MoE layer's MLP is its experts (expert_keys.py)
                 names += [("mlp", n) for n in mlp]
+            elif dims.shared_expert:                 # ... and Qwen2-MoE's shared expert (its keys renamed: (layer, n))
+                names += [("mlp.shared_expert", n) for n in mlp]
             expected += [((layer, n), f"{prefix}{layer}.{parent}.{n}") for parent, n in names]
         outer = prefix[:-len("layers.")]             # `model.layers.` -> `model.embed_tokens`
         expected += [((-1, "embed_tokens"), f"{outer}embed_tokens"), ((-1, "lm_head"), "lm_head")]
@@ -377,9 +392,15 @@ def load_peft_adapter(
     raw = _read_config(files)
     cfg = parse_peft_config(raw)
     _check_added_tokens(files)
-    state, expert_state = split_expert_state(_read_weights(files))   # MoE experts: adapters/peft/expert_keys.py
+    weights = _read_weights(files)
+    _check_key_lengths(weights)
+    state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
-    modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank) if state or not experts else ({}, {})
+    if state or not experts:
+        modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank)
+    else:                       # experts' weights only: still none missing of the modules the config targets
+        modules, vocab = {}, {}
+        _check_config_targets({}, cfg, dims)
     return LoRAAdapter(
         source=files.label, path=files.path, modules=modules,
         base_model_name_or_path=cfg.base_model_name_or_path, config=raw, expert_modules=experts,

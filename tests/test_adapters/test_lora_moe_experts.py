@@ -197,8 +197,27 @@ def test_lora_on_a_layer_without_that_module_is_refused(qwen3: tuple[Path, Path]
         save_file({**state, **extra}, str(bad / "adapter_model.safetensors"))
         cfg = json.loads((bad / "adapter_config.json").read_text())
         cfg["r"], cfg["lora_alpha"] = 2, 4
-        cfg["rank_pattern"] = {"q_proj": 4, "experts": 4}
+        cfg["rank_pattern"] = {"q_proj": 4, r"experts\.(gate_up|down)_proj": 4}   # PEFT: the parameter's path
         (bad / "adapter_config.json").write_text(json.dumps(cfg))
         with pytest.raises(AdapterError, match="no such MoE layer|no dense MLP") as err:
             load_peft_adapter(bad, dims, max_lora_rank=16)
         assert err.value.status == 400, name
+
+
+def test_messages_name_the_dense_key_on_a_base_without_a_shared_expert(qwen3: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """Dense-name MLP keys on a sparse layer are Qwen2-MoE's shared expert only where the base has one: on
+    Qwen3-MoE (and Mixtral) a message named `mlp.shared_expert.down_proj`, a module neither in the file nor in the
+    model."""
+    path, adapter_dir = qwen3
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    assert not dims.shared_expert
+    bad = tmp_path / "dense_on_experts"
+    shutil.copytree(adapter_dir, bad)
+    key = "base_model.model.model.layers.0.mlp.down_proj"
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    save_file({**state, f"{key}.lora_A.weight": torch.randn(4, 40), f"{key}.lora_B.weight": torch.randn(64, 4)},
+              str(bad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"model\.layers\.0\.mlp\.down_proj") as err:
+        load_peft_adapter(bad, dims, max_lora_rank=16)
+    assert err.value.status == 400 and "shared_expert" not in err.value.message

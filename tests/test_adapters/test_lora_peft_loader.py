@@ -3,6 +3,7 @@
 import copy
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from adapters.layers.dims import BaseModelDims  # noqa: E402
 from adapters.errors import AdapterError  # noqa: E402
+from adapters.peft.config import parse_peft_config  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -241,7 +243,11 @@ def test_weight_keys_in_messages_show_no_path_and_stay_bounded(base, good_dir, t
     for the adapter. A key carrying a path (or a megabyte of text) shows no '/' and at most 160 characters."""
     path = clone(good_dir, tmp_path)
     state = load_file(path / "adapter_model.safetensors")
-    prefix = "/srv/loras/globex/secret-adapter." + "x" * 5000 + "."
+    long = {"/srv/loras/globex/secret-adapter." + "x" * 5000 + "." + k: v for k, v in state.items()}
+    save_file(long, str(path / "adapter_model.safetensors"))   # longer than any real weight's name: refused
+    err = expect_error(path, base[1], code="unsupported_target_modules", match="longer than")
+    assert "srv/loras" not in err.message and len(err.message) < 400, err
+    prefix = "/srv/loras/globex/secret-adapter." + "x" * 100 + "."
     state = {(prefix + k if "layers.0.self_attn.q_proj" in k else k): v for k, v in state.items()}
     key = next(k for k in state if k.startswith(prefix) and "lora_A" in k)
     state[key] = torch.zeros(8, 31)                                   # lora_A [8, 31]: not the base's hidden 32
@@ -277,3 +283,64 @@ def test_non_finite_alpha_is_a_400(base, good_dir, tmp_path, change):
     path = clone(good_dir, tmp_path)
     edit_config(path, **change)
     expect_error(path, base[1], code="invalid_adapter", match="finite")
+
+
+CATASTROPHIC = r"(?:[a-z_.0-9]|[a-z_.0-9])*Z"     # exponential backtracking: minutes on one module path
+
+
+@pytest.mark.parametrize("change", [
+    dict(target_modules=CATASTROPHIC), dict(exclude_modules=CATASTROPHIC), dict(layers_pattern=CATASTROPHIC),
+    dict(target_modules=ALL7, layers_to_transform=[0], layers_pattern=["layers", CATASTROPHIC]),
+    dict(rank_pattern={CATASTROPHIC: 8}), dict(alpha_pattern={"q_proj": 4, CATASTROPHIC: 8}),
+    dict(target_modules=r"(a+)+b"), dict(target_modules=r".*.*.*.*\.q_proj"), dict(exclude_modules="x" * 600),
+    dict(target_modules=ALL7 + [f"m{i}.q_proj" for i in range(930_000)]),
+    dict(exclude_modules=[f"m{i}.q_proj" for i in range(930_000)]),
+    dict(layers_to_transform=list(range(930_000)), layers_pattern="layers"),
+    dict(rank_pattern={f"m{i}": 8 for i in range(100_000)}),
+])
+def test_costly_config_patterns_and_lists_are_refused_fast(base, good_dir, tmp_path, change):
+    """Adapters load in the engine process: a tenant's config regex that backtracks badly (Python's `re`, holding
+    the GIL, minutes on one module path) or a list of a million names scanned for each of the ~450 modules checked
+    (~40 s a load) is a 400 naming the field, in well under a second."""
+    path = clone(good_dir, tmp_path)
+    edit_config(path, **change)
+    start = time.perf_counter()
+    err = expect_error(path, base[1], code="invalid_adapter")
+    assert time.perf_counter() - start < 0.5 + 2e-6 * len(json.dumps(change))   # + reading the JSON
+    assert any(field in err.message for field in change if field != "target_modules" or len(change) == 1), err
+
+
+@pytest.mark.parametrize("targets", [r".*\.(q_proj|v_proj)", r"(.*\.)?(q_proj|v_proj)",
+                                     r".*\.layers\.\d+\.(self_attn|mlp)\.(q_proj|v_proj)$"])
+def test_real_peft_patterns_still_load(base, tmp_path, targets):
+    path = save_peft(base[0], tmp_path / "rx", target_modules=targets, r=6,
+                     rank_pattern={"q_proj": 2, "model.layers.0.self_attn.v_proj": 3, r"^model.layers.1.*v_proj": 5},
+                     alpha_pattern={r".*\.v_proj": 16, r"(.*\.)?(q_proj|v_proj)": 8})
+    ad = load_peft_adapter(path, base[1], 64)
+    assert (ad.module(0, "q_proj").rank, ad.module(0, "v_proj").rank, ad.module(1, "v_proj").rank) == (2, 3, 5)
+    cfg = parse_peft_config({"target_modules": r"model\.language_model.*\.(q_proj|k_proj)",
+                             "layers_pattern": ["layers", "h"], "exclude_modules": r".*layers\.1\.mlp.*"})
+    assert cfg.targets("model.language_model.layers.0.self_attn.k_proj")
+
+
+def test_weights_under_two_stacks_of_layers_are_refused(base, good_dir, tmp_path):
+    """Each stack of layers the weights name was checked against every module of the base (a targets() each, a
+    config regex each): one stack per weight multiplied the work; one decoder's are served."""
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    state = {k.replace("model.model.layers.1.", "model.other.layers.1."): v for k, v in state.items()}
+    save_file(state, str(path / "adapter_model.safetensors"))
+    expect_error(path, base[1], code="unsupported_target_modules", match="more than one stack of layers")
+
+
+def test_dims_read_a_typed_checkpoint_fused_field():
+    """A config object that says whether its checkpoint holds fused qkv_proj / gate_up_proj is believed over the
+    Phi-3 model_type guess."""
+    from types import SimpleNamespace
+
+    fields = dict(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
+                  vocab_size=64)
+    assert BaseModelDims.from_model_config(SimpleNamespace(**fields, model_type="phi3")).checkpoint_fused
+    assert BaseModelDims.from_model_config(SimpleNamespace(**fields, model_type="x", checkpoint_fused=True)).checkpoint_fused
+    assert not BaseModelDims.from_model_config(SimpleNamespace(**fields, model_type="phi3",
+                                                               checkpoint_fused=False)).checkpoint_fused
