@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +219,66 @@ def record_engine_threads() -> None:
     LLMEngine.__init__ = wrap(LLMEngine.__init__, "build")   # type: ignore[method-assign]
     LLMEngine.warmup = wrap(LLMEngine.warmup, "warmup")      # type: ignore[method-assign]
     LLMEngine.step = wrap(LLMEngine.step, "step")            # type: ignore[method-assign]
+
+
+# ---- a step gate (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:gate_steps): a test holds generation still ----------
+def step_gate_file(server_pid: int) -> Path:
+    """The file `gate_steps` reads in an engine process started by the server `server_pid` (StepGate writes it)."""
+    return Path(tempfile.gettempdir()) / f"loraplex_step_gate_{server_pid}"
+
+
+def gate_steps() -> None:
+    """Engine steps obey the gate file: none, every step runs; `"<n> <nonce>"`, n more steps run from when that
+    content appeared, then none until the file is removed or rewritten. The loop still turns while held (adds,
+    aborts, stats: /metrics answers), only `LLMEngine.step` is skipped, so no request advances or finishes."""
+    from core.engine.engine import LLMEngine
+
+    path, step = step_gate_file(os.getppid()), LLMEngine.step
+    seen: dict[str, Any] = {"content": None, "ran": 0}
+
+    def gated(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            content = path.read_text()
+        except FileNotFoundError:
+            seen["content"] = None
+            return step(self, *args, **kwargs)
+        try:
+            budget = int(content.split()[0])
+        except (ValueError, IndexError):   # never seen half written (StepGate replaces it), but hold if so
+            budget = 0
+        if content != seen["content"]:
+            seen["content"], seen["ran"] = content, 0
+        if seen["ran"] >= budget:
+            time.sleep(0.005)
+            return []
+        seen["ran"] += 1
+        return step(self, *args, **kwargs)
+
+    LLMEngine.step = gated   # type: ignore[method-assign]
+
+
+class StepGate:
+    """The test's side of `gate_steps`, for a server started with `StepGate.ENV` (one gate per server); as a
+    context manager it releases the engine on the way out, whatever happened (a held engine outlives a test)."""
+
+    ENV = {"LORAPLEX_ENGINE_TEST_HOOK": "engine_probe:gate_steps",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
+                                                    os.environ.get("PYTHONPATH")) if p)}
+
+    def __init__(self, server_pid: int) -> None:
+        self.path = step_gate_file(server_pid)
+
+    def hold_after(self, steps: int) -> None:
+        """From now on `steps` more engine steps run, then the engine holds until `release()`."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(f"{steps} {uuid.uuid4().hex}")
+        os.replace(tmp, self.path)   # the engine reads the whole content or none of it
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "StepGate":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -61,7 +61,8 @@ class ServerProcess:
     """Starts the server, waits for /health, and kills it (with its output shown on failure)."""
 
     def __init__(self, model_dir: Path, *extra: str, startup_timeout_s: float = 90.0,
-                 metrics_port: bool = False) -> None:
+                 metrics_port: bool = False, env: dict[str, str] | None = None) -> None:
+        """`env`: variables added to this process's environment for the server (e.g. StepGate.ENV)."""
         self.port, port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url: str | None = None          # with metrics_port: the full /metrics (--metrics-port)
@@ -72,7 +73,7 @@ class ServerProcess:
         self._log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="loraplex_server_", suffix=".log")
         cmd = [*loraplex_command(), "serve", "--model", self.model, "--port", str(self.port), "--device", "cpu",
                "--dtype", "float32", *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(startup_timeout_s)
 

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from engine_probe import StepGate
 from gateway_server import ServerProcess, metric_value, tiny_model
 
 MAX_MODEL_LEN = 128
@@ -17,7 +18,8 @@ MAX_MODEL_LEN = 128
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
-    proc = ServerProcess(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny")
+    proc = ServerProcess(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
+                         env=StepGate.ENV)   # the disconnect tests hold the engine (free otherwise)
     yield proc
     proc.stop()
 
@@ -170,17 +172,21 @@ def _wait_idle(http: httpx.Client, timeout_s: float = 30.0) -> str:
 def test_disconnect_mid_stream_aborts(http: httpx.Client, server: ServerProcess) -> None:
     before = metric_value(_wait_idle(http), "loraplex:generation_tokens_total")
     body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 8, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=30) as own:
-        with own.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            seen = 0
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    json.loads(line[len("data: "):])
-                    seen += 1
-                if seen >= 3:
-                    break
-    generated = metric_value(_wait_idle(http), "loraplex:generation_tokens_total") - before
+    # the engine holds after a few steps: the requests can only end by the disconnect's abort, however long
+    # the client takes to close (a stream that ran to its end while the client was descheduled passed as aborted)
+    with StepGate(server.proc.pid) as gate:
+        gate.hold_after(4)
+        with httpx.Client(base_url=server.url, timeout=30) as own:
+            with own.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                seen = 0
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        json.loads(line[len("data: "):])
+                        seen += 1
+                    if seen >= 3:
+                        break
+        generated = metric_value(_wait_idle(http), "loraplex:generation_tokens_total") - before   # while held
     assert generated < 8 * 120, "the stream ran to the end: the disconnect did not abort it"
     assert_still_serving(http)
 
@@ -188,17 +194,19 @@ def test_disconnect_mid_stream_aborts(http: httpx.Client, server: ServerProcess)
 def test_disconnect_non_streaming_aborts(http: httpx.Client, server: ServerProcess) -> None:
     before = metric_value(_wait_idle(http), "loraplex:generation_tokens_total")
     body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "n": 16}).encode()
-    # a raw connection, closed once the server generates (an event, not a client timeout racing the engine)
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        deadline = time.monotonic() + 30
-        while metric_value(http.get("/metrics").text, "loraplex:generation_tokens_total") == before:
-            assert time.monotonic() < deadline, "the request never started generating"
-            time.sleep(0.01)
-    finally:
-        sock.close()
-    generated = metric_value(_wait_idle(http), "loraplex:generation_tokens_total") - before
+    with StepGate(server.proc.pid) as gate:
+        gate.hold_after(4)   # then only the disconnect's abort can end the requests (as above)
+        # a raw connection, closed once the server generates (an event, not a client timeout racing the engine)
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 30
+            while metric_value(http.get("/metrics").text, "loraplex:generation_tokens_total") == before:
+                assert time.monotonic() < deadline, "the request never started generating"
+                time.sleep(0.01)
+        finally:
+            sock.close()
+        generated = metric_value(_wait_idle(http), "loraplex:generation_tokens_total") - before   # while held
     assert generated < 16 * 120, "the request ran to the end: the disconnect did not abort it"
     assert_still_serving(http)

@@ -20,6 +20,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from engine_probe import StepGate
 from gateway_server import ServerProcess, metric_value, tiny_model
 
 PROMPTS = [[1, 17, 45, 99, 230, 7], [1, 300, 301, 302], [1] + list(range(40, 100))]
@@ -32,7 +33,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(model_dir, "--max-model-len", "256", metrics_port=True)   # the default: its own process
+    proc = ServerProcess(model_dir, "--max-model-len", "256", metrics_port=True,   # the default: its own process
+                         env=StepGate.ENV)                                         # (the last two tests hold it)
     yield proc
     proc.stop()
 
@@ -143,20 +145,21 @@ def test_counters_read_right_after_a_response_include_it(server: ServerProcess) 
 def test_disconnect_aborts_in_the_engine(server: ServerProcess) -> None:
     body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                break   # leave after the first token: the connection closes
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{server.url}/metrics").text
-        if metric_value(text, "loraplex:num_requests_running") == 0 and \
-                metric_value(text, "loraplex:generation_tokens_total") < 200:
-            break
-        time.sleep(0.1)
-    text = httpx.get(f"{server.url}/metrics").text
-    assert metric_value(text, "loraplex:num_requests_running") == 0
+    before = metric_value(httpx.get(f"{server.url}/metrics").text, "loraplex:generation_tokens_total")
+    # the engine holds after a few steps: the request leaves the engine only if the disconnect aborts it (it had
+    # 200 tokens to run, ~0.2 s, and an unaborted request that finished in the wait passed as aborted)
+    with StepGate(server.proc.pid) as gate:
+        gate.hold_after(3)
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    break   # leave after the first token: the connection closes
+        deadline = time.monotonic() + 30
+        while metric_value(text := httpx.get(f"{server.url}/metrics").text, "loraplex:num_requests_running"):
+            assert time.monotonic() < deadline, "the disconnected request still runs in the held engine"
+            time.sleep(0.05)
     assert metric_value(text, "loraplex:kv_cache_usage_perc") == 0
+    assert metric_value(text, "loraplex:generation_tokens_total") - before < 200
     assert 'num_gpu_blocks="' in text and 'num_gpu_blocks="0"' not in text
 
 
@@ -165,12 +168,16 @@ def test_engine_death_fails_requests_and_exits_non_zero(server: ServerProcess) -
     body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
     events: list[str] = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-                if len(events) == 1:
-                    os.kill(child, signal.SIGKILL)
+    # the engine holds after a few steps, so the request is still open when its engine dies (200 tokens ran out
+    # in ~0.2 s: a client slow to kill after its first event saw the stream end without an error)
+    with StepGate(server.proc.pid) as gate:
+        gate.hold_after(3)
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 1:
+                        os.kill(child, signal.SIGKILL)
     assert any('"error"' in e for e in events), events[-3:]
     try:   # until it exits, readiness fails
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from engine_probe import StepGate
 from gateway_server import ServerProcess, tiny_model
 
 LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "ignore_eos": True, "temperature": 0, "stream": True}
@@ -19,12 +20,13 @@ LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "ignore_eos": True, "te
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """A server with a long drain deadline and one with a 1 s deadline, started side by side."""
+    """A server with a long drain deadline (its engine steps behind a StepGate) and one with a 1 s deadline,
+    started side by side."""
     model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(ServerProcess, model_dir, "--served-model-name", "tiny", "--shutdown-timeout", t,
-                               "--max-num-seqs", seqs, metrics_port=metrics)
-                   for t, seqs, metrics in (("30", "256", True), ("1", "1", False))]
+                               "--max-num-seqs", seqs, metrics_port=metrics, env=env)
+                   for t, seqs, metrics, env in (("60", "256", True, StepGate.ENV), ("1", "1", False, None))]
         procs = [f.result() for f in futures]
     yield procs[0], procs[1]
     for proc in procs:
@@ -37,8 +39,12 @@ def first_event(lines: Iterator[str]) -> dict[str, Any]:
 
 def test_sigterm_drains_in_flight_then_exits_0(servers: tuple[ServerProcess, ServerProcess]) -> None:
     server = servers[0]
-    body = {**LONG, "max_tokens": 600, "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=server.url, timeout=60) as http, httpx.Client(base_url=server.url, timeout=60) as other:
+    body = {**LONG, "max_tokens": 100, "stream_options": {"include_usage": True}}
+    # the engine holds after the stream's first steps, so the stream is in flight through every probe below
+    # whatever the machine's speed (it had ended before them on a fast one, past the drain deadline on a loaded one)
+    with StepGate(server.proc.pid) as gate, httpx.Client(base_url=server.url, timeout=60) as http, \
+            httpx.Client(base_url=server.url, timeout=60) as other:
+        gate.hold_after(3)
         assert other.get("/health/live").json() == {"status": "ok"}
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
@@ -60,12 +66,13 @@ def test_sigterm_drains_in_flight_then_exits_0(servers: tuple[ServerProcess, Ser
             assert other.get("/metrics").status_code == 200
             assert server.metrics_url is not None and httpx.get(server.metrics_url, timeout=10).status_code == 200
             assert server.proc.poll() is None
+            gate.release()                                    # the stream runs to its end within the drain
             events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     payloads = [json.loads(e) for e in events[:-1]]
     assert not any("error" in p for p in payloads)
     assert [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]] == ["length"]
-    assert payloads[-1]["usage"]["completion_tokens"] == 600
+    assert payloads[-1]["usage"]["completion_tokens"] == 100
     assert server.proc.wait(timeout=15) == 0
     assert "draining" in server.output() and "Traceback" not in server.output()
     for url in (f"{server.url}/health", server.metrics_url):   # both listeners closed at exit

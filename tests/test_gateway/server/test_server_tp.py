@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 from core import LLM, SamplingParams
-from gateway_server import ServerProcess
+from gateway_server import ServerProcess, metric_value
 from testlib import PROMPTS, model_dir
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -110,7 +110,11 @@ def test_killed_worker_fails_requests_health_and_exits_nonzero(server: ServerPro
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.5)
+    # killed once the request runs in the engine (a fixed 1.5 s could come before it got there on a loaded machine)
+    deadline = time.monotonic() + 60
+    while metric_value(httpx.get(f"{server.url}/metrics", timeout=30).text, "loraplex:num_requests_running") < 1:
+        assert thread.is_alive() and time.monotonic() < deadline, ("the request never ran", result)
+        time.sleep(0.05)
     os.kill(pids[0], signal.SIGKILL)
     thread.join(30)
     assert not thread.is_alive(), "the open request hangs"
