@@ -181,6 +181,14 @@ def _check_key_lengths(state: Mapping[str, torch.Tensor]) -> None:
                            CODE_UNSUPPORTED_TARGET)
 
 
+def _check_finite(state: Mapping[str, torch.Tensor]) -> None:
+    """NaN or infinite weights make every logit of the adapter's requests NaN (they stay in its own rows, but its
+    tenant gets empty text): a 400 at load, naming the weight. One pass over tensors already in memory."""
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise _invalid(f"{shown(key)} has non-finite values (NaN or infinity)", CODE_CORRUPT)
+
+
 def _reject_key(key: str, tensor: torch.Tensor, dims: BaseModelDims) -> AdapterError:
     if "embed_tokens" in key or "lm_head" in key:
         # Embedding / lm_head weights are [vocab, hidden]: another vocab size means resized.
@@ -394,6 +402,7 @@ def load_peft_adapter(
     _check_added_tokens(files)
     weights = _read_weights(files)
     _check_key_lengths(weights)
+    _check_finite(weights)
     state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
     if state or not experts:

@@ -285,6 +285,19 @@ def test_non_finite_alpha_is_a_400(base, good_dir, tmp_path, change):
     expect_error(path, base[1], code="invalid_adapter", match="finite")
 
 
+@pytest.mark.parametrize("part, value", [("lora_B", float("nan")), ("lora_A", float("-inf"))])
+def test_non_finite_weights_are_a_400(base, good_dir, tmp_path, part, value):
+    """A NaN or infinite LoRA weight loaded (only DoRA's magnitudes were checked), and every request naming the
+    adapter got NaN logits: empty text."""
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    key = next(k for k in sorted(state) if f".{part}." in k)
+    state[key] = state[key].clone()
+    state[key].view(-1)[3] = value
+    save_file(state, path / "adapter_model.safetensors")
+    expect_error(path, base[1], code="corrupt_adapter_weights", match="non-finite")
+
+
 CATASTROPHIC = r"(?:[a-z_.0-9]|[a-z_.0-9])*Z"     # exponential backtracking: minutes on one module path
 
 
