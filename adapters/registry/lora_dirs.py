@@ -4,7 +4,7 @@
     found = dirs.resolve("acme/support-v2")   # AdapterLocation or None (unknown, or not safe)
     names = dirs.scan()                        # bounded walk, cached for a few seconds
 
-Names: a relative path of plain components (no `..`, `.`, empty parts, backslashes, NUL, no leading `/`).
+Names: a relative path of plain components (no `..`, `.`, empty parts, backslashes, commas, NUL, no leading `/`).
 
 Folders are tenants' areas. A name `P/REST` (its first component `P`) is served only from inside `DIR/P`:
 - `DIR/P` itself must be a real directory (a symlink there is refused: it would hand P's names to another
@@ -53,7 +53,9 @@ def _inside(path: str, root: str) -> bool:
 
 
 def valid_name(name: str) -> bool:
-    if not name or len(name) > MAX_NAME_CHARS or "\x00" in name or "\\" in name or name.startswith("/"):
+    # a comma: /metrics lists the running adapters comma-separated (running_lora_adapters, as the Gateway API
+    # Inference Extension's endpoint picker reads it), so "a,b" would read as two adapters
+    if not name or len(name) > MAX_NAME_CHARS or any(c in name for c in "\x00\\,") or name.startswith("/"):
         return False
     return all(part not in ("", ".", "..") for part in name.split("/"))
 

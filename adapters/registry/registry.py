@@ -96,7 +96,7 @@ class AdapterRegistry:
         """Reads and validates the adapter (blocking: call off the engine thread) and registers it."""
         if not valid_name(name):   # the rules of a --lora-dir name: it is shown on /v1/models, /metrics, logs
             raise AdapterError(
-                f"lora_name must be 1 to {MAX_NAME_CHARS} characters, with no NUL or backslash, no leading '/' and "
+                f"lora_name must be 1 to {MAX_NAME_CHARS} characters, with no NUL, backslash or comma, no leading '/' and "
                 "no empty, '.' or '..' part between '/'s", code="invalid_adapter_name")
         with self._lock:
             self._check_free_name_locked(name)

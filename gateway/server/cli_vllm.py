@@ -159,8 +159,8 @@ def lora_modules(args: argparse.Namespace, model: str, names: tuple[str, ...],
         parser.error("--lora-modules: duplicate adapter name")
     for name, _, base in args.lora_modules:
         if not valid_name(name):   # the admin API's and --lora-dir's rule, checked before the model loads
-            parser.error(f"--lora-modules: bad adapter name {name[:64]!r}: at most 512 characters, no NUL or "
-                         "backslash, no leading '/', no empty, '.' or '..' part between '/'s")
+            parser.error(f"--lora-modules: bad adapter name {name[:64]!r}: at most 512 characters, no NUL, "
+                         "backslash or comma, no leading '/', no empty, '.' or '..' part between '/'s")
         if name in names:
             parser.error(f"--lora-modules: {name!r} is the base model's served name")
         if base is not None and base not in (*names, model):

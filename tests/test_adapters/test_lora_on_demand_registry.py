@@ -221,7 +221,7 @@ def test_scan_is_bounded(tmp_path: Path) -> None:
     assert LoraDirectory(str(tmp_path)).scan() == [f"d{i:02d}" for i in range(30)]
 
 
-@pytest.mark.parametrize("name", ["../x", "acme/../x", "/x", "x/", ".", "acme//a", "a\x00b", "a\\b", "n" * 513])
+@pytest.mark.parametrize("name", ["../x", "acme/../x", "/x", "x/", ".", "acme//a", "a\x00b", "a\\b", "a,b", "n" * 513])
 def test_loaded_names_follow_the_directory_names_rules(tmp_path: Path, name: str) -> None:
     """An admin load (or --lora-modules) took any non-empty string as a name, a 30 MB one or one with a NUL
     included (each shown on /v1/models, /metrics and every log line): a served name now follows the rules a
