@@ -266,6 +266,7 @@ class Lowerer:
     def _branch(self, subs: list[Sub], holder: Sub, keyword: str, stack: tuple[int, ...]) -> Node | None:
         rest = [replace(s, skip=s.skip | {keyword}) if s is holder else s for s in subs]
         schema = holder.schema
+        num_unenforced = len(self.unenforced)   # none more by the end: every branch was provably empty (exact)
         if keyword == "if" and "then" not in schema and "else" not in schema:
             return self.lower(rest, stack)
         if keyword == "if":
@@ -277,7 +278,8 @@ class Lowerer:
             if no is not None:
                 no = exclude(self, no, [if_sub], stack)
             out = make_union([yes, no])
-            return out if out is not None else self.fail("if", holder.pointer)
+            return out if out is not None else self.fail("if", holder.pointer,
+                                                         exact=len(self.unenforced) == num_unenforced)
         members = [holder.applicator(m, keyword, i) for i, m in enumerate(schema[keyword])]
         options: list[Node | None] = []
         for i, member in enumerate(members):
@@ -290,7 +292,8 @@ class Lowerer:
                             self.fail("oneOf", member.pointer, f"cannot prove it excludes branch {j}")
             options.append(node)
         out = make_union(options)
-        return out if out is not None else self.fail(keyword, holder.pointer)
+        return out if out is not None else self.fail(keyword, holder.pointer,
+                                                     exact=len(self.unenforced) == num_unenforced)
 
     def _branch_member(self, conj: list[Sub], stack: tuple[int, ...]) -> Node | None:
         """One branch of an anyOf / oneOf / if: None when no value satisfies it (it drops out of the union), but a

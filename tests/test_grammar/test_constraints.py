@@ -163,6 +163,12 @@ def test_an_anyof_branch_the_compiler_cannot_enforce_is_a_400_not_dropped() -> N
     spec = lowered(parse_constraints(None, {"guided_json": {"anyOf": [{"type": "integer", "minimum": 5,
                                                                        "maximum": 1}, {"type": "null"}]}}, None))
     assert re.fullmatch(spec.regex, "null") and not re.fullmatch(spec.regex, "3"), spec.regex
+    # a branch whose own anyOf has only provably empty branches is itself exactly empty, not "unenforced"
+    # (JSONSchemaBench Github_trivial o2142: an array whose anyOf allows strings only)
+    nested = {"anyOf": [{"type": "string", "pattern": "^Annotation$"},
+                        {"type": "array", "anyOf": [{"type": "string", "pattern": "^Annotation$"}]}]}
+    spec = lowered(parse_constraints(None, {"guided_json": nested}, None))
+    assert re.fullmatch(spec.regex, '"Annotation"') and not re.fullmatch(spec.regex, '["Annotation"]'), spec.regex
 
 
 def test_bad_grammar_and_regex_fail_the_compile(decode_compiler: Any) -> None:
