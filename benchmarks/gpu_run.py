@@ -95,14 +95,14 @@ STAGES = (
                                            "--num-adapters", "8,32", "--prefill-prompt-len", "2048"])]],
           "LoRA decode-step / prefill (2048-token prompts) / generate overhead with 8 and 32 adapters vs their "
           "floors, Triton compiles after the warm-up"),
-    Stage("lora_overlap", 60, lambda d: [["lora_overhead.py", *_model(d), "--phases", "decode", "--lora-overlap",
-                                           *_out("lora_overlap"),
-                                           *(["--num-requests", "4", "--prompt-len", "16", "--max-tokens", "3",
-                                              "--num-adapters", "2", "--decode-steps", "2"] if d
-                                             else ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
-                                                   "--num-adapters", "8,32"])]],
-          "the LoRA decode step with each fused linear's LoRA beside its base GEMM (LORAPLEX_LORA_OVERLAP=1), "
-          "8 and 32 adapters: the A/B of the lora stage's decode rows"),
+    Stage("lora_fused", 60, lambda d: [["lora_overhead.py", *_model(d), "--phases", "decode", "--lora-overlap", "0",
+                                         *_out("lora_fused"),
+                                         *(["--num-requests", "4", "--prompt-len", "16", "--max-tokens", "3",
+                                            "--num-adapters", "2", "--decode-steps", "2"] if d
+                                           else ["--num-requests", "64", "--prompt-len", "128", "--max-tokens", "64",
+                                                 "--num-adapters", "8,32"])]],
+          "the LoRA decode step with each fused linear's LoRA after its base GEMM (LORAPLEX_LORA_OVERLAP=0), "
+          "8 and 32 adapters: the A/B of the lora stage's decode rows (the LoRA beside the GEMMs, the default)"),
     Stage("host", 90, lambda d: [["host_profile.py", *_model(d), *_dry(d), *_out("host")]],
           "where the host's time goes in an eager step with a 2,000-token chunk beside 64 decode rows, base vs the "
           "32-adapter mix: host ms, device waits by call site (sync debug mode), allocator retries, cProfile"),
@@ -126,8 +126,9 @@ STAGES = (
           "alone, compiles after warm-up"),
     Stage("serving_eager", 300, lambda d: [_serving(d, "serving_eager", "LORAPLEX_MIXED_GRAPHS=0")],
           "the serving stage again with the mixed-step CUDA graphs off (LORAPLEX_MIXED_GRAPHS=0): their A/B"),
-    Stage("serving_overlap", 300, lambda d: [_serving(d, "serving_overlap", "LORAPLEX_LORA_OVERLAP=1")],
-          "the serving stage again with each linear's LoRA beside its base GEMM (LORAPLEX_LORA_OVERLAP=1): its A/B"),
+    Stage("serving_fused", 300, lambda d: [_serving(d, "serving_fused", "LORAPLEX_LORA_OVERLAP=0")],
+          "the serving stage again with each linear's LoRA after its base GEMM (LORAPLEX_LORA_OVERLAP=0, the default "
+          "until 2026-11-27f): the A/B of the LoRA beside the GEMMs"),
     Stage("many", 420, lambda d: [["many_adapters.py", *_model(d), *_out("many"),
                                    *(["--dry-run", "--kv-cache-memory", str(32 << 20), "--startup-timeout-s", "120"]
                                      if d else ["--targets", "qv", "--num-requests", "1000", "--concurrency", "64",

@@ -30,10 +30,10 @@ QUANT_TARGETS = {("w4a16", 1): 2.5, ("w4a16", 16): 2.5, ("w4a16", 64): 1.3, ("w4
                  ("fp8", 256): 1.3}
 LORA_TARGETS = {8: (0.08, 0.045), 32: (0.22, 0.179)}      # decode overhead target, the issue's floor
 STAGE_OF = {"env": "env", "tests": "tests", "kernels": "kernels", "quant": "quant", "roofline_bf16": "roofline",
-            "roofline_fp8": "roofline", "lora": "lora", "lora_overlap": "lora_overlap", "host": "host", "spec_verify": "spec",
+            "roofline_fp8": "roofline", "lora": "lora", "lora_fused": "lora_fused", "host": "host", "spec_verify": "spec",
             "spec_ngram": "spec",
             "offline": "offline", "serving": "serving", "serving_eager": "serving_eager",
-            "serving_overlap": "serving_overlap", "many": "many"}
+            "serving_fused": "serving_fused", "many": "many"}
 
 
 class Run:
@@ -168,7 +168,7 @@ def serving_labels(data: dict) -> list[str]:
 def trace_rows(run: Run, table: Table) -> None:
     """Each serving stage's step trace read workload by workload (benchmarks/step_trace_summary.py): which steps
     make the inter-token tail and why they ran past their budget."""
-    for stage in ("serving", "serving_eager", "serving_overlap"):
+    for stage in ("serving", "serving_eager", "serving_fused"):
         data, path = run.data(stage), run.dir / f"{stage}.steps.jsonl"
         if data is None or not path.exists():
             continue
@@ -229,20 +229,20 @@ def build(run: Run, table: Table) -> None:
         add("LoRA", f"LoRA generate overhead, {k} adapters", "lora", lambda d, k=k: (
             f"{100 * d[f'k{k}']['overhead']:+.1f}% (r{d['rank']}, {d['targets']} modules, {d['num_requests']} requests "
             f"of {d['prompt_len']} + {d['max_tokens']} tokens)", None))
-    beside = run.data("lora_overlap") or {}
-    for k in sorted(int(key[1:]) for key in beside if key[0] == "k" and key[1:].isdigit()) or sorted(LORA_TARGETS):
-        def fused(k: int = k) -> str:
+    after = run.data("lora_fused") or {}
+    for k in sorted(int(key[1:]) for key in after if key[0] == "k" and key[1:].isdigit()) or sorted(LORA_TARGETS):
+        def beside(k: int = k) -> str:
             d = run.data("lora")
             if not d or f"k{k}" not in d or "decode_overhead" not in d[f"k{k}"]:
                 return "the lora stage's decode row: not measured"
-            return f"lora stage {100 * d[f'k{k}']['decode_overhead']:+.1f}%"
-        add("LoRA", f"LoRA decode-step overhead beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1), {k} adapters",
-            "lora_overlap", lambda d, k=k: (
+            return f"lora stage (beside them) {100 * d[f'k{k}']['decode_overhead']:+.1f}%"
+        add("LoRA", f"LoRA decode-step overhead after the base GEMMs (LORAPLEX_LORA_OVERLAP=0), {k} adapters",
+            "lora_fused", lambda d, k=k: (
                 f"{100 * d[f'k{k}']['decode_overhead']:+.1f}% ({1e3 * d[f'k{k}']['decode_step_lora_s']:.2f} / "
-                f"{1e3 * d[f'k{k}']['decode_step_base_s']:.2f} ms); {fused(k)}",
+                f"{1e3 * d[f'k{k}']['decode_step_base_s']:.2f} ms); {beside(k)}",
                 None if LORA_TARGETS.get(k) is None else d[f"k{k}"]["decode_overhead"] <= LORA_TARGETS[k][0]),
             f"<= +{100 * LORA_TARGETS[k][0]:.0f}%" if k in LORA_TARGETS else "-")
-        add("LoRA", f"kernel compiles after the warm-up (lora_overlap stage, {k} adapters)", "lora_overlap",
+        add("LoRA", f"kernel compiles after the warm-up (lora_fused stage, {k} adapters)", "lora_fused",
             lambda d, k=k: (str(d[f"k{k}"]["compiles_after_warmup"]), d[f"k{k}"]["compiles_after_warmup"] == 0), "0")
     host_rows(table)
     kernels = run.data("kernels") or {}
@@ -341,12 +341,13 @@ def graphs_ab(run: Run, eager: dict, workload: str) -> tuple[str, None]:
     return serving_ab(on, eager, workload)
 
 
-def overlap_ab(run: Run, overlap: dict, workload: str) -> tuple[str, None]:
-    """serving_overlap (the LoRA beside the base GEMMs) over the serving stage (not) at the 0.5x point of `workload`."""
-    off = run.data("serving")
-    if off is None:
+def overlap_ab(run: Run, off: dict, workload: str) -> tuple[str, None]:
+    """The serving stage (the LoRA beside the base GEMMs, the default) over serving_fused (after them) at the 0.5x
+    point of `workload`."""
+    on = run.data("serving")
+    if on is None:
         return "the serving stage is needed", None
-    return serving_ab(overlap, off, workload)
+    return serving_ab(on, off, workload)
 
 
 def serving_ab(a: dict, b: dict, workload: str) -> tuple[str, None]:
@@ -397,8 +398,8 @@ def serving_rows(run: Run, table: Table) -> None:
             "serving_eager", lambda d, w=w: graphs_ab(run, d, w),
             "- (on: the serving rows above)")
         add("serving", f"LoRA beside the base GEMMs on / off, {w}: ITL p99, TTFT p99 and tok/s at 0.5x saturation",
-            "serving_overlap", lambda d, w=w: overlap_ab(run, d, w),
-            "- (off: the serving rows above)")
+            "serving_fused", lambda d, w=w: overlap_ab(run, d, w),
+            "- (on: the serving rows above)")
     add("serving", "serving saturation: mix / base req/s (rate inf)", "serving", lambda d: (
         (f"{d['saturation']['mix_over_base']:.2f}x", d["saturation"]["mix_over_base"] >= 0.85)
         if d["saturation"]["mix_over_base"] else (f"rate inf not measured for both (skipped: {d['skipped']})", None)),

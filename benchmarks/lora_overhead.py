@@ -14,7 +14,8 @@ apart from them the compiles of that warm-up (a new slot count is a new speciali
 Usage: python benchmarks/lora_overhead.py [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16]
        python benchmarks/lora_overhead.py --model cpu-cold-spec --num-requests 48 --name lora_overhead_cpu_spec
            # the CPU path at its floor (issue 34): the 8 x 1024 Llama of adapter_cold_load.py
-       --lora-overlap: the decode LoRA beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1; the GPU run's lora_overlap stage)
+       --lora-overlap 0|1: the decode LoRA after / beside the base GEMMs (LORAPLEX_LORA_OVERLAP; default: the server's,
+           1; 0 is the GPU run's lora_fused stage)
        --prefill-prompt-len 2048: the prefill phase on prompts of that length (the issue's prefill figure)
        --pool-rank 64: the slot pool sized for rank 64 (--max-lora-rank) while the adapters keep --rank: the cost
            must follow the adapters' rank, not the pool's
@@ -179,13 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--prefill-prompt-len", type=int, default=0,
                     help="prompt length of the prefill phase (default: --prompt-len)")
-    ap.add_argument("--lora-overlap", action="store_true",
-                    help="LORAPLEX_LORA_OVERLAP=1 for the engines of this run: each fused linear's decode LoRA as a "
-                         "delta on a side stream beside its base GEMM (adapters/lora_ops/bgmv_overlap.py)")
+    ap.add_argument("--lora-overlap", choices=("0", "1"), default=None,
+                    help="LORAPLEX_LORA_OVERLAP for the engines of this run (default: the environment's, else 1): 1 "
+                         "runs each fused linear's decode LoRA as a delta on a side stream beside its base GEMM "
+                         "(adapters/lora_ops/bgmv_overlap.py), 0 after it")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
-    if args.lora_overlap:      # read once per process by the engine: set before the first engine is built
-        os.environ["LORAPLEX_LORA_OVERLAP"] = "1"
+    if args.lora_overlap is not None:     # read once per process by the engine: set before the first engine
+        os.environ["LORAPLEX_LORA_OVERLAP"] = args.lora_overlap
         env.LORA_OVERLAP.reset()
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
     rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rank": args.rank, "pool_rank": args.pool_rank or args.rank, "targets": args.targets, "device": args.device,
-                      "dtype": args.dtype, "phases": args.phases, "lora_overlap": args.lora_overlap}
+                      "dtype": args.dtype, "phases": args.phases, "lora_overlap": env.LORA_OVERLAP.get()}
     num_out = args.num_requests * args.max_tokens
     wanted = set(args.phases.split(","))
     for num_adapters in (int(k) for k in args.num_adapters.split(",")):

@@ -276,12 +276,16 @@ def main() -> None:
     ap.add_argument("--backlog-steps", type=int, default=step_budget.BACKLOG_STEPS,
                     help="a step with decode rows carries at least the prefill backlog / this many tokens "
                          "(step_budget.BACKLOG_STEPS; a large value: only the minimum chunk)")
+    ap.add_argument("--lift-steps", type=int, default=step_budget.LIFT_STEPS,
+                    help="a prefill backlog of more than this many steps' worth at the budget's pace lifts the auto "
+                         "budget (step_budget.LIFT_STEPS)")
     args = ap.parse_args()
     # the policy's constants, for this process only: a sweep over them tries a policy before latency_slo.py does
     step_budget.AUTO_BUDGET_FACTOR = args.auto_factor
     step_budget.MIN_PREFILL_CHUNK = args.min_chunk
     step_budget.BUDGET_EXEMPT_STEPS = args.exempt_steps
     step_budget.BACKLOG_STEPS = args.backlog_steps
+    step_budget.LIFT_STEPS = args.lift_steps
     step_time.TYPICAL_GAP_STEPS = args.typical_steps
     coef = np.array(NAMED_COEF.get(args.coef) or [float(x) for x in args.coef.split(",")])
     coef = np.pad(coef, (0, max(0, len(DEFAULT_COEF) - len(coef))))     # older fits: no one-off prefill cost, no adapter term

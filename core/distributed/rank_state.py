@@ -99,7 +99,7 @@ def build_rank_state(config: EngineConfig, model_dir: Path, shard: TPShard, tp: 
     writes for the workers). The KV pool comes later (`allocate_kv`), once every rank knows its size."""
     model = build_rank_model(model_dir, shard, tp, device, dtype, max_model_len, config.load_format,
                              config.quantization.method)
-    if env.LORA_OVERLAP.get() and tp.world_size > 1 and tp.rank == 0:
+    if env.LORA_OVERLAP.is_set() and env.LORA_OVERLAP.get() and tp.world_size > 1 and tp.rank == 0:
         log.warning("LORAPLEX_LORA_OVERLAP=1 is ignored with tensor parallelism (%d ranks): the LoRA deltas run "
                     "beside the base GEMMs on one GPU only", tp.world_size)
     pool = ShardedSlotPool(config.lora.max_loras, config.lora.max_lora_rank, shard, device, dtype,

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 
 MAX_LOGIT_BIAS = 300
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: each token's text is searched that far back, and a stream holds it back
 GREEDY_BELOW = 1e-5   # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 MIN_REPETITION_PENALTY = 0.01   # x100 already forces repetition; far smaller ones overflowed to inf, then NaN
 
@@ -62,8 +64,10 @@ class SamplingParams:
         self._check_penalties()
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty", "stop")
-        if len(self.stop) > 16:
-            raise SamplingParamsError("at most 16 stop strings are supported", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise SamplingParamsError(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

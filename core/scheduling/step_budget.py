@@ -57,6 +57,7 @@ AUTO_BUDGET_FACTOR = 1.8    # auto budget: x the typical decode-only step (margi
 MIN_PREFILL_CHUNK = 16      # prefill tokens a step with decode rows may always carry
 BUDGET_EXEMPT_STEPS = 64    # steps since arrival after which the auto budget no longer sizes a request's prefill
 BACKLOG_STEPS = 64          # a step with decode rows carries at least the prefill backlog / this many tokens
+LIFT_STEPS = 64             # past saturation: a backlog of more than this many steps' worth lifts the auto budget
 LIFT_EXIT_STEPS = 16        # once lifted past saturation, the budget returns below this many steps' worth
 
 
@@ -187,7 +188,7 @@ class StepPlan:
             pace = MIN_PREFILL_CHUNK
             if headroom_s > 0.0:
                 pace = max(pace, headroom_s * num_tokens / work_s) if work_s > 0.0 else float("inf")
-            steps = LIFT_EXIT_STEPS if self._was_lifted else BACKLOG_STEPS
+            steps = LIFT_EXIT_STEPS if self._was_lifted else LIFT_STEPS
             self._past_saturation = num_tokens > steps * pace
         return self._past_saturation
 

@@ -35,8 +35,8 @@ EXPECTED = ("GPU tests", "decode step, batch 1,", "FP8 decode step, batch 1", "L
             "LoRA beside the base GEMMs on / off, mix", "mixed-step graphs on / off, mix",
             "serving base @", "serving saturation",
             "serving errors", "kernel compiles after the warm-up (serving)",
-            "kernel compiles after the warm-up (LoRA stage", "LoRA decode-step overhead beside the base GEMMs",
-            "kernel compiles after the warm-up (lora_overlap stage", "host time of an eager step with prefill",
+            "kernel compiles after the warm-up (LoRA stage", "LoRA decode-step overhead after the base GEMMs",
+            "kernel compiles after the warm-up (lora_fused stage", "host time of an eager step with prefill",
             "device waits inside it", "caching allocator retries in it", "mix: functions by own host time",
             "kernel compiles after the warm-up (speculative verification)", "many adapters: output tok/s",
             "many adapters: host-to-device copies/s", "many adapters: TTFT p99, cold", "many adapters: worst gap",
@@ -75,7 +75,7 @@ def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
         assert "unreadable" not in r["dry_run_parsed"]["measured"], r
     assert table.with_suffix(".md").read_text().count("not measured (dry run)") >= len(rows)
     assert "| figure | measured | target | floor | met |" in proc.stdout        # the table comes last
-    for name in ("serving", "serving_eager", "serving_overlap"):   # each serving stage leaves its step trace
+    for name in ("serving", "serving_eager", "serving_fused"):   # each serving stage leaves its step trace
         steps = [json.loads(line) for line in (tmp_path / "gpu_run" / f"{name}.steps.jsonl").read_text().splitlines()]
         assert steps and all(s["measured_ms"] > 0 and "budget_ms" in s for s in steps), name
     print(f"dry run: {seconds:.0f} s")

@@ -32,10 +32,11 @@ MODEL = "llama_gqa_1layer"
 SWITCHES = ("LORAPLEX_ATTENTION_BACKEND", "LORAPLEX_LORA_BACKEND", "LORAPLEX_FUSED_OPS", "LORAPLEX_BITMASK_BACKEND")
 KERNELS = {"store_kv_kernel", "paged_attention_kernel", "paged_attention_kernel+reduce_splits_kernel",
            "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "lora_shrink_kernel", "lora_expand_kernel",
-           "bgmv_shrink_kernel", "bgmv_expand_kernel", "_apply_bitmask_kernel"}
+           "bgmv_shrink_kernel", "bgmv_expand_kernel", "bgmv_add_delta_kernel", "_apply_bitmask_kernel"}
 # 4 forwards x (K and V store, attention, RMSNorm, RMSNorm+residual (2 outputs), rotary q and k, SiLU, bitmask)
-# + 4 fused linears x (4 table configs x (shrink, expand) + BGMV shrink and expand)
-NUM_CHECKS = 4 * 10 + 4 * (4 * 2 + 2)
+# + 4 fused linears x (4 table configs x (shrink, expand) + BGMV shrink and expand + the delta path's add, on by
+# default: LORAPLEX_LORA_OVERLAP)
+NUM_CHECKS = 4 * 10 + 4 * (4 * 2 + 2 + 1)
 
 
 @pytest.fixture(scope="module")

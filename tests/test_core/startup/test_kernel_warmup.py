@@ -20,6 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:Fu
 from core import LLM, SamplingParams  # noqa: E402
 from core.execution.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
+from envlib import setenv  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from kernel_recorder import KernelRecorder  # noqa: E402
 from lora_fixtures import adapter_dir, torch_threads  # noqa: E402
@@ -59,7 +60,12 @@ def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams], list[str
     return prompts, params, loras, formats
 
 
-def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatch, triton_everywhere: None) -> None:
+@pytest.mark.parametrize("lora_overlap", ["1", "0"])
+def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatch, triton_everywhere: None,
+                                                  lora_overlap: str) -> None:
+    """With the decode LoRA beside the base GEMMs (LORAPLEX_LORA_OVERLAP=1, the default: its delta kernels) and
+    after them (0: the fused expand adds into the output), serving launches only what the warm-up compiled."""
+    setenv(monkeypatch, "LORAPLEX_LORA_OVERLAP", lora_overlap)
     rec = KernelRecorder.install(monkeypatch)
     mods = {name: str(adapter_dir(MODEL, a)) for name, a in ADAPTERS.items()}
     with torch_threads(1):
@@ -77,9 +83,11 @@ def test_serving_launches_only_warmed_up_variants(monkeypatch: pytest.MonkeyPatc
             engine.max_model_len, SIZES, lora=GraphLoRABuffers(SIZES[-1], pool.num_slots, engine.device),
             lora_context=pool.context, use_graphs=False)
         report = engine.warmup()
-        # 4 forwards (decode, mixed; each with and without split-KV) + 4 fused linears x (4 table configs + BGMV)
-        # + the embedding's and the LM head's LoRA x 4 table configs
-        assert engine.ready and report.num_variants == 4 + 4 * 5 + 2 * 4 and report.num_graphs == 2 * len(SIZES)
+        # 4 forwards (decode, mixed; each with and without split-KV) + 4 fused linears x (4 table configs + BGMV
+        # + with the overlap, the BGMV delta path) + the embedding's and the LM head's LoRA x 4 table configs
+        per_linear = 4 + 1 + (lora_overlap == "1")
+        assert engine.ready and report.num_variants == 4 + 4 * per_linear + 2 * 4
+        assert report.num_graphs == 2 * len(SIZES)
         warm = set(rec.keys)
         rec.reset()
         prompts, params, loras, formats = workload(0)

@@ -72,6 +72,7 @@ def test_completion_sampling_mapping() -> None:
 @pytest.mark.parametrize("kw,param", [
     ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"), ({"stop": "y" * 100_000}, "stop"), ({"stop": ["z"] * 17}, "stop"),
     ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
     ({"logit_bias": {"1": 200.0}}, "logit_bias"), ({"logit_bias": {"+1": 2.0}}, "logit_bias"),
     ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
@@ -84,6 +85,13 @@ def test_completion_sampling_mapping() -> None:
 def test_completion_rejections(kw: dict[str, Any], param: str) -> None:
     err = api_error(lambda: completion_sampling_params(completion(**kw)))
     assert err.status == 400 and err.param == param, err.message
+
+
+def test_stop_strings_up_to_the_bounds_are_accepted() -> None:
+    """16 stop strings of 1,024 characters each are served (each token's text is searched that far back: a
+    longer one, or more, is a 400 above, so one request cannot make every token's stop search long)."""
+    stops = [chr(ord("a") + i) * 1024 for i in range(16)]
+    assert completion_sampling_params(completion(stop=stops)).stop == tuple(stops)
 
 
 def test_zero_penalties_and_empty_logit_bias_are_accepted() -> None:
