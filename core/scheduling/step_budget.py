@@ -35,7 +35,7 @@ stay small, and throughput would fall (measured in benchmarks/scheduler_sim.py: 
 tokens/s at saturation without this rule, 0.93x with it, and no change at 50% or 80% load).
 
 Past saturation the auto budget lifts itself (`StepPlan.past_saturation`): when the prefill backlog is more than
-`BACKLOG_STEPS` steps' worth at the budget's pace (the prefill tokens the typical step's headroom buys, priced by the
+`LIFT_STEPS` steps' worth at the budget's pace (the prefill tokens the typical step's headroom buys, priced by the
 step-time model's per-token terms over the backlog: its tokens less cached prefixes, the query-key pairs of their
 causal prefill, its LoRA tokens; or `MIN_PREFILL_CHUNK` if more), the step takes the whole token budget, as
 `--max-step-ms 0` would, until the backlog is back within that reach (so the backlog floor above only acts below
@@ -171,7 +171,7 @@ class StepPlan:
         return bool(self._past_saturation)
 
     def past_saturation(self) -> bool:
-        """Auto budget: whether the prefill backlog is more than `BACKLOG_STEPS` steps' worth at the budget's pace
+        """Auto budget: whether the prefill backlog is more than `LIFT_STEPS` steps' worth at the budget's pace
         (an estimate: the prefill tokens the typical step's headroom, the budget over the typical decode-only step,
         buys at the backlog's own cost per token, or `MIN_PREFILL_CHUNK`, whichever is more); once lifted, until
         it is `LIFT_EXIT_STEPS` steps' worth (hysteresis: the burst's last prompts go with it, not at the backlog
