@@ -118,6 +118,13 @@ def host_rows(table: Table) -> None:
     table.add("host", "device waits inside it (host stage, sync debug mode): base / mix", "host", lambda d: (
         f"{d['base']['syncs_per_step']:.2f} / {d['mix']['syncs_per_step']:.2f} a step; mix: "
         + ("; ".join(f"{site} x{n}" for site, n in list(d["mix"]["sync_sites"].items())[:3]) or "none"), None))
+    table.add("host", "host time of that step with the device drained before it (host stage): base / mix", "host",
+              lambda d: (f"{d['base']['drained_host_ms_median']:.1f} / {d['mix']['drained_host_ms_median']:.1f} ms"
+                         if "drained_host_ms_median" in d["base"] else "not measured (an older host_profile.py)",
+                         None))
+    table.add("host", "mix: event waits inside the chunk's step (host stage, cProfile, by caller)", "host", lambda d: (
+        ("; ".join(f"{w['caller']} x{w['calls_per_step']:g} {w['ms_per_step']:.2f} ms" for w in d["mix"]["waits"][:3])
+         or "none") if "waits" in d["mix"] else "not measured (an older host_profile.py)", None))
     table.add("host", "caching allocator retries in it (host stage): base / mix", "host", lambda d: (
         f"{d['base']['alloc_retries']} / {d['mix']['alloc_retries']}", None))
     table.add("host", "mix: functions by own host time (host stage, cProfile, ms a step)", "host", lambda d: (

@@ -15,7 +15,15 @@ This stage attributes the rest, on the same shapes, in one run:
   the device);
 - the device reads the host waited on inside those steps (torch's CUDA sync debug mode, by the innermost lines of
   this repository that called them; the engine's one intended wait, the sampled tokens, is among them);
-- one more pass under cProfile over the same steps: the functions by their own time, per step.
+- one more pass under cProfile over the steps that launch a chunk (each alone): the functions by their own time,
+  and the event waits inside them by caller (`Event.synchronize`: torch's sync debug mode does not see them);
+- one more pass with the device drained before each such step (`torch.cuda.synchronize()`): its host time then
+  holds no wait behind earlier steps' work (a full launch queue, a staging copy still queued), only the host's own.
+
+The first H200 run (2026-11-27f) gave host 32 / 80 ms against steps of 47 / 109 ms with no device read and no
+allocator retry; the profile, then averaged over all four iterations around each chunk, had the mix waiting on
+events ~30 ms per chunk, which the sync debug mode cannot see. These passes say which waits, and how much of the
+80 ms is the host's own work.
 
     python benchmarks/host_profile.py --model llama3-8b-dummy --device cuda --dtype bfloat16
 """
@@ -89,9 +97,12 @@ def _trace_lines(path: Path, first: int) -> list[dict]:
 
 
 def chunk_steps(llm: LLM, trace: Path, chunk_prompts: list[list[int]], loras: list[Optional[str]],
-                wrap: Callable[[Callable[[], None]], None]) -> list[dict]:
+                wrap: Callable[[Callable[[], None]], None], drain: bool = False,
+                chunk_wrap: Optional[Callable[[Callable[[], None]], None]] = None) -> list[dict]:
     """Adds each chunk prompt to the running decode batch and steps until it is prefilled; `wrap(step)` runs each
-    engine step (timing, sync counting, profiling). The trace lines of the steps that carried prefill."""
+    engine step (timing, sync counting, profiling), `chunk_wrap` (default `wrap`) the one that launches the chunk.
+    `drain`: the device finishes all queued work before that step, so its host time holds no wait behind earlier
+    steps (a full launch queue, a staging buffer's copy). The trace lines of the steps that carried prefill."""
     eng = llm.engine
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     steps: list[dict] = []
@@ -101,8 +112,10 @@ def chunk_steps(llm: LLM, trace: Path, chunk_prompts: list[list[int]], loras: li
         before = len(trace.read_text().splitlines())
         rid = f"chunk-{random.random()}-{i}"
         eng.add_request(rid, ids, params, lora=eng.resolve_lora(name))
-        for _ in range(4):                              # the chunk's step, its token's read one iteration later
-            wrap(eng.step)
+        if drain and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for j in range(4):                              # the chunk's step, its token's read one iteration later
+            (chunk_wrap or wrap)(eng.step) if j == 0 else wrap(eng.step)
         steps += [s for s in _trace_lines(trace, before) if s["prefill_tokens"] >= len(ids) // 2]
     return steps
 
@@ -130,26 +143,39 @@ def workload(llm: LLM, cfg: ModelConfig, trace: Path, args: argparse.Namespace, 
         finally:
             profiler.disable()
 
-    chunk_steps(llm, trace, prompts, chunk_loras, profiled)
+    chunk_steps(llm, trace, prompts, chunk_loras, lambda step: step(), chunk_wrap=profiled)
+    drained = chunk_steps(llm, trace, prompts, chunk_loras, lambda step: step(), drain=True)
     for i in range(len(loras)):
         eng.abort_request(f"dec-{i}")
     while eng.has_unfinished_requests():
         eng.step()
-    num_steps = 4 * len(prompts)                         # every profiled step, with and without the chunk
+    num_steps = len(prompts)                             # the profiled steps: each launches a chunk
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:NUM_PROFILE_LINES]     # by own (total) time
-    profile = [{"function": f"{Path(file).name}:{line}({func})" if file != "~" else func,
+    profile = [{"function": _name((file, line, func)),
                 "own_ms_per_step": round(1e3 * tt / num_steps, 3), "calls_per_step": round(nc / num_steps, 1),
                 "cumulative_ms_per_step": round(1e3 * ct / num_steps, 3)}
                for (file, line, func), (cc, nc, tt, ct, _) in rows]
+    waits = [{"function": _name(callee), "caller": _name(caller), "calls_per_step": round(c[1] / num_steps, 1),
+              "ms_per_step": round(1e3 * c[3] / num_steps, 3)}
+             for callee, (_, _, _, _, callers) in stats.stats.items() if "synchronize" in callee[2]
+             for caller, c in callers.items()]
     retries = [s.get("cuda_alloc_retries") for s in timed]
     return {"num_steps": len(timed), "prefill_tokens": [s["prefill_tokens"] for s in timed],
             "host_ms": [s["host_ms"] for s in timed], "measured_ms": [s["measured_ms"] for s in timed],
             "host_ms_median": statistics.median(s["host_ms"] for s in timed) if timed else None,
+            "drained_host_ms": [s["host_ms"] for s in drained],
+            "drained_host_ms_median": statistics.median(s["host_ms"] for s in drained) if drained else None,
             "measured_ms_median": statistics.median(s["measured_ms"] for s in timed) if timed else None,
             "alloc_retries": (retries[-1] - retries[0]) if retries and retries[0] is not None else None,
-            "sync_sites": dict(syncs.sites.most_common()), "syncs_per_step": sum(syncs.sites.values()) / num_steps,
-            "profile_steps": num_steps, "profile": profile}
+            "sync_sites": dict(syncs.sites.most_common()), "syncs_per_step": sum(syncs.sites.values()) / (4 * num_steps),   # over every iteration
+            "profile_steps": num_steps, "profile": profile,
+            "waits": sorted(waits, key=lambda w: -w["ms_per_step"])[:8]}
+
+
+def _name(key: tuple) -> str:
+    file, line, func = key[:3]
+    return f"{Path(file).name}:{line}({func})" if file != "~" else func
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     rows.append((f"device waits of the host per step (sync debug mode): base / mix", (
         f"{base['syncs_per_step']:.2f} / {mix['syncs_per_step']:.2f}; mix's sites: "
         + ("; ".join(f"{k} x{v}" for k, v in list(mix["sync_sites"].items())[:4]) or "none"))))
+    rows.append((f"host time of that step after the device drained its queue: base / mix", (
+        f"{base['drained_host_ms_median']:.1f} / {mix['drained_host_ms_median']:.1f} ms (the same step with nothing "
+        f"queued before it: what is left is the host's own work)")))
+    rows.append((f"mix: event waits inside the chunk's step (cProfile, by caller)", "; ".join(
+        f"{w['caller']} x{w['calls_per_step']:g} {w['ms_per_step']:.2f} ms" for w in mix["waits"][:4]) or "none"))
     rows.append((f"caching allocator retries in those steps: base / mix", f"{base['alloc_retries']} / "
                  f"{mix['alloc_retries']}"))
     top = ", ".join(f"{p['function']} {p['own_ms_per_step']:.2f}" for p in mix["profile"][:5])

@@ -38,6 +38,7 @@ EXPECTED = ("GPU tests", "decode step, batch 1,", "FP8 decode step, batch 1", "L
             "kernel compiles after the warm-up (LoRA stage", "LoRA decode-step overhead after the base GEMMs",
             "kernel compiles after the warm-up (lora_fused stage", "host time of an eager step with prefill",
             "device waits inside it", "caching allocator retries in it", "mix: functions by own host time",
+            "host time of that step with the device drained", "mix: event waits inside the chunk's step",
             "kernel compiles after the warm-up (speculative verification)", "many adapters: output tok/s",
             "many adapters: host-to-device copies/s", "many adapters: TTFT p99, cold", "many adapters: worst gap",
             "many adapters: adapters in host memory")
