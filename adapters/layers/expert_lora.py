@@ -8,7 +8,8 @@ step's (token, k) pairs sorted by expert once) and adds, between them, the LoRA 
 has an adapter: those rows are grouped by (slot, expert), and each group is one shrink and one expand matmul
 per projection, from the factors of adapters/slots/expert_slots.py. Rows of the base model cost nothing; a step
 without LoRA on this layer's experts runs the plain experts. The router's LoRA (`RouterLoRA`) adds to its logits
-like any linear's, before the softmax and top-k.
+like any linear's, before the softmax and top-k; the shared-expert gate's (`SharedGateLoRA`, Qwen2-MoE) adds to
+the gate's one logit before the block's sigmoid.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from adapters.layers.context import LoRAContext
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
-from adapters.slots.expert_slots import ExpertSlots
+from adapters.slots.expert_slots import ExpertSlots, LayerLinearSlots
 
 
 def token_slots(meta: Any, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -48,8 +49,10 @@ def lora_groups(row_slots: torch.Tensor, expert_of_row: torch.Tensor,
     return out
 
 
-class RouterLoRA(nn.Module):
-    """The router's logits plus each LoRA token's router delta (s * x A^T B^T, B [E, R]), one matmul pair per slot."""
+class _LayerLinearLoRA(nn.Module):
+    """A small linear of the MoE block that is no expert's (hidden -> out) plus each LoRA token's delta
+    s * x A^T B^T (A [R, H], B [out, R]), one matmul pair per slot with LoRA on it in this layer. While no loaded
+    adapter has LoRA on it in this layer, the base linear alone (the step's slots are not read back)."""
 
     def __init__(self, base: nn.Module, slots: ExpertSlots, context: LoRAContext, layer_idx: int) -> None:
         super().__init__()
@@ -59,18 +62,40 @@ class RouterLoRA(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
+    def factors(self) -> LayerLinearSlots:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.base(x)                                                   # [T, E]
+        y = self.base(x)                                                        # [T, out]
         meta = self.context.meta
-        if meta is None or not meta.has_lora:
-            return logits
-        s, layer = self.slots, self.layer_idx
+        f, layer = self.factors(), self.layer_idx
+        if meta is None or not meta.has_lora or not bool(f.ranks_host[layer].any()):   # host only: no device read
+            return y
         slots = token_slots(meta, x.shape[0], x.device)                         # [T]
-        for slot in [int(v) for v in torch.unique(slots).tolist() if v >= 0 and s.router_ranks_host[layer, v]]:
+        for slot in [int(v) for v in torch.unique(slots).tolist() if v >= 0 and f.ranks_host[layer, v]]:
             rows = torch.nonzero(slots == slot).squeeze(1)
-            h = (x[rows] @ s.a_router[layer, slot].t()) * s.router_scalings[layer, slot].to(x.dtype)   # [n, R]
-            logits.index_add_(0, rows, (h @ s.b_router[layer, slot].t()).to(logits.dtype))      # [n, E]
-        return logits
+            h = (x[rows] @ f.a[layer, slot].t()) * f.scalings[layer, slot].to(x.dtype)   # [n, R]
+            y.index_add_(0, rows, (h @ f.b[layer, slot].t()).to(y.dtype))               # [n, out]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}"
+
+
+class RouterLoRA(_LayerLinearLoRA):
+    """The router's logits (`mlp.gate`, [T, E]) plus each LoRA token's router delta, before softmax and top-k."""
+
+    def factors(self) -> LayerLinearSlots:
+        return self.slots.router
+
+
+class SharedGateLoRA(_LayerLinearLoRA):
+    """Qwen2-MoE's shared-expert gate (`mlp.shared_expert_gate`, [T, 1]) plus each LoRA token's delta, before the
+    block's sigmoid."""
+
+    def factors(self) -> LayerLinearSlots:
+        assert self.slots.shared_gate is not None, "shared-expert gate LoRA on a base without a shared expert"
+        return self.slots.shared_gate
 
 
 class ExpertLoRA(nn.Module):
@@ -122,9 +147,13 @@ class ExpertLoRA(nn.Module):
 
 
 def apply_expert_lora_wrappers(model: nn.Module, slots: ExpertSlots, context: LoRAContext) -> None:
-    """Wraps the experts and the router of every sparse layer (idempotent)."""
+    """Wraps the experts and the router of every sparse layer, and its shared-expert gate where it has one
+    (idempotent)."""
     for idx, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and not isinstance(experts, ExpertLoRA):
             layer.mlp.experts = ExpertLoRA(experts, slots, context, idx)
             layer.mlp.gate = RouterLoRA(layer.mlp.gate, slots, context, idx)
+            gate = getattr(layer.mlp, "shared_expert_gate", None)
+            if gate is not None and slots.shared_gate is not None:
+                layer.mlp.shared_expert_gate = SharedGateLoRA(gate, slots, context, idx)

@@ -18,8 +18,9 @@ from adapters.errors import (
     CODE_INVALID, CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, shown,
 )
 
-# MoE targets: Mixtral's per-expert w1/w2/w3 and the router gate (target_parameters: adapters/peft/expert_keys.py)
-_EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate")
+# MoE targets: Mixtral's per-expert w1/w2/w3, the router gate and Qwen2-MoE's shared-expert gate
+# (target_parameters: adapters/peft/expert_keys.py)
+_EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate", "shared_expert_gate")
 
 # Config fields that must be empty/false: (field, reason).
 _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (

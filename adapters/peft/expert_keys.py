@@ -16,8 +16,14 @@
    `gate` in `target_modules` of a transformers-4 adapter: `mlp.gate.lora_A.weight` [r, H], `lora_B.weight`
    [E, r], a LoRA like any linear's on the router logits; kept as expert -1, projection "gate".
 
+4. Qwen2-MoE's shared-expert gate (`mlp.shared_expert_gate`, hidden -> 1, in `target_modules`: peft expands
+   "all-linear" into it): `mlp.shared_expert_gate.lora_A.weight` [r, H], `lora_B.weight` [1, r]; kept as expert -1,
+   projection "shared_expert_gate", its name matched against target_modules / rank_pattern / alpha_pattern as
+   PEFT does. `target_parameters` on `mlp.shared_expert_gate.weight` stays refused (400).
+
 Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) is a dense MLP: its keys are renamed to the
-dense names (`mlp.gate_proj`, ...) for the dense loader. The shared expert's gate stays refused (400).
+dense names (`mlp.gate_proj`, ...) for the dense loader. DoRA on the router or the shared-expert gate is refused
+(400), as is `use_dora` with LoRA on either.
 """
 from __future__ import annotations
 
@@ -27,14 +33,16 @@ from typing import Any, Mapping
 import torch
 
 from adapters.adapter import LoRAModule
-from adapters.errors import CODE_CORRUPT, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, CODE_UNSUPPORTED_TARGET, shown, \
-    AdapterError
+from adapters.errors import CODE_CORRUPT, CODE_INVALID, CODE_RANK_TOO_LARGE, CODE_SHAPE_MISMATCH, \
+    CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, shown, AdapterError
 from adapters.layers.dims import BaseModelDims
 from adapters.peft.config import PeftLoRAConfig
 
-# (layer, expert, "gate_proj" | "up_proj" | "down_proj"); the router's: (layer, ROUTER, "gate")
+# (layer, expert, "gate_proj" | "up_proj" | "down_proj"); the router's: (layer, ROUTER, "gate"); the shared-expert
+# gate's: (layer, ROUTER, SHARED_GATE)
 ExpertKey = tuple[int, int, str]
-ROUTER = -1                         # the expert index of the router's LoRA
+ROUTER = -1                         # the expert index of the router's and the shared-expert gate's LoRA
+SHARED_GATE = "shared_expert_gate"
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused expert tensors `target_parameters` may name
 
@@ -45,6 +53,11 @@ _PARAM_WRAPPER = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.
                             r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
 _ROUTER_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate)"
                          r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
+_SHARED_GATE_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.shared_expert_gate)"
+                              r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
+# DoRA's magnitude on the router or the shared-expert gate (served nowhere: a clear 400, not "unsupported weight")
+_LAYER_LINEAR_DORA = re.compile(r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:gate|shared_expert_gate)"
+                                r"\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$")
 _SHARED = re.compile(r"(layers\.\d+\.mlp)\.shared_expert\.(gate_proj|up_proj|down_proj)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
          "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -84,11 +97,19 @@ def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     """(the dense keys, the shared expert's renamed to the dense names; the experts' keys)."""
     dense, experts = {}, {}
     for key, tensor in state.items():
-        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key):
+        if _LAYER_LINEAR_DORA.match(key):
+            raise _dora_refused(key)
+        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key) or _SHARED_GATE_KEY.match(key):
             experts[key] = tensor
         else:
             dense[_SHARED.sub(r"\1.\2.", key)] = tensor
     return dense, experts
+
+
+def _dora_refused(key: str) -> AdapterError:
+    return _invalid(f"{shown(key)}: DoRA (use_dora) on the MoE router (mlp.gate) or Qwen2-MoE's shared-expert gate "
+                    "(mlp.shared_expert_gate) is not supported; leave them out of the DoRA adapter "
+                    "(exclude_modules) or train it without use_dora", CODE_UNSUPPORTED_FEATURE)
 
 
 def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple[int, str, int | None], dict[str, Any]]:
@@ -98,11 +119,13 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise _invalid(f"{shown(key)} must be a 2-D floating point tensor", CODE_CORRUPT)
         m = _PER_EXPERT.match(key)
-        router = _ROUTER_KEY.match(key)
+        router, shared_gate = _ROUTER_KEY.match(key), _SHARED_GATE_KEY.match(key)
         if m is not None:
             pkey: tuple[int, str, int | None] = (int(m["layer"]), _PROJ[m["proj"]], int(m["expert"]))
         elif router is not None:
             m, pkey = router, (int(router["layer"]), "gate", ROUTER)
+        elif shared_gate is not None:
+            m, pkey = shared_gate, (int(shared_gate["layer"]), SHARED_GATE, ROUTER)
         else:
             m = _PARAM_WRAPPER.match(key)
             assert m is not None
@@ -114,6 +137,9 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
         if pkey[0] >= dims.num_layers or not dims.is_sparse_layer(pkey[0]):
             raise _invalid(f"{shown(entry['key'])}: the base model has no such MoE layer; wrong base model?",
                            CODE_SHAPE_MISMATCH)
+        if pkey[1] == SHARED_GATE and not dims.shared_expert:
+            raise _invalid(f"{shown(entry['key'])}: the base model's MoE layers have no shared-expert gate; wrong base "
+                           "model?", CODE_SHAPE_MISMATCH)
         if pkey[2] is not None and not ROUTER <= pkey[2] < dims.num_experts:
             raise _invalid(f"{shown(entry['key'])}: expert {pkey[2]} does not exist (the base has {dims.num_experts})",
                            CODE_SHAPE_MISMATCH)
@@ -126,7 +152,7 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
     order = expert_parameter_order(raw)          # checked whether or not the weights use it
     h, inter, num_experts = dims.hidden_size, dims.moe_intermediate_size, dims.num_experts
     in_out = {"gate_up_proj": (h, 2 * inter), "down_proj": (inter, h), "gate_proj": (h, inter),
-              "up_proj": (h, inter), "gate": (h, num_experts)}
+              "up_proj": (h, inter), "gate": (h, num_experts), SHARED_GATE: (h, 1)}
     out: dict[ExpertKey, LoRAModule] = {}
     for (layer, proj, expert), entry in sorted(_pairs(state, dims).items(), key=lambda kv: str(kv[0])):
         mkey = entry["key"]
@@ -142,8 +168,14 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
         # router's `mlp.gate.weight` under target_parameters), else the module's
         if expert is None:
             mkey = f"{mkey}.{proj}"
-        elif expert == ROUTER and "gate" in order:
+        elif proj == "gate" and "gate" in order:
             mkey = f"{mkey}.weight"
+        if expert == ROUTER and cfg.use_dora:           # PEFT would put DoRA on it: served as plain LoRA, it differs
+            raise _dora_refused(mkey)
+        if proj == SHARED_GATE and cfg.targets(mkey) is False:   # a module, named in target_modules as PEFT matches
+            raise _invalid(f"adapter has LoRA weights for {shown(mkey)}, which adapter_config.json does not target "
+                           "(target_modules / exclude_modules / layers_to_transform); PEFT would ignore them",
+                           CODE_INVALID)
         in_f, out_f = in_out[proj]
         num = 1 if expert is not None else num_experts
         rank = int(a.shape[0]) // num

@@ -16,7 +16,7 @@ import json
 import os
 import pickle
 import re
-from typing import BinaryIO, Mapping, Optional, Union
+from typing import BinaryIO, Collection, Mapping, Optional, Union
 
 import torch
 from huggingface_hub import snapshot_download
@@ -31,7 +31,7 @@ from adapters.errors import (
     CODE_UNSUPPORTED_FEATURE, CODE_UNSUPPORTED_TARGET, AdapterError, AdapterNotFoundError, shown,
 )
 from adapters.peft.config import PeftLoRAConfig, parse_peft_config
-from adapters.peft.expert_keys import build_expert_modules, check_dense_mlp_targets, split_expert_state
+from adapters.peft.expert_keys import SHARED_GATE, build_expert_modules, check_dense_mlp_targets, split_expert_state
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -223,7 +223,8 @@ def _peft_module_key(module_path: str, entry_key: tuple[int, str], dims: BaseMod
 
 
 def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig, dims: BaseModelDims,
-                          max_lora_rank: int) -> tuple[dict[tuple[int, str], LoRAModule], dict[str, LoRAModule]]:
+                          max_lora_rank: int, elsewhere: Collection[tuple[int, str]] = ()
+                          ) -> tuple[dict[tuple[int, str], LoRAModule], dict[str, LoRAModule]]:
     """(decoder layers' modules keyed (layer, HF name), vocabulary modules keyed "embed_tokens" / "lm_head")."""
     pairs: dict[tuple[int, str], dict[str, object]] = {}
     for key, tensor in state.items():
@@ -264,7 +265,7 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
                                "module holding it")
             modules[(layer, part)] = part_module
     check_dense_mlp_targets(modules, dims)
-    _check_config_targets(pairs, cfg, dims)
+    _check_config_targets(pairs, cfg, dims, elsewhere)
     return modules, vocab
 
 
@@ -272,10 +273,11 @@ _LAYER_PREFIX_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)\d+\.")
 
 
 def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]], cfg: PeftLoRAConfig,
-                          dims: BaseModelDims) -> None:
+                          dims: BaseModelDims, elsewhere: Collection[tuple[int, str]] = ()) -> None:
     """The weights cover exactly the modules the config puts LoRA on, as PEFT decides it: PEFT ignores weights of
     a module it does not target, and gives a targeted module without weights its initial LoRA (random where
-    `init_lora_weights` is false): serving either as saved would differ from PEFT."""
+    `init_lora_weights` is false): serving either as saved would differ from PEFT. `elsewhere`: (layer, name) of
+    modules the expert loader holds and checked for the first (Qwen2-MoE's shared-expert gate)."""
     for entry in pairs.values():
         mkey = str(entry["key"])
         if cfg.targets(mkey) is False:
@@ -296,12 +298,12 @@ def _check_config_targets(pairs: Mapping[tuple[int, str], Mapping[str, object]],
             if not dims.is_sparse_layer(layer):      # a sparse MoE layer's MLP is its experts (expert_keys.py)
                 names += [("mlp", n) for n in mlp]
             elif dims.shared_expert:                 # ... and Qwen2-MoE's shared expert (its keys renamed: (layer, n))
-                names += [("mlp.shared_expert", n) for n in mlp]
+                names += [("mlp.shared_expert", n) for n in mlp] + [("mlp", SHARED_GATE)]   # and its gate
             expected += [((layer, n), f"{prefix}{layer}.{parent}.{n}") for parent, n in names]
         outer = prefix[:-len("layers.")]             # `model.layers.` -> `model.embed_tokens`
         expected += [((-1, "embed_tokens"), f"{outer}embed_tokens"), ((-1, "lm_head"), "lm_head")]
     for entry_key, mkey in expected:
-        if entry_key not in pairs and cfg.targets(mkey):
+        if entry_key not in pairs and entry_key not in elsewhere and cfg.targets(mkey):
             raise _invalid(f"adapter_config.json targets {shown(mkey)} but the adapter has no LoRA weights for it "
                            "(truncated adapter, or one for another model?)", CODE_SHAPE_MISMATCH)
 
@@ -405,11 +407,12 @@ def load_peft_adapter(
     _check_finite(weights)
     state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
+    elsewhere = {(layer, proj) for layer, _, proj in experts if proj == SHARED_GATE}   # a module, checked as one
     if state or not experts:
-        modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank)
+        modules, vocab = build_adapter_modules(state, cfg, dims, max_lora_rank, elsewhere)
     else:                       # experts' weights only: still none missing of the modules the config targets
         modules, vocab = {}, {}
-        _check_config_targets({}, cfg, dims)
+        _check_config_targets({}, cfg, dims, elsewhere)
     return LoRAAdapter(
         source=files.label, path=files.path, modules=modules,
         base_model_name_or_path=cfg.base_model_name_or_path, config=raw, expert_modules=experts,

@@ -124,7 +124,7 @@ class TPShard:
             a, b = mod.lora_a, mod.lora_b                                    # [r, in], [out, r]
             if key[2] == "down_proj":
                 a = a[:, start:start + size]                                 # [r, I / N]
-            elif key[2] != "gate":                                           # the router stays whole
+            elif key[2] not in ("gate", "shared_expert_gate"):               # the router, the shared gate: whole
                 b = b[start:start + size]                                    # [I / N, r]
             experts[key] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling)
         return dataclasses.replace(adapter, modules=modules, expert_modules=experts)

@@ -1,10 +1,12 @@
 """LoRA on MoE experts, unit level: PEFT's target_parameters layout split into per-expert factors (each equal to
-PEFT's own delta of that expert), refusals (the shared expert's gate, a dense base, a wrong expert count), the
-router's LoRA on its logits, the expert slots under
-random loads and evictions with check_integrity() after every operation, and the wrapper's grouped deltas against
-a per-row loop. The end-to-end parity with PEFT is tests/test_core/models/test_moe_families.py."""
+PEFT's own delta of that expert), refusals (target_parameters on the shared expert's gate, a dense base, a wrong
+expert count), the router's and the shared-expert gate's LoRA on their logits, the expert slots under random loads
+and evictions with check_integrity() after every operation (with and without shared-expert gate slots), and the
+wrapper's grouped deltas against a per-row loop. The end-to-end parity with PEFT is
+tests/test_core/models/test_moe_families.py (the shared-expert gate's: test_lora_shared_expert_gate.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -18,10 +20,10 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 from adapters.adapter import LoRAAdapter, LoRAModule  # noqa: E402
-from adapters.errors import AdapterError  # noqa: E402
+from adapters.errors import AdapterError, SlotPoolIntegrityError  # noqa: E402
 from adapters.layers.context import LoRAContext  # noqa: E402
 from adapters.layers.dims import BaseModelDims  # noqa: E402
-from adapters.layers.expert_lora import ExpertLoRA, RouterLoRA  # noqa: E402
+from adapters.layers.expert_lora import ExpertLoRA, RouterLoRA, SharedGateLoRA  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
 from adapters.slots.slot_pool import LoRASlotPool  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
@@ -35,6 +37,7 @@ from tiny_models import tiny_model_dir  # noqa: E402
 
 DIMS = BaseModelDims(hidden_size=16, intermediate_size=24, num_heads=4, num_kv_heads=2, head_dim=4, num_layers=2,
                      vocab_size=32, num_experts=3, moe_intermediate_size=8)
+SHARED = dataclasses.replace(DIMS, shared_expert=True)    # Qwen2-MoE: a shared expert and its gate (hidden -> 1)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,7 @@ def test_refusals(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
     assert err.value.status == 400
 
 
-def _random_expert_adapter(rng: random.Random, tag: str) -> LoRAAdapter:
+def _random_expert_adapter(rng: random.Random, tag: str, shared_gate: bool = False) -> LoRAAdapter:
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     experts = {}
     for layer in range(DIMS.num_layers):
@@ -103,6 +106,10 @@ def _random_expert_adapter(rng: random.Random, tag: str) -> LoRAAdapter:
             r = rng.randint(1, 4)
             experts[(layer, -1, "gate")] = LoRAModule(torch.randn(r, 16, generator=g), torch.randn(3, r, generator=g),
                                                       rng.uniform(0.5, 2))
+        if shared_gate and rng.random() < 0.6:   # the shared expert's gate (expert -1, one output)
+            r = rng.randint(1, 4)
+            experts[(layer, -1, "shared_expert_gate")] = LoRAModule(
+                torch.randn(r, 16, generator=g), torch.randn(1, r, generator=g), rng.uniform(0.5, 2))
         for e in rng.sample(range(DIMS.num_experts), rng.randint(1, DIMS.num_experts)):
             for proj in rng.sample(["gate_proj", "up_proj", "down_proj"], rng.randint(1, 3)):
                 r = rng.randint(1, 4)
@@ -132,12 +139,25 @@ def _expected(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: tor
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_expert_slots_random_operations_and_deltas(seed: int) -> None:
+def _linear_reference(linear: torch.nn.Linear, x: torch.Tensor, token_adapters: list[LoRAAdapter | None],
+                      key: tuple[int, int, str]) -> torch.Tensor:
+    """linear(x) with each token's adapter's s * B A x for `key` added (a loop over tokens: the reference)."""
+    want = linear(x)
+    for t, adapter in enumerate(token_adapters):
+        m = adapter.expert_modules.get(key) if adapter is not None else None
+        if m is not None:
+            want[t] += m.scaling * (m.lora_b @ (m.lora_a @ x[t]))
+    return want
+
+
+@pytest.mark.parametrize(("seed", "shared"), [(0, False), (1, False), (2, True), (3, True)])
+def test_expert_slots_random_operations_and_deltas(seed: int, shared: bool) -> None:
     """Loads, evictions and unloads with check_integrity() after each; the wrapper's (slot, expert)-grouped deltas
-    equal the folded per-row reference for a batch mixing base rows and every loaded adapter."""
+    equal the folded per-row reference for a batch mixing base rows and every loaded adapter; so do the router's
+    and (`shared`: a base with a shared expert) the shared-expert gate's."""
     rng = random.Random(seed)
-    pool = LoRASlotPool(3, 4, DIMS)
+    pool = LoRASlotPool(3, 4, SHARED if shared else DIMS)
+    assert (pool.experts.shared_gate is not None) == shared        # allocated only for a base with the gate
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
                       max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
@@ -153,7 +173,7 @@ def test_expert_slots_random_operations_and_deltas(seed: int) -> None:
         op = rng.random()
         if op < 0.6 or not pool.loaded_ids:
             tag = f"a{step}"
-            adapters[tag] = _random_expert_adapter(rng, tag)
+            adapters[tag] = _random_expert_adapter(rng, tag, shared)
             pool.load(tag, adapters[tag])
         else:
             pool.unload_adapter(rng.choice(pool.loaded_ids))
@@ -170,14 +190,59 @@ def test_expert_slots_random_operations_and_deltas(seed: int) -> None:
             torch.testing.assert_close(wrapper(x, weights, idx),
                                        _expected(x, experts, weights, idx, token_adapters, layer), atol=1e-4, rtol=1e-4)
             router = torch.nn.Linear(16, 3, bias=False)
-            want = router(x)
-            for t, adapter in enumerate(token_adapters):
-                m = adapter.expert_modules.get((layer, -1, "gate")) if adapter is not None else None
-                if m is not None:
-                    want[t] += m.scaling * (m.lora_b @ (m.lora_a @ x[t]))
-            torch.testing.assert_close(RouterLoRA(router, pool.experts, pool.context, layer)(x), want,
+            torch.testing.assert_close(RouterLoRA(router, pool.experts, pool.context, layer)(x),
+                                       _linear_reference(router, x, token_adapters, (layer, -1, "gate")),
                                        atol=1e-4, rtol=1e-4)
+            if shared:
+                gate = torch.nn.Linear(16, 1, bias=False)
+                torch.testing.assert_close(SharedGateLoRA(gate, pool.experts, pool.context, layer)(x),
+                                           _linear_reference(gate, x, token_adapters,
+                                                             (layer, -1, "shared_expert_gate")), atol=1e-4, rtol=1e-4)
     assert isinstance(pool.context, LoRAContext)
+    if shared:
+        assert any(k[2] == "shared_expert_gate" for a in adapters.values() for k in a.expert_modules)
+
+
+def test_shared_gate_slots_integrity_on_write_clear_and_reuse() -> None:
+    """check_integrity() covers the shared-expert gate's factors, ranks and scalings: a slot written, freed and
+    reused by another adapter passes; each kind of damage to its buffers is caught; a base without a shared expert
+    allocates none and refuses an adapter with LoRA on the gate."""
+    g = torch.Generator().manual_seed(3)
+
+    def gate_adapter(tag: str, rank: int, scaling: float) -> LoRAAdapter:
+        mods = {(layer, -1, "shared_expert_gate"): LoRAModule(torch.randn(rank, 16, generator=g),
+                                                              torch.randn(1, rank, generator=g), scaling)
+                for layer in range(DIMS.num_layers)}
+        return LoRAAdapter(source=tag, path=tag, modules={}, expert_modules=mods)
+
+    pool = LoRASlotPool(1, 4, SHARED)
+    sg = pool.experts.shared_gate
+    assert tuple(sg.a.shape) == (2, 1, 4, 16) and tuple(sg.b.shape) == (2, 1, 1, 4)   # [L, slots, R, H], [.., 1, R]
+    pool.load("big", gate_adapter("big", 4, 2.0))
+    pool.check_integrity()
+    assert sg.ranks_host[:, 0].tolist() == [4, 4] and sg.scalings_host[:, 0].tolist() == [2.0, 2.0]
+    pool.load("small", gate_adapter("small", 2, 0.5))        # evicts "big": the slot reused at a smaller rank
+    pool.check_integrity()
+    assert sg.ranks_host[:, 0].tolist() == [2, 2] and not bool(sg.a[:, 0, 2:].any()) and not bool(sg.b[..., 2:].any())
+    for damage in (lambda: sg.a[1, 0, 3].fill_(1.0),          # a weight beyond the adapter's rank
+                   lambda: sg.b[0, 0, 0, 0].add_(1.0),          # a factor that differs from the adapter's
+                   lambda: sg.scalings[0, 0].fill_(9.0),        # the device scalings off their host mirror
+                   lambda: sg.ranks_host[1, 0].fill_(3)):       # a rank that is not the adapter's
+        saved = [t.clone() for t in (sg.a, sg.b, sg.scalings, sg.ranks_host)]
+        damage()
+        with pytest.raises(SlotPoolIntegrityError):
+            pool.check_integrity()
+        for t, old in zip((sg.a, sg.b, sg.scalings, sg.ranks_host), saved):
+            t.copy_(old)
+        pool.check_integrity()
+    pool.unload_adapter("small")
+    pool.check_integrity()
+    assert not bool(sg.a.any()) and not bool(sg.b.any()) and not bool(sg.ranks_host.any())
+    plain = LoRASlotPool(1, 4, DIMS)
+    assert plain.experts.shared_gate is None
+    with pytest.raises(AdapterError, match="no such module"):
+        plain.load("gate", gate_adapter("gate", 2, 1.0))
+    plain.check_integrity()
 
 
 def test_lora_on_a_layer_without_that_module_is_refused(qwen3: tuple[Path, Path], tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ def test_w4a16_moe_matches_hf_and_peft(family: str, symmetric: bool, prefix: boo
         shared = layer.mlp.shared_expert
         assert isinstance(shared.gate_up_proj.base, QuantLinear) and shared.gate_up_proj.base.out_features == 2 * 96
         assert isinstance(shared.down_proj.base, QuantLinear) and shared.down_proj.base.in_features == 96
-        assert type(layer.mlp.shared_expert_gate) in (torch.nn.Linear, PackedCPULinear)   # float (`ignore`; packed on a CPU)
+        gate = layer.mlp.shared_expert_gate.base                   # under its LoRA wrapper (SharedGateLoRA)
+        assert type(gate) in (torch.nn.Linear, PackedCPULinear)      # float (`ignore`; packed on a CPU)
 
 
 def test_w4a16_moe_tp2_matches_tp1_and_hf(tmp_path_factory: pytest.TempPathFactory) -> None:
