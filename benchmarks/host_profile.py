@@ -158,7 +158,8 @@ def workload(llm: LLM, cfg: ModelConfig, trace: Path, args: argparse.Namespace, 
                for (file, line, func), (cc, nc, tt, ct, _) in rows]
     waits = [{"function": _name(callee), "caller": _name(caller), "calls_per_step": round(c[1] / num_steps, 1),
               "ms_per_step": round(1e3 * c[3] / num_steps, 3)}
-             for callee, (_, _, _, _, callers) in stats.stats.items() if "synchronize" in callee[2]
+             for callee, (_, _, _, _, callers) in stats.stats.items()
+             if "synchronize" in callee[2] and callee[0] == "~"       # the C method, not torch's wrapper too
              for caller, c in callers.items()]
     retries = [s.get("cuda_alloc_retries") for s in timed]
     return {"num_steps": len(timed), "prefill_tokens": [s["prefill_tokens"] for s in timed],

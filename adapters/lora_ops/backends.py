@@ -19,6 +19,15 @@ def check_backend(backend: str) -> Backend:
     return backend  # type: ignore[return-value]
 
 
+# The most rows a step computes its LoRA as a delta beside the base GEMMs. The delta costs 8 bytes per LoRA output
+# element more than the fused expand (a float32 write and read); what it hides is the LoRA launches' latency, a
+# fixed ~0.6-0.9 ms a decode step on an H200. By bytes the two meet near 390 rows on the 8B shape (11 MB a row over
+# its 32 layers, ~2.3 us at 4.8 TB/s), and the GEMMs of a long chunk are compute-bound, with no memory time to hide
+# the traffic under. Measured faster: decode steps of 64 rows and mixed steps of up to 256 (2026-11-27f); longer
+# steps keep the fused path until a GPU run measures them.
+OVERLAP_MAX_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class LoRABackends:
     """The paths of one pool's LoRA ops, resolved by the engine for the pool's device: `segmented` for the
@@ -46,5 +55,6 @@ class LoRABackends:
 
     def overlaps(self, meta: LoRABatchMeta | DecodeLoRAMeta) -> bool:
         """Whether a step with this metadata computes its LoRA as a delta beside the base GEMM: `decode_overlap`,
-        and the fused decode metadata (padded decode and mixed-step batches, the CUDA-graph path)."""
-        return self.decode_overlap and isinstance(meta, DecodeLoRAMeta)
+        and the fused decode metadata (padded decode and mixed-step batches, the CUDA-graph path) of at most
+        `OVERLAP_MAX_TOKENS` rows."""
+        return self.decode_overlap and isinstance(meta, DecodeLoRAMeta) and meta.num_tokens <= OVERLAP_MAX_TOKENS

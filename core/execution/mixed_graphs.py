@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import triton
 
+from adapters.lora_ops.backends import OVERLAP_MAX_TOKENS, LoRABackends
 from adapters.lora_ops.graph_meta import GraphLoRABuffers
 from core.attention.metadata import AttentionMetadata
 from core.attention.triton_backend import KernelMeta, TritonAttentionBackend, work_items
@@ -248,10 +249,19 @@ def activation_bytes_per_token(cfg: Any, dtype: torch.dtype, lora_overlap: bool 
     return elt * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * qkv) + delta
 
 
-def sizes_that_fit(sizes: tuple[int, ...], per_token: int, free_bytes: int,
+def graph_bytes_per_token(cfg: Any, dtype: torch.dtype, backends: LoRABackends | None, size: int) -> int:
+    """`activation_bytes_per_token` of a mixed-step graph of `size` tokens: with the LoRA delta only where such a
+    step computes it (`LoRABackends.overlaps`: the Triton decode path, at most OVERLAP_MAX_TOKENS rows)."""
+    overlap = backends is not None and backends.decode_overlap and size <= OVERLAP_MAX_TOKENS
+    return activation_bytes_per_token(cfg, dtype, overlap)
+
+
+def sizes_that_fit(sizes: tuple[int, ...], per_token: int | Callable[[int], int], free_bytes: int,
                    margin: int = MEMORY_MARGIN_BYTES) -> tuple[int, ...]:
-    """The sizes whose activations fit in the device memory left after the KV pool and the decode graphs."""
-    return tuple(p for p in sizes if p * per_token <= free_bytes - margin)
+    """The sizes whose activations fit in the device memory left after the KV pool and the decode graphs
+    (`per_token`: the bytes a token keeps alive, or a function of the size giving them)."""
+    of = per_token if callable(per_token) else (lambda _size: per_token)
+    return tuple(p for p in sizes if p * of(p) <= free_bytes - margin)
 
 
 def build_mixed_graphs(config: Any, parts: Any, decode_backend: Any) -> MixedGraphRunner | None:
@@ -263,8 +273,8 @@ def build_mixed_graphs(config: Any, parts: Any, decode_backend: Any) -> MixedGra
     wanted = tuple(p for p in MIXED_GRAPH_SIZES if p <= config.scheduler.max_num_batched_tokens) or \
         (MIXED_GRAPH_SIZES[0],)
     free = torch.cuda.mem_get_info(parts.device)[0] if parts.device.type == "cuda" else 1 << 62
-    overlap = parts.lora_pool is not None and parts.lora_pool.context.backends.overlap
-    sizes = sizes_that_fit(wanted, activation_bytes_per_token(parts.model.config, parts.dtype, overlap), free)
+    backends = parts.lora_pool.context.backends if parts.lora_pool is not None else None
+    sizes = sizes_that_fit(wanted, lambda p: graph_bytes_per_token(parts.model.config, parts.dtype, backends, p), free)
     if sizes != wanted:
         log.warning("mixed-step graphs: %.0f MiB of device memory free after the KV pool and the decode graphs "
                     "hold sizes up to %s of %s tokens; larger steps with prefill run eagerly (lower "

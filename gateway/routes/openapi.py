@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from core.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes.responses_api import ResponsesRequest
 from gateway.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -95,8 +96,9 @@ _NARROWER: dict[str, dict[str, Any]] = {
     "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0}}, _NULL]},
     "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 100}, _NULL]},
     "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, _NULL]},
-    "stop": {"anyOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}}, _NULL]},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                       {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                        "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}, _NULL]},
     "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
                          {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                          {"type": "array", "minItems": 1,

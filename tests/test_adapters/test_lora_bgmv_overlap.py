@@ -154,6 +154,32 @@ def test_the_wrapper_takes_the_delta_path_only_when_asked(monkeypatch: pytest.Mo
     assert torch.equal(outs[True], outs[False])
 
 
+def test_steps_past_the_overlap_bound_keep_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of more than OVERLAP_MAX_TOKENS rows (a long mixed-step graph) takes the fused path: the delta's
+    float32 round trip costs more bytes there than the launches' latency it hides. Up to the bound, the delta
+    path; both give the same output bit for bit."""
+    from adapters.lora_ops.backends import OVERLAP_MAX_TOKENS
+
+    calls: list[int] = []
+    import adapters.layers.lora_linear as ll
+    real = ll.triton_bgmv_delta
+    monkeypatch.setattr(ll, "triton_bgmv_delta", lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1])
+    layer, pool = wrapped_qkv(True)
+    rng = np.random.default_rng(5)
+    for rows in (OVERLAP_MAX_TOKENS, OVERLAP_MAX_TOKENS + 1):
+        slots = rng.integers(-1, 2, size=rows)
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        pool.context.set_meta(DecodeLoRAMeta.build(slots, DEVICE))
+        assert pool.context.backends.overlaps(pool.context.meta) == (rows <= OVERLAP_MAX_TOKENS)
+        with torch.no_grad():
+            got = layer(x)
+        fused, _ = wrapped_qkv(False)
+        fused.context.set_meta(DecodeLoRAMeta.build(slots, DEVICE))
+        with torch.no_grad():
+            assert torch.equal(got, fused(x))
+    assert calls == [OVERLAP_MAX_TOKENS], calls
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs and streams need a GPU")
 def test_the_side_stream_inside_a_cuda_graph_equals_the_fused_path() -> None:
     """On a GPU: the wrapper captured in a CUDA graph with `overlap` (the delta forked onto the side stream and

@@ -114,6 +114,19 @@ def test_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert FUSED_OPS.get() == "auto"
 
 
+def test_is_set_tells_an_operator_s_choice_from_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`is_set`: the environment names a value (the TP warning about LORAPLEX_LORA_OVERLAP only for an operator
+    who asked for it; its default is on)."""
+    monkeypatch.delenv("LORAPLEX_LORA_OVERLAP", raising=False)
+    variables.reset()
+    assert not variables.LORA_OVERLAP.is_set() and variables.LORA_OVERLAP.get() is True
+    for raw, value in (("1", True), ("0", False)):
+        setenv(monkeypatch, "LORAPLEX_LORA_OVERLAP", raw)
+        assert variables.LORA_OVERLAP.is_set() and variables.LORA_OVERLAP.get() is value
+    setenv(monkeypatch, "LORAPLEX_LORA_OVERLAP", "  ")
+    assert not variables.LORA_OVERLAP.is_set()
+
+
 def test_defaults_and_types() -> None:
     assert {var.name: var.read({}) for var in ALL} == {var.name: var.default for var in ALL}
     env = {"LORAPLEX_ASYNC_SCHEDULING": "0", "LORAPLEX_ENGINE_PROCESS": "off", "LORAPLEX_TP_STEP_TIMEOUT_S": "2.5",

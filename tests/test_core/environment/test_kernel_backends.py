@@ -129,7 +129,8 @@ def test_an_engine_step_reads_no_variable(env_reads: Reads) -> None:
     json_object = {"type": "json_object"}
     run = dict(lora=["a", None], response_format=[json_object, None])   # LoRA ops, a grammar mask, fused ops
     llm.generate(["a b c", "d e"], params, **run)   # every variable read once
-    assert llm.engine.lora_pool.context.backends == LoRABackends(*backends.lora_backends("cpu"))   # handed down
+    # handed down, with LORAPLEX_LORA_OVERLAP's default (on; it only acts on the Triton decode path)
+    assert llm.engine.lora_pool.context.backends == LoRABackends(*backends.lora_backends("cpu"), overlap=True)
     env_reads.on = True
     out = llm.generate(["a b c", "d e"], params, **run)
     env_reads.on = False

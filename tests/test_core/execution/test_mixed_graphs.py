@@ -20,12 +20,14 @@ pytest.importorskip("triton")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
+from adapters.lora_ops import LoRABackends  # noqa: E402
+from adapters.lora_ops.backends import OVERLAP_MAX_TOKENS  # noqa: E402
 from adapters.lora_ops.bgmv import BLOCK_M  # noqa: E402
 from adapters.lora_ops.graph_meta import GraphLoRABuffers  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.attention.triton_backend import work_items  # noqa: E402
 from core.execution.mixed_graphs import (  # noqa: E402
-    MEMORY_MARGIN_BYTES, MIXED_GRAPH_SIZES, MixedGraphRunner, activation_bytes_per_token,
+    MEMORY_MARGIN_BYTES, MIXED_GRAPH_SIZES, MixedGraphRunner, activation_bytes_per_token, graph_bytes_per_token,
     sizes_that_fit,
 )
 from core.execution.runner import HostBatch  # noqa: E402
@@ -186,7 +188,15 @@ def test_sizes_follow_free_memory() -> None:
     assert per_token == 2 * (6 * 4096 + 3 * 14336 + 2 * 6144)
     # LORAPLEX_LORA_OVERLAP: the float32 LoRA delta of gate/up (the widest fused linear) lives beside them
     assert activation_bytes_per_token(cfg, torch.bfloat16, lora_overlap=True) == per_token + 4 * 2 * 14336
+    # ... in the graphs whose steps compute it: the Triton decode path, at most OVERLAP_MAX_TOKENS rows
+    beside = LoRABackends("triton", "triton", overlap=True)
+    for backends, size, delta in ((beside, OVERLAP_MAX_TOKENS, True), (beside, OVERLAP_MAX_TOKENS + 64, False),
+                                  (LoRABackends("triton", "torch", overlap=True), 32, False),
+                                  (LoRABackends("triton", "triton"), 32, False), (None, 32, False)):
+        assert graph_bytes_per_token(cfg, torch.bfloat16, backends, size) == per_token + delta * 4 * 2 * 14336
     sizes = (32, 256, 1024)
+    assert sizes_that_fit(sizes, lambda p: graph_bytes_per_token(cfg, torch.bfloat16, beside, p),
+                          MEMORY_MARGIN_BYTES + 1024 * per_token) == sizes       # 1024 without the delta
     assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES + 1024 * per_token) == sizes
     assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES + 1023 * per_token) == (32, 256)
     assert sizes_that_fit(sizes, per_token, MEMORY_MARGIN_BYTES) == ()

@@ -352,8 +352,23 @@ def test_a_backlog_drains_within_backlog_steps_under_the_auto_budget(num_waiting
     advance(sched, out)
 
 
+@pytest.mark.parametrize("lift_steps,lifted", [(step_budget.LIFT_STEPS, False), (32, True)])
+def test_the_lift_threshold_is_its_own(monkeypatch: pytest.MonkeyPatch, lift_steps: int, lifted: bool) -> None:
+    """The past-saturation lift follows LIFT_STEPS, not the backlog floor's BACKLOG_STEPS: 7 waiting prompts (2,800
+    tokens, ~58 steps at the budget's pace of 47.9 tokens) stay under the budget at 64 steps' worth, and lift it
+    at 32; the floor (1/64 of the backlog) is the same in both."""
+    monkeypatch.setattr(step_budget, "LIFT_STEPS", lift_steps)
+    sched = light_decode_heavy_step(16)
+    for i in range(7):
+        sched.add_request(make_request(f"w{i}", 400, 4, start=100 + i))
+    out = sched.schedule()
+    assert out.budget_lifted == lifted and (out.budget_s == 0.0) == lifted
+    assert prefill_tokens(out) == (512 - 16 if lifted else -(-7 * 400 // BACKLOG_STEPS))
+    advance(sched, out)
+
+
 def test_past_saturation_the_budget_returns_once_the_backlog_drains(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A burst lifts the auto budget only while its backlog exceeds what the budget's pace drains in BACKLOG_STEPS
+    """A burst lifts the auto budget only while its backlog exceeds what the budget's pace drains in LIFT_STEPS
     steps: the steps after it carry budget-sized chunks again (no request ages out of the budget here)."""
     monkeypatch.setattr(step_budget, "BUDGET_EXEMPT_STEPS", 10**6)
     sched = light_decode_heavy_step(2)
