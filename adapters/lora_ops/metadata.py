@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from adapters.errors import LoRAContextError
@@ -120,6 +121,17 @@ class LoRABatchMeta:
             slots[first:first + size] = -1
         rest = LoRABatchMeta.build(slots, self.device) if bool((slots >= 0).any()) else None
         return TorchSplit(runs, rest)
+
+    @cached_property
+    def launch_plans(self) -> dict[object, object]:
+        """The step's memo of per-linear launch decisions (adapters/lora_ops/triton_ops.py): every wrapped linear
+        of the step shares this metadata, and a linear's shrink and expand the same decisions."""
+        return {}
+
+    @cached_property
+    def group_slots_array(self) -> np.ndarray:
+        """[G] int64 numpy: the groups' slots (host), for indexing host rank tables."""
+        return np.asarray(self.group_slots_host, dtype=np.int64)
 
     @cached_property
     def token_slots_host(self) -> torch.Tensor:

@@ -67,8 +67,25 @@ def _active_max_rank(stack: LoRAStack, meta: LoRABatchMeta) -> int:
     """Largest real rank among the step's slots, from the host mirror when there is one (no device sync)."""
     if stack.ranks_host is None:
         return stack.max_rank
-    slots = list(meta.group_slots_host)
-    return int(stack.ranks_host[:, slots].max()) if slots else 0
+    if not meta.num_groups:
+        return 0
+    return int(stack.ranks_host.numpy()[:, meta.group_slots_array].max())          # [S, G] -> max
+
+
+def launch_plan(stack: LoRAStack, meta: LoRABatchMeta) -> tuple[SegmentConfig, int]:
+    """(the table config, the largest real rank among the step's slots) of `stack` in this step, decided once per
+    step and linear (its shrink and its expand ask both) and the config once per stack shape: the step's eager
+    forward launches two kernels for each of its 100-odd wrapped linears, and the host's time in them is the
+    step's time when the host sets the pace (docs/gpu.md, "Host-side step inputs")."""
+    plans = meta.launch_plans
+    entry = plans.get(id(stack))
+    if entry is None or entry[0] is not stack:      # the entry holds its stack: no id reused within the step
+        shape = (stack.in_features, stack.max_rank, stack.num_slices)
+        config = plans.get(shape)
+        if config is None:
+            config = plans[shape] = choose_config(stack, meta)
+        entry = plans[id(stack)] = (stack, config, _active_max_rank(stack, meta))
+    return entry[1], entry[2]
 
 
 def _dot_fp32(t: torch.Tensor) -> bool:
@@ -85,7 +102,8 @@ def triton_shrink(
     S, R, in_features = stack.num_slices, stack.max_rank, stack.in_features
     if x.shape[1] != in_features:
         raise ValueError(f"x has {x.shape[1]} features, LoRA A expects {in_features}")
-    cfg = config or choose_config(stack, meta)
+    planned, active_rank = launch_plan(stack, meta)
+    cfg = config or planned
     assert cfg in SEGMENT_CONFIGS, f"{cfg} is not in the warm-up table"
     br = block_r(stack)
     alloc = torch.zeros if cfg.split_k > 1 else torch.empty
@@ -93,7 +111,7 @@ def triton_shrink(
         out = alloc(S, meta.num_lora_tokens, R, dtype=torch.float32, device=x.device)  # [S, T_lora, R]
     elif cfg.split_k > 1:
         out.zero_()
-    if meta.num_lora_tokens == 0 or _active_max_rank(stack, meta) == 0:
+    if meta.num_lora_tokens == 0 or active_rank == 0:
         return out
     m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)
     r_blocks = triton.cdiv(R, br)
@@ -120,12 +138,15 @@ def triton_expand(
     y_offset: int = 0,
     config: Optional[SegmentConfig] = None,
 ) -> None:
-    if meta.num_lora_tokens == 0 or _active_max_rank(stack, meta) == 0:
+    if meta.num_lora_tokens == 0:
+        return
+    planned, active_rank = launch_plan(stack, meta)
+    if active_rank == 0:
         return
     S = stack.num_slices
     if y_offset + max(o + n for o, n in zip(stack.slice_offsets, stack.slice_sizes)) > y.shape[1]:
         raise ValueError("LoRA slices exceed the output width")
-    cfg = config or choose_config(stack, meta)
+    cfg = config or planned
     assert cfg in SEGMENT_CONFIGS, f"{cfg} is not in the warm-up table"
     block_n = _block_n(y)
     m_blocks = triton.cdiv(meta.max_group_size, cfg.block_m)

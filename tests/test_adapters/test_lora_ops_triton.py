@@ -127,3 +127,38 @@ def test_triton_through_slot_pool_and_wrappers(dtype):
         add_lora(y_tri, x, pool.stack(0, gname), meta, backend="triton")
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
         torch.testing.assert_close(y_tri.float(), y_ref.float(), **tol)
+
+
+def test_launch_decisions_are_made_once_per_step_and_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear's shrink and expand share one decision of the table config and the step's largest real rank, the
+    config once per stack shape in the step, the rank once per stack (they were made in every launch: ~40 us of
+    host Python a linear, ~15 with the memo). A new step's metadata decides again: a slot reloaded at another rank
+    between steps is seen, and a stack whose step slots all have rank 0 launches nothing."""
+    import adapters.lora_ops.triton_ops as ops
+    calls = {"config": 0, "rank": 0}
+    real_config, real_rank = ops.choose_config, ops._active_max_rank
+    monkeypatch.setattr(ops, "choose_config", lambda *a: (calls.__setitem__("config", calls["config"] + 1),
+                                                          real_config(*a))[1])
+    monkeypatch.setattr(ops, "_active_max_rank", lambda *a: (calls.__setitem__("rank", calls["rank"] + 1),
+                                                             real_rank(*a))[1])
+    ranks = [[4, 8, 16]]
+    stacks = [make_stack(3, 16, 48, [24], ranks, torch.float32, seed=i) for i in range(3)]
+    slots = [0, 0, 2, -1, 1, 2]
+    meta = LoRABatchMeta.build(slots, DEVICE, num_slots=3)
+    x = torch.randn(len(slots), 48).to(DEVICE)
+    for stack in stacks:                              # three linears of one shape in one step
+        y_ref, y_tri = torch.zeros(len(slots), 24, device=DEVICE), torch.zeros(len(slots), 24, device=DEVICE)
+        add_lora(y_ref, x, stack, meta, backend="torch")
+        add_lora(y_tri, x, stack, meta, backend="triton")
+        torch.testing.assert_close(y_tri, y_ref, atol=1e-4, rtol=1e-4)
+    assert calls == {"config": 1, "rank": 3}, calls
+    # between steps slots 0 and 2 are reloaded with rank 0 on this linear: the next step's metadata sees it
+    stack = stacks[0]
+    stack.ranks_host[0, 0] = stack.ranks_host[0, 2] = 0
+    stack.ranks[0, 0] = stack.ranks[0, 2] = 0
+    meta2 = LoRABatchMeta.build([0, 2, -1], DEVICE, num_slots=3)
+    y = torch.randn(3, 24).to(DEVICE)
+    before = y.clone()
+    add_lora(y, x[:3], stack, meta2, backend="triton")
+    assert torch.equal(y, before) and ops.launch_plan(stack, meta2)[1] == 0
+    assert ops.launch_plan(stack, meta)[1] == 16                   # the old step's memo is its own
