@@ -107,3 +107,36 @@ def peft_greedy_path(model_path: Path, adapter_path: Path, prompt_ids: list[int]
                      max_new_tokens: int) -> tuple[list[int], float]:
     """`PeftModel` (fp32) greedy continuation of the adapter folder, and its smallest top-1/top-2 logit gap."""
     return greedy_with_margin(_peft_model(model_path, adapter_path), prompt_ids, max_new_tokens)
+
+
+def check_served_as_peft(path: Path, adapters: dict[str, Path], texts: list[str], max_tokens: int) -> None:
+    """Every adapter on every text, served in one batch (fp32, CPU): greedy tokens equal `PeftModel`'s, each
+    reference clear of a tie; the engine's invariants hold afterwards."""
+    from core import LLM, SamplingParams
+    from testlib import encode
+
+    llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, dtype="float32", device="cpu",
+              max_loras=len(adapters), max_lora_rank=16)
+    try:
+        reqs = [(encode(path, t), name) for name in adapters for t in texts]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0), lora=[n for _, n in reqs])
+        for out, (ids, name) in zip(outs, reqs):
+            want, margin = peft_greedy_path(path, adapters[name], ids, max_tokens)
+            assert margin > 1e-3, f"test setup: {name}'s reference is near a tie"
+            assert out.outputs[0].token_ids == want, name
+        llm.engine.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def prompt_logprobs_as_reference(model: torch.nn.Module, ids: list[int], got: object) -> list[float]:
+    """Asserts an output's prompt log-probs (`prompt_logprobs=0`) equal `model`'s log-softmax over the prompt
+    within 1e-4; returns the reference's."""
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].log_softmax(-1)                   # [P, V]
+    lps = [want[i, t].item() for i, t in enumerate(ids[1:])]
+    assert got.prompt_logprobs is not None
+    got_lps = [entry[1] for entry in got.prompt_logprobs[1:]]                         # (token, logprob, top)
+    assert max(abs(a - b) for a, b in zip(lps, got_lps)) < 1e-4
+    return lps

@@ -22,13 +22,12 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from adapters.errors import AdapterError  # noqa: E402
 from adapters.layers.dims import BaseModelDims  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
-from core import LLM, SamplingParams  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
 from lora_fixtures import _fresh_base, _save_adapter  # noqa: E402
-from lora_tree import peft_greedy_path  # noqa: E402
+from lora_tree import check_served_as_peft  # noqa: E402
 from moe_adapters import expert_params_adapter  # noqa: E402
 from moe_models import moe_dir  # noqa: E402
-from testlib import PROMPTS, encode, model_dir  # noqa: E402
+from testlib import PROMPTS, model_dir  # noqa: E402
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_TOKENS = 6
@@ -53,21 +52,6 @@ def expect_400(path: Path, dims: BaseModelDims, code: str, match: str) -> Adapte
         load_peft_adapter(path, dims, max_lora_rank=16)
     assert (err.value.status, err.value.code) == (400, code)
     return err.value
-
-
-def check_served_as_peft(path: Path, adapters: dict[str, Path], texts: list[str]) -> None:
-    llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, dtype="float32", device="cpu",
-              max_loras=len(adapters), max_lora_rank=16)
-    try:
-        reqs = [(encode(path, t), name) for name in adapters for t in texts]
-        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=[n for _, n in reqs])
-        for out, (ids, name) in zip(outs, reqs):
-            want, margin = peft_greedy_path(path, adapters[name], ids, MAX_TOKENS)
-            assert margin > 1e-3, f"test setup: {name}'s reference is near a tie"
-            assert out.outputs[0].token_ids == want, name
-    finally:
-        llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +132,7 @@ def test_config_options_are_served_as_peft(llama) -> None:
     cfg = json.loads((half / "adapter_config.json").read_text())
     (half / "adapter_config.json").write_text(json.dumps({**cfg, "peft_version": "9.0.0", "some_future_option": 1}))
     adapters["fp16-bin"] = half
-    check_served_as_peft(path, adapters, [PROMPTS[2], PROMPTS[7]])
+    check_served_as_peft(path, adapters, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
 
 
 def test_rank_and_alpha_patterns_on_a_shared_expert_match_peft(tmp_path: Path) -> None:
@@ -161,7 +145,7 @@ def test_rank_and_alpha_patterns_on_a_shared_expert_match_peft(tmp_path: Path) -
     dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
     ad = load_peft_adapter(adapter, dims, max_lora_rank=16)
     assert ad.module(1, "up_proj").rank == 2 and ad.module(0, "down_proj").scaling == pytest.approx(80 / 4)
-    check_served_as_peft(path, {"shared": adapter}, [PROMPTS[2]])
+    check_served_as_peft(path, {"shared": adapter}, [PROMPTS[2]], MAX_TOKENS)
 
 
 class _RunsCode:
@@ -287,7 +271,7 @@ def test_moe_adapters_peft_saves_for_transformers_5_are_served_as_peft(tmp_path:
     assert {p for _, _, p in ad.expert_modules} >= {"gate_proj", "up_proj", "down_proj"}
     assert ("gate.weight" in cfg["target_parameters"]) == (family == "mixtral") == any(
         e == -1 for _, e, _ in ad.expert_modules)                                  # the router's LoRA
-    check_served_as_peft(path, {family: adapter}, [PROMPTS[2], PROMPTS[7]])
+    check_served_as_peft(path, {family: adapter}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
 
 
 def test_vision_tower_lora_of_a_multimodal_base_is_skipped(tmp_path: Path) -> None:
@@ -301,4 +285,4 @@ def test_vision_tower_lora_of_a_multimodal_base_is_skipped(tmp_path: Path) -> No
     assert any("vision_tower" in k for k in load_file(str(adapter / "adapter_model.safetensors")))
     ad = load_peft_adapter(adapter, BaseModelDims.from_model_config(ModelConfig.from_path(path)), max_lora_rank=16)
     assert {name for _, name in ad.modules} == {"q_proj", "v_proj"}
-    check_served_as_peft(path, {"gemma3-qv": adapter}, [PROMPTS[2], PROMPTS[7]])
+    check_served_as_peft(path, {"gemma3-qv": adapter}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)

@@ -18,7 +18,6 @@ import pytest
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
-import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from adapters.errors import AdapterError  # noqa: E402
@@ -29,7 +28,9 @@ from core.config import ModelConfig  # noqa: E402
 from dora_fixtures import save_dora_adapter  # noqa: E402
 from family_parity import check_family  # noqa: E402
 from lora_fixtures import _fresh_base, _save_adapter  # noqa: E402
-from lora_tree import _peft_model, greedy_with_margin, peft_greedy_path  # noqa: E402
+from lora_tree import (  # noqa: E402
+    _peft_model, check_served_as_peft, greedy_with_margin, peft_greedy_path, prompt_logprobs_as_reference,
+)
 from moe_models import moe_dir  # noqa: E402
 from moe_parity import TEXTS, moe_family_adapters, moe_reference  # noqa: E402
 from testlib import _hf_model, encode  # noqa: E402
@@ -82,19 +83,7 @@ def test_all_linear_and_gate_only_adapters_are_served_as_peft(qwen2) -> None:
     gate_only = [peft_greedy_path(path, adapters["gate-only"], encode(path, t), MAX_TOKENS)[0] for t in TEXTS]
     hf = [greedy_with_margin(_hf_model(str(path)), encode(path, t), MAX_TOKENS)[0] for t in TEXTS]
     assert gate_only != hf, "test setup: the shared-expert gate's LoRA alone does not change PEFT's tokens"
-    llm = LLM(str(path), lora_modules={n: str(p) for n, p in adapters.items()}, dtype="float32", device="cpu",
-              max_loras=len(adapters), max_lora_rank=16)
-    try:
-        reqs = [(encode(path, t), name) for name in adapters for t in TEXTS]
-        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=[n for _, n in reqs])
-        for out, (ids, name) in zip(outs, reqs):
-            want, margin = peft_greedy_path(path, adapters[name], ids, MAX_TOKENS)
-            assert margin > 1e-3, f"test setup: {name}'s reference is near a tie"
-            assert out.outputs[0].token_ids == want, name
-        llm.engine.check_integrity()
-    finally:
-        llm.shutdown()
+    check_served_as_peft(path, adapters, TEXTS, MAX_TOKENS)
 
 
 def test_gate_only_prompt_logprobs_equal_peft(qwen2) -> None:
@@ -109,15 +98,8 @@ def test_gate_only_prompt_logprobs_equal_peft(qwen2) -> None:
                                                                           prompt_logprobs=0), lora=["g", None])
     finally:
         llm.shutdown()
-    refs = []
-    for model, got in ((_peft_model(path, adapters["gate-only"]), out[0]), (_hf_model(str(path)), out[1])):
-        with torch.no_grad():
-            want = model(torch.tensor([ids])).logits[0].log_softmax(-1)                   # [P, V]
-        lps = [want[i, t].item() for i, t in enumerate(ids[1:])]
-        assert got.prompt_logprobs is not None
-        got_lps = [entry[1] for entry in got.prompt_logprobs[1:]]                         # (token, logprob, top)
-        assert max(abs(a - b) for a, b in zip(lps, got_lps)) < 1e-4
-        refs.append(lps)
+    refs = [prompt_logprobs_as_reference(model, ids, got)
+            for model, got in ((_peft_model(path, adapters["gate-only"]), out[0]), (_hf_model(str(path)), out[1]))]
     assert max(abs(a - b) for a, b in zip(*refs)) > 1e-2, "test setup: the gate's LoRA does not move the log-probs"
 
 

@@ -18,7 +18,7 @@ from core import LLM, SamplingParams  # noqa: E402
 from dora_fixtures import save_dora_adapter, save_lora_adapter, without_modules  # noqa: E402
 from family_models import GEMMA_SPECS  # noqa: E402
 from family_parity import MAX_TOKENS, check_family  # noqa: E402
-from lora_tree import peft_greedy_path, write_adapter  # noqa: E402
+from lora_tree import peft_greedy_path, prompt_logprobs_as_reference, write_adapter  # noqa: E402
 from testlib import PROMPTS, SPECS, _hf_model, encode  # noqa: E402
 from tiny_models import tiny_model_dir  # noqa: E402
 
@@ -53,7 +53,6 @@ def test_vocab_lora_matches_peft(family: str, tmp_path: Path) -> None:
 
 def test_lm_head_lora_in_prompt_logprobs(tmp_path: Path) -> None:
     """The LM head's LoRA on prompt rows (the prompt log-prob pass) equals PEFT's log-softmax."""
-    import torch
     from peft import PeftModel
 
     from lora_fixtures import _fresh_base
@@ -67,12 +66,7 @@ def test_lm_head_lora_in_prompt_logprobs(tmp_path: Path) -> None:
                                                                       prompt_logprobs=0), lora=["v", None])
     peft = PeftModel.from_pretrained(_fresh_base(str(path)), str(adapter)).eval()
     for model, got in ((peft, out[0]), (_hf_model(str(path)), out[1])):
-        with torch.no_grad():
-            want = model(torch.tensor([ids])).logits[0].log_softmax(-1)                   # [P, V]
-        lps = [want[i, t].item() for i, t in enumerate(ids[1:])]
-        assert got.prompt_logprobs is not None
-        got_lps = [entry[1] for entry in got.prompt_logprobs[1:]]              # (token, logprob, top)
-        assert max(abs(a - b) for a, b in zip(lps, got_lps)) < 1e-4
+        prompt_logprobs_as_reference(model, ids, got)
 
 
 def test_a_vocabulary_adapter_does_not_depend_on_torchs_global_generator(tmp_path: Path) -> None:
