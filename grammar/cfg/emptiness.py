@@ -1,7 +1,7 @@
 """Does a context-free grammar admit any string? (the admission check of `guided_grammar` / `grammar`).
 
 A grammar admits a string iff its root is *productive*: some alternative of it is a sequence of productive
-items (a string literal, a non-empty character class, `x*`, `x?`, `x{0,n}`, or a productive rule or group).
+items (a string literal, a character class admitting a code point that is not a UTF-16 surrogate, `x*`, `x?`, `x{0,n}`, or a productive rule or group).
 The usual worklist fixpoint over the rules, on xgrammar's normalized print of the grammar (`str(xgr.Grammar)`: one
 `name ::= expr` rule per line, every literal quoted and escaped, lookaheads as `(= ...)`). Lookaheads are taken
 as satisfied, so the check never refuses a grammar that admits a string. A rule is re-checked only when a rule
@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 MAX_CODE_POINT = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)   # UTF-16 surrogates: code points no UTF-8 text holds, so no string of the language
 _ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "a": 7, "b": 8, "e": 27, "0": 0}
 _RULE = re.compile(r"^([A-Za-z_][\w.\-]*) ::= (.*)$")
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
@@ -46,9 +47,9 @@ def _char_class(text: str, i: int) -> tuple[bool, int]:
             hi, i = _char(text, i + 1)
         ranges.append((lo, hi))
     if not negated:
-        return any(lo <= hi for lo, hi in ranges), i + 1
+        return any(lo <= hi and not (SURROGATES[0] <= lo and hi <= SURROGATES[1]) for lo, hi in ranges), i + 1
     covered = -1   # the code points 0..covered are excluded
-    for lo, hi in sorted(ranges):
+    for lo, hi in sorted(ranges + [SURROGATES]):
         if lo > covered + 1:
             break
         covered = max(covered, hi)
@@ -60,6 +61,7 @@ class _Parser:
 
     def __init__(self, text: str) -> None:
         self.text, self.i = text, 0
+        self.surrogates: list[int] = []   # surrogate code points met in string literals
 
     def _skip(self) -> None:
         while self.i < len(self.text) and self.text[self.i].isspace():
@@ -103,11 +105,13 @@ class _Parser:
     def atom(self) -> Expr:
         ch, t = self._peek(), self.text
         if ch == '"':
-            j = self.i + 1
+            j, found = self.i + 1, len(self.surrogates)
             while t[j] != '"':
-                j += 2 if t[j] == "\\" else 1
+                code, j = _char(t, j)
+                if SURROGATES[0] <= code <= SURROGATES[1]:
+                    self.surrogates.append(code)
             self.i = j + 1
-            return True
+            return len(self.surrogates) == found   # a literal with a surrogate matches no UTF-8 text
         if ch == "[":
             ok, self.i = _char_class(t, self.i)
             return ok
@@ -146,13 +150,30 @@ def _names(expr: Expr, out: set[str]) -> set[str]:
     return out
 
 
-def admits_a_string(normalized: str, root: str = "root") -> bool:
-    """True iff the grammar (xgrammar's normalized print) derives at least one string from `root`."""
+def _rules(normalized: str) -> tuple[dict[str, Expr], list[int]]:
+    """Each rule's expression, and the surrogate code points the grammar's string literals hold."""
     rules: dict[str, Expr] = {}
+    surrogates: list[int] = []
     for line in normalized.splitlines():
         m = _RULE.match(line.strip())
         if m:
-            rules[m.group(1)] = _Parser(m.group(2)).expr()
+            parser = _Parser(m.group(2))
+            rules[m.group(1)] = parser.expr()
+            surrogates += parser.surrogates
+    return rules, surrogates
+
+
+def literal_surrogate(normalized: str) -> int | None:
+    """The first UTF-16 surrogate code point (U+D800-U+DFFF) in a string literal of the grammar, else None: such a
+    literal can only be matched by bytes that are not UTF-8 (xgrammar's matcher takes their CESU-8 form)."""
+    surrogates = _rules(normalized)[1]
+    return surrogates[0] if surrogates else None
+
+
+def admits_a_string(normalized: str, root: str = "root") -> bool:
+    """True iff the grammar (xgrammar's normalized print) derives at least one string of Unicode scalar values
+    (no surrogate code point) from `root`."""
+    rules = _rules(normalized)[0]
     users: dict[str, list[str]] = {}   # rule -> the rules that mention it (re-checked when it turns productive)
     for name, expr in rules.items():
         for used in _names(expr, set()):

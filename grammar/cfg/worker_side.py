@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grammar.cfg.emptiness import admits_a_string
+from grammar.cfg.emptiness import admits_a_string, literal_surrogate
 
 # xgrammar's errors start with its log prefix: "[14:22:30] /project/cpp/grammar_parser.cc:820: "
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*.*?:\d+:\s*")        # the path may hold spaces or a drive's colon
@@ -16,13 +16,19 @@ def parse_error_message(exc: BaseException) -> str:
 
 
 def parse_gbnf(text: str) -> Any:
-    """xgrammar's Grammar of the GBNF `text`; a syntax error or an undefined rule -> ValueError(the reason)."""
+    """xgrammar's Grammar of the GBNF `text`; a syntax error, an undefined rule or a string literal holding a
+    UTF-16 surrogate (no UTF-8 text holds one) -> ValueError(the reason)."""
     import xgrammar as xgr  # xgrammar: seconds to import (callers import it only for GBNF requests)
 
     try:
-        return xgr.Grammar.from_ebnf(text)
+        grammar = xgr.Grammar.from_ebnf(text)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
         raise ValueError(parse_error_message(e)) from None
+    code = literal_surrogate(str(grammar))
+    if code is not None:
+        raise ValueError(f"a string literal holds U+{code:04X}, a UTF-16 surrogate code point, which no UTF-8 "
+                         f"text contains (write a character past U+FFFF as one \\U escape of 8 hex digits)")
+    return grammar
 
 
 def tokenizer_info(token_map: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]) -> Any:

@@ -12,12 +12,14 @@ from grammar.errors import GrammarError
 
 EMPTY_GRAMMARS = ['root ::= root "a"', 'root ::= a\na ::= "x" a', 'root ::= [^\\x00-\\U0010FFFF]',
                   'root ::= x{1,3}\nx ::= x', 'root ::= x+\nx ::= "a" x', 'root ::= [^\\x00-\\x7f\\x80-\\U0010FFFF]',
-                  'root ::= ("a" | x) ("b" x)\nx ::= x "c"']
+                  'root ::= ("a" | x) ("b" x)\nx ::= x "c"',
+                  'root ::= [\\uD800-\\uDFFF]', 'root ::= [^\\x00-\\uD7FF\\uE000-\\U0010FFFF]',   # surrogates only
+                  'root ::= [\\uDC00]+ | x\nx ::= x']
 NONEMPTY_GRAMMARS = ['root ::= "a"', 'root ::= ""', 'root ::= [^\\x00-\\U0010FFFF] | "b"', 'root ::= x{0,3}\nx ::= x',
                      'root ::= x*\nx ::= "a" x', 'root ::= [^\\x01-\\U0010FFFF]', 'root ::= "]\\"[" "|"',
                      'root ::= a b\na ::= "x" | b\nb ::= a "y" | "z"', 'root ::= "a" (= [^\\x00-\\U0010FFFF])',
                      'root ::= [^a-z\\]\\-] [\\n\\t"] "\\"q\\u00e9" x{2,} y{0,3} z? (= "a")\n'
-                     'x ::= "x"\ny ::= [a]*\nz ::= ""']
+                     'x ::= "x"\ny ::= [a]*\nz ::= ""', 'root ::= [\\uD000-\\uE000]', 'root ::= [^\\x00-\\uD7FF]']
 
 
 def normalized(text: str) -> str:
@@ -59,10 +61,34 @@ def test_reaches_final_on_an_index_with_a_dead_branch() -> None:
     assert reaches_final(outlines_core.Index("a{0}", vocabulary))          # only the empty string: fine
 
 
+@pytest.mark.parametrize("text", ['root ::= "\\uD800"', 'root ::= "a" | "x\\uDFFFy"', 'root ::= "\\U0000DC00"',
+                                  'root ::= x\nx ::= "b" "\\ud83d\\ude00"'])
+def test_a_string_literal_with_a_surrogate_is_refused(text: str) -> None:
+    """A literal holding a UTF-16 surrogate matches only bytes that are not UTF-8 (xgrammar takes their CESU-8
+    form): a grammar of such literals alone was accepted and its requests ended at once with empty text. Refused
+    at the parse, in the API process and in the compile worker (a pair of escapes is two surrogates in GBNF, not
+    one character)."""
+    from grammar.cfg.cfg_grammar import check_grammar
+    from grammar.cfg.worker_side import parse_gbnf
+
+    with pytest.raises(ValueError, match="surrogate"):
+        parse_gbnf(text)
+    with pytest.raises(GrammarError) as info:
+        check_grammar(text, "guided_grammar")
+    assert info.value.code == "invalid_grammar" and "U+D" in info.value.message
+
+
+def test_a_surrogate_range_inside_a_wider_class_is_kept() -> None:
+    from grammar.cfg.worker_side import parse_gbnf
+
+    for text in ('root ::= [\\u0000-\\uFFFF]+', 'root ::= "\\uD7FF\\uE000"', 'root ::= [^\\uD800-\\uDFFF]'):
+        assert admits_a_string(str(parse_gbnf(text))), text
+
+
 @pytest.mark.parametrize("kind, value", [
     ("grammar", 'root ::= root "a"'), ("grammar", 'root ::= a\na ::= "x" a'),
-    ("grammar", 'root ::= [^\\x00-\\U0010FFFF]'), ("regex", "[^\\s\\S]"), ("regex", "a[b&&c]"),
-    ("regex", "a+[b&&c]"),
+    ("grammar", 'root ::= [^\\x00-\\U0010FFFF]'), ("grammar", 'root ::= [\\uD800-\\uDBFF]'), ("regex", "[^\\s\\S]"),
+    ("regex", "a[b&&c]"), ("regex", "a+[b&&c]"),
 ])
 def test_compiler_refuses_an_empty_language(kind: str, value: str, compiler: Any) -> None:
     spec = constraint_spec(kind, value, f"guided_{kind}")

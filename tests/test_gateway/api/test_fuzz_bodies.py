@@ -176,6 +176,8 @@ def test_issue_22_stop_token_id_past_the_vocabulary(http: httpx.Client) -> None:
 EMPTY = {"type": "integer", "minimum": 5, "maximum": 2}
 EMPTY_LANGUAGE_FIELDS = [
     ("guided_grammar", 'root ::= a\na ::= "x" a', "guided_grammar"),
+    ("guided_grammar", 'root ::= "\\uD800"', "guided_grammar"),            # a lone surrogate: no UTF-8 text
+    ("guided_grammar", 'root ::= [\\uDC00-\\uDFFF]*  [\\uD800]', "guided_grammar"),
     ("guided_regex", "a+[b&&c]", "guided_regex"),
     ("guided_json", EMPTY, "guided_json"),
     ("structured_outputs", {"grammar": 'root ::= root "a"'}, "structured_outputs.grammar"),
