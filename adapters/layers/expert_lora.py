@@ -9,7 +9,8 @@ has an adapter: those rows are grouped by (slot, expert), and each group is one 
 per projection, from the factors of adapters/slots/expert_slots.py. Rows of the base model cost nothing; a step
 without LoRA on this layer's experts runs the plain experts. The router's LoRA (`RouterLoRA`) adds to its logits
 like any linear's, before the softmax and top-k; the shared-expert gate's (`SharedGateLoRA`, Qwen2-MoE) adds to
-the gate's one logit before the block's sigmoid.
+the gate's one logit before the block's sigmoid. DoRA there rescales the row's output of the small linear (the
+slots' per-column scale and shift, from its base weight).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from adapters.layers.context import LoRAContext
 from adapters.lora_ops.bgmv import DecodeLoRAMeta
-from adapters.slots.expert_slots import ExpertSlots, LayerLinearSlots
+from adapters.slots.expert_slots import SHARED_GATE, ExpertSlots, LayerLinearSlots
 
 
 def token_slots(meta: Any, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -75,7 +76,12 @@ class _LayerLinearLoRA(nn.Module):
         for slot in [int(v) for v in torch.unique(slots).tolist() if v >= 0 and f.ranks_host[layer, v]]:
             rows = torch.nonzero(slots == slot).squeeze(1)
             h = (x[rows] @ f.a[layer, slot].t()) * f.scalings[layer, slot].to(x.dtype)   # [n, R]
-            y.index_add_(0, rows, (h @ f.b[layer, slot].t()).to(y.dtype))               # [n, out]
+            delta = h @ f.b[layer, slot].t()                                            # [n, out]
+            if f.dora_host[layer, slot]:   # DoRA: m / ||W + s B A||_row * (x W^T + delta) + (1 - that) * bias
+                out = (y[rows].float() + delta.float()) * f.dora_scale[layer, slot] + f.dora_shift[layer, slot]
+                y.index_copy_(0, rows, out.to(y.dtype))                                 # [n, out]
+                continue
+            y.index_add_(0, rows, delta.to(y.dtype))                                    # [n, out]
         return y
 
     def extra_repr(self) -> str:
@@ -153,7 +159,9 @@ def apply_expert_lora_wrappers(model: nn.Module, slots: ExpertSlots, context: Lo
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and not isinstance(experts, ExpertLoRA):
             layer.mlp.experts = ExpertLoRA(experts, slots, context, idx)
+            slots.register_base(idx, "gate", layer.mlp.gate)        # DoRA's norms read the base weights
             layer.mlp.gate = RouterLoRA(layer.mlp.gate, slots, context, idx)
             gate = getattr(layer.mlp, "shared_expert_gate", None)
             if gate is not None and slots.shared_gate is not None:
+                slots.register_base(idx, SHARED_GATE, gate)
                 layer.mlp.shared_expert_gate = SharedGateLoRA(gate, slots, context, idx)

@@ -22,8 +22,12 @@
    PEFT does. `target_parameters` on `mlp.shared_expert_gate.weight` stays refused (400).
 
 Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) is a dense MLP: its keys are renamed to the
-dense names (`mlp.gate_proj`, ...) for the dense loader. DoRA on the router or the shared-expert gate is refused
-(400), as is `use_dora` with LoRA on either.
+dense names (`mlp.gate_proj`, ...) for the dense loader.
+
+DoRA (`use_dora`) on the router or the shared-expert gate as a module (`target_modules`: peft's all-linear DoRA
+adapter on Qwen2-MoE puts it on the gate): `....lora_magnitude_vector` [out] beside the pair, kept as the module's
+magnitude; the slots compute m / ||W + s B A||_row from the base weight (adapters/slots/expert_slots.py). peft's
+`target_parameters` (the router's weight, the fused experts) takes no DoRA: a DoRA adapter with them is refused.
 """
 from __future__ import annotations
 
@@ -55,9 +59,9 @@ _ROUTER_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|b
                          r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
 _SHARED_GATE_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.shared_expert_gate)"
                               r"\.lora_(?P<ab>A|B)(?:\.[\w-]+)?\.weight$")
-# DoRA's magnitude on the router or the shared-expert gate (served nowhere: a clear 400, not "unsupported weight")
-_LAYER_LINEAR_DORA = re.compile(r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:gate|shared_expert_gate)"
-                                r"\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$")
+# DoRA's magnitude on the router or the shared-expert gate
+_LAYER_LINEAR_DORA = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
+                                r"(?P<proj>gate|shared_expert_gate))\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$")
 _SHARED = re.compile(r"(layers\.\d+\.mlp)\.shared_expert\.(gate_proj|up_proj|down_proj)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
          "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -97,9 +101,8 @@ def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     """(the dense keys, the shared expert's renamed to the dense names; the experts' keys)."""
     dense, experts = {}, {}
     for key, tensor in state.items():
-        if _LAYER_LINEAR_DORA.match(key):
-            raise _dora_refused(key)
-        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key) or _SHARED_GATE_KEY.match(key):
+        if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key) or \
+                _SHARED_GATE_KEY.match(key) or _LAYER_LINEAR_DORA.match(key):
             experts[key] = tensor
         else:
             dense[_SHARED.sub(r"\1.\2.", key)] = tensor
@@ -107,17 +110,25 @@ def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
 
 
 def _dora_refused(key: str) -> AdapterError:
-    return _invalid(f"{shown(key)}: DoRA (use_dora) on the MoE router (mlp.gate) or Qwen2-MoE's shared-expert gate "
-                    "(mlp.shared_expert_gate) is not supported; leave them out of the DoRA adapter "
-                    "(exclude_modules) or train it without use_dora", CODE_UNSUPPORTED_FEATURE)
+    return _invalid(f"{shown(key)}: DoRA (use_dora) through target_parameters (the MoE router's weight or the fused "
+                    "experts) is not supported (peft has no DoRA there either); target the modules, or train it "
+                    "without use_dora", CODE_UNSUPPORTED_FEATURE)
 
 
 def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple[int, str, int | None], dict[str, Any]]:
     """(layer, per-expert projection or a ParamWrapper's depth, expert or None) -> {"key", "A", "B"}."""
     pairs: dict[tuple[int, str, int | None], dict[str, Any]] = {}
     for key, tensor in state.items():
-        if not tensor.is_floating_point() or tensor.dim() != 2:
-            raise _invalid(f"{shown(key)} must be a 2-D floating point tensor", CODE_CORRUPT)
+        mag = _LAYER_LINEAR_DORA.match(key)
+        if not tensor.is_floating_point() or tensor.dim() != (1 if mag is not None else 2):
+            raise _invalid(f"{shown(key)} must be a {1 if mag is not None else 2}-D floating point tensor", CODE_CORRUPT)
+        if mag is not None:
+            proj = "gate" if mag["proj"] == "gate" else SHARED_GATE
+            entry = pairs.setdefault((int(mag["layer"]), proj, ROUTER), {"key": _module_key(mag["module"])})
+            if "M" in entry:
+                raise _invalid(f"duplicate DoRA magnitude for {shown(entry['key'])}", CODE_CORRUPT)
+            entry["M"] = tensor
+            continue
         m = _PER_EXPERT.match(key)
         router, shared_gate = _ROUTER_KEY.match(key), _SHARED_GATE_KEY.match(key)
         if m is not None:
@@ -156,6 +167,8 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
     out: dict[ExpertKey, LoRAModule] = {}
     for (layer, proj, expert), entry in sorted(_pairs(state, dims).items(), key=lambda kv: str(kv[0])):
         mkey = entry["key"]
+        if "A" not in entry and "B" not in entry:
+            raise _invalid(f"{shown(mkey)} has a DoRA magnitude vector but no LoRA A / B", CODE_CORRUPT)
         if "A" not in entry or "B" not in entry:
             raise _invalid(f"{shown(mkey)} has lora_A without lora_B or the reverse", CODE_CORRUPT)
         a, b = entry["A"], entry["B"]
@@ -170,7 +183,8 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
             mkey = f"{mkey}.{proj}"
         elif proj == "gate" and "gate" in order:
             mkey = f"{mkey}.weight"
-        if expert == ROUTER and cfg.use_dora:           # PEFT would put DoRA on it: served as plain LoRA, it differs
+        magnitude = entry.get("M")
+        if cfg.use_dora and (expert is None or mkey.endswith(".weight")):   # target_parameters: no DoRA in peft
             raise _dora_refused(mkey)
         if proj == SHARED_GATE and cfg.targets(mkey) is False:   # a module, named in target_modules as PEFT matches
             raise _invalid(f"adapter has LoRA weights for {shown(mkey)}, which adapter_config.json does not target "
@@ -189,8 +203,12 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
             raise _invalid(f"{shown(mkey)}: weights have rank {rank} but the config says {cfg.rank_for(mkey)}",
                            CODE_SHAPE_MISMATCH)
         scaling = cfg.scaling_for(mkey, rank)
+        if expert == ROUTER:
+            _check_magnitude(mkey, magnitude, cfg.use_dora, out_f)
         if expert is not None:
-            _put(out, (layer, expert, proj), LoRAModule(a.contiguous(), b.contiguous(), scaling), mkey)
+            _put(out, (layer, expert, proj), LoRAModule(a.contiguous(), b.contiguous(), scaling,
+                                                        magnitude=None if magnitude is None else
+                                                        magnitude.float().contiguous()), mkey)
             continue
         for e in range(num_experts):
             a_e = a[e * rank:(e + 1) * rank].contiguous()             # [r, in]: expert-major rows
@@ -201,6 +219,22 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
                 _put(out, (layer, e, "gate_proj"), LoRAModule(a_e, b_e[:inter].contiguous(), scaling), mkey)
                 _put(out, (layer, e, "up_proj"), LoRAModule(a_e, b_e[inter:].contiguous(), scaling), mkey)
     return out
+
+
+def _check_magnitude(mkey: str, magnitude: torch.Tensor | None, use_dora: bool, out_f: int) -> None:
+    """The router's or shared-expert gate's DoRA magnitude: present exactly under use_dora, [out], finite."""
+    if magnitude is None:
+        if use_dora:
+            raise _invalid(f"{shown(mkey)}: use_dora is set but the module has no lora_magnitude_vector",
+                           CODE_CORRUPT)
+        return
+    if not use_dora:
+        raise _invalid(f"{shown(mkey)} has a DoRA magnitude vector but the config has no use_dora", CODE_INVALID)
+    if tuple(magnitude.shape) != (out_f,):
+        raise _invalid(f"{shown(mkey)}: lora_magnitude_vector {tuple(magnitude.shape)} does not fit the base model "
+                       f"(expected ({out_f},))", CODE_SHAPE_MISMATCH)
+    if not bool(torch.isfinite(magnitude).all()):
+        raise _invalid(f"{shown(mkey)}: lora_magnitude_vector has non-finite values", CODE_CORRUPT)
 
 
 def _put(out: dict[ExpertKey, LoRAModule], key: ExpertKey, module: LoRAModule, mkey: str) -> None:

@@ -12,6 +12,8 @@ b [L, slots, out, R], scalings [L, slots] with a CPU mirror, ranks [L, slots] on
     router       LoRA on the router's logits (`mlp.gate`, out E): (layer, -1, "gate") in an adapter's expert_modules
     shared_gate  LoRA on Qwen2-MoE's shared-expert gate (`mlp.shared_expert_gate`, out 1):
                  (layer, -1, "shared_expert_gate"); allocated only for a base with a shared expert (else None)
+with DoRA (`dora_scale` / `dora_shift` [L, slots, out] float32: 1 and 0 where a slot has none) computed from the
+base linear's weight, which the wrappers register (`register_base`), as slot_pool.py's DoRA for the dense linears.
 The slot pool calls `check_compatible`, `write`, `clear` and `check_integrity` with its own slot bookkeeping;
 adapters/layers/expert_lora.py computes the deltas from these buffers.
 """
@@ -24,6 +26,7 @@ import torch
 from adapters.adapter import LoRAAdapter, LoRAModule
 from adapters.errors import CODE_SHAPE_MISMATCH, AdapterError, SlotPoolIntegrityError
 from adapters.layers.dims import BaseModelDims
+from adapters.slots.dora_scales import base_weight, dora_scale_shift
 
 PROJ_INDEX = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 ROUTER = -1   # the expert index of a module that is no expert's: the router, the shared-expert gate (expert_keys.py)
@@ -44,30 +47,51 @@ class LayerLinearSlots:
         self.scalings = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
         self.scalings_host = torch.zeros(L, num_slots, dtype=torch.float32)
         self.ranks_host = torch.zeros(L, num_slots, dtype=torch.int32)
+        self.dora_scale = torch.ones(L, num_slots, out_features, dtype=torch.float32, device=device)
+        self.dora_shift = torch.zeros(L, num_slots, out_features, dtype=torch.float32, device=device)
+        self.dora_host = torch.zeros(L, num_slots, dtype=torch.bool)     # DoRA on (layer, slot)
+        self.bases: dict[int, torch.nn.Module] = {}                     # layer -> the base linear (DoRA's norms)
 
     def clear(self, slot: int) -> None:
-        for t in (self.a, self.b, self.scalings):
+        for t in (self.a, self.b, self.scalings, self.dora_shift):
             t[:, slot].zero_()
+        self.dora_scale[:, slot] = 1.0
         self.scalings_host[:, slot] = 0
         self.ranks_host[:, slot] = 0
+        self.dora_host[:, slot] = False
 
     def write(self, layer: int, slot: int, mod: LoRAModule, non_blocking: bool) -> None:
-        """One layer's factors; the device scalings follow in `sync_scalings`."""
+        """One layer's factors (and DoRA's scale and shift from the base weight); the device scalings follow in
+        `sync_scalings`."""
         self.a[layer, slot, :mod.rank].copy_(mod.lora_a, non_blocking=non_blocking)      # [r, in]
         self.b[layer, slot, :, :mod.rank].copy_(mod.lora_b, non_blocking=non_blocking)   # [out, r]
         self.scalings_host[layer, slot] = mod.scaling
         self.ranks_host[layer, slot] = mod.rank
+        if mod.is_dora:
+            base = self.bases[layer]
+            with torch.no_grad():
+                scale, shift = dora_scale_shift(base_weight(base), getattr(base, "bias", None), mod)   # [out] each
+            self.dora_scale[layer, slot].copy_(scale)
+            self.dora_shift[layer, slot].copy_(shift)
+            self.dora_host[layer, slot] = True
 
     def sync_scalings(self, slot: int) -> None:
         self.scalings[:, slot].copy_(self.scalings_host[:, slot])
 
     def check_integrity(self, name: str) -> None:
-        """Shapes, and the device scalings equal to their host mirror."""
+        """Shapes, the device scalings equal to their host mirror, DoRA's scale 1 and shift 0 where off."""
         L, S = self.ranks_host.shape
         R = self.a.shape[2]
         if tuple(self.a.shape) != (L, S, R, self.in_features) or tuple(self.b.shape) != (L, S, self.out_features, R) \
-                or tuple(self.scalings.shape) != (L, S) or tuple(self.scalings_host.shape) != (L, S):
+                or tuple(self.scalings.shape) != (L, S) or tuple(self.scalings_host.shape) != (L, S) \
+                or tuple(self.dora_scale.shape) != (L, S, self.out_features) \
+                or tuple(self.dora_shift.shape) != (L, S, self.out_features) or tuple(self.dora_host.shape) != (L, S):
             raise SlotPoolIntegrityError(f"experts: {name} buffers have the wrong shapes")
+        off = ~self.dora_host                                                           # [L, S]
+        if not bool((self.dora_scale.cpu()[off] == 1).all()) or bool(self.dora_shift.cpu()[off].any()):
+            raise SlotPoolIntegrityError(f"experts: {name} has a DoRA scale != 1 or shift != 0 without DoRA")
+        if bool((self.dora_host & (self.ranks_host == 0)).any()):
+            raise SlotPoolIntegrityError(f"experts: {name} has DoRA on a (layer, slot) without LoRA")
         if not torch.equal(self.scalings.cpu(), self.scalings_host):
             raise SlotPoolIntegrityError(f"experts: {name} device scalings differ from the host mirror")
         if bool((self.ranks_host < 0).any()) or bool((self.ranks_host > R).any()):
@@ -107,12 +131,20 @@ class ExpertSlots:
             return h, 1
         return (inter, h) if proj == "down_proj" else (h, inter)
 
+    def register_base(self, layer: int, proj: str, base: torch.nn.Module) -> None:
+        """The base router ("gate") or shared-expert gate a wrapper put LoRA on: DoRA's norms read its weight."""
+        self.layer_linears()[proj].bases[layer] = base
+
     def check_compatible(self, adapter: LoRAAdapter) -> None:
         linears = self.layer_linears()
         for (layer, expert, proj), mod in adapter.expert_modules.items():
             if proj not in PROJ_INDEX and proj not in linears:
                 raise AdapterError(f"adapter expert module ({layer}, {expert}, {proj}): the base model has no such "
                                    "module", CODE_SHAPE_MISMATCH)
+            if mod.is_dora and (proj not in linears or layer not in linears[proj].bases
+                                or tuple(mod.magnitude.shape) != (self.shape_of(proj)[1],)):
+                raise AdapterError(f"adapter expert module ({layer}, {expert}, {proj}): DoRA there does not fit the "
+                                   "base model", CODE_SHAPE_MISMATCH)
             in_f, out_f = self.shape_of(proj)
             lo = ROUTER if proj in LAYER_LINEARS else 0
             if not 0 <= layer < self.dims.num_layers or not lo <= expert < self.dims.num_experts \
@@ -176,10 +208,12 @@ class ExpertSlots:
             linear_scalings = {name: torch.zeros_like(linear.scalings_host[:, slot]) for name, linear in
                                linears.items()}                           # [L] each
             modules = adapter.expert_modules if adapter is not None else {}
+            linear_dora = {name: torch.zeros_like(linear.dora_host[:, slot]) for name, linear in linears.items()}
             for (layer, expert, proj), mod in modules.items():
                 if proj in linears:
                     linear_ranks[proj][layer] = mod.rank
                     linear_scalings[proj][layer] = mod.scaling
+                    linear_dora[proj][layer] = mod.is_dora
                 else:
                     ranks[layer, expert, PROJ_INDEX[proj]] = mod.rank
             if not torch.equal(ranks, self.ranks_host[:, slot]) or \
@@ -187,6 +221,9 @@ class ExpertSlots:
                 raise SlotPoolIntegrityError(f"experts: slot {slot} ranks do not match its adapter")
             if any(not torch.equal(linear_scalings[n], lin.scalings_host[:, slot]) for n, lin in linears.items()):
                 raise SlotPoolIntegrityError(f"experts: slot {slot} router / shared-gate scalings do not match its "
+                                             "adapter")
+            if any(not torch.equal(linear_dora[n], lin.dora_host[:, slot]) for n, lin in linears.items()):
+                raise SlotPoolIntegrityError(f"experts: slot {slot} router / shared-gate DoRA flags do not match its "
                                              "adapter")
             if not deep:
                 continue

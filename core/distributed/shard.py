@@ -126,5 +126,5 @@ class TPShard:
                 a = a[:, start:start + size]                                 # [r, I / N]
             elif key[2] not in ("gate", "shared_expert_gate"):               # the router, the shared gate: whole
                 b = b[start:start + size]                                    # [I / N, r]
-            experts[key] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling)
+            experts[key] = LoRAModule(a.contiguous(), b.contiguous(), mod.scaling, mod.magnitude)   # DoRA: whole
         return dataclasses.replace(adapter, modules=modules, expert_modules=experts)

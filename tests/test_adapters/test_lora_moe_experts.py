@@ -1,7 +1,8 @@
 """LoRA on MoE experts, unit level: PEFT's target_parameters layout split into per-expert factors (each equal to
 PEFT's own delta of that expert), refusals (target_parameters on the shared expert's gate, a dense base, a wrong
 expert count), the router's and the shared-expert gate's LoRA on their logits, the expert slots under random loads
-and evictions with check_integrity() after every operation (with and without shared-expert gate slots), and the
+and evictions with check_integrity() after every operation (with and without shared-expert gate slots, DoRA on
+the router and the gate among them), and the
 wrapper's grouped deltas against a per-row loop. The end-to-end parity with PEFT is
 tests/test_core/models/test_moe_families.py (the shared-expert gate's: test_lora_shared_expert_gate.py)."""
 from __future__ import annotations
@@ -98,18 +99,24 @@ def test_refusals(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
     assert err.value.status == 400
 
 
+def _magnitude(rng: random.Random, g: torch.Generator, out: int) -> torch.Tensor | None:
+    """DoRA's magnitude [out] for a router / shared-gate module, on 40% of them (None: plain LoRA)."""
+    return torch.rand(out, generator=g) * 2 + 0.5 if rng.random() < 0.4 else None
+
+
 def _random_expert_adapter(rng: random.Random, tag: str, shared_gate: bool = False) -> LoRAAdapter:
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     experts = {}
     for layer in range(DIMS.num_layers):
-        if rng.random() < 0.5:   # the router (expert -1)
+        if rng.random() < 0.5:   # the router (expert -1), with DoRA's magnitude at times
             r = rng.randint(1, 4)
             experts[(layer, -1, "gate")] = LoRAModule(torch.randn(r, 16, generator=g), torch.randn(3, r, generator=g),
-                                                      rng.uniform(0.5, 2))
+                                                      rng.uniform(0.5, 2), _magnitude(rng, g, 3))
         if shared_gate and rng.random() < 0.6:   # the shared expert's gate (expert -1, one output)
             r = rng.randint(1, 4)
             experts[(layer, -1, "shared_expert_gate")] = LoRAModule(
-                torch.randn(r, 16, generator=g), torch.randn(1, r, generator=g), rng.uniform(0.5, 2))
+                torch.randn(r, 16, generator=g), torch.randn(1, r, generator=g), rng.uniform(0.5, 2),
+                _magnitude(rng, g, 1))
         for e in rng.sample(range(DIMS.num_experts), rng.randint(1, DIMS.num_experts)):
             for proj in rng.sample(["gate_proj", "up_proj", "down_proj"], rng.randint(1, 3)):
                 r = rng.randint(1, 4)
@@ -147,6 +154,8 @@ def _linear_reference(linear: torch.nn.Linear, x: torch.Tensor, token_adapters: 
         m = adapter.expert_modules.get(key) if adapter is not None else None
         if m is not None:
             want[t] += m.scaling * (m.lora_b @ (m.lora_a @ x[t]))
+            if m.magnitude is not None:   # DoRA: m / ||W + s B A||_row of the folded weight (no bias here)
+                want[t] *= m.magnitude / torch.linalg.norm(linear.weight + m.scaling * m.lora_b @ m.lora_a, dim=1)
     return want
 
 
@@ -168,6 +177,12 @@ def test_expert_slots_random_operations_and_deltas(seed: int, shared: bool) -> N
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.3)
         experts.down_proj.normal_(0, 0.3)
+    routers = [torch.nn.Linear(16, 3, bias=False) for _ in range(DIMS.num_layers)]
+    gates = [torch.nn.Linear(16, 1, bias=False) for _ in range(DIMS.num_layers)]
+    for layer in range(DIMS.num_layers):    # DoRA's norms read the base weights, as the wrappers register them
+        pool.experts.register_base(layer, "gate", routers[layer])
+        if shared:
+            pool.experts.register_base(layer, "shared_expert_gate", gates[layer])
     adapters = {}
     for step in range(12):
         op = rng.random()
@@ -189,16 +204,17 @@ def test_expert_slots_random_operations_and_deltas(seed: int, shared: bool) -> N
         with torch.no_grad():
             torch.testing.assert_close(wrapper(x, weights, idx),
                                        _expected(x, experts, weights, idx, token_adapters, layer), atol=1e-4, rtol=1e-4)
-            router = torch.nn.Linear(16, 3, bias=False)
+            router = routers[layer]
             torch.testing.assert_close(RouterLoRA(router, pool.experts, pool.context, layer)(x),
                                        _linear_reference(router, x, token_adapters, (layer, -1, "gate")),
                                        atol=1e-4, rtol=1e-4)
             if shared:
-                gate = torch.nn.Linear(16, 1, bias=False)
+                gate = gates[layer]
                 torch.testing.assert_close(SharedGateLoRA(gate, pool.experts, pool.context, layer)(x),
                                            _linear_reference(gate, x, token_adapters,
                                                              (layer, -1, "shared_expert_gate")), atol=1e-4, rtol=1e-4)
     assert isinstance(pool.context, LoRAContext)
+    assert any(m.is_dora for a in adapters.values() for m in a.expert_modules.values())
     if shared:
         assert any(k[2] == "shared_expert_gate" for a in adapters.values() for k in a.expert_modules)
 
@@ -227,12 +243,15 @@ def test_shared_gate_slots_integrity_on_write_clear_and_reuse() -> None:
     for damage in (lambda: sg.a[1, 0, 3].fill_(1.0),          # a weight beyond the adapter's rank
                    lambda: sg.b[0, 0, 0, 0].add_(1.0),          # a factor that differs from the adapter's
                    lambda: sg.scalings[0, 0].fill_(9.0),        # the device scalings off their host mirror
-                   lambda: sg.ranks_host[1, 0].fill_(3)):       # a rank that is not the adapter's
-        saved = [t.clone() for t in (sg.a, sg.b, sg.scalings, sg.ranks_host)]
+                   lambda: sg.ranks_host[1, 0].fill_(3),        # a rank that is not the adapter's
+                   lambda: sg.dora_scale[0, 0].fill_(2.0),      # a DoRA scale on a slot without DoRA
+                   lambda: sg.dora_host[1, 0].fill_(True)):     # a DoRA flag the adapter does not have
+        tensors = (sg.a, sg.b, sg.scalings, sg.ranks_host, sg.dora_scale, sg.dora_host)
+        saved = [t.clone() for t in tensors]
         damage()
         with pytest.raises(SlotPoolIntegrityError):
             pool.check_integrity()
-        for t, old in zip((sg.a, sg.b, sg.scalings, sg.ranks_host), saved):
+        for t, old in zip(tensors, saved):
             t.copy_(old)
         pool.check_integrity()
     pool.unload_adapter("small")

@@ -3,8 +3,9 @@ sigmoid(gate(x)) * shared_expert(x)), which peft's `target_modules="all-linear"`
 adapters were refused with a 400 ("unsupported target modules [model.layers.0.mlp.shared_expert_gate, ...]"); now
 served as `PeftModel` computes them (fp32, CPU): greedy tokens and prompt log-probs, alone, and beside the base and
 another adapter in one batch, on one rank and at TP=2; rank / alpha patterns and rsLoRA on the gate as PEFT applies
-them; weights the config does not target, a targeted gate without weights, DoRA on the gate and a base without a
-shared expert refused (400).
+them; DoRA on the gate (peft's all-linear DoRA adapter) as PEFT computes it; weights the config does not target, a
+targeted gate without weights, a DoRA magnitude missing, misshapen or without use_dora, and a base without a shared
+expert refused (400).
 The slots' integrity under writes, evictions and reuse: tests/test_adapters/test_lora_moe_experts.py."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
@@ -25,7 +27,7 @@ from adapters.layers.dims import BaseModelDims  # noqa: E402
 from adapters.peft.loader import load_peft_adapter  # noqa: E402
 from core import LLM, SamplingParams  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
-from dora_fixtures import save_dora_adapter  # noqa: E402
+from dora_fixtures import plain_twin, save_dora_adapter  # noqa: E402
 from family_parity import check_family  # noqa: E402
 from lora_fixtures import _fresh_base, _save_adapter  # noqa: E402
 from lora_tree import (  # noqa: E402
@@ -120,6 +122,43 @@ def test_tp2_keeps_the_shared_gate_lora_whole(qwen2) -> None:
                  num_kv_blocks=16)
 
 
+@pytest.fixture(scope="module")
+def dora_adapters(qwen2, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """peft's all-linear DoRA adapter on Qwen2-MoE (DoRA on the shared-expert gate among the rest), and a DoRA
+    adapter on the gate alone whose magnitudes change PEFT's tokens against its own A and B as plain LoRA."""
+    path = qwen2[0]
+    out = tmp_path_factory.mktemp("shared_gate_dora")
+    return {"dora-all-linear": save_dora_adapter(path, out / "all-linear", "all-linear", rank=4, seed=5),
+            "dora-gate": save_dora_adapter(path, out / "gate", [GATE], rank=4, seed=41, b_mult=2.0, jitter=0.9)}
+
+
+def test_dora_on_the_shared_expert_gate_is_served_as_peft(qwen2, dora_adapters, tmp_path: Path) -> None:
+    """peft's all-linear DoRA adapter on Qwen2-MoE puts DoRA on each layer's shared-expert gate: it was a 400
+    ("DoRA on the MoE router or the shared-expert gate is not supported"). Served now: the gate's magnitude kept
+    ([1], fp32), greedy tokens equal PeftModel's for the all-linear and the gate-only DoRA adapters in one batch;
+    the gate-only adapter's PEFT tokens differ from its plain-LoRA twin's, so the magnitudes are what is proven."""
+    path, dims, _ = qwen2
+    loaded = load_peft_adapter(dora_adapters["dora-all-linear"], dims, max_lora_rank=16)
+    gates = {k: m for k, m in loaded.expert_modules.items() if k[2] == GATE}
+    assert gates and all(m.magnitude is not None and tuple(m.magnitude.shape) == (1,) for m in gates.values())
+    twin = plain_twin(dora_adapters["dora-gate"], tmp_path / "twin")
+    ids = [encode(path, t) for t in TEXTS]
+    dora = [peft_greedy_path(path, dora_adapters["dora-gate"], i, MAX_TOKENS)[0] for i in ids]
+    assert dora != [peft_greedy_path(path, twin, i, MAX_TOKENS)[0] for i in ids], \
+        "test setup: the gate's DoRA magnitudes do not change PEFT's tokens"
+    check_served_as_peft(path, dora_adapters, TEXTS, MAX_TOKENS)
+
+
+def test_dora_gate_in_a_mixed_batch_and_at_tp2(qwen2, dora_adapters) -> None:
+    """The DoRA adapters beside the plain gate-only one and the base: chunked prefill, preemption, prefix caching;
+    then two ranks (the gate and its magnitude whole on each)."""
+    path, _, adapters = qwen2
+    both = {**dora_adapters, "gate-only": adapters["gate-only"]}
+    check_family(path, both, TEXTS, prefix=True, reference_fn=moe_reference)
+    check_family(path, both, TEXTS[:1], prefix=True, reference_fn=moe_reference, tensor_parallel_size=2,
+                 num_kv_blocks=16)
+
+
 def _edit(src: Path, out: Path, config: dict | None = None, drop: str | None = None) -> Path:
     shutil.copytree(src, out)
     if drop is not None:
@@ -139,8 +178,9 @@ def _expect_400(path: Path, dims: BaseModelDims, code: str, match: str) -> None:
 
 def test_refusals(qwen2, tmp_path: Path) -> None:
     """Gate weights the config does not target (PEFT would ignore them), a targeted gate without weights (PEFT would
-    give it its initial LoRA), DoRA on the gate (peft's all-linear DoRA adapter, and use_dora with the gate's
-    magnitudes dropped), and the gate's LoRA on a base without a shared expert: each a 400 naming the reason."""
+    give it its initial LoRA), a DoRA adapter whose gate magnitude is missing, of the wrong shape or rank, non-finite,
+    without use_dora or without its pair, and the gate's LoRA on a base without a shared expert: each a 400 naming
+    the reason."""
     path, dims, adapters = qwen2
     cfg = json.loads((adapters["all-linear"] / "adapter_config.json").read_text())
     untargeted = [t for t in cfg["target_modules"] if not t.endswith(GATE)]
@@ -151,10 +191,24 @@ def test_refusals(qwen2, tmp_path: Path) -> None:
     _expect_400(_edit(adapters["gate-only"], tmp_path / "gate-missing", drop=f"layers.0.mlp.{GATE}"), dims,
                 "adapter_shape_mismatch", rf"targets model\.layers\.0\.mlp\.{GATE} but")   # no other weights
     dora = save_dora_adapter(path, tmp_path / "dora", "all-linear", rank=4, seed=5)
-    assert any(f"{GATE}.lora_magnitude_vector" in k for k in load_file(str(dora / "adapter_model.safetensors")))
-    _expect_400(dora, dims, "unsupported_adapter_feature", r"DoRA \(use_dora\) on the MoE router .* shared-expert gate")
-    no_mag = _edit(dora, tmp_path / "dora-no-gate-mag", drop=f"{GATE}.lora_magnitude_vector")
-    _expect_400(no_mag, dims, "unsupported_adapter_feature", r"DoRA \(use_dora\) on the MoE router")
+    no_mag = _edit(dora, tmp_path / "dora-no-gate-mag", drop=f"layers.1.mlp.{GATE}.lora_magnitude_vector")
+    _expect_400(no_mag, dims, "corrupt_adapter_weights", rf"layers\.1\.mlp\.{GATE}: use_dora is set but .* no lora_magnitude")
+    plain = _edit(dora, tmp_path / "dora-off", {"use_dora": False})
+    _expect_400(plain, dims, "invalid_adapter", r"has a DoRA magnitude vector but the config has no use_dora")
+    for bad, code, match in ((torch.ones(2), "adapter_shape_mismatch", r"\(2,\) does not fit"),
+                             (torch.tensor([float("nan")]), "corrupt_adapter_weights", "non-finite"),
+                             (torch.ones(1, 1), "corrupt_adapter_weights", "must be a 1-D")):
+        out = _edit(dora, tmp_path / f"dora-bad-{code}-{bad.dim()}")
+        state = load_file(str(out / "adapter_model.safetensors"))
+        key = next(k for k in state if k.endswith(f"layers.0.mlp.{GATE}.lora_magnitude_vector"))
+        save_file({**state, key: bad}, str(out / "adapter_model.safetensors"))
+        _expect_400(out, dims, code, match)
+    lone = _edit(adapters["gate-only"], tmp_path / "lone-magnitude", {"use_dora": True})
+    state = load_file(str(lone / "adapter_model.safetensors"))
+    save_file({k: v for k, v in state.items() if "layers.1" not in k} |
+              {f"base_model.model.model.layers.{n}.mlp.{GATE}.lora_magnitude_vector": torch.ones(1) for n in (0, 1)},
+              str(lone / "adapter_model.safetensors"))
+    _expect_400(lone, dims, "corrupt_adapter_weights", "magnitude vector but no LoRA A / B")
     qwen3 = BaseModelDims.from_model_config(ModelConfig.from_path(moe_dir("qwen3_moe")))
     with pytest.raises(AdapterError, match="no shared-expert gate|no such MoE layer|do not fit") as err:
         load_peft_adapter(adapters["gate-only"], qwen3, max_lora_rank=16)
