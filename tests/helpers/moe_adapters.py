@@ -34,9 +34,12 @@ def expert_params_adapter(path: Path, out: Path, target_parameters: list[str], t
     return _save_adapter(base, kwargs, b_mult * math.sqrt(num_experts), seed, out)
 
 
-def per_expert_adapter(path: Path, out: Path, family: str, r: int, alpha: float, b_mult: float, seed: int) -> Path:
+def per_expert_adapter(path: Path, out: Path, family: str, r: int, alpha: float, b_mult: float, seed: int,
+                       routers: bool = False) -> Path:
     """LoRA on every expert's gate/up/down as separate modules (transformers-4 names), on the shared expert and
-    dense layers too (the same target names), and on q_proj."""
+    dense layers too (the same target names), and on q_proj. `routers`: also on each router (`gate`) and Qwen2-MoE's
+    shared-expert gate, named as peft saved a transformers-4 all-linear adapter (short names, where those were
+    nn.Linear modules)."""
     cfg = json.loads((path / "config.json").read_text())
     h, num_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
@@ -69,10 +72,16 @@ def per_expert_adapter(path: Path, out: Path, family: str, r: int, alpha: float,
             put(f"{pre}.mlp.shared_expert.gate_proj", h, shared)
             put(f"{pre}.mlp.shared_expert.up_proj", h, shared)
             put(f"{pre}.mlp.shared_expert.down_proj", shared, h)
+        if routers:
+            put(f"{pre}.{block}.gate", h, num_experts)
+            if family == "qwen2_moe":
+                put(f"{pre}.mlp.shared_expert_gate", h, 1)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = ["q_proj", gate, up, down] + (["gate"] + (["shared_expert_gate"] if family == "qwen2_moe" else [])
+                                             if routers else [])
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "bias": "none",
-              "target_modules": ["q_proj", gate, up, down], "base_model_name_or_path": None, "lora_dropout": 0.0,
+              "target_modules": targets, "base_model_name_or_path": None, "lora_dropout": 0.0,
               "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out

@@ -5,6 +5,10 @@ MoE checkpoints."""
 from __future__ import annotations
 
 import pytest
+import re
+import shutil
+from pathlib import Path
+
 from safetensors import safe_open
 
 pytest.importorskip("peft")
@@ -97,3 +101,35 @@ def test_quantized_moe_is_refused_at_start_up() -> None:
     tests/test_core/quant/test_moe_w4a16.py): a clear start-up error, not a wrong or half-quantized model."""
     with pytest.raises(ValueError, match="quantized mixture-of-experts models .* are not supported"):
         LLM(str(moe_dir("mixtral")), dtype="float32", device="cpu", quantization="fp8", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_transformers4_all_linear_adapter_with_short_names(family: str, adapter_root: str) -> None:
+    """A transformers-4 MoE adapter as peft saved an all-linear one (Qwen1.5-MoE, Mixtral): per-expert modules, the
+    router (`gate`, then an nn.Linear) and Qwen2-MoE's shared-expert gate, `target_modules` in short names. Served
+    equal to the base with every module folded in, beside the base and the family's other adapters (chunked
+    prefill, preemption, prefix caching)."""
+    from adapters.layers.dims import BaseModelDims
+    from adapters.peft.loader import load_peft_adapter
+    from core.config import ModelConfig
+    from safetensors.torch import load_file, save_file
+
+    from moe_adapters import per_expert_adapter
+
+    path = moe_dir(family)
+    adapter = per_expert_adapter(path, Path(adapter_root) / f"{family}-per-expert-all", family, 4, 8, 1.0, 64,
+                                 routers=True)
+    loaded = load_peft_adapter(adapter, BaseModelDims.from_model_config(ModelConfig.from_path(path)), max_lora_rank=16)
+    kinds = {proj for (_, expert, proj) in loaded.expert_modules if expert == -1}
+    assert kinds == ({"gate", "shared_expert_gate"} if family == "qwen2_moe" else {"gate"}), kinds
+    twin = Path(adapter_root) / f"{family}-per-expert-all-twin"       # the same adapter without the router / gate
+    shutil.copytree(adapter, twin)
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k: v for k, v in state.items() if not re.search(r"\.(gate|shared_expert_gate)\.lora_", k)},
+              str(twin / "adapter_model.safetensors"))
+    ids = [encode(path, t) for t in TEXTS]
+    assert [moe_reference(path, adapter, i) for i in ids] != [moe_reference(path, twin, i) for i in ids], \
+        "test setup: the router's and gate's LoRA do not change the reference's tokens"
+    others = moe_family_adapters(family, adapter_root)
+    check_family(path, {f"{family}-per-expert-all": adapter, **others}, TEXTS, prefix=True,
+                 reference_fn=moe_reference)
