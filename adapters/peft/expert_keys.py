@@ -62,6 +62,9 @@ _SHARED_GATE_KEY = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp
 # DoRA's magnitude on the router or the shared-expert gate
 _LAYER_LINEAR_DORA = re.compile(r"^(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
                                 r"(?P<proj>gate|shared_expert_gate))\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$")
+# DoRA's magnitude on an expert (transformers-4 per-expert modules): not served (a clear 400)
+_EXPERT_DORA = re.compile(r"^(?:.*\.)?layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+"
+                          r"\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$")
 _SHARED = re.compile(r"(layers\.\d+\.mlp)\.shared_expert\.(gate_proj|up_proj|down_proj)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
          "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -101,6 +104,10 @@ def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     """(the dense keys, the shared expert's renamed to the dense names; the experts' keys)."""
     dense, experts = {}, {}
     for key, tensor in state.items():
+        if _EXPERT_DORA.match(key):
+            raise _invalid(f"{shown(key)}: DoRA (use_dora) on the MoE experts is not supported; leave the experts "
+                           "out of the DoRA adapter (exclude_modules) or train it without use_dora",
+                           CODE_UNSUPPORTED_FEATURE)
         if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key) or \
                 _SHARED_GATE_KEY.match(key) or _LAYER_LINEAR_DORA.match(key):
             experts[key] = tensor
@@ -121,7 +128,8 @@ def _pairs(state: Mapping[str, torch.Tensor], dims: BaseModelDims) -> dict[tuple
     for key, tensor in state.items():
         mag = _LAYER_LINEAR_DORA.match(key)
         if not tensor.is_floating_point() or tensor.dim() != (1 if mag is not None else 2):
-            raise _invalid(f"{shown(key)} must be a {1 if mag is not None else 2}-D floating point tensor", CODE_CORRUPT)
+            raise _invalid(f"{shown(key)} must be a {1 if mag is not None else 2}-D floating point tensor",
+                           CODE_CORRUPT)
         if mag is not None:
             proj = "gate" if mag["proj"] == "gate" else SHARED_GATE
             entry = pairs.setdefault((int(mag["layer"]), proj, ROUTER), {"key": _module_key(mag["module"])})

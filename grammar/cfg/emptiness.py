@@ -1,7 +1,8 @@
 """Does a context-free grammar admit any string? (the admission check of `guided_grammar` / `grammar`).
 
 A grammar admits a string iff its root is *productive*: some alternative of it is a sequence of productive
-items (a string literal, a character class admitting a code point that is not a UTF-16 surrogate, `x*`, `x?`, `x{0,n}`, or a productive rule or group).
+items (a string literal without a UTF-16 surrogate, a character class admitting a code point that is not one,
+`x*`, `x?`, `x{0,n}`, or a productive rule or group).
 The usual worklist fixpoint over the rules, on xgrammar's normalized print of the grammar (`str(xgr.Grammar)`: one
 `name ::= expr` rule per line, every literal quoted and escaped, lookaheads as `(= ...)`). Lookaheads are taken
 as satisfied, so the check never refuses a grammar that admits a string. A rule is re-checked only when a rule

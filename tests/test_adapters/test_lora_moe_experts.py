@@ -32,7 +32,7 @@ from core.models.llama import silu_and_mul  # noqa: E402
 from core.models.moe import Experts, route  # noqa: E402
 from lora_fixtures import _fresh_base  # noqa: E402
 from lora_tree import _peft_model  # noqa: E402
-from moe_adapters import expert_params_adapter  # noqa: E402
+from moe_adapters import expert_params_adapter, per_expert_adapter  # noqa: E402
 from moe_models import moe_dir  # noqa: E402
 from tiny_models import tiny_model_dir  # noqa: E402
 
@@ -97,6 +97,23 @@ def test_refusals(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="do not fit|does not exist|no such") as err:   # another expert count
         load_peft_adapter(adapter_dir, other, max_lora_rank=16)
     assert err.value.status == 400
+
+
+def test_dora_on_experts_is_a_clear_400(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
+    """DoRA where it is not served names the reason: on transformers-4 per-expert modules (the message said DoRA
+    magnitudes on gate/up/down_proj were supported), and through target_parameters (peft has no DoRA there)."""
+    path, params = qwen3
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    per_expert = per_expert_adapter(path, tmp_path / "per-expert", "qwen3_moe", 4, 8, 1.0, 5)
+    state = load_file(str(per_expert / "adapter_model.safetensors"))
+    save_file({**state, **{k.replace("lora_B.weight", "lora_magnitude_vector"): torch.ones(v.shape[0])
+                           for k, v in state.items() if k.endswith("lora_B.weight")}},
+              str(per_expert / "adapter_model.safetensors"))
+    for adapter, match in ((_edit(per_expert, tmp_path / "pe-dora", use_dora=True), r"DoRA \(use_dora\) on the MoE"),
+                           (_edit(params, tmp_path / "params-dora", use_dora=True), "through target_parameters")):
+        with pytest.raises(AdapterError, match=match) as err:
+            load_peft_adapter(adapter, dims, max_lora_rank=16)
+        assert (err.value.status, err.value.code) == (400, "unsupported_adapter_feature")
 
 
 def _magnitude(rng: random.Random, g: torch.Generator, out: int) -> torch.Tensor | None:

@@ -192,7 +192,8 @@ def test_refusals(qwen2, tmp_path: Path) -> None:
                 "adapter_shape_mismatch", rf"targets model\.layers\.0\.mlp\.{GATE} but")   # no other weights
     dora = save_dora_adapter(path, tmp_path / "dora", "all-linear", rank=4, seed=5)
     no_mag = _edit(dora, tmp_path / "dora-no-gate-mag", drop=f"layers.1.mlp.{GATE}.lora_magnitude_vector")
-    _expect_400(no_mag, dims, "corrupt_adapter_weights", rf"layers\.1\.mlp\.{GATE}: use_dora is set but .* no lora_magnitude")
+    _expect_400(no_mag, dims, "corrupt_adapter_weights",
+                rf"layers\.1\.mlp\.{GATE}: use_dora is set but .* no lora_magnitude")
     plain = _edit(dora, tmp_path / "dora-off", {"use_dora": False})
     _expect_400(plain, dims, "invalid_adapter", r"has a DoRA magnitude vector but the config has no use_dora")
     for bad, code, match in ((torch.ones(2), "adapter_shape_mismatch", r"\(2,\) does not fit"),
