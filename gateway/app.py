@@ -32,7 +32,7 @@ from gateway.http.body import read_body
 from gateway.http.cancel import run_until_disconnect
 from gateway.http.context import metered, request_context
 from gateway.http.deadline import Deadline
-from gateway.outputs.echo import add_prompt_logprobs, apply_echo, echo_texts
+from gateway.outputs.echo import add_chat_prompt_logprobs, add_prompt_logprobs, apply_echo, echo_texts
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.outputs.generation import (
     EngineArgs, abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -186,8 +186,9 @@ async def _generate(request: Request, kind: _Kind) -> Response:
 
     def build() -> dict[str, Any]:   # a text per logprob entry, echoed prompts included: on the tokenizer threads
         answer = kind.response(request_id, created, model.name, results, usage(children, num_tokens, cached), texts)
-        if kind is COMPLETION and body.prompt_logprobs is not None:
-            add_prompt_logprobs(answer, results, body.prompt_logprobs, state.texts)
+        if kind.prefix != "resp" and body.prompt_logprobs is not None:   # per choice; on chat once, top level
+            add = add_prompt_logprobs if kind is COMPLETION else add_chat_prompt_logprobs
+            add(answer, results, body.prompt_logprobs, state.texts)
         return answer
     return JSONResponse(await tokenize_pool.run(build))
 

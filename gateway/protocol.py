@@ -136,6 +136,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0)  # cap: gateway/inputs/params.py (--max-logprobs)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0)   # vLLM's: once per answer; cap: --max-logprobs (20)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None

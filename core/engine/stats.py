@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,11 @@ class EngineStats:
             del self.e2e_s[:-self.max_samples]
 
 
+def adapter_names(requests: Any) -> str:
+    """The adapters of `requests`, comma-separated and sorted (`/metrics`' `lora_requests_info` labels)."""
+    return ",".join(sorted({r.lora_slot_key.name for r in requests if getattr(r, "lora_slot_key", None) is not None}))
+
+
 # ---- the offline API's metrics (`LLM.get_metrics()`, the shape of vLLM's `vllm.v1.metrics.reader`) -------
 @dataclass
 class Metric:
@@ -56,12 +62,18 @@ class Vector(Metric):
 
 
 def engine_metrics(engine: Any) -> list[Metric]:
-    """Counters and gauges of an engine, named as `/metrics` names them (`loraplex:` prefix)."""
+    """Counters and gauges of an engine, named and labelled as `/metrics` names them (`loraplex:` prefix): the
+    info gauges too (`cache_config_info` 1.0, `lora_requests_info` the time of reading, as vLLM's)."""
     stats, sched, kv = engine.stats, engine.scheduler, engine.kv
     out: list[Metric] = [
         Gauge("loraplex:num_requests_running", value=sched.num_running),
         Gauge("loraplex:num_requests_waiting", value=sched.num_waiting),
         Gauge("loraplex:kv_cache_usage_perc", value=kv.usage()),
+        Gauge("loraplex:cache_config_info", labels={"block_size": str(kv.block_size),
+                                                    "num_gpu_blocks": str(kv.num_blocks)}, value=1.0),
+        Gauge("loraplex:lora_requests_info", value=time.time(), labels={
+            "max_lora": str(engine.config.lora.max_loras), "running_lora_adapters": adapter_names(sched.running),
+            "waiting_lora_adapters": adapter_names(sched.waiting)}),
         Counter("loraplex:prompt_tokens", value=stats.num_prompt_tokens),
         Counter("loraplex:generation_tokens", value=stats.num_generation_tokens),
         Counter("loraplex:prefix_cache_queries", value=kv.num_prefix_queries_tokens),

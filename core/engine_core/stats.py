@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from core.engine.stats import adapter_names
 from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from core.startup.kernel_compiles import COMPILES
 
@@ -17,11 +18,6 @@ def _copy(items: Iterable[Any]) -> list[Any]:
     return []
 
 
-def _adapter_names(requests: Iterable[Any]) -> str:
-    keys = {r.lora_slot_key.name for r in requests if getattr(r, "lora_slot_key", None) is not None}
-    return ",".join(sorted(keys))
-
-
 def snapshot_stats(engine: Any) -> Stats:
     sched, kv, stats = engine.scheduler, engine.kv, engine.stats
     running, waiting = _copy(sched.running), _copy(sched.waiting)
@@ -30,7 +26,7 @@ def snapshot_stats(engine: Any) -> Stats:
                  num_generation_tokens=stats.num_generation_tokens,
                  num_prefix_queries_tokens=kv.num_prefix_queries_tokens, num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
                  num_preemptions=sched.num_preemptions, num_kernel_compiles_after_warmup=COMPILES.after_warmup,
-                 running_adapters=_adapter_names(running), waiting_adapters=_adapter_names(waiting),
+                 running_adapters=adapter_names(running), waiting_adapters=adapter_names(waiting),
                  adapters=_adapter_stats(engine), spec=_spec_stats(stats),
                  step_time_predicted_s=sched.step_time.last_predicted_s,
                  step_time_error_ratio=sched.step_time.error_ratio, step_budget_s=sched.last_budget_s)

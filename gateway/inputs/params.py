@@ -49,6 +49,13 @@ def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDef
     )))
 
 
+def _check_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, defaults: RequestDefaults) -> None:
+    """vLLM's `prompt_logprobs` (completions and chat): at most --max-logprobs (default 20), never streamed."""
+    defaults.check_logprobs(body.prompt_logprobs, "prompt_logprobs", CHAT_LOGPROBS_CAP)
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+
+
 def num_prompts(prompt: PromptInput) -> int:
     """A string or one list of ids is one prompt; a list of strings or of id lists is one per entry."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
@@ -65,9 +72,7 @@ def completion_sampling_params(body: CompletionRequest, defaults: RequestDefault
         raise invalid(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
                       f"{num_prompts(body.prompt)} x {body.num_choices}", param="prompt")
     defaults.check_logprobs(body.logprobs, "logprobs", COMPLETION_LOGPROBS_CAP)
-    defaults.check_logprobs(body.prompt_logprobs, "prompt_logprobs", CHAT_LOGPROBS_CAP)   # vLLM: --max-logprobs
-    if body.prompt_logprobs is not None and body.stream:
-        raise invalid("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    _check_prompt_logprobs(body, defaults)
     params = _params(body, body.logprobs, defaults)
     # the prompt's logprobs: echo + logprobs (gateway/outputs/echo.py) and/or vLLM's prompt_logprobs, the larger top-k
     wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
@@ -80,4 +85,8 @@ def chat_sampling_params(body: ChatCompletionRequest, defaults: RequestDefaults 
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
     defaults.check_logprobs(body.top_logprobs, "top_logprobs", CHAT_LOGPROBS_CAP)
-    return _params(body, (body.top_logprobs or 0) if body.logprobs else None, defaults)
+    _check_prompt_logprobs(body, defaults)
+    params = _params(body, (body.top_logprobs or 0) if body.logprobs else None, defaults)
+    if body.prompt_logprobs is not None:   # the rendered prompt's logprobs (gateway/outputs/echo.py)
+        params = dataclasses.replace(params, prompt_logprobs=body.prompt_logprobs)
+    return params

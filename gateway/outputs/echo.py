@@ -1,7 +1,8 @@
 """Completions `echo`: the prompt's text before each choice's text, and with `logprobs` the prompt tokens'
 log-probabilities before the generated ones (the first prompt token's is null, as OpenAI and vLLM answer).
-Also vLLM's `prompt_logprobs` (the same values, without echo): per choice a list with one entry per prompt
-token, null first, then `{token_id: {"logprob", "rank", "decoded_token"}}` with the prompt token and the top-k."""
+Also vLLM's `prompt_logprobs` (the same values, without echo): per choice on completions, once per answer on chat
+(the rendered prompt's), a list with one entry per prompt token, null first, then
+`{token_id: {"logprob", "rank", "decoded_token"}}` with the prompt token and the top-k."""
 from __future__ import annotations
 
 from typing import Any
@@ -67,3 +68,11 @@ def add_prompt_logprobs(answer: dict[str, Any], results: list[ChoiceResult], k: 
     for choice, r in zip(answer["choices"], results):
         choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs or [None] * r.num_prompt_tokens, k,
                                                          texts)
+
+
+def add_chat_prompt_logprobs(answer: dict[str, Any], results: list[ChoiceResult], k: int, texts: TokenTexts) -> None:
+    """Sets the top-level `prompt_logprobs` of a non-streaming chat answer (vLLM's place): every choice shares
+    the one rendered prompt."""
+    first = results[0]
+    answer["prompt_logprobs"] = vllm_prompt_logprobs(first.prompt_logprobs or [None] * first.num_prompt_tokens, k,
+                                                     texts)

@@ -30,6 +30,7 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
                          "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
                              "cached_tokens": {"type": "integer", "minimum": 0}}}}}
 _FINISH = {"enum": ["stop", "length", None]}
+_CHAT_FINISH = {"enum": ["stop", "length", "tool_calls", None]}   # tool_calls: a chat answer with tools
 _COMPLETION = {
     "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
     "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
@@ -45,7 +46,7 @@ _CHAT = {
                    "model": {"type": "string"}, "usage": {"$ref": "#/components/schemas/Usage"},
                    "choices": {"type": "array", "items": {
                        "type": "object", "required": ["index", "message", "finish_reason"],
-                       "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                       "properties": {"index": {"type": "integer"}, "finish_reason": _CHAT_FINISH,
                                       "message": {"type": "object", "required": ["role", "content"]}}}}},
 }
 _MODEL_LIST = {

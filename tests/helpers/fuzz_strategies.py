@@ -156,7 +156,7 @@ COMPLETIONS = {**SAMPLING, "prompt": PROMPTS, "logprobs": ints, "echo": bools, "
                "prompt_logprobs": ints}
 CHAT = {**SAMPLING, "messages": MESSAGES, "logprobs": bools, "top_logprobs": ints, "tools": TOOLS,
         "tool_choice": TOOL_CHOICE, "parallel_tool_calls": bools, "chat_template_kwargs": TEMPLATE_KWARGS,
-        "add_generation_prompt": bools, "continue_final_message": bools}
+        "add_generation_prompt": bools, "continue_final_message": bools, "prompt_logprobs": ints}
 TOKENIZE = {"model": texts, "prompt": texts | JSON, "messages": MESSAGES, "add_special_tokens": bools,
             "add_generation_prompt": bools, "return_token_strs": bools, "continue_final_message": bools,
             "chat_template_kwargs": TEMPLATE_KWARGS}

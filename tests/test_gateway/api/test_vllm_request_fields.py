@@ -264,6 +264,35 @@ def test_continuous_usage_stats_is_validated(http: httpx.Client) -> None:
                  **prompt)
 
 
+def test_prompt_logprobs_on_chat(http: httpx.Client, client: "openai.OpenAI") -> None:
+    """vLLM's chat `prompt_logprobs`: one top-level list over the rendered prompt (the values completions give for
+    the same token ids), null when not asked (vLLM answers null there too, and on every completions choice)."""
+    ids, _ = rendered(http, messages=USER)
+    out = chat(http, messages=USER, prompt_logprobs=2)
+    entries = out["prompt_logprobs"]
+    assert len(entries) == out["usage"]["prompt_tokens"] == len(ids) and entries[0] is None
+    assert all("prompt_logprobs" not in choice for choice in out["choices"])
+    same = post(http, "/v1/completions", prompt=ids, max_tokens=1, temperature=0,
+                prompt_logprobs=2)["choices"][0]["prompt_logprobs"]
+    for i in range(1, len(ids)):
+        assert str(ids[i]) in entries[i] and entries[i].keys() == same[i].keys()
+        for token, value in entries[i].items():
+            assert value["rank"] == same[i][token]["rank"] and value["decoded_token"] == same[i][token]["decoded_token"]
+            assert math.isclose(value["logprob"], same[i][token]["logprob"], abs_tol=1e-5)
+    assert chat(http, messages=USER)["prompt_logprobs"] is None
+    assert post(http, "/v1/completions", prompt="x", max_tokens=1)["choices"][0]["prompt_logprobs"] is None
+    two = chat(http, messages=USER, prompt_logprobs=0, n=2)   # one prompt, one list, whatever n
+    assert len(two["choices"]) == 2 and len(two["prompt_logprobs"]) == len(ids)
+    assert all(len(e) == 1 for e in two["prompt_logprobs"][1:])
+    via_client = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, temperature=0,
+                                                extra_body={"prompt_logprobs": 1})
+    assert via_client.prompt_logprobs[0] is None and len(via_client.prompt_logprobs) == len(ids)
+    assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=2).prompt_logprobs is None
+    rejected(http, "/v1/chat/completions", "prompt_logprobs", messages=USER, prompt_logprobs=1, stream=True)
+    rejected(http, "/v1/chat/completions", "prompt_logprobs", messages=USER, prompt_logprobs=21)
+    rejected(http, "/v1/chat/completions", "prompt_logprobs", messages=USER, prompt_logprobs=-1)
+
+
 def test_fields_still_unsupported_are_400_naming_them(http: httpx.Client) -> None:
     rejected(http, "/v1/chat/completions", "use_beam_search", messages=USER, use_beam_search=True)
-    rejected(http, "/v1/chat/completions", "prompt_logprobs", messages=USER, prompt_logprobs=1)
+    rejected(http, "/v1/chat/completions", "truncate_prompt_tokens", messages=USER, truncate_prompt_tokens=4)
