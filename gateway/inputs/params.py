@@ -7,11 +7,10 @@ from typing import Optional
 from core.sampling.params import SamplingParams
 from gateway.errors import invalid
 from gateway.inputs.penalties import penalty_fields
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, _SamplingFields
+from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, PromptInput, _SamplingFields
 from gateway.inputs.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
 
 NO_DEFAULTS = RequestDefaults()
-MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
 # the prompt tokens whose log-probabilities one request returns (echo + logprobs, prompt_logprobs), counted once
 # per choice (prompts x n): at most this many full contexts. Each is an entry of up to k + 1 alternatives, built
 # in the API process; unbounded, 2048 choices of a full context each asked for tens of GB and took it down.
