@@ -43,7 +43,7 @@ from gateway.inputs.models import ResolvedModel
 from gateway.routes.openapi import openapi_document
 from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constraint, validators_ready,
                                         wants_constraint)
-from gateway.inputs.params import chat_sampling_params, completion_sampling_params
+from gateway.inputs.params import chat_sampling_params, check_prompt_logprobs_size, completion_sampling_params
 from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
 from gateway.observability.request_log import log_request
@@ -150,6 +150,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     args = _engine_args(model, grammar, principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
     params = state.defaults.fit_context(params, body, prompts, aeng.facts.max_model_len)
+    check_prompt_logprobs_size(body, prompts, params, aeng.facts.max_model_len)
     children = make_children(request_id, prompts, params)
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)

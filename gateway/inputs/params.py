@@ -7,11 +7,14 @@ from typing import Optional
 from core.sampling.params import SamplingParams
 from gateway.errors import invalid
 from gateway.inputs.penalties import penalty_fields
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, PromptInput, _SamplingFields
+from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, PromptInput, _SamplingFields
 from gateway.inputs.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
 
 NO_DEFAULTS = RequestDefaults()
-MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
+# the prompt tokens whose log-probabilities one request returns (echo + logprobs, prompt_logprobs), counted once
+# per choice (prompts x n): at most this many full contexts. Each is an entry of up to k + 1 alternatives, built
+# in the API process; unbounded, 2048 choices of a full context each asked for tens of GB and took it down.
+MAX_PROMPT_LOGPROB_CONTEXTS = 4
 
 
 def _check_common(body: _SamplingFields) -> None:
@@ -90,3 +93,20 @@ def chat_sampling_params(body: ChatCompletionRequest, defaults: RequestDefaults 
     if body.prompt_logprobs is not None:   # the rendered prompt's logprobs (gateway/outputs/echo.py)
         params = dataclasses.replace(params, prompt_logprobs=body.prompt_logprobs)
     return params
+
+
+def check_prompt_logprobs_size(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                               params: SamplingParams, max_model_len: int) -> None:
+    """A 400 for a request whose prompt log-probabilities (every choice repeats its prompt's) would cover more
+    than `MAX_PROMPT_LOGPROB_CONTEXTS` x `max_model_len` prompt tokens; checked once the prompts are tokenized,
+    before anything reaches the engine."""
+    if params.prompt_logprobs is None:
+        return
+    num_tokens = params.n * sum(len(p) for p in prompts)
+    limit = MAX_PROMPT_LOGPROB_CONTEXTS * max_model_len
+    if num_tokens > limit:
+        param = "prompt_logprobs" if getattr(body, "prompt_logprobs", None) is not None else "echo"
+        raise invalid(f"{param}: this request asks for the log-probabilities of {num_tokens} prompt tokens (its "
+                      f"prompts' tokens x n = {params.n}); at most {limit} ({MAX_PROMPT_LOGPROB_CONTEXTS} x the "
+                      f"model's context of {max_model_len}) are returned by one request. Send fewer or shorter "
+                      f"prompts, or a smaller n.", param=param)

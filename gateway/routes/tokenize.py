@@ -17,6 +17,7 @@ from starlette.routing import Route
 from gateway.inputs import tokenize_pool
 from gateway.http.body import load_json_object, parse_body, read_body
 from gateway.errors import api_endpoint, invalid
+from gateway.http.context import request_context
 from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatMessage, _Strict
 
@@ -55,10 +56,17 @@ def _tokenize_body(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatR
 
 async def _authorized_body(request: Request, parse: Callable[[bytes], M],
                            prompt_param: str | None) -> tuple[GatewayState, M]:
-    """401 for a bad key (before the body is read), 400 for a bad body, 404 for a model the key cannot see:
+    """401 for a bad key (before the body is read), 429 past the tenant's `requests_per_minute` or
+    `max_concurrent_requests` (before the body is read: these routes use the same tokenizer threads as
+    generation, so a tenant's limits bound them too), 400 for a bad body, 404 for a model the key cannot see:
     as /v1/completions. Returns the gateway state and the body (refused by size before it is parsed)."""
     state = request.app.state.gateway
     principal = state.auth.authenticate(request)
+    ctx = request_context(request)
+    ctx.tenant = principal.label
+    release = state.limits.acquire(principal)   # held until the answer is sent (gateway/http/middleware.py)
+    if release is not None:
+        ctx.cleanups.append(release)
     body = parse(await read_body(request, state.encoder.bound.max_body_bytes, prompt_param))
     state.models.resolve(body.model, principal.models)
     return state, body

@@ -129,6 +129,29 @@ def test_bad_chat_requests(http: httpx.Client, case: tuple[str, Any, str | None]
     assert_still_serving(http)
 
 
+def test_prompt_logprobs_are_bounded_by_the_context(http: httpx.Client) -> None:
+    """The prompt tokens whose log-probabilities one request returns (each choice repeats its prompt's: prompts
+    x n) are at most 4 full contexts: a 200 KB body of 200 prompts asked for a 144 MB answer (12 s), and 2048
+    choices of a full context would ask the API process for tens of GB (an OOM kill of every tenant)."""
+    half = [5] * (MAX_MODEL_LEN // 2)
+    cap = 4 * MAX_MODEL_LEN // len(half)          # prompts of `half` at the bound (4 contexts)
+    base = {"model": "tiny", "max_tokens": 1}
+    for body, param in [({"prompt": [half] * (cap + 1), "prompt_logprobs": 1}, "prompt_logprobs"),
+                        ({"prompt": [half] * (cap + 1), "echo": True, "logprobs": 1}, "echo"),
+                        ({"prompt": half, "n": cap + 1, "echo": True, "logprobs": 0}, "echo"),
+                        ({"prompt": [half] * 2, "n": cap, "prompt_logprobs": 0, "echo": True, "logprobs": 1},
+                         "prompt_logprobs"),
+                        ({"prompt": [half] * (cap + 1), "echo": True, "logprobs": 1, "stream": True}, "echo")]:
+        err = assert_error(http.post("/v1/completions", json={**base, **body}), 400, None, param)
+        assert str(4 * MAX_MODEL_LEN) in err["message"]
+    at_cap = http.post("/v1/completions", json={**base, "prompt": [half] * cap, "prompt_logprobs": 1})
+    assert at_cap.status_code == 200, at_cap.text
+    assert [len(c["prompt_logprobs"]) for c in at_cap.json()["choices"]] == [len(half)] * cap
+    plain = http.post("/v1/completions", json={**base, "prompt": [half] * (cap + 1), "echo": True, "n": 2})
+    assert plain.status_code == 200, plain.text      # without logprobs: no bound beyond the choices'
+    assert_still_serving(http)
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe", b'"prompt"'])
 def test_malformed_json(http: httpx.Client, raw: bytes) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):

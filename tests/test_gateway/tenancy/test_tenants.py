@@ -184,6 +184,35 @@ def test_max_concurrent_requests_gives_429_until_the_stream_ends(server: ServerP
         assert resp.status_code == 200, resp.text
 
 
+
+def test_tokenize_routes_count_against_the_tenant_limits(server: ServerProcess) -> None:
+    """/tokenize and /detokenize run on the tokenizer threads generation uses: a tenant's requests_per_minute
+    and max_concurrent_requests bound them too (they did not: a tenant allowed one request in flight held
+    ten 1.3 MB /tokenize bodies at once, and another tenant's completion took 5-6 s instead of 0.3 s)."""
+    routes = [("/tokenize", {"model": BASE, "prompt": "def f(x):"}), ("/detokenize", {"model": BASE, "tokens": [5]}),
+              ("/tokenize", {"model": BASE, "messages": CHAT})]
+    for path, body in routes:   # `slow`'s bucket holds 3: a few calls empty it, whatever ran before
+        statuses = [post(server, path, body, "sk-slow-1").status_code for _ in range(4)]
+        assert statuses[-1] == 429 and set(statuses) <= {200, 429}, (path, statuses)
+        err = error_of(post(server, path, body, "sk-slow-1"), 429, "rate_limit_exceeded")
+        assert err["param"] == "requests_per_minute"
+    long = completion(BASE, stream=True, max_tokens=400, ignore_eos=True)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=long, headers=auth("sk-single-1")) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()   # kept: a generator left to be collected closes the stream
+            assert next(line for line in lines if line.startswith("data: {"))
+            for path, body in routes:
+                err = error_of(post(server, path, body, "sk-single-1"), 429, "concurrency_limit_exceeded")
+                assert err["param"] == "max_concurrent_requests"
+                assert post(server, path, body, "sk-acme-1").status_code == 200   # others unaffected
+        deadline = time.monotonic() + 10
+        while (resp := post(server, "/tokenize", routes[0][1], "sk-single-1")).status_code == 429:
+            assert time.monotonic() < deadline, "the concurrency slot was never released"
+            time.sleep(0.1)
+    for path, body in routes:   # each answer gives its own slot back
+        assert post(server, path, body, "sk-single-1").status_code == 200
+
 def tenant_samples(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
