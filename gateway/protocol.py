@@ -9,6 +9,30 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 INT64_MAX = 2**63 - 1
 MAX_N = 128
 MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
+MAX_PROMPT_IDS = 1 << 21   # token ids in one request's prompts (or /detokenize's tokens): past any context served
+MAX_MESSAGES = 1 << 16     # chat messages (Responses input items) of one request: each renders several tokens
+MAX_TOOLS = 128            # tools of one request (OpenAI's own limit): each is a schema checked at admission
+
+
+def check_count(value: Any, limit: int, what: str) -> Any:
+    """A list longer than `limit` refused by one `len`, before pydantic validates its entries (a 32 MiB body of
+    small entries held the event loop for seconds in validation alone)."""
+    if isinstance(value, list) and len(value) > limit:
+        raise ValueError(f"at most {limit} {what} are accepted in one request, got {len(value)}")
+    return value
+
+
+def check_token_ids(value: Any) -> Any:
+    """At most `MAX_PROMPT_IDS` token ids in a list of ids or a list of lists of ids, counted before validation."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        num_ids = sum(len(v) for v in value if isinstance(v, list))
+    elif isinstance(value, list):
+        num_ids = len(value)
+    else:
+        return value
+    if num_ids > MAX_PROMPT_IDS:
+        raise ValueError(f"at most {MAX_PROMPT_IDS} token ids are accepted in one request, got {num_ids}")
+    return value
 
 
 class _Strict(BaseModel):
@@ -133,7 +157,7 @@ class CompletionRequest(_SamplingFields):
         if isinstance(value, list) and len(value) > MAX_CHOICES and not isinstance(value[0], int):
             raise ValueError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
                              f"{len(value)} prompts")
-        return value
+        return check_token_ids(value)
 
     @field_validator("suffix")
     @classmethod
@@ -144,14 +168,24 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)   # the bound: _message_count
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0)  # cap: gateway/inputs/params.py (--max-logprobs)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)   # vLLM's: once per answer; cap: --max-logprobs (20)
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)   # the bound: _tool_count
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extra variables for the chat template (vLLM)
     add_generation_prompt: Optional[bool] = None            # default true
     continue_final_message: Optional[bool] = None           # the last assistant message is continued, not closed
     # tools / tool_choice / parallel_tool_calls: validated in gateway/tools/tools.py
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, value: Any) -> Any:
+        return check_count(value, MAX_MESSAGES, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_count(cls, value: Any) -> Any:
+        return check_count(value, MAX_TOOLS, "tools")

@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import PrivateAttr, ValidationError
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from gateway.errors import APIError, from_exception, invalid
-from gateway.protocol import ChatCompletionRequest, _Strict
+from gateway.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, _Strict, check_count
 
 
 class ResponsesRequest(_Strict):
@@ -31,7 +31,7 @@ class ResponsesRequest(_Strict):
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = None
@@ -43,6 +43,16 @@ class ResponsesRequest(_Strict):
     truncation: Optional[Literal["disabled"]] = None
     seed: Optional[int] = None
     top_k: Optional[int] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_count(cls, value: Any) -> Any:
+        return check_count(value, MAX_MESSAGES, "input items")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_count(cls, value: Any) -> Any:
+        return check_count(value, MAX_TOOLS, "tools")
 
 
 # per chat message: the Responses path it came from ("instructions", "input" or "input[i]"), for an assistant

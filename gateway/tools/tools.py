@@ -91,9 +91,11 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
     tools = body.tools or []
     fns = [_check_tool(i, t) for i, t in enumerate(tools)]
     names = [f["name"] for f in fns]
+    seen: set[str] = set()
     for i, name in enumerate(names):
-        if name in names[:i]:
+        if name in seen:
             raise invalid(f"duplicate tool name {name!r}", param=f"tools[{i}].function.name")
+        seen.add(name)
     choice, named = _tool_choice(body.tool_choice, names)
     if body.parallel_tool_calls is not None and not tools:
         raise invalid("parallel_tool_calls requires tools", param="parallel_tool_calls")
