@@ -40,6 +40,7 @@ from core.sampling.params import SamplingParams
 from core.startup.warmup import WarmupReport
 from gateway.engine_client.registry_mirror import RemoteAdapter, RemoteRegistry
 from gateway.engine_client.remote_compiler import RemoteCompiler
+from gateway.engine_client.stats_refresh import CoalescedRefresh
 
 log = logging.getLogger("loraplex.gateway")
 CommandFuture = concurrent.futures.Future   # an engine command's reply: the value is the command's own
@@ -58,6 +59,7 @@ class EngineClient:
         self._tokenizer: Tokenizer = None               # loaded by `start`
         self._registry = RemoteRegistry(self.command, config.lora.lora_dirs)   # a mirror of the engine's adapters
         self._stats: Stats | None = None                # the engine's latest report
+        self._refresh = CoalescedRefresh(lambda: self.command("stats", (), on_reply=self._take_stats))
         self._warmed_up = False
         self._streams = RequestStreams(lambda: self.alive)
         self._adapter_of: dict[str, str] = {}   # request id -> adapter name, while it runs
@@ -256,12 +258,9 @@ class EngineClient:
     async def refresh(self, timeout_s: float = 1.0) -> None:
         """Fresh engine stats and adapter entries, answered between two steps: /metrics, /v1/models and the
         admin listings read the engine as it is now, with every response the client has seen counted. On a
-        timeout (an engine busy in one long step) the latest periodic report stays."""
-        future = self.command("stats", (), on_reply=self._take_stats)
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        except (asyncio.TimeoutError, EngineDeadError):
-            pass
+        timeout (an engine busy in one long step) the latest periodic report stays. Concurrent callers share one
+        command (`CoalescedRefresh`)."""
+        await self._refresh(timeout_s)
 
     def _take_stats(self, future: CommandFuture[Any]) -> None:
         if not future.cancelled() and future.exception() is None:
