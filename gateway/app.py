@@ -43,7 +43,8 @@ from gateway.inputs.models import ResolvedModel
 from gateway.routes.openapi import openapi_document
 from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constraint, validators_ready,
                                         wants_constraint)
-from gateway.inputs.params import chat_sampling_params, check_prompt_logprobs_size, completion_sampling_params
+from gateway.inputs.params import (chat_sampling_params, check_logprob_entries, check_prompt_logprobs_size,
+                                   completion_sampling_params)
 from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
 from gateway.observability.request_log import log_request
@@ -161,6 +162,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         if exc.param == "prompt" and kind.prefix != "cmpl":   # a chat request's prompt is its messages
             exc.param = "messages"
         raise
+    check_logprob_entries(body, params, max_tokens)
     # what it costs (gateway/tenancy/limits.py): sequences, and prompt tokens once per prompt + max_tokens each
     release = state.limits.reserve(principal, len(children), usage(children, sum(max_tokens))["total_tokens"],
                                    used_tokens=lambda: ctx.prompt_tokens + ctx.completion_tokens)

@@ -15,14 +15,21 @@ def finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """The text of single tokens (for logprobs), cached per id."""
+    """The text of single tokens (for logprobs), and a chat logprob's `token` / `bytes` pair, cached per id (the
+    pair's byte list is shared by every entry of that id: a chat answer with top-20 logprobs made 21 of them a
+    token, most of its cost)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.text = functools.lru_cache(maxsize=65536)(self._decode)
+        self.chat_token = functools.lru_cache(maxsize=65536)(self._chat_token)
 
     def _decode(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_token(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.text(token_id)
+        return text, list(text.encode("utf-8"))
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0) -> dict[str, Any]:
@@ -49,16 +56,16 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
             "text_offset": text_offset}
 
 
-def _chat_token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
-
-
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
     content = []
+    pair = texts.chat_token
     for token_id, logprob, alternatives in entries:
-        item = _chat_token(texts.text(token_id), logprob)
-        item["top_logprobs"] = [_chat_token(texts.text(alt), alt_lp) for alt, alt_lp in alternatives]
-        content.append(item)
+        text, data = pair(token_id)
+        top = []
+        for alt, alt_lp in alternatives:
+            alt_text, alt_data = pair(alt)
+            top.append({"token": alt_text, "logprob": alt_lp if alt_lp >= -9999.0 else -9999.0, "bytes": alt_data})
+        content.append({"token": text, "logprob": finite(logprob), "bytes": data, "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
