@@ -162,7 +162,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         if exc.param == "prompt" and kind.prefix != "cmpl":   # a chat request's prompt is its messages
             exc.param = "messages"
         raise
-    check_logprob_entries(body, params, max_tokens)
+    check_logprob_entries(body, params, max_tokens, aeng.facts.max_model_len)
     # what it costs (gateway/tenancy/limits.py): sequences, and prompt tokens once per prompt + max_tokens each
     release = state.limits.reserve(principal, len(children), usage(children, sum(max_tokens))["total_tokens"],
                                    used_tokens=lambda: ctx.prompt_tokens + ctx.completion_tokens)

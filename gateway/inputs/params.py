@@ -16,8 +16,10 @@ NO_DEFAULTS = RequestDefaults()
 # in the API process; unbounded, 2048 choices of a full context each asked for tens of GB and took it down.
 MAX_PROMPT_LOGPROB_CONTEXTS = 4
 # a non-streamed answer's generated logprob entries (each token and its k alternatives), built at once in the API
-# process (about 300 bytes and 2 us an entry): choices x max_tokens x (k + 1) at most this many; streamed answers
-# build theirs chunk by chunk and are not bounded here
+# process (about 300 bytes and 2 us an entry): choices x max_tokens x (k + 1) at most this many, or one full
+# context's worth (max_model_len x (k + 1)) where that is more, so one choice is never refused whatever its
+# max_tokens (a client's `logprobs: true, top_logprobs: 20` without max_tokens on a 128k model is 2.75M);
+# streamed answers build theirs chunk by chunk and are not bounded here
 MAX_LOGPROB_ENTRIES = 1 << 20
 
 
@@ -100,17 +102,19 @@ def chat_sampling_params(body: ChatCompletionRequest, defaults: RequestDefaults 
 
 
 def check_logprob_entries(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
-                          max_tokens: list[int]) -> None:
+                          max_tokens: list[int], max_model_len: int) -> None:
     """A 400 for a non-streamed request whose generated logprobs could hold more than `MAX_LOGPROB_ENTRIES`
-    entries, from each choice's resolved max_tokens (without max_tokens: what its prompt leaves of the context)."""
+    entries (or one full context's, where that is more), from each choice's resolved max_tokens (without
+    max_tokens: what its prompt leaves of the context)."""
     if params.logprobs is None or body.stream:
         return
     num_entries = sum(max_tokens) * (params.logprobs + 1)
-    if num_entries > MAX_LOGPROB_ENTRIES:
+    limit = max(MAX_LOGPROB_ENTRIES, max_model_len * (params.logprobs + 1))
+    if num_entries > limit:
         param = "top_logprobs" if isinstance(body, ChatCompletionRequest) and params.logprobs else "logprobs"
         raise invalid(f"{param}: this request's answer could hold {num_entries} logprob entries (choices x max_tokens "
                       f"x (alternatives + 1), max_tokens resolved to what each prompt leaves of the context where "
-                      f"unset); at most {MAX_LOGPROB_ENTRIES} are built for an answer that is not streamed. Set a "
+                      f"unset); at most {limit} are built for an answer that is not streamed. Set a "
                       f"smaller max_tokens, n or {param}, or stream the answer (stream: true).", param=param)
 
 

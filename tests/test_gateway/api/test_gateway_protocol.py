@@ -220,3 +220,24 @@ def test_a_duplicate_tool_name_is_named_by_its_index() -> None:
                                                  "tools": tools + [{"type": "function", "function": {"name": "f5"}}]})
     err = api_error(plan_tools, body, object(), SchemaOptions())
     assert err.param == "tools[127].function.name" and "duplicate tool name 'f5'" in err.message
+
+
+def test_one_full_context_of_generated_logprobs_is_never_refused() -> None:
+    """The non-streamed logprob bound counts choices x resolved max_tokens x (k + 1): without max_tokens a choice
+    resolves to what its prompt leaves of the context, so `logprobs: true, top_logprobs: 20` with no max_tokens
+    (an OpenAI client's ordinary request) on a 128k-context model counted 2.75M entries and was a 400. One choice
+    of a full context is always admitted; many choices are still bounded by MAX_LOGPROB_ENTRIES."""
+    from gateway.inputs.params import MAX_LOGPROB_ENTRIES, check_logprob_entries
+
+    ctx = 131_072
+    body = chat(logprobs=True, top_logprobs=20)
+    params = chat_sampling_params(body)
+    check_logprob_entries(body, params, [ctx - 10], ctx)                       # one choice, the whole context
+    comp = completion(logprobs=5)
+    check_logprob_entries(comp, completion_sampling_params(comp), [ctx - 3], ctx)
+    err = api_error(check_logprob_entries, body, params, [ctx - 10] * 2, ctx)   # two of them: past both bounds
+    assert err.status == 400 and err.param == "top_logprobs" and str(ctx * 21) in err.message
+    small = 2048                                                                # a 2k model: the fixed bound
+    err = api_error(check_logprob_entries, body, params, [small - 1] * 128, small)
+    assert err.param == "top_logprobs" and str(MAX_LOGPROB_ENTRIES) in err.message
+    check_logprob_entries(body, params, [small - 1] * 24, small)               # 24 x 2047 x 21 < 2^20
