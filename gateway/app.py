@@ -153,6 +153,9 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     params = state.defaults.fit_context(params, body, prompts, aeng.facts.max_model_len)
     check_prompt_logprobs_size(body, prompts, params, aeng.facts.max_model_len)
     children = make_children(request_id, prompts, params)
+    if kind is not COMPLETION and params.prompt_logprobs is not None:   # a chat answer holds the first child's once
+        children = children[:1] + [dataclasses.replace(c, params=dataclasses.replace(c.params, prompt_logprobs=None))
+                                   for c in children[1:]]
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
     echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None

@@ -9,7 +9,8 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 INT64_MAX = 2**63 - 1
 MAX_N = 128
 MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
-MAX_PROMPT_IDS = 1 << 21   # token ids in one request's prompts (or /detokenize's tokens): past any context served
+MAX_PROMPT_IDS = 1 << 23   # token ids in one request's prompts (or /detokenize's tokens); the body's size bounds
+                           # them too (4 prompts of the longest that fits), so this trims only 32 MiB bodies
 MAX_MESSAGES = 1 << 16     # chat messages (Responses input items) of one request: each renders several tokens
 MAX_TOOLS = 128            # tools of one request (OpenAI's own limit): each is a schema checked at admission
 

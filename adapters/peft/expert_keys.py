@@ -105,15 +105,18 @@ def split_expert_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     dense, experts = {}, {}
     for key, tensor in state.items():
         if _EXPERT_DORA.match(key):
-            raise _invalid(f"{shown(key)}: DoRA (use_dora) on the MoE experts is not supported; leave the experts "
-                           "out of the DoRA adapter (exclude_modules) or train it without use_dora",
-                           CODE_UNSUPPORTED_FEATURE)
+            raise _expert_dora_refused(key)
         if _PER_EXPERT.match(key) or _PARAM_WRAPPER.match(key) or _ROUTER_KEY.match(key) or \
                 _SHARED_GATE_KEY.match(key) or _LAYER_LINEAR_DORA.match(key):
             experts[key] = tensor
         else:
             dense[_SHARED.sub(r"\1.\2.", key)] = tensor
     return dense, experts
+
+
+def _expert_dora_refused(key: str) -> AdapterError:
+    return _invalid(f"{shown(key)}: DoRA (use_dora) on the MoE experts is not supported; leave the experts out of the "
+                    "DoRA adapter (exclude_modules) or train it without use_dora", CODE_UNSUPPORTED_FEATURE)
 
 
 def _dora_refused(key: str) -> AdapterError:
@@ -194,6 +197,8 @@ def build_expert_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig,
         magnitude = entry.get("M")
         if cfg.use_dora and (expert is None or mkey.endswith(".weight")):   # target_parameters: no DoRA in peft
             raise _dora_refused(mkey)
+        if cfg.use_dora and expert != ROUTER:   # per-expert modules: peft puts DoRA on them (magnitudes or not)
+            raise _expert_dora_refused(mkey)
         if proj == SHARED_GATE and cfg.targets(mkey) is False:   # a module, named in target_modules as PEFT matches
             raise _invalid(f"adapter has LoRA weights for {shown(mkey)}, which adapter_config.json does not target "
                            "(target_modules / exclude_modules / layers_to_transform); PEFT would ignore them",

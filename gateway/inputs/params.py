@@ -11,16 +11,16 @@ from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionReque
 from gateway.inputs.sampling_defaults import CHAT_LOGPROBS_CAP, COMPLETION_LOGPROBS_CAP, RequestDefaults
 
 NO_DEFAULTS = RequestDefaults()
-# the prompt tokens whose log-probabilities one request returns (echo + logprobs, prompt_logprobs), counted once
-# per choice (prompts x n): at most this many full contexts. Each is an entry of up to k + 1 alternatives, built
-# in the API process; unbounded, 2048 choices of a full context each asked for tens of GB and took it down.
-MAX_PROMPT_LOGPROB_CONTEXTS = 4
-# a non-streamed answer's generated logprob entries (each token and its k alternatives), built at once in the API
-# process (about 300 bytes and 2 us an entry): choices x max_tokens x (k + 1) at most this many, or one full
-# context's worth (max_model_len x (k + 1)) where that is more, so one choice is never refused whatever its
-# max_tokens (a client's `logprobs: true, top_logprobs: 20` without max_tokens on a 128k model is 2.75M);
-# streamed answers build theirs chunk by chunk and are not bounded here
+# the logprob entries (a token and its k alternatives) one request's answer holds, built in the API process:
+# - prompt logprobs (echo + logprobs, prompt_logprobs), each completions choice repeating its prompt's (chat: once):
+#   at most this many, or `MAX_PROMPT_LOGPROB_CONTEXTS` full contexts' worth where that is more (unbounded, 2048
+#   choices of a full context asked for tens of GB; 200 prompts of 500 ids x 21 for a 144 MB answer in 12 s);
+# - generated logprobs of a non-streamed answer (about 300 bytes and 2 us an entry): choices x max_tokens x (k + 1)
+#   at most this many, or one full context's worth where that is more, so one choice is never refused whatever its
+#   max_tokens (a client's `logprobs: true, top_logprobs: 20` without max_tokens on a 128k model is 2.75M);
+#   streamed answers build theirs chunk by chunk and are not bounded here
 MAX_LOGPROB_ENTRIES = 1 << 20
+MAX_PROMPT_LOGPROB_CONTEXTS = 4
 
 
 def _check_common(body: _SamplingFields) -> None:
@@ -120,16 +120,19 @@ def check_logprob_entries(body: CompletionRequest | ChatCompletionRequest, param
 
 def check_prompt_logprobs_size(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                                params: SamplingParams, max_model_len: int) -> None:
-    """A 400 for a request whose prompt log-probabilities (every choice repeats its prompt's) would cover more
-    than `MAX_PROMPT_LOGPROB_CONTEXTS` x `max_model_len` prompt tokens; checked once the prompts are tokenized,
-    before anything reaches the engine."""
+    """A 400 for a request whose prompt logprobs would hold more than `MAX_LOGPROB_ENTRIES` entries (or
+    `MAX_PROMPT_LOGPROB_CONTEXTS` full contexts' worth, where that is more): prompt tokens x (k + 1), each
+    completions choice repeating its prompt's (a chat answer holds them once); checked once the prompts are
+    tokenized, before anything reaches the engine."""
     if params.prompt_logprobs is None:
         return
-    num_tokens = params.n * sum(len(p) for p in prompts)
-    limit = MAX_PROMPT_LOGPROB_CONTEXTS * max_model_len
-    if num_tokens > limit:
+    copies = 1 if isinstance(body, ChatCompletionRequest) else params.n
+    width = params.prompt_logprobs + 1
+    num_entries = copies * sum(len(p) for p in prompts) * width
+    limit = max(MAX_LOGPROB_ENTRIES, MAX_PROMPT_LOGPROB_CONTEXTS * max_model_len * width)
+    if num_entries > limit:
         param = "prompt_logprobs" if getattr(body, "prompt_logprobs", None) is not None else "echo"
-        raise invalid(f"{param}: this request asks for the log-probabilities of {num_tokens} prompt tokens (its "
-                      f"prompts' tokens x n = {params.n}); at most {limit} ({MAX_PROMPT_LOGPROB_CONTEXTS} x the "
-                      f"model's context of {max_model_len}) are returned by one request. Send fewer or shorter "
-                      f"prompts, or a smaller n.", param=param)
+        raise invalid(f"{param}: this request asks for {num_entries} prompt logprob entries (prompt tokens x "
+                      f"{'' if copies == 1 else f'n = {copies} x '}(alternatives + 1 = {width})); at most {limit} "
+                      f"are returned by one request. Send fewer or shorter prompts, a smaller n or fewer "
+                      f"alternatives.", param=param)

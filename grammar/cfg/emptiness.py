@@ -129,7 +129,29 @@ class _Parser:
         if m is None:
             raise ValueError(f"unexpected text in the grammar at {t[self.i:self.i + 20]!r}")
         self.i = m.end()
+        if m.group(0) == "TagDispatch" and self._peek() == "(":
+            self.i = _after_call(t, self.i)   # xgrammar's tag dispatch: free text between its tags, productive
+            return True
         return m.group(0)
+
+
+def _after_call(text: str, i: int) -> int:
+    """The index after the parenthesis that closes the one at text[i], string literals skipped."""
+    depth = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == '"':
+            i += 1
+            while text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ValueError("unbalanced parentheses in the grammar")
 
 
 def _productive(expr: Expr, known: set[str]) -> bool:
@@ -155,12 +177,17 @@ def _rules(normalized: str) -> tuple[dict[str, Expr], list[int]]:
     """Each rule's expression, and the surrogate code points the grammar's string literals hold."""
     rules: dict[str, Expr] = {}
     surrogates: list[int] = []
+    texts: list[list[str]] = []       # [name, body]: a rule's lines (xgrammar prints a TagDispatch on several)
     for line in normalized.splitlines():
         m = _RULE.match(line.strip())
         if m:
-            parser = _Parser(m.group(2))
-            rules[m.group(1)] = parser.expr()
-            surrogates += parser.surrogates
+            texts.append([m.group(1), m.group(2)])
+        elif texts and line.strip():
+            texts[-1][1] += " " + line.strip()
+    for name, body in texts:
+        parser = _Parser(body)
+        rules[name] = parser.expr()
+        surrogates += parser.surrogates
     return rules, surrogates
 
 

@@ -101,7 +101,8 @@ def test_refusals(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
 
 def test_dora_on_experts_is_a_clear_400(qwen3: tuple[Path, Path], tmp_path: Path) -> None:
     """DoRA where it is not served names the reason: on transformers-4 per-expert modules (the message said DoRA
-    magnitudes on gate/up/down_proj were supported), and through target_parameters (peft has no DoRA there)."""
+    magnitudes on gate/up/down_proj were supported; without their magnitudes they were served as plain LoRA), and
+    through target_parameters (peft has no DoRA there)."""
     path, params = qwen3
     dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
     per_expert = per_expert_adapter(path, tmp_path / "per-expert", "qwen3_moe", 4, 8, 1.0, 5)
@@ -109,7 +110,9 @@ def test_dora_on_experts_is_a_clear_400(qwen3: tuple[Path, Path], tmp_path: Path
     save_file({**state, **{k.replace("lora_B.weight", "lora_magnitude_vector"): torch.ones(v.shape[0])
                            for k, v in state.items() if k.endswith("lora_B.weight")}},
               str(per_expert / "adapter_model.safetensors"))
+    no_mag = per_expert_adapter(path, tmp_path / "per-expert-plain", "qwen3_moe", 4, 8, 1.0, 5)   # use_dora, no m
     for adapter, match in ((_edit(per_expert, tmp_path / "pe-dora", use_dora=True), r"DoRA \(use_dora\) on the MoE"),
+                           (_edit(no_mag, tmp_path / "pe-dora-no-mag", use_dora=True), r"DoRA \(use_dora\) on the MoE"),
                            (_edit(params, tmp_path / "params-dora", use_dora=True), "through target_parameters")):
         with pytest.raises(AdapterError, match=match) as err:
             load_peft_adapter(adapter, dims, max_lora_rank=16)

@@ -78,6 +78,19 @@ def test_a_string_literal_with_a_surrogate_is_refused(text: str) -> None:
     assert info.value.code == "invalid_grammar" and "U+D" in info.value.message
 
 
+def test_a_tag_dispatch_printed_on_several_lines_is_read() -> None:
+    """xgrammar prints a TagDispatch over several lines: the checks read it (it was a 400 "unbalanced parentheses"),
+    as free text between its tags (productive), parentheses inside its tags' strings skipped."""
+    from grammar.cfg.cfg_grammar import check_grammar
+    from grammar.cfg.worker_side import parse_gbnf
+
+    text = 'root ::= TagDispatch(("<t(>", tool), ("<x>", x))\ntool ::= "a" "</t>"\nx ::= "b"'
+    assert "\n" in str(parse_gbnf(text)).split("tool ::=")[0].strip()   # the print under test spans lines
+    check_grammar(text, "guided_grammar")
+    assert admits_a_string(normalized(text))
+    assert admits_a_string(normalized('root ::= "a" TagDispatch(("<t>", t))\nt ::= "x"'))
+
+
 def test_a_surrogate_range_inside_a_wider_class_is_kept() -> None:
     from grammar.cfg.worker_side import parse_gbnf
 

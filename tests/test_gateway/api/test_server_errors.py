@@ -129,25 +129,30 @@ def test_bad_chat_requests(http: httpx.Client, case: tuple[str, Any, str | None]
     assert_still_serving(http)
 
 
-def test_prompt_logprobs_are_bounded_by_the_context(http: httpx.Client) -> None:
-    """The prompt tokens whose log-probabilities one request returns (each choice repeats its prompt's: prompts
-    x n) are at most 4 full contexts: a 200 KB body of 200 prompts asked for a 144 MB answer (12 s), and 2048
-    choices of a full context would ask the API process for tens of GB (an OOM kill of every tenant)."""
-    half = [5] * (MAX_MODEL_LEN // 2)
-    cap = 4 * MAX_MODEL_LEN // len(half)          # prompts of `half` at the bound (4 contexts)
+def test_prompt_logprobs_are_bounded_by_their_entries(http: httpx.Client) -> None:
+    """The prompt logprob entries one answer holds (prompt tokens x (k + 1), each completions choice repeating its
+    prompt's) are at most MAX_LOGPROB_ENTRIES (or 4 full contexts' worth, where more): a 200 KB body of 200
+    prompts asked for a 144 MB answer (12 s), and 2048 choices of a full context would ask the API process for tens
+    of GB (an OOM kill of every tenant). A loglikelihood batch as lm-eval sends it (64 contexts, echo, logprobs 1:
+    12.8k entries) is served; a bound of 4 contexts' tokens had refused it on a small-context model."""
+    from gateway.inputs.params import MAX_LOGPROB_ENTRIES
+
+    limit = max(MAX_LOGPROB_ENTRIES, 4 * MAX_MODEL_LEN * 21)
+    short, long = [5] * 64, [5] * (MAX_MODEL_LEN - 8)
     base = {"model": "tiny", "max_tokens": 1}
-    for body, param in [({"prompt": [half] * (cap + 1), "prompt_logprobs": 1}, "prompt_logprobs"),
-                        ({"prompt": [half] * (cap + 1), "echo": True, "logprobs": 1}, "echo"),
-                        ({"prompt": half, "n": cap + 1, "echo": True, "logprobs": 0}, "echo"),
-                        ({"prompt": [half] * 2, "n": cap, "prompt_logprobs": 0, "echo": True, "logprobs": 1},
-                         "prompt_logprobs"),
-                        ({"prompt": [half] * (cap + 1), "echo": True, "logprobs": 1, "stream": True}, "echo")]:
+    for body, param, entries in [
+            ({"prompt": [short] * 128, "n": 16, "prompt_logprobs": 20}, "prompt_logprobs", 2048 * 64 * 21),
+            ({"prompt": [long] * 128, "n": 16, "echo": True, "logprobs": 5}, "echo", 2048 * len(long) * 6),
+            ({"prompt": [long] * 128, "n": 16, "echo": True, "logprobs": 5, "stream": True}, "echo",
+             2048 * len(long) * 6)]:
+        assert entries > limit
         err = assert_error(http.post("/v1/completions", json={**base, **body}), 400, None, param)
-        assert str(4 * MAX_MODEL_LEN) in err["message"]
-    at_cap = http.post("/v1/completions", json={**base, "prompt": [half] * cap, "prompt_logprobs": 1})
-    assert at_cap.status_code == 200, at_cap.text
-    assert [len(c["prompt_logprobs"]) for c in at_cap.json()["choices"]] == [len(half)] * cap
-    plain = http.post("/v1/completions", json={**base, "prompt": [half] * (cap + 1), "echo": True, "n": 2})
+        assert str(entries) in err["message"] and str(limit) in err["message"]
+    batch = [[5 + (i % 7)] * 100 for i in range(64)]
+    served = http.post("/v1/completions", json={**base, "prompt": batch, "echo": True, "logprobs": 1})
+    assert served.status_code == 200, served.text
+    assert [len(c["logprobs"]["tokens"]) for c in served.json()["choices"]] == [101] * 64
+    plain = http.post("/v1/completions", json={**base, "prompt": [long] * 128, "echo": True, "n": 2})
     assert plain.status_code == 200, plain.text      # without logprobs: no bound beyond the choices'
     assert_still_serving(http)
 
