@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic v2, strict, unknown fields forbidden)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
 INT64_MAX = 2**63 - 1
@@ -34,6 +34,14 @@ def check_token_ids(value: Any) -> Any:
     if num_ids > MAX_PROMPT_IDS:
         raise ValueError(f"at most {MAX_PROMPT_IDS} token ids are accepted in one request, got {num_ids}")
     return value
+
+
+def bounded(limit: int, what: str) -> BeforeValidator:
+    """`check_count` as a field's first validator."""
+    return BeforeValidator(lambda value: check_count(value, limit, what))
+
+
+ToolList = Annotated[list[dict[str, Any]], bounded(MAX_TOOLS, "tools"), Field(max_length=MAX_TOOLS)]
 
 
 class _Strict(BaseModel):
@@ -88,6 +96,10 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
+
+
+MessageList = Annotated[list[ChatMessage], bounded(MAX_MESSAGES, "messages"),
+                        Field(min_length=1, max_length=MAX_MESSAGES)]
 
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
@@ -169,24 +181,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)   # the bound: _message_count
+    messages: MessageList
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(default=None, ge=0)  # cap: gateway/inputs/params.py (--max-logprobs)
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)   # vLLM's: once per answer; cap: --max-logprobs (20)
-    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)   # the bound: _tool_count
+    tools: Optional[ToolList] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extra variables for the chat template (vLLM)
     add_generation_prompt: Optional[bool] = None            # default true
     continue_final_message: Optional[bool] = None           # the last assistant message is continued, not closed
     # tools / tool_choice / parallel_tool_calls: validated in gateway/tools/tools.py
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _message_count(cls, value: Any) -> Any:
-        return check_count(value, MAX_MESSAGES, "messages")
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tool_count(cls, value: Any) -> Any:
-        return check_count(value, MAX_TOOLS, "tools")

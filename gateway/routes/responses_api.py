@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic import PrivateAttr, ValidationError, field_validator
 
 from gateway.errors import APIError, from_exception, invalid
-from gateway.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, _Strict, check_count
+from gateway.protocol import MAX_MESSAGES, ChatCompletionRequest, ToolList, _Strict, check_count
 
 
 class ResponsesRequest(_Strict):
@@ -31,7 +31,7 @@ class ResponsesRequest(_Strict):
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
+    tools: Optional[ToolList] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = None
@@ -48,11 +48,6 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _input_count(cls, value: Any) -> Any:
         return check_count(value, MAX_MESSAGES, "input items")
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tool_count(cls, value: Any) -> Any:
-        return check_count(value, MAX_TOOLS, "tools")
 
 
 # per chat message: the Responses path it came from ("instructions", "input" or "input[i]"), for an assistant

@@ -19,7 +19,7 @@ from gateway.http.body import load_json_object, parse_body, read_body
 from gateway.errors import api_endpoint, invalid
 from gateway.http.context import request_context
 from gateway.inputs.prompts import PromptEncoder, template_options
-from gateway.protocol import MAX_MESSAGES, MAX_PROMPT_IDS, ChatMessage, _Strict, check_count, check_token_ids
+from gateway.protocol import MAX_PROMPT_IDS, MessageList, _Strict, check_token_ids
 
 if TYPE_CHECKING:   # the routes read the app's state; nothing here builds one
     from gateway.server.state import GatewayState
@@ -36,17 +36,12 @@ class TokenizeCompletionRequest(_Strict):
 
 class TokenizeChatRequest(_Strict):
     model: Optional[str] = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: MessageList
     add_generation_prompt: Optional[bool] = None    # default true (false with continue_final_message)
     continue_final_message: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False       # the template writes the special tokens (vLLM's default)
     return_token_strs: Optional[bool] = None
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _message_count(cls, value: Any) -> Any:
-        return check_count(value, MAX_MESSAGES, "messages")
 
 
 class DetokenizeRequest(_Strict):
