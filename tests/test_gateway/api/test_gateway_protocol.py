@@ -241,3 +241,5 @@ def test_one_full_context_of_generated_logprobs_is_never_refused() -> None:
     err = api_error(check_logprob_entries, body, params, [small - 1] * 128, small)
     assert err.param == "top_logprobs" and str(MAX_LOGPROB_ENTRIES) in err.message
     check_logprob_entries(body, params, [small - 1] * 24, small)               # 24 x 2047 x 21 < 2^20
+    streamed = chat(logprobs=True, top_logprobs=20, stream=True)               # built chunk by chunk: not bounded
+    check_logprob_entries(streamed, chat_sampling_params(streamed), [small - 1] * 128, small)
