@@ -79,11 +79,16 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return ".".join(str(p) for p in loc if not is_tag(p)) or None
 
 
+_SHOWN_EXTRA = 8   # unknown fields an error names
+
+
 def from_validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
     extra = [e for e in errors if e["type"] == "extra_forbidden"]
     if extra:
-        names = ", ".join(_param_of(e["loc"]) or "?" for e in extra)
+        names = ", ".join(_param_of(e["loc"]) or "?" for e in extra[:_SHOWN_EXTRA])
+        if len(extra) > _SHOWN_EXTRA:     # many objects, each with a few unknown keys: a bounded message
+            names += f" and {len(extra) - _SHOWN_EXTRA} more"
         return invalid(f"Unrecognized request argument supplied: {names}", param=_param_of(extra[0]["loc"]))
     first = errors[0]
     param = _param_of(first["loc"])

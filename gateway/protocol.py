@@ -1,9 +1,13 @@
 """Request bodies of the OpenAI-compatible API (pydantic v2, strict, unknown fields forbidden)."""
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from core.sampling.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
 INT64_MAX = 2**63 - 1
@@ -11,15 +15,34 @@ MAX_N = 128
 MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
 MAX_PROMPT_IDS = 1 << 23   # token ids in one request's prompts (or /detokenize's tokens); the body's size bounds
                            # them too (4 prompts of the longest that fits), so this trims only 32 MiB bodies
-MAX_MESSAGES = 1 << 16     # chat messages (Responses input items) of one request: each renders several tokens
+MAX_MESSAGES = 1 << 15     # chat messages (Responses input items) of one request: each renders several tokens
+MAX_MESSAGE_PARTS = 1 << 15   # content parts and tool calls across one request's messages (Responses input items)
 MAX_TOOLS = 128            # tools of one request (OpenAI's own limit): each is a schema checked at admission
+MAX_STOP_TOKEN_IDS = 64
 
 
 def check_count(value: Any, limit: int, what: str) -> Any:
-    """A list longer than `limit` refused by one `len`, before pydantic validates its entries (a 32 MiB body of
-    small entries held the event loop for seconds in validation alone)."""
-    if isinstance(value, list) and len(value) > limit:
+    """A list (or an object's entries) longer than `limit` refused by one `len`, before pydantic validates its
+    entries (a 32 MiB body of small entries held the event loop for seconds in validation alone)."""
+    if isinstance(value, (list, dict)) and len(value) > limit:
         raise ValueError(f"at most {limit} {what} are accepted in one request, got {len(value)}")
+    return value
+
+
+def check_message_parts(value: Any) -> Any:
+    """At most `MAX_MESSAGE_PARTS` content parts and tool calls across a list of messages (or Responses input items),
+    counted by `len` before any is validated: one message of a million `{"type": "text", "text": ""}` parts (28 MB)
+    held the event loop ~5 s in validation alone, 300,000 tool calls ~1 s."""
+    if isinstance(value, list):
+        num_parts = 0
+        for message in value:
+            if isinstance(message, dict):
+                for key in ("content", "tool_calls"):
+                    entries = message.get(key)
+                    num_parts += len(entries) if isinstance(entries, list) else 0
+        if num_parts > MAX_MESSAGE_PARTS:
+            raise ValueError(f"at most {MAX_MESSAGE_PARTS} content parts and tool calls are accepted across one "
+                             f"request's messages, got {num_parts}")
     return value
 
 
@@ -43,9 +66,29 @@ def bounded(limit: int, what: str) -> BeforeValidator:
 
 ToolList = Annotated[list[dict[str, Any]], bounded(MAX_TOOLS, "tools"), Field(max_length=MAX_TOOLS)]
 
+_SHOWN_UNKNOWN_FIELDS = 8   # unknown field names quoted in the error of an object with more keys than fields
+
 
 class _Strict(BaseModel):
+    """A body object: known fields only (unknown ones are a 400 naming them)."""
+
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_more_keys_than_fields(cls, data: Any) -> Any:
+        """An object with more keys than the model has names (fields and aliases) is refused by one `len`, before
+        pydantic builds an error per unknown key: a body of a million unknown fields took ~2 s of the event loop
+        and answered a multi-megabyte error naming each one."""
+        if isinstance(data, dict) and len(data) > 2 * len(cls.model_fields):   # a field has a name and an alias
+            names = {name for field, info in cls.model_fields.items() for name in (field, info.alias) if name}
+            num_unknown = len(data.keys() - names)
+            shown = ", ".join(str(key)[:64] for key in itertools.islice(
+                (key for key in data if key not in names), _SHOWN_UNKNOWN_FIELDS))
+            more = f" and {num_unknown - _SHOWN_UNKNOWN_FIELDS} more" if num_unknown > _SHOWN_UNKNOWN_FIELDS else ""
+            raise PydanticCustomError("too_many_fields", "Unrecognized request arguments supplied: {shown}{more}",
+                                      {"shown": shown, "more": more})
+        return data
 
 
 class StreamOptions(_Strict):
@@ -98,7 +141,8 @@ class ChatMessage(_Strict):
 
 
 
-MessageList = Annotated[list[ChatMessage], bounded(MAX_MESSAGES, "messages"),
+# before validators run last to first: the count of messages, then of their parts
+MessageList = Annotated[list[ChatMessage], BeforeValidator(check_message_parts), bounded(MAX_MESSAGES, "messages"),
                         Field(min_length=1, max_length=MAX_MESSAGES)]
 
 class _SamplingFields(_Strict):
@@ -111,8 +155,9 @@ class _SamplingFields(_Strict):
     top_p: Optional[float] = None
     top_k: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
     seed: Optional[int] = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX - MAX_N)  # children use seed + i
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
+    stop: Union[str, Annotated[list[str], bounded(MAX_STOP_STRINGS, "stop strings")], None] = None
+    stop_token_ids: Optional[Annotated[list[int], bounded(MAX_STOP_TOKEN_IDS, "stop_token_ids"),
+                                       Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     n: Optional[int] = Field(default=None, ge=1, le=MAX_N)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
@@ -121,7 +166,8 @@ class _SamplingFields(_Strict):
     user: Optional[str] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[Annotated[dict[str, float], bounded(MAX_LOGIT_BIAS, "logit_bias entries"),
+                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
     skip_special_tokens: Optional[bool] = None
     # vLLM constraint spellings (validated in grammar/specs/constraints.py; at most one per request)
     structured_outputs: Optional[dict[str, Any]] = None

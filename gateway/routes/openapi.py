@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from core.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routes.responses_api import ResponsesRequest
+from core.sampling.params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from gateway.protocol import MAX_STOP_TOKEN_IDS, ChatCompletionRequest, CompletionRequest
+from gateway.routes.responses_api import MAX_METADATA, ResponsesRequest
 from gateway.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -90,11 +90,12 @@ _NARROWER: dict[str, dict[str, Any]] = {
     "repetition_penalty": {"anyOf": [{"type": "number", "minimum": 0.01, "maximum": 100}, _NULL]},
     "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, _NULL]},
     "min_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]},
-    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
                               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
     "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},
     "max_completion_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]},
-    "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0}}, _NULL]},
+    "stop_token_ids": {"anyOf": [{"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                  "items": {"type": "integer", "minimum": 0}}, _NULL]},
     "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 100}, _NULL]},
     "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, _NULL]},
     "stop": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
@@ -172,6 +173,8 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
     schemas: dict[str, Any] = dict(defs["$defs"])
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name] = _narrow(schemas[name])
+    schemas["ResponsesRequest"]["properties"]["metadata"] = {   # pydantic writes a dict's max_length as maxLength
+        "anyOf": [{"type": "object", "maxProperties": MAX_METADATA, "additionalProperties": {"type": "string"}}, _NULL]}
     # what grammar/ checks once type is json_schema: a schema object and an OpenAI-style name
     json_schema = {"not": _NULL, "required": ["schema"],
                    "properties": {"schema": {"type": "object"}, "name": {"pattern": "^[a-zA-Z0-9_-]{1,64}$"}}}

@@ -16,12 +16,16 @@ chat path underneath names the Responses field (`responses_param`: `tools[0].nam
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from gateway.errors import APIError, from_exception, invalid
-from gateway.protocol import MAX_MESSAGES, ChatCompletionRequest, ToolList, _Strict, check_count
+from gateway.protocol import (MAX_MESSAGES, ChatCompletionRequest, ToolList, _Strict, bounded, check_count,
+                              check_message_parts)
+
+
+MAX_METADATA = 16   # metadata key-value pairs (OpenAI's limit)
 
 
 class ResponsesRequest(_Strict):
@@ -38,7 +42,8 @@ class ResponsesRequest(_Strict):
     stream: Optional[bool] = None
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
+    metadata: Optional[Annotated[dict[str, str], bounded(MAX_METADATA, "metadata entries"),
+                                 Field(max_length=MAX_METADATA)]] = None
     user: Optional[str] = None
     truncation: Optional[Literal["disabled"]] = None
     seed: Optional[int] = None
@@ -47,7 +52,7 @@ class ResponsesRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _input_count(cls, value: Any) -> Any:
-        return check_count(value, MAX_MESSAGES, "input items")
+        return check_message_parts(check_count(value, MAX_MESSAGES, "input items"))
 
 
 # per chat message: the Responses path it came from ("instructions", "input" or "input[i]"), for an assistant
