@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.inputs import tokenize_pool
-from gateway.http.body import load_json_object, parse_body, read_body
+from gateway.http.body import gc_paused, load_json_object, parse_body, read_body
 from gateway.errors import api_endpoint, invalid
 from gateway.http.context import request_context
 from gateway.inputs.prompts import PromptEncoder, template_options
@@ -56,7 +56,8 @@ class DetokenizeRequest(_Strict):
 
 def _tokenize_body(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
     obj = load_json_object(raw)
-    return (TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest).model_validate(obj)
+    with gc_paused():
+        return (TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest).model_validate(obj)
 
 
 async def _authorized_body(request: Request, parse: Callable[[bytes], M],
