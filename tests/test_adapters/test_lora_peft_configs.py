@@ -286,3 +286,58 @@ def test_vision_tower_lora_of_a_multimodal_base_is_skipped(tmp_path: Path) -> No
     ad = load_peft_adapter(adapter, BaseModelDims.from_model_config(ModelConfig.from_path(path)), max_lora_rank=16)
     assert {name for _, name in ad.modules} == {"q_proj", "v_proj"}
     check_served_as_peft(path, {"gemma3-qv": adapter}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
+
+
+def _peft_saved(path: Path, out: Path, fill, **kwargs) -> Path:
+    """An adapter made and saved by `peft` itself with `kwargs` as they are (`init_lora_weights` included)."""
+    import peft
+
+    pm = peft.get_peft_model(_fresh_base(str(path)), peft.LoraConfig(task_type="CAUSAL_LM", **kwargs)).eval()
+    fill(pm)
+    pm.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:.*save_embedding_layers.*:UserWarning")
+def test_ensure_weight_tying_on_a_tied_base_is_served_as_peft(tmp_path: Path) -> None:
+    """peft's `ensure_weight_tying` on a base with tied embeddings (Qwen2 small, Gemma, Llama 3.2 1B): the LM head
+    gets the embedding's LoRA transposed, saved under `lm_head.lora_A/B` while target_modules no longer name lm_head.
+    Such adapters were refused ("adapter has LoRA weights for lm_head, which adapter_config.json does not target;
+    PEFT would ignore them": PEFT does not); served as PEFT, and a tampered pair is a 400."""
+    from lora_fixtures import _fill_lora
+
+    path = model_dir("qwen2_tied")
+    dims = BaseModelDims.from_model_config(ModelConfig.from_path(path))
+    tied = _peft_saved(path, tmp_path / "tied", lambda pm: _fill_lora(pm, 1.0, 5), r=4, lora_alpha=8,
+                       init_lora_weights=False, target_modules=["embed_tokens", "q_proj"], ensure_weight_tying=True)
+    assert "lm_head" not in json.loads((tied / "adapter_config.json").read_text())["target_modules"]
+    ad = load_peft_adapter(tied, dims, max_lora_rank=16)
+    assert torch.equal(ad.vocab_modules["lm_head"].lora_a, ad.vocab_modules["embed_tokens"].lora_b.t())
+    check_served_as_peft(path, {"tied": tied}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
+    key = "base_model.model.lm_head.lora_A.weight"
+    untied = edit_weights(tied, tmp_path / "untied", lambda s: s.update({key: s[key] * 2}))
+    err = expect_400(untied, dims, "adapter_shape_mismatch", "ensure_weight_tying")
+    assert "transposed" in str(err)
+
+
+def test_mica_adapters_are_served_as_peft(llama) -> None:
+    """MiCA (`init_lora_weights="mica"`) only initialises B from the base's minor singular vectors, and peft saves
+    that B: the forward is plain LoRA's. Such adapters were refused as needing "a modified base model"; served as
+    PEFT. With use_dora (no such PEFT variant) a 400."""
+    path, dims, tmp = llama
+
+    def fill_a(pm) -> None:
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in sorted(pm.named_parameters()):
+                if "lora_A" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 3 / p.shape[1] ** 0.5)
+
+    mica = _peft_saved(path, tmp / "mica", fill_a, r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                       init_lora_weights="mica")
+    check_served_as_peft(path, {"mica": mica}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
+    dora = tmp / "mica-dora"
+    shutil.copytree(mica, dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    expect_400(dora, dims, "unsupported_adapter_feature", "mica")
