@@ -173,11 +173,18 @@ def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _check_key_lengths(state: Mapping[str, torch.Tensor]) -> None:
-    """The config's regexes run on the weights' names (linear to cubic time in their length: safe_regex.py)."""
+    """The config's regexes run on the weights' names (linear to cubic time in their length, on names without a
+    newline as module paths are: safe_regex.py)."""
     for key in state:
         if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
             raise _invalid(f"adapter weight name {shown(str(key))!r} is longer than {MAX_KEY_CHARS} characters",
+                           CODE_UNSUPPORTED_TARGET)
+        if _CONTROL_RE.search(key):
+            raise _invalid(f"adapter weight name {shown(key)!r} holds a control character (no module path does)",
                            CODE_UNSUPPORTED_TARGET)
 
 

@@ -341,3 +341,29 @@ def test_mica_adapters_are_served_as_peft(llama) -> None:
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     expect_400(dora, dims, "unsupported_adapter_feature", "mica")
+
+
+# target_modules as Unsloth writes them (unsloth_zoo's get_peft_regex, FastModel / FastVisionModel): an older form
+# with a final `.*?`, and the current one with a lookahead; each came in a real adapter_config.json
+UNSLOTH_OLD = (r"(?:.*?(?:language|text).*?(?:self_attn|attention|attn|mlp|feed_forward|ffn|dense).*?(?:q_proj|k_proj|"
+               r"v_proj|o_proj|gate_proj|up_proj|down_proj).*?)|(?:\bmodel\.layers\.[\d]{1,}\.(?:self_attn|attention|"
+               r"attn|mlp|feed_forward|ffn|dense)\.(?:(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)))")
+UNSLOTH_NEW = (r"(?:.*?(?:language|text).*?(?:self_attn|attention|attn|mixer|mlp|feed_forward|ffn|dense|mixer).*?\."
+               r"(?:q_proj|v_proj|o_proj))|(?:\bmodel\.layers\.[\d]{1,}(?!.*\.experts\.\d)\..*?(?:self_attn|attention|"
+               r"attn|mixer|mlp|feed_forward|ffn|dense|mixer).*?\.(?:(?:q_proj|v_proj|o_proj)))")
+
+
+def test_unsloth_target_regexes_are_served_as_peft(llama, tmp_path: Path) -> None:
+    """Unsloth saves target_modules as one regex of alternatives with four or five unbounded repeats in all: the
+    regex check counted them summed over the alternatives, lookahead and final `.*?` included, and refused every
+    such adapter ("more than 3 unbounded repeats"). Counted as the matcher backtracks (safe_regex.py) they are three
+    in a row at most; served as PEFT (Llama: the `model.layers` alternative; Gemma 3's multimodal checkpoint: the
+    `language_model` one)."""
+    from family_models import gemma3_multimodal_dir
+
+    path, _, tmp = llama
+    new = save(path, tmp / "unsloth-new", target_modules=UNSLOTH_NEW, b_mult=1.5)
+    check_served_as_peft(path, {"unsloth-new": new}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
+    gemma = gemma3_multimodal_dir()
+    old = save(gemma, tmp_path / "unsloth-old", target_modules=UNSLOTH_OLD, b_mult=1.5)
+    check_served_as_peft(gemma, {"unsloth-old": old}, [PROMPTS[2], PROMPTS[7]], MAX_TOKENS)
