@@ -24,7 +24,10 @@ from adapters.errors import (
 # (target_parameters: adapters/peft/expert_keys.py)
 _EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate", "shared_expert_gate")
 
-# Config fields that must be empty/false: (field, reason).
+# LoRA variants configured by a sub-config: peft turns a dict, even an empty one, into the variant's config, which
+# switches the variant on (peft.tuners.lora.config._get_lora_subconfig): off only when null (or false)
+_SUBCONFIG_VARIANTS = frozenset({"velora_config", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config"})
+# Config fields that must be empty/false (the sub-config variants: null): (field, reason).
 _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
     ("modules_to_save", "modules_to_save (fully fine-tuned extra modules) is not supported"),
     ("trainable_token_indices", "trainable tokens / added tokens are not supported"),
@@ -253,7 +256,8 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid(f"only LoRA adapters are supported, got peft_type={shown(peft_type)}",
                        CODE_UNSUPPORTED_FEATURE)
     for name, reason in _MUST_BE_FALSY:
-        if raw.get(name):
+        value = raw.get(name)
+        if (value not in (None, False)) if name in _SUBCONFIG_VARIANTS else bool(value):
             raise _invalid(reason, CODE_UNSUPPORTED_FEATURE)
     bias = raw.get("bias", "none")
     if bias not in (None, "none"):

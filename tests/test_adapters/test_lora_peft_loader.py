@@ -201,6 +201,17 @@ def test_unsupported_targets_and_features(base, good_dir, tmp_path):
         shutil.copy(good_dir / "adapter_config.json", path / "adapter_config.json")
 
 
+@pytest.mark.parametrize("field", ["velora_config", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config"])
+def test_an_empty_variant_sub_config_is_refused(base, good_dir, tmp_path, field):
+    """peft turns a variant's sub-config into its dataclass whenever it is not null, so `{}` switches the variant
+    on with its defaults (KaSA, BD-LoRA, ...): it was read as "off" and served as plain LoRA."""
+    path = clone(good_dir, tmp_path)
+    edit_config(path, **{field: {}})
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="not supported")
+    edit_config(path, **{field: None})
+    load_peft_adapter(path, base[1], 64)
+
+
 def test_resized_embeddings_and_added_tokens(base, good_dir, tmp_path):
     path = clone(good_dir, tmp_path)
     state = load_file(path / "adapter_model.safetensors")
