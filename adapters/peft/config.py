@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Collection, Mapping, Optional, Union
 
 from adapters.layers.dims import PEFT_TARGET_NAMES
 from adapters.peft.safe_regex import UnsafeRegex, check_regex
@@ -80,6 +80,8 @@ class PeftLoRAConfig:
     # set by `on_base` for a base with tied embeddings: PEFT targets the embedding and gives the LM head the
     # embedding's LoRA transposed (lm_head A = embed_tokens B^T, B = A^T), whatever target_modules say of lm_head
     ties_lm_head: bool = False
+    # target_modules names outside the supported set (`check_unsupported_targets`)
+    unsupported_targets: frozenset[str] = frozenset()
     # rank_pattern / alpha_pattern keys as PEFT runs them, compiled once (parse_peft_config)
     rank_regexes: tuple[tuple[str, "re.Pattern[str]"], ...] = field(default=(), compare=False, repr=False)
     alpha_regexes: tuple[tuple[str, "re.Pattern[str]"], ...] = field(default=(), compare=False, repr=False)
@@ -97,6 +99,17 @@ class PeftLoRAConfig:
         if isinstance(targets, str):
             return any(re.fullmatch(targets, name) for name in _EMBEDDING_LAYER_NAMES)
         return targets is not None and any(t.split(".")[-1] in _EMBEDDING_LAYER_NAMES for t in targets)
+
+    def check_unsupported_targets(self, vision_modules: Collection[str]) -> None:
+        """A 400 for target_modules names outside the supported set, but for names of modules in a multimodal
+        base's vision tower only (`vision_modules`: the modules the adapter has LoRA on there, which the loader
+        skips): PEFT expands `all-linear` on Gemma 3's checkpoint into q/k/v/o/gate/up/down and the tower's
+        fc1 / fc2 / out_proj."""
+        bad = sorted(t for t in self.unsupported_targets if t.split(".")[-1] not in vision_modules)
+        if bad:
+            supported = list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)
+            raise _invalid(f"unsupported target modules [{shown(', '.join(bad))}]; supported: {supported}",
+                           CODE_UNSUPPORTED_TARGET)
 
     def rank_for(self, module_key: str) -> int:
         """PEFT's rank for a module (`model.layers.0.self_attn.q_proj`)."""
@@ -204,16 +217,13 @@ def _bounded(field: str, value: Any, most: int) -> None:
             raise _invalid(f"{field} has a name longer than {MAX_NAME_CHARS} characters")
 
 
-def _check_target_modules(targets: Any) -> None:
+def _unsupported_targets(targets: Any) -> frozenset[str]:
+    """The target_modules names outside the supported set (checked against the weights: `check_unsupported_targets`)."""
     if targets is None or isinstance(targets, str):
-        return  # "all-linear" or a regex: the saved weight keys decide (and are checked)
+        return frozenset()  # "all-linear" or a regex: the saved weight keys decide (and are checked)
     if not isinstance(targets, (list, tuple, set)):
         raise _invalid(f"target_modules has an unexpected type {type(targets).__name__}")
-    bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES})
-    if bad:
-        raise _invalid(
-            f"unsupported target modules [{shown(', '.join(bad))}]; supported: {list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)}",
-            CODE_UNSUPPORTED_TARGET)
+    return frozenset(str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)
 
 
 def _names(raw: Mapping[str, Any], field: str) -> Union[None, str, tuple[str, ...]]:
@@ -274,7 +284,7 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         _bounded(field, raw.get(field), MAX_ENTRIES)
     for field in ("layers_pattern", "rank_pattern", "alpha_pattern"):
         _bounded(field, raw.get(field), MAX_PATTERNS)
-    _check_target_modules(raw.get("target_modules"))
+    unsupported_targets = _unsupported_targets(raw.get("target_modules"))
     target_modules, exclude_modules = _names(raw, "target_modules"), _names(raw, "exclude_modules")
     layers_to_transform, layers_pattern = _layer_selection(raw)
     try:
@@ -297,6 +307,6 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         base_model_name_or_path=raw.get("base_model_name_or_path"), use_dora=bool(raw.get("use_dora", False)),
         target_modules=target_modules, target_parameters=bool(raw.get("target_parameters")),
         exclude_modules=exclude_modules, layers_to_transform=layers_to_transform, layers_pattern=layers_pattern,
-        ensure_weight_tying=bool(raw.get("ensure_weight_tying")),
+        ensure_weight_tying=bool(raw.get("ensure_weight_tying")), unsupported_targets=unsupported_targets,
         rank_regexes=_compiled(rank_pattern), alpha_regexes=_compiled(alpha_pattern),
     )

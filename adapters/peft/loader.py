@@ -188,6 +188,11 @@ def _check_key_lengths(state: Mapping[str, torch.Tensor]) -> None:
                            CODE_UNSUPPORTED_TARGET)
 
 
+def _vision_tower_modules(state: Mapping[str, torch.Tensor]) -> set[str]:
+    """The names (`fc1`, `q_proj`, ...) of the modules a multimodal base's vision tower has LoRA on (skipped)."""
+    return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state if _VISION_TOWER_RE.search(k)}
+
+
 def _check_finite(state: Mapping[str, torch.Tensor]) -> None:
     """NaN or infinite weights make every logit of the adapter's requests NaN (they stay in its own rows, but its
     tenant gets empty text): a 400 at load, naming the weight. One pass over tensors already in memory."""
@@ -427,6 +432,7 @@ def load_peft_adapter(
     _check_added_tokens(files)
     weights = _read_weights(files)
     _check_key_lengths(weights)
+    cfg.check_unsupported_targets(_vision_tower_modules(weights))
     _check_finite(weights)
     state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)
