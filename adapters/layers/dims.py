@@ -62,6 +62,7 @@ class BaseModelDims:
     sparse_layers: tuple[bool, ...] = ()   # MoE: per layer, True where the MLP is the sparse block
     shared_expert: bool = False        # MoE: the sparse block has a dense shared expert (Qwen2-MoE)
     checkpoint_fused: bool = False     # the layers hold qkv_proj / gate_up_proj, not q/k/v and gate/up (Phi-3)
+    tie_word_embeddings: bool = False  # the LM head is the embedding table (PEFT's ensure_weight_tying ties their LoRA)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -84,6 +85,7 @@ class BaseModelDims:
             head_dim=int(head_dim),
             num_layers=int(config.num_hidden_layers),
             vocab_size=int(config.vocab_size),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
     @classmethod
@@ -102,6 +104,7 @@ class BaseModelDims:
             sparse_layers=tuple(bool(v) for v in getattr(cfg, "sparse_layers", ())),
             shared_expert=bool(getattr(cfg, "shared_expert", False)),
             checkpoint_fused=bool(getattr(cfg, "checkpoint_fused", getattr(cfg, "model_type", None) == "phi3")),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
 
     def is_sparse_layer(self, layer: int) -> bool:

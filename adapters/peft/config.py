@@ -2,15 +2,17 @@
 
 Everything that changes the LoRA forward beyond `scaling * B(A(x))` on q/k/v/o/gate/up/down, embed_tokens and
 lm_head, or DoRA's magnitude rescaling (`use_dora`, not on the embeddings), is rejected with a clear reason (400)
-instead of being silently served wrong.
+instead of being silently served wrong. `ensure_weight_tying` on a base with tied embeddings puts the LM head's LoRA
+on the embedding's, transposed (`PeftLoRAConfig.on_base`; the loader checks the saved pair agrees).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Collection, Mapping, Optional, Union
 
 from adapters.layers.dims import PEFT_TARGET_NAMES
 from adapters.peft.safe_regex import UnsafeRegex, check_regex
@@ -22,7 +24,10 @@ from adapters.errors import (
 # (target_parameters: adapters/peft/expert_keys.py)
 _EXPERT_TARGET_NAMES = ("w1", "w2", "w3", "gate", "shared_expert_gate")
 
-# Config fields that must be empty/false: (field, reason).
+# LoRA variants configured by a sub-config: peft turns a dict, even an empty one, into the variant's config, which
+# switches the variant on (peft.tuners.lora.config._get_lora_subconfig): off only when null (or false)
+_SUBCONFIG_VARIANTS = frozenset({"velora_config", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config"})
+# Config fields that must be empty/false (the sub-config variants: null): (field, reason).
 _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
     ("modules_to_save", "modules_to_save (fully fine-tuned extra modules) is not supported"),
     ("trainable_token_indices", "trainable tokens / added tokens are not supported"),
@@ -42,8 +47,13 @@ _MUST_BE_FALSY: tuple[tuple[str, str], ...] = (
 MAX_ENTRIES = 4096
 MAX_PATTERNS = 1024
 MAX_NAME_CHARS = 512
-# init_lora_weights values whose adapters need a modified base model (or a LoRA variant).
-_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "mica", "lora_ga")
+# init_lora_weights values whose adapters need a modified base model (PiSSA, OLoRA, CorDA and LoRA-GA subtract their
+# initial LoRA from the base weights; LoftQ replaces them). MiCA ("mica") only initialises B from the base's minor
+# singular vectors and saves it: its forward is plain LoRA's (peft.tuners.lora.variants.MiCALinearVariant).
+_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# PEFT's names of the vocabulary modules (peft.utils.constants.EMBEDDING_LAYER_NAMES): a target among them makes
+# ensure_weight_tying tie the LM head's LoRA to the embedding's
+_EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 
 def _invalid(msg: str, code: str = CODE_INVALID) -> AdapterError:
@@ -66,9 +76,40 @@ class PeftLoRAConfig:
     exclude_modules: Union[None, str, frozenset[str]] = None
     layers_to_transform: Union[None, int, frozenset[int]] = None
     layers_pattern: tuple[str, ...] = ()
+    ensure_weight_tying: bool = False
+    # set by `on_base` for a base with tied embeddings: PEFT targets the embedding and gives the LM head the
+    # embedding's LoRA transposed (lm_head A = embed_tokens B^T, B = A^T), whatever target_modules say of lm_head
+    ties_lm_head: bool = False
+    # target_modules names outside the supported set (`check_unsupported_targets`)
+    unsupported_targets: frozenset[str] = frozenset()
     # rank_pattern / alpha_pattern keys as PEFT runs them, compiled once (parse_peft_config)
     rank_regexes: tuple[tuple[str, "re.Pattern[str]"], ...] = field(default=(), compare=False, repr=False)
     alpha_regexes: tuple[tuple[str, "re.Pattern[str]"], ...] = field(default=(), compare=False, repr=False)
+
+    def on_base(self, tie_word_embeddings: bool) -> "PeftLoRAConfig":
+        """The config as PEFT applies it to a base whose LM head is (or is not) its embedding table: with
+        `ensure_weight_tying`, a target naming embed_tokens or lm_head (peft's `_check_tied_modules`) ties the LM
+        head's LoRA to the embedding's; without tied embeddings the flag does nothing."""
+        if not (self.ensure_weight_tying and tie_word_embeddings and self._embedding_in_target()):
+            return self
+        return dataclasses.replace(self, ties_lm_head=True)
+
+    def _embedding_in_target(self) -> bool:
+        targets = self.target_modules
+        if isinstance(targets, str):
+            return any(re.fullmatch(targets, name) for name in _EMBEDDING_LAYER_NAMES)
+        return targets is not None and any(t.split(".")[-1] in _EMBEDDING_LAYER_NAMES for t in targets)
+
+    def check_unsupported_targets(self, vision_modules: Collection[str]) -> None:
+        """A 400 for target_modules names outside the supported set, but for names of modules in a multimodal
+        base's vision tower only (`vision_modules`: the modules the adapter has LoRA on there, which the loader
+        skips): PEFT expands `all-linear` on Gemma 3's checkpoint into q/k/v/o/gate/up/down and the tower's
+        fc1 / fc2 / out_proj."""
+        bad = sorted(t for t in self.unsupported_targets if t.split(".")[-1] not in vision_modules)
+        if bad:
+            supported = list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)
+            raise _invalid(f"unsupported target modules [{shown(', '.join(bad))}]; supported: {supported}",
+                           CODE_UNSUPPORTED_TARGET)
 
     def rank_for(self, module_key: str) -> int:
         """PEFT's rank for a module (`model.layers.0.self_attn.q_proj`)."""
@@ -88,6 +129,8 @@ class PeftLoRAConfig:
         peft.tuners.tuners_utils.check_target_module_exists (exclude_modules, a regex or a list of suffixes,
         layers_to_transform / layers_pattern); None when the config does not say (no target_modules at all:
         PEFT takes a default per model type, the weights decide)."""
+        if self.ties_lm_head and (module_key == "lm_head" or module_key.endswith(".lm_head")):
+            return True      # tied to the embedding's LoRA before target_modules / exclude_modules are read
         excl = self.exclude_modules
         if excl is not None:
             if isinstance(excl, str):
@@ -95,6 +138,8 @@ class PeftLoRAConfig:
                     return False
             elif _names_a_suffix(excl, module_key):
                 return False
+        if self.ties_lm_head and module_key.split(".")[-1] == "embed_tokens":
+            return True      # PEFT adds the embedding's own name to target_modules
         targets = self.target_modules
         if targets is None:
             return False if self.target_parameters else None
@@ -172,16 +217,13 @@ def _bounded(field: str, value: Any, most: int) -> None:
             raise _invalid(f"{field} has a name longer than {MAX_NAME_CHARS} characters")
 
 
-def _check_target_modules(targets: Any) -> None:
+def _unsupported_targets(targets: Any) -> frozenset[str]:
+    """The target_modules names outside the supported set (checked against the weights: `check_unsupported_targets`)."""
     if targets is None or isinstance(targets, str):
-        return  # "all-linear" or a regex: the saved weight keys decide (and are checked)
+        return frozenset()  # "all-linear" or a regex: the saved weight keys decide (and are checked)
     if not isinstance(targets, (list, tuple, set)):
         raise _invalid(f"target_modules has an unexpected type {type(targets).__name__}")
-    bad = sorted({str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES})
-    if bad:
-        raise _invalid(
-            f"unsupported target modules [{shown(', '.join(bad))}]; supported: {list(PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)}",
-            CODE_UNSUPPORTED_TARGET)
+    return frozenset(str(t) for t in targets if str(t).split(".")[-1] not in PEFT_TARGET_NAMES + _EXPERT_TARGET_NAMES)
 
 
 def _names(raw: Mapping[str, Any], field: str) -> Union[None, str, tuple[str, ...]]:
@@ -224,7 +266,8 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid(f"only LoRA adapters are supported, got peft_type={shown(peft_type)}",
                        CODE_UNSUPPORTED_FEATURE)
     for name, reason in _MUST_BE_FALSY:
-        if raw.get(name):
+        value = raw.get(name)
+        if (value not in (None, False)) if name in _SUBCONFIG_VARIANTS else bool(value):
             raise _invalid(reason, CODE_UNSUPPORTED_FEATURE)
     bias = raw.get("bias", "none")
     if bias not in (None, "none"):
@@ -234,11 +277,14 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         raise _invalid(
             f"init_lora_weights={shown(init)!r} adapters need a modified base model; convert the "
             "adapter to plain LoRA before serving", CODE_UNSUPPORTED_FEATURE)
+    if isinstance(init, str) and init.lower() == "mica" and raw.get("use_dora"):
+        raise _invalid("init_lora_weights='mica' with use_dora is not supported (PEFT has no such LoRA variant)",
+                       CODE_UNSUPPORTED_FEATURE)
     for field in ("target_modules", "exclude_modules", "layers_to_transform", "target_parameters"):
         _bounded(field, raw.get(field), MAX_ENTRIES)
     for field in ("layers_pattern", "rank_pattern", "alpha_pattern"):
         _bounded(field, raw.get(field), MAX_PATTERNS)
-    _check_target_modules(raw.get("target_modules"))
+    unsupported_targets = _unsupported_targets(raw.get("target_modules"))
     target_modules, exclude_modules = _names(raw, "target_modules"), _names(raw, "exclude_modules")
     layers_to_transform, layers_pattern = _layer_selection(raw)
     try:
@@ -261,5 +307,6 @@ def parse_peft_config(raw: Mapping[str, Any]) -> PeftLoRAConfig:
         base_model_name_or_path=raw.get("base_model_name_or_path"), use_dora=bool(raw.get("use_dora", False)),
         target_modules=target_modules, target_parameters=bool(raw.get("target_parameters")),
         exclude_modules=exclude_modules, layers_to_transform=layers_to_transform, layers_pattern=layers_pattern,
+        ensure_weight_tying=bool(raw.get("ensure_weight_tying")), unsupported_targets=unsupported_targets,
         rank_regexes=_compiled(rank_pattern), alpha_regexes=_compiled(alpha_pattern),
     )

@@ -173,12 +173,24 @@ def _read_weights(files: AdapterFiles) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _check_key_lengths(state: Mapping[str, torch.Tensor]) -> None:
-    """The config's regexes run on the weights' names (linear to cubic time in their length: safe_regex.py)."""
+    """The config's regexes run on the weights' names (linear to cubic time in their length, on names without a
+    newline as module paths are: safe_regex.py)."""
     for key in state:
         if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
             raise _invalid(f"adapter weight name {shown(str(key))!r} is longer than {MAX_KEY_CHARS} characters",
                            CODE_UNSUPPORTED_TARGET)
+        if _CONTROL_RE.search(key):
+            raise _invalid(f"adapter weight name {shown(key)!r} holds a control character (no module path does)",
+                           CODE_UNSUPPORTED_TARGET)
+
+
+def _vision_tower_modules(state: Mapping[str, torch.Tensor]) -> set[str]:
+    """The names (`fc1`, `q_proj`, ...) of the modules a multimodal base's vision tower has LoRA on (skipped)."""
+    return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state if _VISION_TOWER_RE.search(k)}
 
 
 def _check_finite(state: Mapping[str, torch.Tensor]) -> None:
@@ -266,7 +278,23 @@ def build_adapter_modules(state: Mapping[str, torch.Tensor], cfg: PeftLoRAConfig
             modules[(layer, part)] = part_module
     check_dense_mlp_targets(modules, dims)
     _check_config_targets(pairs, cfg, dims, elsewhere)
+    if cfg.ties_lm_head:
+        _check_tied_head(vocab)
     return modules, vocab
+
+
+def _check_tied_head(vocab: Mapping[str, LoRAModule]) -> None:
+    """ensure_weight_tying: PEFT's LM head LoRA is the embedding's, transposed (one storage: lm_head A = embed_tokens
+    B^T, B = A^T), and PEFT saves both. A pair that disagrees has no single PEFT meaning (whichever loads last wins
+    both): refused, as is an LM head tied to no embedding LoRA (exclude_modules naming the embedding)."""
+    emb, head = vocab.get("embed_tokens"), vocab.get("lm_head")
+    if emb is None or head is None:
+        raise _invalid("ensure_weight_tying is set and the base ties its LM head to the embeddings: the adapter needs "
+                       "LoRA on both embed_tokens and lm_head", CODE_UNSUPPORTED_TARGET)
+    if not (head.lora_a.shape == emb.lora_b.t().shape and torch.equal(head.lora_a, emb.lora_b.t())
+            and head.lora_b.shape == emb.lora_a.t().shape and torch.equal(head.lora_b, emb.lora_a.t())):
+        raise _invalid("ensure_weight_tying is set and the base ties its LM head to the embeddings, but the adapter's "
+                       "lm_head LoRA is not embed_tokens' transposed (PEFT ties the two)", CODE_SHAPE_MISMATCH)
 
 
 _LAYER_PREFIX_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)\d+\.")
@@ -400,10 +428,11 @@ def load_peft_adapter(
     else:
         files = PathFiles(resolve_adapter_dir(source, revision, allow_download), label=os.fspath(source))
     raw = _read_config(files)
-    cfg = parse_peft_config(raw)
+    cfg = parse_peft_config(raw).on_base(dims.tie_word_embeddings)
     _check_added_tokens(files)
     weights = _read_weights(files)
     _check_key_lengths(weights)
+    cfg.check_unsupported_targets(_vision_tower_modules(weights))
     _check_finite(weights)
     state, expert_state = split_expert_state(weights)   # MoE experts: adapters/peft/expert_keys.py
     experts = build_expert_modules(expert_state, cfg, raw, dims, max_lora_rank)

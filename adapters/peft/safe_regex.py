@@ -10,7 +10,13 @@ repeats (`.*\\.(q_proj|v_proj)`, `(.*\\.)?(q_proj|v_proj)`, `.*\\.layers\\.\\d+\
 - patterns longer than MAX_PATTERN_CHARS;
 - a repeat that may match more than once holding another repeat (even `?`) or an alternation (star height > 1:
   the exponential kind), and backreferences;
-- more than MAX_UNBOUNDED_REPEATS repeats without a small bound (each one a polynomial degree).
+- more than MAX_UNBOUNDED_REPEATS repeats without a small bound one after another (each one a polynomial degree).
+  The degree is counted as the matcher backtracks: alternatives apart (an alternation costs its dearest branch, not
+  their sum), a lookaround (atomic in `re`) once per arrival, never times the repeats after it, and a final `.*` /
+  `.*?` (at the end of the pattern, or before a closing `$`) not at all: the strings these patterns run on are
+  module paths, which hold no newline, so it cannot fail and the first arrival ends the match. Unsloth's
+  `target_modules` (`(?:.*?(?:language|text).*?(?:self_attn|...).*?(?:q_proj|...).*?)|(?:\\bmodel\\.layers\\.
+  [\\d]{1,}...)`) is of that kind: three repeats one after another at most.
 """
 from __future__ import annotations
 
@@ -46,34 +52,67 @@ def check_regex(pattern: str) -> None:
         re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as exc:
         raise UnsafeRegex(str(exc) if not isinstance(exc, RecursionError) else "nested too deeply") from None
-    if _walk(parsed, in_repeat=False) > MAX_UNBOUNDED_REPEATS:
-        raise UnsafeRegex(f"more than {MAX_UNBOUNDED_REPEATS} unbounded repeats (*, +, {{n,}}) could backtrack "
-                          "for a long time")
+    if _walk(_without_final_any(list(parsed)), in_repeat=False)[1] > MAX_UNBOUNDED_REPEATS:
+        raise UnsafeRegex(f"more than {MAX_UNBOUNDED_REPEATS} unbounded repeats (*, +, {{n,}}) one after another "
+                          "could backtrack for a long time")
 
 
-def _walk(items, in_repeat: bool) -> int:
-    """The number of long repeats in `items`; UnsafeRegex for a nested repeat or alternation, or a backreference."""
-    count = 0
+_ANY = {_sre.ANY, _sre.ANY_ALL}
+_END = {_sre.AT_END, _sre.AT_END_STRING}
+
+
+def _without_final_any(items: list) -> list:
+    """`items` without a long repeat of any character at their very end (before `$` / `\\Z` only; inside the last
+    group or each branch of a final alternation): on a string without a newline it always matches the rest, so
+    the match ends at its first arrival and it adds no backtracking (module docstring)."""
+    end = len(items)
+    while end and items[end - 1][0] is _sre.AT and items[end - 1][1] in _END:
+        end -= 1
+    if not end:
+        return items
+    op, av = items[end - 1]
+    if op in _REPEATS and av[1] > _LONG_REPEAT and [tuple(i) for i in av[2]] in ([(o, None)] for o in _ANY):
+        last: list = []
+    elif op is _sre.SUBPATTERN:
+        last = [(op, (*av[:-1], _without_final_any(list(av[-1]))))]
+    elif op is _sre.BRANCH:
+        last = [(op, (av[0], [_without_final_any(list(branch)) for branch in av[1]]))]
+    else:
+        return items
+    return items[:end - 1] + last + items[end:]
+
+
+def _walk(items, in_repeat: bool) -> tuple[int, int]:
+    """(ways, peak) of a sequence: `ways` the long repeats one after another whose choices multiply on
+    backtracking, `peak` the polynomial degree of the work (>= ways; a lookaround's own work counts once per arrival,
+    an alternation's dearest branch); UnsafeRegex for a nested repeat or alternation, or a backreference."""
+    ways = peak = 0
     for op, av in items:
         if op in _REPEATS:
             _, hi, sub = av
             if in_repeat:       # even `?`: (?:a?b?)* splits "abab..." exponentially many ways
                 raise UnsafeRegex("a repeat inside a repeat (nested quantifiers) could backtrack for a long time")
-            count += (hi > _LONG_REPEAT) + _walk(sub, hi > 1)
+            w, p = _walk(sub, hi > 1)
+            w += hi > _LONG_REPEAT
+            p = max(p, w)
         elif op is _sre.BRANCH:
             if in_repeat:
                 raise UnsafeRegex("an alternation inside a repeat could backtrack for a long time")
-            count += sum(_walk(branch, in_repeat) for branch in av[1])
+            w, p = map(max, zip(*(_walk(branch, in_repeat) for branch in av[1])))
         elif op is _sre.SUBPATTERN:
-            count += _walk(av[-1], in_repeat)
-        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-            count += _walk(av[1], in_repeat)
+            w, p = _walk(av[-1], in_repeat)
+        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):     # atomic: tried once per arrival, never backtracked into
+            w, p = 0, _walk(av[1], in_repeat)[1]
         elif op is getattr(_sre, "ATOMIC_GROUP", None):
-            count += _walk(av, in_repeat)
+            w, p = _walk(av, in_repeat)
         elif op is _sre.GROUPREF_EXISTS:
             if in_repeat:
                 raise UnsafeRegex("a conditional group inside a repeat could backtrack for a long time")
-            count += sum(_walk(branch, in_repeat) for branch in av[1:] if branch is not None)
+            w, p = map(max, zip((0, 0), *(_walk(branch, in_repeat) for branch in av[1:] if branch is not None)))
         elif op in _BACKREFS:
             raise UnsafeRegex("backreferences are not supported")
-    return count
+        else:
+            w = p = 0
+        peak = max(peak, ways + p)
+        ways += w
+    return ways, max(peak, ways)

@@ -201,6 +201,17 @@ def test_unsupported_targets_and_features(base, good_dir, tmp_path):
         shutil.copy(good_dir / "adapter_config.json", path / "adapter_config.json")
 
 
+@pytest.mark.parametrize("field", ["velora_config", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config"])
+def test_an_empty_variant_sub_config_is_refused(base, good_dir, tmp_path, field):
+    """peft turns a variant's sub-config into its dataclass whenever it is not null, so `{}` switches the variant
+    on with its defaults (KaSA, BD-LoRA, ...): it was read as "off" and served as plain LoRA."""
+    path = clone(good_dir, tmp_path)
+    edit_config(path, **{field: {}})
+    expect_error(path, base[1], code="unsupported_adapter_feature", match="not supported")
+    edit_config(path, **{field: None})
+    load_peft_adapter(path, base[1], 64)
+
+
 def test_resized_embeddings_and_added_tokens(base, good_dir, tmp_path):
     path = clone(good_dir, tmp_path)
     state = load_file(path / "adapter_model.safetensors")
@@ -306,6 +317,8 @@ CATASTROPHIC = r"(?:[a-z_.0-9]|[a-z_.0-9])*Z"     # exponential backtracking: mi
     dict(target_modules=ALL7, layers_to_transform=[0], layers_pattern=["layers", CATASTROPHIC]),
     dict(rank_pattern={CATASTROPHIC: 8}), dict(alpha_pattern={"q_proj": 4, CATASTROPHIC: 8}),
     dict(target_modules=r"(a+)+b"), dict(target_modules=r".*.*.*.*\.q_proj"), dict(exclude_modules="x" * 600),
+    dict(target_modules=r"(?:.*\.q_proj|.*a.*b.*c.*d)"), dict(target_modules=r".*(?=.*.*.*x).*"),
+    dict(rank_pattern={r".*a.*b.*c": 8}), dict(target_modules=r".*a.*b.*c.*(?:x|y)"),
     dict(target_modules=ALL7 + [f"m{i}.q_proj" for i in range(930_000)]),
     dict(exclude_modules=[f"m{i}.q_proj" for i in range(930_000)]),
     dict(layers_to_transform=list(range(930_000)), layers_pattern="layers"),
@@ -334,6 +347,16 @@ def test_real_peft_patterns_still_load(base, tmp_path, targets):
     cfg = parse_peft_config({"target_modules": r"model\.language_model.*\.(q_proj|k_proj)",
                              "layers_pattern": ["layers", "h"], "exclude_modules": r".*layers\.1\.mlp.*"})
     assert cfg.targets("model.language_model.layers.0.self_attn.k_proj")
+
+
+def test_a_weight_name_with_a_control_character_is_refused(base, good_dir, tmp_path):
+    """The config's regexes are budgeted for module paths, which hold no newline (a final `.*` cannot fail on them:
+    adapters/peft/safe_regex.py): a weight name with one is a 400 before any regex runs on it."""
+    path = clone(good_dir, tmp_path)
+    state = load_file(path / "adapter_model.safetensors")
+    state = {k.replace("model.model.layers.1.", "model.model\n.layers.1."): v for k, v in state.items()}
+    save_file(state, str(path / "adapter_model.safetensors"))
+    expect_error(path, base[1], code="unsupported_target_modules", match="control character")
 
 
 def test_weights_under_two_stacks_of_layers_are_refused(base, good_dir, tmp_path):
