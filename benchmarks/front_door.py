@@ -7,10 +7,14 @@ tokenization), and 40 000-character prompts just under the bound (tokenized on t
 refused by token count) with /tokenize of the same. Meanwhile it measures `/health` latency every ~10 ms and the
 inter-chunk gaps of an unrelated stream (restarted whenever one ends), and the server's RSS before and after.
 
+`--bodies values` sends bodies of many small JSON values under the same cap instead (a chat message of 100,000
+empty text parts, 200,000 unknown fields, 700,000 empty id prompts, 30,000 tool calls: each under the demo's 3 MB
+body cap), which cost the parser and pydantic up to a microsecond a value on the event loop.
+
 Targets: /health p99 < 50 ms, no inter-chunk gap over 100 ms, RSS after within 10% of before. It also reports
 how late a sleeping process of its own wakes (the machine's noise) and, last, `tokenizer_gil.py`'s experiment.
 
-    python benchmarks/front_door.py [--rounds 80] [--out front_door_cpu]
+    python benchmarks/front_door.py [--rounds 80] [--out front_door_cpu] [--bodies text|values]
 """
 from __future__ import annotations
 
@@ -85,12 +89,25 @@ def plan(rounds: int) -> list[tuple[str, str, dict[str, Any]]]:
     return one_round * rounds
 
 
-def send_all(url: str, rounds: int, out: Any, ready: Any) -> None:
+def plan_values(rounds: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, path, body) of each request of many small JSON values, each body under the demo's body cap."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    one_round = [("chat 100k empty text parts", "/v1/chat/completions",
+                  {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 100_000}]}),
+                 ("completion 200k unknown fields", "/v1/completions",
+                  {"model": MODEL, "prompt": "x", **{f"x{i}": 0 for i in range(200_000)}}),
+                 ("completion 700k empty id prompts", "/v1/completions", {"model": MODEL, "prompt": [[]] * 700_000}),
+                 ("chat 30k tool calls", "/v1/chat/completions",
+                  {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [call] * 30_000}]})]
+    return one_round * rounds
+
+
+def send_all(url: str, rounds: int, out: Any, ready: Any, bodies: str = "text") -> None:
     """In its own process, so building and sending the bodies never slows the measuring loop."""
     results = []
     raws: dict[str, bytes] = {}   # each distinct body encoded once, before the first is sent
     items = [(label, path, raws.get(label) or raws.setdefault(label, json.dumps(body).encode()))
-             for label, path, body in plan(rounds)]
+             for label, path, body in (plan_values if bodies == "values" else plan)(rounds)]
     ready.set()
     with httpx.Client(base_url=url, timeout=300) as client:
         for label, path, raw in items:
@@ -163,7 +180,7 @@ def pct(values: list[float], q: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else float("nan")
 
 
-async def measure(url: str, pid: int, rounds: int) -> dict[str, Any]:
+async def measure(url: str, pid: int, rounds: int, bodies: str = "text") -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         for _ in range(3):   # warm: a generation, a tokenization, a refused big body
             await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8})
@@ -185,7 +202,7 @@ async def measure(url: str, pid: int, rounds: int) -> dict[str, Any]:
         streamer = asyncio.create_task(stream_forever(client, stop, gaps_ms, slow_gaps))
         spawn = multiprocessing.get_context("spawn")
         queue, ready = spawn.Queue(), spawn.Event()
-        sender = spawn.Process(target=send_all, args=(url, rounds, queue, ready))
+        sender = spawn.Process(target=send_all, args=(url, rounds, queue, ready, bodies))
         tick_stop, tick_out = spawn.Event(), spawn.Queue()
         ticker = spawn.Process(target=tick, args=(tick_stop, tick_out))
         ticker.start()
@@ -264,13 +281,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=80)
     ap.add_argument("--out", default="front_door_cpu")
+    ap.add_argument("--bodies", choices=("text", "values"), default="text",
+                    help="huge texts (default) or many small JSON values under the body cap")
     ap.add_argument("--note", default=f"CPU, {os.cpu_count()} cores shared with other work while measured "
                                       "(other engineers' tests and servers running); a quiet machine may do better.")
     args = ap.parse_args()
     port = free_port()
     proc, log = start_server(port)
     try:
-        data = asyncio.run(measure(f"http://127.0.0.1:{port}", proc.pid, args.rounds))
+        data = asyncio.run(measure(f"http://127.0.0.1:{port}", proc.pid, args.rounds, args.bodies))
     finally:
         proc.terminate()
         proc.wait(30)
