@@ -180,3 +180,25 @@ def test_async_client_and_a_left_stream_free_the_server(server: ServerProcess) -
         time.sleep(0.1)
     assert busy and all(float(line.split()[-1]) == 0 for line in busy), busy
     assert json.loads(httpx.get(f"{server.url}/health").text)["status"] == "ok"
+
+
+def test_responses_call_cut_at_max_output_tokens_is_the_same_streamed_or_not(client: "openai.OpenAI") -> None:
+    """The Responses API as chat: a cut call was a message item holding the raw call markup without stream and
+    a function_call item streamed; both are the function_call item now (the response `incomplete`)."""
+    tools = [{"type": "function", "name": "pick", "parameters": DIGIT}]
+    kwargs = dict(model="tiny", input=USER[0]["content"], tools=tools, tool_choice="required", temperature=0)
+    need = client.responses.create(max_output_tokens=120, **kwargs).usage.output_tokens
+
+    def items(response: Any) -> list[tuple[str, ...]]:
+        return [(o.type, o.name, o.arguments) if o.type == "function_call" else (o.type, o.content[0].text)
+                for o in response.output]
+
+    num_cut_calls = 0
+    for max_output_tokens in (need - 1, need - 8, 3):
+        plain = client.responses.create(max_output_tokens=max_output_tokens, **kwargs)
+        events = list(client.responses.create(max_output_tokens=max_output_tokens, stream=True, **kwargs))
+        final = events[-1].response
+        assert plain.status == final.status == "incomplete"
+        assert items(plain) == items(final), max_output_tokens
+        num_cut_calls += any(o.type == "function_call" for o in plain.output)
+    assert num_cut_calls >= 1
