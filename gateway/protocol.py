@@ -197,6 +197,12 @@ class CompletionRequest(_SamplingFields):
                              f"{len(value)} prompts")
         return check_token_ids(value)
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with max_tokens 0: the prompt scored, nothing generated (OpenAI's legacy scoring call, vLLM's
+        echo without generation); runs with max_tokens 1 and drops that token (gateway/outputs/echo.py)."""
+        return bool(self.echo) and self.max_tokens == 0 and self.max_completion_tokens is None
+
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: Optional[str]) -> Optional[str]:

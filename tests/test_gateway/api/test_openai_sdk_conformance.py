@@ -202,3 +202,28 @@ def test_responses_call_cut_at_max_output_tokens_is_the_same_streamed_or_not(cli
         assert items(plain) == items(final), max_output_tokens
         num_cut_calls += any(o.type == "function_call" for o in plain.output)
     assert num_cut_calls >= 1
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client: "openai.OpenAI") -> None:
+    """OpenAI's legacy scoring call (and vLLM's echo without generation): `echo` + `max_tokens: 0` answers the
+    prompt and its logprobs, nothing generated. It was a 400 (max_tokens must be at least 1)."""
+    prompt = "def add(a, b):"
+    one = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == one.usage.prompt_tokens
+    assert choice.logprobs.tokens == one.choices[0].logprobs.tokens[:-1]
+    assert choice.logprobs.token_logprobs == pytest.approx(one.choices[0].logprobs.token_logprobs[:-1], abs=1e-5)
+    chunks = list(client.completions.create(model="tiny", prompt=[prompt, "x"], max_tokens=0, echo=True, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: prompt, 1: prompt, 2: "x", 3: "x"} and chunks[-1].usage.completion_tokens == 0
+    for call in (lambda: client.completions.create(model="tiny", prompt=prompt, max_tokens=0),
+                 lambda: client.chat.completions.create(model="tiny", messages=USER, max_tokens=0)):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        assert info.value.body["param"] == "max_tokens"
