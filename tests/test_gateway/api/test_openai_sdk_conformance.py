@@ -76,6 +76,9 @@ def test_refusal_and_reasoning_of_an_assistant_turn(client: "openai.OpenAI") -> 
     assert prompt_tokens({"role": "assistant", "content": "I cannot help with that.", "refusal": None,
                           "reasoning_content": None, "function_call": None, "audio": None,
                           "annotations": []}) == said
+    # this template has no place for reasoning: it drops it (Qwen3's renders it for the turns after the last query)
+    assert prompt_tokens({"role": "assistant", "content": "I cannot help with that.",
+                          "reasoning_content": "The user asks about weather."}) == said
     for message, param in [({"role": "user", "content": "x", "refusal": "no"}, "messages.0"),
                            ({"role": "assistant", "content": "x", "refusal": "no"}, "messages.0"),
                            ({"role": "assistant", "content": "x", "function_call": {"name": "f"}},
@@ -227,3 +230,35 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client: "openai.OpenAI") -> No
         with pytest.raises(openai.BadRequestError) as info:
             call()
         assert info.value.body["param"] == "max_tokens"
+
+
+def test_responses_output_with_reasoning_goes_back_as_input() -> None:
+    """`input += response.output` with a --reasoning-parser answer sends its `reasoning` items back: they were a
+    400 (unsupported input item type); they are the next assistant turn's reasoning_content (or a turn of their
+    own), as a chat answer's message sent back carries it."""
+    from gateway.errors import APIError
+    from gateway.routes.responses_api import ResponsesRequest, chat_request
+
+    def reasoning(text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                "content": [{"type": "reasoning_text", "text": text}]}
+
+    answer = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Yes.", "annotations": [], "logprobs": []}]}
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "pick", "arguments": '{"a": 1}',
+            "status": "completed"}
+    body = ResponsesRequest.model_validate({"model": "tiny", "input": [
+        {"role": "user", "content": "Is 7 prime?"}, reasoning("7 has no divisors."), answer,
+        {"role": "user", "content": "Pick one."}, reasoning("Any digit."), call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+        reasoning("Dangling."), {"role": "user", "content": "Thanks."}]})
+    turns = [m.for_template() for m in chat_request(body).messages]
+    assert [(t["role"], t.get("reasoning_content")) for t in turns] == [
+        ("user", None), ("assistant", "7 has no divisors."), ("user", None), ("assistant", "Any digit."),
+        ("tool", None), ("assistant", "Dangling."), ("user", None)]
+    assert turns[1]["content"] == "Yes." and turns[5]["content"] == ""
+    for bad, param in [({**reasoning("x"), "encrypted_content": "gAAA"}, "input[0].encrypted_content"),
+                       ({**reasoning("x"), "content": [{"type": "output_text", "text": "x"}]}, "input[0].content[0]")]:
+        with pytest.raises(APIError) as info:
+            chat_request(ResponsesRequest.model_validate({"model": "tiny", "input": [bad]}))
+        assert info.value.status == 400 and info.value.param == param
