@@ -144,7 +144,8 @@ def test_errors_are_the_sdk_typed_exceptions(client: "openai.OpenAI") -> None:
 def test_stream_n2_indexes_and_the_usage_chunk_last(client: "openai.OpenAI") -> None:
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, n=2, seed=3,
                                                  temperature=1.0, stream=True,
-                                                 stream_options={"include_usage": True}))
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
     assert {c.id for c in chunks} == {chunks[0].id} and all(c.object == "chat.completion.chunk" for c in chunks)
     finals = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
     assert finals == {0: "length", 1: "length"}
