@@ -263,3 +263,22 @@ def test_responses_output_with_reasoning_goes_back_as_input() -> None:
         with pytest.raises(APIError) as info:
             chat_request(ResponsesRequest.model_validate({"model": "tiny", "input": [bad]}))
         assert info.value.status == 400 and info.value.param == param
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(server: ServerProcess, client: "openai.OpenAI") -> None:
+    """`bytes` lets a client join the parts of a character split over tokens (OpenAI's documented use): a token
+    holding one byte of a character had the UTF-8 of U+FFFD (its decoded text) as its bytes."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model)
+    text = "é中"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)   # this small vocabulary splits them into bytes
+    joined: list[int] = []
+    for token_id in ids:   # each token forced in turn: its logprob entry's bytes
+        out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, temperature=0,
+                                             logprobs=True, logit_bias={str(token_id): 100})
+        entry = out.choices[0].logprobs.content[0]
+        assert entry.token == tok.decode([token_id])
+        joined += entry.bytes
+    assert bytes(joined).decode("utf-8") == text
