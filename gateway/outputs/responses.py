@@ -33,7 +33,9 @@ class TokenTexts:
         to U+FFFD, whose UTF-8 is not what it holds (the parts of a character, joined, decode to it)."""
         text = self.text(token_id)
         raw = token_bytes(self._tokenizer, token_id) if "\ufffd" in text else None
-        return text, list(raw if raw is not None else text.encode("utf-8"))
+        if raw is None or raw.decode("utf-8", "replace") != text:   # not what the text was decoded from
+            raw = text.encode("utf-8")
+        return text, list(raw)
 
 
 def _byte_level_chars() -> dict[str, int]:

@@ -282,3 +282,23 @@ def test_chat_logprob_bytes_are_the_tokens_own(server: ServerProcess, client: "o
         assert entry.token == tok.decode([token_id])
         joined += entry.bytes
     assert bytes(joined).decode("utf-8") == text
+
+
+def test_logprob_bytes_of_a_sentencepiece_byte_fallback_piece() -> None:
+    """Llama 2 / Mistral / Gemma vocabularies write a byte as a `<0xNN>` piece: its bytes are that byte."""
+    from gateway.outputs.responses import TokenTexts
+
+    class Pieces:
+        vocab = {1: "<0xE4>", 2: "<0xB8>", 3: "<0xAD>", 4: "▁ok", 5: "<0xZZ>"}
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            piece = self.vocab[ids[0]]
+            return "\ufffd" if piece.startswith("<0x") else piece.replace("▁", " ")
+
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return self.vocab[token_id]
+
+    texts = TokenTexts(Pieces())  # type: ignore[arg-type]
+    assert bytes(b for i in (1, 2, 3) for b in texts.chat_token(i)[1]).decode() == "中"
+    assert texts.chat_token(4) == (" ok", list(b" ok"))
+    assert texts.chat_token(5) == ("\ufffd", list("\ufffd".encode()))   # not a byte piece: the text's bytes
