@@ -32,7 +32,8 @@ from gateway.http.body import read_body
 from gateway.http.cancel import run_until_disconnect
 from gateway.http.context import metered, request_context
 from gateway.http.deadline import Deadline
-from gateway.outputs.echo import add_chat_prompt_logprobs, add_prompt_logprobs, apply_echo, echo_texts
+from gateway.outputs.echo import (add_chat_prompt_logprobs, add_prompt_logprobs, apply_echo, echo_texts,
+                                  without_generation)
 from gateway.errors import api_endpoint, http_exception_handler, unhandled_exception_handler
 from gateway.outputs.generation import (
     EngineArgs, abort_children, admit, collect, make_children, merge_children, new_request_id, submit_children, usage,
@@ -180,6 +181,8 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None
     merged = merge_children(aeng, children, sources, state.metrics)
+    if kind is COMPLETION and body.echo_only:   # the prompt scored, its one generated token dropped
+        merged = without_generation(merged)
     if body.stream:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
                           continuous_usage=body.continuous_usage)

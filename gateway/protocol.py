@@ -119,6 +119,23 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None   # assistant turns (checked in gateway/tools/tools.py)
     tool_call_id: Optional[str] = None                  # tool turns
+    # An answer's message sent back as the next request's history (`messages.append(completion.choices[0].message)`
+    # with the openai SDK sends every field the response carried, plus `parsed` after `chat.completions.parse`):
+    refusal: Optional[str] = None             # as the content when there is none (a refusal is what was said)
+    reasoning_content: Optional[str] = None   # a --reasoning-parser answer's; the chat template may render it
+    parsed: Any = None                        # the SDK's parse of `content`: the content itself is what renders
+    function_call: None = None                # response fields with nothing to render: only null is accepted
+    audio: None = None
+    annotations: Optional[Annotated[list[Any], Field(max_length=0)]] = None
+
+    @model_validator(mode="after")
+    def _answer_fields_on_assistant_turns(self) -> "ChatMessage":
+        for name in ("refusal", "reasoning_content", "parsed", "annotations"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"only assistant messages carry {name}")
+        if self.refusal and self.content:
+            raise ValueError("an assistant message carries content or a refusal, not both")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -134,10 +151,18 @@ class ChatMessage(_Strict):
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template gets it: role and text (and an assistant turn's reasoning, which a
+        template such as Qwen3's renders or drops itself)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
 
 
@@ -217,6 +242,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), got "
                              f"{len(value)} prompts")
         return check_token_ids(value)
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with max_tokens 0: the prompt scored, nothing generated (OpenAI's legacy scoring call, vLLM's
+        echo without generation); runs with max_tokens 1 and drops that token (gateway/outputs/echo.py)."""
+        return bool(self.echo) and self.max_tokens == 0 and self.max_completion_tokens is None
 
     @field_validator("suffix")
     @classmethod

@@ -18,8 +18,10 @@ T = TypeVar("T")
 
 
 def timeout_error(timeout_s: float) -> APIError:
+    """`x-should-retry: false`: the `openai` client retries a 408 by default (twice), and the same request
+    would run the whole timeout again each time; the header is what the client reads to not retry."""
     return APIError(408, f"The request did not finish within the server's request timeout ({timeout_s:g}s); "
-                         f"it was aborted.", code="request_timeout")
+                         f"it was aborted.", code="request_timeout", headers={"x-should-retry": "false"})
 
 
 class Deadline:

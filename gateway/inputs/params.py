@@ -30,11 +30,17 @@ def _check_common(body: _SamplingFields) -> None:
             and body.max_tokens != body.max_completion_tokens):
         raise invalid("max_tokens and max_completion_tokens disagree; set only one", param="max_tokens")
     max_tokens = body.effective_max_tokens()
-    if max_tokens is not None and max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1 and not _echo_only(body):
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        raise invalid(f"{name} must be at least 1, got {max_tokens}", param=name)
+        hint = " (0 only with echo on /v1/completions: the prompt scored, nothing generated)" if max_tokens == 0 \
+            else ""
+        raise invalid(f"{name} must be at least 1, got {max_tokens}{hint}", param=name)
     if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
         raise invalid("stop_token_ids must be non-negative", param="stop_token_ids")
+
+
+def _echo_only(body: _SamplingFields) -> bool:
+    return isinstance(body, CompletionRequest) and body.echo_only
 
 
 def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDefaults) -> SamplingParams:
@@ -42,7 +48,7 @@ def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDef
     stop = body.stop if body.stop is not None else ()
     return SamplingParams(**defaults.fill(body, dict(
         n=body.num_choices,
-        max_tokens=body.effective_max_tokens(),
+        max_tokens=1 if _echo_only(body) else body.effective_max_tokens(),   # echo only: that token is dropped
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,

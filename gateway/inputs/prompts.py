@@ -112,7 +112,7 @@ class PromptEncoder:
         role (OpenAI's newer name for `system`) reaches the template as `system`. The rendered text is refused
         when no text that long can fit."""
         if conversation is None:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            conversation = [m.for_template() for m in messages]
         conversation = [{**c, "role": "system"} if c.get("role") == "developer" else c for c in conversation]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise invalid("this model has no chat template; use /v1/completions", param="messages")

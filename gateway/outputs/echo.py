@@ -5,10 +5,11 @@ Also vLLM's `prompt_logprobs` (the same values, without echo): per choice on com
 `{token_id: {"logprob", "rank", "decoded_token"}}` with the prompt token and the top-k."""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, AsyncIterator
 
 from core.engine.interface import Tokenizer
-from core.engine.outputs import TokenLogprob
+from core.engine.outputs import RequestDelta, TokenLogprob
 from gateway.inputs import tokenize_pool
 from gateway.outputs.generation import Child, ChoiceResult
 from gateway.protocol import CompletionRequest
@@ -25,6 +26,19 @@ async def echo_texts(tokenizer: Tokenizer, body: CompletionRequest, prompts: lis
     if body.prompt and isinstance(body.prompt[0], str):
         return list(body.prompt)  # type: ignore[arg-type]
     return await tokenize_pool.run(lambda: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
+
+
+async def without_generation(deltas: AsyncIterator[tuple[int, RequestDelta]]
+                             ) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Echo with max_tokens 0 (`CompletionRequest.echo_only`): each choice ran for one token, dropped here (its
+    text, id and logprob): the answer is the prompt alone (and its logprobs), finish_reason "length", no
+    completion tokens. Closing it closes `deltas` (which aborts the engine requests)."""
+    try:
+        async for index, d in deltas:
+            yield index, dataclasses.replace(d, new_token_ids=[], new_text="", new_logprobs=[], num_output_tokens=0,
+                                             finish_reason="length" if d.finished else None)
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]
 
 
 def prompt_entries(child: Child, engine_entries: list[TokenLogprob | None] | None) -> list[Any]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Sequence
 
 from core.engine.interface import Tokenizer
@@ -28,8 +29,49 @@ class TokenTexts:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _chat_token(self, token_id: int) -> tuple[str, list[int]]:
+        """`bytes` are the token's own bytes, as OpenAI answers them: a token holding part of a character decodes
+        to U+FFFD, whose UTF-8 is not what it holds (the parts of a character, joined, decode to it)."""
         text = self.text(token_id)
-        return text, list(text.encode("utf-8"))
+        raw = token_bytes(self._tokenizer, token_id) if "\ufffd" in text else None
+        if raw is None or raw.decode("utf-8", "replace") != text:   # not what the text was decoded from
+            raw = text.encode("utf-8")
+        return text, list(raw)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, Qwen): the printable character each byte is written as in a token."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes | None:
+    """The bytes a token stands for, from its vocabulary entry: a SentencePiece byte-fallback piece (`<0xE2>`) or
+    a byte-level BPE piece; None when the piece is neither (or the tokenizer has no vocabulary entries)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    try:
+        piece = convert(token_id) if convert is not None else None
+    except Exception:  # noqa: BLE001 - an id the vocabulary does not name: the text's own bytes
+        return None
+    if not isinstance(piece, str) or not piece:
+        return None
+    match = _BYTE_FALLBACK.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    if all(ch in _BYTE_LEVEL for ch in piece):
+        return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return None
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0) -> dict[str, Any]:

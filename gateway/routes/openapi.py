@@ -175,6 +175,12 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
         schemas[name] = _narrow(schemas[name])
     schemas["ResponsesRequest"]["properties"]["metadata"] = {   # pydantic writes a dict's max_length as maxLength
         "anyOf": [{"type": "object", "maxProperties": MAX_METADATA, "additionalProperties": {"type": "string"}}, _NULL]}
+    # completions: max_tokens 0 only with echo (the prompt scored, nothing generated) and no max_completion_tokens
+    completion = schemas["CompletionRequest"]
+    completion["properties"]["max_tokens"] = {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]}
+    completion["allOf"].append({"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                                "then": {"required": ["echo"], "properties": {"echo": {"const": True},
+                                                                              "max_completion_tokens": _NULL}}})
     # what grammar/ checks once type is json_schema: a schema object and an OpenAI-style name
     json_schema = {"not": _NULL, "required": ["schema"],
                    "properties": {"schema": {"type": "object"}, "name": {"pattern": "^[a-zA-Z0-9_-]{1,64}$"}}}

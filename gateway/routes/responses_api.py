@@ -3,7 +3,8 @@ and runs on the chat path (tenants, model resolution, tools, constraints, admiss
 shaped as a Response object or its event stream (gateway/routes/responses_stream.py).
 
     input            a string (one user turn) or a list of messages (`{"role", "content"}`, content a string or
-                     `input_text` / `output_text` parts) and items `function_call` / `function_call_output`
+                     `input_text` / `output_text` parts) and items `function_call` / `function_call_output`,
+                     `reasoning` (an answer's output sent back: the next assistant turn's reasoning_content)
     instructions     a system turn before the input
     max_output_tokens, temperature, top_p, stream, metadata, user, parallel_tool_calls
     tools            `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`
@@ -92,6 +93,24 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """The text of a reasoning item (`content`: `reasoning_text` parts; its `summary` and `id` are not rendered);
+    `encrypted_content` is another server's and cannot be read here."""
+    if item.get("encrypted_content") is not None:
+        raise invalid("encrypted_content is not supported: send the reasoning text in content",
+                      param=f"{param}.encrypted_content")
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise invalid("content must be a list of reasoning_text parts", param=f"{param}.content")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise invalid("a reasoning item's content parts must be reasoning_text parts",
+                          param=f"{param}.content[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _string(item: dict[str, Any], key: str, param: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
@@ -109,31 +128,55 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         origins.append(("input", [], False))
         return messages + [{"role": "user", "content": body.input}]
+    reasoning: list[tuple[str, str]] = []   # reasoning items not yet given to an assistant turn: (path, text)
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        """The assistant turn takes the reasoning items before it (as a --reasoning-parser answer had them)."""
+        if reasoning:
+            message["reasoning_content"] = "".join(text for _, text in reasoning)
+            reasoning.clear()
+        return message
+
+    def flush_reasoning() -> None:   # reasoning items with no assistant turn after them: a turn of their own
+        if reasoning:
+            path = reasoning[0][0]
+            messages.append(assistant({"role": "assistant", "content": ""}))
+            origins.append((path, [], False))
+
     for i, item in enumerate(body.input):
         p = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{p}.role must be user, system, developer or assistant", param=f"{p}.role")
-            messages.append({"role": item["role"], "content": _text_of(item.get("content"), f"{p}.content")})
+            message = {"role": item["role"], "content": _text_of(item.get("content"), f"{p}.content")}
+            if item["role"] == "assistant":
+                assistant(message)
+            else:
+                flush_reasoning()
+            messages.append(message)
             origins.append((p, [], False))
+        elif kind == "reasoning":   # an answer's output sent back as input (`input += response.output`)
+            reasoning.append((p, _reasoning_text(item, p)))
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", p), "type": "function",
                     "function": {"name": _string(item, "name", p), "arguments": _string(item, "arguments", p)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last and not reasoning:
                 last["tool_calls"].append(call)
                 origins[-1][1].append(p)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
                 origins.append((p, [p], False))
         elif kind == "function_call_output":
+            flush_reasoning()
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", p),
                              "content": _string(item, "output", p)})
             origins.append((p, [], True))
         else:
-            raise invalid(f"unsupported input item type {kind!r} (served: message, function_call, "
+            raise invalid(f"unsupported input item type {kind!r} (served: message, reasoning, function_call, "
                           f"function_call_output)", param=f"{p}.type")
+    flush_reasoning()
     if not messages:
         raise invalid("input is empty", param="input")
     return messages

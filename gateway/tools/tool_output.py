@@ -20,9 +20,9 @@ def tool_chat_body(plan: ToolPlan) -> Callable[..., dict[str, Any]]:
              texts: TokenTexts | None) -> dict[str, Any]:
         out = chat_body(request_id, created, model, results, usage_, texts)
         for choice, r in zip(out["choices"], results):
-            content, calls = final_calls(r.text, plan.fmt)
+            content, calls = final_calls(r.text, plan.fmt, truncated=r.finish_reason == "length")
+            choice["message"]["content"] = content
             if calls:
-                choice["message"]["content"] = content
                 choice["message"]["tool_calls"] = calls
                 if r.finish_reason == "stop":
                     choice["finish_reason"] = "tool_calls"

@@ -42,7 +42,9 @@ def _safe_content(text: str, trigger: str) -> str:
 
 def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
     """Scans `text`; with `finished` False the last call may be partial (its arguments are withheld by
-    len(close) characters until the call closes, so no byte of `close` is ever sent as arguments)."""
+    len(close) characters until the call closes, so no byte of `close` is ever sent as arguments). With
+    `finished` (the output was cut, e.g. at max_tokens), a partial call's arguments are all that was written of
+    them: the JSON up to its end if it is whole (the close was cut), else the whole rest of the text."""
     text = text.replace(PYTHON_TAG, "")
     start = text.find(fmt.trigger)
     if start < 0:
@@ -62,7 +64,10 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
         except (ValueError, RecursionError):   # RecursionError: nested past the decoder's limit
             end = -1
         if end < 0 or not text.startswith(fmt.close, end):
-            partial = text[args_at:max(args_at, len(text) - len(fmt.close))]
+            if finished:
+                partial = text[args_at:end] if end >= 0 else text[args_at:]
+            else:
+                partial = text[args_at:max(args_at, len(text) - len(fmt.close))]
             calls.append(ParsedCall(name, partial, False))
             break
         calls.append(ParsedCall(name, text[args_at:end], True))
@@ -72,12 +77,14 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
     return Parsed(content, calls)
 
 
-def final_calls(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[dict]]:
-    """(content or None, OpenAI tool_calls) of a finished output; incomplete calls are dropped."""
+def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tuple[str | None, list[dict]]:
+    """(content or None, OpenAI tool_calls) of a finished output; incomplete calls are dropped, but for an output
+    cut short (`truncated`: finish_reason "length"), whose call the stream has already begun to send: that call
+    with the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
     parsed = parse_calls(text, fmt, finished=True)
     calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in parsed.calls if c.complete]
-    if not calls:
+             for c in parsed.calls if c.complete or (truncated and c.name is not None)]
+    if not calls and not (truncated and parsed.calls):   # cut before the first name: the content before the call
         return text, []
     content = parsed.content.strip()
     return (content or None), calls

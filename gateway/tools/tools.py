@@ -138,7 +138,7 @@ def conversation(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dic
     """Messages for the template: tool calls with parsed arguments (as HF templates expect), tool turns."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        msg: dict[str, Any] = m.for_template()
         if m.tool_calls is not None:
             if m.role != "assistant":
                 raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")

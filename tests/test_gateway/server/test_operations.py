@@ -123,6 +123,22 @@ def test_request_timeout_is_408_and_aborts(http: httpx.Client, server: ServerPro
     assert http.post("/v1/completions", json=short()).status_code == 200
 
 
+def test_request_timeout_is_not_retried_by_the_openai_client(http: httpx.Client, server: ServerProcess) -> None:
+    """The stock client retries a 408 twice by default: the same request ran the whole timeout three times.
+    The 408 says `x-should-retry: false`, which the client reads: one attempt, one timeout."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60)   # default max_retries=2
+    before = counts(http)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(**{k: v for k, v in LONG.items() if k != "ignore_eos"},
+                                  extra_body={"ignore_eos": True})
+    assert info.value.status_code == 408 and info.value.code == "request_timeout"
+    assert info.value.response.headers["x-should-retry"] == "false" and time.monotonic() - t0 < 2 * TIMEOUT_S
+    timed_out_once(http, before)
+    wait_idle(http)
+
+
 def test_streamed_timeout_ends_with_an_error_event(http: httpx.Client, server: ServerProcess) -> None:
     before = counts(http)
     body = {**LONG, "n": 4, "stream": True}
