@@ -153,7 +153,8 @@ class Lowerer:
         if node is None:
             if self.reasons:
                 raise self.reasons[0]
-            raise GrammarError("the schema admits no value that can be generated", "unsupported_json_schema")
+            what = "is false" if self.root.schema is False else "admits no value that can be generated"
+            raise GrammarError(f"the schema at '#' {what}", "unsupported_json_schema", pointer="#")
         return node
 
     @property
