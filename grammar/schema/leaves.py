@@ -236,8 +236,11 @@ def lower_string(lw: "Lowerer", subs: list["Sub"]) -> Node | None:
             # which would silently drop an optional member
             return lw.fail(keyword, ptr, f"every match is longer than {opts.max_string_length} characters")
         bounded = bound_pattern(ast, lo, cap)
-        if bounded is None:   # the schema's own bounds: no string fits
-            return lw.fail(keyword, ptr, "no string of the allowed length matches it", exact=True)
+        if bounded is None:   # the schema's own bounds: no string fits (a format's pattern is a subset of its
+            # values, so with a format it is only the strings we write: refused, not left out)
+            if keyword == "pattern":
+                return lw.fail(keyword, ptr, "no string of the allowed length matches it", exact=True)
+            return lw.fail(keyword, ptr, "none of the values written for this format has the allowed length")
         return StringNode(pattern_regex(bounded))
     except PatternError as e:
         return lw.fail(keyword, ptr, str(e))
