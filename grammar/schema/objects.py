@@ -169,8 +169,10 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
     name_rules = [s for s in subs if s.has("propertyNames")]
     key: str | None
     conj: list["Sub"] = []
+    # what cannot be planned is refused, never served as `{}` alone (a free-form object the model could never fill)
     if len(patterns) > 1 or (patterns and name_rules):
-        return empty if empty is not None else lw.fail("patternProperties", subs[0].pointer)
+        return lw.fail("patternProperties", subs[0].pointer,
+                       "free-form members under several patterns (or a pattern and propertyNames)")
     # a trigger that a generated key could spell (it matches the pattern and the propertyNames)
     reachable = sorted(
         name for name in forbidden
@@ -188,7 +190,7 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
                 raise PatternError("no key of a bounded length matches")
             key = pattern_regex(ast)
         except PatternError as e:
-            return empty if empty is not None else lw.fail("patternProperties", subs[0].pointer, str(e))
+            return lw.fail("patternProperties", subs[0].pointer, str(e))
         for sub in subs:
             pp = sub.schema.get("patternProperties", {}) if sub.has("patternProperties") else {}
             if pattern in pp:
@@ -199,16 +201,15 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
         key, listed = _key_from_names(lw, name_rules, stack, set(reachable)) if name_rules else (STRING_CHAR + "*",
                                                                                                   False)
         if key is None:
-            return empty if empty is not None else lw.fail("propertyNames", name_rules[0].pointer)
+            return lw.fail("propertyNames", name_rules[0].pointer)
         if listed:
             reachable = []   # the listed names, the triggers left out
         conj = [s.child(s.schema["additionalProperties"], "additionalProperties")
                 for s in subs if s.has("additionalProperties")]
-    if reachable:   # a free-form key could be a trigger: only `{}`, as for other keys that cannot be planned
+    if reachable:   # a free-form key could be a trigger, written without what it requires
         keyword = next(k for s in subs for k in ("dependentRequired", "dependentSchemas", "dependencies")
                        if s.has(k) and reachable[0] in s.schema[k])
-        return empty if empty is not None else lw.fail(
-            keyword, subs[0].pointer, f"a free-form member could be named {reachable[0]!r}")
+        return lw.fail(keyword, subs[0].pointer, f"a free-form member could be named {reachable[0]!r}")
     conj.extend(s.child(s.schema["unevaluatedProperties"], "unevaluatedProperties")
                 for s in subs if s.has("unevaluatedProperties"))
     if any(s.schema is False for s in conj):
