@@ -405,3 +405,15 @@ def test_unsatisfiable_schema_names_the_keyword(schema: object, keyword: str) ->
         admit(json_schema_format(schema))
     assert info.value.code == "unsupported_json_schema"
     assert f"'{keyword}'" in info.value.message and "'#" in info.value.message, info.value.message
+
+
+def test_one_of_closed_objects_made_exclusive_by_requiring_a_member() -> None:
+    """oneOf of objects with additionalProperties: false and only optional members (OpenAPI clients write these):
+    `{}` validated every branch, so exclusivity was unprovable and the schema a 400. Each branch now requires one
+    of the members the others forbid."""
+    schema = {"oneOf": [
+        {"type": "object", "additionalProperties": False, "properties": {"key": {"type": "string", "maxLength": 5}}},
+        {"type": "object", "additionalProperties": False, "properties": {"keys": {"type": "array", "maxItems": 2,
+                                                                                  "items": {"type": "string"}}}}]}
+    assert accepts(schema, '{"key": "x"}') and accepts(schema, '{"keys": ["a"]}')
+    assert not accepts(schema, "{}") and not accepts(schema, '{"key": "x", "keys": []}')
