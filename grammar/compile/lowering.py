@@ -127,6 +127,13 @@ def _lower(schema: Any, options: SchemaOptions, max_chars: int) -> str:
     except Exception as e:  # a bug must cost coverage (400), never a 500 or a wrong grammar
         raise GrammarError(f"the schema could not be lowered: {type(e).__name__}: {e}"[:500],
                            "unsupported_json_schema") from e
+    except BaseException as e:
+        # a Rust library's panic (pyo3's PanicException is a BaseException): e.g. the recursion limit reached
+        # inside `referencing`'s registry; the same 400, never a dead compile worker
+        if type(e).__name__ != "PanicException":
+            raise
+        raise GrammarError("the schema could not be lowered: a library failed on it (too deeply nested?)",
+                           "unsupported_json_schema") from None
 
 
 def with_param(error: GrammarError, param: str | None) -> GrammarError:

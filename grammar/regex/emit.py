@@ -43,7 +43,7 @@ def _class_item(cp: int) -> str:
 
 
 def chars_regex(ranges: tuple[tuple[int, int], ...]) -> str | None:
-    """Regex for one code point from `ranges`, in JSON-escaped form; None if empty."""
+    """Regex for one code point from `ranges`, in JSON-escaped form, as one atom; None if empty."""
     safe = subtract_ranges(ranges, _UNSAFE)
     parts: list[str] = []
     if safe:
@@ -62,7 +62,12 @@ def chars_regex(ranges: tuple[tuple[int, int], ...]) -> str | None:
                 parts.append(_escaped_form(cp))
     if not parts:
         return None
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+    if len(parts) == 1 and not parts[0].startswith("\\\\"):
+        return parts[0]
+    # always one atom: a JSON escape (backslash + 'n', backslash + 'u0000') is several, and a quantifier after
+    # it (the pattern "a\\n?") must repeat the whole escape, not its last character (which wrote an unterminated
+    # string: a backslash right before the closing quote)
+    return "(?:" + "|".join(parts) + ")"
 
 
 def _escaped_form(cp: int) -> str:

@@ -147,5 +147,14 @@ def _exclude_object(lw: "Lowerer", node: ObjectNode, sub: "Sub", stack: tuple[in
             if narrowed is not None:
                 props = tuple(replace(p, value=narrowed) if p.name == prop.name else p for p in node.props)
                 return replace(node, props=props)
+    if sub.has("additionalProperties") and sc["additionalProperties"] is False:
+        # an optional member the schema forbids, made required: every instance then fails it (a subset; the
+        # members kept already fit maxProperties together). oneOf [{"properties": {"a": ...}, "additionalProperties":
+        # false}, {"properties": {"b": ...}, "additionalProperties": false}]: `{}` validated both branches.
+        patterns = sc.get("patternProperties", {}) if sub.has("patternProperties") else {}
+        for prop in node.props:
+            if not prop.required and prop.name not in props_schema and not any(re.search(p, prop.name)
+                                                                               for p in patterns):
+                return replace(node, props=tuple(replace(p, required=True) if p is prop else p for p in node.props))
     return None
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from grammar.errors import GrammarError, pointer_str
 from grammar.schema.formats import DEFINED_FORMATS, format_pattern
 from grammar.schema.ir import JSON_TYPES, AnyJson, ArrayNode, IntegerRange, Literals, Node, NumberRange, StringNode, make_union
-from grammar.regex.emit import STRING_CHAR, bound_pattern, max_len, pattern_regex
+from grammar.regex.emit import STRING_CHAR, bound_pattern, max_len, min_len, pattern_regex
 from grammar.regex.numeric import FRACTION_DIGITS, number_range_regex
 from grammar.regex.pattern import PatternError, parse_pattern
 from grammar.schema.objects import lower_object
@@ -63,6 +63,8 @@ def lower_leaf(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Node
         nodes.append(lower_array(lw, subs, stack))
     if "object" in types:
         nodes.append(lower_object(lw, subs, stack))
+    if not types:
+        return lw.fail("type", subs[0].pointer, "the conjunction allows no JSON type", exact=True)
     return make_union(nodes)
 
 
@@ -164,7 +166,8 @@ def lower_number(lw: "Lowerer", subs: list["Sub"], integer_only: bool) -> Node |
     ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl else math.ceil(lo))
     ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl else math.floor(hi))
     if ilo is not None and ihi is not None and ilo > ihi:
-        return None
+        ptr = next((s.pointer for s in subs if s.has("maximum") or s.has("exclusiveMaximum")), subs[0].pointer)
+        return lw.fail("maximum", ptr, "no integer in the range", exact=True)
     return IntegerRange(ilo, ihi)
 
 
@@ -213,7 +216,7 @@ def lower_string(lw: "Lowerer", subs: list["Sub"]) -> Node | None:
         if sub.has("format") and format_pattern(sc["format"]) is not None:
             sources.append(("format", format_pattern(sc["format"]), sub.pointer + "/format"))  # type: ignore[arg-type]
     if hi is not None and hi < lo:
-        return None
+        return lw.fail("maxLength", subs[0].pointer, f"minLength {lo} is above maxLength {hi}", exact=True)
     if lo > opts.max_string_length:
         return lw.fail("minLength", subs[0].pointer, f"larger than {opts.max_string_length}")
     cap = hi if hi is None or hi <= opts.max_string_length else max(lo, opts.max_string_length)
@@ -228,10 +231,17 @@ def lower_string(lw: "Lowerer", subs: list["Sub"]) -> Node | None:
         longest = max_len(ast)
         if cap is None and longest is not None and longest > opts.max_string_length:
             cap = max(lo, opts.max_string_length)  # huge counted repetitions: a subset
-        ast = bound_pattern(ast, lo, cap)
-        if ast is None:
-            return None
-        return StringNode(pattern_regex(ast))
+        if min_len(ast) > opts.max_string_length and bound_pattern(ast, lo, hi) is not None:
+            # every match is longer than we generate (as minLength above it): refused, never an empty subset,
+            # which would silently drop an optional member
+            return lw.fail(keyword, ptr, f"every match is longer than {opts.max_string_length} characters")
+        bounded = bound_pattern(ast, lo, cap)
+        if bounded is None:   # the schema's own bounds: no string fits (a format's pattern is a subset of its
+            # values, so with a format it is only the strings we write: refused, not left out)
+            if keyword == "pattern":
+                return lw.fail(keyword, ptr, "no string of the allowed length matches it", exact=True)
+            return lw.fail(keyword, ptr, "none of the values written for this format has the allowed length")
+        return StringNode(pattern_regex(bounded))
     except PatternError as e:
         return lw.fail(keyword, ptr, str(e))
 
@@ -261,7 +271,7 @@ def lower_array(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Nod
                 conj.append(sub.child(items[i], "prefixItems", i))
             elif sub.has("items"):
                 conj.append(sub.child(sub.schema["items"], "items"))
-        node = lw.lower_nested(conj, stack)
+        node = _lower_item(lw, conj, stack)
         if node is None:
             break
         prefix.append(node)
@@ -270,7 +280,7 @@ def lower_array(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Nod
     if len(prefix) < n_prefix or (n_prefix and not tail_conj):
         tail = None  # a tuple: no items after the prefix (a subset when `items` is absent)
     else:
-        tail = lw.lower_nested(tail_conj, stack) if tail_conj else AnyJson(0 if lw.pruning else opts.any_depth)
+        tail = _lower_item(lw, tail_conj, stack) if tail_conj else AnyJson(0 if lw.pruning else opts.any_depth)
     if tail is None:
         hi = len(prefix) if hi is None else min(hi, len(prefix))
     if unique:
@@ -278,7 +288,7 @@ def lower_array(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Nod
             return lw.fail("uniqueItems", subs[0].pointer, "only arrays of at most one item are generated")
         hi = 1 if hi is None else min(hi, 1)
     if hi is not None and lo > hi:
-        return None
+        return lw.fail("minItems", subs[0].pointer, f"at least {lo} items, at most {hi}", exact=True)
     if lw.pruning:
         hi = lo  # only the required number of items
     if lo > opts.max_min_items:
@@ -286,3 +296,14 @@ def lower_array(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> Nod
     if hi is not None and hi > opts.max_counted_items:
         hi = max(lo, opts.max_counted_items)
     return ArrayNode(tuple(prefix[: hi if hi is not None else None]), tail, lo, hi)
+
+
+def _lower_item(lw: "Lowerer", conj: list["Sub"], stack: tuple[int, ...]) -> Node | None:
+    """The schema of an array item, None when no item can be written (the array ends before it). An item with a
+    keyword the compiler cannot enforce is rejected as an optional property is, never silently left out: the
+    array could otherwise only ever be `[]` (items: {"type": "integer", "multipleOf": 5} served only `[]`)."""
+    num_unenforced = len(lw.unenforced)
+    node = lw.lower_nested(conj, stack)
+    if node is None and len(lw.unenforced) > num_unenforced:
+        raise lw.unenforced[num_unenforced]
+    return node

@@ -58,6 +58,10 @@ class SchemaOptions:
     max_min_items: int = 64  # larger minItems / minLength is rejected
     max_enumeration: int = 2000  # multipleOf ranges up to this size are enumerated
     max_lowering_steps: int = 8_000  # the largest accepted bench schema needs ~6_400
+    # subschemas being lowered inside one another (members, items, $ref, anyOf / oneOf / if branches): the bench's
+    # deepest needs 19. Past it, a clear 400 instead of Python's recursion limit, which a chain of a few hundred
+    # $defs reached wherever it happened to be, also inside the `referencing` library's Rust code (a panic).
+    max_nesting: int = 64
     # Index build time and size grow with regex size x vocabulary size.  Above the
     # target, optional members / items / free-form values below `optional_depth` are
     # dropped (a subset), with decreasing depths until the regex fits (spec.py).
@@ -144,6 +148,7 @@ class Lowerer:
         self.reasons: list[GrammarError] = []
         self.unenforced: list[GrammarError] = []   # the reasons that mean "a keyword could not be enforced"
         self.depth = 0  # container nesting of the subschema being lowered
+        self._active = 0  # lower() calls in progress (nesting of subschemas of any kind)
         self._steps = 0
         self._validators: dict[tuple[int, int], Draft202012Validator] = {}
 
@@ -153,7 +158,8 @@ class Lowerer:
         if node is None:
             if self.reasons:
                 raise self.reasons[0]
-            raise GrammarError("the schema admits no value that can be generated", "unsupported_json_schema")
+            what = "is false" if self.root.schema is False else "admits no value that can be generated"
+            raise GrammarError(f"the schema at '#' {what}", "unsupported_json_schema", pointer="#")
         return node
 
     @property
@@ -243,6 +249,18 @@ class Lowerer:
             raise GrammarError(f"the schema is too complex: lowering it needs more than "
                                f"{self.options.max_lowering_steps} steps (combinations of anyOf/oneOf/allOf/$ref); "
                                f"stopped at {where!r}", "unsupported_json_schema", pointer=where)
+        if self._active >= self.options.max_nesting:
+            where = pointer_str(conj[-1].pointer if conj else "")   # the newest conjunct: where it went deeper
+            raise GrammarError(f"the schema nests more than {self.options.max_nesting} subschemas deep (members, "
+                               f"items, $ref and anyOf / oneOf / if branches inside one another); stopped at "
+                               f"'{where}'", "unsupported_json_schema", pointer=where)
+        self._active += 1
+        try:
+            return self._lower(conj, stack)
+        finally:
+            self._active -= 1
+
+    def _lower(self, conj: list[Sub], stack: tuple[int, ...]) -> Node | None:
         expanded = self.expand(conj, stack)
         if expanded is None:
             return None

@@ -104,7 +104,7 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
     lo = max((int(s.schema["minProperties"]) for s in subs if s.has("minProperties")), default=0)
     hi = min((int(s.schema["maxProperties"]) for s in subs if s.has("maxProperties")), default=None)
     if hi is not None and lo > hi:
-        return None
+        return lw.fail("minProperties", subs[0].pointer, f"at least {lo} members, at most {hi}", exact=True)
     required, forbidden = _required_closure(subs)
     names: list[str] = []
     for sub in subs:
@@ -113,7 +113,7 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
                 names.append(name)
     names.extend(r for r in required if r not in names)
     if not names:
-        return _lower_map(lw, subs, stack, lo, hi)
+        return _lower_map(lw, subs, stack, lo, hi, forbidden)
     props: list[Prop] = []
     for name in names:
         is_required = name in required
@@ -124,7 +124,8 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
         value = None if conj is None else lw.lower_nested(conj, stack)
         if value is None:
             if is_required:
-                return None
+                return lw.fail("required", subs[0].pointer, f"no value of the required member {name!r} is allowed",
+                               exact=True)
             if len(lw.unenforced) > num_unenforced:
                 # an optional member with a keyword the compiler cannot enforce is rejected as a required one
                 # would be, never silently left out of what can be generated
@@ -134,7 +135,7 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
     n_required = sum(p.required for p in props)
     if hi is not None:
         if n_required > hi:
-            return None
+            return lw.fail("maxProperties", subs[0].pointer, f"{n_required} required members", exact=True)
         budget = hi - n_required
         kept: list[Prop] = []
         for p in props:
@@ -155,8 +156,10 @@ def lower_object(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...]) -> No
     return ObjectNode(tuple(props))
 
 
-def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int, hi: int | None) -> Node | None:
-    """An object without declared names: free-form members, or `{}` when none is safe."""
+def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int, hi: int | None,
+               forbidden: set[str]) -> Node | None:
+    """An object without declared names: free-form members, or `{}` when none is safe.  `forbidden`: names that
+    must stay absent (the triggers of dependentRequired / dependentSchemas, which a free-form key could write)."""
     empty: Node | None = ObjectNode(()) if lo == 0 else None
     if empty is not None and lw.pruning:
         return empty
@@ -166,8 +169,16 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
     name_rules = [s for s in subs if s.has("propertyNames")]
     key: str | None
     conj: list["Sub"] = []
+    # what cannot be planned is refused, never served as `{}` alone (a free-form object the model could never fill)
     if len(patterns) > 1 or (patterns and name_rules):
-        return empty if empty is not None else lw.fail("patternProperties", subs[0].pointer)
+        return lw.fail("patternProperties", subs[0].pointer,
+                       "free-form members under several patterns (or a pattern and propertyNames)")
+    # a trigger that a generated key could spell (it matches the pattern and the propertyNames)
+    reachable = sorted(
+        name for name in forbidden
+        if all(_search(p, name, subs[0].pointer + "/patternProperties") for p in patterns)
+        and (not name_rules or lw.valid(name, [s.child(s.schema["propertyNames"], "propertyNames")
+                                               for s in name_rules])))
     if patterns:
         (pattern,) = patterns
         try:
@@ -179,7 +190,7 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
                 raise PatternError("no key of a bounded length matches")
             key = pattern_regex(ast)
         except PatternError as e:
-            return empty if empty is not None else lw.fail("patternProperties", subs[0].pointer, str(e))
+            return lw.fail("patternProperties", subs[0].pointer, str(e))
         for sub in subs:
             pp = sub.schema.get("patternProperties", {}) if sub.has("patternProperties") else {}
             if pattern in pp:
@@ -187,17 +198,27 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
             elif sub.has("additionalProperties"):
                 conj.append(sub.child(sub.schema["additionalProperties"], "additionalProperties"))
     else:
-        key = _key_from_names(lw, name_rules, stack) if name_rules else STRING_CHAR + "*"
+        key, listed = _key_from_names(lw, name_rules, stack, set(reachable)) if name_rules else (STRING_CHAR + "*",
+                                                                                                  False)
         if key is None:
-            return empty if empty is not None else lw.fail("propertyNames", name_rules[0].pointer)
+            return lw.fail("propertyNames", name_rules[0].pointer)
+        if listed:
+            reachable = []   # the listed names, the triggers left out
         conj = [s.child(s.schema["additionalProperties"], "additionalProperties")
                 for s in subs if s.has("additionalProperties")]
+    if reachable:   # a free-form key could be a trigger, written without what it requires
+        keyword = next(k for s in subs for k in ("dependentRequired", "dependentSchemas", "dependencies")
+                       if s.has(k) and reachable[0] in s.schema[k])
+        return lw.fail(keyword, subs[0].pointer, f"a free-form member could be named {reachable[0]!r}")
     conj.extend(s.child(s.schema["unevaluatedProperties"], "unevaluatedProperties")
                 for s in subs if s.has("unevaluatedProperties"))
     if any(s.schema is False for s in conj):
         return empty
+    num_unenforced = len(lw.unenforced)
     value = lw.lower_nested(conj, stack)
     if value is None:
+        if len(lw.unenforced) > num_unenforced:   # refused as an optional property is, never only `{}`
+            raise lw.unenforced[num_unenforced]
         return empty
     if hi is not None and hi > lw.options.max_counted_items:
         hi = max(lo, lw.options.max_counted_items)
@@ -206,15 +227,18 @@ def _lower_map(lw: "Lowerer", subs: list["Sub"], stack: tuple[int, ...], lo: int
     return ObjectNode((), MapEntries(key, value, lo, hi))
 
 
-def _key_from_names(lw: "Lowerer", rules: list["Sub"], stack: tuple[int, ...]) -> str | None:
-    """Key regex from `propertyNames` when it lowers to a string or string literals."""
+def _key_from_names(lw: "Lowerer", rules: list["Sub"], stack: tuple[int, ...],
+                    leave_out: set[str]) -> tuple[str | None, bool]:
+    """Key regex from `propertyNames` when it lowers to a string or string literals (those in `leave_out` left
+    out), and whether it lists the names."""
     conj = [s.child(s.schema["propertyNames"], "propertyNames") for s in rules]
     node = lw.lower(conj, stack)
     if isinstance(node, StringNode):
-        return node.content
+        return node.content, False
     if isinstance(node, Literals) and all(isinstance(v, str) for v in node.values):
-        return "(?:" + "|".join(escape_text(_json_inner(v)) for v in node.values) + ")"
-    return None
+        names = [v for v in node.values if v not in leave_out]
+        return ("(?:" + "|".join(escape_text(_json_inner(v)) for v in names) + ")" if names else None), True
+    return None, False
 
 
 def _json_inner(value: Any) -> str:

@@ -68,6 +68,11 @@ TRICKY: list[Any] = [
      "required": ["v"]},
     {"type": "object", "properties": {"deep": {"type": "object", "properties": {"deeper": {
         "type": "object", "properties": {"x": {"type": "array", "items": {"type": "number", "maximum": 0}}}}}}}},
+    {"oneOf": [{"type": "object", "additionalProperties": False, "properties": {"a": {"type": "integer"},
+                                                                                "c": {"type": "null"}}},
+               {"type": "object", "additionalProperties": False, "properties": {"b": {"type": "integer"},
+                                                                                "c": {"type": "null"}}}]},
+    {"type": "object", "properties": {"x": {"type": "integer"}}, "not": {"additionalProperties": False}},
     True,
     {},
 ]

@@ -120,6 +120,43 @@ def test_branching_through_refs_stops_at_the_lowering_steps() -> None:
     assert "steps" in info.value.message and time.perf_counter() - start < 5.0
 
 
+def ref_chain(length: int, shape: str) -> dict[str, Any]:
+    """`length` distinct $defs, each one level around the next: a small text nested `length` subschemas deep."""
+    defs: dict[str, Any] = {f"d{length}": {"type": "null"}}
+    for k in range(length):
+        ref = {"$ref": f"#/$defs/d{k + 1}"}
+        defs[f"d{k}"] = {"anyOf": [ref, {"type": "integer"}]} if shape == "anyOf" else \
+            {"type": "object", "properties": {"x": ref}}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+@pytest.mark.parametrize("shape", ["anyOf", "members"])
+@pytest.mark.parametrize("length", [80, 300, 900])
+def test_a_long_ref_chain_is_refused_at_the_nesting_bound(shape: str, length: int) -> None:
+    """A chain of distinct $defs reached Python's recursion limit wherever it happened to be: a RecursionError
+    ('too deeply nested', no place named), regex-automata's 'Failed to build DFA', or, inside the `referencing`
+    library's Rust registry, a pyo3 PanicException (a BaseException: past every `except Exception`, it killed
+    the compile worker). Now one 400 naming the bound and where it stopped."""
+    with pytest.raises(GrammarError) as info:
+        schema_to_regex(ref_chain(length, shape), SchemaOptions())
+    assert info.value.code == "unsupported_json_schema"
+    assert "more than 64 subschemas deep" in info.value.message and "stopped at '#/$defs/d" in info.value.message
+    schema_to_regex(ref_chain(20, shape), SchemaOptions())   # 20 deep (the bench's deepest is 19): served
+
+
+def test_a_library_panic_while_lowering_is_a_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    class PanicException(BaseException):   # pyo3's, as a Rust library raises it
+        pass
+
+    def panic(*args: Any, **kwargs: Any) -> Any:
+        raise PanicException("__eq__ failed!")
+
+    monkeypatch.setattr(Lowerer, "lower_root", panic)
+    with pytest.raises(GrammarError) as info:
+        schema_to_regex({"type": "integer"}, SchemaOptions())
+    assert info.value.code == "unsupported_json_schema"
+
+
 def test_the_issue_schema_is_pruned_within_the_budget() -> None:
     """maxItems without minItems: the arrays below the prune depth become empty, a subset that fits."""
     regex = schema_to_regex(nested_arrays(30), OPTIONS)

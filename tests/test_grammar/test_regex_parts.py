@@ -100,6 +100,22 @@ def test_pattern_json_escaping() -> None:
     assert re.fullmatch(content, r'a\"b\\c\n')
 
 
+@pytest.mark.parametrize("pattern, texts", [
+    (r"^a\n?$", ["a", "a\n"]), (r"^\x41\x00?$", ["A", "A\x00"]), (r'^a"?$', ["a", 'a"']),
+    (r"^a\\*$", ["a", "a\\\\"]), (r"^(x\t){1,2}$", ["x\t", "x\tx\t"]),
+])
+def test_quantified_escape_repeats_the_whole_escape(pattern: str, texts: list[str]) -> None:
+    """A character JSON must escape is several regex atoms ('\\' + 'n'): a quantifier after it repeats all of
+    them. It applied to the last one only, so "^a\\n?$" allowed '"a\\"' (a string that never ends: the
+    model wrote broken JSON labelled stop)."""
+    import json
+
+    content = python_regex(pattern_regex(parse_pattern(pattern)))
+    for text in texts:
+        assert re.fullmatch(content, json.dumps(text)[1:-1]), (pattern, text)
+    assert not re.fullmatch(content, json.dumps(texts[0])[1:-1] + "\\"), pattern   # a dangling backslash
+
+
 def test_negated_classes_stay_ascii_printable() -> None:
     content = python_regex(pattern_regex(parse_pattern(r"^[^a]$")))
     assert re.fullmatch(content, "b") and not re.fullmatch(content, "é") and not re.fullmatch(content, "\t")

@@ -346,3 +346,74 @@ def test_unsatisfiable_or_unenforceable_is_rejected_cleanly(schema: object) -> N
     with pytest.raises(GrammarError) as info:
         admit(json_schema_format(schema))
     assert info.value.code == "unsupported_json_schema"
+
+
+@pytest.mark.parametrize("schema, pointer", [
+    ({"type": "array", "items": {"type": "integer", "multipleOf": 5}}, "#/items/multipleOf"),
+    ({"type": "object", "required": ["tags"], "properties": {"tags": {"type": "array", "items": {
+        "type": "string", "pattern": "^(?=x)"}}}}, "#/properties/tags/items/pattern"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"contains": {"const": 1}}]}, "#/prefixItems/1"),
+    ({"type": "object", "additionalProperties": {"type": "number", "multipleOf": 0.5}},
+     "#/additionalProperties/multipleOf"),
+    ({"type": "object", "patternProperties": {"^a_": {"type": "integer"}, "^b_": {"type": "string"}}}, "#"),
+    ({"type": "object", "properties": {"m": {"type": "object", "propertyNames": {"format": "uri"},
+                                             "patternProperties": {"^h": {}}}}}, "#/properties/m"),
+    ({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{200}$"}}},
+     "#/properties/id/pattern"),
+    ({"type": "object", "properties": {"to": {"type": "string", "format": "email", "maxLength": 5}}},
+     "#/properties/to/format"),   # "a@b.c" is a valid email: only the addresses we write are longer
+])
+def test_unenforceable_item_or_member_is_rejected_not_left_out(schema: object, pointer: str) -> None:
+    """Array items, map members and optional members follow the optional-property rule: a keyword the compiler
+    cannot enforce is a 400 naming it. These were served as `[]` / `{}` forever (every item or member left
+    out), a valid but useless answer the tenant could not tell from a model that chose to write nothing."""
+    with pytest.raises(GrammarError) as info:
+        admit(json_schema_format(schema))
+    assert info.value.code == "unsupported_json_schema"
+    assert f"'{pointer}'" in info.value.message, info.value.message
+
+
+def test_dependent_required_trigger_is_never_a_free_form_key() -> None:
+    """An object without declared names wrote any key, also the trigger of dependentRequired without the names it
+    requires: {"a": 1} for propertyNames {"enum": ["a", "b"]} with "a" requiring "b"."""
+    listed = {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "dependentRequired": {"a": ["b"]}}
+    assert accepts(listed, '{"b": 1}') and accepts(listed, "{}")
+    assert not accepts(listed, '{"a": 1}') and not accepts(listed, '{"b": 1, "a": 2}')
+    for keyword, dep in (("dependentRequired", ["b"]), ("dependentSchemas", {"required": ["b"]}),
+                         ("dependencies", ["b"])):
+        free = {"type": "object", "additionalProperties": {"type": "integer"}, keyword: {"a": dep}}
+        with pytest.raises(GrammarError) as info:   # any key could be "a": refused, as other unplannable keys
+            admit(json_schema_format(free))
+        assert f"'{keyword}'" in info.value.message, info.value.message
+    other = {"type": "object", "patternProperties": {"^x-[0-9]$": {"type": "integer"}}, "additionalProperties": False,
+             "dependentRequired": {"a": ["b"]}}     # the trigger cannot match the pattern: members still written
+    assert accepts(other, '{"x-1": 1}')
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "maximum"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
+    ({"type": "object", "minProperties": 3, "maxProperties": 2}, "minProperties"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False}, "required"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "type"),
+    ({"type": "string", "format": "time", "maxLength": 8}, "format"),
+])
+def test_unsatisfiable_schema_names_the_keyword(schema: object, keyword: str) -> None:
+    """'the schema admits no value that can be generated' named neither keyword nor place."""
+    with pytest.raises(GrammarError) as info:
+        admit(json_schema_format(schema))
+    assert info.value.code == "unsupported_json_schema"
+    assert f"'{keyword}'" in info.value.message and "'#" in info.value.message, info.value.message
+
+
+def test_one_of_closed_objects_made_exclusive_by_requiring_a_member() -> None:
+    """oneOf of objects with additionalProperties: false and only optional members (OpenAPI clients write these):
+    `{}` validated every branch, so exclusivity was unprovable and the schema a 400. Each branch now requires one
+    of the members the others forbid."""
+    schema = {"oneOf": [
+        {"type": "object", "additionalProperties": False, "properties": {"key": {"type": "string", "maxLength": 5}}},
+        {"type": "object", "additionalProperties": False, "properties": {"keys": {"type": "array", "maxItems": 2,
+                                                                                  "items": {"type": "string"}}}}]}
+    assert accepts(schema, '{"key": "x"}') and accepts(schema, '{"keys": ["a"]}')
+    assert not accepts(schema, "{}") and not accepts(schema, '{"key": "x", "keys": []}')
