@@ -75,8 +75,6 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
         rope_theta, scaling, local_theta, partial = rope_fields(cfg, model_type)
-        is_qwen2 = model_type in ("qwen2", "qwen2_moe")
-        attention_bias = bool(cfg.get("attention_bias", False))
         num_layers = int(cfg["num_hidden_layers"])
         windows = layer_windows(cfg, model_type, num_layers)
         moe = moe_fields(cfg, model_type, num_layers)
@@ -94,9 +92,6 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
-            qkv_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=max((w for w in windows if w), default=None),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             layer_windows=windows,
