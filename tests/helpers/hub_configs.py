@@ -5,6 +5,7 @@ left out), with the sizes shrunk. The config.json written is that dict, as the h
 it as it reads the real checkpoint's.
 
     hub_model_dir("llama3.1")          # one of HUB_CONFIGS
+    reference_dir(path)                # the checkpoint as transformers 5 loads it (Phi-3 "su": "longrope")
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import shutil
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tiny_models import BOS, EOS, PAD, TinyModelSpec, _cache_root, _init_weights, build_tokenizer, special_token_ids
@@ -93,13 +95,33 @@ HUB_CONFIGS: dict[str, dict[str, Any]] = {
                "rope_local_base_freq": 100.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                "sliding_window": _WINDOW, "sliding_window_pattern": 6, "attn_logit_softcapping": None,
                "final_logit_softcapping": None, "attention_bias": False},
+    # Gemma 3 4B's multimodal config.json: its text_config names six fields (and the tiny vocabulary), the rest
+    # are Gemma3TextConfig's defaults (8 heads, 4 kv heads, head_dim 256, theta 1e6 / 1e4, scalar 256, GELU)
+    "gemma3-multimodal": {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                          "mm_tokens_per_image": 4, "torch_dtype": "bfloat16",
+                          "text_config": {"hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text",
+                                          "num_hidden_layers": 6, "sliding_window": _WINDOW,
+                                          "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+                          "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32,
+                                            "intermediate_size": 64, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "image_size": 28, "patch_size": 14}},
 }
 _SEEDS = {name: 60 + i for i, name in enumerate(HUB_CONFIGS)}
 
 
 def hub_config(name: str) -> dict[str, Any]:
-    """The config.json of `name` at tiny size (tokenizer ids and vocabulary filled in)."""
-    return {**_TINY, **json.loads(json.dumps(HUB_CONFIGS[name]))}
+    """The config.json of `name` at tiny size (a multimodal one: its vision_config as given)."""
+    cfg = json.loads(json.dumps(HUB_CONFIGS[name]))
+    return cfg if "text_config" in cfg else {**_TINY, **cfg}
+
+
+def loadable_spelling(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` as transformers 5 loads it: Phi-3's legacy "su" spelled "longrope" (transformers 4.4x read "su";
+    5 maps it only after validating the dict, and refuses it without an original_max_position_embeddings)."""
+    out = json.loads(json.dumps(cfg))
+    if (out.get("rope_scaling") or {}).get("type") == "su":
+        out["rope_scaling"]["type"] = "longrope"
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -112,24 +134,39 @@ def hub_model_dir(name: str, seed: int | None = None) -> Path:
     build_tokenizer(out)
     ids = special_token_ids(out)
     cfg = hub_config(name)
-    cfg.update(vocab_size=len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]),
-               bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    vocab = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    token_ids = dict(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+    cfg.update(token_ids)
+    (cfg.get("text_config") or cfg).update(vocab_size=vocab, **token_ids)
+    (out / "config.json").write_text(json.dumps(loadable_spelling(cfg), indent=2))
     config = transformers.AutoConfig.from_pretrained(str(out))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    spec = TinyModelSpec(hidden_size=cfg["hidden_size"], tie_word_embeddings=tied,
+    text = cfg.get("text_config") or cfg
+    spec = TinyModelSpec(hidden_size=text["hidden_size"], tie_word_embeddings=tied,
                          seed=_SEEDS[name] if seed is None else seed)
     _init_weights(model, spec)
     if cfg["model_type"].startswith("gemma"):
         from family_models import gemma_norms
 
-        gemma_norms(model, spec)
+        language_model = getattr(model.model, "language_model", None)   # multimodal: its text model
+        gemma_norms(model if language_model is None else SimpleNamespace(
+            named_parameters=language_model.named_parameters, model=language_model), spec)
     tmp = out / "saved"
     model.save_pretrained(str(tmp), safe_serialization=True)
     shutil.move(str(tmp / "model.safetensors"), str(out / "model.safetensors"))
     shutil.rmtree(tmp)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))   # the hub's spelling, not save_pretrained's
+    if cfg != loadable_spelling(cfg):   # the reference's copy, as transformers 5 loads it
+        shutil.copytree(out, out.parent / f"{out.name}_loadable", dirs_exist_ok=True)
+        (out.parent / f"{out.name}_loadable" / "config.json").write_text(json.dumps(loadable_spelling(cfg)))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": ids[BOS], "eos_token_id": ids[EOS]}))
     return out
+
+
+def reference_dir(path: Path) -> Path:
+    """The folder HF transformers loads as `path`'s reference (the same weights; its config spelled as
+    transformers 5 reads it)."""
+    loadable = path.parent / f"{path.name}_loadable"
+    return loadable if loadable.exists() else path
