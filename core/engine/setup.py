@@ -53,15 +53,26 @@ class EngineParts:
     executor: TPExecutor         # tensor_parallel_size ranks (1: no worker, no process group)
 
 
+def _token_ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value} if isinstance(value, list) else set()
+
+
 def load_eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a generation: `generation_config.json`'s eos_token_id, or without that file
+    config.json's (a multimodal one: else its text_config's), as transformers builds the generation config from
+    the model config; plus the tokenizer's eos."""
+    gen, cfg_path = model_dir / "generation_config.json", model_dir / "config.json"
     ids: set[int] = set()
-    gen = model_dir / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
+        ids = _token_ids(json.loads(gen.read_text()).get("eos_token_id"))
+    elif cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        eos = cfg.get("eos_token_id")
+        if eos is None and isinstance(cfg.get("text_config"), dict):
+            eos = cfg["text_config"].get("eos_token_id")
+        ids = _token_ids(eos)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)

@@ -6,6 +6,10 @@ transformers' (fp32, CPU) for prompts several sliding windows long and past the 
 The config fields themselves against transformers' reading: test_hub_config_fields.py."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -42,3 +46,23 @@ def test_hub_config_matches_hf(name: str) -> None:
                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     for ids, out, ref in zip(prompts, outs, expected):
         assert list(out.token_ids) == ref, f"{name}, {len(ids)}-token prompt\n expected {ref}\n got {out.token_ids}"
+
+
+def test_eos_list_of_config_json_without_generation_config(tmp_path: Path) -> None:
+    """A checkpoint without generation_config.json (a hub config.json with its weights): transformers stops at
+    config.json's eos_token_id list (Llama 3.1 names three), so the engine does too."""
+    src = hub_model_dir("llama3.1")
+    ids = encode(src, PROMPTS[4])
+    full, _ = greedy_with_margin(_hf_model(str(src)), ids, MAX_TOKENS)
+    stop = full[3]     # a token the model emits greedily, not the tokenizer's eos
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    (path / "generation_config.json").unlink()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = [cfg["eos_token_id"], stop]
+    (path / "config.json").write_text(json.dumps(cfg))
+    expected, _ = greedy_with_margin(_hf_model(str(path)), ids, MAX_TOKENS)
+    assert expected == full[:4], "test setup: transformers should stop at config.json's eos list"
+    out = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64).generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    assert list(out.token_ids) == expected and out.finish_reason == "stop"
