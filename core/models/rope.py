@@ -1,7 +1,8 @@
 """Rotary position embeddings (HF Llama convention: rotate_half over two halves), with rope scaling.
 
-Rope types as HF transformers computes them: default, linear, llama3, yarn (its attention factor scales
-cos and sin) and longrope (short and long factors; its attention factor likewise). The cos/sin tables are
+Rope types as HF transformers computes them: default, linear, dynamic (up to max_position_embeddings, where
+it is the default rope), llama3, yarn (its attention factor scales cos and sin) and longrope (short and long
+factors; its attention factor likewise). The cos/sin tables are
 indexed by absolute position; longrope keeps two tables stacked, rows [0, P) with the short factors and
 [P, 2P) with the long ones, and a request admitted with long factors reads rows `position + P`
 (`rope_row_offset`). Partial rotary (`partial_rotary_factor` < 1) rotates the first `rotary_dim` channels
@@ -18,7 +19,7 @@ import torch
 from core.config import ModelConfig
 from core.models import fused_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_type_of(scaling: dict[str, Any] | None) -> str:
@@ -98,6 +99,8 @@ def compute_inv_freqs(dim: int, theta: float, scaling: dict[str, Any] | None,
         return [_llama3_inv_freq(inv_freq, scaling)], 1.0
     if rope_type == "linear":
         return [inv_freq / float(scaling["factor"])], 1.0
+    if rope_type == "dynamic":   # dynamic NTK is the default rope below max_position_embeddings (build_rotary)
+        return [inv_freq], 1.0
     if rope_type == "yarn":
         yarn, attention_factor = _yarn(dim, theta, scaling, max_position_embeddings)
         return [yarn], attention_factor
@@ -174,7 +177,14 @@ class PartialRotaryEmbedding(RotaryEmbedding):
 
 
 def build_rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
-    """The model's rotary embedding: partial when `rotary_dim` < head_dim."""
+    """The model's rotary embedding: partial when `rotary_dim` < head_dim. Dynamic NTK scaling is served up to
+    max_position_embeddings only: below it HF's frequencies are the default ones; past it HF recomputes them
+    from each forward's length while the cache keeps keys rotated with the old ones, which no KV cache shared
+    across steps can reproduce (a longer --max-model-len is refused at start-up)."""
+    if rope_type_of(cfg.rope_scaling) == "dynamic" and max_positions > cfg.max_position_embeddings:
+        raise ValueError(f"rope_scaling dynamic is served up to max_position_embeddings={cfg.max_position_embeddings}"
+                         f" tokens (past it transformers rescales rope on every forward); --max-model-len "
+                         f"{max_positions} is longer: lower it")
     cls = PartialRotaryEmbedding if cfg.rotary_dim < cfg.head_dim else RotaryEmbedding
     return cls(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 

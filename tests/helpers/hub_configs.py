@@ -46,6 +46,11 @@ HUB_CONFIGS: dict[str, dict[str, Any]] = {
                  "rope_theta": 500000.0, "tie_word_embeddings": True,
                  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                   "original_max_position_embeddings": _ORIGINAL, "rope_type": "llama3"}},
+    # Llama 2 fine-tunes with dynamic NTK scaling: served up to max_position_embeddings, where HF's rope is the
+    # default one
+    "llama2-dynamic": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                       "max_position_embeddings": 256, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                       "rope_scaling": {"type": "dynamic", "factor": 2.0}, "tie_word_embeddings": False},
     # Mistral 7B v0.1: a sliding window on every layer, no head_dim
     "mistral-v0.1": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
                      "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,

@@ -66,3 +66,10 @@ def test_eos_list_of_config_json_without_generation_config(tmp_path: Path) -> No
     out = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64).generate(
         [{"prompt_token_ids": ids}], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
     assert list(out.token_ids) == expected and out.finish_reason == "stop"
+
+
+def test_dynamic_rope_past_max_position_embeddings_is_refused() -> None:
+    """Past max_position_embeddings HF's dynamic NTK rescales rope per forward (the cache keeps the old
+    rotations): a --max-model-len that long is a start-up error naming the limit, never served."""
+    with pytest.raises(ValueError, match="rope_scaling dynamic is served up to max_position_embeddings=256"):
+        LLM(str(hub_model_dir("llama2-dynamic")), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=16)

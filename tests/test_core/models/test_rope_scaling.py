@@ -57,7 +57,7 @@ def assert_yarn_part_changes_the_reference(path: Path, part: str) -> None:
 def test_unimplemented_rope_type_is_a_start_up_error(path: Path, tmp_path: Path) -> None:
     shutil.copytree(path, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "proportional", "factor": 2.0, "rope_theta": 10000.0}
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'proportional'"):
         LLM(str(tmp_path / "m"), dtype="float32", device="cpu", num_kv_blocks=16)
