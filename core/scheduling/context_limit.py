@@ -30,7 +30,8 @@ def supported_max_len(cfg: ModelConfig) -> ContextLimit:
     base = cfg.max_position_embeddings
     scaling: dict[str, Any] = cfg.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in _FACTOR_SCALED or "factor" not in scaling:
+    # Gemma 3's max_position_embeddings (131072) is already the context its global layers' linear x8 gives
+    if rope_type not in _FACTOR_SCALED or "factor" not in scaling or cfg.model_type in ("gemma3_text", "gemma3"):
         return ContextLimit(base, f"max_position_embeddings={base} in the model's config.json")
     factor = float(scaling["factor"])
     if rope_type == "yarn" and "original_max_position_embeddings" in scaling:

@@ -37,6 +37,14 @@ def test_supported_max_len_follows_the_rope_scaling(scaling: dict[str, Any] | No
     assert "max_position_embeddings" in limit.reason
 
 
+def test_gemma3_linear_scaling_does_not_stretch_the_context() -> None:
+    """Gemma 3's max_position_embeddings already is the context of its scaled global layers (vLLM does not
+    multiply it by the factor either): 131072, not 1M."""
+    gemma3 = cfg(model_type="gemma3_text", max_position_embeddings=131072,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert supported_max_len(gemma3).num_tokens == 131072
+
+
 def test_check_refuses_past_the_limit_and_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALLOW_LONG_ENV, raising=False)
     model = cfg(rope_scaling={"rope_type": "linear", "factor": 2.0})
