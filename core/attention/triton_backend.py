@@ -243,7 +243,8 @@ class TritonAttentionBackend(AttentionBackend):
         if num_tokens == 0:
             return out
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-        assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, "head_dim: power of two >= 16"
+        head_dim_p2 = max(16, triton.next_power_of_2(head_dim))   # the kernel's width (96 -> 128, masked)
+        d_real = head_dim if head_dim_p2 != head_dim else 0
         assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -254,14 +255,15 @@ class TritonAttentionBackend(AttentionBackend):
         has_splits = km.max_splits > 1
         if has_splits:
             rows = km.num_split_tokens * num_heads * km.max_splits    # one allocation: acc | max | sum
-            offs = aligned_offsets([rows * head_dim, rows, rows], 4)  # 16-byte aligned: one kernel variant
+            offs = aligned_offsets([rows * head_dim_p2, rows, rows], 4)  # 16-byte aligned: one kernel variant
             buf = torch.empty(offs[-1], dtype=torch.float32, device=q.device)
-            part_out, part_m, part_l = (buf[offs[i]:offs[i] + n] for i, n in enumerate((rows * head_dim, rows, rows)))
+            part_out, part_m, part_l = (buf[offs[i]:offs[i] + n]
+                                        for i, n in enumerate((rows * head_dim_p2, rows, rows)))
         else:
             part_m = part_l = part_out = out  # never touched
         interp = interpreting()
         upcast = (interp or q.dtype == torch.float32) if self.upcast is None else self.upcast
-        cfg = self.config(meta.num_prefills > 0 or km.prefill_tiles, interp, head_dim)
+        cfg = self.config(meta.num_prefills > 0 or km.prefill_tiles, interp, head_dim_p2)
         K.paged_attention_kernel[(km.num_items, num_kv_heads)](
             out, q, k_cache, v_cache, km.block_tables, km.seq_lens, km.q_starts, km.q_lens, km.num_splits,
             km.work, part_out, part_m, part_l, km.num_items, km.split_token_offset, km.max_splits,
@@ -269,14 +271,14 @@ class TritonAttentionBackend(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), km.block_tables.stride(0),
             NUM_HEADS=num_heads, G=g, G_P2=g_p2, BLOCK_Q=km.block_q, BLOCK_M=block_m, TILE_N=cfg["tile_n"],
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HAS_SPLITS=has_splits,
-            UPCAST=upcast, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim_p2, HAS_SPLITS=has_splits,
+            UPCAST=upcast, HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, D_REAL=d_real,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if has_splits and km.num_split_tokens:
             K.reduce_splits_kernel[(km.num_split_tokens, num_heads)](
                 out, part_out, part_m, part_l, km.num_splits, km.split_token_offset, km.max_splits,
                 out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_P2=max(km.max_splits, self.splits_p2),
-                Q_PER_SEQ=km.q_per_seq, num_warps=4)
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim_p2, SPLITS_P2=max(km.max_splits, self.splits_p2),
+                Q_PER_SEQ=km.q_per_seq, D_REAL=d_real, num_warps=4)
         return out
 

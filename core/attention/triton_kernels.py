@@ -50,10 +50,11 @@ def store_kv_kernel(
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, start, kv_hi, q_pos, row_valid,
                  scale_log2e, softcap_log2e, window, stride_cb, stride_cs, offs_n, offs_d,
                  BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, D_REAL: tl.constexpr = 0):
     """One KV tile of online softmax. MASK: bounds + causal (+ window) masks (diagonal / tail / window tiles).
     SOFTCAP: scores = softcap * tanh(q.k * scale / softcap) (`scale_log2e` then holds scale / softcap and
-    `softcap_log2e` softcap * log2(e))."""
+    `softcap_log2e` softcap * log2(e)). D_REAL > 0: head_dim is D_REAL, padded to the power of two `offs_d`
+    spans (the padding channels load as zeros, adding nothing to q.k and p.v)."""
     pos = start + offs_n
     if MASK:
         n_valid = pos < kv_hi
@@ -61,7 +62,17 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, st
     else:
         block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
     row = block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_off    # [TILE_N]
-    if MASK:
+    if D_REAL:
+        d_ok = offs_d < D_REAL
+        if MASK:
+            k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_valid[None, :],
+                        other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_ok[None, :],
+                        other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    elif MASK:
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)  # [D, N]
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)  # [N, D]
     else:
@@ -111,6 +122,7 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    D_REAL: tl.constexpr = 0,    # > 0: the real head_dim, HEAD_DIM its next power of two (Phi-3's 96 -> 128)
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,8 +145,11 @@ def paged_attention_kernel(
     q_pos = num_cached + q_idx                          # absolute position of each row's token
     tok = (q_start + q_idx).to(tl.int64)
 
+    io_mask = row_valid[:, None]                         # [BLOCK_M, 1] or, head_dim padded, [BLOCK_M, D]
+    if D_REAL:
+        io_mask = io_mask & (offs_d < D_REAL)[None, :]
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+                mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -170,22 +185,22 @@ def paged_attention_kernel(
     for start in range(kv_lo, full_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, start, kv_hi,
                                      q_pos, row_valid, scale_log2e, softcap_log2e, window, stride_cb, stride_cs,
-                                     offs_n, offs_d, BLOCK_SIZE, UPCAST, False, HAS_WINDOW, SOFTCAP)
+                                     offs_n, offs_d, BLOCK_SIZE, UPCAST, False, HAS_WINDOW, SOFTCAP, D_REAL)
     for start in range(full_hi, kv_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, head_off, start, kv_hi,
                                      q_pos, row_valid, scale_log2e, softcap_log2e, window, stride_cb, stride_cs,
-                                     offs_n, offs_d, BLOCK_SIZE, UPCAST, True, HAS_WINDOW, SOFTCAP)
+                                     offs_n, offs_d, BLOCK_SIZE, UPCAST, True, HAS_WINDOW, SOFTCAP, D_REAL)
 
     if num_splits > 1:
         prow = (tok - split_token_offset) * NUM_HEADS + head     # [BLOCK_M]
         pidx = prow * max_splits + split
-        tl.store(part_out_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_out_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
         tl.store(part_m_ptr + pidx, m_i, mask=row_valid)
         tl.store(part_l_ptr + pidx, l_i, mask=row_valid)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["split_token_offset", "max_splits"])
@@ -193,6 +208,7 @@ def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, num_splits_ptr,
     split_token_offset, max_splits, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, Q_PER_SEQ: tl.constexpr = 1,
+    D_REAL: tl.constexpr = 0,    # > 0: the real head_dim (the partials' rows are HEAD_DIM wide)
 ):
     """Grid (split decode tokens, heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 
@@ -217,5 +233,9 @@ def reduce_splits_kernel(
         acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=smask[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-                 out.to(out_ptr.dtype.element_ty))
+        if D_REAL:
+            tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=offs_d < D_REAL)
+        else:
+            tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                     out.to(out_ptr.dtype.element_ty))

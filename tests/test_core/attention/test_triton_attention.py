@@ -53,6 +53,19 @@ def test_head_dims(head_dim: int) -> None:
     run_both([(5, 1), (20, 1), (16, 9)], 4, 1, head_dim=head_dim, seed=head_dim)
 
 
+@pytest.mark.parametrize("head_dim", [96, 80])
+def test_head_dim_not_a_power_of_two(head_dim: int) -> None:
+    """Phi-3-mini / Phi-3.5-mini's head_dim 96 (and 80): the kernel runs on the next power of two with the
+    padding channels masked (was an assertion at the first forward on CUDA); mixed batch, split-KV decode, and
+    the window + soft-cap variant."""
+    run_both(DECODE[:4] + PREFILL_CACHED[:3], 4, 2, head_dim=head_dim, seed=head_dim)
+    split = TritonAttentionBackend(min_partition=32, target_programs=10**6, max_splits=4)
+    run_both([(3, 1), (40, 1), (130, 1), (17, 12)], 4, 1, head_dim=head_dim, seed=head_dim + 1, backend=split)
+    run_both(DECODE[:4] + PREFILL_NO_CACHE[:3], 4, 2, head_dim=head_dim, seed=head_dim + 2, window=8, softcap=5.0)
+    run_both(DECODE[:3] + PREFILL_CACHED[:2], 4, 2, head_dim=head_dim, dtype=torch.float16, seed=head_dim + 3,
+             backend=TritonAttentionBackend(upcast=False))
+
+
 def test_split_kv_decode() -> None:
     """Long contexts through the split path: forced with a small partition and a large program target."""
     backend = TritonAttentionBackend(min_partition=32, target_programs=10**6, max_splits=8)
