@@ -46,11 +46,11 @@ def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tupl
     """The attention window of every layer (None: full attention), as HF transformers' modelling code reads the
     config: Llama never slides; Mistral (without `layer_types`: with them it is Ministral), Mixtral and Phi-3
     slide on every layer; the Qwen families only with `use_sliding_window`, Qwen2 / Qwen3 on `layer_types` (or
-    every layer from
-    `max_window_layers` on), Qwen2-MoE on `layer_types` (or the even layers below `max_window_layers`),
-    Qwen3-MoE on every layer; Gemma on `layer_types` (or Gemma 2's even layers, Gemma 3's all but every 6th)."""
+    every layer from `max_window_layers` on), Qwen2-MoE on `layer_types` (or the even layers below
+    `max_window_layers`), Qwen3-MoE on every layer; Gemma on `layer_types` (or Gemma 2's even layers, Gemma 3's
+    all but every 6th)."""
     window = cfg.get("sliding_window")
-    if model_type == "llama" or model_type in _USE_SLIDING_FLAG_TYPES and not cfg.get("use_sliding_window", False):
+    if model_type == "llama" or (model_type in _USE_SLIDING_FLAG_TYPES and not cfg.get("use_sliding_window", False)):
         window = None
     if not window:
         return (None,) * num_layers
@@ -103,10 +103,10 @@ def family_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """ModelConfig fields of the family's extras (biases, norm, activation, attention scale and soft-capping), as
     each family's modelling code reads them: Qwen2 always has q/k/v biases, Qwen2-MoE reads `qkv_bias`, neither
     an o_proj bias; Llama, Qwen3 (-MoE) and Gemma read `attention_bias` (q/k/v/o); Mistral, Mixtral and Phi-3
-    have none; only Llama reads `mlp_bias`. Gemma's
-    activation is `hidden_activation` (its `hidden_act` is not read); Gemma 3 does not soft-cap attention
-    (transformers keeps `attn_logit_softcapping` in its config and never applies it). A Gemma 3 config with
-    bidirectional attention (EmbeddingGemma) is an encoder, not a model that generates: refused."""
+    have none; only Llama reads `mlp_bias`. Gemma's activation is `hidden_activation` (its `hidden_act` is not
+    read); Gemma 3 does not soft-cap attention (transformers keeps `attn_logit_softcapping` in its config and
+    never applies it). A Gemma 3 config with bidirectional attention (EmbeddingGemma) is an encoder, not a model
+    that generates: refused."""
     gemma = model_type in GEMMA_TYPES
     if gemma and cfg.get("use_bidirectional_attention"):
         raise ValueError("the checkpoint uses bidirectional attention (use_bidirectional_attention: an embedding "

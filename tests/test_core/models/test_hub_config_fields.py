@@ -24,8 +24,9 @@ _SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 # Gemma 3 4B / 12B multimodal config.json: the language model's fields as the hub has them (the rest are
 # Gemma3TextConfig's defaults: 8 heads, 4 kv heads, head_dim 256, theta 1e6 / 1e4, query_pre_attn_scalar 256, ...)
-GEMMA3_4B_TEXT = {"pad_token_id": 0, "hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text", "num_hidden_layers": 6,
-                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 8, "vocab_size": 512}
+GEMMA3_4B_TEXT = {"hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text", "num_hidden_layers": 6,
+                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 8, "vocab_size": 512,
+                  "pad_token_id": 0}
 GEMMA3_12B_TEXT = {**GEMMA3_4B_TEXT, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
