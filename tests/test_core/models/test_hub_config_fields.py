@@ -40,9 +40,12 @@ EDGE_CASES: dict[str, dict[str, Any]] = {
     "gemma3-12b-multimodal": _multimodal(GEMMA3_12B_TEXT),
     # Llama's modelling code has no sliding window: a `sliding_window` in its config.json is not read
     "llama-with-sliding_window": {**_SHAPE, "model_type": "llama", "sliding_window": 8, "rope_theta": 10000.0},
-    # YaRN without original_max_position_embeddings: the trained context is max_position_embeddings
+    # YaRN / llama3 without original_max_position_embeddings: the trained context is max_position_embeddings
     "qwen3-yarn-no-original": {**_SHAPE, "model_type": "qwen3", "head_dim": 32, "max_position_embeddings": 64,
                                "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_theta": 1000000},
+    "llama3-no-original": {**_SHAPE, "model_type": "llama", "max_position_embeddings": 64, "rope_theta": 500000.0,
+                           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0}},
     # Phi-3 keeps original_max_position_embeddings at the top level, which wins over the rope dict's
     "phi3-top-level-original": {**_SHAPE, "model_type": "phi3", "max_position_embeddings": 256,
                                 "original_max_position_embeddings": 32, "rope_theta": 10000.0,
