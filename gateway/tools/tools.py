@@ -101,7 +101,7 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
         raise invalid("parallel_tool_calls requires tools", param="parallel_tool_calls")
     if not tools:
         return None
-    fmt, renders = detect_format(getattr(tokenizer, "chat_template", None))
+    fmt, renders = detect_format(template_text(tokenizer, with_tools=True))
     if parser is not None:
         fmt = TOOL_CALL_PARSERS[parser]
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
@@ -116,6 +116,17 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
     return plan
 
 
+def template_text(tokenizer: Any, with_tools: bool) -> str | None:
+    """The template `apply_chat_template` renders with: a tokenizer may carry named templates (a dict, as
+    Hermes-2-Pro / Hermes-3 / Command-R ship them), of which transformers picks `tool_use` when tools are passed
+    and `default` otherwise."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        named = template.get("tool_use") if with_tools else None
+        template = named if named is not None else template.get("default")
+    return template if isinstance(template, str) else None
+
+
 # -- history: tool_calls and tool turns ------------------------------------------------------------------
 def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
     p = f"messages[{i}].tool_calls[{j}]"
@@ -124,8 +135,9 @@ def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
         raise invalid(f'{p} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=p)
     if not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str):
         raise invalid(f"{p} needs a string id and function.name", param=p)
+    raw = fn.get("arguments")
     try:
-        args = json.loads(fn.get("arguments"))
+        args = {} if raw is None or raw == "" else json.loads(raw)   # vLLM's reading: no arguments = {}
     except (TypeError, ValueError, RecursionError):   # RecursionError: nested past the parser's limit
         args = None
     if not isinstance(args, dict):
@@ -143,6 +155,8 @@ def conversation(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dic
             if m.role != "assistant":
                 raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
             calls = [_check_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if m.tool_calls:   # `tool_calls: []` (vLLM's answers carry it) is a turn without calls: no key, as
+            # templates that test `'tool_calls' in message` (Llama 3.x: "only supports single tool-calls") need
             msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
                                  for cid, n, a in calls]
         if m.role == "tool":
@@ -196,7 +210,7 @@ def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolP
     conv = conversation(body, plan)
     options = template_options(body)
     renders = plan.renders_tools if plan is not None else detect_format(
-        getattr(encoder.tokenizer, "chat_template", None))[1]
+        template_text(encoder.tokenizer, with_tools=False))[1]
     if renders:
         return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None, options)
     return encoder.chat_prompt(body.messages, _fallback(conv, plan), options=options)

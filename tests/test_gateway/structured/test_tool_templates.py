@@ -1,0 +1,110 @@
+"""Tool conversations through templates shaped as real models' (tests/helpers/chat_templates/): named templates
+(a `tool_use` one beside `default`), a tool turn's `name`, vLLM's `tool_calls: []` and empty `arguments` in
+history; and calls whose close a `stop` string cut. No server: the prompt is rendered as the server renders it."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from testlib import CHAT_TEMPLATES
+
+from gateway.inputs.prompts import PromptEncoder
+from gateway.protocol import ChatCompletionRequest
+from gateway.tools.tool_output import _ChoiceStream, tool_chat_body
+from gateway.tools.tool_parse import final_calls
+from gateway.tools.tools import chat_prompt, plan_tools
+from gateway.outputs.generation import ChoiceResult
+from grammar.specs.spec import DEFAULT_OPTIONS
+from grammar.specs.tool_calls import HERMES, LLAMA3_JSON
+
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+PLAIN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    from tiny_models import build_tokenizer
+
+    return AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path_factory.mktemp("tok"))))
+
+
+def render(tokenizer: Any, template: Any, **body: Any) -> str:
+    tokenizer.chat_template = template
+    request = ChatCompletionRequest(**body)
+    plan = plan_tools(request, tokenizer, DEFAULT_OPTIONS)
+    return tokenizer.decode(chat_prompt(PromptEncoder(tokenizer, len(tokenizer)), request, plan))
+
+
+def history(call: dict[str, Any], **tool_turn: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "find x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "found", **tool_turn}]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+
+
+def test_named_templates_render_tools_with_tool_use(tokenizer: Any) -> None:
+    """A tokenizer with named templates (Hermes-2-Pro, Hermes-3 and Command-R ship `default` + `tool_use`; the
+    tokenizer's `chat_template` is then a dict): the tool syntax was looked for in the dict's keys, never found,
+    so the tool_use template was bypassed for the gateway's fallback text in the plain `default` one."""
+    tool_use = (CHAT_TEMPLATES / "hermes2pro_tool_use.jinja").read_text()
+    text = render(tokenizer, {"default": PLAIN, "tool_use": tool_use},
+                  messages=history(CALL, name="lookup"), tools=[TOOL])
+    assert "You are a function calling AI model." in text and json.dumps(TOOL["function"]) in text
+    assert '<tool_call>\n{"arguments": {"q": "x"}, "name": "lookup"}\n</tool_call>' in text
+    assert '<tool_response>\n{"name": "lookup", "content": "found"}\n</tool_response>' in text
+    # without tools, transformers renders `default`: a plain chat still reaches it
+    assert render(tokenizer, {"default": PLAIN, "tool_use": tool_use},
+                  messages=[{"role": "user", "content": "hi"}]).endswith("<|im_start|>user\nhi<|im_end|>\n"
+                                                                         "<|im_start|>assistant\n")
+
+
+def test_tool_turn_name_reaches_the_template(tokenizer: Any) -> None:
+    """A tool turn's `name` (Hermes-2-Pro's template raises without it) was dropped before the template: a 400
+    "the chat template rejected the messages" for the history its own format asks for. vLLM passes it."""
+    text = render(tokenizer, (CHAT_TEMPLATES / "hermes2pro_tool_use.jinja").read_text(),
+                  messages=history(CALL, name="lookup"), tools=[TOOL])
+    assert '{"name": "lookup", "content": "found"}' in text
+
+
+def test_empty_tool_calls_and_empty_arguments_in_history(tokenizer: Any) -> None:
+    """vLLM's answers carry `tool_calls: []`; sent back as history it reached a Llama 3.1 template as a call turn
+    (`'tool_calls' in message`) with no call: "This model only supports single tool-calls at once!" (400).
+    `arguments: ""` (a call of a function with no parameters, as some clients write it) was a 400; vLLM reads {}."""
+    template = (CHAT_TEMPLATES / "llama31_official.jinja").read_text()
+    text = render(tokenizer, template, tools=[TOOL], messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
+        {"role": "user", "content": "find x"}])
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|>" in text
+    call = {"id": "call_2", "type": "function", "function": {"name": "lookup", "arguments": ""}}
+    text = render(tokenizer, template, tools=[TOOL], messages=history(call))
+    assert '{"name": "lookup", "parameters": {}}<|eot_id|>' in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"found"<|eot_id|>' in text
+
+
+@pytest.mark.parametrize("fmt, stop", [(HERMES, "</tool_call>"), (LLAMA3_JSON, "}")])
+def test_call_whose_close_a_stop_string_cut_is_a_call(fmt: Any, stop: str) -> None:
+    """A `stop` string inside the call's close (e.g. stop=["</tool_call>"]) ends the output after whole
+    arguments: the answer had no tool_calls and the raw call text as content (the stream had sent the call, and
+    ended with finish_reason "stop"); as vLLM's parsers read an unclosed last call, it is a call."""
+    args = json.dumps({"q": "x }\n</tool_call>", "n": [1, {"m": "é"}]}, ensure_ascii=False)
+    full = "Sure.\n" + fmt.call_text("lookup", args)
+    text = full[:full.rindex(stop)] if stop != "}" else full[:-1]
+    content, calls = final_calls(text, fmt)
+    assert content == "Sure." and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("lookup", args)]
+    plan = plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[TOOL]),
+                      None, DEFAULT_OPTIONS, parser=fmt.family)
+    body = tool_chat_body(plan)("id", 0, "m", [ChoiceResult(0, text, finish_reason="stop")], {}, None)
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    stream, sent, complete = _ChoiceStream(), "", False
+    for k in range(0, len(text), 3):   # streamed: the same arguments, and the same finish_reason
+        delta, complete = stream.step(plan, text[k:k + 3], k + 3 >= len(text))
+        sent += "".join(c["function"].get("arguments", "") for c in delta.get("tool_calls", []))
+    assert sent == args and complete
