@@ -179,19 +179,29 @@ HERMES_SYSTEM = (
 
 
 def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """For a template without tool syntax: Hermes text in plain system / assistant / user turns."""
-    out = []
+    """For a template without tool syntax: Hermes text in plain system / assistant / user turns. A tool result
+    shares one user turn with the user turns next to it (other results, a user's message) (as Qwen's template groups them):
+    templates that make roles alternate (Gemma's, Mistral's) raise on two user turns in a row. JSON is written
+    as the templates' `tojson` writes it (non-ASCII text as is)."""
+    out: list[dict[str, Any]] = []
+    after_tool = False
     for msg in conv:
         msg = dict(msg)
         if "tool_calls" in msg:
-            calls = [HERMES.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+            calls = [HERMES.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"],
+                                                                        ensure_ascii=False))
                      for c in msg.pop("tool_calls")]
             msg["content"] = "\n".join(([msg["content"]] if msg["content"] else []) + calls)
-        if msg["role"] == "tool":
+        is_tool = msg["role"] == "tool"
+        if is_tool:
             msg = {"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"}
-        out.append(msg)
+        if (is_tool or after_tool) and msg["role"] == "user" and out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + msg["content"]}
+        else:
+            out.append(msg)
+        after_tool = is_tool
     if plan is not None:
-        system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in plan.tools))
+        system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
         else:

@@ -108,3 +108,29 @@ def test_call_whose_close_a_stop_string_cut_is_a_call(fmt: Any, stop: str) -> No
         delta, complete = stream.step(plan, text[k:k + 3], k + 3 >= len(text))
         sent += "".join(c["function"].get("arguments", "") for c in delta.get("tool_calls", []))
     assert sent == args and complete
+
+
+ALTERNATING = ("{{ bos_token }}{% for m in messages %}"
+               "{% if (m.role == 'user') != (loop.index0 % 2 == (1 if messages[0].role == 'system' else 0)) "
+               "and m.role != 'system' %}{{ raise_exception('Conversation roles must alternate "
+               "user/assistant/user/assistant/...') }}{% endif %}"
+               "[{{ m.role }}]{{ m.content }}[/{{ m.role }}]{% endfor %}"
+               "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_fallback_groups_tool_results_in_one_user_turn(tokenizer: Any) -> None:
+    """A template without tool syntax that makes roles alternate (Gemma's, Mistral v0.1/v0.2's shape): the
+    results of two parallel calls became two user turns in a row, and the template's raise a 400. They share
+    one user turn now (as Qwen's template groups them), a user's message after them too; non-ASCII arguments
+    and descriptions are written as `tojson` writes them, not as \\u escapes."""
+    tool = {"type": "function", "function": {"name": "lookup", "description": "查找", "parameters": {}}}
+    calls = [{"id": f"c{k}", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": q})}}
+             for k, q in enumerate(["日本", "x"])]
+    text = render(tokenizer, ALTERNATING, tools=[tool], messages=[
+        {"role": "user", "content": "find"}, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "one"}, {"role": "tool", "tool_call_id": "c1",
+                                                                      "content": "two"},
+        {"role": "user", "content": "and?"}])
+    assert '"description": "查找"' in text and '{"name": "lookup", "arguments": {"q": "日本"}}' in text
+    assert ("[user]<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n</tool_response>\nand?[/user]"
+            "[assistant]") in text
