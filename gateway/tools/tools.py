@@ -202,7 +202,7 @@ def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[st
         after_tool = is_tool
     if plan is not None:
         system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
-        if out and out[0]["role"] == "system":
+        if out and out[0]["role"] in ("system", "developer"):   # developer: OpenAI's newer name for system
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
         else:
             out.insert(0, {"role": "system", "content": system})

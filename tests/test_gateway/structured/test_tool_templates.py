@@ -134,3 +134,11 @@ def test_fallback_groups_tool_results_in_one_user_turn(tokenizer: Any) -> None:
     assert '"description": "查找"' in text and '{"name": "lookup", "arguments": {"q": "日本"}}' in text
     assert ("[user]<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n</tool_response>\nand?[/user]"
             "[assistant]") in text
+
+
+def test_fallback_tool_list_joins_a_developer_message(tokenizer: Any) -> None:
+    """A first `developer` message (OpenAI's newer name for system) was not seen as the system turn: the tool
+    list went into a second system turn before it, which role-alternating templates refuse (400)."""
+    text = render(tokenizer, ALTERNATING, tools=[TOOL], messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "find x"}])
+    assert text.count("[system]") == 1 and "[system]Be brief.\n\n# Tools" in text
