@@ -84,10 +84,11 @@ def _tool_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: SchemaOptions,
+def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: SchemaOptions | None,
                parser: str | None = None) -> ToolPlan | None:
     """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
-    server's `--tool-call-parser` family (None: the one the chat template shows)."""
+    server's `--tool-call-parser` family (None: the one the chat template shows). `options` None: the prompt
+    only (`/tokenize`): the tools' shapes are checked, their `parameters` schemas are not read."""
     tools = body.tools or []
     fns = [_check_tool(i, t) for i, t in enumerate(tools)]
     names = [f["name"] for f in fns]
@@ -106,7 +107,7 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
         fmt = TOOL_CALL_PARSERS[parser]
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
                     [{"type": "function", "function": fn} for fn in fns])
-    for i, fn in enumerate(fns):   # every function is checked, callable or not: a bad schema is a 400 anyway
+    for i, fn in enumerate(fns if options is not None else []):   # callable or not: a bad schema is a 400
         param = f"tools[{i}].function.parameters"
         spec = json_spec(fn.get("parameters") or ANY_OBJECT, param, options)   # shape, size, metaschema only
         function = FunctionSpec(fn["name"], spec.recipe, spec.schema_json or "{}", param)
@@ -215,12 +216,21 @@ def uses_tools(body: ChatCompletionRequest) -> bool:
     return any(m.role == "tool" or m.tool_calls is not None for m in body.messages)
 
 
-def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-    """Token ids of the chat prompt, tools and tool turns included."""
+def _template_args(encoder: PromptEncoder, body: Any, plan: ToolPlan | None) -> dict[str, Any]:
     conv = conversation(body, plan)
     options = template_options(body)
     renders = plan.renders_tools if plan is not None else detect_format(
         template_text(encoder.tokenizer, with_tools=False))[1]
     if renders:
-        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None, options)
-    return encoder.chat_prompt(body.messages, _fallback(conv, plan), options=options)
+        return dict(conversation=conv, tools=plan.tools if plan is not None else None, options=options)
+    return dict(conversation=_fallback(conv, plan), options=options)
+
+
+def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+    """Token ids of the chat prompt, tools and tool turns included."""
+    return encoder.chat_prompt(body.messages, **_template_args(encoder, body, plan))
+
+
+def chat_text(encoder: PromptEncoder, body: Any, plan: ToolPlan | None) -> str:
+    """The chat prompt's text, tools and tool turns included (`/tokenize`)."""
+    return encoder.render_chat(body.messages, **_template_args(encoder, body, plan))

@@ -142,3 +142,21 @@ def test_fallback_tool_list_joins_a_developer_message(tokenizer: Any) -> None:
     text = render(tokenizer, ALTERNATING, tools=[TOOL], messages=[
         {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "find x"}])
     assert text.count("[system]") == 1 and "[system]Be brief.\n\n# Tools" in text
+
+
+def test_tokenize_counts_the_prompt_chat_renders_with_tools(tokenizer: Any) -> None:
+    """`/tokenize` with messages (vLLM's body has `tools`): `tools` was an unknown field (400), and a tool
+    conversation lost its calls and results (`tool_calls` never reached the template): a count that was not the
+    chat prompt's. Now the ids are the chat prompt's (the BOS this template does not write asked for), tools,
+    calls and results included."""
+    from gateway.routes.tokenize import _tokenize_body, _tokens
+
+    tokenizer.chat_template = (CHAT_TEMPLATES / "hermes_qwen.jinja").read_text()
+    encoder = PromptEncoder(tokenizer, len(tokenizer))
+    messages = history(CALL)
+    for tools in ([TOOL], None):
+        raw = {"model": "m", "messages": messages, "add_special_tokens": True, **({"tools": tools} if tools else {})}
+        ids = _tokens(encoder, _tokenize_body(json.dumps(raw).encode()))["tokens"]
+        chat = ChatCompletionRequest(messages=messages, tools=tools)
+        assert ids == chat_prompt(encoder, chat, plan_tools(chat, tokenizer, DEFAULT_OPTIONS))
+        assert '{"name": "lookup", "arguments": {"q": "x"}}' in tokenizer.decode(ids)
