@@ -138,7 +138,8 @@ def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
         raise invalid(f"{p} needs a string id and function.name", param=p)
     raw = fn.get("arguments")
     try:
-        args = {} if raw is None or raw == "" else json.loads(raw)   # vLLM's reading: no arguments = {}
+        # vLLM's reading: no arguments = {}, an object as is (clients that send it parsed)
+        args = {} if raw is None or raw == "" else raw if isinstance(raw, dict) else json.loads(raw)
     except (TypeError, ValueError, RecursionError):   # RecursionError: nested past the parser's limit
         args = None
     if not isinstance(args, dict):

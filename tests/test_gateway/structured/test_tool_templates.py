@@ -76,7 +76,8 @@ def test_tool_turn_name_reaches_the_template(tokenizer: Any) -> None:
 def test_empty_tool_calls_and_empty_arguments_in_history(tokenizer: Any) -> None:
     """vLLM's answers carry `tool_calls: []`; sent back as history it reached a Llama 3.1 template as a call turn
     (`'tool_calls' in message`) with no call: "This model only supports single tool-calls at once!" (400).
-    `arguments: ""` (a call of a function with no parameters, as some clients write it) was a 400; vLLM reads {}."""
+    `arguments: ""` (a call of a function with no parameters, as some clients write it) was a 400; vLLM reads {}.
+    So was `arguments` sent as an object (clients that keep it parsed); vLLM takes it as is."""
     template = (CHAT_TEMPLATES / "llama31_official.jinja").read_text()
     text = render(tokenizer, template, tools=[TOOL], messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
@@ -86,6 +87,9 @@ def test_empty_tool_calls_and_empty_arguments_in_history(tokenizer: Any) -> None
     text = render(tokenizer, template, tools=[TOOL], messages=history(call))
     assert '{"name": "lookup", "parameters": {}}<|eot_id|>' in text
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n"found"<|eot_id|>' in text
+    call = {"id": "call_3", "type": "function", "function": {"name": "lookup", "arguments": {"q": "y"}}}
+    assert '{"name": "lookup", "parameters": {"q": "y"}}' in render(tokenizer, template, tools=[TOOL],
+                                                                     messages=history(call))
 
 
 @pytest.mark.parametrize("fmt, stop", [(HERMES, "</tool_call>"), (LLAMA3_JSON, "}")])
