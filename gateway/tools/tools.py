@@ -180,11 +180,12 @@ HERMES_SYSTEM = (
     ' XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
-def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
+def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None, system_turn: bool = True) -> list[dict[str, Any]]:
     """For a template without tool syntax: Hermes text in plain system / assistant / user turns. A tool result
-    shares one user turn with the user turns next to it (other results, a user's message) (as Qwen's template groups them):
-    templates that make roles alternate (Gemma's, Mistral's) raise on two user turns in a row. JSON is written
-    as the templates' `tojson` writes it (non-ASCII text as is)."""
+    shares one user turn with the user turns next to it (other results, a user's message), as Qwen's template
+    groups them: templates that make roles alternate (Gemma's, Mistral's) raise on two user turns in a row.
+    JSON is written as the templates' `tojson` writes it (non-ASCII text as is). Without `system_turn` (a
+    template that refuses the system role, Gemma 2's), the tool list opens the first user turn."""
     out: list[dict[str, Any]] = []
     after_tool = False
     for msg in conv:
@@ -204,11 +205,37 @@ def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[st
         after_tool = is_tool
     if plan is not None:
         system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
+        first_user = next((k for k, m in enumerate(out) if m["role"] == "user"), None)
         if out and out[0]["role"] in ("system", "developer"):   # developer: OpenAI's newer name for system
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        elif not system_turn and first_user is not None:
+            out[first_user] = {**out[first_user], "content": system + "\n\n" + out[first_user]["content"]}
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+_SYSTEM_OK: dict[str, bool] = {}
+
+
+def _takes_system(encoder: PromptEncoder) -> bool:
+    """Whether the chat template renders a system turn (Gemma 2's raises "System role not supported");
+    probed once per template text."""
+    text = template_text(encoder.tokenizer, with_tools=False)
+    if text is None:
+        return True
+    ok = _SYSTEM_OK.get(text)
+    if ok is None:
+        try:
+            encoder.tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
+            ok = True
+        except Exception:   # jinja raise_exception, or any other template failure: no system turn
+            ok = False
+        if len(_SYSTEM_OK) > 64:
+            _SYSTEM_OK.clear()
+        _SYSTEM_OK[text] = ok
+    return ok
 
 
 def uses_tools(body: ChatCompletionRequest) -> bool:
@@ -224,7 +251,9 @@ def _template_args(encoder: PromptEncoder, body: Any, plan: ToolPlan | None) -> 
         template_text(encoder.tokenizer, with_tools=False))[1]
     if renders:
         return dict(conversation=conv, tools=plan.tools if plan is not None else None, options=options)
-    return dict(conversation=_fallback(conv, plan), options=options)
+    system_turn = plan is None or (bool(conv) and conv[0]["role"] in ("system", "developer")) \
+        or _takes_system(encoder)
+    return dict(conversation=_fallback(conv, plan, system_turn), options=options)
 
 
 def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:

@@ -164,3 +164,15 @@ def test_tokenize_counts_the_prompt_chat_renders_with_tools(tokenizer: Any) -> N
         chat = ChatCompletionRequest(messages=messages, tools=tools)
         assert ids == chat_prompt(encoder, chat, plan_tools(chat, tokenizer, DEFAULT_OPTIONS))
         assert '{"name": "lookup", "arguments": {"q": "x"}}' in tokenizer.decode(ids)
+
+
+NO_SYSTEM = ("{{ bos_token }}{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}" + ALTERNATING.removeprefix("{{ bos_token }}"))
+
+
+def test_fallback_tool_list_in_the_first_user_turn_when_the_template_refuses_system(tokenizer: Any) -> None:
+    """Gemma 2's template raises "System role not supported": with tools and no system message of the client's,
+    the gateway's own system turn made every tool request a 400. The tool list now opens the first user turn."""
+    text = render(tokenizer, NO_SYSTEM, tools=[TOOL], tool_choice="required", messages=history(CALL))
+    assert "[system]" not in text and text.count("[user]") == 2
+    assert text.index("[user]# Tools") < text.index("find x[/user]") < text.index("[assistant]<tool_call>")
