@@ -27,7 +27,9 @@ from grammar.specs.constraints import json_spec
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TOOL_KEYS = {"type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "Omitting parameters defines a function with an empty parameter list"; vLLM constrains a missing or
+# empty (`{}`) `parameters` to the empty object too. Its arguments are "{}".
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -109,7 +111,7 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
                     [{"type": "function", "function": fn} for fn in fns])
     for i, fn in enumerate(fns if options is not None else []):   # callable or not: a bad schema is a 400
         param = f"tools[{i}].function.parameters"
-        spec = json_spec(fn.get("parameters") or ANY_OBJECT, param, options)   # shape, size, metaschema only
+        spec = json_spec(fn.get("parameters") or NO_PARAMETERS, param, options)   # shape, size, metaschema only
         function = FunctionSpec(fn["name"], spec.recipe, spec.schema_json or "{}", param)
         plan.checked.append(function)   # lowered in a compile worker (gateway/inputs/constraints.py)
         if named is None or fn["name"] == named:

@@ -176,3 +176,21 @@ def test_fallback_tool_list_in_the_first_user_turn_when_the_template_refuses_sys
     text = render(tokenizer, NO_SYSTEM, tools=[TOOL], tool_choice="required", messages=history(CALL))
     assert "[system]" not in text and text.count("[user]") == 2
     assert text.index("[user]# Tools") < text.index("find x[/user]") < text.index("[assistant]<tool_call>")
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_function_without_parameters_is_called_with_empty_arguments(parameters: Any) -> None:
+    """OpenAI: "Omitting parameters defines a function with an empty parameter list" (vLLM constrains a missing
+    or `{}` schema to the empty object too). It was any object: under `required` the tiny model wrote free keys
+    until max_tokens ("length", arguments that were no JSON). Its call grammar now takes `{}` only."""
+    import re
+
+    from grammar.specs.tool_calls import tool_calls_spec
+
+    fn = {"name": "now", **({"parameters": parameters} if parameters is not None else {})}
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                 tools=[{"type": "function", "function": fn}], tool_choice="required")
+    plan = plan_tools(body, None, DEFAULT_OPTIONS)
+    regex = tool_calls_spec(plan.fmt, plan.functions, parallel=False, checked=plan.checked).recipe.lower()
+    assert re.fullmatch(regex, HERMES.call_text("now", "{}"))
+    assert not re.fullmatch(regex, HERMES.call_text("now", '{"a": 1}'))
