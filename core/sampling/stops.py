@@ -2,8 +2,8 @@
 
 Order of the checks (first match wins): a grammar decides alone (EOS and stop tokens count only in its final
 states; stop strings are not applied, they could cut the JSON, except in the free text of `tool_choice: "auto"`
-before its trigger; "only EOS left" ends the request without another forward); else EOS (unless `ignore_eos`), a stop string or stop token id; else `max_tokens` or the
-context limit (`length`).
+before its trigger; "only EOS left" ends the request without another forward); else EOS (unless `ignore_eos`),
+a stop string or stop token id; else `max_tokens` or the context limit (`length`).
 """
 from __future__ import annotations
 

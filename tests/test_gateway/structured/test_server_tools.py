@@ -210,6 +210,7 @@ def test_stop_string_ends_the_free_text_of_auto(server: ServerProcess, client: "
     stop = next(free.message.content[k:k + 2] for k in range(4, len(free.message.content) - 2)
                 if free.message.content[k:k + 2].strip())
     cut = client.chat.completions.create(stop=[stop], **kwargs).choices[0]
-    assert cut.finish_reason == "stop" and cut.message.content == free.message.content[:free.message.content.index(stop)]
+    text = free.message.content
+    assert cut.finish_reason == "stop" and cut.message.content == text[:text.index(stop)]
     content, calls, finish = stream_calls(client, stop=[stop], **kwargs)
     assert (content, calls, finish) == (cut.message.content, [], "stop")
