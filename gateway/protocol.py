@@ -157,9 +157,11 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template gets it: role and text (and an assistant turn's reasoning, which a
-        template such as Qwen3's renders or drops itself)."""
+        """The message as the chat template gets it: role and text (and the participant `name`, and an assistant
+        turn's reasoning, which a template such as Qwen3's renders or drops itself)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:   # as vLLM passes it: Hermes-2-Pro's template requires it on tool turns
+            out["name"] = self.name
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         return out

@@ -53,6 +53,11 @@ class IncrementalDetokenizer:
         if not params.skip_special_tokens and not params.spaces_between_special_tokens:
             self._added = added_token_contents(tokenizer)
 
+    def drop_stop_strings(self) -> None:
+        """From now on no stop string ends the text, and none is held back (a tool call's text)."""
+        if self._stops:
+            self._stops, self._search_back, self._holdback = (), 0, 0
+
     def add_token(self, token_id: int) -> bool:
         """Appends one token's text. Returns True when a stop string appeared (text cut before it)."""
         piece = self._stream.step(self._backend, token_id)

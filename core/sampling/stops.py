@@ -1,9 +1,9 @@
 """What one sampled token does to its request: grammar advance, detokenization, stop decision, the delta out.
 
 Order of the checks (first match wins): a grammar decides alone (EOS and stop tokens count only in its final
-states; stop strings are not applied, they could cut the JSON; "only EOS left" ends the request without
-another forward); else EOS (unless `ignore_eos`), a stop string or stop token id; else `max_tokens` or the
-context limit (`length`).
+states; stop strings are not applied, they could cut the JSON, except in the free text of `tool_choice: "auto"`
+before its trigger; "only EOS left" ends the request without another forward); else EOS (unless `ignore_eos`),
+a stop string or stop token id; else `max_tokens` or the context limit (`length`).
 """
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
     params = req.sampling_params
     if req.grammar is not None:
         done = advance_grammar(req, token)
+        if getattr(req.grammar, "triggered", False):   # the call's text: never cut at a stop string
+            req.detokenizer.drop_stop_strings()
+        hit = False
         if not req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
-            _detokenize(req, token)
-        status = RequestStatus.FINISHED_STOPPED if done else None
+            hit = _detokenize(req, token)            # True only in the free text of `auto` (admission.py)
+        status = RequestStatus.FINISHED_STOPPED if done or hit else None
     elif token in req.eos_token_ids and not params.ignore_eos:
         _detokenize(req, token)
         status = RequestStatus.FINISHED_STOPPED

@@ -85,8 +85,10 @@ def new_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampli
                   max_tokens=max_tokens, seed=seed, eos_token_ids=eos_token_ids,
                   namespace=rope_namespace(lora.namespace if lora is not None else "base", rope_offset),
                   lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset)
-    # constrained requests never cut their text at stop strings (the grammar ends them)
-    detok_params = params if grammar is None else dataclasses.replace(params, stop=())
+    # constrained requests never cut their text at stop strings (the grammar ends them), but the free text of
+    # `tool_choice: "auto"` before its trigger is cut as any output is (core/sampling/stops.py)
+    stops = grammar is None or getattr(grammar, "stop_strings_in_free_text", False)
+    detok_params = params if stops else dataclasses.replace(params, stop=())
     req.detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, detok_params,
                                              use_prompt_context=grammar is None)
     return req

@@ -2,11 +2,12 @@
 
     {"model", "prompt", "add_special_tokens"?}                               -> {"count", "max_model_len", "tokens"}
     {"model", "messages", "add_generation_prompt"?, "continue_final_message"?, "chat_template_kwargs"?,
-     "add_special_tokens"?}                                                   -> the same, over the chat template
+     "add_special_tokens"?, "tools"?}                                         -> the same, over the chat template
     {"model", "tokens"}                                                      -> {"prompt"}
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 from pydantic import Field, field_validator
@@ -19,7 +20,8 @@ from gateway.http.body import gc_paused, load_json_object, parse_body, read_body
 from gateway.errors import api_endpoint, invalid
 from gateway.http.context import request_context
 from gateway.inputs.prompts import PromptEncoder, template_options
-from gateway.protocol import MAX_PROMPT_IDS, MessageList, _Strict, check_token_ids
+from gateway.protocol import MAX_PROMPT_IDS, MessageList, ToolList, _Strict, check_token_ids
+from gateway.tools.tools import chat_text, plan_tools
 
 if TYPE_CHECKING:   # the routes read the app's state; nothing here builds one
     from gateway.server.state import GatewayState
@@ -42,6 +44,16 @@ class TokenizeChatRequest(_Strict):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False       # the template writes the special tokens (vLLM's default)
     return_token_strs: Optional[bool] = None
+    tools: Optional[ToolList] = None       # rendered as chat renders them (gateway/tools/tools.py), tool turns too
+
+
+@dataclass
+class _ChatFields:
+    """What `plan_tools` reads of a chat request."""
+    messages: Any
+    tools: Any
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 class DetokenizeRequest(_Strict):
@@ -82,7 +94,12 @@ def _tokens(encoder: PromptEncoder, body: Union[TokenizeCompletionRequest, Token
     """Runs on a tokenizer thread. A text longer than any that fits the context is refused (400, naming
     `prompt` or `messages`) before the tokenizer sees it: a count beyond `max_model_len` is no use to a client."""
     if isinstance(body, TokenizeChatRequest):
-        text = encoder.render_chat(body.messages, options=template_options(body))
+        if body.tools or any(m.role == "tool" or m.tool_calls is not None for m in body.messages):
+            # the prompt chat would render: tools, calls and results included (their shapes checked, a 400)
+            chat = _ChatFields(messages=body.messages, tools=body.tools)
+            text = chat_text(encoder, body, plan_tools(chat, encoder.tokenizer, None))   # type: ignore[arg-type]
+        else:
+            text = encoder.render_chat(body.messages, options=template_options(body))
         tokens = encoder.encode_text(text, body.add_special_tokens, "messages")
     else:
         tokens = encoder.encode_text(body.prompt, body.add_special_tokens)

@@ -44,7 +44,8 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
     """Scans `text`; with `finished` False the last call may be partial (its arguments are withheld by
     len(close) characters until the call closes, so no byte of `close` is ever sent as arguments). With
     `finished` (the output was cut, e.g. at max_tokens), a partial call's arguments are all that was written of
-    them: the JSON up to its end if it is whole (the close was cut), else the whole rest of the text."""
+    them: the whole rest of the text; a call whose arguments JSON is whole and only (part of) its close is
+    missing (a `stop` string cut it) is complete, as vLLM's parsers read an unclosed last call."""
     text = text.replace(PYTHON_TAG, "")
     start = text.find(fmt.trigger)
     if start < 0:
@@ -63,6 +64,10 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
             _, end = _DECODER.raw_decode(text, args_at)
         except (ValueError, RecursionError):   # RecursionError: nested past the decoder's limit
             end = -1
+        if end >= 0 and finished and fmt.close.startswith(text[end:]):
+            # the close was cut (a `stop` string such as "</tool_call>", or max_tokens): the arguments are whole
+            calls.append(ParsedCall(name, text[args_at:end], True))
+            break
         if end < 0 or not text.startswith(fmt.close, end):
             if finished:
                 partial = text[args_at:end] if end >= 0 else text[args_at:]

@@ -27,7 +27,9 @@ from grammar.specs.constraints import json_spec
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TOOL_KEYS = {"type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "Omitting parameters defines a function with an empty parameter list"; vLLM constrains a missing or
+# empty (`{}`) `parameters` to the empty object too. Its arguments are "{}".
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -84,10 +86,11 @@ def _tool_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: SchemaOptions,
+def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: SchemaOptions | None,
                parser: str | None = None) -> ToolPlan | None:
     """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
-    server's `--tool-call-parser` family (None: the one the chat template shows)."""
+    server's `--tool-call-parser` family (None: the one the chat template shows). `options` None: the prompt
+    only (`/tokenize`): the tools' shapes are checked, their `parameters` schemas are not read."""
     tools = body.tools or []
     fns = [_check_tool(i, t) for i, t in enumerate(tools)]
     names = [f["name"] for f in fns]
@@ -101,19 +104,30 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
         raise invalid("parallel_tool_calls requires tools", param="parallel_tool_calls")
     if not tools:
         return None
-    fmt, renders = detect_format(getattr(tokenizer, "chat_template", None))
+    fmt, renders = detect_format(template_text(tokenizer, with_tools=True))
     if parser is not None:
         fmt = TOOL_CALL_PARSERS[parser]
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
                     [{"type": "function", "function": fn} for fn in fns])
-    for i, fn in enumerate(fns):   # every function is checked, callable or not: a bad schema is a 400 anyway
+    for i, fn in enumerate(fns if options is not None else []):   # callable or not: a bad schema is a 400
         param = f"tools[{i}].function.parameters"
-        spec = json_spec(fn.get("parameters") or ANY_OBJECT, param, options)   # shape, size, metaschema only
+        spec = json_spec(fn.get("parameters") or NO_PARAMETERS, param, options)   # shape, size, metaschema only
         function = FunctionSpec(fn["name"], spec.recipe, spec.schema_json or "{}", param)
         plan.checked.append(function)   # lowered in a compile worker (gateway/inputs/constraints.py)
         if named is None or fn["name"] == named:
             plan.functions.append(function)
     return plan
+
+
+def template_text(tokenizer: Any, with_tools: bool) -> str | None:
+    """The template `apply_chat_template` renders with: a tokenizer may carry named templates (a dict, as
+    Hermes-2-Pro / Hermes-3 / Command-R ship them), of which transformers picks `tool_use` when tools are passed
+    and `default` otherwise."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        named = template.get("tool_use") if with_tools else None
+        template = named if named is not None else template.get("default")
+    return template if isinstance(template, str) else None
 
 
 # -- history: tool_calls and tool turns ------------------------------------------------------------------
@@ -124,8 +138,10 @@ def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
         raise invalid(f'{p} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=p)
     if not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str):
         raise invalid(f"{p} needs a string id and function.name", param=p)
+    raw = fn.get("arguments")
     try:
-        args = json.loads(fn.get("arguments"))
+        # vLLM's reading: no arguments = {}, an object as is (clients that send it parsed)
+        args = {} if raw is None or raw == "" else raw if isinstance(raw, dict) else json.loads(raw)
     except (TypeError, ValueError, RecursionError):   # RecursionError: nested past the parser's limit
         args = None
     if not isinstance(args, dict):
@@ -143,6 +159,8 @@ def conversation(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dic
             if m.role != "assistant":
                 raise invalid("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
             calls = [_check_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if m.tool_calls:   # `tool_calls: []` (vLLM's answers carry it) is a turn without calls: no key, as
+            # templates that test `'tool_calls' in message` (Llama 3.x: "only supports single tool-calls") need
             msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
                                  for cid, n, a in calls]
         if m.role == "tool":
@@ -164,25 +182,62 @@ HERMES_SYSTEM = (
     ' XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
-def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """For a template without tool syntax: Hermes text in plain system / assistant / user turns."""
-    out = []
+def _fallback(conv: list[dict[str, Any]], plan: ToolPlan | None, system_turn: bool = True) -> list[dict[str, Any]]:
+    """For a template without tool syntax: Hermes text in plain system / assistant / user turns. A tool result
+    shares one user turn with the user turns next to it (other results, a user's message), as Qwen's template
+    groups them: templates that make roles alternate (Gemma's, Mistral's) raise on two user turns in a row.
+    JSON is written as the templates' `tojson` writes it (non-ASCII text as is). Without `system_turn` (a
+    template that refuses the system role, Gemma 2's), the tool list opens the first user turn."""
+    out: list[dict[str, Any]] = []
+    after_tool = False
     for msg in conv:
         msg = dict(msg)
         if "tool_calls" in msg:
-            calls = [HERMES.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+            calls = [HERMES.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"],
+                                                                        ensure_ascii=False))
                      for c in msg.pop("tool_calls")]
             msg["content"] = "\n".join(([msg["content"]] if msg["content"] else []) + calls)
-        if msg["role"] == "tool":
+        is_tool = msg["role"] == "tool"
+        if is_tool:
             msg = {"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"}
-        out.append(msg)
+        if (is_tool or after_tool) and msg["role"] == "user" and out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + msg["content"]}
+        else:
+            out.append(msg)
+        after_tool = is_tool
     if plan is not None:
-        system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in plan.tools))
-        if out and out[0]["role"] == "system":
+        system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools))
+        first_user = next((k for k, m in enumerate(out) if m["role"] == "user"), None)
+        if out and out[0]["role"] in ("system", "developer"):   # developer: OpenAI's newer name for system
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        elif not system_turn and first_user is not None:
+            out[first_user] = {**out[first_user], "content": system + "\n\n" + out[first_user]["content"]}
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+_SYSTEM_OK: dict[str, bool] = {}
+
+
+def _takes_system(encoder: PromptEncoder) -> bool:
+    """Whether the chat template renders a system turn (Gemma 2's raises "System role not supported");
+    probed once per template text."""
+    text = template_text(encoder.tokenizer, with_tools=False)
+    if text is None:
+        return True
+    ok = _SYSTEM_OK.get(text)
+    if ok is None:
+        try:
+            encoder.tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
+            ok = True
+        except Exception:   # jinja raise_exception, or any other template failure: no system turn
+            ok = False
+        if len(_SYSTEM_OK) > 64:
+            _SYSTEM_OK.clear()
+        _SYSTEM_OK[text] = ok
+    return ok
 
 
 def uses_tools(body: ChatCompletionRequest) -> bool:
@@ -191,12 +246,23 @@ def uses_tools(body: ChatCompletionRequest) -> bool:
     return any(m.role == "tool" or m.tool_calls is not None for m in body.messages)
 
 
-def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-    """Token ids of the chat prompt, tools and tool turns included."""
+def _template_args(encoder: PromptEncoder, body: Any, plan: ToolPlan | None) -> dict[str, Any]:
     conv = conversation(body, plan)
     options = template_options(body)
     renders = plan.renders_tools if plan is not None else detect_format(
-        getattr(encoder.tokenizer, "chat_template", None))[1]
+        template_text(encoder.tokenizer, with_tools=False))[1]
     if renders:
-        return encoder.chat_prompt(body.messages, conv, plan.tools if plan is not None else None, options)
-    return encoder.chat_prompt(body.messages, _fallback(conv, plan), options=options)
+        return dict(conversation=conv, tools=plan.tools if plan is not None else None, options=options)
+    system_turn = plan is None or (bool(conv) and conv[0]["role"] in ("system", "developer")) \
+        or _takes_system(encoder)
+    return dict(conversation=_fallback(conv, plan, system_turn), options=options)
+
+
+def chat_prompt(encoder: PromptEncoder, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+    """Token ids of the chat prompt, tools and tool turns included."""
+    return encoder.chat_prompt(body.messages, **_template_args(encoder, body, plan))
+
+
+def chat_text(encoder: PromptEncoder, body: Any, plan: ToolPlan | None) -> str:
+    """The chat prompt's text, tools and tool turns included (`/tokenize`)."""
+    return encoder.render_chat(body.messages, **_template_args(encoder, body, plan))

@@ -75,6 +75,10 @@ class FreeTextMasks:
 class TriggeredMatcher:
     """FREE until the trigger, then the call grammar (see the module docstring)."""
 
+    # `tool_choice: "auto"`: the free text is the model's own, so stop strings end it as they end an
+    # unconstrained output (as vLLM applies them); the call after the trigger is never cut
+    stop_strings_in_free_text = True
+
     def __init__(self, grammar: Any, stop_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.grammar = grammar                  # an AutoToolGrammar (below)
         self.free: FreeTextMasks = grammar.free
@@ -142,6 +146,8 @@ class ReasoningMatcher(TriggeredMatcher):
     """Free reasoning until the end-of-reasoning tag (`</think>`: its text, or its id when it is one token,
     special or not), then the request's constraint. EOS and stop tokens are masked while reasoning: the output
     cannot end before the constrained part (max_tokens inside the reasoning -> `length`)."""
+
+    stop_strings_in_free_text = False   # the output may not end before its constrained part
 
     def accept_token(self, token_id: int) -> bool:
         if self.inner is None:

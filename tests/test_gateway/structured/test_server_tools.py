@@ -198,3 +198,19 @@ def test_constraints_on_completions_and_chat(server: ServerProcess, client: "ope
                                     extra_body={"guided_json": {"type": "object", "properties": {
                                         "n": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["n"], "additionalProperties": False}})
     assert isinstance(json.loads(out.choices[0].text)["n"], int)
+
+
+def test_stop_string_ends_the_free_text_of_auto(server: ServerProcess, client: "openai.OpenAI") -> None:
+    """`tool_choice: "auto"` (the default with tools) ran under the tool grammar, and stop strings were dropped
+    for every constrained request: a `stop` the model's free text wrote never ended it ("length", the text past
+    the stop string kept). vLLM applies them; the free text before the trigger is cut now, streamed or not."""
+    kwargs = dict(model=server.model, messages=USER, tools=TOOLS, max_tokens=32, temperature=0)
+    free = client.chat.completions.create(**kwargs).choices[0]
+    assert not free.message.tool_calls and len(free.message.content) > 8
+    stop = next(free.message.content[k:k + 2] for k in range(4, len(free.message.content) - 2)
+                if free.message.content[k:k + 2].strip())
+    cut = client.chat.completions.create(stop=[stop], **kwargs).choices[0]
+    text = free.message.content
+    assert cut.finish_reason == "stop" and cut.message.content == text[:text.index(stop)]
+    content, calls, finish = stream_calls(client, stop=[stop], **kwargs)
+    assert (content, calls, finish) == (cut.message.content, [], "stop")
