@@ -35,6 +35,9 @@ def _check_common(body: _SamplingFields) -> None:
         hint = " (0 only with echo on /v1/completions: the prompt scored, nothing generated)" if max_tokens == 0 \
             else ""
         raise invalid(f"{name} must be at least 1, got {max_tokens}{hint}", param=name)
+    if _echo_only(body) and body.min_tokens:   # it runs with max_tokens 1: its error would name that 1
+        raise invalid(f"min_tokens must be 0 with echo and max_tokens 0 (nothing is generated), got "
+                      f"{body.min_tokens}", param="min_tokens")
     if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
         raise invalid("stop_token_ids must be non-negative", param="stop_token_ids")
 

@@ -87,6 +87,15 @@ def test_completion_rejections(kw: dict[str, Any], param: str) -> None:
     assert err.status == 400 and err.param == param, err.message
 
 
+def test_echo_only_with_min_tokens_names_what_the_client_sent() -> None:
+    """echo + max_tokens 0 runs with max_tokens 1 (that token dropped): min_tokens 3 was refused as "must not
+    exceed max_tokens (1)", a value the client never sent; min_tokens 1 was accepted and ignored."""
+    for min_tokens in (1, 3):
+        err = api_error(lambda: completion_sampling_params(completion(echo=True, max_tokens=0, min_tokens=min_tokens)))
+        assert err.status == 400 and err.param == "min_tokens" and "(1)" not in err.message, err.message
+    assert completion_sampling_params(completion(echo=True, max_tokens=0, min_tokens=0)).max_tokens == 1
+
+
 def test_stop_strings_up_to_the_bounds_are_accepted() -> None:
     """16 stop strings of 1,024 characters each are served (each token's text is searched that far back: a
     longer one, or more, is a 400 above, so one request cannot make every token's stop search long)."""
