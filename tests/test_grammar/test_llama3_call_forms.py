@@ -53,7 +53,8 @@ CALLS = [
     ('{"type": "function", "name": "f", "arguments": {"a": 3}}', [("f", '{"a": 3}')]),
     ('{"name": "f", "parameters": {"a": 1}}; {"type": "function", "name": "g", "parameters": {"a": 2}}',
      [("f", '{"a": 1}'), ("g", '{"a": 2}')]),
-    ('{"name": "f", "parameters": {"a": 1}};{"name": "g", "arguments": {"a": 2}}', [("f", '{"a": 1}'), ("g", '{"a": 2}')]),
+    ('{"name": "f", "parameters": {"a": 1}};{"name": "g", "arguments": {"a": 2}}',
+     [("f", '{"a": 1}'), ("g", '{"a": 2}')]),
 ]
 
 
