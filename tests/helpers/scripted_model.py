@@ -5,7 +5,7 @@ next token depends on the current one alone. The text is given as pieces, each o
 tokenizer as an ordinary, non-special token when the vocabulary lacks it) and all different, chained: each
 piece's embedding is its own axis, and the `lm_head` row of the next piece points along it. Every other token
 shares one more axis, which points to the first piece: whatever the prompt, greedy decoding writes the pieces,
-then (a grammar may constrain the rest) whatever the small random rest of `lm_head` prefers. Built beside the
+then (a grammar may constrain the rest) whatever the random rest of `lm_head` prefers. Built beside the
 tests, never in core/.
 """
 from __future__ import annotations
@@ -53,9 +53,9 @@ def scripted_model(root: Path, pieces: list[str], chat_template: str | None = No
     for k, token_id in enumerate(ids):
         embed[token_id].zero_()
         embed[token_id, k] = 1.0
-    head[:, :len(ids) + 1] = 0.0            # the chain's axes score only the chain
-    head[ids[0], others] = strength
+    # the rest of lm_head stays random (no ties where a grammar masks the scripted token)
+    head[ids[0], others] += strength
     for k in range(len(ids) - 1):
-        head[ids[k + 1], k] = strength
+        head[ids[k + 1], k] += strength
     save_file(weights, str(path), metadata={"format": "pt"})
     return model_dir
