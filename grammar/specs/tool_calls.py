@@ -8,7 +8,8 @@ functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admi
                also as Llama 3.2 writes it, {"type": "function", "name": "f", "parameters": {...}}, and with
                "arguments" for "parameters" (the keys vLLM's llama3_json parser reads)
 `required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
-it emits the family's trigger (the start of `open`), then constrains the rest of the call (grammar/matching/triggered.py).
+it emits one of the family's triggers (the start of an opening), then constrains the rest of the call
+(grammar/matching/triggered.py).
 """
 from __future__ import annotations
 

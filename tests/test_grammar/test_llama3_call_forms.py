@@ -100,3 +100,22 @@ def test_content_that_only_looks_like_an_opening_is_sent() -> None:
     text = 'Use {"type": "object"} here'
     assert final_calls(text, LLAMA3_JSON) == (text, [])
     assert _streamed(text) == (text, [])
+
+
+def test_free_masks_with_several_triggers() -> None:
+    """Free text may write either opening exactly, never run past one (what follows comes from the grammar)."""
+    from grammar.matching.bitmask import unpack_bitmask
+    from grammar.matching.triggered import FreeTextMasks, longest_prefix_suffix
+
+    triggers = tuple(t.encode() for t in LLAMA3_JSON.triggers)
+    tokens = [b'{"', b'type": "function", "name": "', b'name": "', b'name": "x', b"hi",
+              b'type": "function", "name": "x', b'{"name": "', b'{"name": "g']
+    masks = FreeTextMasks(tokens, len(tokens), triggers)
+
+    def allowed(tail: bytes) -> set[int]:
+        return set(unpack_bitmask(masks.mask(tail)[None], len(tokens))[0].nonzero().flatten().tolist())
+
+    assert allowed(b"") == set(range(len(tokens))) - {7}
+    assert allowed(b'{"') == set(range(len(tokens))) - {3, 5, 7}
+    assert longest_prefix_suffix(b'x {"type": "fun', triggers) == b'{"type": "fun'
+    assert longest_prefix_suffix(b'x {"na', triggers) == b'{"na'
