@@ -17,6 +17,7 @@ MAX_PROMPT_IDS = 1 << 23   # token ids in one request's prompts (or /detokenize'
                            # them too (4 prompts of the longest that fits), so this trims only 32 MiB bodies
 MAX_MESSAGES = 1 << 15     # chat messages (Responses input items) of one request: each renders several tokens
 MAX_MESSAGE_PARTS = 1 << 15   # content parts and tool calls across one request's messages (Responses input items)
+PART_SEPARATOR = "\n"   # between the text parts of one message's content (ChatMessage.text)
 MAX_TOOLS = 128            # tools of one request (OpenAI's own limit): each is a schema checked at admission
 MAX_STOP_TOKEN_IDS = 64
 
@@ -150,11 +151,14 @@ class ChatMessage(_Strict):
         return value
 
     def text(self) -> str:
+        """The message's text; several text parts are joined by a newline, as vLLM (and TensorRT-LLM, llama.cpp)
+        join them for a template that takes string content: parts stay apart ("Hello", "world" is not
+        "Helloworld"), and a request renders the same prompt on either server."""
         if self.content is None:
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return PART_SEPARATOR.join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template gets it: role and text (and the participant `name`, and an assistant

@@ -31,7 +31,7 @@ class RemoteTriggered:
     spec, or another `RemoteTriggered`). `reasoning`: `--reasoning-parser`'s gate (`ReasoningGrammar`: EOS
     masked while reasoning), else `tool_choice: "auto"` (`AutoToolGrammar`)."""
     body: Any                          # grammar.specs.spec.GrammarSpec | RemoteTriggered
-    trigger: bytes
+    trigger: bytes | tuple[bytes, ...]   # several: alternative call openings (Llama 3.x), one body
     end_id: int | None = None
     reasoning: bool = False
 
@@ -79,5 +79,6 @@ def materialize(grammar: Any, compiler: Any) -> Any:
 def _grammar(wire: Any, compiler: Any) -> Any:
     if not isinstance(wire, RemoteTriggered):
         return compiler.submit(wire).result()
-    return triggered_grammar(_grammar(wire.body, compiler), compiler.vocab, wire.trigger.decode(), wire.end_id,
+    trigger = tuple(t.decode() for t in wire.trigger) if isinstance(wire.trigger, tuple) else wire.trigger.decode()
+    return triggered_grammar(_grammar(wire.body, compiler), compiler.vocab, trigger, wire.end_id,
                              wire.reasoning)

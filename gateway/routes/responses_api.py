@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from gateway.errors import APIError, from_exception, invalid
-from gateway.protocol import (MAX_MESSAGES, ChatCompletionRequest, ToolList, _Strict, bounded, check_count,
-                              check_message_parts)
+from gateway.protocol import (MAX_MESSAGES, PART_SEPARATOR, ChatCompletionRequest, ToolList, _Strict, bounded,
+                              check_count, check_message_parts)
 
 
 MAX_METADATA = 16   # metadata key-value pairs (OpenAI's limit)
@@ -90,7 +90,7 @@ def _text_of(content: Any, param: str) -> str:
             raise invalid(f"unsupported content part {kind!r}: only input_text / output_text parts are served",
                           param=f"{param}[{j}]")
         texts.append(part["text"])
-    return "".join(texts)
+    return PART_SEPARATOR.join(texts)   # as a chat message's text parts (gateway/protocol.py)
 
 
 def _reasoning_text(item: dict[str, Any], param: str) -> str:

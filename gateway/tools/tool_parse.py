@@ -1,7 +1,8 @@
 """Model text -> OpenAI tool calls, whole or while streaming.
 
 Constrained decoding writes calls in the exact layout of grammar/specs/tool_calls.py, so parsing is a scan:
-content up to the trigger, then `open name mid ARGS close` repeated with the separator.
+content up to the first trigger, then `open name mid ARGS close` repeated with the separator (`open` and `mid`
+any of the family's alternatives: Llama 3.2's `{"type": "function", "name": ...`, "arguments" for "parameters").
 """
 from __future__ import annotations
 
@@ -32,12 +33,26 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _safe_content(text: str, trigger: str) -> str:
-    """Content that can be sent now: withhold a suffix that may be the start of the trigger."""
-    for k in range(min(len(text), len(trigger) - 1), 0, -1):
-        if text.endswith(trigger[:k]):
+def _safe_content(text: str, triggers: tuple[str, ...]) -> str:
+    """Content that can be sent now: withhold a suffix that may be the start of a trigger."""
+    for k in range(min(len(text), max(map(len, triggers)) - 1), 0, -1):
+        if any(len(t) > k and text.endswith(t[:k]) for t in triggers):
             return text[:-k]
     return text
+
+
+def _first(text: str, options: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+    """(index, text) of the first of `options` found in `text` from `start` (the earliest), or (-1, "")."""
+    best = (-1, "")
+    for option in options:
+        at = text.find(option, start)
+        if at >= 0 and (best[0] < 0 or at < best[0]):
+            best = (at, option)
+    return best
+
+
+def _opening(text: str, pos: int, opens: tuple[str, ...]) -> str | None:
+    return next((o for o in opens if text.startswith(o, pos)), None)
 
 
 def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
@@ -47,19 +62,20 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
     them: the whole rest of the text; a call whose arguments JSON is whole and only (part of) its close is
     missing (a `stop` string cut it) is complete, as vLLM's parsers read an unclosed last call."""
     text = text.replace(PYTHON_TAG, "")
-    start = text.find(fmt.trigger)
+    start, _ = _first(text, fmt.triggers)
     if start < 0:
-        return Parsed(text if finished else _safe_content(text, fmt.trigger), [])
+        return Parsed(text if finished else _safe_content(text, (*fmt.triggers, PYTHON_TAG)), [])
     content, pos, calls = text[:start], start, []
     while pos < len(text):
-        if not text.startswith(fmt.open, pos):
+        opening = _opening(text, pos, fmt.opens)
+        if opening is None:
             break
-        name_at = pos + len(fmt.open)
-        mid_at = text.find(fmt.mid, name_at)
+        name_at = pos + len(opening)
+        mid_at, mid = _first(text, fmt.mids, name_at)
         if mid_at < 0:
             calls.append(ParsedCall(None, "", False))
             break
-        name, args_at = text[name_at:mid_at], mid_at + len(fmt.mid)
+        name, args_at = text[name_at:mid_at], mid_at + len(mid)
         try:
             _, end = _DECODER.raw_decode(text, args_at)
         except (ValueError, RecursionError):   # RecursionError: nested past the decoder's limit
@@ -77,8 +93,8 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
             break
         calls.append(ParsedCall(name, text[args_at:end], True))
         pos = end + len(fmt.close)
-        if text.startswith(fmt.separator, pos):
-            pos += len(fmt.separator)
+        separator = next((sep for sep in fmt.separators if text.startswith(sep, pos)), "")
+        pos += len(separator)
     return Parsed(content, calls)
 
 

@@ -1,10 +1,12 @@
 """Trigger-then-grammar matching (`tool_choice: "auto"`), as XGrammar's structural tags do.
 
 A `TriggeredMatcher` is a two-state machine with GrammarMatcher's interface:
-  FREE        every token is allowed (EOS ends the request) except a token that would write the trigger and
-              then run past it: the call's text after the trigger must come from the call grammar.  Only the
-              longest suffix of the text that is a prefix of the trigger matters (`tail`), so the free-text
-              masks are cached per tail, shared by all requests (`FreeTextMasks`).
+  FREE        every token is allowed (EOS ends the request) except a token that would write a trigger and
+              then run past it: the call's text after the trigger must come from the call grammar.  A family
+              may have several triggers (Llama 3.x opens a call with `{"name": "` or `{"type": "function",
+              "name": "`); only the longest suffix of the text that is a prefix of one of them matters (`tail`:
+              every shorter such suffix is a suffix of it), so the free-text masks are cached per tail, shared
+              by all requests (`FreeTextMasks`).
   CONSTRAINED the text just ended with the trigger: a GrammarMatcher over the call grammar takes over; in a
               final state (the calls are closed) EOS / a stop token ends the request.
 """
@@ -21,40 +23,58 @@ from grammar.matching.compiled import bitmask_words, copy_mask_row
 from grammar.matching.matcher import GrammarMatcher, make_matcher
 
 
-def longest_prefix_suffix(text: bytes, trigger: bytes) -> bytes:
-    """The longest suffix of `text` that is a proper prefix of `trigger`."""
-    for k in range(min(len(text), len(trigger) - 1), 0, -1):
-        if text.endswith(trigger[:k]):
+def longest_prefix_suffix(text: bytes, trigger: bytes | tuple[bytes, ...]) -> bytes:
+    """The longest suffix of `text` that is a proper prefix of `trigger` (of one of them, given several)."""
+    triggers = trigger if isinstance(trigger, tuple) else (trigger,)
+    for k in range(min(len(text), max(len(t) for t in triggers) - 1), 0, -1):
+        if any(len(t) > k and text.endswith(t[:k]) for t in triggers):
             return text[-k:]
     return b""
+
+
+def find_trigger(text: bytes, triggers: tuple[bytes, ...]) -> tuple[int, int]:
+    """(start, end) of the first trigger written in `text` (the earliest end), or (-1, -1)."""
+    best = (-1, -1)
+    for t in triggers:
+        at = text.find(t)
+        if at >= 0 and (best[1] < 0 or at + len(t) < best[1]):
+            best = (at, at + len(t))
+    return best
+
+
+def as_triggers(trigger: str | bytes | tuple[str, ...] | tuple[bytes, ...]) -> tuple[bytes, ...]:
+    items = trigger if isinstance(trigger, tuple) else (trigger,)
+    return tuple(t.encode() if isinstance(t, str) else t for t in items)
 
 
 class FreeTextMasks:
     """int32 masks of the FREE state, one per tail (<= len(trigger) of them), computed once per tokenizer."""
 
-    def __init__(self, token_bytes: list[bytes], vocab_size: int, trigger: bytes) -> None:
-        assert trigger, "an empty trigger"
+    def __init__(self, token_bytes: list[bytes], vocab_size: int, trigger: bytes | tuple[bytes, ...]) -> None:
+        self.triggers = as_triggers(trigger)
+        assert self.triggers and all(self.triggers), "an empty trigger"
         self.token_bytes = token_bytes          # [vocab_size] bytes of each id (b"" for special tokens)
         self.vocab_size = vocab_size
         self.trigger = trigger
-        last = trigger[-1:]
-        # only a token holding the trigger's last byte can complete the trigger (and maybe run past it)
-        self._candidates = [i for i, b in enumerate(token_bytes) if last in b]
+        lasts = {t[-1:] for t in self.triggers}
+        # only a token holding a trigger's last byte can complete that trigger (and maybe run past it)
+        self._candidates = [i for i, b in enumerate(token_bytes) if any(last in b for last in lasts)]
         self._masks: dict[bytes, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def for_vocab(vocab: Any, trigger: str) -> "FreeTextMasks":
+    def for_vocab(vocab: Any, trigger: str | tuple[str, ...]) -> "FreeTextMasks":
         token_bytes = [b""] * vocab.vocab_size
         for token_id, data in vocab.tokens:
             if 0 <= token_id < vocab.vocab_size:
                 token_bytes[token_id] = data
-        return FreeTextMasks(token_bytes, vocab.vocab_size, trigger.encode())
+        triggers = as_triggers(trigger)
+        return FreeTextMasks(token_bytes, vocab.vocab_size, triggers if len(triggers) > 1 else triggers[0])
 
     def overshoots(self, tail: bytes, token_id: int) -> bool:
         text = tail + self.token_bytes[token_id]
-        at = text.find(self.trigger)
-        return at >= 0 and at + len(self.trigger) < len(text)
+        _, end = find_trigger(text, self.triggers)
+        return 0 <= end < len(text)
 
     def mask(self, tail: bytes) -> torch.Tensor:
         mask = self._masks.get(tail)
@@ -105,14 +125,14 @@ class TriggeredMatcher:
             self._terminated = True
             return True
         text = self.tail + self.free.token_bytes[token_id]
-        at = text.find(self.free.trigger)
-        if at >= 0:
-            if at + len(self.free.trigger) != len(text):
+        _, end = find_trigger(text, self.free.triggers)
+        if end >= 0:
+            if end != len(text):
                 self.num_accepted -= 1
                 return False            # masked: the call's text must come from the grammar
             self._trigger()
         else:
-            self.tail = longest_prefix_suffix(text, self.free.trigger)
+            self.tail = longest_prefix_suffix(text, self.free.triggers)
         return True
 
     def _trigger(self) -> None:
@@ -181,9 +201,9 @@ _FREE_MASKS: dict[tuple[str, str], FreeTextMasks] = {}
 _FREE_LOCK = threading.Lock()
 
 
-def free_text_masks(vocab: Any, trigger: str) -> FreeTextMasks:
-    """The shared FreeTextMasks of (tokenizer fingerprint, trigger)."""
-    key = (vocab.fingerprint, trigger)
+def free_text_masks(vocab: Any, trigger: str | tuple[str, ...]) -> FreeTextMasks:
+    """The shared FreeTextMasks of (tokenizer fingerprint, trigger or triggers)."""
+    key = (vocab.fingerprint, as_triggers(trigger))
     with _FREE_LOCK:
         masks = _FREE_MASKS.get(key)
         if masks is None:
@@ -197,7 +217,7 @@ class AutoToolGrammar:
     ReasoningGrammar, a token id that also fires the trigger (a special `</think>` has no grammar bytes)."""
 
     body: Any                # CompiledGrammar of tool_calls_spec(..., after_trigger=True)
-    trigger: bytes
+    trigger: bytes | tuple[bytes, ...]   # several: the family's alternative call openings (the body is the same)
     free: FreeTextMasks      # shared by every request of this tokenizer and trigger
     end_id: int | None = None
 
@@ -221,11 +241,12 @@ class ReasoningGrammar(AutoToolGrammar):
         return ReasoningMatcher(self, stop_token_ids)
 
 
-def triggered_grammar(body: Any, vocab: Any, trigger: str, end_id: int | None = None,
+def triggered_grammar(body: Any, vocab: Any, trigger: str | tuple[str, ...], end_id: int | None = None,
                       reasoning: bool = False) -> AutoToolGrammar:
     """The one assembly of a triggered grammar: free text (the shared `free_text_masks` of `vocab` and `trigger`)
     until `trigger` (or the token `end_id`), then the compiled `body`. `reasoning`: `--reasoning-parser`'s gate
     (`ReasoningGrammar`), else `tool_choice: "auto"` (`AutoToolGrammar`). Building the masks walks the
     vocabulary the first time: API-process callers run this off the event loop."""
     cls = ReasoningGrammar if reasoning else AutoToolGrammar
-    return cls(body, trigger.encode(), free_text_masks(vocab, trigger), end_id)
+    encoded = as_triggers(trigger)
+    return cls(body, encoded if len(encoded) > 1 else encoded[0], free_text_masks(vocab, trigger), end_id)

@@ -4,9 +4,12 @@ A call is `open + name + mid + ARGS + close` where ARGS is the regex of the func
 (the same lowering and 400 rules as response_format). The call regex is composed in a compile worker from the
 functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admission never lowers a schema.  Families:
   hermes       (Hermes, Qwen2.5; also the default): <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
-  llama3_json  (Llama 3.1/3.2 JSON tool calling):   {"name": "f", "parameters": {...}}   (calls joined by "; ")
+  llama3_json  (Llama 3.1/3.2 JSON tool calling):   {"name": "f", "parameters": {...}}   (calls joined by "; ");
+               also as Llama 3.2 writes it, {"type": "function", "name": "f", "parameters": {...}}, and with
+               "arguments" for "parameters" (the keys vLLM's llama3_json parser reads)
 `required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
-it emits the family's trigger (the start of `open`), then constrains the rest of the call (grammar/matching/triggered.py).
+it emits one of the family's triggers (the start of an opening), then constrains the rest of the call
+(grammar/matching/triggered.py).
 """
 from __future__ import annotations
 
@@ -27,14 +30,49 @@ class ToolCallFormat:
     close: str       # after the arguments object
     separator: str   # between parallel calls
     trigger: str     # `auto`: the text that opens a call (a prefix of `open`)
+    alt_opens: tuple[str, ...] = ()   # other texts the family's models open a call with (same trigger suffix)
+    alt_mids: tuple[str, ...] = ()    # other texts between the name and the arguments
+    alt_separators: tuple[str, ...] = ()   # other texts between parallel calls
 
     def call_text(self, name: str, arguments_json: str) -> str:
         return f"{self.open}{name}{self.mid}{arguments_json}{self.close}"
 
+    @property
+    def opens(self) -> tuple[str, ...]:
+        return (self.open, *self.alt_opens)
+
+    @property
+    def mids(self) -> tuple[str, ...]:
+        return (self.mid, *self.alt_mids)
+
+    @property
+    def separators(self) -> tuple[str, ...]:
+        """Longest first (the parser takes the first that the text starts with)."""
+        return tuple(sorted((self.separator, *self.alt_separators), key=len, reverse=True))
+
+    @property
+    def after_trigger(self) -> str:
+        """What every opening has left to write once its trigger is written (the same for each)."""
+        return self.open[len(self.trigger):]
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        """`auto`: the texts that open a call, one per opening (each ends `after_trigger` short of it)."""
+        rest = len(self.after_trigger)
+        return tuple(o[:len(o) - rest] for o in self.opens)
+
+    def __post_init__(self) -> None:
+        if not self.open.startswith(self.trigger) or not all(o.endswith(self.after_trigger) and
+                                                             len(o) > len(self.after_trigger)
+                                                             for o in self.alt_opens):
+            raise ValueError(f"{self.family}: every opening must end with the text after the trigger")
+
 
 HERMES = ToolCallFormat("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n",
                         "<tool_call>")
-LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '", "parameters": ', "}", "; ", '{"name": "')
+LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '", "parameters": ', "}", "; ", '{"name": "',
+                             alt_opens=('{"type": "function", "name": "',), alt_mids=('", "arguments": ',),
+                             alt_separators=(";", ";\n"))
 FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON)}
 
 
@@ -57,9 +95,20 @@ class FunctionSpec:
     param: str = "tools"     # the request field a lowering error names: tools[i].function.parameters
 
 
+def _either(texts: tuple[str, ...]) -> str:
+    return escape_literal(texts[0]) if len(texts) == 1 else "(?:" + "|".join(map(escape_literal, texts)) + ")"
+
+
 def _one_call(fmt: ToolCallFormat, name: str, args_regex: str, skip: int = 0) -> str:
-    head = (fmt.open + name + fmt.mid)[skip:]
-    return f"{escape_literal(head)}(?:{args_regex}){escape_literal(fmt.close)}"
+    """`open name mid ARGS close`, any of the family's openings and mids; `skip`: the first `skip` characters of
+    the canonical opening (its trigger, already written) are left out, and so is every other opening's trigger."""
+    if skip:
+        if skip != len(fmt.trigger):
+            raise ValueError(f"{fmt.family}: a call is resumed after its trigger only")
+        head = escape_literal(fmt.after_trigger)
+    else:
+        head = _either(fmt.opens)
+    return f"{head}{escape_literal(name)}{_either(fmt.mids)}(?:{args_regex}){escape_literal(fmt.close)}"
 
 
 def _any_call(fmt: ToolCallFormat, functions: list[tuple[str, str]], skip: int = 0) -> str:
@@ -73,7 +122,7 @@ def calls_regex(fmt: ToolCallFormat, functions: list[tuple[str, str]], parallel:
     first = f"(?:{_any_call(fmt, functions, skip)})"
     if not parallel:
         return first
-    return f"{first}(?:{escape_literal(fmt.separator)}(?:{_any_call(fmt, functions)}))*"
+    return f"{first}(?:{_either(fmt.separators)}(?:{_any_call(fmt, functions)}))*"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def compile_auto(compiler: Any, fmt: Any) -> AutoToolGrammar:
     spec = json_spec(SCHEMA, "tools[0].function.parameters", compiler_options())
     fn = FunctionSpec("f", spec.recipe, spec.schema_json or "{}", "tools[0].function.parameters")
     body = compiler.compile(tool_calls_spec(fmt, [fn], parallel=True, after_trigger=True))
-    return triggered_grammar(body, compiler.vocab, fmt.trigger)
+    return triggered_grammar(body, compiler.vocab, fmt.triggers)
 
 
 def compiler_options() -> Any:

@@ -126,7 +126,7 @@ def test_chat_parsing_and_mapping() -> None:
                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                           {"role": "assistant", "content": None}], logprobs=True, top_logprobs=4,
                 max_completion_tokens=5, stream=True, stream_options={"include_usage": True})
-    assert [m.text() for m in body.messages] == ["s", "ab", ""]
+    assert [m.text() for m in body.messages] == ["s", "a\nb", ""]   # parts joined by "\n", as vLLM joins them
     assert body.include_usage
     p = chat_sampling_params(body)
     assert p.logprobs == 4 and p.max_tokens == 5
