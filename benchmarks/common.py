@@ -165,7 +165,9 @@ def environment() -> dict[str, Any]:
             "cuda": torch.version.cuda, "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
-            "kernel_memory_monitor": kernel_memory_monitor()}
+            "kernel_memory_monitor": kernel_memory_monitor(),
+            # libgomp's settings here (a spawned engine adds OMP_WAIT_POLICY=PASSIVE where both are unset)
+            "openmp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
 
 
 def write_results(name: str, data: dict[str, Any], table: list[tuple[str, str]]) -> Path:

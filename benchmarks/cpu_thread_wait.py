@@ -10,7 +10,8 @@ time slice at the next barrier, so the step waits for both the other work and th
 This runs `step_jitter.py` (the latency_slo.py model, six rows decoding over three adapters, each step's time from
 the engine's step trace) in a fresh process per variant of the OpenMP settings, on a quiet machine and beside a
 "front end": a process that computes for `--busy-ms` then sleeps for `--idle-ms` (by default 20% of one core, about
-what the API process costs while it streams). Variants run in interleaved rounds; each reports the median over
+what the API process costs while it streams), and beside a process that takes a whole core (a grammar compile
+worker within its CPU budget, a neighbour's job). Variants run in interleaved rounds; each reports the median over
 rounds of its step p50 and p99.
 
     python benchmarks/cpu_thread_wait.py [--rounds 2] [--steps 300] [--name cpu_thread_wait]
@@ -37,7 +38,9 @@ OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 VARIANTS = {                      # name -> the OpenMP environment of the engine's process
     "libgomp default (spin 300k)": {},
     "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "GOMP_SPINCOUNT=3000": {"GOMP_SPINCOUNT": "3000"},
     "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"},
+    "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"},
     "one thread": {"OMP_NUM_THREADS": "1"},
 }
 
@@ -73,19 +76,20 @@ def main() -> None:
     ap.add_argument("--name", default="cpu_thread_wait")
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
-    results: dict[str, dict[str, list[tuple[float, float]]]] = {"quiet": {}, "front end": {}}
+    duty = {"quiet": None, "front end": (args.busy_ms, args.idle_ms), "a whole core taken": (args.busy_ms, 0.0)}
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {cond: {} for cond in duty}
     for r in range(args.rounds):
-        for cond in results:
+        for cond, cycle in duty.items():
             stop = multiprocessing.Event()
             proc = None
-            if cond == "front end":
-                proc = multiprocessing.Process(target=front_end, args=(args.busy_ms / 1e3, args.idle_ms / 1e3, stop))
+            if cycle is not None:
+                proc = multiprocessing.Process(target=front_end, args=(cycle[0] / 1e3, cycle[1] / 1e3, stop))
                 proc.start()
             try:
                 for name in (names if r % 2 == 0 else names[::-1]):
                     p50, p99 = run_variant(VARIANTS[name], args.steps)
                     results[cond].setdefault(name, []).append((p50, p99))
-                    print(f"round {r} {cond:9s} {name:28s} p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True)
+                    print(f"round {r} {cond:18s} {name:28s} p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True)
             finally:
                 stop.set()
                 if proc is not None:
