@@ -227,6 +227,26 @@ def test_admin_errors(server: ServerProcess, tmp_path: Path) -> None:
         error_of(resp)
     resp = admin(server, "load_lora_adapter", cases[4][0])
     assert "rank" in error_of(resp)["message"].lower()
+    # the codes and params: the name for a duplicate, the path for what is wrong with the folder
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    for body, status, code, param in [
+            ({"lora_name": "a", "lora_path": good}, 400, "duplicate_adapter", "lora_name"),
+            ({"lora_name": "d", "lora_path": str(tmp_path / "nope")}, 404, "adapter_not_found", "lora_path"),
+            ({"lora_name": "d", "lora_path": str(tmp_path / "empty")}, 400, "invalid_adapter", "lora_path"),
+            ({"lora_name": "d", "lora_path": str(tmp_path / "a_file")}, 400, "invalid_adapter", "lora_path")]:
+        resp = admin(server, "load_lora_adapter", body)
+        assert resp.status_code == status, (body, resp.text)
+        assert (error_of(resp)["code"], error_of(resp)["param"]) == (code, param), (body, resp.text)
+    # the same name loaded, unloaded twice (the second a 404), loaded again
+    body = {"lora_name": "e", "lora_path": good}
+    assert admin(server, "load_lora_adapter", body).status_code == 200
+    assert admin(server, "load_lora_adapter", body).status_code == 400
+    assert admin(server, "unload_lora_adapter", {"lora_name": "e"}).status_code == 200
+    again = admin(server, "unload_lora_adapter", {"lora_name": "e"})
+    assert again.status_code == 404 and error_of(again)["code"] == "adapter_not_found"
+    assert admin(server, "load_lora_adapter", body).status_code == 200
+    assert admin(server, "unload_lora_adapter", {"lora_name": "e"}).status_code == 200
     resp = admin(server, "unload_lora_adapter", {"lora_name": "nope"})
     assert resp.status_code == 404, resp.text
     error_of(resp)
