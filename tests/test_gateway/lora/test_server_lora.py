@@ -86,6 +86,16 @@ def admin(server: ServerProcess, route: str, body: dict[str, Any], token: str | 
     return httpx.post(f"{server.url}/v1/{route}", json=body, headers=headers, timeout=60)
 
 
+LONG_PROMPT = PROMPTS[2] * 3   # several KV blocks
+
+
+def cached_tokens(server: ServerProcess, model: str) -> int:
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"model": model, "prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def error_of(resp: httpx.Response) -> dict[str, Any]:
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
@@ -165,6 +175,10 @@ def test_hot_load_use_unload_reload(server: ServerProcess, client: "openai.OpenA
     assert ids == [server.model, "a", "b", "c"]
     assert complete(client, "c", prompt) == ref1
     assert complete(client, "c", prompt) == ref1  # a prefix-cache hit in c's namespace gives the same text
+    # the anchors' lessons over HTTP: a LoRA request hits its own namespace's cache (vLLM and SGLang missed it),
+    # and a reload under the same name starts cold (below; with the old weights still running:
+    # test_lora_engine.py::test_reload_while_the_old_weights_run_never_shares_their_kv)
+    assert cached_tokens(server, "c") == 0 and cached_tokens(server, "c") > 0
 
     resp = admin(server, "unload_lora_adapter", {"lora_name": "c"})
     assert resp.status_code == 200, resp.text
@@ -181,6 +195,7 @@ def test_hot_load_use_unload_reload(server: ServerProcess, client: "openai.OpenA
     card = {m.id: m for m in client.models.list().data}["c"]
     assert card.root == "c" and card.parent == server.model
     assert complete(client, "c", prompt) == ref2  # new weights, no stale KV from the first "c"
+    assert cached_tokens(server, "c") == 0, "the reloaded name hit the KV of its previous weights"
     stream = client.completions.create(model="c", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
     assert norm_text("".join(c.choices[0].text for c in stream if c.choices)) == ref2
     # the other adapters are untouched
