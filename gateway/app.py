@@ -151,7 +151,9 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         kind = dataclasses.replace(kind, events=reasoning.events(kind.events), response=wrap(kind.response))
     args = _engine_args(model, grammar, principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
-    params = state.defaults.fit_context(params, body, prompts, aeng.facts.max_model_len)
+    # a default max_tokens fits the context and the KV pool (a small --kv-cache-memory may hold less than it)
+    room = min(aeng.facts.max_model_len, aeng.facts.num_kv_blocks * aeng.facts.block_size)
+    params = state.defaults.fit_context(params, body, prompts, room)
     check_prompt_logprobs_size(body, prompts, params, aeng.facts.max_model_len)
     children = make_children(request_id, prompts, params)
     if kind is not COMPLETION and params.prompt_logprobs is not None:   # a chat answer holds the first child's once

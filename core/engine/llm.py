@@ -35,13 +35,17 @@ class LLM:
                  scheduling_policy: str = "fcfs", enforce_eager: bool = False,
                  async_scheduling: bool | None = None, lora_dirs: Sequence[str] = (), tensor_parallel_size: int = 1,
                  warmup: bool = True, quantization: str | None = None,
-                 speculative_config: dict[str, Any] | str | None = None) -> None:
+                 speculative_config: dict[str, Any] | str | None = None, tokenizer: str | None = None,
+                 revision: str | None = None, download_dir: str | None = None, trust_remote_code: bool = False,
+                 enable_lora: bool = True) -> None:
         """vLLM's flat keyword arguments, mapped onto the nested `EngineConfig`. `warmup=False` skips the start-up
         kernel warm-up (`LLMEngine.warmup`): the first steps then compile Triton kernels as they meet them.
         `speculative_config`: vLLM's dict (`core/spec/config.py`). `max_step_ms`: the step-time budget while requests
         decode (None: auto, 0: off; `core/scheduling/step_budget.py`). Off by default here, unlike the server's auto:
         `generate` returns when every output is done, so no one waits on a gap between two tokens, and the budget's
-        smaller chunks cost throughput (11% on issue 38's workload; docs/scheduling.md)."""
+        smaller chunks cost throughput (11% on issue 38's workload; docs/scheduling.md). `tokenizer`, `revision`,
+        `download_dir`, `trust_remote_code`: as vLLM's (and the CLI's); `enable_lora`: accepted as vLLM spells it,
+        adapters are always on."""
         config = EngineConfig(
             model=str(model or DEMO_MODEL_DIR), dtype=dtype, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -56,7 +60,8 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             speculative=SpeculativeConfig.parse(speculative_config),
             quantization=QuantizationConfig(method=quantization),
-            load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+            load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            tokenizer=tokenizer, revision=revision, download_dir=download_dir, trust_remote_code=trust_remote_code)
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()
@@ -75,7 +80,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora: str | None | Sequence[str | None] = None,
-                 response_format: dict[str, Any] | None | Sequence[dict[str, Any] | None] = None) -> list[RequestOutput]:
+                 response_format: dict[str, Any] | None | Sequence[dict[str, Any] | None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. `use_tqdm`: accepted as vLLM spells it (no progress bar is drawn)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]

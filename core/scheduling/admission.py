@@ -56,6 +56,11 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     if num_prompt_tokens == 0:
         raise RequestRejected("the prompt is empty", "invalid_prompt", "prompt")
     remaining = max_model_len - num_prompt_tokens
+    pool_tokens = num_kv_blocks * block_size
+    if params.max_tokens is None and num_prompt_tokens < pool_tokens:
+        # no max_tokens: the remaining context, as far as the whole KV pool holds it (a pool smaller than
+        # max_model_len refused every request without max_tokens, however short its prompt)
+        remaining = min(remaining, pool_tokens - num_prompt_tokens)
     max_tokens = params.max_tokens if params.max_tokens is not None else remaining
     if remaining < 1 or num_prompt_tokens + max_tokens > max_model_len:
         raise RequestRejected(
@@ -71,7 +76,8 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     if num_blocks > num_kv_blocks:
         raise RequestRejected(
             f"the request needs {num_blocks} KV blocks but the whole cache has {num_kv_blocks}; "
-            f"reduce the prompt or max_tokens", "context_length_exceeded", "max_tokens")
+            f"reduce the prompt or max_tokens", "context_length_exceeded",
+            "max_tokens" if params.max_tokens is not None else "prompt")
     return max_tokens
 
 

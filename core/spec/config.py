@@ -59,8 +59,10 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"speculative config: unknown field(s) {unknown}; "
                                          f"known: {sorted(_KNOWN_KEYS)}")
         method = value.get("method")
-        if method is None and value.get("model") in ("ngram", "[ngram]"):
-            method = "ngram"         # vLLM's older spelling: {"model": "[ngram]"}
+        if method == "[ngram]" or (method is None and value.get("model") in ("ngram", "[ngram]")):
+            method = "ngram"         # vLLM's older spellings: {"model": "[ngram]"}, {"method": "[ngram]"}
+        elif method is None and isinstance(value.get("model"), str) and value["model"]:
+            method = "draft_model"   # as vLLM infers it: a draft model's directory without a method
         if method not in METHODS:
             raise SpeculativeConfigError(f"speculative config: 'method' must be one of {list(METHODS)}, "
                                          f"got {method!r}")

@@ -136,6 +136,10 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
             banner += f"; full metrics on {config.metrics_url}"
         if config.engine_process:
             banner += "; engine core in its own process"
+        pool_tokens = facts.num_kv_blocks * facts.block_size
+        if pool_tokens < facts.max_model_len:   # vLLM refuses to start; here a request is bounded by the pool
+            banner += (f"; note: the KV pool holds {pool_tokens} tokens, less than max_model_len: one request "
+                       f"is at most {pool_tokens} tokens (prompt + max_tokens)")
         uv_level = config.uvicorn_log_level or log_level
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
                                    access_log=config.access_log and uv_level in ("info", "debug", "trace"))

@@ -193,3 +193,20 @@ def test_guide_and_numpy_masks_agree(compiler: GrammarCompiler, token_bytes: dic
             ids = compiled.allowed_token_ids(state)
             assert via_guide is not None and torch.equal(via_guide, compiled._build_mask(ids)), state
             matcher.accept_token(rng.choice(ids))
+
+
+def test_no_raw_control_character_inside_a_json_string(compiler: GrammarCompiler,
+                                                       token_bytes: dict[int, bytes]) -> None:
+    """vLLM with xgrammar emitted raw control characters inside JSON strings (invalid JSON labelled stop): in a
+    string value, under a schema and in json_object mode, no token holding a byte below 0x20 is ever allowed, and
+    the escaped spelling is."""
+    control = {t for t, b in token_bytes.items() if any(c < 0x20 for c in b)}
+    assert control, "the fixture vocabulary has byte tokens for the control characters"
+    schema = compile_schema(compiler, {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    for compiled, prefix in ((schema, '{"s": "a'), (compiler.compile(json_object_spec()), '{"k": "a')):
+        matcher = GrammarMatcher(compiled)
+        feed(matcher, compiler, prefix)
+        allowed = set(matcher.allowed_token_ids())
+        assert not allowed & control, sorted(token_bytes[t] for t in allowed & control)
+        feed(matcher, compiler, "\\n\\t\"}")   # the escaped spellings are fine
+        assert matcher.is_final()

@@ -115,3 +115,28 @@ def test_a_vanishing_repetition_penalty_is_rejected(penalty: float) -> None:
         SamplingParams(repetition_penalty=penalty)
     assert info.value.param == "repetition_penalty"
     assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
+
+
+def test_without_max_tokens_the_limit_is_what_the_kv_pool_holds() -> None:
+    """A KV pool smaller than max_model_len (a small --kv-cache-memory): a request without max_tokens gets the
+    remaining context as far as the pool holds it, not a 400 (it was 'needs 64 KV blocks but the whole cache
+    has 4' for any prompt); an explicit max_tokens past the pool stays a 400 naming max_tokens."""
+    from core.scheduling.admission import check_request
+
+    # 1024-token context, a pool of 4 blocks of 16 = 64 tokens
+    assert check_request(10, SamplingParams(max_tokens=None), 1024, 100, 16, 4) == 54
+    assert check_request(10, SamplingParams(max_tokens=54), 1024, 100, 16, 4) == 54
+    assert check_request(10, SamplingParams(max_tokens=None), 32, 100, 16, 4) == 22          # the context is the tighter bound
+    with pytest.raises(RequestRejected) as info:
+        check_request(10, SamplingParams(max_tokens=55), 1024, 100, 16, 4)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
+    with pytest.raises(RequestRejected) as info:     # the prompt alone fills the pool
+        check_request(64, SamplingParams(max_tokens=None), 1024, 100, 16, 4)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "prompt")
+
+    path = tiny_model_dir(TinyModelSpec(arch="llama", vocab_size=MODEL_VOCAB))
+    with LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=4, warmup=False) as small:
+        assert small.engine.max_model_len > 64
+        out = small.generate([PROMPT], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 64 - len(PROMPT) and out.finish_reason == "length"
+        small.engine.check_integrity()

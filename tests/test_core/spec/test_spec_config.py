@@ -16,6 +16,11 @@ def test_parse_ngram_and_draft_model() -> None:
     d = SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2})
     assert d.model == "/m" and d.enabled_for(10**6)
     assert SpeculativeConfig.parse(None) is None
+    # vLLM infers the method: a draft model's directory alone is draft_model; "[ngram]" is ngram
+    inferred = SpeculativeConfig.parse('{"model": "/draft", "num_speculative_tokens": 3}')
+    assert (inferred.method, inferred.model, inferred.num_speculative_tokens) == ("draft_model", "/draft", 3)
+    assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 1,
                                     "prompt_lookup_max": 2}).prompt_lookup_min == 1
 

@@ -257,3 +257,46 @@ def test_engine_bounds_logprobs_by_the_vocabulary() -> None:
     assert info.value.param == "logprobs"
     with pytest.raises(ValueError):
         SamplingParams(logprobs=-1)
+
+
+def test_default_max_tokens_fits_the_kv_pool_too(tmp_path: Path) -> None:
+    """A generation_config.json `max_new_tokens` the request did not send shrinks to what the whole KV pool
+    holds when a small --kv-cache-memory holds less than the context (it reached the engine as is: a 400 'needs
+    N KV blocks' for a value the client never sent). The stand-in engine: 64 blocks of 16 = 1024 tokens."""
+    from starlette.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from core.config import EngineConfig
+    from core.errors import RequestRejected
+    from fake_engine import FakeEngine
+    from gateway.app import build_app
+    from gateway.inputs.models import ServedModels
+    from gateway.inputs.prompts import PromptEncoder
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.outputs.responses import TokenTexts
+    from gateway.server.state import GatewayState
+    from tiny_models import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
+    seen: list[tuple[int, int | None]] = []
+
+    def record(num_tokens: int, params: object) -> int:
+        seen.append((num_tokens, params.max_tokens))   # type: ignore[attr-defined]
+        raise RequestRejected("recorded", "stop_here", "prompt")
+
+    engine = FakeEngine(tokenizer, max_model_len=4096, check_request=record)
+    pool = engine.facts.num_kv_blocks * engine.facts.block_size
+    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base")
+    state = GatewayState(config=config, aeng=engine, models=ServedModels("base", "/models/base"),
+                         encoder=PromptEncoder(tokenizer, len(tokenizer), 4096), texts=TokenTexts(tokenizer),
+                         metrics=GatewayMetrics(engine, max_loras=8),
+                         defaults=RequestDefaults((("max_tokens", 3000),)))
+    client = TestClient(build_app(state))
+    for max_tokens in (None, 3000):
+        body = {"model": "base", "prompt": "def f(x):"}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        assert client.post("/v1/completions", json=body).json()["error"]["code"] == "stop_here"
+    (prompt_len, defaulted), (_, explicit) = seen
+    assert defaulted == pool - prompt_len      # the default, fitted to the pool
+    assert explicit == 3000                    # the client's own value is the client's: the engine's 400

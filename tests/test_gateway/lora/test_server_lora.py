@@ -86,6 +86,16 @@ def admin(server: ServerProcess, route: str, body: dict[str, Any], token: str | 
     return httpx.post(f"{server.url}/v1/{route}", json=body, headers=headers, timeout=60)
 
 
+LONG_PROMPT = PROMPTS[2] * 3   # several KV blocks
+
+
+def cached_tokens(server: ServerProcess, model: str) -> int:
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                      json={"model": model, "prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def error_of(resp: httpx.Response) -> dict[str, Any]:
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
@@ -165,6 +175,10 @@ def test_hot_load_use_unload_reload(server: ServerProcess, client: "openai.OpenA
     assert ids == [server.model, "a", "b", "c"]
     assert complete(client, "c", prompt) == ref1
     assert complete(client, "c", prompt) == ref1  # a prefix-cache hit in c's namespace gives the same text
+    # the anchors' lessons over HTTP: a LoRA request hits its own namespace's cache (vLLM and SGLang missed it),
+    # and a reload under the same name starts cold (below; with the old weights still running:
+    # test_lora_engine.py::test_reload_while_the_old_weights_run_never_shares_their_kv)
+    assert cached_tokens(server, "c") == 0 and cached_tokens(server, "c") > 0
 
     resp = admin(server, "unload_lora_adapter", {"lora_name": "c"})
     assert resp.status_code == 200, resp.text
@@ -181,6 +195,7 @@ def test_hot_load_use_unload_reload(server: ServerProcess, client: "openai.OpenA
     card = {m.id: m for m in client.models.list().data}["c"]
     assert card.root == "c" and card.parent == server.model
     assert complete(client, "c", prompt) == ref2  # new weights, no stale KV from the first "c"
+    assert cached_tokens(server, "c") == 0, "the reloaded name hit the KV of its previous weights"
     stream = client.completions.create(model="c", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
     assert norm_text("".join(c.choices[0].text for c in stream if c.choices)) == ref2
     # the other adapters are untouched
@@ -227,6 +242,26 @@ def test_admin_errors(server: ServerProcess, tmp_path: Path) -> None:
         error_of(resp)
     resp = admin(server, "load_lora_adapter", cases[4][0])
     assert "rank" in error_of(resp)["message"].lower()
+    # the codes and params: the name for a duplicate, the path for what is wrong with the folder
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    for body, status, code, param in [
+            ({"lora_name": "a", "lora_path": good}, 400, "duplicate_adapter", "lora_name"),
+            ({"lora_name": "d", "lora_path": str(tmp_path / "nope")}, 404, "adapter_not_found", "lora_path"),
+            ({"lora_name": "d", "lora_path": str(tmp_path / "empty")}, 400, "invalid_adapter", "lora_path"),
+            ({"lora_name": "d", "lora_path": str(tmp_path / "a_file")}, 400, "invalid_adapter", "lora_path")]:
+        resp = admin(server, "load_lora_adapter", body)
+        assert resp.status_code == status, (body, resp.text)
+        assert (error_of(resp)["code"], error_of(resp)["param"]) == (code, param), (body, resp.text)
+    # the same name loaded, unloaded twice (the second a 404), loaded again
+    body = {"lora_name": "e", "lora_path": good}
+    assert admin(server, "load_lora_adapter", body).status_code == 200
+    assert admin(server, "load_lora_adapter", body).status_code == 400
+    assert admin(server, "unload_lora_adapter", {"lora_name": "e"}).status_code == 200
+    again = admin(server, "unload_lora_adapter", {"lora_name": "e"})
+    assert again.status_code == 404 and error_of(again)["code"] == "adapter_not_found"
+    assert admin(server, "load_lora_adapter", body).status_code == 200
+    assert admin(server, "unload_lora_adapter", {"lora_name": "e"}).status_code == 200
     resp = admin(server, "unload_lora_adapter", {"lora_name": "nope"})
     assert resp.status_code == 404, resp.text
     error_of(resp)
