@@ -3,8 +3,8 @@
 Constrained decoding writes calls in the exact layout of grammar/specs/tool_calls.py, so parsing is a scan:
 content up to the first trigger, then `open name mid ARGS close` repeated with the separator (`open` and `mid`
 any of the family's alternatives: Llama 3.2's `{"type": "function", "name": ...`, "arguments" for "parameters").
-A list family (Mistral): content up to the `[TOOL_CALLS]` marker, then `[` and the calls joined by ", " (the bare
-list under `required` / named, whose grammar writes no marker).
+A list family (Mistral, Phi-4-mini): content up to the marker (`[TOOL_CALLS]`; `functools` or `<|tool_call|>`),
+then `[` and the calls joined by ", " (the bare list under `required` / named, whose grammar writes no marker).
 """
 from __future__ import annotations
 
@@ -82,15 +82,15 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
 
 
 def _parse_list(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
-    """`content [TOOL_CALLS] [call, call]` (one space or none after the marker), or with `bare_list` the list
+    """`content MARKER [call, call]` (one space or none after the marker), or with `bare_list` the list
     alone; the calls' scan is the one of every family (`_scan`)."""
-    start = text.find(fmt.trigger)
+    start, marker = _first(text, fmt.triggers)
     if start >= 0:
-        content, pos = text[:start], start + len(fmt.trigger)
+        content, pos = text[:start], start + len(marker)
     elif fmt.bare_list:
         content, pos = "", 0
     else:
-        return Parsed(text if finished else _safe_content(text, (fmt.trigger,)), [])
+        return Parsed(text if finished else _safe_content(text, fmt.triggers), [])
     while pos < len(text) and text[pos].isspace():
         pos += 1
     if not text.startswith(fmt.list_open, pos):

@@ -125,17 +125,20 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
 
 
 def _marker_id(tokenizer: Any, fmt: ToolCallFormat) -> int | None:
-    """The id of a list family's marker when it is one added token (Mistral's `[TOOL_CALLS]`, special: it has
-    no text bytes, so only its id can fire `auto`'s trigger)."""
+    """The id of a list family's marker when it is one added token (Mistral's `[TOOL_CALLS]`, Phi-4-mini's
+    `<|tool_call|>`: special, with no text bytes, so only its id can fire `auto`'s trigger)."""
     if not fmt.is_list:
         return None
     added = getattr(tokenizer, "added_tokens_encoder", None)
-    token_id = added.get(fmt.trigger) if isinstance(added, dict) else None
-    if token_id is None and hasattr(tokenizer, "convert_tokens_to_ids"):   # a piece of the base vocabulary
-        token_id = tokenizer.convert_tokens_to_ids(fmt.trigger)
-        if token_id == getattr(tokenizer, "unk_token_id", None):
-            token_id = None
-    return token_id if isinstance(token_id, int) else None
+    for marker in fmt.triggers:
+        token_id = added.get(marker) if isinstance(added, dict) else None
+        if token_id is None and hasattr(tokenizer, "convert_tokens_to_ids"):   # a piece of the base vocabulary
+            token_id = tokenizer.convert_tokens_to_ids(marker)
+            if token_id == getattr(tokenizer, "unk_token_id", None):
+                token_id = None
+        if isinstance(token_id, int):
+            return token_id
+    return None
 
 
 def template_text(tokenizer: Any, with_tools: bool) -> str | None:

@@ -11,6 +11,8 @@ functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admi
                a list after the `[TOOL_CALLS]` marker (a special token: its id fires the trigger, and the output
                keeps special tokens so the text shows it, as vLLM's mistral parser asks); `required` / named
                write the bare list (the marker has no text bytes the grammar could write)
+  phi4_mini_json (Phi-4-mini, vLLM's template and parser): functools[{"name": "f", "arguments": {...}}, ...];
+               also after Phi-4-mini's own `<|tool_call|>` marker, and "parameters" for "arguments"
 `required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
 it emits one of the family's triggers (the start of an opening), then constrains the rest of the call
 (grammar/matching/triggered.py).
@@ -42,6 +44,7 @@ class ToolCallFormat:
     # alone (required / named: the grammar writes no marker)
     list_open: str = ""
     list_close: str = ""
+    alt_markers: tuple[str, ...] = ()   # a list family's other markers (each a trigger)
     bare_list: bool = False
     call_id_length: int = 0   # Mistral's templates take only 9-character alphanumeric call ids (0: call_<24 hex>)
 
@@ -74,7 +77,7 @@ class ToolCallFormat:
     def triggers(self) -> tuple[str, ...]:
         """`auto`: the texts that open a call, one per opening (each ends `after_trigger` short of it)."""
         if self.is_list:
-            return (self.trigger,)
+            return (self.trigger, *self.alt_markers)
         rest = len(self.after_trigger)
         return tuple(o[:len(o) - rest] for o in self.opens)
 
@@ -94,7 +97,10 @@ LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '", "parameters": ', "
                              alt_separators=(";", ";\n"))
 MISTRAL = ToolCallFormat("mistral", '{"name": "', '", "arguments": ', "}", ", ", "[TOOL_CALLS]",
                          alt_separators=(",",), list_open="[", list_close="]", call_id_length=9)
-FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+PHI4_MINI = ToolCallFormat("phi4_mini_json", '{"name": "', '", "arguments": ', "}", ", ", "functools",
+                           alt_mids=('", "parameters": ',), alt_separators=(",",), list_open="[", list_close="]",
+                           alt_markers=("<|tool_call|>",))
+FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
 MISTRAL_MARKERS = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]")
 
 
@@ -104,6 +110,8 @@ def detect_format(chat_template: str | None) -> tuple[ToolCallFormat, bool]:
     text = chat_template or ""
     if any(marker in text for marker in MISTRAL_MARKERS):
         return MISTRAL, True
+    if "functools[" in text:   # vLLM's Phi-4-mini template asks for functools[...]
+        return PHI4_MINI, True
     if "<tool_call>" in text:
         return HERMES, True
     if "<|python_tag|>" in text or ('"parameters"' in text and "tools" in text):

@@ -216,3 +216,14 @@ def test_mistral_template_renders_tools_calls_and_results(tokenizer: Any) -> Non
         assert short is None or ids[0] == short
         # without tools in the request the history still renders through the template
         assert re.findall(r'"call_id": "(\w+)"', render(tokenizer, template, messages=messages)) == ids
+
+
+def test_phi4_mini_functools_template_renders_tools_and_calls(tokenizer: Any) -> None:
+    """A template that asks for `functools[...]` (vLLM's Phi-4-mini template) renders the tools itself and is read
+    as the phi4_mini_json family (it got the Hermes fallback: `<tools>` and `<tool_call>` text)."""
+    template = (CHAT_TEMPLATES / "phi4_mini_functools.jinja").read_text()
+    messages = history(CALL) + [{"role": "assistant", "content": "x is found"}, {"role": "user", "content": "y?"}]
+    text = render(tokenizer, template, messages=messages, tools=[TOOL])
+    assert "<tool_call>" not in text and "<tools>" not in text and json.dumps(TOOL) in text
+    assert '<|assistant|>functools[{"name": "lookup", "arguments": {"q": "x"}}]<|end|>' in text
+    assert text.endswith("<|user|>y?<|end|><|assistant|>")
