@@ -139,6 +139,10 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     else:
         prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
     grammar = await resolve_tool_constraint(body, aeng, plan)
+    if plan is not None and plan.choice == "auto" and plan.fmt.is_list and params.skip_special_tokens:
+        # Mistral's [TOOL_CALLS] is a special token: the text keeps it, or the call could not be told from
+        # content (vLLM's mistral parser turns skip_special_tokens off the same way)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     if kind.bind is not None:
         kind = dataclasses.replace(kind, **kind.bind(body, plan))
     elif plan is not None and plan.constrained:

@@ -94,4 +94,5 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
     compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled
-    return await asyncio.to_thread(triggered_grammar, compiled, engine.grammar_compiler.vocab, plan.fmt.triggers)
+    return await asyncio.to_thread(triggered_grammar, compiled, engine.grammar_compiler.vocab, plan.fmt.triggers,
+                                   plan.trigger_id)

@@ -3,10 +3,14 @@
 Constrained decoding writes calls in the exact layout of grammar/specs/tool_calls.py, so parsing is a scan:
 content up to the first trigger, then `open name mid ARGS close` repeated with the separator (`open` and `mid`
 any of the family's alternatives: Llama 3.2's `{"type": "function", "name": ...`, "arguments" for "parameters").
+A list family (Mistral, Phi-4-mini): content up to the marker (`[TOOL_CALLS]`; `functools` or `<|tool_call|>`),
+then `[` and the calls joined by ", " (the bare list under `required` / named, whose grammar writes no marker).
 """
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -29,7 +33,14 @@ class Parsed:
     calls: list[ParsedCall]
 
 
-def new_call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(length: int = 0) -> str:
+    """OpenAI's `call_<24 hex>`; with `length` (Mistral: 9) that many random letters and digits, the only ids
+    Mistral's templates take back in the history."""
+    if length:
+        return "".join(secrets.choice(_ALNUM) for _ in range(length))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -62,10 +73,34 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
     them: the whole rest of the text; a call whose arguments JSON is whole and only (part of) its close is
     missing (a `stop` string cut it) is complete, as vLLM's parsers read an unclosed last call."""
     text = text.replace(PYTHON_TAG, "")
+    if fmt.is_list:
+        return _parse_list(text, fmt, finished)
     start, _ = _first(text, fmt.triggers)
     if start < 0:
         return Parsed(text if finished else _safe_content(text, (*fmt.triggers, PYTHON_TAG)), [])
-    content, pos, calls = text[:start], start, []
+    return Parsed(text[:start], _scan(text, start, fmt, finished))
+
+
+def _parse_list(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
+    """`content MARKER [call, call]` (one space or none after the marker), or with `bare_list` the list
+    alone; the calls' scan is the one of every family (`_scan`)."""
+    start, marker = _first(text, fmt.triggers)
+    if start >= 0:
+        content, pos = text[:start], start + len(marker)
+    elif fmt.bare_list:
+        content, pos = "", 0
+    else:
+        return Parsed(text if finished else _safe_content(text, fmt.triggers), [])
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    if not text.startswith(fmt.list_open, pos):
+        return Parsed(content, [])
+    return Parsed(content, _scan(text, pos + len(fmt.list_open), fmt, finished))
+
+
+def _scan(text: str, pos: int, fmt: ToolCallFormat, finished: bool) -> list[ParsedCall]:
+    """The calls written from `pos` on: `open name mid ARGS close`, joined by the family's separators."""
+    calls: list[ParsedCall] = []
     while pos < len(text):
         opening = _opening(text, pos, fmt.opens)
         if opening is None:
@@ -95,7 +130,7 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
         pos = end + len(fmt.close)
         separator = next((sep for sep in fmt.separators if text.startswith(sep, pos)), "")
         pos += len(separator)
-    return Parsed(content, calls)
+    return calls
 
 
 def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tuple[str | None, list[dict]]:
@@ -103,7 +138,8 @@ def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tupl
     cut short (`truncated`: finish_reason "length"), whose call the stream has already begun to send: that call
     with the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
     parsed = parse_calls(text, fmt, finished=True)
-    calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    calls = [{"id": new_call_id(fmt.call_id_length), "type": "function",
+              "function": {"name": c.name, "arguments": c.arguments}}
              for c in parsed.calls if c.complete or (truncated and c.name is not None)]
     if not calls and not (truncated and parsed.calls):   # cut before the first name: the content before the call
         return text, []

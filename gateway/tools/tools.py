@@ -10,6 +10,8 @@ Decoding: `required` / named -> the whole output is calls; `auto` -> free text, 
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]          # as the template gets them
     functions: list[FunctionSpec] = field(default_factory=list)   # the callable ones
     checked: list[FunctionSpec] = field(default_factory=list)     # every function, in the request's order
+    trigger_id: int | None = None        # `auto`: the token whose id alone fires the trigger (a special marker)
 
     @property
     def constrained(self) -> bool:
@@ -107,8 +110,10 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
     fmt, renders = detect_format(template_text(tokenizer, with_tools=True))
     if parser is not None:
         fmt = TOOL_CALL_PARSERS[parser]
+    if fmt.is_list and choice in ("required", "named"):
+        fmt = dataclasses.replace(fmt, bare_list=True)   # the grammar writes the list without its marker
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
-                    [{"type": "function", "function": fn} for fn in fns])
+                    [{"type": "function", "function": fn} for fn in fns], trigger_id=_marker_id(tokenizer, fmt))
     for i, fn in enumerate(fns if options is not None else []):   # callable or not: a bad schema is a 400
         param = f"tools[{i}].function.parameters"
         spec = json_spec(fn.get("parameters") or NO_PARAMETERS, param, options)   # shape, size, metaschema only
@@ -117,6 +122,23 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
         if named is None or fn["name"] == named:
             plan.functions.append(function)
     return plan
+
+
+def _marker_id(tokenizer: Any, fmt: ToolCallFormat) -> int | None:
+    """The id of a list family's marker when it is one added token (Mistral's `[TOOL_CALLS]`, Phi-4-mini's
+    `<|tool_call|>`: special, with no text bytes, so only its id can fire `auto`'s trigger)."""
+    if not fmt.is_list:
+        return None
+    added = getattr(tokenizer, "added_tokens_encoder", None)
+    for marker in fmt.triggers:
+        token_id = added.get(marker) if isinstance(added, dict) else None
+        if token_id is None and hasattr(tokenizer, "convert_tokens_to_ids"):   # a piece of the base vocabulary
+            token_id = tokenizer.convert_tokens_to_ids(marker)
+            if token_id == getattr(tokenizer, "unk_token_id", None):
+                token_id = None
+        if isinstance(token_id, int):
+            return token_id
+    return None
 
 
 def template_text(tokenizer: Any, with_tools: bool) -> str | None:
@@ -150,8 +172,24 @@ def _check_call(i: int, j: int, call: Any) -> tuple[str, str, dict[str, Any]]:
     return call["id"], fn["name"], args
 
 
-def conversation(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """Messages for the template: tool calls with parsed arguments (as HF templates expect), tool turns."""
+def short_call_id(call_id: str, length: int) -> str:
+    """A history call id as Mistral's templates take it ("Tool call IDs should be alphanumeric strings with
+    length 9!"): its last `length` letters and digits (vLLM keeps the last 9 characters), or, for an id with
+    fewer, `length` hex digits of its hash. The same id always maps to the same one, so a call and its result
+    still match."""
+    alnum = re.sub(r"[^a-zA-Z0-9]", "", call_id)
+    if len(alnum) >= length:
+        return alnum[-length:]
+    return hashlib.sha256(call_id.encode()).hexdigest()[:length]
+
+
+def conversation(body: ChatCompletionRequest, plan: ToolPlan | None,
+                 id_length: int = 0) -> list[dict[str, Any]]:
+    """Messages for the template: tool calls with parsed arguments (as HF templates expect), tool turns.
+    `id_length`: the call ids the template takes (Mistral: 9 letters and digits; 0: as sent)."""
+    def call_id(value: str) -> str:
+        return short_call_id(value, id_length) if id_length else value
+
     out: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
         msg: dict[str, Any] = m.for_template()
@@ -161,14 +199,14 @@ def conversation(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dic
             calls = [_check_call(i, j, c) for j, c in enumerate(m.tool_calls)]
         if m.tool_calls:   # `tool_calls: []` (vLLM's answers carry it) is a turn without calls: no key, as
             # templates that test `'tool_calls' in message` (Llama 3.x: "only supports single tool-calls") need
-            msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
+            msg["tool_calls"] = [{"id": call_id(cid), "type": "function", "function": {"name": n, "arguments": a}}
                                  for cid, n, a in calls]
         if m.role == "tool":
             if not m.tool_call_id:
                 raise invalid("a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id")
             if m.content is None:
                 raise invalid("a tool message needs content", param=f"messages[{i}].content")
-            msg["tool_call_id"] = m.tool_call_id
+            msg["tool_call_id"] = call_id(m.tool_call_id)
         elif m.tool_call_id is not None:
             raise invalid("only tool messages carry tool_call_id", param=f"messages[{i}].tool_call_id")
         out.append(msg)
@@ -247,10 +285,11 @@ def uses_tools(body: ChatCompletionRequest) -> bool:
 
 
 def _template_args(encoder: PromptEncoder, body: Any, plan: ToolPlan | None) -> dict[str, Any]:
-    conv = conversation(body, plan)
+    shown, renders = detect_format(template_text(encoder.tokenizer, with_tools=plan is not None))
+    if plan is not None:
+        renders = plan.renders_tools
+    conv = conversation(body, plan, shown.call_id_length if renders else 0)   # the ids the template takes
     options = template_options(body)
-    renders = plan.renders_tools if plan is not None else detect_format(
-        template_text(encoder.tokenizer, with_tools=False))[1]
     if renders:
         return dict(conversation=conv, tools=plan.tools if plan is not None else None, options=options)
     system_turn = plan is None or (bool(conv) and conv[0]["role"] in ("system", "developer")) \

@@ -7,6 +7,8 @@ A `TriggeredMatcher` is a two-state machine with GrammarMatcher's interface:
               "name": "`); only the longest suffix of the text that is a prefix of one of them matters (`tail`:
               every shorter such suffix is a suffix of it), so the free-text masks are cached per tail, shared
               by all requests (`FreeTextMasks`).
+              A trigger that is one special token (Mistral's `[TOOL_CALLS]`: no text bytes) fires by its id
+              (`end_id`).
   CONSTRAINED the text just ended with the trigger: a GrammarMatcher over the call grammar takes over; in a
               final state (the calls are closed) EOS / a stop token ends the request.
 """
@@ -124,6 +126,9 @@ class TriggeredMatcher:
         if token_id in self._stops:
             self._terminated = True
             return True
+        if token_id == self.grammar.end_id:   # a trigger that is one token (Mistral's special [TOOL_CALLS])
+            self._trigger()
+            return True
         text = self.tail + self.free.token_bytes[token_id]
         _, end = find_trigger(text, self.free.triggers)
         if end >= 0:
@@ -213,8 +218,8 @@ def free_text_masks(vocab: Any, trigger: str | tuple[str, ...]) -> FreeTextMasks
 
 @dataclass(eq=False)
 class AutoToolGrammar:
-    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`). `end_id`: only for
-    ReasoningGrammar, a token id that also fires the trigger (a special `</think>` has no grammar bytes)."""
+    """`auto` mode: free text, then after `trigger` the compiled call grammar (`body`). `end_id`: a token id that
+    also fires the trigger (a special `</think>` or Mistral's `[TOOL_CALLS]` has no grammar bytes)."""
 
     body: Any                # CompiledGrammar of tool_calls_spec(..., after_trigger=True)
     trigger: bytes | tuple[bytes, ...]   # several: the family's alternative call openings (the body is the same)

@@ -7,6 +7,12 @@ functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admi
   llama3_json  (Llama 3.1/3.2 JSON tool calling):   {"name": "f", "parameters": {...}}   (calls joined by "; ");
                also as Llama 3.2 writes it, {"type": "function", "name": "f", "parameters": {...}}, and with
                "arguments" for "parameters" (the keys vLLM's llama3_json parser reads)
+  mistral      (Mistral v0.3 / Nemo / Mixtral-Instruct): [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]
+               a list after the `[TOOL_CALLS]` marker (a special token: its id fires the trigger, and the output
+               keeps special tokens so the text shows it, as vLLM's mistral parser asks); `required` / named
+               write the bare list (the marker has no text bytes the grammar could write)
+  phi4_mini_json (Phi-4-mini, vLLM's template and parser): functools[{"name": "f", "arguments": {...}}, ...];
+               also after Phi-4-mini's own `<|tool_call|>` marker, and "parameters" for "arguments"
 `required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
 it emits one of the family's triggers (the start of an opening), then constrains the rest of the call
 (grammar/matching/triggered.py).
@@ -33,6 +39,14 @@ class ToolCallFormat:
     alt_opens: tuple[str, ...] = ()   # other texts the family's models open a call with (same trigger suffix)
     alt_mids: tuple[str, ...] = ()    # other texts between the name and the arguments
     alt_separators: tuple[str, ...] = ()   # other texts between parallel calls
+    # a list family (Mistral): `trigger` is a marker before `list_open call (separator call)* list_close`, not
+    # a prefix of `open`; after the marker the model may write one space. `bare_list`: the output is the list
+    # alone (required / named: the grammar writes no marker)
+    list_open: str = ""
+    list_close: str = ""
+    alt_markers: tuple[str, ...] = ()   # a list family's other markers (each a trigger)
+    bare_list: bool = False
+    call_id_length: int = 0   # Mistral's templates take only 9-character alphanumeric call ids (0: call_<24 hex>)
 
     def call_text(self, name: str, arguments_json: str) -> str:
         return f"{self.open}{name}{self.mid}{arguments_json}{self.close}"
@@ -51,17 +65,25 @@ class ToolCallFormat:
         return tuple(sorted((self.separator, *self.alt_separators), key=len, reverse=True))
 
     @property
+    def is_list(self) -> bool:
+        return bool(self.list_open)
+
+    @property
     def after_trigger(self) -> str:
         """What every opening has left to write once its trigger is written (the same for each)."""
-        return self.open[len(self.trigger):]
+        return "" if self.is_list else self.open[len(self.trigger):]
 
     @property
     def triggers(self) -> tuple[str, ...]:
         """`auto`: the texts that open a call, one per opening (each ends `after_trigger` short of it)."""
+        if self.is_list:
+            return (self.trigger, *self.alt_markers)
         rest = len(self.after_trigger)
         return tuple(o[:len(o) - rest] for o in self.opens)
 
     def __post_init__(self) -> None:
+        if self.is_list:
+            return
         if not self.open.startswith(self.trigger) or not all(o.endswith(self.after_trigger) and
                                                              len(o) > len(self.after_trigger)
                                                              for o in self.alt_opens):
@@ -73,13 +95,23 @@ HERMES = ToolCallFormat("hermes", '<tool_call>\n{"name": "', '", "arguments": ',
 LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '", "parameters": ', "}", "; ", '{"name": "',
                              alt_opens=('{"type": "function", "name": "',), alt_mids=('", "arguments": ',),
                              alt_separators=(";", ";\n"))
-FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON)}
+MISTRAL = ToolCallFormat("mistral", '{"name": "', '", "arguments": ', "}", ", ", "[TOOL_CALLS]",
+                         alt_separators=(",",), list_open="[", list_close="]", call_id_length=9)
+PHI4_MINI = ToolCallFormat("phi4_mini_json", '{"name": "', '", "arguments": ', "}", ", ", "functools",
+                           alt_mids=('", "parameters": ',), alt_separators=(",",), list_open="[", list_close="]",
+                           alt_markers=("<|tool_call|>",))
+FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
+MISTRAL_MARKERS = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]")
 
 
 def detect_format(chat_template: str | None) -> tuple[ToolCallFormat, bool]:
     """(format, template_renders_tools): the family whose tool syntax the template text shows; a template
     without tool syntax gets HERMES, rendered by the gateway's fallback (gateway/tools/tools.py)."""
     text = chat_template or ""
+    if any(marker in text for marker in MISTRAL_MARKERS):
+        return MISTRAL, True
+    if "functools[" in text:   # vLLM's Phi-4-mini template asks for functools[...]
+        return PHI4_MINI, True
     if "<tool_call>" in text:
         return HERMES, True
     if "<|python_tag|>" in text or ('"parameters"' in text and "tools" in text):
@@ -119,6 +151,14 @@ def calls_regex(fmt: ToolCallFormat, functions: list[tuple[str, str]], parallel:
     """One call (or, with `parallel`, one or more joined by the separator) of the (name, arguments regex)
     `functions`; `skip` drops that many leading characters of the first call (the trigger the model already
     wrote, in `auto` mode)."""
+    if fmt.is_list:   # after the marker (skip: `auto`, the marker written) one space may come first
+        head = "(?: )?" if skip else ""
+        calls = _joined(fmt, functions, parallel, 0)
+        return f"{head}{escape_literal(fmt.list_open)}{calls}{escape_literal(fmt.list_close)}"
+    return _joined(fmt, functions, parallel, skip)
+
+
+def _joined(fmt: ToolCallFormat, functions: list[tuple[str, str]], parallel: bool, skip: int) -> str:
     first = f"(?:{_any_call(fmt, functions, skip)})"
     if not parallel:
         return first

@@ -19,14 +19,18 @@ from tiny_models import TinyModelSpec, tiny_model_dir
 
 
 def scripted_model(root: Path, pieces: list[str], chat_template: str | None = None,
-                   strength: float = 50.0) -> Path:
-    """A tiny Llama under `root` whose greedy output begins with "".join(pieces)."""
-    from transformers import AutoTokenizer
+                   strength: float = 50.0, special: tuple[str, ...] = ()) -> Path:
+    """A tiny Llama under `root` whose greedy output begins with "".join(pieces). `special`: tokens added as
+    special tokens first (Mistral's `[TOOL_CALLS]`: skip_special_tokens drops their text, and they have no
+    grammar bytes); a piece may be one of them."""
+    from transformers import AddedToken, AutoTokenizer
 
     assert len(set(pieces)) == len(pieces), "the pieces must be different tokens"
     model_dir = tiny_model_dir(TinyModelSpec(arch="llama", max_position_embeddings=1024, vocab_size=576),
                                root=root)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if special:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special], special_tokens=True)
     tokenizer.add_tokens([p for p in pieces if len(tokenizer.encode(p, add_special_tokens=False)) != 1])
     tokenizer.save_pretrained(str(model_dir))
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]

@@ -195,6 +195,10 @@ def test_tool_call_parser_overrides_the_template() -> None:
     assert (fam(hermes), fam(llama), fam(plain)) == ("hermes", "llama3_json", "hermes")
     assert fam(hermes, "llama3_json") == "llama3_json" and fam(llama, "hermes") == "hermes"
     assert fam(plain, "llama4_json") == "llama3_json"
+    mistral = SimpleNamespace(chat_template=(TEMPLATES / "mistral_v03_tools.jinja").read_text())
+    assert fam(mistral) == "mistral" and fam(hermes, "mistral") == "mistral" and fam(mistral, "hermes") == "hermes"
+    phi4 = SimpleNamespace(chat_template=(TEMPLATES / "phi4_mini_functools.jinja").read_text())
+    assert fam(phi4) == "phi4_mini_json" and fam(hermes, "phi4_mini_json") == "phi4_mini_json"
 
 
 # -- hub ids, remote code, aliases, the engine's logprobs bound ------------------------------------------------

@@ -4,6 +4,7 @@ history; and calls whose close a `stop` string cut. No server: the prompt is ren
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -194,3 +195,35 @@ def test_function_without_parameters_is_called_with_empty_arguments(parameters: 
     regex = tool_calls_spec(plan.fmt, plan.functions, parallel=False, checked=plan.checked).recipe.lower()
     assert re.fullmatch(regex, HERMES.call_text("now", "{}"))
     assert not re.fullmatch(regex, HERMES.call_text("now", '{"a": 1}'))
+
+
+def test_mistral_template_renders_tools_calls_and_results(tokenizer: Any) -> None:
+    """Mistral v0.3's template (tests/helpers/chat_templates/mistral_v03_tools.jinja) renders the tools itself
+    (`[AVAILABLE_TOOLS]`), past calls as `[TOOL_CALLS] [...]` and results as `[TOOL_RESULTS]`, and raises on a
+    call id that is not 9 characters long. It was given the Hermes fallback (`<tools>` in a system turn), and
+    an OpenAI id such as `call_1` in the history was a 400. Ids are cut to 9 letters and digits (the same for
+    the call and its result), as vLLM keeps their last 9 characters."""
+    template = (CHAT_TEMPLATES / "mistral_v03_tools.jinja").read_text()
+    long_id = {**CALL, "id": "call_0123456789abcdef01234567"}
+    for call, short in ((CALL, None), (long_id, "f01234567"), ({**CALL, "id": "abcDEF123"}, "abcDEF123")):
+        messages = history(call) + [{"role": "assistant", "content": "x is found"}, {"role": "user", "content": "y?"}]
+        text = render(tokenizer, template, messages=messages, tools=[TOOL])
+        assert "<tool_call>" not in text and "<tools>" not in text
+        assert '[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "lookup"' in text
+        ids = re.findall(r'\[TOOL_CALLS\] \[\{"name": "lookup", "arguments": \{"q": "x"\}, "id": "(\w+)"\}\]', text)
+        results = re.findall(r'\[TOOL_RESULTS\] \{"content": found, "call_id": "(\w+)"\}\[/TOOL_RESULTS\]', text)
+        assert len(ids) == 1 and ids == results and re.fullmatch(r"[a-zA-Z0-9]{9}", ids[0]), text
+        assert short is None or ids[0] == short
+        # without tools in the request the history still renders through the template
+        assert re.findall(r'"call_id": "(\w+)"', render(tokenizer, template, messages=messages)) == ids
+
+
+def test_phi4_mini_functools_template_renders_tools_and_calls(tokenizer: Any) -> None:
+    """A template that asks for `functools[...]` (vLLM's Phi-4-mini template) renders the tools itself and is read
+    as the phi4_mini_json family (it got the Hermes fallback: `<tools>` and `<tool_call>` text)."""
+    template = (CHAT_TEMPLATES / "phi4_mini_functools.jinja").read_text()
+    messages = history(CALL) + [{"role": "assistant", "content": "x is found"}, {"role": "user", "content": "y?"}]
+    text = render(tokenizer, template, messages=messages, tools=[TOOL])
+    assert "<tool_call>" not in text and "<tools>" not in text and json.dumps(TOOL) in text
+    assert '<|assistant|>functools[{"name": "lookup", "arguments": {"q": "x"}}]<|end|>' in text
+    assert text.endswith("<|user|>y?<|end|><|assistant|>")
