@@ -187,7 +187,9 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
                           continuous_usage=body.continuous_usage)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
-    results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx))))
+    # a client gone: its engine requests, queue slot and tenant limits are released at once (http/cancel.py)
+    results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx)),
+                                                      ctx.run_cleanups))
     num_tokens = sum(len(r.token_ids) for r in results)
     if echo is not None:
         apply_echo(results, children, echo)

@@ -140,12 +140,16 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await run_until_disconnect(receive, self._stream(send))
-        except (ClientDisconnected, OSError):
-            log.debug("client disconnected during a stream; its requests were aborted")
-            ctx = scope.get(CTX_SCOPE_KEY)   # counted as aborted, not as the 200 already sent (http/middleware.py)
+        ctx = scope.get(CTX_SCOPE_KEY)
+
+        def disconnected() -> None:   # counted as aborted, not as the 200 already sent (http/middleware.py)
             if ctx is not None:
                 ctx.abort("disconnect")
+                ctx.run_cleanups()   # engine aborts, queue slot, tenant limits: at once (gateway/http/cancel.py)
+        try:
+            await run_until_disconnect(receive, self._stream(send), disconnected)
+        except (ClientDisconnected, OSError):
+            log.debug("client disconnected during a stream; its requests were aborted")
+            disconnected()
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]
