@@ -3,6 +3,8 @@ what a disconnected request held is free for the next client at once, and the en
 
 - a stream with many choices (prompts x n) that filled the queue bound: a request sent right after its client
   left is served, never a 429 `queue_full` while the abandoned choices are still being unwound;
+- a client gone while its request is still being prepared (a JSON schema compiling): the request stops there
+  and gives back its tenant's concurrency slot at once, and the compile goes on for whoever needs it next;
 - after each kind of disconnect: no KV block, scheduler entry, stream, queue slot or gauge left over.
 The metrics and access-log side of aborts: tests/test_gateway/observability/test_request_aborts.py; tenant
 limits over every ending: tests/test_gateway/tenancy/test_tenant_compute_limits.py.
@@ -10,7 +12,12 @@ limits over every ending: tests/test_gateway/tenancy/test_tenant_compute_limits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
+import threading
 import time
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -24,19 +31,27 @@ MODEL = "llama_gqa"
 BASE = "tiny"
 PROMPTS, N = 8, 128          # 1024 engine requests: the queue bound below
 QUEUE = PROMPTS * N
+ANY = {"Authorization": "Bearer sk-any"}      # a tenant without limits
+ONE = {"Authorization": "Bearer sk-one"}      # a tenant with one request at a time
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}, "required": ["a"],
+          "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
-def srv() -> Iterator[InProcessServer]:
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    keys: Path = tmp_path_factory.mktemp("disconnects") / "tenants.json"
+    keys.write_text(json.dumps({"tenants": {"any": {"api_keys": ["sk-any"], "models": [BASE]},
+                                            "one": {"api_keys": ["sk-one"], "models": [BASE],
+                                                    "max_concurrent_requests": 1}}}))
     server = InProcessServer(MODEL, BASE, (), num_kv_blocks=256, max_num_batched_tokens=256, admin_token="adm",
-                             max_queue_len=QUEUE, max_model_len=1024)
+                             max_queue_len=QUEUE, max_model_len=1024, tenant_keys=keys)
     yield server
     server.stop()
 
 
 @pytest.fixture()
 def http(srv: InProcessServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
+    with httpx.Client(base_url=srv.url, timeout=60, headers=ANY) as client:
         yield client
 
 
@@ -86,3 +101,58 @@ def test_queue_freed_by_a_disconnect_is_free_for_the_next_request(srv: InProcess
         resp = http.post("/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2})
         assert resp.status_code == 200, (attempt, resp.text)
         assert_clean(srv, http)
+
+
+@contextmanager
+def held_compiles(srv: InProcessServer) -> Iterator[threading.Event]:
+    """Every grammar compile of the API process waits until the event is set (then compiles as usual)."""
+    compiler = srv.aeng.grammar_compiler
+    real = compiler.submit
+    gate = threading.Event()
+
+    def submit(spec: Any) -> concurrent.futures.Future[Any]:
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            gate.wait(30)
+            done = real(spec).result(30)
+            if not out.cancelled():
+                out.set_result(done)
+        threading.Thread(target=run, daemon=True).start()
+        return out
+    compiler.submit = submit
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del compiler.submit
+
+
+def in_flight(srv: InProcessServer, tenant: str) -> int:
+    return on_loop(srv, lambda: srv.state.limits.in_flight.get(tenant, 0))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "collected"])
+def test_a_client_gone_while_its_schema_compiles_frees_its_slot_at_once(srv: InProcessServer, http: httpx.Client,
+                                                                         stream: bool) -> None:
+    """The tenant may run one request at a time. Its client gives up while the request's schema is still
+    compiling; the tenant's next request is served at once (it was a 429 until the compile had finished, and the
+    abandoned request then still went to the engine). The compile is not lost: the next request with the
+    same schema gets it."""
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    body = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": stream,
+            "response_format": rf}
+    with held_compiles(srv) as gate:
+        with pytest.raises(httpx.TimeoutException):
+            http.post("/v1/chat/completions", json=body, headers=ONE, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while in_flight(srv, "one"):
+            assert time.monotonic() < deadline, "the tenant's slot is held by a request whose client is gone"
+            time.sleep(0.02)
+        resp = http.post("/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}, headers=ONE)
+        assert resp.status_code == 200, resp.text
+        gate.set()
+    resp = http.post("/v1/chat/completions", json={**body, "stream": False}, headers=ONE)
+    assert resp.status_code == 200, resp.text
+    assert json.loads(resp.json()["choices"][0]["message"]["content"]).keys() == {"a"}
+    assert_clean(srv, http)
