@@ -123,12 +123,15 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     ctx.stream = bool(body.stream)
     # from here on a client gone cancels the work (schema checks, tokenization, a grammar compile, the
     # collected answer) and gives back what the request holds at once (gateway/http/cancel.py); a stream
-    # watches its own connection once its response starts (gateway/outputs/streaming.py)
-    return await run_until_disconnect(request.receive, _answer(kind, state, ctx, principal, body), ctx.run_cleanups)
-
-
-async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, principal: Principal, body: Any) -> Response:
+    # watches its own connection once its response starts (gateway/outputs/streaming.py). The request timeout
+    # bounds the same work (a compile that outlasts it is a 408 on time, not once it is done), and a stream.
     deadline = Deadline(state.config.request_timeout, start=ctx.start)
+    answer = deadline.run(_answer(kind, state, ctx, principal, body, deadline))
+    return await run_until_disconnect(request.receive, answer, ctx.run_cleanups)
+
+
+async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, principal: Principal, body: Any,
+                  deadline: Deadline) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
@@ -194,7 +197,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
                           continuous_usage=body.continuous_usage)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
-    results = await deadline.run(collect(children, metered(merged, ctx)))
+    results = await collect(children, metered(merged, ctx))   # within the deadline: `_generate`
     num_tokens = sum(len(r.token_ids) for r in results)
     if echo is not None:
         apply_echo(results, children, echo)

@@ -12,6 +12,7 @@ limits over every ending: tests/test_gateway/tenancy/test_tenant_compute_limits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import json
 import logging
@@ -160,4 +161,29 @@ def test_a_client_gone_while_its_schema_compiles_frees_its_slot_at_once(srv: InP
     resp = http.post("/v1/chat/completions", json={**body, "stream": False}, headers=ONE)
     assert resp.status_code == 200, resp.text
     assert json.loads(resp.json()["choices"][0]["message"]["content"]).keys() == {"a"}
+    assert_clean(srv, http)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "collected"])
+def test_request_timeout_bounds_a_schema_still_compiling(srv: InProcessServer, http: httpx.Client,
+                                                         stream: bool) -> None:
+    """`--request-timeout` bounds a request's whole life: a compile that outlasts it is a 408 when the timeout
+    fires (it was a 408 only once the compile had finished), and the request never reaches the engine."""
+    config = srv.state.config
+    srv.state.config = dataclasses.replace(config, request_timeout=1.0)
+    rf = {"type": "json_schema", "json_schema": {"name": "b", "schema": {**SCHEMA, "required": []}}}
+    try:
+        with held_compiles(srv) as gate:
+            release = threading.Timer(6.0, gate.set)
+            release.start()
+            t0 = time.monotonic()
+            body = {"model": BASE, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stream": stream,
+                    "response_format": rf}
+            resp = http.post("/v1/chat/completions", json=body)
+            elapsed = time.monotonic() - t0
+            release.cancel()
+        assert resp.status_code == 408 and resp.json()["error"]["code"] == "request_timeout", resp.text
+        assert 0.9 <= elapsed < 4.0, elapsed
+    finally:
+        srv.state.config = config
     assert_clean(srv, http)
