@@ -5,6 +5,8 @@ what a disconnected request held is free for the next client at once, and the en
   left is served, never a 429 `queue_full` while the abandoned choices are still being unwound;
 - a client gone while its request is still being prepared (a JSON schema compiling): the request stops there
   and gives back its tenant's concurrency slot at once, and the compile goes on for whoever needs it next;
+  `--request-timeout` cuts such a request when it fires (a 408), not once the compile is done;
+- no write to a lost connection per choice (one write per engine step): no asyncio warning flood;
 - after each kind of disconnect: no KV block, scheduler entry, stream, queue slot or gauge left over.
 The metrics and access-log side of aborts: tests/test_gateway/observability/test_request_aborts.py; tenant
 limits over every ending: tests/test_gateway/tenancy/test_tenant_compute_limits.py.
@@ -12,8 +14,8 @@ limits over every ending: tests/test_gateway/tenancy/test_tenant_compute_limits.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
