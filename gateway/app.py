@@ -30,7 +30,7 @@ from gateway.tenancy.auth import Principal
 from gateway.http.body import parse_body as parse_json_body
 from gateway.http.body import read_body
 from gateway.http.cancel import run_until_disconnect
-from gateway.http.context import metered, request_context
+from gateway.http.context import RequestContext, metered, request_context
 from gateway.http.deadline import Deadline
 from gateway.outputs.echo import (add_chat_prompt_logprobs, add_prompt_logprobs, apply_echo, echo_texts,
                                   without_generation)
@@ -114,7 +114,6 @@ RESPONSES = dataclasses.replace(CHAT, body=ResponsesBody, prefix="resp", bind=bi
 async def _generate(request: Request, kind: _Kind) -> Response:
     state, ctx = _state(request), request_context(request)
     ctx.generation = True
-    deadline = Deadline(state.config.request_timeout, start=ctx.start)
     principal = _principal(request, state)
     release = state.limits.acquire(principal)
     if release is not None:
@@ -122,6 +121,17 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     body = ctx.body = await parse_body(request, kind.body,
                                        {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
     ctx.stream = bool(body.stream)
+    # from here on a client gone cancels the work (schema checks, tokenization, a grammar compile, the
+    # collected answer) and gives back what the request holds at once (gateway/http/cancel.py); a stream
+    # watches its own connection once its response starts (gateway/outputs/streaming.py). The request timeout
+    # bounds the same work (a compile that outlasts it is a 408 on time, not once it is done), and a stream.
+    deadline = Deadline(state.config.request_timeout, start=ctx.start)
+    answer = deadline.run(_answer(kind, state, ctx, principal, body, deadline))
+    return await run_until_disconnect(request.receive, answer, ctx.run_cleanups)
+
+
+async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, principal: Principal, body: Any,
+                  deadline: Deadline) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
@@ -193,7 +203,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
                           continuous_usage=body.continuous_usage)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
-    results = await deadline.run(run_until_disconnect(request.receive, collect(children, metered(merged, ctx))))
+    results = await collect(children, metered(merged, ctx))   # within the deadline: `_generate`
     num_tokens = sum(len(r.token_ids) for r in results)
     if echo is not None:
         apply_echo(results, children, echo)

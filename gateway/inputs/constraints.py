@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+from typing import Any
 
 from core.engine.interface import CompiledConstraint, ServingEngine
 from gateway.errors import invalid
@@ -53,11 +55,22 @@ async def validators_ready(engine: ServingEngine | None = None) -> None:
         _validators_ready = True
 
 
+async def _compiled(future: "concurrent.futures.Future[Any]") -> Any:
+    """Awaits a compiler future. Cancelling the caller (its client went away) leaves the compile alone: it may
+    be shared with other requests (de-duplicated in flight), and its result is still cached for the next one."""
+    wrapped = asyncio.wrap_future(future)
+    try:
+        return await asyncio.shield(wrapped)
+    except asyncio.CancelledError:
+        wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())   # an error nobody reads: no warning
+        raise
+
+
 async def compile_spec(spec: GrammarSpec | None, engine: ServingEngine) -> CompiledConstraint | None:
     """Off the event loop: the compiler's workers (timeout, de-dup, cache); a failure is a GrammarError (400)."""
     if spec is None:
         return None
-    return await asyncio.wrap_future(engine.grammar_compiler.submit(spec))
+    return await _compiled(engine.grammar_compiler.submit(spec))
 
 
 async def admit_constraint(body: _SamplingFields, engine: ServingEngine) -> GrammarSpec | None:
@@ -75,7 +88,7 @@ async def check_tool_schemas(plan: ToolPlan | None, engine: ServingEngine) -> No
     if plan is None or not plan.checked:
         return
 
-    await asyncio.wrap_future(engine.grammar_compiler.check(
+    await _compiled(engine.grammar_compiler.check(
         tool_calls_spec(plan.fmt, [], plan.parallel, checked=plan.checked)))
 
 
