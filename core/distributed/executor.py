@@ -31,7 +31,6 @@ from core.distributed.lora import ShardedSlotPool
 from core.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group, step_timeout_s
 from core.distributed.step_inputs import CaptureGraphs, StepInputs, WarmupForwards
 from core.distributed.worker import worker_main
-from core.models.device import child_environ, engine_openmp_env
 from core.execution.runner import HostBatch
 from core.environment.variables import TP_START_TIMEOUT_S
 
@@ -69,9 +68,8 @@ class TPExecutor:
         self.procs = [ctx.Process(target=worker_main, name=f"loraplex-tp-rank{rank}", daemon=True, args=(
             rank, self.world_size, init_method, config, str(model_dir), max_model_len, self._ready,
             torch.get_num_threads(), os.getpid())) for rank in range(1, self.world_size)]
-        with child_environ(engine_openmp_env(os.environ)):   # how their OpenMP threads wait (core/models/device.py)
-            for p in self.procs:
-                p.start()
+        for p in self.procs:
+            p.start()
         log.info("tensor parallel: %d ranks; worker pids %s", self.world_size, [p.pid for p in self.procs])
         try:
             self.tp = self._join_group(init_method, device)

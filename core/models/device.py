@@ -5,10 +5,8 @@ natively (AVX-512 BF16 or AMX-BF16, as vLLM's CPU build decides) and fp32 elsewh
 whatever the model dtype."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from typing import Iterator, Mapping
 
 import torch
 
@@ -57,44 +55,6 @@ def fit_cpu_threads() -> int:
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return threads
-
-
-# libgomp's knobs for how an OpenMP thread waits at a barrier; an operator's setting of either is kept
-OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-# how a spawned engine process's threads wait: see `engine_openmp_env`
-ENGINE_OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def engine_openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The OpenMP settings an engine process starts with, for what `environ` leaves unset (libgomp reads them
-    once, when torch loads, so they go into the spawned process's environment, not into this one's).
-
-    libgomp (what PyTorch's Linux wheels link) makes a thread that reaches the end of an operator first spin for
-    up to 300,000 pauses (milliseconds) before it sleeps. The engine shares its cores with the API process, the
-    grammar compile workers and the host's own work: when one of them takes a core, the engine's thread on it is
-    descheduled, and its partner spins through its time slice at the next barrier instead of yielding the core,
-    so the step waits for both. Measured on the 2-core CI machine (`python benchmarks/cpu_thread_wait.py`,
-    docs/cpu.md, "Threads"), a decode step beside a process taking 20% of one core: FIGURES. A thread that
-    sleeps at once costs a wake-up per operator on an idle machine: FIGURES."""
-    if any(key in environ for key in OPENMP_WAIT_VARIABLES):
-        return {}
-    return dict(ENGINE_OPENMP_WAIT)
-
-
-@contextlib.contextmanager
-def child_environ(overrides: dict[str, str]) -> Iterator[None]:
-    """`overrides` in this process's environment while a child process is started (a spawned child copies it),
-    then the environment as it was."""
-    saved = {key: os.environ.get(key) for key in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:

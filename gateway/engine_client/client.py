@@ -19,7 +19,6 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.process
-import os
 import tempfile
 import threading
 from typing import Any, AsyncIterator, Callable
@@ -33,7 +32,6 @@ from core.engine.interface import (AdapterEntry, EngineDeadError, EngineFacts, E
                                    Tokenizer, WarmupProgress)
 from core.engine.outputs import RequestDelta
 from core.engine.setup import load_model_tokenizer
-from core.models.device import child_environ, engine_openmp_env
 from core.engine.streams import RequestStreams
 from core.engine_core.grammar_handles import to_wire
 from core.engine_core.protocol import (INPUT_ENCODER, OUTPUT_DECODER, AddRequest, Command, EngineInput,
@@ -88,8 +86,7 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(target=proc.main, args=(self.config, in_addr, out_addr, self.log_level),
                                  name="loraplex-engine-core", daemon=False)   # its TP workers are its children
-        with child_environ(engine_openmp_env(os.environ)):    # how its OpenMP threads wait (core/models/device.py)
-            self._proc.start()
+        self._proc.start()
         try:   # the tokenizer here while the engine process imports and loads the model
             self._tokenizer = load_model_tokenizer(self.config)
         except BaseException:
