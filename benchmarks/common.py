@@ -166,7 +166,7 @@ def environment() -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
             "kernel_memory_monitor": kernel_memory_monitor(),
-            # libgomp's settings here (a spawned engine adds OMP_WAIT_POLICY=PASSIVE where both are unset)
+            # libgomp's settings: how the OpenMP threads wait (benchmarks/cpu_thread_wait.py)
             "openmp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
 
 
