@@ -142,13 +142,14 @@ def _scan(text: str, pos: int, fmt: ToolCallFormat, finished: bool) -> list[Pars
 
 def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tuple[str | None, list[dict]]:
     """(content or None, OpenAI tool_calls) of a finished output, the content before the first call as written
-    (None when only whitespace: the stream's content deltas join to the same text); incomplete calls are dropped, but for an output
-    cut short (`truncated`: finish_reason "length"), whose call the stream has already begun to send: that call
-    with the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
+    (None when only whitespace: the stream's content deltas join to the same text). Without a complete call the
+    content is the whole text, but for an output cut short (`truncated`: finish_reason "length"): what the stream
+    sent, the content before the trigger (cut anywhere from the trigger on) and a call whose name is written, with
+    the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
     parsed = parse_calls(text, fmt, finished=True)
     calls = [{"id": new_call_id(fmt.call_id_length), "type": "function",
               "function": {"name": c.name, "arguments": c.arguments}}
              for c in parsed.calls if c.complete or (truncated and c.name is not None)]
-    if not calls and not (truncated and parsed.calls):   # cut before the first name: the content before the call
+    if not calls and (not truncated or parsed.content == text):   # no trigger written, or not cut: the text
         return text, []
     return (parsed.content or None), calls

@@ -83,3 +83,16 @@ def test_content_before_a_call_is_as_written_and_null_when_blank(family: str) ->
     content, calls = final_calls(" \n" + _calls_text(fmt), fmt)
     assert content is None and len(calls) == 2
     assert final_calls("  just text  ", fmt) == ("  just text  ", [])
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+def test_an_answer_cut_at_max_tokens_streams_what_the_whole_answer_holds(family: str) -> None:
+    """finish_reason "length" anywhere in the text: before, inside or after the trigger, a name, the arguments."""
+    fmt = FORMATS[family]
+    for prefix in ("", "\n", "Let me check. "):
+        text = prefix + _calls_text(fmt)
+        for end in range(len(text) + 1):
+            content, calls = final_calls(text[:end], fmt, truncated=True)
+            whole = (content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            for pieces in _cuts(text[:end])[1:]:
+                assert _streamed(fmt, pieces) == whole, (family, text[:end])
