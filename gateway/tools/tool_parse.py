@@ -33,6 +33,13 @@ class Parsed:
     calls: list[ParsedCall]
 
 
+def _before_call(content: str) -> str:
+    """The free text before a call as vLLM's parsers return it: as written (no strip), but none when it is only
+    whitespace (e.g. the newline before `<tool_call>`). While streaming, a whitespace-only start is withheld
+    until the text goes on (or ends without a call), so the stream sends exactly what the whole answer holds."""
+    return "" if content.isspace() else content
+
+
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -77,8 +84,8 @@ def parse_calls(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
         return _parse_list(text, fmt, finished)
     start, _ = _first(text, fmt.triggers)
     if start < 0:
-        return Parsed(text if finished else _safe_content(text, (*fmt.triggers, PYTHON_TAG)), [])
-    return Parsed(text[:start], _scan(text, start, fmt, finished))
+        return Parsed(text if finished else _before_call(_safe_content(text, (*fmt.triggers, PYTHON_TAG))), [])
+    return Parsed(_before_call(text[:start]), _scan(text, start, fmt, finished))
 
 
 def _parse_list(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
@@ -86,11 +93,11 @@ def _parse_list(text: str, fmt: ToolCallFormat, finished: bool) -> Parsed:
     alone; the calls' scan is the one of every family (`_scan`)."""
     start, marker = _first(text, fmt.triggers)
     if start >= 0:
-        content, pos = text[:start], start + len(marker)
+        content, pos = _before_call(text[:start]), start + len(marker)
     elif fmt.bare_list:
         content, pos = "", 0
     else:
-        return Parsed(text if finished else _safe_content(text, fmt.triggers), [])
+        return Parsed(text if finished else _before_call(_safe_content(text, fmt.triggers)), [])
     while pos < len(text) and text[pos].isspace():
         pos += 1
     if not text.startswith(fmt.list_open, pos):
@@ -134,14 +141,15 @@ def _scan(text: str, pos: int, fmt: ToolCallFormat, finished: bool) -> list[Pars
 
 
 def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tuple[str | None, list[dict]]:
-    """(content or None, OpenAI tool_calls) of a finished output; incomplete calls are dropped, but for an output
-    cut short (`truncated`: finish_reason "length"), whose call the stream has already begun to send: that call
-    with the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
+    """(content or None, OpenAI tool_calls) of a finished output, the content before the first call as written
+    (None when only whitespace: the stream's content deltas join to the same text). Without a complete call the
+    content is the whole text, but for an output cut short (`truncated`: finish_reason "length"): what the stream
+    sent, the content before the trigger (cut anywhere from the trigger on) and a call whose name is written, with
+    the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
     parsed = parse_calls(text, fmt, finished=True)
     calls = [{"id": new_call_id(fmt.call_id_length), "type": "function",
               "function": {"name": c.name, "arguments": c.arguments}}
              for c in parsed.calls if c.complete or (truncated and c.name is not None)]
-    if not calls and not (truncated and parsed.calls):   # cut before the first name: the content before the call
+    if not calls and (not truncated or parsed.content == text):   # no trigger written, or not cut: the text
         return text, []
-    content = parsed.content.strip()
-    return (content or None), calls
+    return (parsed.content or None), calls

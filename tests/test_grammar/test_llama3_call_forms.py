@@ -41,7 +41,7 @@ def test_auto_triggers_on_each_llama_opening(compiler: Any, bpe_tokenizer: Any, 
         text = bpe_tokenizer.decode([t for t in ids if t != eos])
         assert text.startswith("Sure. " + opening)
         content, calls = final_calls(text, LLAMA3_JSON)
-        assert content == "Sure." and calls, text
+        assert content == "Sure. " and calls, text
         for call in calls:
             assert call["function"]["name"] == "f"
             assert Draft202012Validator(SCHEMA).is_valid(json.loads(call["function"]["arguments"]))

@@ -67,7 +67,7 @@ def test_required_grammar_is_the_list_and_the_parser_reads_it(text: str, expecte
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
         assert all(ID.match(c["id"]) for c in calls), calls
         streamed_content, streamed = _streamed(prefix + text, fmt)
-        assert streamed == expected and streamed_content.strip() == (content or "")
+        assert streamed == expected and streamed_content == (content or "")
 
 
 def test_content_without_the_marker_is_content() -> None:

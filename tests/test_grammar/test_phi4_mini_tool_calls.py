@@ -37,14 +37,14 @@ def test_the_family_is_known() -> None:
 
 
 @pytest.mark.parametrize("prefix, content", [("functools", None), ("Let me look.functools", "Let me look."),
-                                             ("<|tool_call|>", None), ("Ok <|tool_call|> ", "Ok")])
+                                             ("<|tool_call|>", None), ("Ok <|tool_call|> ", "Ok ")])
 def test_the_parser_reads_each_marker_streamed_and_not(prefix: str, content: str | None) -> None:
     body = '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "parameters": {"a": 2}}]'
     expected = [("f", '{"a": 1}'), ("g", '{"a": 2}')]
     got, calls = final_calls(prefix + body, PHI4_MINI)
     assert got == content and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
     streamed_content, streamed = _streamed(prefix + body)
-    assert streamed == expected and streamed_content.strip() == (content or "")
+    assert streamed == expected and streamed_content == (content or "")
     regex = tool_calls_spec(BARE, [_fn("f"), _fn("g")], parallel=True).recipe.lower()
     assert re.fullmatch(regex, body)
     after = tool_calls_spec(PHI4_MINI, [_fn("f"), _fn("g")], parallel=True, after_trigger=True).recipe.lower()
@@ -58,7 +58,7 @@ def test_auto_triggers_on_functools(compiler: Any, bpe_tokenizer: Any) -> None:
     ids = drive(matcher, compiler, bpe_tokenizer.encode("Sure. functools", add_special_tokens=False), 0)
     assert matcher.triggered and matcher.is_terminated()
     content, calls = final_calls(bpe_tokenizer.decode([t for t in ids if t != eos]), PHI4_MINI)
-    assert content == "Sure." and calls
+    assert content == "Sure. " and calls
     assert all(Draft202012Validator(SCHEMA).is_valid(json.loads(c["function"]["arguments"])) for c in calls)
 
 

@@ -66,4 +66,4 @@ def test_reasoning_then_auto_tools(compiler: Any, bpe_tokenizer: Any) -> None:
     assert matcher.is_terminated()
     text = bpe_tokenizer.decode([t for t in ids if t != bpe_tokenizer.eos_token_id])
     content, calls = final_calls(text.split("</think>", 1)[1], HERMES)
-    assert content == "Sure." and calls
+    assert content == "Sure. " and calls

@@ -41,7 +41,7 @@ def test_trigger_switches_to_the_call_grammar(compiler: Any, bpe_tokenizer: Any)
             assert matcher.triggered and matcher.is_terminated()
             text = bpe_tokenizer.decode([t for t in ids if t != eos])
             content, calls = final_calls(text, fmt)
-            assert content == "Let me check." and calls, text
+            assert content == "Let me check. " and calls, text   # as written, as vLLM returns it
             for call in calls:
                 assert call["function"]["name"] == "f"
                 assert Draft202012Validator(SCHEMA).is_valid(json.loads(call["function"]["arguments"]))

@@ -102,7 +102,7 @@ def test_call_whose_close_a_stop_string_cut_is_a_call(fmt: Any, stop: str) -> No
     full = "Sure.\n" + fmt.call_text("lookup", args)
     text = full[:full.rindex(stop)] if stop != "}" else full[:-1]
     content, calls = final_calls(text, fmt)
-    assert content == "Sure." and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+    assert content == "Sure.\n" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
         [("lookup", args)]
     plan = plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[TOOL]),
                       None, DEFAULT_OPTIONS, parser=fmt.family)
