@@ -10,8 +10,8 @@ within its timeout), `check_integrity()` held on the engine thread every few ste
 request, stream, adapter hold or penalty row is left; the server then still serves.
 
 Bounded: `LORAPLEX_FAULT_SOAK_REQUESTS` (default 150 per scheduling mode), `LORAPLEX_FAULT_SOAK_SECONDS`
-(default 20: no new request after that); `LORAPLEX_FAULT_SOAK_SEED` (default 0, printed) picks the workload
-and the faulted requests.
+(default 20: no new request after that, but the first 60 of the plan are always sent, however loaded the machine);
+`LORAPLEX_FAULT_SOAK_SEED` (default 0, printed) picks the workload and the faulted requests.
 """
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ from testlib import encode, model_dir
 
 NUM_REQUESTS = int(os.environ.get("LORAPLEX_FAULT_SOAK_REQUESTS", "150"))
 MAX_SECONDS = float(os.environ.get("LORAPLEX_FAULT_SOAK_SECONDS", "20"))
+# the first MIN_REQUESTS of the plan are always sent, however slow the machine: the deadline only cuts the rest
+# (on a loaded 2-core machine 150 requests can take minutes; the coverage asserted on must not depend on it)
+MIN_REQUESTS = min(NUM_REQUESTS, 60)
 SEED = int(os.environ.get("LORAPLEX_FAULT_SOAK_SEED", "0"))
 CONCURRENCY = 16
 FAULT_RATE = 0.2
@@ -76,7 +79,7 @@ async def _workload(url: str, seed: int) -> list[tuple[str, bool, Outcome | None
         queue.put_nowait(item)
 
     async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty() and time.monotonic() < deadline:
+        while not queue.empty() and (NUM_REQUESTS - queue.qsize() < MIN_REQUESTS or time.monotonic() < deadline):
             tpl, stream = queue.get_nowait()
             try:
                 out: Outcome | None = await asyncio.wait_for(send(client, SERVED, tpl, stream), 60)
@@ -151,7 +154,7 @@ def test_soak_with_faults(server: InProcessServer) -> None:
           f" {preemptions} preemptions")
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:30])
     assert not failures, failures
-    assert len(results) >= min(NUM_REQUESTS, 60), f"only {len(results)} requests in {MAX_SECONDS} s"
+    assert len(results) >= MIN_REQUESTS, f"only {len(results)} of the {MIN_REQUESTS} requests always sent answered"
     assert preemptions > 0, "the workload never preempted"
     assert outcomes["unaffected"] and sum(v for k, v in outcomes.items() if k != "unaffected") >= 3, outcomes
     assert (left["usage"], left["requests"], left["running"], left["waiting"], left["adapters_in_flight"],
