@@ -13,7 +13,9 @@ examples per route, `LORAPLEX_FUZZ_EXAMPLES=<n>` any number, e.g.
     pytest tests/test_gateway/api/test_fuzz_bodies.py --slow -s -k fuzzed              # the long run
 
 The model's logits (544) are wider than its tokenizer (512): ids between the two are valid stop / bias ids but
-not prompt ids. Bounded: `--max-model-len 64`, a 5 s request timeout.
+not prompt ids. Bounded: `--max-model-len 64`, a 30 s request timeout. The timeout covers a request's
+preparation too (its grammar compile), and a compile worker's first grammar imports xgrammar (about 3 s on a
+quiet 2-core machine, more under CI's load): with 5 s, the first `guided_grammar` body got a 408 before its 400.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model_dir = tiny_model_dir(TinyModelSpec(arch="llama", vocab_size=MODEL_VOCAB),
                                root=tmp_path_factory.getbasetemp() / "fuzz_models")
     proc = ServerProcess(model_dir, "--served-model-name", "tiny", "--max-model-len", "64",
-                         "--request-timeout", "5", "--admin-token", ADMIN)
+                         "--request-timeout", "30", "--admin-token", ADMIN)
     yield proc
     proc.stop()
 
