@@ -18,7 +18,7 @@ from grammar.specs.spec import DEFAULT_OPTIONS
 from grammar.specs.tool_calls import HERMES, LLAMA3_JSON, FunctionSpec, tool_calls_spec
 from triggered_grammar import SCHEMA, compile_auto, drive
 
-from gateway.tools.tool_output import _ChoiceStream
+from tool_streams import streamed_calls
 from gateway.tools.tool_parse import final_calls
 
 TYPE_OPEN = '{"type": "function", "name": "'
@@ -67,7 +67,7 @@ def test_required_grammar_takes_each_form_and_the_parser_reads_it(text: str, exp
     for prefix in ("", "<|python_tag|>"):
         content, calls = final_calls(prefix + text, LLAMA3_JSON)
         assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
-        assert _streamed(prefix + text) == ("", expected)
+        assert streamed_calls(LLAMA3_JSON, prefix + text) == ("", expected)
 
 
 def test_after_trigger_grammar_is_the_same_for_every_opening() -> None:
@@ -80,26 +80,10 @@ def test_after_trigger_grammar_is_the_same_for_every_opening() -> None:
     assert re.fullmatch(hermes, '\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
 
 
-def _streamed(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """(content, calls) sent by the stream when `text` arrives a character at a time."""
-    from gateway.tools.tools import ToolPlan
-
-    plan = ToolPlan(LLAMA3_JSON, True, "auto", True, [])
-    stream, content, calls = _ChoiceStream(), "", []
-    for k, ch in enumerate(text):
-        delta, _ = stream.step(plan, ch, k == len(text) - 1)
-        content += delta.get("content", "")
-        for tc in delta.get("tool_calls", []):
-            if "id" in tc:
-                calls.append([tc["function"]["name"], ""])
-            calls[tc["index"]][1] += tc["function"]["arguments"]
-    return content, [tuple(c) for c in calls]
-
-
 def test_content_that_only_looks_like_an_opening_is_sent() -> None:
     text = 'Use {"type": "object"} here'
     assert final_calls(text, LLAMA3_JSON) == (text, [])
-    assert _streamed(text) == (text, [])
+    assert streamed_calls(LLAMA3_JSON, text) == (text, [])
 
 
 def test_free_masks_with_several_triggers() -> None:

@@ -22,7 +22,7 @@ from grammar.specs.tool_calls import FORMATS, MISTRAL, FunctionSpec, detect_form
 from testlib import CHAT_TEMPLATES
 from triggered_grammar import SCHEMA, compile_auto, drive
 
-from gateway.tools.tool_output import _ChoiceStream
+from tool_streams import streamed_calls
 from gateway.tools.tool_parse import final_calls
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 
@@ -66,7 +66,7 @@ def test_required_grammar_is_the_list_and_the_parser_reads_it(text: str, expecte
         assert got_content == content
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
         assert all(ID.match(c["id"]) for c in calls), calls
-        streamed_content, streamed = _streamed(prefix + text, fmt)
+        streamed_content, streamed = streamed_calls(fmt, prefix + text, check_id)
         assert streamed == expected and streamed_content == (content or "")
 
 
@@ -74,8 +74,8 @@ def test_content_without_the_marker_is_content() -> None:
     """`auto`: only the marker opens calls (vLLM: no `[TOOL_CALLS]` in the output -> content)."""
     text = 'A list: [{"name": "f", "arguments": {"a": 1}}]'
     assert final_calls(text, MISTRAL) == (text, [])
-    assert _streamed(text, MISTRAL) == (text, [])
-    assert _streamed("Almost [TOOL", MISTRAL) == ("Almost [TOOL", [])
+    assert streamed_calls(MISTRAL, text) == (text, [])
+    assert streamed_calls(MISTRAL, "Almost [TOOL") == ("Almost [TOOL", [])
 
 
 def test_auto_triggers_on_the_marker_written_as_text(compiler: Any, bpe_tokenizer: Any) -> None:
@@ -114,18 +114,5 @@ def test_auto_triggers_on_the_special_marker_token(compiler: Any, bpe_tokenizer:
     assert content is None and calls and all(c["function"]["name"] == "f" for c in calls), text
 
 
-def _streamed(text: str, fmt: Any) -> tuple[str, list[tuple[str, str]]]:
-    """(content, calls) sent by the stream when `text` arrives a character at a time."""
-    from gateway.tools.tools import ToolPlan
-
-    plan = ToolPlan(fmt, True, "auto", True, [])
-    stream, content, calls = _ChoiceStream(), "", []
-    for k, ch in enumerate(text):
-        delta, _ = stream.step(plan, ch, k == len(text) - 1)
-        content += delta.get("content", "")
-        for tc in delta.get("tool_calls", []):
-            if "id" in tc:
-                assert ID.match(tc["id"]), tc
-                calls.append([tc["function"]["name"], ""])
-            calls[tc["index"]][1] += tc["function"]["arguments"]
-    return content, [tuple(c) for c in calls]
+def check_id(call_id: str) -> None:
+    assert ID.match(call_id), call_id

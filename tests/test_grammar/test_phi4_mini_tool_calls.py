@@ -19,7 +19,7 @@ from grammar.specs.tool_calls import PHI4_MINI, FunctionSpec, detect_format, too
 from testlib import CHAT_TEMPLATES
 from triggered_grammar import SCHEMA, compile_auto, drive
 
-from gateway.tools.tool_output import _ChoiceStream
+from tool_streams import streamed_calls
 from gateway.tools.tool_parse import final_calls
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 
@@ -43,7 +43,7 @@ def test_the_parser_reads_each_marker_streamed_and_not(prefix: str, content: str
     expected = [("f", '{"a": 1}'), ("g", '{"a": 2}')]
     got, calls = final_calls(prefix + body, PHI4_MINI)
     assert got == content and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
-    streamed_content, streamed = _streamed(prefix + body)
+    streamed_content, streamed = streamed_calls(PHI4_MINI, prefix + body)
     assert streamed == expected and streamed_content == (content or "")
     regex = tool_calls_spec(BARE, [_fn("f"), _fn("g")], parallel=True).recipe.lower()
     assert re.fullmatch(regex, body)
@@ -71,18 +71,3 @@ def test_auto_triggers_on_the_special_tool_call_token(compiler: Any, bpe_tokeniz
     eos = bpe_tokenizer.eos_token_id
     content, calls = final_calls("<|tool_call|>" + bpe_tokenizer.decode([t for t in ids if t != eos]), PHI4_MINI)
     assert content is None and calls
-
-
-def _streamed(text: str) -> tuple[str, list[tuple[str, str]]]:
-    from gateway.tools.tools import ToolPlan
-
-    plan = ToolPlan(PHI4_MINI, True, "auto", True, [])
-    stream, content, calls = _ChoiceStream(), "", []
-    for k, ch in enumerate(text):
-        delta, _ = stream.step(plan, ch, k == len(text) - 1)
-        content += delta.get("content", "")
-        for tc in delta.get("tool_calls", []):
-            if "id" in tc:
-                calls.append([tc["function"]["name"], ""])
-            calls[tc["index"]][1] += tc["function"]["arguments"]
-    return content, [tuple(c) for c in calls]

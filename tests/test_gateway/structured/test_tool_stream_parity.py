@@ -5,14 +5,13 @@ null when it is only whitespace."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from gateway.tools.tool_output import _ChoiceStream
 from gateway.tools.tool_parse import final_calls
 from grammar.specs.tool_calls import FORMATS, ToolCallFormat
+from tool_streams import streamed_calls
 
 ARGS = json.dumps({"city": "Paris", "note": "a } b\n</tool_call> ]"})
 ARGS2 = json.dumps({"n": [1, {"m": "é"}]}, ensure_ascii=False)
@@ -48,22 +47,6 @@ def _cuts(text: str) -> list[list[str]]:
     return [list(text), uneven, [text]]
 
 
-def _streamed(fmt: ToolCallFormat, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    """(the joined content deltas, [(name, joined arguments)]) that the stream sends for `pieces`."""
-    stream, plan = _ChoiceStream(), SimpleNamespace(fmt=fmt)
-    content, calls = "", {}
-    for k, piece in enumerate(pieces):
-        delta, _ = stream.step(plan, piece, finished=k == len(pieces) - 1)   # type: ignore[arg-type]
-        content += delta.get("content", "")
-        for call in delta.get("tool_calls", []):
-            fn = call["function"]
-            if "name" in fn:
-                calls[call["index"]] = [fn["name"], fn.get("arguments", "")]
-            else:
-                calls[call["index"]][1] += fn["arguments"]
-    return content, [(name, args) for name, args in (calls[i] for i in sorted(calls))]
-
-
 @pytest.mark.parametrize("family", sorted(FORMATS))
 def test_stream_and_whole_answer_carry_the_same_content_and_calls(family: str) -> None:
     fmt = FORMATS[family]
@@ -71,7 +54,7 @@ def test_stream_and_whole_answer_carry_the_same_content_and_calls(family: str) -
         content, calls = final_calls(text, fmt)
         whole = (content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
         for pieces in _cuts(text):
-            assert _streamed(fmt, pieces) == whole, (family, text, pieces[:4])
+            assert streamed_calls(fmt, pieces) == whole, (family, text, pieces[:4])
 
 
 @pytest.mark.parametrize("family", sorted(FORMATS))
@@ -95,4 +78,4 @@ def test_an_answer_cut_at_max_tokens_streams_what_the_whole_answer_holds(family:
             content, calls = final_calls(text[:end], fmt, truncated=True)
             whole = (content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
             for pieces in _cuts(text[:end])[1:]:
-                assert _streamed(fmt, pieces) == whole, (family, text[:end])
+                assert streamed_calls(fmt, pieces) == whole, (family, text[:end])
