@@ -98,6 +98,11 @@ class _WorkerProcess:
         self._start_step(("lower_init",), "load the schema lowering")
         self.lower_ready = self.lower_wanted = True
 
+    def warm_cfg(self) -> None:
+        """Imports the grammar library (xgrammar: ~3 s, START_TIMEOUT_S, not a compile's timeout)."""
+        self._start_step(("cfg_init",), "load the grammar library")
+        self.cfg_ready = True
+
     def _start_step(self, message: tuple, what: str) -> None:
         """A set-up message (init, imports): START_TIMEOUT_S, not the compile timeout."""
         try:
@@ -164,8 +169,7 @@ class _WorkerProcess:
         A result larger than `max_result_bytes` is never read into this process."""
         self.ensure_started()
         if kind == "cfg" and not self.cfg_ready:
-            self._start_step(("cfg_init",), "load the grammar library")
-            self.cfg_ready = True
+            self.warm_cfg()
         if kind in ("recipe", "check") and not self.lower_ready:
             self.warm_lowering()
         try:
@@ -253,7 +257,9 @@ class CompilePool:
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
         self.max_result_bytes = max_result_bytes
-        self._lowering_used = threading.Event()
+        self._lowering_used = threading.Event()   # a schema was lowered: every worker imports the lowering
+        self._cfg_used = threading.Event()        # a GBNF grammar was compiled: every worker imports xgrammar
+        self._warming = threading.Lock()          # one idle worker imports at a time: the others take jobs
         self._jobs: queue.Queue[tuple[Any, Future, str] | None] = queue.Queue()
         self._workers = [_WorkerProcess(self._init, memory_bytes) for _ in range(max(1, num_workers))]
         self._threads = [
@@ -294,14 +300,7 @@ class CompilePool:
             try:
                 job = self._jobs.get(timeout=IDLE_POLL_S)
             except queue.Empty:
-                # the first schema made one worker import the lowering: the idle ones follow, so at most one
-                # request waits for that import (a pool that never sees a schema never pays it)
-                alive = worker.proc is not None and worker.proc.poll() is None
-                if self._lowering_used.is_set() and alive and not worker.lower_ready and not self._closed:
-                    try:
-                        worker.warm_lowering()
-                    except Exception:  # noqa: BLE001 - retried on the next schema
-                        pass
+                self._warm_idle(worker)
                 continue
             if job is None:
                 worker.kill()
@@ -311,6 +310,8 @@ class CompilePool:
                 continue
             if kind in ("recipe", "check"):
                 self._lowering_used.set()
+            elif kind == "cfg":
+                self._cfg_used.set()
             try:
                 future.set_result(worker.compile(payload, self.timeout_s, kind, self.max_result_bytes))
             except BaseException as e:  # noqa: BLE001 - delivered to the waiter
@@ -320,6 +321,25 @@ class CompilePool:
                     worker.ensure_started()
                 except Exception:  # noqa: BLE001 - retried on the next job
                     pass
+
+    def _warm_idle(self, worker: _WorkerProcess) -> None:
+        """The first schema (grammar) made one worker import the lowering (xgrammar, ~3 s): the idle ones
+        follow, so at most one request waits for each import, and a pool that never sees a schema (a
+        grammar) never pays it. Only idle workers: a replacement for a killed worker imports xgrammar when
+        the pool is idle, so a flood of compiles that time out never pays the import on top; one worker at
+        a time, so the others stay free for a compile that arrives meanwhile."""
+        alive = worker.proc is not None and worker.proc.poll() is None
+        if not alive or self._closed or not self._warming.acquire(blocking=False):
+            return
+        try:
+            if self._lowering_used.is_set() and not worker.lower_ready:
+                worker.warm_lowering()
+            elif self._cfg_used.is_set() and not worker.cfg_ready:
+                worker.warm_cfg()
+        except Exception:  # noqa: BLE001 - retried on the next schema or grammar
+            pass
+        finally:
+            self._warming.release()
 
     def close(self) -> None:
         if self._closed:
