@@ -7,6 +7,9 @@ the engine thread reads.
 - Names come from `--lora-modules` / the admin API (explicit, read at once) or from `--lora-dir`s
   (`lookup` registers a directory entry on the first request; its weights are read by the loader pool).
   An explicit name wins over a directory entry (an admin load replaces a directory entry of that name).
+  A load with `replace` (the admin API's `load_inplace`) also replaces an explicit entry: the name moves to
+  the new weights at once (a new generation: no KV or slot of the old one is reused), requests already
+  holding the old entry finish on it, and one resolved before the swap but not yet admitted gets the new one.
 - Host copies: at most `max_cpu_loras` adapters are resident or being read at any time. A copy held by a
   waiting or running request is never dropped; a dropped copy is read again through the loader pool
   (`can_start_load` / `start_load`, driven by the engine), never on the engine thread.
@@ -57,6 +60,7 @@ class LoadedAdapter:
     fingerprint: Fingerprint | None = None      # the files as first read
     loading: bool = False
     error: AdapterError | None = None
+    replaced_by: "LoadedAdapter | None" = None  # a load with `replace` retired this entry for that one
 
     @property
     def namespace(self) -> str:
@@ -92,14 +96,17 @@ class AdapterRegistry:
         return host_copy(self._loader(source, self.dims, self.max_lora_rank), self.dtype, self.pin_memory)
 
     # ---- gateway side ---------------------------------------------------------------------
-    def load(self, name: str, path: str) -> LoadedAdapter:
-        """Reads and validates the adapter (blocking: call off the engine thread) and registers it."""
+    def load(self, name: str, path: str, replace: bool = False) -> LoadedAdapter:
+        """Reads and validates the adapter (blocking: call off the engine thread) and registers it. A name
+        already loaded is a `duplicate_adapter` error, unless `replace`: the new weights then take the name
+        once they are read and validated (a failed read leaves the old entry serving)."""
         if not valid_name(name):   # the rules of a --lora-dir name: it is shown on /v1/models, /metrics, logs
             raise AdapterError(
                 f"lora_name must be 1 to {MAX_NAME_CHARS} characters, with no NUL, backslash or comma, no leading '/' and "
                 "no empty, '.' or '..' part between '/'s", code="invalid_adapter_name")
-        with self._lock:
-            self._check_free_name_locked(name)
+        if not replace:
+            with self._lock:
+                self._check_free_name_locked(name)
         t0 = time.monotonic()
         try:
             adapter = self._read(path)
@@ -108,13 +115,15 @@ class AdapterRegistry:
             raise
         self.stats.observe("success", time.monotonic() - t0)
         with self._lock:
-            self._check_free_name_locked(name)
+            if not replace:
+                self._check_free_name_locked(name)
             old = self._by_name.get(name)
-            if old is not None:       # a directory entry: the explicit load wins
-                self._retire_locked(old)
-            self.failed_reads.forget(name)
             entry = LoadedAdapter(name=name, path=str(path), generation_id=f"lora-{next(self._generations)}",
                                   adapter=adapter, files_dir=adapter.path, fingerprint=fingerprint(adapter.path))
+            if old is not None:       # a directory entry (the explicit load wins), or `replace`
+                old.replaced_by = entry
+                self._retire_locked(old)
+            self.failed_reads.forget(name)
             self._by_name[name] = entry
             self._make_room_locked()
             if len(self._host_lru) + len(self._loading) < self.max_cpu_loras:
@@ -180,11 +189,15 @@ class AdapterRegistry:
             return [(n, p) for n, p in found.items() if n not in self._by_name]
 
     # ---- engine side ----------------------------------------------------------------------
-    def acquire(self, entry: LoadedAdapter) -> None:
-        """Holds `entry` for one request. An entry unloaded since the gateway resolved its name is gone (404):
-        its slot and host copy may already be freed, so nothing may start on it. A directory entry whose first
-        read failed is retired by that failure: requests that resolved it before get that read's error."""
+    def acquire(self, entry: LoadedAdapter) -> LoadedAdapter:
+        """Holds `entry` for one request and returns the entry held: `entry`, or the entry that replaced it
+        under its name (a load with `replace`, or an admin load over a directory entry) since the gateway
+        resolved the name. An entry unloaded since then is gone (404): its slot and host copy may already be
+        freed, so nothing may start on it. A directory entry whose first read failed is retired by that
+        failure: requests that resolved it before get that read's error."""
         with self._lock:
+            while entry.unloaded and entry.replaced_by is not None:
+                entry = entry.replaced_by
             if entry.unloaded and entry.error is not None and entry.location is not None and \
                     entry.fingerprint is None:
                 raise entry.error.fresh()
@@ -192,6 +205,7 @@ class AdapterRegistry:
                 raise AdapterError(f"The model `{entry.name}` does not exist (it was unloaded).",
                                    code="model_not_found", status=404)
             entry.num_in_flight += 1
+            return entry
 
     def release(self, entry: LoadedAdapter) -> None:
         with self._lock:

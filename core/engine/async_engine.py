@@ -132,8 +132,8 @@ class AsyncEngine:
     def adapters(self) -> AdapterRegistry:
         return self.engine.registry
 
-    def load_lora(self, name: str, path: str) -> LoadedAdapter:
-        return self.engine.load_lora(name, path)
+    def load_lora(self, name: str, path: str, replace: bool = False) -> LoadedAdapter:
+        return self.engine.load_lora(name, path, replace)
 
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
@@ -247,7 +247,8 @@ class AsyncEngine:
         kwargs: dict[str, Any] = {"grammar": grammar, "tenant": tenant}
         if lora is not None:   # held from now on: an unload before the engine thread admits it cannot 404 it
             assert isinstance(lora, LoadedAdapter), "an adapter entry of another engine"
-            self.engine.registry.acquire(lora)     # (unloaded already: AdapterError 404, before any response)
+            lora = self.engine.registry.acquire(lora)   # (unloaded: AdapterError 404, before any response;
+            #                                              replaced since it was resolved: the new entry)
             kwargs.update(lora=lora, lora_held=True)
         try:
             queue = self._streams.open(request_id, "the engine loop is not running")

@@ -114,7 +114,7 @@ class LLMEngine:
             max_tokens = self.check_request(len(prompt_token_ids), params)
             check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
             if lora is not None and not lora_held:
-                self.registry.acquire(lora)      # an adapter unloaded since its name was resolved: 404
+                lora = self.registry.acquire(lora)   # unloaded since its name was resolved: 404; replaced: the new
                 lora_held = True
             seed = params.seed % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
             req = new_request(request_id, prompt_token_ids, params, max_tokens=max_tokens, seed=seed,
@@ -151,9 +151,10 @@ class LLMEngine:
         return self._grammars.schema_options
 
     # ---- adapters -------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str) -> LoadedAdapter:
-        """Reads, validates and registers an adapter (thread-safe; blocking file I/O)."""
-        return self.registry.load(name, path)
+    def load_lora(self, name: str, path: str, replace: bool = False) -> LoadedAdapter:
+        """Reads, validates and registers an adapter (thread-safe; blocking file I/O); `replace`: over a loaded
+        adapter of that name (`AdapterRegistry.load`)."""
+        return self.registry.load(name, path, replace)
 
     def unload_lora(self, name: str) -> None:
         self.registry.unload(name)

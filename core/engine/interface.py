@@ -202,8 +202,9 @@ class ServingEngine(Protocol):
         ...
 
     # ---- adapters -------------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str) -> AdapterEntry:
-        """Reads, validates and registers an adapter (blocking: call it off the event loop); AdapterError."""
+    def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterEntry:
+        """Reads, validates and registers an adapter (blocking: call it off the event loop); AdapterError.
+        `replace`: a loaded adapter of that name is replaced (admin `load_inplace`), else a duplicate_adapter."""
         ...
 
     def unload_lora(self, name: str) -> None: ...

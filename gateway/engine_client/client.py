@@ -147,9 +147,9 @@ class EngineClient:
     def adapters(self) -> RemoteRegistry:
         return self._registry
 
-    def load_lora(self, name: str, path: str) -> RemoteAdapter:
+    def load_lora(self, name: str, path: str, replace: bool = False) -> RemoteAdapter:
         """Blocking (the admin route runs it on a worker thread): the engine reads and registers it."""
-        return self._registry.load(name, path)
+        return self._registry.load(name, path, replace)
 
     def unload_lora(self, name: str) -> None:
         self._registry.unload(name)

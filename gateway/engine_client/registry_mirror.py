@@ -90,9 +90,11 @@ class RemoteRegistry:
         with self._lock:
             return [(n, p) for n, p in found.items() if n not in self._by_name]
 
-    def load(self, name: str, path: str) -> RemoteAdapter:
-        """Blocking (the admin route runs it on a worker thread): the engine reads and registers it."""
-        n, p, g, c = self._command("load_lora", (name, path)).result()
+    def load(self, name: str, path: str, replace: bool = False) -> RemoteAdapter:
+        """Blocking (the admin route runs it on a worker thread): the engine reads and registers it. `replace`
+        keeps the name's epoch: a request resolved before the swap is admitted on the new weights (the engine
+        resolves names at admission), as in-process."""
+        n, p, g, c = self._command("load_lora", (name, path, replace)).result()
         with self._lock:
             entry = self._by_name[n] = RemoteAdapter(n, p, g, c, self._epochs.get(n, 0))
         return entry

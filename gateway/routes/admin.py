@@ -1,8 +1,11 @@
 """Admin API (only with `--admin-token`): hot-load and unload LoRA adapters without a restart.
 
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` reads and validates the adapter on a worker
-thread (the engine keeps serving), then registers it under a fresh generation id.
-`POST /v1/unload_lora_adapter {"lora_name"}` removes the name at once; in-flight requests finish.
+thread (the engine keeps serving), then registers it under a fresh generation id. vLLM's optional
+`"load_inplace": true` replaces an adapter already loaded under that name (new requests get the new weights
+once they are read; requests in flight finish on the old); without it a loaded name is a 400.
+`POST /v1/unload_lora_adapter {"lora_name"}` removes the name at once; in-flight requests finish (vLLM's
+optional `lora_int_id` is accepted and unused: names identify adapters here).
 """
 from __future__ import annotations
 
@@ -28,14 +31,22 @@ def _check_admin(request: Request) -> None:
                        code="invalid_admin_token")
 
 
-async def _body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
+async def _body(request: Request, fields: tuple[str, ...], optional: tuple[tuple[str, type], ...] = ()
+                ) -> dict[str, Any]:
+    """The required string `fields` and vLLM's `optional` fields (absent or null: left out)."""
     data = load_json_object(await read_body(request))   # 400 on bad JSON / lone surrogates, 413 if huge
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields) - {name for name, _ in optional})
     if unknown:
         raise invalid(f"unknown field {unknown[0]!r}", param=unknown[0])
     for name in fields:
         if not isinstance(data.get(name), str) or not data[name]:
             raise invalid(f"{name} must be a non-empty string", param=name)
+    for name, kind in optional:
+        value = data.get(name)
+        if value is None:
+            data.pop(name, None)
+        elif type(value) is not kind:   # bool is not an int here, nor an int a bool
+            raise invalid(f"{name} must be a {'boolean' if kind is bool else 'integer'}", param=name)
     return data
 
 
@@ -46,13 +57,14 @@ def _adapter_error(exc: AdapterError, param: str) -> APIError:
 @api_endpoint
 async def load_lora_adapter(request: Request) -> Response:
     _check_admin(request)
-    data = await _body(request, ("lora_name", "lora_path"))
+    data = await _body(request, ("lora_name", "lora_path"), (("load_inplace", bool),))
     state = request.app.state.gateway
     name = data["lora_name"]
     if state.models.is_base(name):
         raise invalid(f"{name!r} is the base model's name", param="lora_name", code="duplicate_adapter")
     try:
-        entry = await asyncio.to_thread(state.aeng.load_lora, name, data["lora_path"])
+        entry = await asyncio.to_thread(state.aeng.load_lora, name, data["lora_path"],
+                                        data.get("load_inplace", False))
     except AdapterError as exc:
         raise _adapter_error(exc, "lora_name" if exc.code in ("duplicate_adapter", "invalid_adapter_name")
                              else "lora_path") from None
@@ -63,7 +75,7 @@ async def load_lora_adapter(request: Request) -> Response:
 @api_endpoint
 async def unload_lora_adapter(request: Request) -> Response:
     _check_admin(request)
-    data = await _body(request, ("lora_name",))
+    data = await _body(request, ("lora_name",), (("lora_int_id", int),))
     try:
         request.app.state.gateway.aeng.unload_lora(data["lora_name"])
     except AdapterError as exc:

@@ -86,7 +86,7 @@ class FakeEngine:
     def stream(self, request_id: str, queue: "asyncio.Queue[RequestDelta]") -> AsyncIterator[RequestDelta]:
         pytest.fail("the stand-in engine runs no request")
 
-    def load_lora(self, name: str, path: str) -> Any:
+    def load_lora(self, name: str, path: str, replace: bool = False) -> Any:
         pytest.fail("the stand-in engine loads no adapter")
 
     def unload_lora(self, name: str) -> None:

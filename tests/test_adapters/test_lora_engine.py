@@ -250,6 +250,61 @@ def test_reload_while_the_old_weights_run_never_shares_their_kv() -> None:
     assert_idle_and_sound(llm)
 
 
+def test_replace_in_place_while_the_old_weights_run() -> None:
+    """vLLM's `load_inplace`: a load with `replace` over a loaded name. A request resolved before the swap and
+    admitted after it runs on the new weights (never a 404: the name never stopped existing); the request
+    already running finishes on the old weights; the new weights never hit the old KV; a failed replace leaves
+    the old weights serving; without `replace` the name is a duplicate."""
+    model = "llama_gqa"
+    llm = make_llm(model, names={"tenant-a": "qv_r4"})
+    engine = llm.engine
+    ids = prompt_ids(model)[4]
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8")))
+    with pytest.raises(AdapterError) as excinfo:
+        engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8_v2")))
+    assert excinfo.value.code == "duplicate_adapter"
+    with pytest.raises(AdapterError):               # a bad replacement: the old entry stays
+        engine.load_lora("tenant-c", str(corrupt_adapter_dir(model)), replace=True)
+    engine.add_request("old", ids, GREEDY, lora=engine.resolve_lora("tenant-c"))
+    resolved_early = engine.resolve_lora("tenant-c")
+    outputs: dict[str, list[int]] = {"old": [], "late": [], "new": []}
+    cached: dict[str, int] = {}
+    for _ in range(2):
+        for d in engine.step():
+            outputs[d.request_id] += d.new_token_ids
+    engine.load_lora("tenant-c", str(adapter_dir(model, "all7_r8_v2")), replace=True)
+    engine.registry.check_integrity()
+    engine.add_request("late", ids, GREEDY, lora=resolved_early)   # resolved before the swap
+    engine.add_request("new", ids, GREEDY, lora=engine.resolve_lora("tenant-c"))
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            outputs[d.request_id] += d.new_token_ids
+            cached.setdefault(d.request_id, d.num_cached_tokens)
+        engine.check_integrity()
+    new_ref = reference(model, "tenant-c", ids, {"tenant-c": "all7_r8_v2"})
+    assert outputs["old"] == reference(model, "tenant-c", ids, {"tenant-c": "all7_r8"})
+    assert outputs["late"] == new_ref and outputs["new"] == new_ref
+    assert cached["late"] == 0, "the replacement hit the old weights' KV"
+    assert [e.name for e in engine.registry.entries()].count("tenant-c") == 1
+    assert_idle_and_sound(llm)
+
+
+def test_replace_of_a_name_not_loaded_is_a_load() -> None:
+    model = "llama_gqa"
+    llm = make_llm(model, names={"tenant-a": "qv_r4"})
+    engine = llm.engine
+    entry = engine.load_lora("tenant-d", str(adapter_dir(model, "all7_r8")), replace=True)
+    assert engine.resolve_lora("tenant-d") is entry
+    ids = prompt_ids(model)[0]
+    engine.add_request("r", ids, GREEDY, lora=entry)
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out += d.new_token_ids
+    assert out == reference(model, "tenant-d", ids, {"tenant-d": "all7_r8"})
+    assert_idle_and_sound(llm)
+
+
 def test_unload_between_resolve_and_admission() -> None:
     """The gateway resolves a name, then the engine thread admits the request: an unload in between is a 404
     for that request (its slot and host copy may already be freed), never a request that waits forever."""

@@ -58,20 +58,29 @@ def test_randomized_operations_keep_invariants(tmp_path: Path) -> None:
     loader = FakeLoader()
     reg = _registry(root, 5, loader)
     held: list = []                                  # entries acquired by "requests"
+    resolved: list = []                              # names resolved by the gateway, not admitted yet
     for step in range(1500):
         ready_held = [e for e in held if e.ready]   # host copies that requests hold: must survive this op
         op = rng.random()
-        if op < 0.3:
+        if op < 0.15:
             try:
                 entry = reg.lookup(rng.choice(names))
             except AdapterError:
                 entry = None
-            if entry is not None and entry.unloaded:  # unloaded since the lookup: a 404, nothing is held
+            if entry is not None:
+                resolved.append(entry)
+        elif op < 0.3 and resolved:                  # admission, some operations after the resolution
+            entry = resolved.pop(rng.randrange(len(resolved)))
+            current = entry
+            while current.unloaded and current.replaced_by is not None:
+                current = current.replaced_by
+            if current.unloaded:                     # unloaded since the lookup: a 404, nothing is held
                 with pytest.raises(AdapterError):
                     reg.acquire(entry)
-            elif entry is not None:
-                reg.acquire(entry)
-                held.append(entry)
+            else:                                    # replaced since (an admin load): the replacement is held
+                got = reg.acquire(entry)
+                assert got is current and reg.get(entry.name) is got
+                held.append(got)
         elif op < 0.5 and held:
             reg.release(held.pop(rng.randrange(len(held))))
         elif op < 0.75:
@@ -84,10 +93,10 @@ def test_randomized_operations_keep_invariants(tmp_path: Path) -> None:
                 reg.unload(name)
         elif op < 0.85:
             name = rng.choice(names[:24])
-            try:
-                reg.load(name, str(root / name))    # an admin load wins over the directory entry
-            except AdapterError:
-                pass
+            try:                                     # an admin load wins over the directory entry; with
+                reg.load(name, str(root / name), replace=rng.random() < 0.5)   # replace, over a loaded one too
+            except AdapterError as e:
+                assert e.code == "duplicate_adapter"
         elif op < 0.9:
             reg.take_released()
         else:

@@ -280,6 +280,40 @@ def test_admin_errors(server: ServerProcess, tmp_path: Path) -> None:
     assert ids == [server.model, "a", "b"]
 
 
+def test_load_inplace_replaces_the_weights(server: ServerProcess, client: "openai.OpenAI") -> None:
+    """vLLM's `load_inplace`: a reload over a loaded name, with no window in which the name is a 404; the new
+    weights start cold (no KV of the old ones); a failed replacement leaves the old weights serving. vLLM's
+    `lora_int_id` on unload is accepted (names identify adapters here)."""
+    prompt = PROMPTS[0]
+    first, second = "rs_kod_r16", "all7_r8_v2"
+    body = {"lora_name": "f", "lora_path": str(adapter_dir(MODEL, first))}
+    assert admin(server, "load_lora_adapter", {**body, "load_inplace": True}).status_code == 200  # a plain load
+    try:
+        assert complete(client, "f", prompt) == reference_text(first, prompt)
+        assert cached_tokens(server, "f") == 0 and cached_tokens(server, "f") > 0
+        resp = admin(server, "load_lora_adapter", {**body, "load_inplace": False})
+        assert resp.status_code == 400 and error_of(resp)["code"] == "duplicate_adapter", resp.text
+        bad = admin(server, "load_lora_adapter", {"lora_name": "f", "lora_path": str(corrupt_adapter_dir(MODEL)),
+                                                  "load_inplace": True})
+        assert bad.status_code == 400 and error_of(bad)["param"] == "lora_path", bad.text
+        assert complete(client, "f", prompt) == reference_text(first, prompt)   # still the old weights
+        resp = admin(server, "load_lora_adapter", {"lora_name": "f", "lora_path": str(adapter_dir(MODEL, second)),
+                                                   "load_inplace": True})
+        assert resp.status_code == 200, resp.text
+        assert complete(client, "f", prompt) == reference_text(second, prompt)
+        assert cached_tokens(server, "f") == 0, "the replaced weights' KV was reused"
+        assert [m.id for m in client.models.list().data].count("f") == 1
+        for field, value in (("load_inplace", "yes"), ("load_inplace", 1)):
+            resp = admin(server, "load_lora_adapter", {**body, field: value})
+            assert resp.status_code == 400 and error_of(resp)["param"] == field, resp.text
+        resp = admin(server, "unload_lora_adapter", {"lora_name": "f", "lora_int_id": True})
+        assert resp.status_code == 400 and error_of(resp)["param"] == "lora_int_id", resp.text
+    finally:
+        resp = admin(server, "unload_lora_adapter", {"lora_name": "f", "lora_int_id": 7})
+    assert resp.status_code == 200, resp.text
+    assert "f" not in [m.id for m in client.models.list().data]
+
+
 def test_still_healthy_after_admin_traffic(server: ServerProcess, client: "openai.OpenAI") -> None:
     """Runs last in this module: the server survived every error above and is idle with no KV held."""
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
