@@ -314,6 +314,49 @@ def test_load_inplace_replaces_the_weights(server: ServerProcess, client: "opena
     assert "f" not in [m.id for m in client.models.list().data]
 
 
+def test_load_inplace_under_traffic_never_fails_a_request(server: ServerProcess) -> None:
+    """Replacements while requests on the name stream in: every request is a 200 with one version's text (the
+    old or the new weights' greedy output, never a mix, a 404 or a stuck request)."""
+    prompt = PROMPTS[1]
+    versions = ["rs_kod_r16", "all7_r8_v2"]
+    refs = {reference_text(v, prompt) for v in versions}
+    assert len(refs) == 2
+    assert admin(server, "load_lora_adapter",
+                 {"lora_name": "g", "lora_path": str(adapter_dir(MODEL, versions[0]))}).status_code == 200
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+            async def ask(delay_s: float) -> httpx.Response:
+                await asyncio.sleep(delay_s)
+                return await ac.post("/v1/completions", json={"model": "g", "prompt": prompt,
+                                                              "max_tokens": MAX_TOKENS, "temperature": 0})
+
+            async def swaps() -> list[httpx.Response]:   # one after the other: the last one wins
+                out = []
+                for i in range(4):
+                    await asyncio.sleep(0.12)
+                    out.append(await ac.post(
+                        "/v1/load_lora_adapter", headers={"Authorization": f"Bearer {TOKEN}"},
+                        json={"lora_name": "g", "lora_path": str(adapter_dir(MODEL, versions[(i + 1) % 2])),
+                              "load_inplace": True}))
+                return out
+            swapped, *asked = await asyncio.gather(swaps(), *[ask(0.03 * i) for i in range(24)])
+        assert all(r.status_code == 200 for r in swapped), [r.text for r in swapped]
+        return list(asked)
+
+    try:
+        resps = asyncio.run(run())
+        assert all(r.status_code == 200 for r in resps), [r.text for r in resps if r.status_code != 200]
+        texts = [norm_text(r.json()["choices"][0]["text"]) for r in resps]
+        assert set(texts) <= refs, set(texts) - refs
+        # the last replacement loaded versions[0] (four swaps from versions[0]): later requests get it
+        assert norm_text(httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "g", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}).json()["choices"][0]["text"]
+        ) == reference_text(versions[0], prompt)
+    finally:
+        assert admin(server, "unload_lora_adapter", {"lora_name": "g"}).status_code == 200
+
+
 def test_still_healthy_after_admin_traffic(server: ServerProcess, client: "openai.OpenAI") -> None:
     """Runs last in this module: the server survived every error above and is idle with no KV held."""
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
