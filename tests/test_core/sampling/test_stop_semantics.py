@@ -7,6 +7,7 @@ A tiny model scripted to write "alpha beta gamma delta eps zeta" (one token each
 (tests/helpers/scripted_model.py): every text below is exact."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +82,26 @@ def test_stop_reason_names_the_stop_string(llm: LLM) -> None:
     assert out.text == "alphabetag" and out.finish_reason == "stop" and out.stop_reason == "amma"
     kept = run(llm, stop=["amma"], include_stop_str_in_output=True)
     assert kept.text == "alphabetagamma" and kept.stop_reason == "amma"
+
+
+def test_a_generation_config_eos_is_a_stop_token(tmp_path: Path) -> None:
+    """An EOS that generation_config.json adds to the tokenizer's (Llama 3's `<|eot_id|>`, Qwen's `<|im_end|>`)
+    ends the answer as vLLM's stop tokens do: no text, `stop_reason` its id; with ignore_eos it is text."""
+    path = scripted_model(tmp_path, ["alpha", "beta", "<|end|>"])
+    engine = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
+    try:
+        end = ids_of(engine, "<|end|>")[0]
+        assert end != engine.tokenizer.eos_token_id
+        config = path / "generation_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": [2, end]}))
+    finally:
+        engine.shutdown()
+    engine = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
+    try:
+        out = run(engine)
+        assert (out.text, out.finish_reason, out.stop_reason) == ("alphabeta", "stop", end)
+        shown = {"skip_special_tokens": False}   # <|end|> is one of the tiny tokenizer's special tokens
+        assert run(engine, **shown).text == "alphabeta"
+        assert run(engine, ignore_eos=True, max_tokens=3, **shown).text == "alphabeta<|end|>"
+    finally:
+        engine.shutdown()
