@@ -126,7 +126,7 @@ class LLM:
                 if delta.prompt_logprobs is not None:
                     results[i].prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
-                    out.finish_reason = delta.finish_reason
+                    out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
                     results[i].num_cached_tokens = delta.num_cached_tokens
         for r in results:
             r.finished = True

@@ -39,6 +39,7 @@ class RequestDelta:
     error: str | None = None
     exception: BaseException | None = None   # the domain error behind `error` (e.g. an AdapterError: 400)
     prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first token, when asked for
+    stop_reason: int | str | None = None     # finished with "stop": the stop string or stop token id (None: EOS)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None     # vLLM's: the stop string or stop token id that ended it (None: EOS)
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Request:
     prompt_logprobs: list[Any] | None = None   # per prompt position (entry 0 None); see core/sampling/prompt_logprobs.py
     speculate: bool = False               # proposes draft tokens (decided at admission, kept for its life)
     num_spec_tokens: int = 0              # trailing draft tokens in all_token_ids, verified this step
+    stop_reason: int | str | None = None   # what ended it with `stop`: a stop string or token id (None: EOS)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

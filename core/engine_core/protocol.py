@@ -52,6 +52,7 @@ class Delta(msgspec.Struct, array_like=True):
     num_output_tokens: int
     num_cached_tokens: int
     rich: bytes | None       # pickled (new_logprobs, error, exception, prompt_logprobs) when any is set
+    stop_reason: int | str | None = None
 
 
 class Reply(msgspec.Struct, array_like=True):
@@ -136,13 +137,14 @@ def encode_delta(d: RequestDelta) -> Delta:
             blob = dumps((d.new_logprobs, d.error, None, d.prompt_logprobs))
         rich = blob
     return Delta(d.request_id, d.new_token_ids, d.new_text, d.finished, d.finish_reason, d.num_prompt_tokens,
-                 d.num_output_tokens, d.num_cached_tokens, rich)
+                 d.num_output_tokens, d.num_cached_tokens, rich, d.stop_reason)
 
 
 def decode_delta(d: Delta) -> RequestDelta:
     out = RequestDelta(request_id=d.request_id, new_token_ids=d.new_token_ids, new_text=d.new_text,
                        finished=d.finished, finish_reason=d.finish_reason, num_prompt_tokens=d.num_prompt_tokens,
-                       num_output_tokens=d.num_output_tokens, num_cached_tokens=d.num_cached_tokens)
+                       num_output_tokens=d.num_output_tokens, num_cached_tokens=d.num_cached_tokens,
+                       stop_reason=d.stop_reason)
     if d.rich is not None:
         out.new_logprobs, out.error, out.exception, out.prompt_logprobs = _loads_rich(d.rich)
     return out

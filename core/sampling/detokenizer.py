@@ -1,5 +1,7 @@
 """Incremental detokenization with stop strings (cut from the output and held back while streaming, unless
-`include_stop_str_in_output`: then the text ends with the matched stop string and nothing is held back)."""
+`include_stop_str_in_output`: then the text ends with the matched stop string and nothing is held back).
+As vLLM: no stop string ends the text within the first `min_tokens` output tokens (the caller says so per token,
+`check_stops`), though one may begin there and end in a later token."""
 from __future__ import annotations
 
 import threading
@@ -42,6 +44,8 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(context, skip_special_tokens=params.skip_special_tokens)
         self.text = ""
         self._num_sent = 0
+        self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)   # the tokenizer's own EOS
+        self.matched_stop: str | None = None   # the stop string that ended the text (vLLM's `stop_reason`)
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._search_back = max((len(s) for s in self._stops), default=1) - 1   # a stop may start this far back
@@ -58,8 +62,10 @@ class IncrementalDetokenizer:
         if self._stops:
             self._stops, self._search_back, self._holdback = (), 0, 0
 
-    def add_token(self, token_id: int) -> bool:
-        """Appends one token's text. Returns True when a stop string appeared (text cut before it)."""
+    def add_token(self, token_id: int, check_stops: bool = True) -> bool:
+        """Appends one token's text. Returns True when a stop string appeared (text cut before it, or after it
+        with `include_stop_str_in_output`; `matched_stop` names it). `check_stops` False (a token within
+        `min_tokens`): the text grows, no stop string is looked for."""
         piece = self._stream.step(self._backend, token_id)
         if self._added is not None:
             content = self._added.get(token_id)
@@ -70,12 +76,13 @@ class IncrementalDetokenizer:
             return False
         search_from = max(0, len(self.text) - self._search_back)
         self.text += piece
-        if not self._stops:
+        if not self._stops or not check_stops:
             return False
         hits = [(i, len(s)) for s, i in ((s, self.text.find(s, search_from)) for s in self._stops) if i >= 0]
         if not hits:
             return False
         start, length = min(hits)
+        self.matched_stop = self.text[start:start + length]
         self.text = self.text[:start + length] if self._include_stop else self.text[:start]
         return True
 

@@ -3,7 +3,12 @@
 Order of the checks (first match wins): a grammar decides alone (EOS and stop tokens count only in its final
 states; stop strings are not applied, they could cut the JSON, except in the free text of `tool_choice: "auto"`
 before its trigger; "only EOS left" ends the request without another forward); else EOS (unless `ignore_eos`),
-a stop string or stop token id; else `max_tokens` or the context limit (`length`).
+a stop token id, a stop string; else `max_tokens` or the context limit (`length`).
+
+As vLLM: the EOS or stop token that ends a request adds no text unless `include_stop_str_in_output` (its id stays
+in the token ids); no stop string ends the text within the first `min_tokens` output tokens (EOS and stop tokens
+are masked there: core/sampling/penalties.py); `stop_reason` is the matched stop string, the stop token id (an EOS
+other than the tokenizer's own counts as one, as vLLM adds `generation_config.json`'s to the stop tokens), or None.
 """
 from __future__ import annotations
 
@@ -25,13 +30,17 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
         if getattr(req.grammar, "triggered", False):   # the call's text: never cut at a stop string
             req.detokenizer.drop_stop_strings()
         hit = False
-        if not req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
+        if req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
+            req.stop_reason = _token_stop_reason(req, token)
+        else:
             hit = _detokenize(req, token)            # True only in the free text of `auto` (admission.py)
         status = RequestStatus.FINISHED_STOPPED if done or hit else None
-    elif token in req.eos_token_ids and not params.ignore_eos:
-        _detokenize(req, token)
+    elif (token in req.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if params.include_stop_str_in_output:
+            _detokenize(req, token, check_stops=False)
+        req.stop_reason = _token_stop_reason(req, token)
         status = RequestStatus.FINISHED_STOPPED
-    elif _detokenize(req, token) or token in params.stop_token_ids:
+    elif _detokenize(req, token):
         status = RequestStatus.FINISHED_STOPPED
     else:
         status = None
@@ -42,10 +51,22 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
     return status
 
 
-def _detokenize(req: Request, token: int) -> bool:
+def _detokenize(req: Request, token: int, check_stops: bool = True) -> bool:
+    """The token's text into the output; True when a stop string ended it (then `stop_reason` names it)."""
     if faults.ACTIVE:
         faults.hit("detokenize", req)
-    return req.detokenizer.add_token(token)
+    detok = req.detokenizer
+    if not detok.add_token(token, check_stops and req.num_output_tokens > req.sampling_params.min_tokens):
+        return False
+    req.stop_reason = detok.matched_stop
+    return True
+
+
+def _token_stop_reason(req: Request, token: int) -> int | None:
+    """vLLM's `stop_reason` for a request ended by a token: None for the tokenizer's EOS (a stop token id when
+    `ignore_eos` and `stop_token_ids` names it), else the token id."""
+    is_eos = token == req.detokenizer.eos_token_id and not req.sampling_params.ignore_eos
+    return None if is_eos else token
 
 
 def append_token(req: Request, token: int, logprob: Any, max_model_len: int,
@@ -69,6 +90,7 @@ def make_delta(req: Request, tokens: list[int], logprobs: list, finished: bool) 
     return RequestDelta(
         request_id=req.request_id, new_token_ids=tokens, new_text=req.detokenizer.take_delta(finished),
         finished=finished, finish_reason=req.status.value if finished else None,
+        stop_reason=req.stop_reason if finished and req.status is RequestStatus.FINISHED_STOPPED else None,
         num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
         num_cached_tokens=req.num_cached_tokens, new_logprobs=logprobs,
         prompt_logprobs=(req.prompt_logprobs or [None] * req.num_prompt_tokens)

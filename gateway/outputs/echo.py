@@ -36,7 +36,7 @@ async def without_generation(deltas: AsyncIterator[tuple[int, RequestDelta]]
     try:
         async for index, d in deltas:
             yield index, dataclasses.replace(d, new_token_ids=[], new_text="", new_logprobs=[], num_output_tokens=0,
-                                             finish_reason="length" if d.finished else None)
+                                             finish_reason="length" if d.finished else None, stop_reason=None)
     finally:
         await deltas.aclose()  # type: ignore[attr-defined]
 

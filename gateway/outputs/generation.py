@@ -125,6 +125,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None         # vLLM's: the stop string or stop token id that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None     # completions echo + logprobs (gateway/outputs/echo.py)
@@ -143,7 +144,7 @@ async def collect(children: list[Child],
             if delta.prompt_logprobs is not None:
                 r.prompt_logprobs = delta.prompt_logprobs
             if delta.finished:
-                r.finish_reason = delta.finish_reason
+                r.finish_reason, r.stop_reason = delta.finish_reason, delta.stop_reason
                 r.num_cached_tokens = delta.num_cached_tokens
     finally:
         await deltas.aclose()  # type: ignore[attr-defined]

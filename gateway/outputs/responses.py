@@ -116,7 +116,8 @@ def completion_body(request_id: str, created: int, model: str, results: list[Cho
     """vLLM's shape: each choice's `prompt_logprobs` is null unless the request asked (gateway/outputs/echo.py)."""
     choices = [{"index": r.index, "text": r.text,
                 "logprobs": completion_logprobs(r.logprobs, texts) if texts is not None else None,
-                "finish_reason": r.finish_reason, "prompt_logprobs": None} for r in results]
+                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason, "prompt_logprobs": None}
+               for r in results]
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage, "system_fingerprint": None}
 
@@ -126,7 +127,7 @@ def chat_body(request_id: str, created: int, model: str, results: list[ChoiceRes
     """vLLM's shape: the top-level `prompt_logprobs` is null unless the request asked (gateway/outputs/echo.py)."""
     choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text, "refusal": None},
                 "logprobs": chat_logprobs(r.logprobs, texts) if texts is not None else None,
-                "finish_reason": r.finish_reason} for r in results]
+                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for r in results]
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage, "system_fingerprint": None, "prompt_logprobs": None}
 

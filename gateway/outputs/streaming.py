@@ -80,7 +80,7 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
             logprobs = completion_logprobs(entries, info.texts, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
         choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": d.finish_reason if d.finished else None}
+                  "finish_reason": d.finish_reason if d.finished else None, "stop_reason": d.stop_reason}
         yield sse(completion_chunk(info.request_id, info.created, info.model, [choice],
                                    info.running_usage(index, d.num_output_tokens)))
     if info.include_usage:
@@ -105,7 +105,7 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
             delta["content"] = d.new_text
         choice = {"index": index, "delta": delta,
                   "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
-                  "finish_reason": d.finish_reason if d.finished else None}
+                  "finish_reason": d.finish_reason if d.finished else None, "stop_reason": d.stop_reason}
         yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
                              info.running_usage(index, d.num_output_tokens)))
     if info.include_usage:

@@ -31,6 +31,7 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
                              "cached_tokens": {"type": "integer", "minimum": 0}}}}}
 _FINISH = {"enum": ["stop", "length", None]}
 _CHAT_FINISH = {"enum": ["stop", "length", "tool_calls", None]}   # tool_calls: a chat answer with tools
+_STOP_REASON = {"type": ["string", "integer", "null"]}   # vLLM's: the stop string or stop token id that matched
 _COMPLETION = {
     "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
     "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
@@ -38,7 +39,7 @@ _COMPLETION = {
                    "choices": {"type": "array", "items": {
                        "type": "object", "required": ["index", "text", "finish_reason"],
                        "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                      "finish_reason": _FINISH}}}},
+                                      "finish_reason": _FINISH, "stop_reason": _STOP_REASON}}}},
 }
 _CHAT = {
     "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
@@ -47,6 +48,7 @@ _CHAT = {
                    "choices": {"type": "array", "items": {
                        "type": "object", "required": ["index", "message", "finish_reason"],
                        "properties": {"index": {"type": "integer"}, "finish_reason": _CHAT_FINISH,
+                                      "stop_reason": _STOP_REASON,
                                       "message": {"type": "object", "required": ["role", "content"]}}}}},
 }
 _MODEL_LIST = {

@@ -86,7 +86,7 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
                 reason = "tool_calls"
             choice = {"index": index, "delta": delta,
                       "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
-                      "finish_reason": reason}
+                      "finish_reason": reason, "stop_reason": d.stop_reason}
             yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
                                  info.running_usage(index, d.num_output_tokens)))
         if info.include_usage:

@@ -52,6 +52,7 @@ PENALTY_TESTS = ("tests/test_core/sampling/test_penalties.py",)
 STOP_TESTS = (
     "tests/test_core/sampling/test_sampling.py",
     "tests/test_core/sampling/test_detokenizer_fields.py",
+    "tests/test_core/sampling/test_stop_semantics.py",
 )
 FAULT_TESTS = ("tests/test_core/engine/test_fault_isolation.py",)
 NAMESPACE_TESTS = ("tests/test_adapters/test_lora_engine.py",)
@@ -136,6 +137,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("core/sampling/detokenizer.py",
               "self.text = self.text[:start + length] if self._include_stop else self.text[:start]",
               "self.text = self.text[:start + length]"),),
+        STOP_TESTS),
+    Mutation(
+        "stop-token-text-kept", "the EOS or stop token that ends an answer adds its text (vLLM leaves it out unless "
+        "include_stop_str_in_output)",
+        (Edit("core/sampling/stops.py", "        if params.include_stop_str_in_output:\n            _detokenize(",
+              "        if True:\n            _detokenize("),),
+        STOP_TESTS),
+    Mutation(
+        "min-tokens-stop-strings", "stop strings end the text within min_tokens (vLLM does not look for them there)",
+        (Edit("core/sampling/stops.py", "check_stops and req.num_output_tokens > req.sampling_params.min_tokens",
+              "check_stops"),),
         STOP_TESTS),
     Mutation(
         "spaces-between-special-tokens-dropped", "the gateway drops `spaces_between_special_tokens: false` (the "
