@@ -92,6 +92,11 @@ class CompiledGrammar:
     # The index was built for SENTINEL + R (see compiler.index_regex); consuming this fake
     # token from the index's start state gives the grammar's initial state.  None: plain R.
     start_token_id: int | None = None
+    # special tokens the grammar writes by id (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`): (real id, fake index id of
+    # its marker slot, grammar/compile/lowering.py MARKER_REGEXES); `banned`: the real tokens whose bytes hold a
+    # marker slot's control character (they would write the slot without the special token)
+    markers: tuple[tuple[int, int], ...] = ()
+    banned: frozenset[int] = frozenset()
     initial_state: int = field(init=False)
     _info: dict[int, StateInfo] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -107,6 +112,11 @@ class CompiledGrammar:
         self._eos = set(self.eos_token_ids)
         self._eos_array = np.array(sorted(t for t in self._eos if t >= 0), dtype=np.int64)
         self.uid = next(_UIDS)  # mask cache key: unique even if the same regex is recompiled
+        self._fake = dict(self.markers)
+
+    def _markers_at(self, state: int) -> list[int]:
+        """The real marker tokens allowed in `state` (their slot's fake token continues the index)."""
+        return [real for real, fake in self.markers if self.index.get_next_state(state, fake) is not None]
 
     @property
     def num_words(self) -> int:
@@ -116,12 +126,21 @@ class CompiledGrammar:
         """State after a non-EOS token, None if the token is not allowed."""
         if token_id in self._eos or not 0 <= token_id < self.vocab_size:
             return None
+        fake = self._fake.get(token_id)
+        if fake is not None:
+            nxt = self.index.get_next_state(state, fake)
+            if nxt is not None:
+                return int(nxt)
+        if token_id in self.banned:
+            return None
         nxt = self.index.get_next_state(state, token_id)
         return None if nxt is None else int(nxt)
 
     def allowed_token_ids(self, state: int) -> list[int]:
         """Allowed tokens in `state`, EOS ids included in final states, sorted."""
         tokens = {int(t) for t in self.index.get_allowed_tokens(state) if t < self.vocab_size} - self._eos
+        if self.markers:
+            tokens = (tokens - self.banned) | set(self._markers_at(state))
         if self.is_final(state):
             tokens |= {t for t in self._eos if 0 <= t < self.vocab_size}
         return sorted(tokens)
@@ -135,6 +154,10 @@ class CompiledGrammar:
         ids = ids[ids < self.vocab_size]
         if self._eos_array.size:
             ids = ids[~np.isin(ids, self._eos_array)]
+        if self.markers:
+            if self.banned:
+                ids = ids[~np.isin(ids, np.fromiter(self.banned, dtype=np.int64))]
+            ids = np.union1d(ids, np.array(self._markers_at(state), dtype=np.int64))
         return ids
 
     def state_info(self, state: int) -> StateInfo:
@@ -165,7 +188,10 @@ class CompiledGrammar:
         return mask
 
     def new_guide(self) -> Any:
-        """An outlines_core.Guide at the initial state (None if unavailable)."""
+        """An outlines_core.Guide at the initial state (None if unavailable, or with markers: the guide's masks
+        know neither the real marker tokens nor the banned ones)."""
+        if self.markers:
+            return None
         try:
             guide = outlines_core.Guide(self.index)
             if self.start_token_id is not None:
@@ -175,8 +201,8 @@ class CompiledGrammar:
             return None
 
     def _mask_from_guide(self, guide: Any) -> torch.Tensor | None:
-        # the index's token ids reach vocab_size + 1 (the sentinel): write into a wider buffer
-        scratch = np.zeros(bitmask_words(self.vocab_size + 2), dtype=np.uint32)
+        # the index's token ids reach vocab_size + 3 (the sentinel, the marker slots): write into a wider buffer
+        scratch = np.zeros(bitmask_words(self.vocab_size + 8), dtype=np.uint32)
         try:
             guide.write_mask_into(scratch.ctypes.data, scratch.size, scratch.itemsize)
         except Exception:  # noqa: BLE001
