@@ -20,7 +20,7 @@ from typing import Any
 from grammar.compile.limits import DEFAULT_LIMITS
 from grammar.matching.compiled import CompiledGrammar, MaskCache
 from grammar.errors import SCHEMA_PARAM, GrammarError
-from grammar.compile.lowering import MARKER_CHARS, SENTINEL_REGEX, index_regex, with_param  # noqa: F401 - re-exported
+from grammar.compile.lowering import END_CHAR, MARKER_CHARS, SENTINEL_REGEX, index_regex, with_param  # noqa: F401 - re-exported
 from grammar.compile.pool import (CompileFailed, CompileMemoryExceeded, CompilePool, CompileResult, CompileResultTooLarge,
                           CompileTimeout)
 from grammar.specs.spec import GrammarSpec, json_object_spec
@@ -243,15 +243,18 @@ class GrammarCompiler:
         return grammar
 
     def _markers(self, spec: GrammarSpec) -> dict[str, Any]:
-        """A tool-call recipe's special tokens (`ToolCallsRecipe.markers`: the real id of each marker slot) as
-        CompiledGrammar takes them, with the real tokens that would write a slot's control character."""
+        """A tool-call recipe's slots as CompiledGrammar takes them: its special tokens (`ToolCallsRecipe.markers`:
+        the real id of each marker slot), its end slot, and the real tokens that would write a slot's control
+        character."""
         real = tuple(getattr(spec.recipe, "markers", ()) or ())
-        if not real:
+        end = bool(getattr(spec.recipe, "end_slot", False))
+        if not (real or end):
             return {}
         if self._marker_banned is None:
             self._marker_banned = frozenset(t for t, data in self.vocab.tokens
-                                            if any(c in data for c in MARKER_CHARS))
-        return dict(markers=tuple(zip(real, self._pool.marker_token_ids)), banned=self._marker_banned)
+                                            if any(c in data for c in (*MARKER_CHARS, END_CHAR)))
+        return dict(markers=tuple(zip(real, self._pool.marker_token_ids)), banned=self._marker_banned,
+                    end_token_id=self._pool.end_token_id if end else None)
 
     def _insert(self, key: tuple[str, str], compiled: CompiledGrammar) -> None:
         self._cache[key] = compiled

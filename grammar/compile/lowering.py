@@ -32,6 +32,13 @@ SENTINEL_REGEX = r"\x{1}"
 MARKER_CHARS = (b"\x02", b"\x03")
 MARKER_REGEXES = (r"\x{2}\x{2}", r"\x{3}\x{3}")
 MARKER_BYTES = tuple(c * 2 for c in MARKER_CHARS)
+# The end slot: a grammar whose output may go on after a point where it could end (tool calls: a next call after
+# a whole one) is indexed as R + END, END a fake token (id vocab_size + 2 + len(MARKER_CHARS)) that stands for EOS:
+# the output may end where END would reach a final state (CompiledGrammar.end_token_id). Without it such a point is
+# final in the index, and outlines-core drops every one-byte token that leaves it for a non-final state (the "\n"
+# of Hermes' "\n<tool_call>", the ";" of Llama's "; "): `required` with parallel calls could never write a second.
+END_CHAR = b"\x04"
+END_REGEX = r"\x{4}"
 
 
 class RegexBudgetError(GrammarError):
@@ -81,7 +88,7 @@ def warm_lowering() -> None:
     SchemaRecipe.of(schema, SchemaOptions()).lower()
 
 
-def index_regex(regex: str) -> str:
+def index_regex(regex: str, end_slot: bool = False) -> str:
     """The regex actually given to outlines-core: SENTINEL + "(?:R)".
 
     outlines-core also determinizes regex-automata's *unanchored* DFA, whose size
@@ -93,7 +100,7 @@ def index_regex(regex: str) -> str:
     is a fake token (id vocab_size + 1, never in a mask) that CompiledGrammar consumes
     once; its target state is the grammar's initial state.
     """
-    return f"{SENTINEL_REGEX}(?:{regex})"
+    return f"{SENTINEL_REGEX}(?:{regex})" + (END_REGEX if end_slot else "")
 
 
 def schema_to_regex(schema: Any, options: SchemaOptions, max_chars: int | None = None) -> str:

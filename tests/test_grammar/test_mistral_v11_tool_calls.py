@@ -20,7 +20,7 @@ from jsonschema import Draft202012Validator
 from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parse import final_calls
 from gateway.tools.tools import plan_tools
-from grammar.compile.lowering import MARKER_CHARS
+from grammar.compile.lowering import END_CHAR, MARKER_CHARS
 from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.matching.matcher import make_matcher
 from grammar.matching.triggered import triggered_grammar
@@ -120,13 +120,15 @@ def test_the_v11_form_is_parsed_whole_and_streamed(text: str, content: str | Non
 # -- the constrained paths write the v11 form by token id ----------------------------------------------------
 def _drive(matcher: Any, compiler: Any, forced: list[int], seed: int) -> list[int]:
     out, rng = [], random.Random(seed)
-    banned = {t for t, data in compiler.vocab.tokens if any(b in data for b in MARKER_CHARS)}
+    banned = {t for t, data in compiler.vocab.tokens if any(b in data for b in (*MARKER_CHARS, END_CHAR))}
     while not matcher.is_terminated() and len(out) < 300:
         bitmask = allocate_token_bitmask(1, compiler.vocab_size)
         matcher.fill_bitmask(bitmask, 0)
         allowed = unpack_bitmask(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist()
         # in the call grammar (not auto's free text) no ordinary token writes a marker slot's byte
         assert allowed and not (getattr(matcher, "triggered", True) and banned & set(allowed))
+        if hasattr(matcher, "compiled"):   # the guide's mask (fill_bitmask) is the index's list of the state
+            assert set(allowed) == set(matcher.compiled.allowed_token_ids(matcher.state))
         token = forced.pop(0) if forced else rng.choice(allowed)
         assert token in allowed and matcher.accept_token(token), token
         out.append(token)
