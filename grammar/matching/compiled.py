@@ -115,11 +115,12 @@ class CompiledGrammar:
         self._eos = set(self.eos_token_ids)
         self._eos_array = np.array(sorted(t for t in self._eos if t >= 0), dtype=np.int64)
         self.uid = next(_UIDS)  # mask cache key: unique even if the same regex is recompiled
-        self._fake = dict(self.markers)
+        self._fake = {real: fake for real, fake in self.markers if 0 <= real < self.vocab_size}
+        self._banned_array = np.array(sorted(self.banned), dtype=np.int64)
 
     def _markers_at(self, state: int) -> list[int]:
         """The real marker tokens allowed in `state` (their slot's fake token continues the index)."""
-        return [real for real, fake in self.markers if self.index.get_next_state(state, fake) is not None]
+        return [real for real, fake in self._fake.items() if self.index.get_next_state(state, fake) is not None]
 
     @property
     def num_words(self) -> int:
@@ -159,9 +160,9 @@ class CompiledGrammar:
         ids = ids[ids < self.vocab_size]
         if self._eos_array.size:
             ids = ids[~np.isin(ids, self._eos_array)]
-        if self.banned:
-            ids = ids[~np.isin(ids, np.fromiter(self.banned, dtype=np.int64))]
-        if self.markers:
+        if self._banned_array.size:
+            ids = ids[~np.isin(ids, self._banned_array)]
+        if self._fake:
             ids = np.union1d(ids, np.array(self._markers_at(state), dtype=np.int64))
         return ids
 
@@ -215,7 +216,7 @@ class CompiledGrammar:
     def _with_slots(self, mask: torch.Tensor, state: int) -> torch.Tensor:
         """`mask` without the banned tokens and with the real marker tokens allowed in `state`."""
         words = mask.numpy().view(np.uint32).copy()
-        banned = np.fromiter(self.banned, dtype=np.int64)
+        banned = self._banned_array
         if banned.size:
             np.bitwise_and.at(words, banned >> 5, ~np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32)))
         for real in self._markers_at(state):
