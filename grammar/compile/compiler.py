@@ -20,7 +20,8 @@ from typing import Any
 from grammar.compile.limits import DEFAULT_LIMITS
 from grammar.matching.compiled import CompiledGrammar, MaskCache
 from grammar.errors import SCHEMA_PARAM, GrammarError
-from grammar.compile.lowering import END_CHAR, MARKER_CHARS, SENTINEL_REGEX, index_regex, with_param  # noqa: F401 - re-exported
+from grammar.compile.lowering import END_CHAR, MARKER_CHARS
+from grammar.compile.lowering import SENTINEL_REGEX, index_regex, with_param  # noqa: F401 - re-exported
 from grammar.compile.pool import (CompileFailed, CompileMemoryExceeded, CompilePool, CompileResult, CompileResultTooLarge,
                           CompileTimeout)
 from grammar.specs.spec import GrammarSpec, json_object_spec
