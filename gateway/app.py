@@ -149,9 +149,9 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     else:
         prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
     grammar = await resolve_tool_constraint(body, aeng, plan)
-    if plan is not None and plan.choice == "auto" and plan.fmt.is_list and params.skip_special_tokens:
-        # Mistral's [TOOL_CALLS] is a special token: the text keeps it, or the call could not be told from
-        # content (vLLM's mistral parser turns skip_special_tokens off the same way)
+    if plan is not None and plan.keeps_special_tokens and params.skip_special_tokens:
+        # Mistral's [TOOL_CALLS] (and v11's [ARGS]) are special tokens: the text keeps them, or the call could not
+        # be told from content (vLLM's mistral parser turns skip_special_tokens off the same way)
         params = dataclasses.replace(params, skip_special_tokens=False)
     if kind.bind is not None:
         kind = dataclasses.replace(kind, **kind.bind(body, plan))

@@ -103,7 +103,8 @@ async def resolve_tool_constraint(body: _SamplingFields, engine: ServingEngine,
         raise invalid(f"a request may carry only one output constraint: tool_choice {plan.choice!r} with "
                       f"{other.param or 'response_format'}", param=other.param or "response_format")
     auto = plan.choice == "auto"
-    spec = tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto, checked=plan.checked)
+    spec = tool_calls_spec(plan.fmt, plan.functions, plan.parallel, after_trigger=auto, checked=plan.checked,
+                           markers=plan.marker_ids)
     compiled = await compile_spec(spec, engine)
     if not auto:
         return compiled

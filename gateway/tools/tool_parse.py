@@ -5,6 +5,8 @@ content up to the first trigger, then `open name mid ARGS close` repeated with t
 any of the family's alternatives: Llama 3.2's `{"type": "function", "name": ...`, "arguments" for "parameters").
 A list family (Mistral, Phi-4-mini): content up to the marker (`[TOOL_CALLS]`; `functools` or `<|tool_call|>`),
 then `[` and the calls joined by ", " (the bare list under `required` / named, whose grammar writes no marker).
+Mistral's v11+ form is a plain family: each call opens with `[TOOL_CALLS]`, `[ARGS]` between the name and the
+arguments, no close and no separator (`[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}`).
 """
 from __future__ import annotations
 

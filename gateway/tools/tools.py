@@ -23,7 +23,7 @@ from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 from grammar.schema.lowering import SchemaOptions
-from grammar.specs.tool_calls import FunctionSpec, HERMES, ToolCallFormat, detect_format
+from grammar.specs.tool_calls import FunctionSpec, HERMES, MISTRAL, MISTRAL_V11, ToolCallFormat, detect_format
 from grammar.specs.constraints import json_spec
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -44,10 +44,18 @@ class ToolPlan:
     functions: list[FunctionSpec] = field(default_factory=list)   # the callable ones
     checked: list[FunctionSpec] = field(default_factory=list)     # every function, in the request's order
     trigger_id: int | None = None        # `auto`: the token whose id alone fires the trigger (a special marker)
+    marker_ids: tuple[int, ...] = ()     # the token id of each of `fmt.special` (the grammar writes them by id)
 
     @property
     def constrained(self) -> bool:
         return self.choice != "none"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The output's text must show special tokens, or a call could not be told from content: a marker that
+        is one special token (Mistral's `[TOOL_CALLS]`; v11's `[ARGS]` too, also under `required` / named,
+        whose grammar writes them), as vLLM's mistral parser turns skip_special_tokens off."""
+        return self.constrained and (bool(self.fmt.special) or (self.choice == "auto" and self.fmt.is_list))
 
 
 def _check_tool(i: int, tool: Any) -> dict[str, Any]:
@@ -110,10 +118,12 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
     fmt, renders = detect_format(template_text(tokenizer, with_tools=True))
     if parser is not None:
         fmt = TOOL_CALL_PARSERS[parser]
+    fmt, marker_ids = _tokenizer_version(fmt, tokenizer)
     if fmt.is_list and choice in ("required", "named"):
         fmt = dataclasses.replace(fmt, bare_list=True)   # the grammar writes the list without its marker
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
-                    [{"type": "function", "function": fn} for fn in fns], trigger_id=_marker_id(tokenizer, fmt))
+                    [{"type": "function", "function": fn} for fn in fns], trigger_id=_marker_id(tokenizer, fmt),
+                    marker_ids=marker_ids)
     for i, fn in enumerate(fns if options is not None else []):   # callable or not: a bad schema is a 400
         param = f"tools[{i}].function.parameters"
         spec = json_spec(fn.get("parameters") or NO_PARAMETERS, param, options)   # shape, size, metaschema only
@@ -124,19 +134,36 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
     return plan
 
 
-def _marker_id(tokenizer: Any, fmt: ToolCallFormat) -> int | None:
-    """The id of a list family's marker when it is one added token (Mistral's `[TOOL_CALLS]`, Phi-4-mini's
-    `<|tool_call|>`: special, with no text bytes, so only its id can fire `auto`'s trigger)."""
-    if not fmt.is_list:
-        return None
+def _token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of `text` when it is one token: an added one, or a piece of the base vocabulary."""
     added = getattr(tokenizer, "added_tokens_encoder", None)
+    token_id = added.get(text) if isinstance(added, dict) else None
+    if token_id is None and hasattr(tokenizer, "convert_tokens_to_ids"):
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if token_id == getattr(tokenizer, "unk_token_id", None):
+            token_id = None
+    return token_id if isinstance(token_id, int) else None
+
+
+def _tokenizer_version(fmt: ToolCallFormat, tokenizer: Any) -> tuple[ToolCallFormat, tuple[int, ...]]:
+    """(the format the tokenizer writes, the ids of its special texts). Mistral's tokenizers v11+ (Mistral-Small
+    3.1/3.2, Magistral, Devstral) have an `[ARGS]` token and write `[TOOL_CALLS]f[ARGS]{...}`: vLLM's `mistral`
+    parser reads that form when `[ARGS]` is in the vocabulary, and so do we (MISTRAL_V11)."""
+    if fmt is MISTRAL:
+        ids = [_token_id(tokenizer, text) for text in MISTRAL_V11.special]
+        if all(i is not None for i in ids):
+            return MISTRAL_V11, tuple(i for i in ids if i is not None)
+    return fmt, ()
+
+
+def _marker_id(tokenizer: Any, fmt: ToolCallFormat) -> int | None:
+    """The id of a marker family's trigger when it is one token (Mistral's `[TOOL_CALLS]`, Phi-4-mini's
+    `<|tool_call|>`: special, with no text bytes, so only its id can fire `auto`'s trigger)."""
+    if not (fmt.is_list or fmt.special):
+        return None
     for marker in fmt.triggers:
-        token_id = added.get(marker) if isinstance(added, dict) else None
-        if token_id is None and hasattr(tokenizer, "convert_tokens_to_ids"):   # a piece of the base vocabulary
-            token_id = tokenizer.convert_tokens_to_ids(marker)
-            if token_id == getattr(tokenizer, "unk_token_id", None):
-                token_id = None
-        if isinstance(token_id, int):
+        token_id = _token_id(tokenizer, marker)
+        if token_id is not None:
             return token_id
     return None
 

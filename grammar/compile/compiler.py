@@ -20,6 +20,7 @@ from typing import Any
 from grammar.compile.limits import DEFAULT_LIMITS
 from grammar.matching.compiled import CompiledGrammar, MaskCache
 from grammar.errors import SCHEMA_PARAM, GrammarError
+from grammar.compile.lowering import END_CHAR, MARKER_CHARS
 from grammar.compile.lowering import SENTINEL_REGEX, index_regex, with_param  # noqa: F401 - re-exported
 from grammar.compile.pool import (CompileFailed, CompileMemoryExceeded, CompilePool, CompileResult, CompileResultTooLarge,
                           CompileTimeout)
@@ -71,6 +72,7 @@ class GrammarCompiler:
         self._inflight: dict[tuple[str, str], Future] = {}
         self._views: dict[tuple[tuple[str, str], str | None], Future] = {}   # per (key, param) of _inflight
         self._cfg_info: Any = None  # xgrammar TokenizerInfo, built on the first grammar
+        self._marker_banned: frozenset[int] | None = None   # `_markers`: built on the first grammar with markers
         self._failed: OrderedDict[tuple[str, str], tuple[float, GrammarError]] = OrderedDict()
         self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()   # recipes whose lowering succeeded
         self.stats = {"hits": 0, "misses": 0, "dedup": 0, "timeouts": 0, "failures": 0, "evictions": 0}
@@ -194,6 +196,7 @@ class GrammarCompiler:
                 compile_seconds=result.seconds,
                 mask_cache=self.masks,
                 start_token_id=self._pool.sentinel_token_id,
+                **self._markers(spec),
             )
         except CompileTimeout:
             error = _timeout_error(self.compile_timeout_s)
@@ -239,6 +242,20 @@ class GrammarCompiler:
             raise GrammarError("the grammar admits no string that this model's tokens can spell",
                                "invalid_grammar", None)   # the caller's field: `_for_caller`
         return grammar
+
+    def _markers(self, spec: GrammarSpec) -> dict[str, Any]:
+        """A tool-call recipe's slots as CompiledGrammar takes them: its special tokens (`ToolCallsRecipe.markers`:
+        the real id of each marker slot), its end slot, and the real tokens that would write a slot's control
+        character."""
+        real = tuple(getattr(spec.recipe, "markers", ()) or ())
+        end = bool(getattr(spec.recipe, "end_slot", False))
+        if not (real or end):
+            return {}
+        if self._marker_banned is None:
+            self._marker_banned = frozenset(t for t, data in self.vocab.tokens
+                                            if any(c in data for c in (*MARKER_CHARS, END_CHAR)))
+        return dict(markers=tuple(zip(real, self._pool.marker_token_ids)), banned=self._marker_banned,
+                    end_token_id=self._pool.end_token_id if end else None)
 
     def _insert(self, key: tuple[str, str], compiled: CompiledGrammar) -> None:
         self._cache[key] = compiled

@@ -22,6 +22,23 @@ from grammar.schema.lowering import Lowerer, SchemaOptions, warm_validators
 
 PRUNE_DEPTHS = (6, 4, 3, 2, 1, 0)
 SENTINEL_REGEX = r"\x{1}"
+# Special tokens inside a grammar (Mistral v11's `[TOOL_CALLS]` and `[ARGS]`: no text bytes, written by id). A
+# grammar writes marker slot k as the control character MARKER_CHARS[k] twice (MARKER_REGEXES[k]); no JSON text or
+# function name holds it. Its fake token (id vocab_size + 2 + k, bytes MARKER_BYTES[k], grammar/compile/pool.py)
+# stands for the request's real special token in the index, and CompiledGrammar maps one to the other
+# (grammar/matching/compiled.py); real tokens holding the character are banned there. Two characters, not one:
+# outlines-core drops a token that leaves a final state for a non-final one when the token is one byte long (the
+# DFA reports the match just ended on that byte), and `[TOOL_CALLS]` opens a next call right after a final state.
+MARKER_CHARS = (b"\x02", b"\x03")
+MARKER_REGEXES = (r"\x{2}\x{2}", r"\x{3}\x{3}")
+MARKER_BYTES = tuple(c * 2 for c in MARKER_CHARS)
+# The end slot: a grammar whose output may go on after a point where it could end (tool calls: a next call after
+# a whole one) is indexed as R + END, END a fake token (id vocab_size + 2 + len(MARKER_CHARS)) that stands for EOS:
+# the output may end where END would reach a final state (CompiledGrammar.end_token_id). Without it such a point is
+# final in the index, and outlines-core drops every one-byte token that leaves it for a non-final state (the "\n"
+# of Hermes' "\n<tool_call>", the ";" of Llama's "; "): `required` with parallel calls could never write a second.
+END_CHAR = b"\x04"
+END_REGEX = r"\x{4}"
 
 
 class RegexBudgetError(GrammarError):
@@ -71,7 +88,7 @@ def warm_lowering() -> None:
     SchemaRecipe.of(schema, SchemaOptions()).lower()
 
 
-def index_regex(regex: str) -> str:
+def index_regex(regex: str, end_slot: bool = False) -> str:
     """The regex actually given to outlines-core: SENTINEL + "(?:R)".
 
     outlines-core also determinizes regex-automata's *unanchored* DFA, whose size
@@ -83,7 +100,7 @@ def index_regex(regex: str) -> str:
     is a fake token (id vocab_size + 1, never in a mask) that CompiledGrammar consumes
     once; its target state is the grammar's initial state.
     """
-    return f"{SENTINEL_REGEX}(?:{regex})"
+    return f"{SENTINEL_REGEX}(?:{regex})" + (END_REGEX if end_slot else "")
 
 
 def schema_to_regex(schema: Any, options: SchemaOptions, max_chars: int | None = None) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 from grammar.compile.worker import HEADER
 from grammar.errors import GrammarError
 from grammar.compile.vocab import TokenVocab
+from grammar.compile.lowering import END_CHAR, MARKER_BYTES
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 START_TIMEOUT_S = 120.0
@@ -253,6 +254,12 @@ class CompilePool:
         self.sentinel_token_id = vocab.vocab_size + 1  # never a real token (ids < vocab_size)
         token_map = vocab.to_map()
         token_map.setdefault(SENTINEL_BYTES, []).append(self.sentinel_token_id)
+        # marker slots (special tokens inside a grammar): fake ids vocab_size + 2 + k, never in a mask either
+        self.marker_token_ids = tuple(vocab.vocab_size + 2 + k for k in range(len(MARKER_BYTES)))
+        for data, fake in zip(MARKER_BYTES, self.marker_token_ids):
+            token_map.setdefault(data, []).append(fake)
+        self.end_token_id = vocab.vocab_size + 2 + len(MARKER_BYTES)   # the end slot's fake token (stands for EOS)
+        token_map.setdefault(END_CHAR, []).append(self.end_token_id)
         self._init = ("init", eos, token_map, vocab.vocab_size, list(vocab.eos_token_ids))
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes

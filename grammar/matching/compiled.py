@@ -92,6 +92,14 @@ class CompiledGrammar:
     # The index was built for SENTINEL + R (see compiler.index_regex); consuming this fake
     # token from the index's start state gives the grammar's initial state.  None: plain R.
     start_token_id: int | None = None
+    # special tokens the grammar writes by id (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`): (real id, fake index id of
+    # its marker slot, grammar/compile/lowering.py MARKER_REGEXES); `banned`: the real tokens whose bytes hold a
+    # marker slot's control character (they would write the slot without the special token)
+    markers: tuple[tuple[int, int], ...] = ()
+    banned: frozenset[int] = frozenset()
+    # the end slot's fake token (grammar/compile/lowering.py END_REGEX): a state is final when it leads to a final
+    # state of the index (the index itself is indexed as R + END); None: the index's own final states
+    end_token_id: int | None = None
     initial_state: int = field(init=False)
     _info: dict[int, StateInfo] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -107,6 +115,12 @@ class CompiledGrammar:
         self._eos = set(self.eos_token_ids)
         self._eos_array = np.array(sorted(t for t in self._eos if t >= 0), dtype=np.int64)
         self.uid = next(_UIDS)  # mask cache key: unique even if the same regex is recompiled
+        self._fake = {real: fake for real, fake in self.markers if 0 <= real < self.vocab_size}
+        self._banned_array = np.array(sorted(self.banned), dtype=np.int64)
+
+    def _markers_at(self, state: int) -> list[int]:
+        """The real marker tokens allowed in `state` (their slot's fake token continues the index)."""
+        return [real for real, fake in self._fake.items() if self.index.get_next_state(state, fake) is not None]
 
     @property
     def num_words(self) -> int:
@@ -116,18 +130,29 @@ class CompiledGrammar:
         """State after a non-EOS token, None if the token is not allowed."""
         if token_id in self._eos or not 0 <= token_id < self.vocab_size:
             return None
+        fake = self._fake.get(token_id)
+        if fake is not None:
+            nxt = self.index.get_next_state(state, fake)
+            if nxt is not None:
+                return int(nxt)
+        if token_id in self.banned:
+            return None
         nxt = self.index.get_next_state(state, token_id)
         return None if nxt is None else int(nxt)
 
     def allowed_token_ids(self, state: int) -> list[int]:
         """Allowed tokens in `state`, EOS ids included in final states, sorted."""
         tokens = {int(t) for t in self.index.get_allowed_tokens(state) if t < self.vocab_size} - self._eos
+        tokens = (tokens - self.banned) | set(self._markers_at(state))
         if self.is_final(state):
             tokens |= {t for t in self._eos if 0 <= t < self.vocab_size}
         return sorted(tokens)
 
     def is_final(self, state: int) -> bool:
-        return bool(self.index.is_final_state(state))
+        if self.end_token_id is None:
+            return bool(self.index.is_final_state(state))
+        nxt = self.index.get_next_state(state, self.end_token_id)
+        return nxt is not None and bool(self.index.is_final_state(nxt))
 
     def _grammar_tokens(self, state: int) -> np.ndarray:
         """int64 ids of the allowed non-EOS tokens in `state` (numpy: ~4x faster than sets)."""
@@ -135,6 +160,10 @@ class CompiledGrammar:
         ids = ids[ids < self.vocab_size]
         if self._eos_array.size:
             ids = ids[~np.isin(ids, self._eos_array)]
+        if self._banned_array.size:
+            ids = ids[~np.isin(ids, self._banned_array)]
+        if self._fake:
+            ids = np.union1d(ids, np.array(self._markers_at(state), dtype=np.int64))
         return ids
 
     def state_info(self, state: int) -> StateInfo:
@@ -156,6 +185,8 @@ class CompiledGrammar:
         mask = self.mask_cache.get(key)
         if mask is None:
             mask = self._mask_from_guide(guide) if guide is not None else None
+            if mask is not None and (self.banned or self.markers):   # the slots' tokens: the guide knows the fake ones
+                mask = self._with_slots(mask, state)
             if mask is None:
                 ids = self._grammar_tokens(state)
                 if self.is_final(state):
@@ -165,7 +196,8 @@ class CompiledGrammar:
         return mask
 
     def new_guide(self) -> Any:
-        """An outlines_core.Guide at the initial state (None if unavailable)."""
+        """An outlines_core.Guide at the initial state (None if unavailable). It walks the index's own tokens: a
+        marker is fed to it as its slot's fake token (`index_token`)."""
         try:
             guide = outlines_core.Guide(self.index)
             if self.start_token_id is not None:
@@ -174,9 +206,26 @@ class CompiledGrammar:
         except Exception:  # noqa: BLE001 - the numpy path works without it
             return None
 
+    def index_token(self, state: int, token_id: int) -> int:
+        """The index's token for `token_id` accepted in `state`: a marker's fake token, else the token itself."""
+        fake = self._fake.get(token_id)
+        if fake is not None and self.index.get_next_state(state, fake) is not None:
+            return fake
+        return token_id
+
+    def _with_slots(self, mask: torch.Tensor, state: int) -> torch.Tensor:
+        """`mask` without the banned tokens and with the real marker tokens allowed in `state`."""
+        words = mask.numpy().view(np.uint32).copy()
+        banned = self._banned_array
+        if banned.size:
+            np.bitwise_and.at(words, banned >> 5, ~np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32)))
+        for real in self._markers_at(state):
+            words[real >> 5] |= np.uint32(1 << (real & 31))
+        return torch.from_numpy(words.view(np.int32))
+
     def _mask_from_guide(self, guide: Any) -> torch.Tensor | None:
-        # the index's token ids reach vocab_size + 1 (the sentinel): write into a wider buffer
-        scratch = np.zeros(bitmask_words(self.vocab_size + 2), dtype=np.uint32)
+        # the index's token ids reach vocab_size + 3 (the sentinel, the marker slots): write into a wider buffer
+        scratch = np.zeros(bitmask_words(self.vocab_size + 8), dtype=np.uint32)
         try:
             guide.write_mask_into(scratch.ctypes.data, scratch.size, scratch.itemsize)
         except Exception:  # noqa: BLE001

@@ -48,11 +48,12 @@ class GrammarMatcher:
         nxt = compiled.next_state(self.state, token_id)
         if nxt is None:
             return False
+        index_token = compiled.index_token(self.state, token_id) if compiled.markers else token_id
         self.state = nxt
         self.num_accepted += 1
         if self._guide is not None:
             try:
-                self._guide.advance(token_id, return_tokens=False)
+                self._guide.advance(index_token, return_tokens=False)
             except Exception:  # noqa: BLE001 - fall back to the numpy mask path
                 self._guide = None
         return True

@@ -11,6 +11,10 @@ functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admi
                a list after the `[TOOL_CALLS]` marker (a special token: its id fires the trigger, and the output
                keeps special tokens so the text shows it, as vLLM's mistral parser asks); `required` / named
                write the bare list (the marker has no text bytes the grammar could write)
+  mistral v11  (tokenizers v11+: Mistral-Small-3.1/3.2, Magistral, Devstral; vLLM's `mistral` parser picks it when
+               the tokenizer has an `[ARGS]` token): [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}, one call per
+               marker, both markers special tokens. The grammar writes them by id (`special`: each is a marker
+               slot, grammar/compile/lowering.py MARKER_REGEXES), so `required` / named write this form too
   phi4_mini_json (Phi-4-mini, vLLM's template and parser): functools[{"name": "f", "arguments": {...}}, ...];
                also after Phi-4-mini's own `<|tool_call|>` marker, and "parameters" for "arguments"
 `required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
@@ -24,7 +28,7 @@ from typing import Any
 
 from grammar.specs.constraints import escape_literal
 from grammar.errors import GrammarError
-from grammar.compile.lowering import RegexBudgetError, SchemaRecipe, with_param
+from grammar.compile.lowering import MARKER_REGEXES, RegexBudgetError, SchemaRecipe, with_param
 from grammar.specs.spec import GrammarSpec, recipe_spec
 
 
@@ -47,6 +51,9 @@ class ToolCallFormat:
     alt_markers: tuple[str, ...] = ()   # a list family's other markers (each a trigger)
     bare_list: bool = False
     call_id_length: int = 0   # Mistral's templates take only 9-character alphanumeric call ids (0: call_<24 hex>)
+    # texts that are one special token each (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`): the grammar writes marker
+    # slot k for special[k] (the token's id), and the output keeps special tokens so that the text shows them
+    special: tuple[str, ...] = ()
 
     def call_text(self, name: str, arguments_json: str) -> str:
         return f"{self.open}{name}{self.mid}{arguments_json}{self.close}"
@@ -100,6 +107,9 @@ MISTRAL = ToolCallFormat("mistral", '{"name": "', '", "arguments": ', "}", ", ",
 PHI4_MINI = ToolCallFormat("phi4_mini_json", '{"name": "', '", "arguments": ', "}", ", ", "functools",
                            alt_mids=('", "parameters": ',), alt_separators=(",",), list_open="[", list_close="]",
                            alt_markers=("<|tool_call|>",))
+# the same `mistral` parser for a v11+ tokenizer (gateway/tools/tools.py picks it by the `[ARGS]` token)
+MISTRAL_V11 = ToolCallFormat("mistral", "[TOOL_CALLS]", "[ARGS]", "", "", "[TOOL_CALLS]", call_id_length=9,
+                             special=("[TOOL_CALLS]", "[ARGS]"))
 FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
 MISTRAL_MARKERS = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]")
 
@@ -127,8 +137,14 @@ class FunctionSpec:
     param: str = "tools"     # the request field a lowering error names: tools[i].function.parameters
 
 
-def _either(texts: tuple[str, ...]) -> str:
-    return escape_literal(texts[0]) if len(texts) == 1 else "(?:" + "|".join(map(escape_literal, texts)) + ")"
+def _literal(fmt: ToolCallFormat, text: str) -> str:
+    """The regex of one of the format's texts: a special token's marker slot, else the text itself."""
+    return MARKER_REGEXES[fmt.special.index(text)] if text in fmt.special else escape_literal(text)
+
+
+def _either(fmt: ToolCallFormat, texts: tuple[str, ...]) -> str:
+    options = [_literal(fmt, t) for t in texts]
+    return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
 
 
 def _one_call(fmt: ToolCallFormat, name: str, args_regex: str, skip: int = 0) -> str:
@@ -139,8 +155,8 @@ def _one_call(fmt: ToolCallFormat, name: str, args_regex: str, skip: int = 0) ->
             raise ValueError(f"{fmt.family}: a call is resumed after its trigger only")
         head = escape_literal(fmt.after_trigger)
     else:
-        head = _either(fmt.opens)
-    return f"{head}{escape_literal(name)}{_either(fmt.mids)}(?:{args_regex}){escape_literal(fmt.close)}"
+        head = _either(fmt, fmt.opens)
+    return f"{head}{escape_literal(name)}{_either(fmt, fmt.mids)}(?:{args_regex}){_literal(fmt, fmt.close)}"
 
 
 def _any_call(fmt: ToolCallFormat, functions: list[tuple[str, str]], skip: int = 0) -> str:
@@ -162,7 +178,7 @@ def _joined(fmt: ToolCallFormat, functions: list[tuple[str, str]], parallel: boo
     first = f"(?:{_any_call(fmt, functions, skip)})"
     if not parallel:
         return first
-    return f"{first}(?:{_either(fmt.separators)}(?:{_any_call(fmt, functions)}))*"
+    return f"{first}(?:{_either(fmt, fmt.separators)}(?:{_any_call(fmt, functions)}))*"
 
 
 @dataclass(frozen=True)
@@ -176,10 +192,12 @@ class ToolCallsRecipe:
     callable: tuple[str, ...]             # the names the call grammar allows
     parallel: bool
     skip: int
+    markers: tuple[int, ...] = ()         # the token id of each of `fmt.special` (its marker slot in the regex)
+    end_slot = True   # indexed as the call regex + the end slot (grammar/compile/lowering.py END_REGEX)
 
     @property
     def identity(self) -> str:
-        parts = [repr(self.fmt), str(self.parallel), str(self.skip), *self.callable]
+        parts = [repr(self.fmt), str(self.parallel), str(self.skip), repr(self.markers), *self.callable]
         parts += [f"{f.name}\0{f.param}\0{f.schema.identity}" for f in self.functions]
         return "tool_calls\0" + "\0".join(parts)
 
@@ -210,11 +228,15 @@ class ToolCallsRecipe:
 
 
 def tool_calls_spec(fmt: ToolCallFormat, functions: list[FunctionSpec], parallel: bool,
-                    after_trigger: bool = False, checked: list[FunctionSpec] | None = None) -> GrammarSpec:
+                    after_trigger: bool = False, checked: list[FunctionSpec] | None = None,
+                    markers: tuple[int, ...] = ()) -> GrammarSpec:
     """`required` / named: the whole output is calls of `functions`; `after_trigger` (auto): what follows the
     trigger. `checked`: every function of the request in its order (default: `functions`), lowered for its 400
-    even when it is not callable (tool_choice names another, or "none": `GrammarCompiler.check`)."""
+    even when it is not callable (tool_choice names another, or "none": `GrammarCompiler.check`). `markers`: the
+    token id of each of `fmt.special` (needed when a function is callable)."""
+    if functions and len(markers) != len(fmt.special):
+        raise ValueError(f"{fmt.family}: one token id per special text {fmt.special}, got {markers}")
     skip = len(fmt.trigger) if after_trigger else 0
     every = tuple(checked) if checked is not None else tuple(functions)
-    recipe = ToolCallsRecipe(fmt, every, tuple(f.name for f in functions), parallel, skip)
+    recipe = ToolCallsRecipe(fmt, every, tuple(f.name for f in functions), parallel, skip, tuple(markers))
     return recipe_spec("tool_calls", recipe, param="tools")

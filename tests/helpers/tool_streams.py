@@ -26,3 +26,28 @@ def streamed_calls(fmt: Any, pieces: list[str] | str,
             else:
                 calls[call["index"]][1] += fn["arguments"]
     return content, [(name, args) for name, args in (calls[i] for i in sorted(calls))]
+
+
+def stream_tool_calls(client: Any, id_re: Any = None, **kwargs: Any) -> tuple[str, list[dict[str, str]], str | None]:
+    """(content, calls, finish_reason) an OpenAI client reassembles from a chat completion stream of `kwargs`:
+    each call's first delta carries its index, id, type and whole name, the later ones argument pieces only (as
+    OpenAI streams them); calls are {"id", "name", "arguments"}. `id_re`: a pattern every call id matches."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.index == len(calls):
+                    assert tc.id and tc.function.name and tc.type == "function", tc
+                    assert id_re is None or id_re.match(tc.id), tc.id
+                    calls.append({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""})
+                else:
+                    assert tc.id is None and tc.function.name is None, tc
+                    calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def call_pairs(calls: list[dict[str, str]]) -> list[tuple[str, str]]:
+    """[(name, arguments)] of `stream_tool_calls`' calls."""
+    return [(c["name"], c["arguments"]) for c in calls]

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
 from gateway_server import ServerProcess, model_with_chat_template  # noqa: E402
+from tool_streams import call_pairs, stream_tool_calls  # noqa: E402
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 DIGIT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -88,19 +89,6 @@ def test_refusal_and_reasoning_of_an_assistant_turn(client: "openai.OpenAI") -> 
         assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
-def _streamed(client: "openai.OpenAI", **kwargs: Any) -> tuple[str, list[tuple[str, str]], str | None]:
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            finish = choice.finish_reason or finish
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, ["", ""])
-                entry[0] += (d.function.name or "") if d.function else ""
-                entry[1] += (d.function.arguments or "") if d.function else ""
-    return content, [(name, args) for name, args in calls.values()], finish
-
-
 def test_tool_call_cut_at_max_tokens_is_the_same_streamed_or_not(client: "openai.OpenAI") -> None:
     """A call cut by max_tokens: the stream had sent the call's name (and some arguments) while the answer
     without stream gave no `tool_calls` and the raw call markup as `content`. Both now give the cut call with the
@@ -115,8 +103,8 @@ def test_tool_call_cut_at_max_tokens_is_the_same_streamed_or_not(client: "openai
         out = client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
         assert out.finish_reason == "length"
         calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls or []]
-        content, streamed, finish = _streamed(client, max_tokens=max_tokens, **kwargs)
-        assert (finish, streamed, content) == ("length", calls, out.message.content or ""), max_tokens
+        content, streamed, finish = stream_tool_calls(client, max_tokens=max_tokens, **kwargs)
+        assert (finish, call_pairs(streamed), content) == ("length", calls, out.message.content or ""), max_tokens
         assert "<tool_call>" not in (out.message.content or "")
         for name, cut in calls:
             assert name == "pick" and args.startswith(cut.rstrip())

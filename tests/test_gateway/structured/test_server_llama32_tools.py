@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 
 from gateway_server import ServerProcess  # noqa: E402
 from scripted_model import scripted_model  # noqa: E402
+from tool_streams import call_pairs, stream_tool_calls  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "unit": {"enum": ["c", "f"]}},
@@ -41,21 +42,6 @@ def client(server: ServerProcess) -> "openai.OpenAI":
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _streamed(client: "openai.OpenAI", **kwargs: Any) -> tuple[str, list[tuple[str, str]], str | None]:
-    content, calls, finish = "", [], None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for tc in choice.delta.tool_calls or []:
-                if tc.index == len(calls):
-                    assert tc.id and tc.type == "function"
-                    calls.append([tc.function.name, tc.function.arguments or ""])
-                else:
-                    calls[tc.index][1] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return content, [tuple(c) for c in calls], finish
-
-
 @pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_llama32_call_is_a_tool_call(server: ServerProcess, client: "openai.OpenAI", tool_choice: Any) -> None:
     kwargs = dict(model=server.model, messages=USER, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
@@ -66,8 +52,8 @@ def test_llama32_call_is_a_tool_call(server: ServerProcess, client: "openai.Open
     call = choice.message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
     assert Draft202012Validator(WEATHER).is_valid(json.loads(call.function.arguments)), call.function.arguments
-    content, calls, finish = _streamed(client, **kwargs)
-    assert (content, calls, finish) == ("", [("get_weather", call.function.arguments)], "tool_calls")
+    content, calls, finish = stream_tool_calls(client, **kwargs)
+    assert (content, call_pairs(calls), finish) == ("", [("get_weather", call.function.arguments)], "tool_calls")
 
 
 def test_the_model_writes_the_llama32_opening(server: ServerProcess, client: "openai.OpenAI") -> None:

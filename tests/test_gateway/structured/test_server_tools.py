@@ -16,6 +16,7 @@ from jsonschema import Draft202012Validator
 openai = pytest.importorskip("openai")
 
 from gateway_server import ServerProcess, tiny_model  # noqa: E402
+from tool_streams import stream_tool_calls as stream_calls  # noqa: E402
 
 TEMPLATES = CHAT_TEMPLATES
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -60,23 +61,6 @@ def check_calls(calls: list[Any], names: set[str]) -> None:
         validator = Draft202012Validator(SCHEMAS[call.function.name], format_checker=Draft202012Validator.FORMAT_CHECKER)
         assert validator.is_valid(args), (call.function.name, args)
     assert len({c.id for c in calls}) == len(calls)
-
-
-def stream_calls(client: "openai.OpenAI", **kwargs: Any) -> tuple[str, list[dict[str, str]], str]:
-    """(content, calls, finish_reason) reassembled from the stream's deltas (id and name first, then args)."""
-    content, calls, finish = "", [], None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for tc in choice.delta.tool_calls or []:
-                if tc.index == len(calls):
-                    assert tc.id and tc.function.name and tc.type == "function"
-                    calls.append({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""})
-                else:
-                    assert tc.id is None and tc.function.name is None
-                    calls[tc.index]["arguments"] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return content, calls, finish
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -1,7 +1,8 @@
 """The streamed and the whole answer of one model text carry the same content and the same calls, for every
 tool-call family, however the text is cut into deltas (token by token, uneven chunks, one piece). Content
 before a call is returned as written, as vLLM's parsers return it (`content = model_output[:start]`), and is
-null when it is only whitespace."""
+null when it is only whitespace. Mistral's v11+ form (`[TOOL_CALLS]f[ARGS]{...}` per call) is a family here too:
+vLLM's `mistral` parser reads it when the tokenizer has an `[ARGS]` token."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ from typing import Any
 import pytest
 
 from gateway.tools.tool_parse import final_calls
-from grammar.specs.tool_calls import FORMATS, ToolCallFormat
+from grammar.specs.tool_calls import FORMATS, MISTRAL_V11, ToolCallFormat
 from tool_streams import streamed_calls
 
+FAMILIES = {**FORMATS, "mistral_v11": MISTRAL_V11}
 ARGS = json.dumps({"city": "Paris", "note": "a } b\n</tool_call> ]"})
 ARGS2 = json.dumps({"n": [1, {"m": "é"}]}, ensure_ascii=False)
 
@@ -47,9 +49,9 @@ def _cuts(text: str) -> list[list[str]]:
     return [list(text), uneven, [text]]
 
 
-@pytest.mark.parametrize("family", sorted(FORMATS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_stream_and_whole_answer_carry_the_same_content_and_calls(family: str) -> None:
-    fmt = FORMATS[family]
+    fmt = FAMILIES[family]
     for text in _texts(fmt):
         content, calls = final_calls(text, fmt)
         whole = (content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
@@ -57,9 +59,9 @@ def test_stream_and_whole_answer_carry_the_same_content_and_calls(family: str) -
             assert streamed_calls(fmt, pieces) == whole, (family, text, pieces[:4])
 
 
-@pytest.mark.parametrize("family", sorted(FORMATS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_content_before_a_call_is_as_written_and_null_when_blank(family: str) -> None:
-    fmt: Any = FORMATS[family]
+    fmt: Any = FAMILIES[family]
     content, calls = final_calls("Let me check.\n\n" + _calls_text(fmt), fmt)
     assert content == "Let me check.\n\n" and len(calls) == 2
     assert calls[0]["function"] == {"name": "get_weather", "arguments": ARGS}
@@ -68,10 +70,10 @@ def test_content_before_a_call_is_as_written_and_null_when_blank(family: str) ->
     assert final_calls("  just text  ", fmt) == ("  just text  ", [])
 
 
-@pytest.mark.parametrize("family", sorted(FORMATS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_an_answer_cut_at_max_tokens_streams_what_the_whole_answer_holds(family: str) -> None:
     """finish_reason "length" anywhere in the text: before, inside or after the trigger, a name, the arguments."""
-    fmt = FORMATS[family]
+    fmt = FAMILIES[family]
     for prefix in ("", "\n", "Let me check. "):
         text = prefix + _calls_text(fmt)
         for end in range(len(text) + 1):
