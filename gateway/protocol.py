@@ -4,12 +4,13 @@ from __future__ import annotations
 import itertools
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, FailFast, Field, PlainValidator, TypeAdapter,
+                      ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from core.sampling.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptForms = Union[str, list[str], list[int], list[list[int]]]   # what `prompt` accepts (its JSON schema)
 INT64_MAX = 2**63 - 1
 MAX_N = 128
 MAX_CHOICES = 2048   # prompts x n of one request: each is an engine request with its own KV blocks
@@ -58,6 +59,38 @@ def check_token_ids(value: Any) -> Any:
     if num_ids > MAX_PROMPT_IDS:
         raise ValueError(f"at most {MAX_PROMPT_IDS} token ids are accepted in one request, got {num_ids}")
     return value
+
+
+_PROMPT_FORMS = {   # strict, and a list stops at its first bad entry (FailFast)
+    form: TypeAdapter(Annotated[tp, FailFast()], config=ConfigDict(strict=True))
+    for form, tp in (("texts", list[str]), ("token ids", list[int]),
+                     ("lists of token ids", list[Annotated[list[int], FailFast()]]))}
+
+
+def validate_prompt(value: Any) -> Any:
+    """`prompt` as one of its four forms, picked by its shape (a string; else by a list's first entry) and validated
+    as that form alone, up to its first bad entry. Pydantic's own union tried every form on the whole list, each
+    collecting an error per entry: 5.5M valid ids took 2 s instead of 0.1 s, and 1M ids followed by one string
+    19 s and 2.2 GB (two million errors), all on the event loop."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("prompt_type", "a prompt is a string, a list of strings, a list of token ids "
+                                                 "or a list of lists of token ids")
+    if not value:
+        return value
+    first = value[0]
+    form = "texts" if isinstance(first, str) else "lists of token ids" if isinstance(first, list) else "token ids"
+    try:
+        return _PROMPT_FORMS[form].validate_python(value)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise PydanticCustomError("prompt_type", "a list of {form} (by its first entry), but entry {where}: {msg}",
+                                  {"form": form, "where": where, "msg": error["msg"]}) from None
+
+
+PromptInput = Annotated[PromptForms, PlainValidator(validate_prompt, json_schema_input_type=PromptForms)]
 
 
 def bounded(limit: int, what: str) -> BeforeValidator:

@@ -16,10 +16,12 @@ from starlette.requests import Request
 
 from gateway.errors import APIError, invalid
 from gateway.inputs.prompt_bound import BODY_PROMPTS, BODY_SLACK_BYTES, JSON_BYTES_PER_CHAR
+from gateway.protocol import MAX_PROMPT_IDS
 
 M = TypeVar("M", bound=BaseModel)
 MAX_BODY_BYTES = 32 << 20   # the hard cap on every route, whatever the model
 MAX_BODY_VALUES = 1 << 19   # quotes of strings, objects and arrays in one body, bounded before it is parsed
+MAX_BODY_ENTRIES = MAX_PROMPT_IDS + 2 * MAX_BODY_VALUES   # list entries and object members, the same way
 
 
 def num_values_bound(raw: bytes) -> int:
@@ -30,6 +32,13 @@ def num_values_bound(raw: bytes) -> int:
     per object and array (a `{` or `[` inside a string only adds to it). These ASCII bytes never occur inside a
     UTF-8 sequence."""
     return raw.count(b'"') - raw.count(b'\\"') + raw.count(b"{") + raw.count(b"[")
+
+
+def num_entries_bound(raw: bytes) -> int:
+    """At least the number of list entries and object members in the JSON text `raw` (numbers included), from
+    three byte counts: a container of k > 0 entries holds k - 1 commas, and a `,`, `{` or `[` inside a string only
+    adds to it."""
+    return raw.count(b",") + raw.count(b"{") + raw.count(b"[")
 
 
 @contextlib.contextmanager
@@ -115,13 +124,21 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     hold the event loop (and the GIL: a worker thread would not free it) up to a microsecond per value, and 32 MiB
     of `{"a":1,...}` keys or `[{},...]` is millions of them (a million keys: 0.4-0.7 s to parse; a million content
     parts: ~5 s of validation, on this project's 2-core machine). The most messages a request may carry (32,768,
-    each with a role, content and name) count about 426,000. Ids, numbers and the text inside strings are not
-    counted: they parse at tens of nanoseconds a value, and their counts are bounded by the request fields' own
-    checks (gateway/protocol.py)."""
+    each with a role, content and name) count about 426,000. Numbers (token ids) parse at 60-130 ns a value: a
+    body whose `num_entries_bound` is past `MAX_BODY_ENTRIES` (the most token ids a request may carry,
+    `MAX_PROMPT_IDS`, and the values above) is a 413 before it is parsed too (32 MiB of `1,` is 16M ids: 0.6 s to
+    parse, then refused). Under that bound a body of 8M ids still parses in 0.3-0.7 s on the event loop: a worker
+    thread does not help, as the parser (json's or msgspec's) holds the GIL to the end (measured: the loop's
+    longest tick while a thread parsed 32 MiB of ids was the whole parse, 0.6 s with json, 0.3 s with msgspec)."""
     if len(raw) > MAX_BODY_VALUES and num_values_bound(raw) > MAX_BODY_VALUES:
         raise APIError(413, f"The request body holds too many JSON values: its string quotes, objects and arrays "
                             f"number more than {MAX_BODY_VALUES} (counted by their bytes, {{ and [ in texts "
                             "included).",
+                       code="request_too_large")
+    if len(raw) > MAX_BODY_ENTRIES and num_entries_bound(raw) > MAX_BODY_ENTRIES:
+        raise APIError(413, f"The request body holds too many JSON values: its list entries and object members "
+                            f"number more than {MAX_BODY_ENTRIES} (counted by their commas, objects and arrays, "
+                            f"those in texts included); a request carries at most {MAX_PROMPT_IDS} token ids.",
                        code="request_too_large")
     try:
         text = raw.decode("utf-8")

@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional, TypeVar, Union
 
-from pydantic import Field, field_validator
+from pydantic import FailFast, Field, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -58,7 +58,7 @@ class _ChatFields:
 
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
-    tokens: list[int] = Field(max_length=MAX_PROMPT_IDS)
+    tokens: Annotated[list[int], FailFast()] = Field(max_length=MAX_PROMPT_IDS)   # one error, not one per entry
 
     @field_validator("tokens", mode="before")
     @classmethod
