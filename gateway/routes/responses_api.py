@@ -77,6 +77,28 @@ class ResponsesChatRequest(ChatCompletionRequest):
         return self._origins
 
 
+# the keys of each input item and text part OpenAI's schema has (what an answer's `output` sent back carries);
+# `id`, `status`, `phase`, `annotations`, `logprobs`, `prompt_cache_breakpoint` are accepted and not rendered
+_ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "caller", "name", "namespace"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+}
+_PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},
+              "output_text": {"type", "text", "annotations", "logprobs"}, "text": {"type", "text"}}
+_NULL_ONLY = ("caller", "namespace")   # keys that would change what a call means: not served unless null
+
+
+def _known_keys(obj: dict[str, Any], allowed: set[str], param: str) -> None:
+    """Unknown keys are a 400 naming the first one, never silently dropped (as every other field)."""
+    for key in obj:
+        if key not in allowed:
+            raise invalid(f"unknown field {key!r} in {param}", param=f"{param}.{key}")
+        if key in _NULL_ONLY and obj[key] is not None:
+            raise invalid(f"{param}.{key} is not supported", param=f"{param}.{key}")
+
+
 def _text_of(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
@@ -89,6 +111,7 @@ def _text_of(content: Any, param: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             raise invalid(f"unsupported content part {kind!r}: only input_text / output_text parts are served",
                           param=f"{param}[{j}]")
+        _known_keys(part, _PART_KEYS[part["type"]], f"{param}[{j}]")
         texts.append(part["text"])
     return PART_SEPARATOR.join(texts)   # as a chat message's text parts (gateway/protocol.py)
 
@@ -107,6 +130,7 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
         if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
             raise invalid("a reasoning item's content parts must be reasoning_text parts",
                           param=f"{param}.content[{j}]")
+        _known_keys(part, {"type", "text"}, f"{param}.content[{j}]")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -146,6 +170,8 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
     for i, item in enumerate(body.input):
         p = f"input[{i}]"
         kind = item.get("type", "message")
+        if isinstance(kind, str) and kind in _ITEM_KEYS:
+            _known_keys(item, _ITEM_KEYS[kind], p)
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{p}.role must be user, system, developer or assistant", param=f"{p}.role")
@@ -211,11 +237,12 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise invalid("text.format.type must be text, json_object or json_schema", param="text.format.type")
-    if fmt["type"] != "json_schema":
-        return {"type": fmt["type"]}
-    extra = set(fmt) - {"type", "name", "schema", "strict", "description"}
+    extra = set(fmt) - ({"type", "name", "schema", "strict", "description"} if fmt["type"] == "json_schema"
+                        else {"type"})
     if extra:
         raise invalid(f"unknown field(s) in text.format: {sorted(extra)}", param="text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 

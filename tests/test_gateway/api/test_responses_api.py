@@ -171,6 +171,48 @@ def test_unsupported_is_400_naming_the_field(http: httpx.Client, body: dict[str,
     assert error["param"] == param, error
 
 
+ANSWER_BACK = [{"role": "user", "content": "weather?"},
+               {"id": "rs_1", "summary": [], "type": "reasoning", "content": [{"text": "hm", "type": "reasoning_text"}],
+                "status": "completed"},
+               {"id": "msg_1", "role": "assistant", "status": "completed", "type": "message", "phase": None,
+                "content": [{"annotations": [], "text": "Let me look.", "type": "output_text", "logprobs": []}]},
+               {"arguments": "{}", "call_id": "c1", "name": "get_weather", "type": "function_call", "id": "fc_1",
+                "status": "completed"},
+               {"type": "function_call_output", "call_id": "c1", "output": "sunny", "id": None, "status": None}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": "hi", "name": "bob"}]}, "input[0].name"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi", "foo": 1}]}]},
+     "input[0].content[0].foo"),
+    ({"input": [ANSWER_BACK[0], {**ANSWER_BACK[3], "args": "{}"}]}, "input[1].args"),
+    ({"input": [*ANSWER_BACK[:4], {**ANSWER_BACK[4], "result": "sunny"}]}, "input[4].result"),
+    ({"input": [ANSWER_BACK[0], {**ANSWER_BACK[1], "content": [{"type": "reasoning_text", "text": "x", "y": 1}]}]},
+     "input[1].content[0].y"),
+    ({"input": [ANSWER_BACK[0], {**ANSWER_BACK[3], "namespace": "weather"}]}, "input[1].namespace"),
+    ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text.format"),
+    ({"text": {"format": {"type": "text", "strict": True}}}, "text.format"),
+])
+def test_unknown_keys_in_input_items_and_format_are_400(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    """A key OpenAI's input item, text part or text.format schema does not have was silently dropped (a
+    message's `name`, a typo in a function_call_output, a `schema` on json_object); a 400 naming it now, as every
+    other unknown field. The keys an answer's `output` carries back (`id`, `status`, `phase`, `annotations`,
+    `logprobs`) stay accepted."""
+    error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
+    assert error["param"] == param, error
+    out = post(http, "/v1/responses", input=ANSWER_BACK, tools=[TOOL], tool_choice="none", max_output_tokens=2)
+    assert out["status"] in ("completed", "incomplete")
+
+
+def test_response_id_is_resp_underscore(client: "openai.OpenAI") -> None:
+    """A Response's id is `resp_<hex>` (OpenAI's and vLLM's spelling); it was `resp-<hex>`. The same id in every
+    lifecycle event of a stream."""
+    assert client.responses.create(model="tiny", input="hi", max_output_tokens=2).id.startswith("resp_")
+    events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=2, stream=True))
+    ids = {e.response.id for e in events if e.type.startswith("response.") and hasattr(e, "response")}
+    assert len(ids) == 1 and ids.pop().startswith("resp_")
+
+
 CALL_ITEMS = [{"type": "message", "role": "user", "content": "weather?"},
               {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{oops"},
               {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
