@@ -218,11 +218,13 @@ def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
                 raise invalid("only function tools are served", param=f"tools[{i}].type")
             tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     choice = body.tool_choice
+    if isinstance(choice, str) and choice not in ("none", "auto", "required") or isinstance(choice, dict) and (
+            choice.get("type") != "function" or set(choice) != {"type", "name"} or not isinstance(choice["name"], str)):
+        # checked here: the chat path's message would name its own shape ({"function": {"name"}})
+        raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name"}',
+                      param="tool_choice")
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or set(choice) - {"type", "name"}:
-            raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name"}',
-                          param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+        choice = {"type": "function", "function": {"name": choice["name"]}}
     return tools, choice
 
 

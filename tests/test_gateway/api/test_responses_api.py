@@ -213,6 +213,15 @@ def test_response_id_is_resp_underscore(client: "openai.OpenAI") -> None:
     assert len(ids) == 1 and ids.pop().startswith("resp_")
 
 
+@pytest.mark.parametrize("tool_choice", ["maybe", {"type": "function"}, {"type": "function", "name": 5}])
+def test_bad_tool_choice_error_names_the_responses_shape(http: httpx.Client, tool_choice: Any) -> None:
+    """A bad `tool_choice` string, or a function choice without a string `name`, was answered with the chat
+    shape (`{"type": "function", "function": {"name": ...}}`), which a Responses client cannot send."""
+    error = post(http, "/v1/responses", 400, input="hi", tools=[TOOL], tool_choice=tool_choice)["error"]
+    assert error["param"] == "tool_choice" and '"function": {' not in error["message"], error
+    assert '{"type": "function", "name"}' in error["message"], error
+
+
 CALL_ITEMS = [{"type": "message", "role": "user", "content": "weather?"},
               {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{oops"},
               {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
