@@ -143,8 +143,8 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
 
 
 def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
-    """Responses input -> chat messages (consecutive function_call items form one assistant turn); `origins`
-    gets where each message came from."""
+    """Responses input -> chat messages (function_call items after an assistant message or call form one
+    assistant turn with it); `origins` gets where each message came from."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
@@ -188,8 +188,10 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
             call = {"id": _string(item, "call_id", p), "type": "function",
                     "function": {"name": _string(item, "name", p), "arguments": _string(item, "arguments", p)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last and not reasoning:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                # the calls after an assistant message (or call) item are that turn's, as the answer held them:
+                # `[message, function_call]` sent back renders as the chat turn {content, tool_calls} it was
+                last.setdefault("tool_calls", []).append(call)
                 origins[-1][1].append(p)
             else:
                 messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))

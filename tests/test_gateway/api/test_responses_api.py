@@ -101,6 +101,32 @@ def test_message_list_with_function_call_items(http: httpx.Client) -> None:
     assert message["content"][0]["text"] == ref["choices"][0]["message"]["content"]
 
 
+def test_message_then_function_call_items_are_one_assistant_turn(http: httpx.Client) -> None:
+    """An answer with text and a call (`output: [message, function_call]`) sent back as input is the one assistant
+    turn it was, `{content, tool_calls}`, as the chat answer's message sent back renders; it was two assistant
+    turns (the text, then the call), a prompt the model never wrote."""
+    args = json.dumps({"city": "Paris", "unit": "c"})
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+             {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": args},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+             {"type": "function_call_output", "call_id": "call_2", "output": "18 C"}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": args}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Let me look.",
+                 "tool_calls": [{"id": "call_1", **call}, {"id": "call_2", **call}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "18 C"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    ref = chat_text(http, messages, max_tokens=4, tools=chat_tools, tool_choice="none")
+    out = post(http, "/v1/responses", input=items, tools=[TOOL], tool_choice="none", max_output_tokens=4,
+               temperature=0)
+    assert out["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+    assert out["output"][0]["content"][0]["text"] == ref["choices"][0]["message"]["content"]
+
+
 def test_required_tool_call_is_a_function_call_item(client: "openai.OpenAI") -> None:
     out = client.responses.create(model="tiny", input="Weather in Paris?", tools=[TOOL], tool_choice="required",
                                   max_output_tokens=80, temperature=0)
