@@ -103,7 +103,7 @@ def _text_of(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid("content must be a string or a list of text parts", param=param)
+        raise invalid(f"{param} must be a string or a list of text parts", param=param)
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
@@ -198,8 +198,10 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
                 origins.append((p, [p], False))
         elif kind == "function_call_output":
             flush_reasoning()
+            output = item.get("output")   # a string, or input_text parts (OpenAI's list form; joined as chat's)
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", p),
-                             "content": _string(item, "output", p)})
+                             "content": _text_of(output, f"{p}.output") if isinstance(output, list)
+                             else _string(item, "output", p)})
             origins.append((p, [], True))
         else:
             raise invalid(f"unsupported input item type {kind!r} (served: message, reasoning, function_call, "

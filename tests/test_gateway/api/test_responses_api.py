@@ -127,6 +127,23 @@ def test_message_then_function_call_items_are_one_assistant_turn(http: httpx.Cli
     assert out["output"][0]["content"][0]["text"] == ref["choices"][0]["message"]["content"]
 
 
+def test_function_call_output_as_text_parts(http: httpx.Client) -> None:
+    """`function_call_output.output` may be a list of `input_text` parts (OpenAI's schema): it was a 400; the parts
+    join as a chat message's parts do. An image part is a 400 naming it."""
+    def items(output: Any) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "Weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": output}]
+
+    parts = [{"type": "input_text", "text": "18"}, {"type": "input_text", "text": "C"}]
+    ref = post(http, "/v1/responses", input=items("18\nC"), max_output_tokens=4, temperature=0)
+    out = post(http, "/v1/responses", input=items(parts), max_output_tokens=4, temperature=0)
+    assert out["usage"]["input_tokens"] == ref["usage"]["input_tokens"]
+    assert out["output"] == [{**o, "id": p["id"]} for o, p in zip(ref["output"], out["output"])]
+    image = [{"type": "input_image", "image_url": "http://x/y.png"}]
+    assert post(http, "/v1/responses", 400, input=items(image))["error"]["param"] == "input[2].output[0]"
+
+
 def test_required_tool_call_is_a_function_call_item(client: "openai.OpenAI") -> None:
     out = client.responses.create(model="tiny", input="Weather in Paris?", tools=[TOOL], tool_choice="required",
                                   max_output_tokens=80, temperature=0)
