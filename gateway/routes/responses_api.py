@@ -78,15 +78,17 @@ class ResponsesChatRequest(ChatCompletionRequest):
 
 
 # the keys of each input item and text part OpenAI's schema has (what an answer's `output` sent back carries);
-# `id`, `status`, `phase`, `annotations`, `logprobs`, `prompt_cache_breakpoint` are accepted and not rendered
+# `id`, `status`, `phase`, `annotations`, `logprobs`, `prompt_cache_breakpoint` are accepted and not rendered, and
+# so are the SDK's own `parsed` / `parsed_arguments` (`responses.parse` output sent back, as chat's `parsed`)
 _ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
-    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace",
+                      "parsed_arguments"},
     "function_call_output": {"type", "call_id", "output", "id", "status", "caller", "name", "namespace"},
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
 }
 _PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},
-              "output_text": {"type", "text", "annotations", "logprobs"}, "text": {"type", "text"}}
+              "output_text": {"type", "text", "annotations", "logprobs", "parsed"}, "text": {"type", "text"}}
 _NULL_ONLY = ("caller", "namespace")   # keys that would change what a call means: not served unless null
 
 

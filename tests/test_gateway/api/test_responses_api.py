@@ -218,9 +218,10 @@ ANSWER_BACK = [{"role": "user", "content": "weather?"},
                {"id": "rs_1", "summary": [], "type": "reasoning", "content": [{"text": "hm", "type": "reasoning_text"}],
                 "status": "completed"},
                {"id": "msg_1", "role": "assistant", "status": "completed", "type": "message", "phase": None,
-                "content": [{"annotations": [], "text": "Let me look.", "type": "output_text", "logprobs": []}]},
+                "content": [{"annotations": [], "text": "Let me look.", "type": "output_text", "logprobs": [],
+                            "parsed": None}]},
                {"arguments": "{}", "call_id": "c1", "name": "get_weather", "type": "function_call", "id": "fc_1",
-                "status": "completed"},
+                "status": "completed", "parsed_arguments": {}},
                {"type": "function_call_output", "call_id": "c1", "output": "sunny", "id": None, "status": None}]
 
 
@@ -240,7 +241,7 @@ def test_unknown_keys_in_input_items_and_format_are_400(http: httpx.Client, body
     """A key OpenAI's input item, text part or text.format schema does not have was silently dropped (a
     message's `name`, a typo in a function_call_output, a `schema` on json_object); a 400 naming it now, as every
     other unknown field. The keys an answer's `output` carries back (`id`, `status`, `phase`, `annotations`,
-    `logprobs`) stay accepted."""
+    `logprobs`, the SDK's `parsed` / `parsed_arguments`) stay accepted."""
     error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
     assert error["param"] == param, error
     out = post(http, "/v1/responses", input=ANSWER_BACK, tools=[TOOL], tool_choice="none", max_output_tokens=2)
