@@ -214,6 +214,9 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
     return messages
 
 
+_NULLABLE_TOOL_KEYS = ("description", "parameters", "strict")
+
+
 def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
     """Responses tools / tool_choice (flat function objects) -> the chat shapes."""
     tools = None
@@ -222,7 +225,9 @@ def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
         for i, tool in enumerate(body.tools):
             if not isinstance(tool, dict) or tool.get("type") != "function":
                 raise invalid("only function tools are served", param=f"tools[{i}].type")
-            tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+            # OpenAI's FunctionToolParam has `description`, `parameters`, `strict` nullable: null is absent
+            tools.append({"type": "function", "function": {
+                k: v for k, v in tool.items() if k != "type" and not (v is None and k in _NULLABLE_TOOL_KEYS)}})
     choice = body.tool_choice
     if isinstance(choice, str) and choice not in ("none", "auto", "required") or isinstance(choice, dict) and (
             choice.get("type") != "function" or set(choice) != {"type", "name"} or not isinstance(choice["name"], str)):

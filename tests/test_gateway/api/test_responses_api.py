@@ -157,6 +157,16 @@ def test_required_tool_call_is_a_function_call_item(client: "openai.OpenAI") -> 
     assert [item.type for item in named.output] == ["function_call"]
 
 
+def test_tool_with_null_description_and_parameters(client: "openai.OpenAI") -> None:
+    """OpenAI's function tool has `description`, `parameters` and `strict` nullable (the SDK's FunctionToolParam):
+    a null `description` was a 400 (`tools[0].description must be a string`); null is absent now, for each."""
+    tool = {"type": "function", "name": "ping", "description": None, "parameters": None, "strict": None}
+    out = client.responses.create(model="tiny", input="Ping?", tools=[tool], tool_choice="required",
+                                  max_output_tokens=40, temperature=0)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls and all(c.name == "ping" for c in calls)
+
+
 def test_text_format_json_schema(client: "openai.OpenAI") -> None:
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     out = client.responses.create(model="tiny", input="A person:", text={"format": fmt}, max_output_tokens=60,
