@@ -15,7 +15,8 @@ from grammar.matching.matcher import make_matcher
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`cmpl-...`, `chatcmpl-...`; a Response's id is `resp_...` (OpenAI's and vLLM's spelling)."""
+    return f"{prefix}{'_' if prefix == 'resp' else '-'}{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)

@@ -77,11 +77,35 @@ class ResponsesChatRequest(ChatCompletionRequest):
         return self._origins
 
 
+# the keys of each input item and text part OpenAI's schema has (what an answer's `output` sent back carries);
+# `id`, `status`, `phase`, `annotations`, `logprobs`, `prompt_cache_breakpoint` are accepted and not rendered, and
+# so are the SDK's own `parsed` / `parsed_arguments` (`responses.parse` output sent back, as chat's `parsed`)
+_ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace",
+                      "parsed_arguments"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "caller", "name", "namespace"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+}
+_PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},
+              "output_text": {"type", "text", "annotations", "logprobs", "parsed"}, "text": {"type", "text"}}
+_NULL_ONLY = ("caller", "namespace")   # keys that would change what a call means: not served unless null
+
+
+def _known_keys(obj: dict[str, Any], allowed: set[str], param: str) -> None:
+    """Unknown keys are a 400 naming the first one, never silently dropped (as every other field)."""
+    for key in obj:
+        if key not in allowed:
+            raise invalid(f"unknown field {key!r} in {param}", param=f"{param}.{key}")
+        if key in _NULL_ONLY and obj[key] is not None:
+            raise invalid(f"{param}.{key} is not supported", param=f"{param}.{key}")
+
+
 def _text_of(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid("content must be a string or a list of text parts", param=param)
+        raise invalid(f"{param} must be a string or a list of text parts", param=param)
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
@@ -89,6 +113,7 @@ def _text_of(content: Any, param: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             raise invalid(f"unsupported content part {kind!r}: only input_text / output_text parts are served",
                           param=f"{param}[{j}]")
+        _known_keys(part, _PART_KEYS[part["type"]], f"{param}[{j}]")
         texts.append(part["text"])
     return PART_SEPARATOR.join(texts)   # as a chat message's text parts (gateway/protocol.py)
 
@@ -107,6 +132,7 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
         if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
             raise invalid("a reasoning item's content parts must be reasoning_text parts",
                           param=f"{param}.content[{j}]")
+        _known_keys(part, {"type", "text"}, f"{param}.content[{j}]")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -119,8 +145,8 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
 
 
 def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
-    """Responses input -> chat messages (consecutive function_call items form one assistant turn); `origins`
-    gets where each message came from."""
+    """Responses input -> chat messages (function_call items after an assistant message or call form one
+    assistant turn with it); `origins` gets where each message came from."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
@@ -146,6 +172,8 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
     for i, item in enumerate(body.input):
         p = f"input[{i}]"
         kind = item.get("type", "message")
+        if isinstance(kind, str) and kind in _ITEM_KEYS:
+            _known_keys(item, _ITEM_KEYS[kind], p)
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{p}.role must be user, system, developer or assistant", param=f"{p}.role")
@@ -162,16 +190,20 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
             call = {"id": _string(item, "call_id", p), "type": "function",
                     "function": {"name": _string(item, "name", p), "arguments": _string(item, "arguments", p)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last and not reasoning:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                # the calls after an assistant message (or call) item are that turn's, as the answer held them:
+                # `[message, function_call]` sent back renders as the chat turn {content, tool_calls} it was
+                last.setdefault("tool_calls", []).append(call)
                 origins[-1][1].append(p)
             else:
                 messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
                 origins.append((p, [p], False))
         elif kind == "function_call_output":
             flush_reasoning()
+            output = item.get("output")   # a string, or input_text parts (OpenAI's list form; joined as chat's)
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", p),
-                             "content": _string(item, "output", p)})
+                             "content": _text_of(output, f"{p}.output") if isinstance(output, list)
+                             else _string(item, "output", p)})
             origins.append((p, [], True))
         else:
             raise invalid(f"unsupported input item type {kind!r} (served: message, reasoning, function_call, "
@@ -182,6 +214,9 @@ def _messages(body: ResponsesRequest, origins: Origins) -> list[dict[str, Any]]:
     return messages
 
 
+_NULLABLE_TOOL_KEYS = ("description", "parameters", "strict")
+
+
 def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
     """Responses tools / tool_choice (flat function objects) -> the chat shapes."""
     tools = None
@@ -190,13 +225,17 @@ def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
         for i, tool in enumerate(body.tools):
             if not isinstance(tool, dict) or tool.get("type") != "function":
                 raise invalid("only function tools are served", param=f"tools[{i}].type")
-            tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+            # OpenAI's FunctionToolParam has `description`, `parameters`, `strict` nullable: null is absent
+            tools.append({"type": "function", "function": {
+                k: v for k, v in tool.items() if k != "type" and not (v is None and k in _NULLABLE_TOOL_KEYS)}})
     choice = body.tool_choice
+    if isinstance(choice, str) and choice not in ("none", "auto", "required") or isinstance(choice, dict) and (
+            choice.get("type") != "function" or set(choice) != {"type", "name"} or not isinstance(choice["name"], str)):
+        # checked here: the chat path's message would name its own shape ({"function": {"name"}})
+        raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name"}',
+                      param="tool_choice")
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or set(choice) - {"type", "name"}:
-            raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name"}',
-                          param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+        choice = {"type": "function", "function": {"name": choice["name"]}}
     return tools, choice
 
 
@@ -211,11 +250,12 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise invalid("text.format.type must be text, json_object or json_schema", param="text.format.type")
-    if fmt["type"] != "json_schema":
-        return {"type": fmt["type"]}
-    extra = set(fmt) - {"type", "name", "schema", "strict", "description"}
+    extra = set(fmt) - ({"type", "name", "schema", "strict", "description"} if fmt["type"] == "json_schema"
+                        else {"type"})
     if extra:
         raise invalid(f"unknown field(s) in text.format: {sorted(extra)}", param="text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 

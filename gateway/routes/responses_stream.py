@@ -78,7 +78,9 @@ def responses_body(source: ResponsesRequest, plan: ToolPlan | None) -> Callable[
         calls: list[dict[str, Any]] = []
         if plan is not None and plan.constrained:   # a call cut at max_output_tokens: as the stream sent it
             content, calls = final_calls(r.text, plan.fmt, truncated=r.finish_reason == "length")
-        output = [message_item(_item_id("msg"), content)] if content or (content is not None and not calls) else []
+        # a message item only for text, as the stream opens one at its first text delta: an output that is all
+        # reasoning (or empty) has none, streamed or not
+        output = [message_item(_item_id("msg"), content)] if content else []
         output += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in calls]
         return response_object(request_id, created, model, source, output, _status(r.finish_reason),

@@ -164,6 +164,17 @@ MUTATIONS: tuple[Mutation, ...] = (
               "accept = u_accept < p_x.double()"),),
         ("tests/test_core/spec/test_spec_rejection.py",)),
     Mutation(
+        "responses-item-keys-unchecked", "a Responses input item's unknown keys are silently dropped",
+        (Edit("gateway/routes/responses_api.py", "        if isinstance(kind, str) and kind in _ITEM_KEYS:\n",
+              "        if False:\n"),),
+        ("tests/test_gateway/api/test_responses_api.py::test_unknown_keys_in_input_items_and_format_are_400",)),
+    Mutation(
+        "responses-call-own-turn", "function_call items after an assistant message item become a second assistant "
+        "turn",
+        (Edit("gateway/routes/responses_api.py", 'if last is not None and last["role"] == "assistant" and not reasoning:',
+              'if last is not None and last["role"] == "assistant" and "tool_calls" in last and not reasoning:'),),
+        ("tests/test_gateway/api/test_responses_api.py::test_message_then_function_call_items_are_one_assistant_turn",)),
+    Mutation(
         "sampler-top-p-off", "top_p is ignored (the whole distribution is sampled)",
         (Edit("core/sampling/sampler.py", "need_top_p=any(p.top_p < 1.0 for p in ps)", "need_top_p=False"),),
         ("tests/test_core/sampling/test_sampling.py",)),

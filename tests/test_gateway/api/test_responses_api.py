@@ -101,6 +101,49 @@ def test_message_list_with_function_call_items(http: httpx.Client) -> None:
     assert message["content"][0]["text"] == ref["choices"][0]["message"]["content"]
 
 
+def test_message_then_function_call_items_are_one_assistant_turn(http: httpx.Client) -> None:
+    """An answer with text and a call (`output: [message, function_call]`) sent back as input is the one assistant
+    turn it was, `{content, tool_calls}`, as the chat answer's message sent back renders; it was two assistant
+    turns (the text, then the call), a prompt the model never wrote."""
+    args = json.dumps({"city": "Paris", "unit": "c"})
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+             {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": args},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+             {"type": "function_call_output", "call_id": "call_2", "output": "18 C"}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": args}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Let me look.",
+                 "tool_calls": [{"id": "call_1", **call}, {"id": "call_2", **call}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "18 C"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    ref = chat_text(http, messages, max_tokens=4, tools=chat_tools, tool_choice="none")
+    out = post(http, "/v1/responses", input=items, tools=[TOOL], tool_choice="none", max_output_tokens=4,
+               temperature=0)
+    assert out["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+    assert out["output"][0]["content"][0]["text"] == ref["choices"][0]["message"]["content"]
+
+
+def test_function_call_output_as_text_parts(http: httpx.Client) -> None:
+    """`function_call_output.output` may be a list of `input_text` parts (OpenAI's schema): it was a 400; the parts
+    join as a chat message's parts do. An image part is a 400 naming it."""
+    def items(output: Any) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "Weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": output}]
+
+    parts = [{"type": "input_text", "text": "18"}, {"type": "input_text", "text": "C"}]
+    ref = post(http, "/v1/responses", input=items("18\nC"), max_output_tokens=4, temperature=0)
+    out = post(http, "/v1/responses", input=items(parts), max_output_tokens=4, temperature=0)
+    assert out["usage"]["input_tokens"] == ref["usage"]["input_tokens"]
+    assert out["output"] == [{**o, "id": p["id"]} for o, p in zip(ref["output"], out["output"])]
+    image = [{"type": "input_image", "image_url": "http://x/y.png"}]
+    assert post(http, "/v1/responses", 400, input=items(image))["error"]["param"] == "input[2].output[0]"
+
+
 def test_required_tool_call_is_a_function_call_item(client: "openai.OpenAI") -> None:
     out = client.responses.create(model="tiny", input="Weather in Paris?", tools=[TOOL], tool_choice="required",
                                   max_output_tokens=80, temperature=0)
@@ -112,6 +155,16 @@ def test_required_tool_call_is_a_function_call_item(client: "openai.OpenAI") -> 
     named = client.responses.create(model="tiny", input="Weather?", tools=[TOOL], max_output_tokens=80,
                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
     assert [item.type for item in named.output] == ["function_call"]
+
+
+def test_tool_with_null_description_and_parameters(client: "openai.OpenAI") -> None:
+    """OpenAI's function tool has `description`, `parameters` and `strict` nullable (the SDK's FunctionToolParam):
+    a null `description` was a 400 (`tools[0].description must be a string`); null is absent now, for each."""
+    tool = {"type": "function", "name": "ping", "description": None, "parameters": None, "strict": None}
+    out = client.responses.create(model="tiny", input="Ping?", tools=[tool], tool_choice="required",
+                                  max_output_tokens=40, temperature=0)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls and all(c.name == "ping" for c in calls)
 
 
 def test_text_format_json_schema(client: "openai.OpenAI") -> None:
@@ -169,6 +222,58 @@ def test_stream_function_call_events(client: "openai.OpenAI") -> None:
 def test_unsupported_is_400_naming_the_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
     assert error["param"] == param, error
+
+
+ANSWER_BACK = [{"role": "user", "content": "weather?"},
+               {"id": "rs_1", "summary": [], "type": "reasoning", "content": [{"text": "hm", "type": "reasoning_text"}],
+                "status": "completed"},
+               {"id": "msg_1", "role": "assistant", "status": "completed", "type": "message", "phase": None,
+                "content": [{"annotations": [], "text": "Let me look.", "type": "output_text", "logprobs": [],
+                            "parsed": None}]},
+               {"arguments": "{}", "call_id": "c1", "name": "get_weather", "type": "function_call", "id": "fc_1",
+                "status": "completed", "parsed_arguments": {}},
+               {"type": "function_call_output", "call_id": "c1", "output": "sunny", "id": None, "status": None}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": "hi", "name": "bob"}]}, "input[0].name"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi", "foo": 1}]}]},
+     "input[0].content[0].foo"),
+    ({"input": [ANSWER_BACK[0], {**ANSWER_BACK[3], "args": "{}"}]}, "input[1].args"),
+    ({"input": [*ANSWER_BACK[:4], {**ANSWER_BACK[4], "result": "sunny"}]}, "input[4].result"),
+    ({"input": [ANSWER_BACK[0], {**ANSWER_BACK[1], "content": [{"type": "reasoning_text", "text": "x", "y": 1}]}]},
+     "input[1].content[0].y"),
+    ({"input": [ANSWER_BACK[0], {**ANSWER_BACK[3], "namespace": "weather"}]}, "input[1].namespace"),
+    ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text.format"),
+    ({"text": {"format": {"type": "text", "strict": True}}}, "text.format"),
+])
+def test_unknown_keys_in_input_items_and_format_are_400(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    """A key OpenAI's input item, text part or text.format schema does not have was silently dropped (a
+    message's `name`, a typo in a function_call_output, a `schema` on json_object); a 400 naming it now, as every
+    other unknown field. The keys an answer's `output` carries back (`id`, `status`, `phase`, `annotations`,
+    `logprobs`, the SDK's `parsed` / `parsed_arguments`) stay accepted."""
+    error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
+    assert error["param"] == param, error
+    out = post(http, "/v1/responses", input=ANSWER_BACK, tools=[TOOL], tool_choice="none", max_output_tokens=2)
+    assert out["status"] in ("completed", "incomplete")
+
+
+def test_response_id_is_resp_underscore(client: "openai.OpenAI") -> None:
+    """A Response's id is `resp_<hex>` (OpenAI's and vLLM's spelling); it was `resp-<hex>`. The same id in every
+    lifecycle event of a stream."""
+    assert client.responses.create(model="tiny", input="hi", max_output_tokens=2).id.startswith("resp_")
+    events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=2, stream=True))
+    ids = {e.response.id for e in events if e.type.startswith("response.") and hasattr(e, "response")}
+    assert len(ids) == 1 and ids.pop().startswith("resp_")
+
+
+@pytest.mark.parametrize("tool_choice", ["maybe", {"type": "function"}, {"type": "function", "name": 5}])
+def test_bad_tool_choice_error_names_the_responses_shape(http: httpx.Client, tool_choice: Any) -> None:
+    """A bad `tool_choice` string, or a function choice without a string `name`, was answered with the chat
+    shape (`{"type": "function", "function": {"name": ...}}`), which a Responses client cannot send."""
+    error = post(http, "/v1/responses", 400, input="hi", tools=[TOOL], tool_choice=tool_choice)["error"]
+    assert error["param"] == "tool_choice" and '"function": {' not in error["message"], error
+    assert '{"type": "function", "name"}' in error["message"], error
 
 
 CALL_ITEMS = [{"type": "message", "role": "user", "content": "weather?"},

@@ -214,6 +214,19 @@ def test_responses_api_reasoning_item(http: httpx.Client) -> None:
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
 
 
+def test_responses_all_reasoning_has_no_empty_message_item(http: httpx.Client) -> None:
+    """An output cut inside the reasoning is one `reasoning` item, streamed or not: the answer had a message item
+    with empty text after it (the stream has none), so `get_final_response()` and the answer disagreed."""
+    body = {"model": "tiny", "input": "Is 7 prime?", "max_output_tokens": 5, "temperature": 0}
+    out = http.post("/v1/responses", json=body).json()
+    assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    events = []
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    final = events[-1]["response"]
+    assert [o["type"] for o in out["output"]] == [o["type"] for o in final["output"]] == ["reasoning"]
+
+
 def test_qwen3_template_gates_the_schema_though_the_prompt_opens_no_think(http: httpx.Client) -> None:
     """Qwen3's template with thinking on leaves `<think>` to the model (the prompt has no `</think>`): the JSON
     schema waits for `</think>` in the output, as vLLM's qwen3 parser makes it; the text before it is reasoning.
