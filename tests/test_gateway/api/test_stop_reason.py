@@ -28,12 +28,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def gamma(http: httpx.Client) -> int:
     resp = http.post("/tokenize", json={"model": "tiny", "prompt": "gamma", "add_special_tokens": False})
     ids = resp.json()["tokens"]

@@ -31,12 +31,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
 def error_of(resp: httpx.Response, status: int, code: str) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
