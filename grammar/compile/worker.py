@@ -151,8 +151,7 @@ def main() -> int:
 
                 try:
                     regex = message[1].lower()
-                    end_slot = bool(getattr(message[1], "end_slot", False))   # ToolCallsRecipe
-                    blob = None if message[0] == "check" else build_index(outlines_core, index_regex(regex, end_slot),
+                    blob = None if message[0] == "check" else build_index(outlines_core, index_regex(regex),
                                                                           vocabulary)
                     write_frame(stdout, ("ok", blob, time.perf_counter() - start))
                 except GrammarError as e:   # the schema's 400, as admission raised it before

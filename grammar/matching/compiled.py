@@ -97,8 +97,9 @@ class CompiledGrammar:
     # marker slot's control character (they would write the slot without the special token)
     markers: tuple[tuple[int, int], ...] = ()
     banned: frozenset[int] = frozenset()
-    # the end slot's fake token (grammar/compile/lowering.py END_REGEX): a state is final when it leads to a final
-    # state of the index (the index itself is indexed as R + END); None: the index's own final states
+    # the end slot's fake token (grammar/compile/lowering.py END_REGEX; GrammarCompiler always sets it): a state is
+    # final when END leads to a final state of the index (indexed as SENTINEL + R + END: the index has no final state
+    # mid-output); None: the index's own final states (an index built for plain R, tests only)
     end_token_id: int | None = None
     initial_state: int = field(init=False)
     _info: dict[int, StateInfo] = field(default_factory=dict, init=False, repr=False)
