@@ -182,3 +182,14 @@ def test_one_byte_dot_after_digits_with_a_tiny_model_tokenizer(compiler: Any, co
     assert allowed[ids[b"."]] and allowed[compiler.eos_token_ids[0]]
     assert matcher.accept_token(ids[b"."]) and not matcher.is_final()
     assert matcher.accept_token(ids[b"5"]) and matcher.is_final()
+
+
+def test_a_language_only_end_character_tokens_spell_is_refused(byte_compiler: Any) -> None:
+    """The worker's emptiness check skips the banned tokens: a regex only U+0004 spells is a 400 at compile time,
+    not a request that can neither write nor end."""
+    from grammar.errors import GrammarError
+
+    with pytest.raises(GrammarError, match="admits no string"):
+        byte_compiler.compile(regex_spec(r"\x04+", "guided_regex"), timeout=60)
+    compiled = byte_compiler.compile(regex_spec(r"[\x04a]", "guided_regex"), timeout=60)
+    assert [byte_compiler.vocab.tokens[t - 1][1] for t in compiled.allowed_token_ids(compiled.initial_state)] == [b"a"]
