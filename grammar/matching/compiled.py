@@ -118,6 +118,9 @@ class CompiledGrammar:
         self.uid = next(_UIDS)  # mask cache key: unique even if the same regex is recompiled
         self._fake = {real: fake for real, fake in self.markers if 0 <= real < self.vocab_size}
         self._banned_array = np.array(sorted(self.banned), dtype=np.int64)
+        self._banned_words = self._banned_array >> 5
+        self._banned_bits = np.left_shift(np.uint32(1), (self._banned_array & 31).astype(np.uint32))
+        self._banned_pairs = [(int(w), b) for w, b in zip(self._banned_words, self._banned_bits)]
 
     def _markers_at(self, state: int) -> list[int]:
         """The real marker tokens allowed in `state` (their slot's fake token continues the index)."""
@@ -186,7 +189,7 @@ class CompiledGrammar:
         mask = self.mask_cache.get(key)
         if mask is None:
             mask = self._mask_from_guide(guide) if guide is not None else None
-            if mask is not None and (self.banned or self.markers):   # the slots' tokens: the guide knows the fake ones
+            if mask is not None and self._fake:   # the real marker tokens: the guide knows the fake ones
                 mask = self._with_slots(mask, state)
             if mask is None:
                 ids = self._grammar_tokens(state)
@@ -217,9 +220,8 @@ class CompiledGrammar:
     def _with_slots(self, mask: torch.Tensor, state: int) -> torch.Tensor:
         """`mask` without the banned tokens and with the real marker tokens allowed in `state`."""
         words = mask.numpy().view(np.uint32).copy()
-        banned = self._banned_array
-        if banned.size:
-            np.bitwise_and.at(words, banned >> 5, ~np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32)))
+        if self._banned_words.size:
+            np.bitwise_and.at(words, self._banned_words, ~self._banned_bits)
         for real in self._markers_at(state):
             words[real >> 5] |= np.uint32(1 << (real & 31))
         return torch.from_numpy(words.view(np.int32))
@@ -234,6 +236,11 @@ class CompiledGrammar:
         words = scratch[: self.num_words].copy()  # uint32 [num_words]
         if self.vocab_size % 32:  # ids >= vocab_size are never allowed
             words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        # the real tokens that would write a slot's character (the index allows the end slot's wherever END is):
+        # scalar ops for the usual one to three of them (a numpy call costs more than the few words it touches)
+        for word, bit in self._banned_pairs:
+            if words[word] & bit:
+                words[word] &= ~bit
         eos = self._eos_array[self._eos_array < self.vocab_size]
         bits = np.left_shift(np.uint32(1), (eos & 31).astype(np.uint32))
         if self.is_final(int(guide.get_state())):
