@@ -89,8 +89,8 @@ class CompiledGrammar:
     nbytes: int
     compile_seconds: float
     mask_cache: MaskCache
-    # The index was built for SENTINEL + R (see compiler.index_regex); consuming this fake
-    # token from the index's start state gives the grammar's initial state.  None: plain R.
+    # The index was built for SENTINEL + R + END (see lowering.index_regex); consuming this fake
+    # token from the index's start state gives the grammar's initial state.  None: no sentinel.
     start_token_id: int | None = None
     # special tokens the grammar writes by id (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`): (real id, fake index id of
     # its marker slot, grammar/compile/lowering.py MARKER_REGEXES); `banned`: the real tokens whose bytes hold a
