@@ -72,7 +72,7 @@ class GrammarCompiler:
         self._inflight: dict[tuple[str, str], Future] = {}
         self._views: dict[tuple[tuple[str, str], str | None], Future] = {}   # per (key, param) of _inflight
         self._cfg_info: Any = None  # xgrammar TokenizerInfo, built on the first grammar
-        self._marker_banned: frozenset[int] | None = None   # `_markers`: built on the first grammar with markers
+        self._banned: tuple[frozenset[int], frozenset[int]] | None = None   # `_slots`: built on the first grammar
         self._failed: OrderedDict[tuple[str, str], tuple[float, GrammarError]] = OrderedDict()
         self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()   # recipes whose lowering succeeded
         self.stats = {"hits": 0, "misses": 0, "dedup": 0, "timeouts": 0, "failures": 0, "evictions": 0}
@@ -196,7 +196,7 @@ class GrammarCompiler:
                 compile_seconds=result.seconds,
                 mask_cache=self.masks,
                 start_token_id=self._pool.sentinel_token_id,
-                **self._markers(spec),
+                **self._slots(spec),
             )
         except CompileTimeout:
             error = _timeout_error(self.compile_timeout_s)
@@ -243,19 +243,18 @@ class GrammarCompiler:
                                "invalid_grammar", None)   # the caller's field: `_for_caller`
         return grammar
 
-    def _markers(self, spec: GrammarSpec) -> dict[str, Any]:
-        """A tool-call recipe's slots as CompiledGrammar takes them: its special tokens (`ToolCallsRecipe.markers`:
-        the real id of each marker slot), its end slot, and the real tokens that would write a slot's control
-        character."""
+    def _slots(self, spec: GrammarSpec) -> dict[str, Any]:
+        """The fake-token slots as CompiledGrammar takes them: the end slot (every outlines-core grammar is indexed
+        as R + END, grammar/compile/lowering.py), a tool-call recipe's special tokens (`ToolCallsRecipe.markers`:
+        the real id of each marker slot), and the real tokens that would write a slot's control character
+        (END_CHAR's always, the marker characters' where the grammar has marker slots)."""
         real = tuple(getattr(spec.recipe, "markers", ()) or ())
-        end = bool(getattr(spec.recipe, "end_slot", False))
-        if not (real or end):
-            return {}
-        if self._marker_banned is None:
-            self._marker_banned = frozenset(t for t, data in self.vocab.tokens
-                                            if any(c in data for c in (*MARKER_CHARS, END_CHAR)))
-        return dict(markers=tuple(zip(real, self._pool.marker_token_ids)), banned=self._marker_banned,
-                    end_token_id=self._pool.end_token_id if end else None)
+        if self._banned is None:
+            end = frozenset(t for t, data in self.vocab.tokens if END_CHAR in data)
+            marker = frozenset(t for t, data in self.vocab.tokens if any(c in data for c in MARKER_CHARS))
+            self._banned = (end, end | marker)
+        return dict(markers=tuple(zip(real, self._pool.marker_token_ids)), banned=self._banned[bool(real)],
+                    end_token_id=self._pool.end_token_id)
 
     def _insert(self, key: tuple[str, str], compiled: CompiledGrammar) -> None:
         self._cache[key] = compiled

@@ -32,11 +32,15 @@ SENTINEL_REGEX = r"\x{1}"
 MARKER_CHARS = (b"\x02", b"\x03")
 MARKER_REGEXES = (r"\x{2}\x{2}", r"\x{3}\x{3}")
 MARKER_BYTES = tuple(c * 2 for c in MARKER_CHARS)
-# The end slot: a grammar whose output may go on after a point where it could end (tool calls: a next call after
-# a whole one) is indexed as R + END, END a fake token (id vocab_size + 2 + len(MARKER_CHARS)) that stands for EOS:
-# the output may end where END would reach a final state (CompiledGrammar.end_token_id). Without it such a point is
-# final in the index, and outlines-core drops every one-byte token that leaves it for a non-final state (the "\n"
-# of Hermes' "\n<tool_call>", the ";" of Llama's "; "): `required` with parallel calls could never write a second.
+# The end slot: every outlines-core grammar is indexed as SENTINEL + R + END, END a fake token (id vocab_size + 2 +
+# len(MARKER_CHARS), bytes END_CHAR) that stands for EOS: the output may end where END reaches a final state of the
+# index (CompiledGrammar.end_token_id, `is_final`), so no state is final in the index mid-output. Without it
+# outlines-core 0.2.14 drops every one-byte token that leaves a final state for a non-final one (the DFA reports
+# the match just ended on that byte): `-?\d+(\.\d+)?` could not write a one-byte "." after "12", a top-level
+# number schema neither "." nor "e", a choice of "a"/"ab" no one-byte "b" after "a", tool calls no "\n" or ";"
+# before a second call. Real tokens whose bytes hold END_CHAR (U+0004) are banned in every grammar (they would
+# write the slot): JSON text never holds a raw control character, and a regex that allows any character loses
+# only U+0004 (END OF TRANSMISSION), which no text a user asks for contains.
 END_CHAR = b"\x04"
 END_REGEX = r"\x{4}"
 
@@ -88,8 +92,8 @@ def warm_lowering() -> None:
     SchemaRecipe.of(schema, SchemaOptions()).lower()
 
 
-def index_regex(regex: str, end_slot: bool = False) -> str:
-    """The regex actually given to outlines-core: SENTINEL + "(?:R)".
+def index_regex(regex: str) -> str:
+    """The regex actually given to outlines-core: SENTINEL + "(?:R)" + END (the end slot, above).
 
     outlines-core also determinizes regex-automata's *unanchored* DFA, whose size
     explodes when R cannot match early (R starts with '{': every '{' of the input is a
@@ -100,7 +104,7 @@ def index_regex(regex: str, end_slot: bool = False) -> str:
     is a fake token (id vocab_size + 1, never in a mask) that CompiledGrammar consumes
     once; its target state is the grammar's initial state.
     """
-    return f"{SENTINEL_REGEX}(?:{regex})" + (END_REGEX if end_slot else "")
+    return f"{SENTINEL_REGEX}(?:{regex}){END_REGEX}"
 
 
 def schema_to_regex(schema: Any, options: SchemaOptions, max_chars: int | None = None) -> str:

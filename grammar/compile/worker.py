@@ -56,21 +56,34 @@ def read_frame(stream: BinaryIO) -> Any:
 EMPTY_LANGUAGE = "admits no string"
 
 
-def reaches_final(index: Any) -> bool:
-    """Breadth-first from the start state over the allowed tokens: is some final state reachable? (No:
-    the regex, or the vocabulary, admits no string; a request would have nothing it may end with.) Stops at
-    the first final state found: for a JSON grammar a few hundred states, not the whole index."""
+def reaches_final(index: Any, skip: "frozenset[int]" = frozenset(), end: int | None = None) -> bool:
+    """Breadth-first from the start state over the allowed tokens but `skip`: is some final state reachable? (No:
+    the regex, or the vocabulary, admits no string; a request would have nothing it may end with.) With `end` (the
+    end slot's fake token, grammar/compile/lowering.py) a state counts as final where `end` leads to a final state,
+    as CompiledGrammar.is_final reads it, and `end` is never walked (it stands for EOS, and its byte could spell a
+    U+0004 of the regex); `skip`: the real tokens CompiledGrammar bans (those writing the end slot's character).
+    Stops at the first final state found: for a JSON grammar a few hundred states, not the whole index."""
     finals = set(index.get_final_states())
     if not finals:
         return False
+
+    def is_final(state: int) -> bool:
+        if end is None:
+            return state in finals
+        nxt = index.get_next_state(state, end)
+        return nxt is not None and nxt in finals
+
+    skip = skip | {end} if end is not None else skip
     start = index.get_initial_state()
     seen, frontier = {start}, [start]
     while frontier:
         nxt_frontier = []
         for state in frontier:
-            if state in finals:
+            if is_final(state):
                 return True
             for token in index.get_allowed_tokens(state):
+                if token in skip:
+                    continue
                 nxt = index.get_next_state(state, token)
                 if nxt is not None and nxt not in seen:
                     seen.add(nxt)
@@ -79,9 +92,19 @@ def reaches_final(index: Any) -> bool:
     return False
 
 
-def build_index(outlines_core: Any, regex: str, vocabulary: Any) -> bytes:
+def end_slot_tokens(token_map: dict, vocab_size: int) -> "tuple[frozenset[int], int | None]":
+    """(the real tokens whose bytes hold the end slot's character, banned in every CompiledGrammar; the end slot's
+    fake token): grammar/compile/lowering.py END_CHAR, grammar/compile/pool.py. Real ids lie below `vocab_size`,
+    the fake ones above."""
+    banned = frozenset(i for data, ids in token_map.items() if b"\x04" in data for i in ids if i < vocab_size)
+    fakes = [i for i in token_map.get(b"\x04", ()) if i >= vocab_size]
+    return banned, (fakes[0] if fakes else None)
+
+
+def build_index(outlines_core: Any, regex: str, vocabulary: Any, skip: "frozenset[int]" = frozenset(),
+                end: int | None = None) -> bytes:
     index = outlines_core.Index(regex, vocabulary)
-    if not reaches_final(index):
+    if not reaches_final(index, skip, end):
         raise ValueError(f"the pattern {EMPTY_LANGUAGE} that this model's tokens can spell")
     return pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -114,6 +137,8 @@ def main() -> int:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(os.path.dirname(here)))
     vocabulary = None
+    banned: "frozenset[int]" = frozenset()
+    end: int | None = None
     token_map: dict = {}
     cfg_info = None
     init: tuple = ()
@@ -131,10 +156,11 @@ def main() -> int:
                 init = message
                 eos_token_id, token_map = message[1], message[2]
                 vocabulary = outlines_core.Vocabulary(eos_token_id, token_map)
+                banned, end = end_slot_tokens(token_map, message[3])
                 write_frame(stdout, ("ready",))
             elif message[0] == "compile":
                 try:
-                    blob = build_index(outlines_core, message[1], vocabulary)
+                    blob = build_index(outlines_core, message[1], vocabulary, banned, end)
                     write_frame(stdout, ("ok", blob, time.perf_counter() - start))
                 except MemoryError:
                     raise
@@ -151,9 +177,8 @@ def main() -> int:
 
                 try:
                     regex = message[1].lower()
-                    end_slot = bool(getattr(message[1], "end_slot", False))   # ToolCallsRecipe
-                    blob = None if message[0] == "check" else build_index(outlines_core, index_regex(regex, end_slot),
-                                                                          vocabulary)
+                    blob = None if message[0] == "check" else build_index(outlines_core, index_regex(regex),
+                                                                          vocabulary, banned, end)
                     write_frame(stdout, ("ok", blob, time.perf_counter() - start))
                 except GrammarError as e:   # the schema's 400, as admission raised it before
                     write_frame(stdout, ("grammar_error", e.message, e.code, e.param, e.pointer))

@@ -89,16 +89,17 @@ class CompiledGrammar:
     nbytes: int
     compile_seconds: float
     mask_cache: MaskCache
-    # The index was built for SENTINEL + R (see compiler.index_regex); consuming this fake
-    # token from the index's start state gives the grammar's initial state.  None: plain R.
+    # The index was built for SENTINEL + R + END (see lowering.index_regex); consuming this fake
+    # token from the index's start state gives the grammar's initial state.  None: no sentinel.
     start_token_id: int | None = None
     # special tokens the grammar writes by id (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`): (real id, fake index id of
     # its marker slot, grammar/compile/lowering.py MARKER_REGEXES); `banned`: the real tokens whose bytes hold a
     # marker slot's control character (they would write the slot without the special token)
     markers: tuple[tuple[int, int], ...] = ()
     banned: frozenset[int] = frozenset()
-    # the end slot's fake token (grammar/compile/lowering.py END_REGEX): a state is final when it leads to a final
-    # state of the index (the index itself is indexed as R + END); None: the index's own final states
+    # the end slot's fake token (grammar/compile/lowering.py END_REGEX; GrammarCompiler always sets it): a state is
+    # final when END leads to a final state of the index (indexed as SENTINEL + R + END: the index has no final state
+    # mid-output); None: the index's own final states (an index built for plain R, tests only)
     end_token_id: int | None = None
     initial_state: int = field(init=False)
     _info: dict[int, StateInfo] = field(default_factory=dict, init=False, repr=False)
@@ -117,6 +118,9 @@ class CompiledGrammar:
         self.uid = next(_UIDS)  # mask cache key: unique even if the same regex is recompiled
         self._fake = {real: fake for real, fake in self.markers if 0 <= real < self.vocab_size}
         self._banned_array = np.array(sorted(self.banned), dtype=np.int64)
+        self._banned_words = self._banned_array >> 5
+        self._banned_bits = np.left_shift(np.uint32(1), (self._banned_array & 31).astype(np.uint32))
+        self._banned_pairs = [(int(w), b) for w, b in zip(self._banned_words, self._banned_bits)]
 
     def _markers_at(self, state: int) -> list[int]:
         """The real marker tokens allowed in `state` (their slot's fake token continues the index)."""
@@ -185,7 +189,7 @@ class CompiledGrammar:
         mask = self.mask_cache.get(key)
         if mask is None:
             mask = self._mask_from_guide(guide) if guide is not None else None
-            if mask is not None and (self.banned or self.markers):   # the slots' tokens: the guide knows the fake ones
+            if mask is not None and self._fake:   # the real marker tokens: the guide knows the fake ones
                 mask = self._with_slots(mask, state)
             if mask is None:
                 ids = self._grammar_tokens(state)
@@ -216,9 +220,8 @@ class CompiledGrammar:
     def _with_slots(self, mask: torch.Tensor, state: int) -> torch.Tensor:
         """`mask` without the banned tokens and with the real marker tokens allowed in `state`."""
         words = mask.numpy().view(np.uint32).copy()
-        banned = self._banned_array
-        if banned.size:
-            np.bitwise_and.at(words, banned >> 5, ~np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32)))
+        if self._banned_words.size:
+            np.bitwise_and.at(words, self._banned_words, ~self._banned_bits)
         for real in self._markers_at(state):
             words[real >> 5] |= np.uint32(1 << (real & 31))
         return torch.from_numpy(words.view(np.int32))
@@ -233,6 +236,11 @@ class CompiledGrammar:
         words = scratch[: self.num_words].copy()  # uint32 [num_words]
         if self.vocab_size % 32:  # ids >= vocab_size are never allowed
             words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        # the real tokens that would write a slot's character (the index allows the end slot's wherever END is):
+        # scalar ops for the usual one to three of them (a numpy call costs more than the few words it touches)
+        for word, bit in self._banned_pairs:
+            if words[word] & bit:
+                words[word] &= ~bit
         eos = self._eos_array[self._eos_array < self.vocab_size]
         bits = np.left_shift(np.uint32(1), (eos & 31).astype(np.uint32))
         if self.is_final(int(guide.get_state())):

@@ -74,9 +74,14 @@ class GrammarSpec:
             return False
 
 
+# The layout of the index a key names (grammar/compile/lowering.py `index_regex`): part of every key, so an index
+# built for another layout (before the end slot: R without END) is never taken for one of this layout.
+INDEX_LAYOUT = "sentinel+R+end"
+
+
 def spec_key(kind: str, regex: str) -> str:
-    """The compile cache / de-dup key of a format."""
-    return hashlib.sha256(f"{kind}\0{regex}".encode()).hexdigest()[:32]
+    """The compile cache / de-dup key of a format (the index layout included)."""
+    return hashlib.sha256(f"{INDEX_LAYOUT}\0{kind}\0{regex}".encode()).hexdigest()[:32]
 
 
 def recipe_spec(kind: GrammarKind, recipe: Any, **fields: Any) -> GrammarSpec:

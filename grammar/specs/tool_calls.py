@@ -193,7 +193,6 @@ class ToolCallsRecipe:
     parallel: bool
     skip: int
     markers: tuple[int, ...] = ()         # the token id of each of `fmt.special` (its marker slot in the regex)
-    end_slot = True   # indexed as the call regex + the end slot (grammar/compile/lowering.py END_REGEX)
 
     @property
     def identity(self) -> str:
