@@ -31,6 +31,8 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
             req.detokenizer.drop_stop_strings()
         hit = False
         if req.grammar.ended_by_stop_token():   # a terminating stop token is not JSON text
+            if params.include_stop_str_in_output:   # its text all the same, as without a grammar (vLLM)
+                _detokenize(req, token, check_stops=False)
             req.stop_reason = _token_stop_reason(req, token)
         else:
             hit = _detokenize(req, token)            # True only in the free text of `auto` (admission.py)

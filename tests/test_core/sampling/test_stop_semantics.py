@@ -105,3 +105,21 @@ def test_a_generation_config_eos_is_a_stop_token(tmp_path: Path) -> None:
         assert run(engine, ignore_eos=True, max_tokens=3, **shown).text == "alphabeta<|end|>"
     finally:
         engine.shutdown()
+
+
+def test_a_grammar_stop_token_keeps_its_text_when_asked(tmp_path: Path) -> None:
+    """Under a response_format, a stop_token_ids token that ended the JSON added no text even with
+    include_stop_str_in_output (vLLM's detokenizer keeps it: the grammar does not change what a stop token is)."""
+    path = scripted_model(tmp_path, ["12", "alpha", "beta"])
+    engine = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=16, warmup=False)
+    try:
+        alpha = ids_of(engine, "alpha")[0]
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+        params = {"max_tokens": 4, "temperature": 0.0, "stop_token_ids": [alpha]}
+        out = engine.generate("x", SamplingParams(**params), response_format=fmt)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == ("12", "stop", alpha)
+        kept = engine.generate("x", SamplingParams(**params, include_stop_str_in_output=True),
+                               response_format=fmt)[0].outputs[0]
+        assert (kept.text, kept.finish_reason, kept.stop_reason) == ("12alpha", "stop", alpha)
+    finally:
+        engine.shutdown()
