@@ -74,11 +74,13 @@ class IncrementalDetokenizer:
             self._last_added = content is not None
         if not piece:
             return False
-        search_from = max(0, len(self.text) - self._search_back)
+        old_len = len(self.text)
         self.text += piece
         if not self._stops or not check_stops:
             return False
-        hits = [(i, len(s)) for s, i in ((s, self.text.find(s, search_from)) for s in self._stops) if i >= 0]
+        # each stop string only where it ends in the new text (one that ended before, within min_tokens, is text)
+        hits = [(i, len(s)) for s, i in ((s, self.text.find(s, max(0, old_len - len(s) + 1))) for s in self._stops)
+                if i >= 0]
         if not hits:
             return False
         start, length = min(hits)

@@ -77,6 +77,14 @@ def test_min_tokens_holds_stop_strings_off(llm: LLM) -> None:
     assert straddle.text == "alphab" and straddle.stop_reason == "etagam"
 
 
+def test_a_short_stop_string_within_min_tokens_stays_text(llm: LLM) -> None:
+    """A stop string that ended within min_tokens matched on the next token when a longer stop string made the
+    search look back that far ("eta" of "beta", with a 10-character stop beside it: "alphab"); vLLM searches
+    each stop string only where it could end in the new text, so "eta" first ends the text in "zeta"."""
+    out = run(llm, stop=["eta", "z" * 10], min_tokens=2)
+    assert out.text == "alphabetagammadeltaepsz" and out.stop_reason == "eta"
+
+
 def test_stop_reason_names_the_stop_string(llm: LLM) -> None:
     out = run(llm, stop=["zzz", "amma"])
     assert out.text == "alphabetag" and out.finish_reason == "stop" and out.stop_reason == "amma"
