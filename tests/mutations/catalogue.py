@@ -129,8 +129,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "stop-string-across-tokens", "a stop string is searched for only in the text of the newest token (one that "
         "spans two tokens is missed)",
-        (Edit("core/sampling/detokenizer.py", "        search_from = max(0, len(self.text) - self._search_back)\n",
-              "        search_from = len(self.text)\n"),),
+        (Edit("core/sampling/detokenizer.py", "self.text.find(s, max(0, old_len - len(s) + 1))",
+              "self.text.find(s, old_len)"),),
         STOP_TESTS),
     Mutation(
         "stop-string-kept", "the matched stop string stays in the output text",
@@ -143,6 +143,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "include_stop_str_in_output)",
         (Edit("core/sampling/stops.py", "        if params.include_stop_str_in_output:\n            _detokenize(",
               "        if True:\n            _detokenize("),),
+        STOP_TESTS),
+    Mutation(
+        "grammar-stop-token-text-dropped", "under a grammar, the stop token that ends the answer adds no text even "
+        "with include_stop_str_in_output",
+        (Edit("core/sampling/stops.py", "            if params.include_stop_str_in_output:   # its text all the same",
+              "            if False:   # its text all the same"),),
+        STOP_TESTS),
+    Mutation(
+        "stop-string-window-shared", "every stop string is searched as far back as the longest one reaches (a short "
+        "one that ended within min_tokens matches on the next token)",
+        (Edit("core/sampling/detokenizer.py", "max(0, old_len - len(s) + 1)", "max(0, old_len - self._search_back)"),),
         STOP_TESTS),
     Mutation(
         "min-tokens-stop-strings", "stop strings end the text within min_tokens (vLLM does not look for them there)",
