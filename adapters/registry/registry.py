@@ -151,7 +151,7 @@ class AdapterRegistry:
         if not entry.unloaded:
             entry.unloaded = True
             if entry.num_in_flight == 0:
-                self._released.append(entry)
+                self._release_locked(entry)
 
     def get(self, name: str) -> LoadedAdapter | None:
         """A registered adapter (explicit, or a directory entry already requested)."""
@@ -212,7 +212,13 @@ class AdapterRegistry:
             assert entry.num_in_flight > 0, "release without acquire"
             entry.num_in_flight -= 1
             if entry.unloaded and entry.num_in_flight == 0:
-                self._released.append(entry)
+                self._release_locked(entry)
+
+    def _release_locked(self, entry: LoadedAdapter) -> None:
+        """An unloaded entry no request holds: for the engine to free (`take_released`); its host copy stops
+        counting against max_cpu_loras at once, so a load in the meantime (load_inplace) evicts no live copy."""
+        self._host_lru.pop(entry.generation_id, None)
+        self._released.append(entry)
 
     def take_released(self) -> list[LoadedAdapter]:
         """Unloaded adapters with no request left: the engine frees their slot and cached KV."""

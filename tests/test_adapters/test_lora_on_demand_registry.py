@@ -244,3 +244,21 @@ def test_loaded_names_follow_the_directory_names_rules(tmp_path: Path, name: str
     assert info.value.code == "invalid_adapter_name" and info.value.status == 400, info.value
     assert len(info.value.message) < 300, info.value   # the 513 characters are not echoed
     assert reg.load("acme/support-v2", str(tmp_path / "a")).name == "acme/support-v2"
+
+
+def test_a_replaced_copy_makes_room_for_its_replacement(tmp_path: Path) -> None:
+    """load_inplace of a resident, unheld adapter with the host copies full: the retired copy stayed counted until
+    the engine's next step, so the new one evicted another live adapter (read from disk again on its next request)."""
+    for name in ("x", "a1", "a2"):
+        _touch_adapter(tmp_path / name, name)
+    loader = FakeLoader(delay_s=0)
+    (tmp_path / "dir").mkdir()
+    reg = _registry(tmp_path / "dir", 2, loader)
+    x = reg.load("x", str(tmp_path / "x"))
+    reg.load("a", str(tmp_path / "a1"))
+    new = reg.load("a", str(tmp_path / "a2"), replace=True)
+    assert reg.is_ready(x) and reg.is_ready(new)
+    assert reg.num_host == 2
+    reg.check_integrity()
+    assert [e.name for e in reg.take_released()] == ["a"]
+    assert reg.is_ready(x) and reg.num_host == 2
