@@ -174,8 +174,9 @@ RESPONSES = {"model": texts, "input": texts | st.lists(st.fixed_dictionaries(
              "truncation": st.sampled_from(["disabled", "auto"]) | JSON, "seed": ints, "top_k": ints}
 DETOKENIZE = {"model": texts, "tokens": id_lists | JSON}
 LOAD_ADAPTER = {"lora_name": texts | st.just("tiny"),
-                "lora_path": texts | st.sampled_from(["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000])}
-UNLOAD_ADAPTER = {"lora_name": texts | st.just("tiny")}
+                "lora_path": texts | st.sampled_from(["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000]),
+                "load_inplace": bools | JSON}
+UNLOAD_ADAPTER = {"lora_name": texts | st.just("tiny"), "lora_int_id": ints | JSON}
 
 # route -> (valid bases: the mutations start from one of them, the first is the sweep's base; field strategies)
 ROUTES: dict[str, tuple[list[dict[str, Any]], dict[str, st.SearchStrategy[Any]]]] = {
@@ -243,6 +244,8 @@ EXTREMES: dict[str, list[Any]] = {
     "tool_choice": ["required", "any", {"type": "function", "function": {"name": "missing"}}] + SWEEP_WRONG_TYPES,
     "lora_name": ["", "tiny", "x" * 5000, "../x", "\x00"] + SWEEP_WRONG_TYPES,
     "lora_path": ["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000, "\x00"] + SWEEP_WRONG_TYPES,
+    "load_inplace": [True, False, 0, 1] + SWEEP_WRONG_TYPES,
+    "lora_int_id": [0, -1, 2**63, 1.5, True] + SWEEP_WRONG_TYPES,
 }
 # the sampling fields go through the same code on both routes: swept on /v1/completions only
 SWEPT = {path: sorted(set(fields) & set(EXTREMES) - (set(SAMPLING) if path == "/v1/chat/completions" else set()))
