@@ -19,6 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.process
+import shutil
 import tempfile
 import threading
 from typing import Any, AsyncIterator, Callable
@@ -125,6 +126,7 @@ class EngineClient:
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)   # the two ipc sockets' folder: one per start, never reused
 
     # ---- model, tokenizer, grammar, adapters (after `wait_started`) -------------------------------
     @property
