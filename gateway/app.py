@@ -25,6 +25,7 @@ from starlette.routing import Route
 from core.engine.interface import CompiledConstraint
 from core.errors import RequestRejected
 from core.engine.outputs import RequestDelta
+from core.sampling.bad_words import resolve_bad_words
 from core.sampling.params import SamplingParams
 from gateway.tenancy.auth import Principal
 from gateway.http.body import parse_body as parse_json_body
@@ -144,10 +145,13 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
                                    state.config.tool_call_parser) if tooled else None
     await check_tool_schemas(plan, aeng)   # lowered in a compile worker: their 400s come first
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
+    encoder = state.encoder.truncating(params)   # vLLM's truncate_prompt_tokens, before the context check
     if tooled:
-        prompts = [await tokenize_pool.run(tools_chat_prompt, state.encoder, body, plan)]
+        prompts = [await tokenize_pool.run(tools_chat_prompt, encoder, body, plan)]
     else:
-        prompts = await tokenize_pool.run(kind.prompts, state.encoder, body)
+        prompts = await tokenize_pool.run(kind.prompts, encoder, body)
+    if params.bad_words:   # vLLM's bad_words as token sequences (core/sampling/bad_words.py)
+        params = await tokenize_pool.run(resolve_bad_words, params, state.encoder.tokenizer)
     grammar = await resolve_tool_constraint(body, aeng, plan)
     if plan is not None and plan.keeps_special_tokens and params.skip_special_tokens:
         # Mistral's [TOOL_CALLS] (and v11's [ARGS]) are special tokens: the text keeps them, or the call could not

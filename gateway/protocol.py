@@ -8,7 +8,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, FailFast, Field, P
                       ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from core.sampling.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS
+from core.sampling.params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
 PromptForms = Union[str, list[str], list[int], list[list[int]]]   # what `prompt` accepts (its JSON schema)
 INT64_MAX = 2**63 - 1
@@ -21,6 +21,7 @@ MAX_MESSAGE_PARTS = 1 << 15   # content parts and tool calls across one request'
 PART_SEPARATOR = "\n"   # between the text parts of one message's content (ChatMessage.text)
 MAX_TOOLS = 128            # tools of one request (OpenAI's own limit): each is a schema checked at admission
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 19   # vLLM's allowed_token_ids: past any vocabulary (Gemma 3: 262,208)
 
 
 def check_count(value: Any, limit: int, what: str) -> Any:
@@ -245,6 +246,12 @@ class _SamplingFields(_Strict):
     guided_whitespace_pattern: Optional[Any] = None   # JSON whitespace in schema output (grammar/regex/whitespace.py)
     include_stop_str_in_output: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
+    # vLLM's token filters (core/sampling/bad_words.py, penalties.py) and prompt truncation (admission.py)
+    allowed_token_ids: Optional[Annotated[list[int], bounded(MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids"),
+                                          Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
+    bad_words: Optional[Annotated[list[str], bounded(MAX_BAD_WORDS, "bad_words"),
+                                  Field(max_length=MAX_BAD_WORDS)]] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
 
     @property
     def include_usage(self) -> bool:

@@ -23,6 +23,7 @@ from core.execution.lora_step import StepAdapters
 from core.execution.model_runner import ModelRunner
 from core.execution.pending import PendingStep
 from core.execution.step_io import ForwardOutput, StepBatch, StepResult
+from core.sampling.bad_words import resolve_bad_words
 from core.sampling.params import SamplingParams
 from core.sampling.stage import SamplingStage
 from core.sampling.stops import append_token, make_delta
@@ -111,6 +112,7 @@ class LLMEngine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         try:
+            params = resolve_bad_words(params, self.tokenizer)   # the offline API's; the server resolves its own
             max_tokens = self.check_request(len(prompt_token_ids), params)
             check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
             if lora is not None and not lora_held:

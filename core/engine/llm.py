@@ -11,6 +11,7 @@ from core.engine.engine import LLMEngine
 from core.engine.stats import Metric, engine_metrics
 from core.engine.outputs import CompletionOutput, RequestOutput
 from core.sampling.params import SamplingParams
+from core.scheduling.admission import truncate_prompt
 from core.spec.config import SpeculativeConfig
 from grammar.matching.matcher import GrammarMatcher
 from grammar import parse_response_format
@@ -99,6 +100,9 @@ class LLM:
         try:
             for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
                 text, ids = self._encode(prompt)
+                from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+                bos = getattr(self.tokenizer, "bos_token_id", None) if from_text else None   # a text's BOS stays
+                ids = truncate_prompt(ids, p, engine.max_model_len, bos)   # vLLM's truncate_prompt_tokens
                 results.append(RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids,
                                              outputs=[], finished=False))
                 for j in range(p.n):

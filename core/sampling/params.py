@@ -9,6 +9,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: each token's text is searched that far back, and a stream holds it back
 GREEDY_BELOW = 1e-5   # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 MIN_REPETITION_PENALTY = 0.01   # x100 already forces repetition; far smaller ones overflowed to inf, then NaN
+MAX_BAD_WORDS = 128    # words in `bad_words` (each tokenized twice: core/sampling/bad_words.py)
+MAX_BAD_WORD_CHARS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -39,6 +41,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top alternatives per prompt token (echo + logprobs); skips the prefix cache
     include_stop_str_in_output: bool = False   # vLLM: the matched stop string stays at the end of the text
     spaces_between_special_tokens: bool = True  # vLLM: False joins adjacent special tokens without a space
+    allowed_token_ids: tuple[int, ...] | None = None   # vLLM: only these ids may be sampled (None: any)
+    bad_words: tuple[str, ...] = field(default_factory=tuple)   # vLLM: words the output may not complete
+    # `bad_words` as token sequences (core/sampling/bad_words.py fills it from the tokenizer before admission)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    truncate_prompt_tokens: int | None = None   # vLLM: keep the prompt's last k tokens (-1: --max-model-len)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +54,13 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(int(t) for t in w)
+                                                              for w in self.bad_words_token_ids))
         if self.n < 1:
             raise SamplingParamsError(f"n must be at least 1, got {self.n}", "n")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -68,6 +82,26 @@ class SamplingParams:
             raise SamplingParamsError(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise SamplingParamsError(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+        self._check_token_filters()
+
+    def _check_token_filters(self) -> None:
+        """allowed_token_ids, bad_words, truncate_prompt_tokens (ids against the vocabulary: admission.py)."""
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise SamplingParamsError("allowed_token_ids must not be empty (omit it to allow every token)",
+                                      "allowed_token_ids")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise SamplingParamsError(f"at most {MAX_BAD_WORDS} bad_words are supported, got {len(self.bad_words)}",
+                                      "bad_words")
+        if any(not w.strip() for w in self.bad_words):
+            raise SamplingParamsError("bad_words entries must be non-empty and not only whitespace", "bad_words")
+        if any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise SamplingParamsError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters", "bad_words")
+        if any(not w for w in self.bad_words_token_ids):
+            raise SamplingParamsError("a bad word's token sequence is empty", "bad_words")
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1 and k < 1:
+            raise SamplingParamsError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, "
+                                      f"got {k}", "truncate_prompt_tokens")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -96,9 +130,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """True when the sampler must touch this request's logits before temperature (penalties, bias)."""
+        """True when the sampler must touch this request's logits before temperature (penalties, bias, the
+        allowed ids, bad words): such a row's speculative positions are sampled one by one."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Sampling penalties, logit bias and min_tokens, batched on the device (the same code on CPU and GPU).
+"""Sampling penalties, logit bias, min_tokens, allowed ids and bad words, batched on the device (CPU and GPU).
 
 Each request that carries a penalty or a bias owns a row ("slot") of persistent device tensors:
 output-token counts `[S, V]` int32, prompt-token presence `[S, V]` bool and its bias `[S, 300]` (ids, values).
@@ -9,7 +9,11 @@ its device count (a token dropped by error recovery) is rebuilt from the host li
 
 Semantics: bias added to the logit, then repetition as HF/vLLM (over prompt and output tokens: a positive
 logit is divided by the penalty, another multiplied), then presence/frequency as OpenAI (over output tokens). None of
-these can lift a logit from -inf, so applying them after the grammar mask equals applying the mask last.
+these can lift a logit from -inf, so applying them after the grammar mask equals applying the mask last. Last,
+the allowed ids (vLLM's `allowed_token_ids`, a device mask per request), then the bans (min_tokens' EOS and stop
+tokens, the tokens that would complete a bad word: bad_words.py) set logits to -inf. Each gives way where it would
+leave a row nothing to sample: allowed ids that a grammar state excludes (the grammar's tokens stay, so a
+constrained answer stays valid), then bans that cover every token left (the allowed ids, or the grammar's, stay).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 from core.engine import faults
 from core.engine.request import Request
+from core.sampling.bad_words import banned_by_bad_words
 from core.sampling.params import MAX_LOGIT_BIAS
 from core.engine.fault_isolation import check_ids
 
@@ -32,24 +37,38 @@ class PenaltyBatch:
     presence: torch.Tensor          # [N, 1] float32
     frequency: torch.Tensor         # [N, 1] float32
     repetition: torch.Tensor        # [N, 1] float32
-    ban_rows: torch.Tensor          # [K] int64: (row, token) pairs masked by min_tokens
+    ban_rows: torch.Tensor          # [K] int64: (row, token) pairs masked by min_tokens and bad words
     ban_tokens: torch.Tensor        # [K] int64
+    allowed_rows: torch.Tensor      # [R] int64: the rows with allowed_token_ids
+    allowed_masks: torch.Tensor | None   # [R, V] bool: True where the row may sample
     need_counts: bool
     need_repetition: bool
     bias_width: int                 # 0 = no row has a bias
 
 
-def _min_tokens_bans(reqs: list[Request], vocab_size: int) -> tuple[list[int], list[int]]:
+def _bans(reqs: list[Request], vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs banned this step: min_tokens' EOS and stop tokens, bad words' next tokens."""
     rows: list[int] = []
     tokens: list[int] = []
     for i, r in enumerate(reqs):
         p = r.sampling_params
-        if r.num_output_tokens < p.min_tokens and not r.status.finished:
+        if r.status.finished:
+            continue
+        banned: set[int] = set()
+        if r.num_output_tokens < p.min_tokens:
             check_ids(p.stop_token_ids, vocab_size, "stop_token_ids")
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-            rows += [i] * len(banned)
-            tokens += sorted(banned)
+        if p.bad_words_token_ids:
+            check_ids([t for w in p.bad_words_token_ids for t in w], vocab_size, "bad_words")
+            banned |= banned_by_bad_words(r.output_token_ids, p.bad_words_token_ids)
+        rows += [i] * len(banned)
+        tokens += sorted(banned)
     return rows, tokens
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    """[N, 1] True for the rows of `x` [N, V] with nothing left to sample."""
+    return torch.isneginf(x).all(dim=-1, keepdim=True)
 
 
 class PenaltyState:
@@ -66,6 +85,7 @@ class PenaltyState:
         self._slot_of: dict[str, int] = {}          # request id -> slot
         self._num_counted: dict[str, int] = {}      # request id -> output tokens its device row holds
         self._bias_len: dict[str, int] = {}
+        self._allowed: dict[str, torch.Tensor] = {}   # request id -> [V] bool, for allowed_token_ids
 
     @property
     def num_slots(self) -> int:
@@ -85,6 +105,7 @@ class PenaltyState:
         if slot is not None:
             self._num_counted.pop(request_id)
             self._bias_len.pop(request_id)
+            self._allowed.pop(request_id, None)
             self._free.append(slot)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
@@ -114,6 +135,12 @@ class PenaltyState:
         if slot is None:
             check_ids(req.prompt_token_ids, self.vocab_size, "prompt")
             check_ids([t for t, _ in req.sampling_params.logit_bias], self.vocab_size, "logit_bias")
+            allowed = req.sampling_params.allowed_token_ids
+            if allowed is not None:
+                check_ids(allowed, self.vocab_size, "allowed_token_ids")
+                mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)             # [V]
+                mask[self._ids(list(allowed))] = True
+                self._allowed[rid] = mask
             if not self._free:
                 self._grow(2 * self.num_slots)
             slot = self._slot_of[rid] = self._free.pop()
@@ -123,14 +150,16 @@ class PenaltyState:
         return slot
 
     def prepare(self, reqs: list[Request]) -> PenaltyBatch | None:
-        """Host side: None when no row has penalties, a bias or a pending min_tokens (the plain sampler runs)."""
+        """Host side: None when no row has penalties, a bias, allowed ids, bad words or a pending min_tokens (the
+        plain sampler runs)."""
         if faults.ACTIVE:
             faults.hit_any("penalties", reqs)
         live = [bool(r.sampling_params.has_penalties and not r.status.finished) for r in reqs]
-        ban_rows, ban_tokens = _min_tokens_bans(reqs, self.vocab_size)
+        ban_rows, ban_tokens = _bans(reqs, self.vocab_size)
         if not any(live) and not ban_rows:
             return None
         slots = [self._slot(r) if on else 0 for r, on in zip(reqs, live)]
+        allowed = [i for i, (r, on) in enumerate(zip(reqs, live)) if on and r.request_id in self._allowed]
         ps = [r.sampling_params for r in reqs]
         floats = torch.tensor([[p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
                                [p.repetition_penalty for p in ps]], dtype=torch.float32)           # [3, N]
@@ -146,13 +175,15 @@ class PenaltyState:
             slots=ints[:n], counted=ints[n:2 * n].to(torch.int32), presence=floats[0, :, None],
             frequency=floats[1, :, None], repetition=floats[2, :, None],
             ban_rows=ints[2 * n:2 * n + k], ban_tokens=ints[2 * n + k:],
+            allowed_rows=self._ids(allowed),
+            allowed_masks=torch.stack([self._allowed[reqs[i].request_id] for i in allowed]) if allowed else None,
             need_counts=any(p.presence_penalty or p.frequency_penalty for p in ps),
             need_repetition=any(p.repetition_penalty != 1.0 for p in ps),
             bias_width=max((self._bias_len.get(r.request_id, 0) for r, on in zip(reqs, live) if on), default=0))
 
     def apply(self, logits: torch.Tensor, batch: PenaltyBatch) -> torch.Tensor:
         """logits [N, V] float32 -> a new tensor: bias, then repetition, then frequency/presence (vLLM's order),
-        then the min_tokens bans. The input (the model's distribution, for logprobs) is left as it was."""
+        then the bans and the allowed ids. The input (the model's distribution, for logprobs) is left as it was."""
         x = logits.clone()
         if batch.bias_width:
             x.scatter_add_(1, self.bias_ids.index_select(0, batch.slots)[:, :batch.bias_width],      # [N, B]
@@ -166,11 +197,19 @@ class PenaltyState:
                 x = torch.where(seen, penalized, x, out=x)
             if batch.need_counts:
                 x.sub_(counts * batch.frequency).sub_(in_output * batch.presence)
+        # (the -inf filled on the device: torch.tensor(value, device=cuda) is a blocking copy from the host)
+        neg_inf = x.new_full((), float("-inf"))
+        if batch.allowed_masks is not None:
+            allowed = x.clone()                                                                       # [N, V]
+            rows = x.index_select(0, batch.allowed_rows)                                              # [R, V]
+            allowed.index_copy_(0, batch.allowed_rows, rows.masked_fill(~batch.allowed_masks, neg_inf))
+            # a grammar state none of whose tokens is allowed keeps the grammar's tokens
+            x = torch.where(_empty(allowed), x, allowed)
         if batch.ban_rows.numel():
-            # (the -inf filled on the device: torch.tensor(value, device=cuda) is a blocking copy from the host)
-            banned = x.index_put((batch.ban_rows, batch.ban_tokens), x.new_full((), float("-inf")))
-            # never leave a row with nothing to sample (a grammar state where only EOS or stop tokens fit)
-            x = torch.where(torch.isneginf(banned).all(dim=-1, keepdim=True), x, banned)
+            banned = x.index_put((batch.ban_rows, batch.ban_tokens), neg_inf)                         # [N, V]
+            # never leave a row with nothing to sample (a grammar state, or allowed ids, that only banned tokens
+            # fit): the row keeps what the grammar and the allowed ids left
+            x = torch.where(_empty(banned), x, banned)
         return x
 
     def record(self, batch: PenaltyBatch, tokens: torch.Tensor) -> None:
@@ -181,3 +220,4 @@ class PenaltyState:
         used = set(self._slot_of.values())
         assert 0 not in used and not used & set(self._free), "a slot is both free and owned"
         assert len(used) + len(self._free) == self.num_slots - 1, "a lost penalty slot"
+        assert set(self._allowed) <= set(self._slot_of), "an allowed-ids mask outlived its request's slot"

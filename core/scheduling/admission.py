@@ -2,8 +2,8 @@
 
 Every id and count that indexes a tensor is bounded here, before the request reaches the engine step (where
 an out-of-range index would fail the whole batch): prompt ids against the embedding; `stop_token_ids` and
-`logit_bias` ids against the logits' width (the tensors they index: the min-tokens ban list, the bias rows,
-the grammar bitmask); both are the model's `vocab_size`, which may exceed the tokenizer's size (padded
+`logit_bias`, `allowed_token_ids` and bad-word ids against the logits' width (the tensors they index: the ban
+list, the bias rows, the allowed-ids masks, the grammar bitmask); both are the model's `vocab_size`, which may exceed the tokenizer's size (padded
 embeddings: the model can sample those ids, and the detokenizer takes them). The numbers of log-probabilities
 are at most the vocabulary (the server's `--max-logprobs` caps them first).
 
@@ -43,11 +43,41 @@ def check_token_bounds(params: SamplingParams, vocab_size: int) -> None:
     if bad is not None:
         raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})",
                               "invalid_value", "logit_bias")
+    if params.allowed_token_ids is not None:
+        bad = _out_of_range(params.allowed_token_ids, vocab_size)
+        if bad is not None:
+            raise RequestRejected(f"allowed_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                                  "invalid_value", "allowed_token_ids")
+    bad = _out_of_range([t for w in params.bad_words_token_ids for t in w], vocab_size)
+    if bad is not None:   # a tokenizer with more ids than the model's logits
+        raise RequestRejected(f"bad_words: a word's token id {bad} is outside the model's vocabulary "
+                              f"[0, {vocab_size})", "invalid_value", "bad_words")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and not 0 <= k <= vocab_size:
             raise RequestRejected(f"{name} ({k}) must be in [0, the vocabulary size {vocab_size}]",
                                   "invalid_value", name)
+
+
+def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                    bos_token_id: int | None = None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the last `max_model_len`); a k past the
+    context length is refused, as vLLM does. `bos_token_id`: a text prompt's BOS, which stays first (as a
+    tokenizer truncating from the left adds it back) and counts in the k. The front ends apply it (the gateway
+    after tokenizing, `LLM.generate`); the engine takes prompts as given."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return prompt_token_ids
+    if k > max_model_len:
+        raise RequestRejected(f"truncate_prompt_tokens ({k}) is greater than the maximum context length "
+                              f"({max_model_len}); select a smaller truncation size", "invalid_value",
+                              "truncate_prompt_tokens")
+    k = max_model_len if k == -1 else k
+    if len(prompt_token_ids) <= k:
+        return prompt_token_ids
+    if bos_token_id is not None and prompt_token_ids[0] == bos_token_id and k > 1:
+        return prompt_token_ids[:1] + prompt_token_ids[len(prompt_token_ids) - k + 1:]
+    return prompt_token_ids[-k:]
 
 
 def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, vocab_size: int,

@@ -40,6 +40,8 @@ def _check_common(body: _SamplingFields) -> None:
                       f"{body.min_tokens}", param="min_tokens")
     if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
         raise invalid("stop_token_ids must be non-negative", param="stop_token_ids")
+    if body.allowed_token_ids is not None and any(t < 0 for t in body.allowed_token_ids):
+        raise invalid("allowed_token_ids must be non-negative", param="allowed_token_ids")
 
 
 def _echo_only(body: _SamplingFields) -> bool:
@@ -63,6 +65,9 @@ def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDef
         skip_special_tokens=True if body.skip_special_tokens is None else body.skip_special_tokens,
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+        bad_words=tuple(body.bad_words or ()),
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
         **penalty_fields(body),
     )))
 

@@ -6,10 +6,13 @@ Before any tokenizer call, a text longer than any text that fits the context is 
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.engine.interface import Tokenizer
+from core.sampling.params import SamplingParams
+from core.scheduling.admission import truncate_prompt
 from gateway.errors import APIError, invalid
 from gateway.inputs.prompt_bound import CharBound, char_bound
 from gateway.protocol import ChatMessage, PromptInput
@@ -60,6 +63,17 @@ class PromptEncoder:
         self.vocab_limit = min(int(vocab_size), len(tokenizer))
         self.max_model_len = max_model_len
         self.bound = char_bound(tokenizer, max_model_len) if max_model_len is not None else CharBound(0, None)
+        self.truncation: SamplingParams | None = None   # `truncating`: vLLM's truncate_prompt_tokens
+
+    def truncating(self, params: SamplingParams) -> "PromptEncoder":
+        """This encoder, cutting each prompt to `params.truncate_prompt_tokens` (its last tokens; a text's BOS
+        stays first) before the context check. A text longer than any text the context holds is still refused
+        before it is tokenized (`check_chars`): truncation bounds what is computed, not what is tokenized."""
+        if params.truncate_prompt_tokens is None:
+            return self
+        out = copy.copy(self)
+        out.truncation = params
+        return out
 
     def check_chars(self, text: str, param: str) -> str:
         """Refuses a text that has more characters than any text of `max_model_len` tokens (never one that fits)."""
@@ -72,9 +86,12 @@ class PromptEncoder:
                 f"characters). Please reduce the length of the {param}.", param)
         return text
 
-    def _check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+    def _check_ids(self, ids: list[int], param: str = "prompt", from_text: bool = False) -> list[int]:
         if not ids:
             raise invalid("the prompt is empty", param=param)
+        if self.truncation is not None:
+            bos = getattr(self.tokenizer, "bos_token_id", None) if from_text else None
+            ids = truncate_prompt(ids, self.truncation, self.max_model_len or len(ids), bos)
         if self.max_model_len is not None and len(ids) >= self.max_model_len:
             raise context_exceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} has "
@@ -95,13 +112,13 @@ class PromptEncoder:
     def completion_prompts(self, prompt: PromptInput) -> list[list[int]]:
         """One list of token ids per prompt (a string, a list of strings, ids, or a list of id lists)."""
         if isinstance(prompt, str):
-            return [self._check_ids(self.encode_text(prompt))]
+            return [self._check_ids(self.encode_text(prompt), from_text=True)]
         if not prompt:
             raise invalid("the prompt is empty", param="prompt")
         first = prompt[0]
         if isinstance(first, str):
             texts = [self.check_chars(p, "prompt") for p in prompt]   # type: ignore[arg-type]  # all, before any encode
-            return [self._check_ids(self.encode_text(p)) for p in texts]
+            return [self._check_ids(self.encode_text(p), from_text=True) for p in texts]
         if isinstance(first, int):
             return [self._check_ids(list(prompt))]  # type: ignore[arg-type]
         return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
@@ -135,4 +152,4 @@ class PromptEncoder:
         text = self.render_chat(messages, conversation, tools, options)
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
-        return self._check_ids(self.encode_text(text, add_special, "messages"), "messages")
+        return self._check_ids(self.encode_text(text, add_special, "messages"), "messages", from_text=True)

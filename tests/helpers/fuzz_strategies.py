@@ -149,6 +149,7 @@ SAMPLING = {
     "guided_choice": CHOICES, "guided_regex": REGEXES, "guided_json": SCHEMAS, "guided_grammar": GRAMMARS,
     "guided_whitespace_pattern": WHITESPACE, "include_stop_str_in_output": bools,
     "spaces_between_special_tokens": bools,
+    "allowed_token_ids": id_lists, "bad_words": st.lists(texts, max_size=3) | JSON, "truncate_prompt_tokens": ints,
 }
 TEMPLATE_KWARGS = (st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x" * 100, ""]),
                                    JSON, max_size=3) | JSON)
@@ -228,6 +229,11 @@ EXTREMES: dict[str, list[Any]] = {
                                                             {"5": 101}, {str(i): 1.0 for i in range(301)}]
                   + SWEEP_WRONG_TYPES,
     "stop": ["", [""], ["a"] * 17, "x" * 5000] + SWEEP_WRONG_TYPES,
+    "allowed_token_ids": [[i] for i in IDS] + [[], [TOKENIZER_VOCAB] * 65, list(range(MODEL_VOCAB)),
+                                               [1] * 10_000] + SWEEP_WRONG_TYPES,
+    "bad_words": [[""], [" \t"], ["\u200b"], ["\ufeff"], ["x" * 1025], ["w"] * 129, ["def", " f", "(("], ["\x00"]]
+                 + SWEEP_WRONG_TYPES,
+    "truncate_prompt_tokens": extremes(INTS) + [-1, 0, 1, 2, 63, 64, 65],
     "guided_choice": [[], [""], ["a"] * 1025] + SWEEP_WRONG_TYPES,
     "guided_regex": ["[^\\s\\S]", "[b&&c]", "", "("] + SWEEP_WRONG_TYPES,
     "guided_json": EMPTY_LANGUAGE + SWEEP_WRONG_TYPES,

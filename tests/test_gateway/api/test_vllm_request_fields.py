@@ -289,4 +289,49 @@ def test_prompt_logprobs_on_chat(http: httpx.Client, client: "openai.OpenAI") ->
 
 def test_fields_still_unsupported_are_400_naming_them(http: httpx.Client) -> None:
     rejected(http, "/v1/chat/completions", "use_beam_search", messages=USER, use_beam_search=True)
-    rejected(http, "/v1/chat/completions", "truncate_prompt_tokens", messages=USER, truncate_prompt_tokens=4)
+    rejected(http, "/v1/chat/completions", "length_penalty", messages=USER, length_penalty=1.0)
+
+
+def _token(http: httpx.Client, text: str) -> int:
+    (token,) = post(http, "/tokenize", prompt=text, add_special_tokens=False)["tokens"]
+    return token
+
+
+def test_allowed_token_ids_and_bad_words(http: httpx.Client, client: "openai.OpenAI") -> None:
+    a, b = _token(http, "a"), _token(http, "b")
+    for seed in range(2):   # sampled: any token of the two, never another (nor EOS: the answer runs to its length)
+        out = post(http, "/v1/completions", prompt="def f(", max_tokens=12, temperature=1.5, seed=seed,
+                   allowed_token_ids=[a, b])["choices"][0]
+        assert set(out["text"]) <= {"a", "b"} and out["finish_reason"] == "length"
+    # bad_words tokenized by the server (in the API process; the engine runs in its own): "a" never comes out
+    out = client.completions.create(model="tiny", prompt="def f(", max_tokens=12, temperature=1.5, seed=3,
+                                    extra_body={"allowed_token_ids": [a, b], "bad_words": ["a"]})
+    assert out.choices[0].text == "b" * 12
+    answer = chat(http, messages=USER, allowed_token_ids=[a, b], bad_words=[" b"])   # as vLLM: the word stripped
+    assert answer["choices"][0]["message"]["content"] == "a" * 6
+    answer = chat(http, messages=USER, allowed_token_ids=[a], bad_words=["a"])   # bans covering all: they give way
+    assert answer["choices"][0]["message"]["content"] == "a" * 6
+    rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[])
+    rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[-1])
+    rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[10**6])
+    rejected(http, "/v1/completions", "bad_words", prompt="x", bad_words=["  "])
+    rejected(http, "/v1/completions", "bad_words", prompt="x", bad_words=["w"] * 129)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(http: httpx.Client) -> None:
+    text = "def add(a, b):\n    return a + b\n" * 60   # past the context of 512 tokens
+    ids = post(http, "/tokenize", prompt=text, add_special_tokens=True)["tokens"]
+    assert len(ids) > 512
+    rejected(http, "/v1/completions", "prompt", prompt=text, max_tokens=4)   # too long without truncation
+    cut = post(http, "/v1/completions", prompt=text, max_tokens=6, temperature=0.0, truncate_prompt_tokens=40)
+    assert cut["usage"]["prompt_tokens"] == 40
+    same = post(http, "/v1/completions", prompt=ids[:1] + ids[-39:], max_tokens=6, temperature=0.0)   # BOS kept
+    assert cut["choices"][0]["text"] == same["choices"][0]["text"]
+    by_ids = post(http, "/v1/completions", prompt=ids, max_tokens=6, temperature=0.0, truncate_prompt_tokens=40)
+    assert by_ids["usage"]["prompt_tokens"] == 40   # ids as given: their last 40
+    tail = post(http, "/v1/completions", prompt=ids[-40:], max_tokens=6, temperature=0.0)
+    assert by_ids["choices"][0]["text"] == tail["choices"][0]["text"]
+    long_chat = chat(http, messages=[{"role": "user", "content": text}], truncate_prompt_tokens=64)
+    assert long_chat["usage"]["prompt_tokens"] == 64
+    rejected(http, "/v1/completions", "truncate_prompt_tokens", prompt="x", truncate_prompt_tokens=513)
+    rejected(http, "/v1/completions", "truncate_prompt_tokens", prompt="x", truncate_prompt_tokens=0)

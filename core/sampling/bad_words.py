@@ -1,0 +1,52 @@
+"""vLLM's `bad_words`: words the output may not complete, as token sequences, and the bans they cause.
+
+Each word is tokenized twice, as vLLM does: as written (leading whitespace dropped) and after a space, so a word
+is refused both at the start of the text and after a space (tokenizers that mark a word's leading space in the
+token). The spaced form is kept only when it is a different spelling of the same length (its first token
+differs); otherwise it would ban a prefix the bare form does not.
+
+At each sampled position a sequence bans its last token when the output so far ends with the rest of it (a
+one-token sequence: always). Only the output counts, not the prompt (vLLM's rule): a word the prompt leaves
+half-written may be completed. The bans join the min_tokens bans of the step (core/sampling/penalties.py): a
+grammar state whose only tokens are banned keeps them, so a constrained answer is still valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from core.sampling.params import MAX_BAD_WORDS, SamplingParams, SamplingParamsError
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of `words` (SamplingParamsError naming `bad_words` for one that has none)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise SamplingParamsError(f"bad word {word[:40]!r} has no tokens", "bad_words")
+        out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    assert len(out) <= 2 * MAX_BAD_WORDS
+    return tuple(out)
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """`params` with `bad_words_token_ids` filled from its `bad_words` (unchanged if there are none or it is
+    filled already)."""
+    if not params.bad_words or params.bad_words_token_ids:
+        return params
+    return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, tokenizer))
+
+
+def banned_by_bad_words(output_token_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> set[int]:
+    """The tokens that would complete one of `sequences` after `output_token_ids`."""
+    banned: set[int] = set()
+    num_output = len(output_token_ids)
+    for seq in sequences:
+        n = len(seq) - 1
+        if n == 0 or (n <= num_output and all(output_token_ids[num_output - n + i] == seq[i] for i in range(n))):
+            banned.add(seq[-1])
+    return banned
