@@ -53,7 +53,7 @@ class _ChoiceStream:
             if call.name is None:
                 continue
             if k == len(self.ids):
-                self.ids.append(call_id_for(call, plan.fmt))
+                self.ids.append(call_id_for(call, plan.fmt, self.ids))
                 self.args_sent.append(0)
                 calls.append({"index": k, "id": self.ids[k], "type": "function",
                               "function": {"name": call.name, "arguments": ""}})

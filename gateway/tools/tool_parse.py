@@ -56,12 +56,13 @@ def new_call_id(length: int = 0) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def call_id_for(call: ParsedCall, fmt: ToolCallFormat) -> str:
+def call_id_for(call: ParsedCall, fmt: ToolCallFormat, taken: list[str] | tuple[str, ...] = ()) -> str:
     """The call's `id`: the one the model wrote when it is an id of the family's shape (Mistral: 9 ASCII letters
-    and digits, the ids its templates take back), else a new one."""
+    and digits, the ids its templates take back) and no earlier call of the answer (`taken`) has it, else a new
+    one (a tool result names its call by id: two calls of one answer never share one)."""
     written = call.call_id
     if written is not None and fmt.call_id_length and len(written) == fmt.call_id_length \
-            and all(c in _ALNUM for c in written):
+            and all(c in _ALNUM for c in written) and written not in taken:
         return written
     return new_call_id(fmt.call_id_length)
 
@@ -165,9 +166,11 @@ def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tupl
     sent, the content before the trigger (cut anywhere from the trigger on) and a call whose name is written, with
     the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
     parsed = parse_calls(text, fmt, finished=True)
-    calls = [{"id": call_id_for(c, fmt), "type": "function",
-              "function": {"name": c.name, "arguments": c.arguments}}
-             for c in parsed.calls if c.complete or (truncated and c.name is not None)]
+    calls: list[dict] = []
+    for c in parsed.calls:
+        if c.complete or (truncated and c.name is not None):
+            call_id = call_id_for(c, fmt, [call["id"] for call in calls])
+            calls.append({"id": call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
     if not calls and (not truncated or parsed.content == text):   # no trigger written, or not cut: the text
         return text, []
     return (parsed.content or None), calls

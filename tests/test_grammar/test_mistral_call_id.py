@@ -123,6 +123,16 @@ def test_the_call_id_is_read_whole_and_streamed(text: str, content: str | None,
         [w for _, _, w in calls if w is not None]
 
 
+def test_two_calls_of_one_answer_never_share_an_id() -> None:
+    """A tool result names its call by id: a second call with the id of an earlier one gets a new one."""
+    text = '[TOOL_CALLS]f[CALL_ID]a1B2c3D4e[ARGS]{}[TOOL_CALLS]g[CALL_ID]a1B2c3D4e[ARGS]{"x": 1}'
+    ids = [c["id"] for c in final_calls(text, MISTRAL_V11)[1]]
+    streamed: list[str] = []
+    streamed_calls(MISTRAL_V11, text, streamed.append)
+    for got in (ids, streamed):
+        assert got[0] == "a1B2c3D4e" and got[1] != "a1B2c3D4e" and ID.match(got[1]), got
+
+
 def test_a_call_cut_inside_its_id_sends_no_name() -> None:
     text = "[TOOL_CALLS]get_weather[CALL_ID]a1B2"
     assert streamed_calls(MISTRAL_V11, text) == ("", [])
