@@ -142,7 +142,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
         await validators_ready(aeng)
     # schema checks (metaschema validation: ~3 us per schema byte) run on a worker thread, never on the loop
     plan = await tokenize_pool.run(plan_tools, body, state.encoder.tokenizer, aeng.facts.schema_options,
-                                   state.config.tool_call_parser) if tooled else None
+                                   state.config.tool_call_parser, state.encoder.vocab_limit) if tooled else None
     await check_tool_schemas(plan, aeng)   # lowered in a compile worker: their 400s come first
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
     encoder = state.encoder.truncating(params)   # vLLM's truncate_prompt_tokens, before the context check

@@ -9,7 +9,7 @@ from gateway.outputs.generation import ChoiceResult, usage
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.outputs.responses import TokenTexts, chat_body, chat_chunk, chat_logprobs
 from gateway.outputs.streaming import StreamInfo, _framed, sse
-from gateway.tools.tool_parse import final_calls, new_call_id, parse_calls
+from gateway.tools.tool_parse import call_id_for, final_calls, parse_calls
 from gateway.tools.tools import ToolPlan
 
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
@@ -53,7 +53,7 @@ class _ChoiceStream:
             if call.name is None:
                 continue
             if k == len(self.ids):
-                self.ids.append(new_call_id(plan.fmt.call_id_length))
+                self.ids.append(call_id_for(call, plan.fmt, self.ids))
                 self.args_sent.append(0)
                 calls.append({"index": k, "id": self.ids[k], "type": "function",
                               "function": {"name": call.name, "arguments": ""}})

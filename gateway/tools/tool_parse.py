@@ -6,7 +6,9 @@ any of the family's alternatives: Llama 3.2's `{"type": "function", "name": ...`
 A list family (Mistral, Phi-4-mini): content up to the marker (`[TOOL_CALLS]`; `functools` or `<|tool_call|>`),
 then `[` and the calls joined by ", " (the bare list under `required` / named, whose grammar writes no marker).
 Mistral's v11+ form is a plain family: each call opens with `[TOOL_CALLS]`, `[ARGS]` between the name and the
-arguments, no close and no separator (`[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}`).
+arguments, no close and no separator (`[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}`); a call may carry the
+model's own id, `[TOOL_CALLS]f[CALL_ID]a1B2c3D4e[ARGS]{...}`, which becomes the call's `id` when it is one Mistral
+takes (9 letters and digits; else a new one, as for a call without).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class ParsedCall:
     name: str | None          # None until the whole name is written
     arguments: str            # the arguments JSON text written so far (all of it once complete)
     complete: bool
+    call_id: str | None = None   # the id the model wrote (Mistral v11's `[CALL_ID]`), as written
 
 
 @dataclass
@@ -51,6 +54,17 @@ def new_call_id(length: int = 0) -> str:
     if length:
         return "".join(secrets.choice(_ALNUM) for _ in range(length))
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_id_for(call: ParsedCall, fmt: ToolCallFormat, taken: list[str] | tuple[str, ...] = ()) -> str:
+    """The call's `id`: the one the model wrote when it is an id of the family's shape (Mistral: 9 ASCII letters
+    and digits, the ids its templates take back) and no earlier call of the answer (`taken`) has it, else a new
+    one (a tool result names its call by id: two calls of one answer never share one)."""
+    written = call.call_id
+    if written is not None and fmt.call_id_length and len(written) == fmt.call_id_length \
+            and all(c in _ALNUM for c in written) and written not in taken:
+        return written
+    return new_call_id(fmt.call_id_length)
 
 
 def _safe_content(text: str, triggers: tuple[str, ...]) -> str:
@@ -120,22 +134,25 @@ def _scan(text: str, pos: int, fmt: ToolCallFormat, finished: bool) -> list[Pars
             calls.append(ParsedCall(None, "", False))
             break
         name, args_at = text[name_at:mid_at], mid_at + len(mid)
+        call_id = None
+        if fmt.call_id_marker and fmt.call_id_marker in name:   # Mistral v11: name[CALL_ID]id[ARGS]
+            name, call_id = name.split(fmt.call_id_marker, 1)
         try:
             _, end = _DECODER.raw_decode(text, args_at)
         except (ValueError, RecursionError):   # RecursionError: nested past the decoder's limit
             end = -1
         if end >= 0 and finished and fmt.close.startswith(text[end:]):
             # the close was cut (a `stop` string such as "</tool_call>", or max_tokens): the arguments are whole
-            calls.append(ParsedCall(name, text[args_at:end], True))
+            calls.append(ParsedCall(name, text[args_at:end], True, call_id))
             break
         if end < 0 or not text.startswith(fmt.close, end):
             if finished:
                 partial = text[args_at:end] if end >= 0 else text[args_at:]
             else:
                 partial = text[args_at:max(args_at, len(text) - len(fmt.close))]
-            calls.append(ParsedCall(name, partial, False))
+            calls.append(ParsedCall(name, partial, False, call_id))
             break
-        calls.append(ParsedCall(name, text[args_at:end], True))
+        calls.append(ParsedCall(name, text[args_at:end], True, call_id))
         pos = end + len(fmt.close)
         separator = next((sep for sep in fmt.separators if text.startswith(sep, pos)), "")
         pos += len(separator)
@@ -149,9 +166,11 @@ def final_calls(text: str, fmt: ToolCallFormat, truncated: bool = False) -> tupl
     sent, the content before the trigger (cut anywhere from the trigger on) and a call whose name is written, with
     the arguments written so far, as OpenAI answers a call cut at max_tokens (stream and not alike)."""
     parsed = parse_calls(text, fmt, finished=True)
-    calls = [{"id": new_call_id(fmt.call_id_length), "type": "function",
-              "function": {"name": c.name, "arguments": c.arguments}}
-             for c in parsed.calls if c.complete or (truncated and c.name is not None)]
+    calls: list[dict] = []
+    for c in parsed.calls:
+        if c.complete or (truncated and c.name is not None):
+            call_id = call_id_for(c, fmt, [call["id"] for call in calls])
+            calls.append({"id": call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
     if not calls and (not truncated or parsed.content == text):   # no trigger written, or not cut: the text
         return text, []
     return (parsed.content or None), calls

@@ -23,7 +23,8 @@ from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parsers import TOOL_CALL_PARSERS
 from grammar.schema.lowering import SchemaOptions
-from grammar.specs.tool_calls import FunctionSpec, HERMES, MISTRAL, MISTRAL_V11, ToolCallFormat, detect_format
+from grammar.specs.tool_calls import (FunctionSpec, HERMES, MISTRAL, MISTRAL_V11, MISTRAL_V11_CALL_ID, ToolCallFormat,
+                                      detect_format)
 from grammar.specs.constraints import json_spec
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -98,10 +99,12 @@ def _tool_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
 
 
 def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: SchemaOptions | None,
-               parser: str | None = None) -> ToolPlan | None:
+               parser: str | None = None, vocab_limit: int | None = None) -> ToolPlan | None:
     """None when the request has no tools; raises APIError / GrammarError (400) on bad input. `parser`: the
     server's `--tool-call-parser` family (None: the one the chat template shows). `options` None: the prompt
-    only (`/tokenize`): the tools' shapes are checked, their `parameters` schemas are not read."""
+    only (`/tokenize`): the tools' shapes are checked, their `parameters` schemas are not read. `vocab_limit`:
+    the ids the model can write (its logits' width; None: any): a call grammar that must write a special token
+    past it is a 400 (`_check_markers`)."""
     tools = body.tools or []
     fns = [_check_tool(i, t) for i, t in enumerate(tools)]
     names = [f["name"] for f in fns]
@@ -115,15 +118,18 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Tokenizer, options: Schem
         raise invalid("parallel_tool_calls requires tools", param="parallel_tool_calls")
     if not tools:
         return None
-    fmt, renders = detect_format(template_text(tokenizer, with_tools=True))
+    template = template_text(tokenizer, with_tools=True)
+    fmt, renders = detect_format(template)
     if parser is not None:
         fmt = TOOL_CALL_PARSERS[parser]
-    fmt, marker_ids = _tokenizer_version(fmt, tokenizer)
+    fmt, marker_ids = _tokenizer_version(fmt, tokenizer, template, vocab_limit)
     if fmt.is_list and choice in ("required", "named"):
         fmt = dataclasses.replace(fmt, bare_list=True)   # the grammar writes the list without its marker
     plan = ToolPlan(fmt, renders, choice, body.parallel_tool_calls is not False and choice != "named",
-                    [{"type": "function", "function": fn} for fn in fns], trigger_id=_marker_id(tokenizer, fmt),
-                    marker_ids=marker_ids)
+                    [{"type": "function", "function": fn} for fn in fns],
+                    trigger_id=_marker_id(tokenizer, fmt, vocab_limit), marker_ids=marker_ids)
+    if plan.constrained:
+        _check_markers(fmt, marker_ids, vocab_limit)
     for i, fn in enumerate(fns if options is not None else []):   # callable or not: a bad schema is a 400
         param = f"tools[{i}].function.parameters"
         spec = json_spec(fn.get("parameters") or NO_PARAMETERS, param, options)   # shape, size, metaschema only
@@ -145,26 +151,46 @@ def _token_id(tokenizer: Any, text: str) -> int | None:
     return token_id if isinstance(token_id, int) else None
 
 
-def _tokenizer_version(fmt: ToolCallFormat, tokenizer: Any) -> tuple[ToolCallFormat, tuple[int, ...]]:
+def _tokenizer_version(fmt: ToolCallFormat, tokenizer: Any, template: str | None,
+                       vocab_limit: int | None = None) -> tuple[ToolCallFormat, tuple[int, ...]]:
     """(the format the tokenizer writes, the ids of its special texts). Mistral's tokenizers v11+ (Mistral-Small
     3.1/3.2, Magistral, Devstral) have an `[ARGS]` token and write `[TOOL_CALLS]f[ARGS]{...}`: vLLM's `mistral`
-    parser reads that form when `[ARGS]` is in the vocabulary, and so do we (MISTRAL_V11)."""
+    parser reads that form when `[ARGS]` is in the vocabulary, and so do we (MISTRAL_V11). A v11 chat template
+    writes each call of the history as `f[CALL_ID]id[ARGS]` (mistral-common's v11 templates; v13+ ones drop the
+    id, and both tokenizers hold the `[CALL_ID]` token), so where the template writes `[CALL_ID]` and the model
+    can write that token, the call grammar lets the model write its id too (MISTRAL_V11_CALL_ID)."""
     if fmt is MISTRAL:
         ids = [_token_id(tokenizer, text) for text in MISTRAL_V11.special]
         if all(i is not None for i in ids):
-            return MISTRAL_V11, tuple(i for i in ids if i is not None)
+            found = tuple(i for i in ids if i is not None)
+            call_id = _token_id(tokenizer, MISTRAL_V11.call_id_marker)
+            if template is not None and MISTRAL_V11.call_id_marker in template and call_id is not None \
+                    and (vocab_limit is None or 0 <= call_id < vocab_limit):
+                return MISTRAL_V11_CALL_ID, (*found, call_id)
+            return MISTRAL_V11, found
     return fmt, ()
 
 
-def _marker_id(tokenizer: Any, fmt: ToolCallFormat) -> int | None:
+def _check_markers(fmt: ToolCallFormat, marker_ids: tuple[int, ...], vocab_limit: int | None) -> None:
+    """A call grammar writes each of `fmt.special` by its token id (a marker slot): one the model cannot write
+    (a tokenizer with more ids than the model has logits) would leave the grammar no token to go on with, so the
+    request is refused here (400), as a prompt holding such an id is."""
+    for text, token_id in zip(fmt.special, marker_ids):
+        if vocab_limit is not None and not 0 <= token_id < vocab_limit:
+            raise invalid(f"this model cannot write tool calls: its tokenizer's {text} token (id {token_id}) is "
+                          f"outside the model's vocabulary [0, {vocab_limit})", param="tools")
+
+
+def _marker_id(tokenizer: Any, fmt: ToolCallFormat, vocab_limit: int | None = None) -> int | None:
     """The id of a marker family's trigger when it is one token (Mistral's `[TOOL_CALLS]`, Phi-4-mini's
-    `<|tool_call|>`: special, with no text bytes, so only its id can fire `auto`'s trigger)."""
+    `<|tool_call|>`: special, with no text bytes, so only its id can fire `auto`'s trigger); none when the model
+    cannot write it (past `vocab_limit`: only the marker's text can fire the trigger)."""
     if not (fmt.is_list or fmt.special):
         return None
     for marker in fmt.triggers:
         token_id = _token_id(tokenizer, marker)
         if token_id is not None:
-            return token_id
+            return token_id if vocab_limit is None or 0 <= token_id < vocab_limit else None
     return None
 
 

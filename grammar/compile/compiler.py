@@ -249,6 +249,10 @@ class GrammarCompiler:
         the real id of each marker slot), and the real tokens that would write a slot's control character
         (END_CHAR's always, the marker characters' where the grammar has marker slots)."""
         real = tuple(getattr(spec.recipe, "markers", ()) or ())
+        bad = next((t for t in real if not 0 <= t < self.vocab_size), None)
+        if bad is not None:   # the grammar could never write it: no token would go on where it must come
+            raise GrammarError(f"the grammar writes the special token id {bad}, outside the model's vocabulary "
+                               f"[0, {self.vocab_size})", "invalid_tools", "tools")
         if self._banned is None:
             end = frozenset(t for t, data in self.vocab.tokens if END_CHAR in data)
             marker = frozenset(t for t, data in self.vocab.tokens if any(c in data for c in MARKER_CHARS))

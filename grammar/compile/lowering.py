@@ -22,15 +22,15 @@ from grammar.schema.lowering import Lowerer, SchemaOptions, warm_validators
 
 PRUNE_DEPTHS = (6, 4, 3, 2, 1, 0)
 SENTINEL_REGEX = r"\x{1}"
-# Special tokens inside a grammar (Mistral v11's `[TOOL_CALLS]` and `[ARGS]`: no text bytes, written by id). A
+# Special tokens inside a grammar (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`: no text bytes, written by id). A
 # grammar writes marker slot k as the control character MARKER_CHARS[k] twice (MARKER_REGEXES[k]); no JSON text or
 # function name holds it. Its fake token (id vocab_size + 2 + k, bytes MARKER_BYTES[k], grammar/compile/pool.py)
 # stands for the request's real special token in the index, and CompiledGrammar maps one to the other
 # (grammar/matching/compiled.py); real tokens holding the character are banned there. Two characters, not one:
 # outlines-core drops a token that leaves a final state for a non-final one when the token is one byte long (the
 # DFA reports the match just ended on that byte), and `[TOOL_CALLS]` opens a next call right after a final state.
-MARKER_CHARS = (b"\x02", b"\x03")
-MARKER_REGEXES = (r"\x{2}\x{2}", r"\x{3}\x{3}")
+MARKER_CHARS = (b"\x02", b"\x03", b"\x05")   # not b"\x04": END_CHAR
+MARKER_REGEXES = (r"\x{2}\x{2}", r"\x{3}\x{3}", r"\x{5}\x{5}")
 MARKER_BYTES = tuple(c * 2 for c in MARKER_CHARS)
 # The end slot: every outlines-core grammar is indexed as SENTINEL + R + END, END a fake token (id vocab_size + 2 +
 # len(MARKER_CHARS), bytes END_CHAR) that stands for EOS: the output may end where END reaches a final state of the

@@ -227,7 +227,7 @@ class CompiledGrammar:
         return torch.from_numpy(words.view(np.int32))
 
     def _mask_from_guide(self, guide: Any) -> torch.Tensor | None:
-        # the index's token ids reach vocab_size + 3 (the sentinel, the marker slots): write into a wider buffer
+        # the index's token ids reach vocab_size + 5 (the sentinel, the marker slots, END): write into a wider buffer
         scratch = np.zeros(bitmask_words(self.vocab_size + 8), dtype=np.uint32)
         try:
             guide.write_mask_into(scratch.ctypes.data, scratch.size, scratch.itemsize)

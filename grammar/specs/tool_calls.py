@@ -14,7 +14,12 @@ functions' schema recipes (`ToolCallsRecipe`, grammar/compile/lowering.py); admi
   mistral v11  (tokenizers v11+: Mistral-Small-3.1/3.2, Magistral, Devstral; vLLM's `mistral` parser picks it when
                the tokenizer has an `[ARGS]` token): [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}, one call per
                marker, both markers special tokens. The grammar writes them by id (`special`: each is a marker
-               slot, grammar/compile/lowering.py MARKER_REGEXES), so `required` / named write this form too
+               slot, grammar/compile/lowering.py MARKER_REGEXES), so `required` / named write this form too.
+               A call may carry the model's own id, [TOOL_CALLS]f[CALL_ID]a1B2c3D4e[ARGS]{...} (`[CALL_ID]` a
+               special token too): mistral-common's v11 decoder reads both forms, and its v11 chat templates write
+               every call of the history with its id (v13+ ones never do). Every v11 form parses it; with a
+               template that writes `[CALL_ID]` (MISTRAL_V11_CALL_ID) the grammar lets the model write it, followed
+               by 9 letters and digits (the ids the template takes back), and without one it is never written
   phi4_mini_json (Phi-4-mini, vLLM's template and parser): functools[{"name": "f", "arguments": {...}}, ...];
                also after Phi-4-mini's own `<|tool_call|>` marker, and "parameters" for "arguments"
 `required` / a named function constrain the whole output to calls; `auto` lets the model write free text until
@@ -23,6 +28,7 @@ it emits one of the family's triggers (the start of an opening), then constrains
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +60,13 @@ class ToolCallFormat:
     # texts that are one special token each (Mistral v11's `[TOOL_CALLS]`, `[ARGS]`): the grammar writes marker
     # slot k for special[k] (the token's id), and the output keeps special tokens so that the text shows them
     special: tuple[str, ...] = ()
+    # Mistral v11's `[CALL_ID]`: a call may write it and its id between the name and `mid`; the parser reads it
+    # always, the grammar lets it be written (`(?:[CALL_ID][a-zA-Z0-9]{9})?`) when it is one of `special`
+    call_id_marker: str = ""
+
+    @property
+    def writes_call_id(self) -> bool:
+        return bool(self.call_id_marker) and self.call_id_marker in self.special
 
     def call_text(self, name: str, arguments_json: str) -> str:
         return f"{self.open}{name}{self.mid}{arguments_json}{self.close}"
@@ -109,7 +122,9 @@ PHI4_MINI = ToolCallFormat("phi4_mini_json", '{"name": "', '", "arguments": ', "
                            alt_markers=("<|tool_call|>",))
 # the same `mistral` parser for a v11+ tokenizer (gateway/tools/tools.py picks it by the `[ARGS]` token)
 MISTRAL_V11 = ToolCallFormat("mistral", "[TOOL_CALLS]", "[ARGS]", "", "", "[TOOL_CALLS]", call_id_length=9,
-                             special=("[TOOL_CALLS]", "[ARGS]"))
+                             special=("[TOOL_CALLS]", "[ARGS]"), call_id_marker="[CALL_ID]")
+# a v11 tokenizer whose chat template writes `[CALL_ID]` (mistral-common's v11 templates): the grammar may write it
+MISTRAL_V11_CALL_ID = dataclasses.replace(MISTRAL_V11, special=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
 FORMATS = {f.family: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
 MISTRAL_MARKERS = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]")
 
@@ -156,7 +171,9 @@ def _one_call(fmt: ToolCallFormat, name: str, args_regex: str, skip: int = 0) ->
         head = escape_literal(fmt.after_trigger)
     else:
         head = _either(fmt, fmt.opens)
-    return f"{head}{escape_literal(name)}{_either(fmt, fmt.mids)}(?:{args_regex}){_literal(fmt, fmt.close)}"
+    call_id = f"(?:{_literal(fmt, fmt.call_id_marker)}[a-zA-Z0-9]{{{fmt.call_id_length}}})?" \
+        if fmt.writes_call_id else ""
+    return f"{head}{escape_literal(name)}{call_id}{_either(fmt, fmt.mids)}(?:{args_regex}){_literal(fmt, fmt.close)}"
 
 
 def _any_call(fmt: ToolCallFormat, functions: list[tuple[str, str]], skip: int = 0) -> str:
