@@ -252,6 +252,7 @@ class _SamplingFields(_Strict):
     bad_words: Optional[Annotated[list[str], bounded(MAX_BAD_WORDS, "bad_words"),
                                   Field(max_length=MAX_BAD_WORDS)]] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
+    cache_salt: Optional[str] = None   # vLLM's: prefix-cache KV shared only among requests with this salt
 
     @property
     def include_usage(self) -> bool:

@@ -100,6 +100,8 @@ class LLM:
         try:
             for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
                 text, ids = self._encode(prompt)
+                if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:   # vLLM's prompt-dict key
+                    p = dataclasses.replace(p, cache_salt=prompt["cache_salt"])
                 from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
                 bos = getattr(self.tokenizer, "bos_token_id", None) if from_text else None   # a text's BOS stays
                 ids = truncate_prompt(ids, p, engine.max_model_len, bos)   # vLLM's truncate_prompt_tokens

@@ -2,7 +2,10 @@
 
 Each edge holds token ids in whole blocks and the ids of the blocks that hold their KV. A node's
 `lock_ref` counts the requests using it or a descendant; unlocked nodes are evictable, leaves first,
-least recently used first. Namespaces ("base" or an adapter's generation id) never share KV.
+least recently used first. Namespaces ("base" or an adapter's generation id, with a request's `cache_salt` if it
+has one) never share KV. A namespace has a root only while it holds blocks: a lookup does not create one, and
+eviction drops a root it leaves empty, so namespaces that come and go (one per salt, adapter load or rope variant)
+never pile up.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class RadixCache:
         self.block_size = block_size
         self.allocator = allocator
         self.roots: dict[str, RadixNode] = {}
+        self._namespace_of: dict[RadixNode, str] = {}   # root -> its namespace
         self._clock = itertools.count(1)
         self._num_evictable = 0
         self._num_protected = 0
@@ -38,8 +42,13 @@ class RadixCache:
         root = self.roots.get(namespace)
         if root is None:
             root = self.roots[namespace] = RadixNode(None, [], [], 0)
-            root.lock_ref = 1  # roots are never evicted
+            root.lock_ref = 1  # roots are never evicted (an empty one is dropped)
+            self._namespace_of[root] = namespace
         return root
+
+    def _drop_if_empty(self, root: RadixNode) -> None:
+        if not root.children:
+            del self.roots[self._namespace_of.pop(root)]
 
     def _key(self, tokens: list[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start:start + self.block_size])
@@ -83,6 +92,8 @@ class RadixCache:
         return node, blocks, pos
 
     def match_prefix(self, namespace: str, tokens: list[int]) -> tuple[RadixNode, list[int]]:
+        if namespace not in self.roots:   # nothing cached: a detached root (locking it is a no-op)
+            return RadixNode(None, [], [], 0), []
         node, blocks, _ = self._walk(namespace, tokens)
         return node, blocks
 
@@ -90,6 +101,8 @@ class RadixCache:
         """Inserts whole blocks. Returns (last node, the tree's blocks for tokens, duplicates of the caller
         that the tree already held: the caller frees those)."""
         assert len(tokens) == len(blocks) * self.block_size
+        if not blocks:
+            return self.match_prefix(namespace, tokens)[0], [], []
         node, tree_blocks, pos = self._walk(namespace, tokens)
         num_matched = pos // self.block_size
         duplicates = [b for b, t in zip(blocks[:num_matched], tree_blocks) if b != t]
@@ -148,7 +161,9 @@ class RadixCache:
             parent = leaf.parent
             assert parent is not None
             del parent.children[self._key(leaf.tokens, 0)]
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            if parent.parent is None:
+                self._drop_if_empty(parent)
+            elif not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return num_freed
 
@@ -172,8 +187,7 @@ class RadixCache:
                 self._num_evictable -= len(leaf.blocks)
                 assert leaf.parent is not None
                 del leaf.parent.children[self._key(leaf.tokens, 0)]
-        if not root.children:
-            del self.roots[namespace]
+        self._drop_if_empty(root)
 
     # ---- invariants -----------------------------------------------------------------------
     def all_blocks(self) -> set[int]:
@@ -182,6 +196,10 @@ class RadixCache:
     def check_integrity(self) -> None:
         num_evictable = num_protected = 0
         seen: set[int] = set()
+        assert {id(r) for r in self.roots.values()} == {id(r) for r in self._namespace_of}, "a root not registered"
+        for namespace, root in self.roots.items():
+            assert self._namespace_of[root] == namespace and root.parent is None, "a root under the wrong name"
+            assert root.children, f"an empty root is kept ({len(self.roots)} roots)"
         for node in self._nodes():
             assert len(node.tokens) == len(node.blocks) * self.block_size, "edge tokens/blocks mismatch"
             assert not seen.intersection(node.blocks), "a block appears twice in the tree"

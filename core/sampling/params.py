@@ -11,6 +11,7 @@ GREEDY_BELOW = 1e-5   # a temperature below this samples greedily (vLLM's _SAMPL
 MIN_REPETITION_PENALTY = 0.01   # x100 already forces repetition; far smaller ones overflowed to inf, then NaN
 MAX_BAD_WORDS = 128    # words in `bad_words` (each tokenized twice: core/sampling/bad_words.py)
 MAX_BAD_WORD_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -46,6 +47,7 @@ class SamplingParams:
     # `bad_words` as token sequences (core/sampling/bad_words.py fills it from the tokenizer before admission)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     truncate_prompt_tokens: int | None = None   # vLLM: keep the prompt's last k tokens (-1: --max-model-len)
+    cache_salt: str | None = None   # vLLM: only requests with the same salt share prefix-cache KV
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,7 +87,8 @@ class SamplingParams:
         self._check_token_filters()
 
     def _check_token_filters(self) -> None:
-        """allowed_token_ids, bad_words, truncate_prompt_tokens (ids against the vocabulary: admission.py)."""
+        """allowed_token_ids, bad_words, truncate_prompt_tokens, cache_salt (ids against the vocabulary:
+        admission.py)."""
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise SamplingParamsError("allowed_token_ids must not be empty (omit it to allow every token)",
                                       "allowed_token_ids")
@@ -98,6 +101,9 @@ class SamplingParams:
             raise SamplingParamsError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters", "bad_words")
         if any(not w for w in self.bad_words_token_ids):
             raise SamplingParamsError("a bad word's token sequence is empty", "bad_words")
+        if self.cache_salt is not None and not (0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                      f"characters", "cache_salt")
         k = self.truncate_prompt_tokens
         if k is not None and k != -1 and k < 1:
             raise SamplingParamsError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, "

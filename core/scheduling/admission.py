@@ -11,6 +11,7 @@ are at most the vocabulary (the server's `--max-logprobs` caps them first).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Sequence
 
 from core.config import ModelConfig
@@ -111,6 +112,15 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     return max_tokens
 
 
+def salted(namespace: str, cache_salt: str | None) -> str:
+    """A request's prefix-cache namespace with its `cache_salt` (vLLM's): KV is shared only among requests of the
+    same adapter load and the same salt, so a tenant that salts its requests cannot learn from time to first
+    token whether another's prompt is cached. The salt is hashed: a namespace's name stays short."""
+    if cache_salt is None:
+        return namespace
+    return f"{namespace}#salt:{hashlib.sha256(cache_salt.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
+
+
 def new_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, max_tokens: int,
                 seed: int, model_config: ModelConfig, max_model_len: int, eos_token_ids: frozenset[int],
                 tokenizer: Any, lora: Any = None, grammar: Any = None, tenant: str | None = None) -> Request:
@@ -119,7 +129,8 @@ def new_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampli
     rope_offset = rope_row_offset(model_config, max_model_len, len(prompt_token_ids) + max_tokens)
     req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
                   max_tokens=max_tokens, seed=seed, eos_token_ids=eos_token_ids,
-                  namespace=rope_namespace(lora.namespace if lora is not None else "base", rope_offset),
+                  namespace=rope_namespace(salted(lora.namespace if lora is not None else "base", params.cache_salt),
+                                           rope_offset),
                   lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset)
     # constrained requests never cut their text at stop strings (the grammar ends them), but the free text of
     # `tool_choice: "auto"` before its trigger is cut as any output is (core/sampling/stops.py)

@@ -68,6 +68,7 @@ def _params(body: _SamplingFields, logprobs: Optional[int], defaults: RequestDef
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         bad_words=tuple(body.bad_words or ()),
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        cache_salt=body.cache_salt,
         **penalty_fields(body),
     )))
 

@@ -150,6 +150,7 @@ SAMPLING = {
     "guided_whitespace_pattern": WHITESPACE, "include_stop_str_in_output": bools,
     "spaces_between_special_tokens": bools,
     "allowed_token_ids": id_lists, "bad_words": st.lists(texts, max_size=3) | JSON, "truncate_prompt_tokens": ints,
+    "cache_salt": texts,
 }
 TEMPLATE_KWARGS = (st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x" * 100, ""]),
                                    JSON, max_size=3) | JSON)
@@ -234,6 +235,7 @@ EXTREMES: dict[str, list[Any]] = {
     "bad_words": [[""], [" \t"], ["\u200b"], ["\ufeff"], ["x" * 1025], ["w"] * 129, ["def", " f", "(("], ["\x00"]]
                  + SWEEP_WRONG_TYPES,
     "truncate_prompt_tokens": extremes(INTS) + [-1, 0, 1, 2, 63, 64, 65],
+    "cache_salt": ["", "a", "x" * 1025, "\x00", "\ud800", "tiny"] + SWEEP_WRONG_TYPES,
     "guided_choice": [[], [""], ["a"] * 1025] + SWEEP_WRONG_TYPES,
     "guided_regex": ["[^\\s\\S]", "[b&&c]", "", "("] + SWEEP_WRONG_TYPES,
     "guided_json": EMPTY_LANGUAGE + SWEEP_WRONG_TYPES,

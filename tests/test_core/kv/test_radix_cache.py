@@ -56,3 +56,24 @@ def test_evict_cascades_to_parents() -> None:
     assert tree.evict(3) == 3
     assert tree.num_cached_blocks() == 0
     tree.check_integrity()
+
+
+def test_namespaces_that_come_and_go_leave_no_roots() -> None:
+    """A lookup creates no root, and eviction drops the root it empties: one namespace per cache_salt or
+    adapter load never piles up (each root cost memory and every eviction's walk)."""
+    alloc = BlockAllocator(64)
+    tree = RadixCache(4, alloc)
+    assert tree.match_prefix("never-used", [1, 2, 3, 4, 5]) [1] == [] and not tree.roots
+    for i in range(50):
+        blocks = alloc.allocate(1)
+        tree.insert(f"salt-{i}", [i, 1, 2, 3], blocks)
+        tree.check_integrity()
+    assert len(tree.roots) == 50
+    node, blocks = tree.match_prefix("salt-7", [7, 1, 2, 3, 9])
+    tree.lock(node)
+    assert tree.evict(64) == 49 and list(tree.roots) == ["salt-7"]   # the locked one stays
+    tree.check_integrity()
+    tree.unlock(node)
+    tree.evict(1)
+    assert not tree.roots and alloc.num_free_blocks == 64
+    tree.check_integrity()

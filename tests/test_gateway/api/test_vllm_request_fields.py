@@ -335,3 +335,17 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(http: httpx.Client) -> Non
     assert long_chat["usage"]["prompt_tokens"] == 64
     rejected(http, "/v1/completions", "truncate_prompt_tokens", prompt="x", truncate_prompt_tokens=513)
     rejected(http, "/v1/completions", "truncate_prompt_tokens", prompt="x", truncate_prompt_tokens=0)
+
+
+def test_cache_salt_separates_the_prefix_cache(http: httpx.Client) -> None:
+    prompt = "class Stack:\n    def __init__(self):\n        self.items = []\n" * 4
+
+    def cached(**salt: Any) -> tuple[str, int]:
+        out = post(http, "/v1/completions", prompt=prompt, max_tokens=4, temperature=0.0, **salt)
+        return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    text, _ = cached(cache_salt="acme")
+    assert cached(cache_salt="acme")[1] > 0
+    assert cached(cache_salt="globex") == (text, 0)
+    assert cached() == (text, 0)
+    rejected(http, "/v1/completions", "cache_salt", prompt="x", cache_salt="")
