@@ -2,9 +2,11 @@
 (tests/helpers/scratch_dirs.py): thousands of runs had left 5 GB of loraplex_tiny_*, loraplex_lora_*,
 loraplex_tree_*, loraplex_jitter_*, ... folders in /tmp.
 
-Each check runs the code in a process of its own whose TMPDIR is an empty folder of the test, and looks at that
-folder once the process is gone: it must be empty again, and the builder must have written there meanwhile (so an
-empty folder is not a builder that wrote elsewhere)."""
+The builder and benchmark checks run the code in a process of its own whose TMPDIR is an empty folder of the test,
+and look at that folder once the process is gone: it must be empty again, and the code must have written there
+meanwhile (so an empty folder is not code that wrote elsewhere). tests/test_benchmarks/test_gpu_run.py does the
+same for every stage of the GPU run's dry run; tests/test_core/native/test_native_build_folder.py for the C
+kernels' build folder."""
 from __future__ import annotations
 
 import os
@@ -96,3 +98,13 @@ def test_under_pytest_the_builders_write_inside_the_basetemp(tmp_path_factory: p
 
     path = scratch_dir("loraplex_probe_")
     assert path.parent == tmp_path_factory.getbasetemp(), path
+
+
+def test_no_bare_mkdtemp_in_the_tests_benchmarks_or_examples() -> None:
+    """A folder made by `tempfile.mkdtemp` (or a file by `mkstemp`) is never removed unless its maker does it: the
+    suite, the benchmarks and the examples make theirs with `scratch_dir`, TemporaryDirectory or pytest's tmp_path."""
+    allowed = {HELPERS / "scratch_dirs.py", Path(__file__).resolve()}
+    found = [f"{path.relative_to(ROOT)}:{n}" for folder in ("tests", "benchmarks", "examples")
+             for path in sorted((ROOT / folder).rglob("*.py")) if path.resolve() not in allowed
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "mkdtemp(" in line or "mkstemp(" in line]
+    assert not found, found
