@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the packages first: tests/grammar/ (a namespace package) would shadow grammar/
 sys.path.append(str(ROOT / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
-from scratch_dirs import scratch_dir   # noqa: F401 - the benchmarks' folders: removed when the run exits
+from scratch_dirs import scratch_dir   # the benchmarks' folders (imported from here too): removed when the run exits
 from tiny_models import TinyModelSpec, tiny_model_dir
 
 # LORAPLEX_BENCH_RESULTS: where write_results puts its files (default benchmarks/results; gpu_run.py's dry run
