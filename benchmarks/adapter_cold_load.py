@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import add_model_args, bench_model_dir, load_format_of, now, write_results
+from common import add_model_args, bench_model_dir, load_format_of, now, scratch_dir, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
@@ -98,7 +97,7 @@ def main() -> None:
     cfg = ModelConfig.from_path(model)
     ranks = [int(r) for r in (args.ranks or ("16,32,64" if cuda else "128")).split(",")]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    root = Path(tempfile.mkdtemp(prefix="loraplex_cold_"))
+    root = scratch_dir("loraplex_cold_")
     names = [f"tenant-{i:02d}/adapter" for i in range(args.num_cold)]
     sync_names = [f"sync-{i:02d}/adapter" for i in range(args.num_cold)]
     for i, name in enumerate(names + sync_names):

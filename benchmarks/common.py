@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the packages first: tests/grammar/ (a namespace package) would shadow grammar/
 sys.path.append(str(ROOT / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
+from scratch_dirs import scratch_dir   # the benchmarks' folders (imported from here too): removed when the run exits
 from tiny_models import TinyModelSpec, tiny_model_dir
 
 # LORAPLEX_BENCH_RESULTS: where write_results puts its files (default benchmarks/results; gpu_run.py's dry run
@@ -62,7 +62,7 @@ def dummy_model_dir(name: str) -> str:
     from synthetic_tokenizer import build_synthetic_tokenizer
 
     config = DUMMY_MODELS[name]
-    out = Path(tempfile.mkdtemp(prefix=f"loraplex_{name}_"))
+    out = scratch_dir(f"loraplex_{name}_")     # removed when this process exits
     build_synthetic_tokenizer(out, vocab_size=config["vocab_size"])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import write_results
+from common import scratch_dir, write_results
 from core.attention import cpu_paged_prefill
 from core.attention.metadata import AttentionMetadata
 from core.attention.torch_backend import TorchAttentionBackend
@@ -118,7 +118,6 @@ def main() -> None:
 def engine_ab(rounds: int, table: list[tuple[str, str]]) -> dict[str, object]:
     import json
     import random
-    import tempfile
 
     from cpu_peers import resolve_model
     from latency_slo import CPU_SLO_CONFIG, FIRST_TEXT_ID
@@ -128,7 +127,7 @@ def engine_ab(rounds: int, table: list[tuple[str, str]]) -> dict[str, object]:
     from core import LLM, SamplingParams
     from core.scheduling.scheduler import Scheduler
 
-    out = Path(tempfile.mkdtemp())
+    out = scratch_dir("loraplex_prefill_model_")
     build_synthetic_tokenizer(out, vocab_size=CPU_SLO_CONFIG["vocab_size"])
     (out / "config.json").write_text(json.dumps(CPU_SLO_CONFIG))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))

@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results  # noqa: E402
+from common import scratch_dir, write_results  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
 from tiny_models import TinyModelSpec, build_tokenizer, tiny_model_dir  # noqa: E402
@@ -153,7 +153,7 @@ def admission_figures() -> dict[str, float]:
     except GrammarError:
         pass
     reject_s = time.perf_counter() - t0
-    tok = AutoTokenizer.from_pretrained(build_tokenizer(Path(tempfile.mkdtemp()) / "tok", vocab_size=512))
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(scratch_dir("loraplex_gateway_latency_") / "tok", vocab_size=512))
     compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id], compile_timeout_s=1.5, num_workers=1)
     spec = parse_response_format({"type": "json_schema", "json_schema": {
         "name": "p", "schema": {"type": "string", "pattern": "^[ab]*a[ab]{22}$"}}})

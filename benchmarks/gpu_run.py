@@ -207,6 +207,9 @@ def run_forked(cmd: list[str], env: dict[str, str], limit_s: float, log: Path) -
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
+                scratch = sys.modules.get("scratch_dirs")     # os._exit runs no atexit: the script's folders
+                if scratch is not None:                       # (tests/helpers/scratch_dirs.py) are removed here
+                    scratch.remove_all()
                 os._exit(code)
         deadline = time.monotonic() + max(1.0, limit_s)
         while True:

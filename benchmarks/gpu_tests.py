@@ -41,27 +41,32 @@ def main(argv: list[str] | None = None) -> None:
                     help="pytest-xdist workers (-n; 0: one process). Triton compiles are CPU-bound and the device "
                          "machine has 16 cores, so 8 workers share the GPU and cut the stage to a fraction")
     args = ap.parse_args(argv)
-    xml = Path(tempfile.mkdtemp(prefix="loraplex_gpu_tests_")) / "junit.xml"
     assert DRY_RUN_FILE in GPU_TEST_FILES
     files = [DRY_RUN_FILE] if args.dry_run else list(GPU_TEST_FILES)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
     if args.dry_run:
         cmd += ["-k", DRY_RUN_SELECT]
     if args.workers > 0:
         cmd += ["-n", str(args.workers), "-v"]      # -v: one PASSED/FAILED line per test, kept if the stage times out
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
-        out, timed_out = proc.stdout + proc.stderr, False
-    except subprocess.TimeoutExpired as exc:
-        out, timed_out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
-            else (exc.stdout or ""), True
+    counts = None
+    with tempfile.TemporaryDirectory(prefix="loraplex_gpu_tests_") as tmp:   # removed on any way out, Ctrl-C too
+        xml = Path(tmp) / "junit.xml"
+        try:
+            proc = subprocess.run([*cmd, f"--junitxml={xml}"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=args.timeout_s)
+            out, timed_out = proc.stdout + proc.stderr, False
+        except subprocess.TimeoutExpired as exc:
+            out, timed_out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+                else (exc.stdout or ""), True
+        if xml.exists() and not timed_out:
+            counts = junit_counts(xml)
     print(out[-3000:])
     log = RESULTS / f"{args.name}.pytest.log"           # the whole output: which tests ran, even after a timeout
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(out)
     data: dict = {"files": files, "dry_run": args.dry_run, "timed_out": timed_out, "tail": out[-2000:]}
-    if xml.exists() and not timed_out:
-        data.update(junit_counts(xml))
+    if counts is not None:
+        data.update(counts)
         table = [("GPU tests", f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, "
                                f"{data['skipped']} skipped"), ("failing", ", ".join(data["failing"]) or "none")]
     else:

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +35,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the packages first: tests/grammar/ would shadow grammar/
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # test-model builders: tests/helpers/tiny_models.py
+from scratch_dirs import scratch_dir  # noqa: E402
 from tiny_models import build_tokenizer  # noqa: E402
 from grammar import GrammarCompiler, GrammarError, GrammarMatcher, allocate_token_bitmask  # noqa: E402
 from grammar import CompiledGrammar, SchemaOptions, json_object_spec, parse_response_format  # noqa: E402
@@ -193,7 +193,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "grammar_coverage")
     args = parser.parse_args()
     tok_dir = args.tokenizer or build_tokenizer(
-        Path(tempfile.mkdtemp(prefix="grammar_cov_")) / "tok", vocab_size=args.vocab_size,
+        scratch_dir("grammar_cov_") / "tok", vocab_size=args.vocab_size,
         seed_text_files=40 if args.vocab_size <= 512 else 400,
     )
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)

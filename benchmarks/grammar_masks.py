@@ -13,7 +13,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -147,6 +146,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     from benchmarks.large_vocab_tokenizer import build_large_tokenizer
+    from scratch_dirs import scratch_dir
     from tiny_models import build_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -160,7 +160,7 @@ def main() -> None:
     global CLOCK
     CLOCK = time.perf_counter if args.wall else time.thread_time
     torch.set_num_threads(1)
-    root = Path(args.tokenizer_root or tempfile.mkdtemp(prefix="grammar_masks_"))
+    root = Path(args.tokenizer_root) if args.tokenizer_root else scratch_dir("grammar_masks_")
     dirs = [build_tokenizer(root / "v32000", vocab_size=32000, seed_text_files=400, max_chars_per_file=50000),
             build_large_tokenizer(root / "v128k")]
     rows = [r for d in dirs for r in bench_vocab(d, args.variants, args.walks, args.max_steps)]

@@ -37,7 +37,6 @@ import pstats
 import random
 import statistics
 import sys
-import tempfile
 import traceback
 import warnings
 from collections import Counter
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import add_model_args, bench_model_dir, load_format_of, write_results
+from common import add_model_args, bench_model_dir, load_format_of, scratch_dir, write_results
 from lora_overhead import TARGET_SETS, write_adapter
 from serving import RANKS
 from core import LLM, SamplingParams
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         args.num_adapters, args.num_decoding, args.prompt_len, args.chunk, args.repeats = 2, 4, 8, 40, 2
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
-    tmp = Path(tempfile.mkdtemp(prefix="loraplex_host_"))
+    tmp = scratch_dir("loraplex_host_")
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     modules = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, RANKS[i % len(RANKS)], i, dtype, TARGET_SETS["all"]))
                for i in range(args.num_adapters)}

@@ -39,7 +39,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import torch
 
-from common import bench_model_dir, kernel_memory_monitor, write_results
+from common import bench_model_dir, kernel_memory_monitor, scratch_dir, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
 from serving import SCHEMA, free_port
@@ -74,7 +73,7 @@ def model_dir(model: str | None) -> tuple[str, str]:
     """(dir, load format): the 768-hidden 8-layer random Llama by default."""
     if model is not None:
         return bench_model_dir(model), "dummy" if not Path(model).is_dir() else "auto"
-    out = Path(tempfile.mkdtemp(prefix="loraplex_slo_model_"))
+    out = scratch_dir("loraplex_slo_model_")
     build_synthetic_tokenizer(out, vocab_size=CPU_SLO_CONFIG["vocab_size"])
     (out / "config.json").write_text(json.dumps(CPU_SLO_CONFIG, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
@@ -86,7 +85,7 @@ def offline_setup(prefix: str) -> tuple[str, str, ModelConfig, dict[str, str], P
     `RANKS`, a step-trace path already set in `LORAPLEX_STEP_TRACE` for the engines built after this call)."""
     model, load_format = model_dir(None)
     cfg = ModelConfig.from_path(model)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    tmp = scratch_dir(prefix)
     adapters = {f"t{i}": str(write_adapter(tmp / f"a{i}", cfg, rank, i, dtype=torch.float32,
                                            targets=TARGET_SETS["all"])) for i, rank in enumerate(RANKS)}
     trace = tmp / "steps.jsonl"
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     started, load_before = time.perf_counter(), load_average()
     model, load_format = model_dir(args.model)
     cfg = ModelConfig.from_path(model)
-    tmp = Path(tempfile.mkdtemp(prefix="loraplex_slo_adapters_"))
+    tmp = scratch_dir("loraplex_slo_adapters_")
     adapters = {f"tenant-{i}": str(write_adapter(tmp / f"t{i}", cfg, rank, i, dtype=torch.float32,
                                                  targets=TARGET_SETS["all"])) for i, rank in enumerate(RANKS)}
     servers: dict[str, tuple[subprocess.Popen, str]] = {}

@@ -29,7 +29,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from ceilings import weight_bytes
-from common import add_model_args, bench_model_dir, load_format_of, now, write_results
+from common import add_model_args, bench_model_dir, load_format_of, now, scratch_dir, write_results
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 from core.environment import variables as env
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ModelConfig.from_path(model)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    tmp = Path(tempfile.mkdtemp(prefix="loraplex_bench_"))
+    tmp = scratch_dir("loraplex_bench_")
     rows, data = [], {"model": args.model or model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rank": args.rank, "pool_rank": args.pool_rank or args.rank, "targets": args.targets, "device": args.device,
                       "dtype": args.dtype, "phases": args.phases, "lora_overlap": env.LORA_OVERLAP.get()}

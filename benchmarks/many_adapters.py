@@ -44,7 +44,7 @@ from collections import Counter, OrderedDict
 from itertools import accumulate
 from statistics import fmean
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -53,7 +53,7 @@ import psutil
 import torch
 from safetensors.torch import save_file
 
-from common import DUMMY_MODELS, bench_model_dir, load_format_of, write_results
+from common import DUMMY_MODELS, bench_model_dir, load_format_of, scratch_dir, write_results
 from serving_client import pct, stream_one
 
 DEMO = str(Path(__file__).resolve().parents[1] / "core" / "demo_model")
@@ -194,7 +194,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace, model: str, lora_dir: Path, port: int) -> tuple[subprocess.Popen, Path]:
+def start_server(args: argparse.Namespace, model: str, lora_dir: Path, port: int) -> tuple[subprocess.Popen, IO[str]]:
     cmd = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--device", args.device,
            "--dtype", args.dtype, "--lora-dir", str(lora_dir), "--max-loras", str(args.max_loras),
            "--max-cpu-loras", str(args.max_cpu_loras), "--max-lora-rank", str(max(RANKS)), "--no-access-log",
@@ -203,13 +203,14 @@ def start_server(args: argparse.Namespace, model: str, lora_dir: Path, port: int
         cmd += ["--model", model, "--load-format", load_format_of(args.model)]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    log = Path(tempfile.gettempdir()) / f"loraplex_many_adapters_{port}.log"
+    # the server's output: an unnamed temp file (gone with its last handle, even after a killed run)
+    log = tempfile.TemporaryFile("w+", prefix=f"loraplex_many_adapters_{port}_", suffix=".log")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + args.startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
+            raise RuntimeError(f"server exited: {_tail(log)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc, log
@@ -217,7 +218,13 @@ def start_server(args: argparse.Namespace, model: str, lora_dir: Path, port: int
             pass
         time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"server did not start in {args.startup_timeout_s} s: see {log}")
+    raise RuntimeError(f"server did not start in {args.startup_timeout_s} s: {_tail(log)}")
+
+
+def _tail(log: IO[str]) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-3000:]
 
 
 def server_rss(proc: subprocess.Popen) -> int:
@@ -364,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_cpu_loras, args.max_loras, args.concurrency, args.prompt_words = 8, 4, 8, (4, 8)
     model = DEMO if args.model is None else bench_model_dir(args.model)
     assert args.model is None or args.model in DUMMY_MODELS or Path(model).is_dir(), args.model
-    lora_dir = Path(tempfile.mkdtemp(prefix="loraplex_many_adapters_"))
+    lora_dir = scratch_dir("loraplex_many_adapters_")
     t0 = time.perf_counter()
     adtype = torch.bfloat16 if args.dtype in ("bfloat16", "float32") else torch.float16
     built = build_adapters(lora_dir, model, args.num_adapters, args.targets, adtype)

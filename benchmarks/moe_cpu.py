@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import ROOT, write_results
+from common import ROOT, scratch_dir, write_results
 from core import LLM, SamplingParams
 from tiny_models import TinyModelSpec, tiny_model_dir
 
@@ -80,7 +79,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    root = Path(tempfile.mkdtemp(prefix="loraplex_moebench_"))
+    root = scratch_dir("loraplex_moebench_")
     moe, dense = tiny_model_dir(MOE, root=root), tiny_model_dir(DENSE, root=root)
     adapter = expert_params_adapter(moe, root / "experts-r16", ["experts.gate_up_proj", "experts.down_proj"], [],
                                     16, 16, 1.0, 5)

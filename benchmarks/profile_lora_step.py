@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -12,14 +11,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import llama3_8b_dir
+from common import llama3_8b_dir, scratch_dir
 from core import LLM, SamplingParams
 from core.config import ModelConfig
 from lora_overhead import write_adapter
 
 model = llama3_8b_dir()
 cfg = ModelConfig.from_path(model)
-tmp = Path(tempfile.mkdtemp())
+tmp = scratch_dir("loraplex_profile_lora_")
 mods = {f"t{i}": str(write_adapter(tmp / f"t{i}", cfg, 16, i, torch.bfloat16)) for i in range(32)}
 llm = LLM(model, device="cuda", dtype="bfloat16", lora_modules=mods, max_loras=32, max_lora_rank=16,
           enable_prefix_caching=False, load_format="dummy")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from common import write_results
+from common import scratch_dir, write_results
 from core import LLM, SamplingParams
 from quant_models import write_ct_checkpoint
 from tiny_models import TinyModelSpec, tiny_model_dir
@@ -72,7 +71,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    root = Path(tempfile.mkdtemp(prefix="loraplex_qbench_"))
+    root = scratch_dir("loraplex_qbench_")
     base = tiny_model_dir(SPEC, root=root)
     w8 = write_ct_checkpoint(base, root / "w8a16", W8A16, "pack-quantized")
     micro = kernels()

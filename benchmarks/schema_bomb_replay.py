@@ -18,7 +18,6 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import httpx  # noqa: E402
 
 from gateway_server import ServerProcess  # noqa: E402
 from process_tree import TreeWatch  # noqa: E402
+from scratch_dirs import scratch_dir  # noqa: E402
 from tiny_models import TinyModelSpec, tiny_model_dir  # noqa: E402
 
 TENANTS = "tenants:\n  attacker: {api_keys: [sk-attacker], models: [tiny]}\n" \
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--api-cap-gb", type=float, default=8.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="schema_bomb_"))
+    root = scratch_dir("schema_bomb_")
     (root / "tenants.yaml").write_text(TENANTS)
     model = tiny_model_dir(TinyModelSpec(arch="llama", vocab_size=544, max_position_embeddings=4096), root=root)
     os.environ["PYTHONPATH"] = args.code

@@ -28,7 +28,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import torch
 
-from common import RESULTS, add_model_args, bench_model_dir, load_format_of, write_results
+from common import RESULTS, add_model_args, bench_model_dir, load_format_of, scratch_dir, write_results
 from core.config import ModelConfig
 from lora_overhead import TARGET_SETS, write_adapter
 from serving_client import SLO, launch_server, run_rate
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     model = bench_model_dir(args.model)
     cfg = ModelConfig.from_path(model)
-    tmp = Path(tempfile.mkdtemp(prefix="loraplex_serving_"))
+    tmp = scratch_dir("loraplex_serving_")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32      # 32 8B-shaped adapters: ~5 GB in bf16
     adapters = {f"tenant-{i}": str(write_adapter(tmp / f"t{i}", cfg, RANKS[i % len(RANKS)], i, dtype=dtype,
                                                  targets=TARGET_SETS["all"]))

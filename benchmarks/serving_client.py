@@ -21,8 +21,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -31,22 +30,30 @@ MAX_EMPTY_TEXT_SHARE = 0.05
 
 def launch_server(cmd: list[str], port: int, log_name: str, startup_timeout_s: float,
                   env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts `cmd` (a `loraplex serve` on `port`) with its output in a temp log file, and waits until /health
-    answers 200; raises, naming the log, when it exits first or does not answer within the timeout."""
-    log = open(Path(tempfile.gettempdir()) / f"{log_name}_{port}.log", "w")
+    """Starts `cmd` (a `loraplex serve` on `port`) with its output in an unnamed temp file (gone with the last of
+    its handles: nothing is left in the temp folder, even by a killed run), and waits until /health answers 200;
+    raises, with the end of that output, when it exits first or does not answer within the timeout."""
+    log = tempfile.TemporaryFile("w+", prefix=f"{log_name}_{port}_", suffix=".log")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + startup_timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: see {log.name}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                log.close()    # the server keeps writing to its own handle
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"server did not start in {startup_timeout_s} s: see {log.name}")
+    raise RuntimeError(f"server did not start in {startup_timeout_s} s:\n{_tail(log)}")
+
+
+def _tail(log: IO[str], chars: int = 4000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-chars:]
 
 
 class TokenCountError(RuntimeError):

@@ -103,8 +103,9 @@ def start_server(model: Path, threads: int, engine_process: str, port: int,
         cmd += ["--engine-process", engine_process]
     cmd += list(extra_args)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    log = open(Path(tempfile.gettempdir()) / f"loraplex_overhead_{port}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+    # the server's output: an unnamed temp file (gone with the server's handle, nothing left in the temp folder)
+    with tempfile.TemporaryFile("w", prefix=f"loraplex_overhead_{port}_", suffix=".log") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 
 
 def server_cpu_s(proc: subprocess.Popen) -> float:

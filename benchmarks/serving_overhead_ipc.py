@@ -10,14 +10,13 @@ import argparse
 import multiprocessing
 import pickle
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results   # noqa: E402
+from common import scratch_dir, write_results   # noqa: E402
 from core.engine_core.protocol import OUTPUT_DECODER, OUTPUT_ENCODER, Delta, EngineOutput   # noqa: E402
 
 
@@ -53,7 +52,7 @@ def run(transport: str, codec: str, msgs: list[EngineOutput]) -> dict[str, float
     ctx = multiprocessing.get_context("spawn")
     if transport == "zmq":
         import zmq
-        d = tempfile.mkdtemp()
+        d = scratch_dir("loraplex_ipc_")      # the two sockets; removed when this run exits
         zctx = zmq.Context()
         push, pull = zctx.socket(zmq.PUSH), zctx.socket(zmq.PULL)
         push.bind(f"ipc://{d}/a")

@@ -200,19 +200,8 @@ def label(policy: str, max_num_seqs: int | None) -> str:
     return f"`--scheduling-policy {policy}`" + (f" `--max-num-seqs {max_num_seqs}`" if max_num_seqs else "")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=40, help="B's requests per phase")
-    ap.add_argument("--phase-seconds", type=float, default=60.0, help="the longest a phase of B's requests runs")
-    ap.add_argument("--configs", nargs="+", type=parse_config, default=[parse_config(c) for c in
-                                                                          ("fcfs", "fair", "fcfs:8", "fair:8")],
-                    help="policy[:max-num-seqs] per server")
-    ap.add_argument("--out", default="tenant_isolation_cpu")
-    ap.add_argument("--note", default="")
-    args = ap.parse_args()
-    tenant_file = Path(tempfile.mkdtemp(prefix="loraplex_tenants_")) / "tenants.json"
-    tenant_file.write_text(json.dumps(TENANTS))
-    load_before = os.getloadavg()
+def measure_configs(args: argparse.Namespace, tenant_file: Path) -> dict[str, dict[str, Any]]:
+    """Each of `args.configs` on a fresh server of the tenants in `tenant_file`: its raw measures, by label."""
     raw: dict[str, dict[str, Any]] = {}
     for policy, max_num_seqs in args.configs:
         name = label(policy, max_num_seqs)
@@ -227,6 +216,24 @@ def main() -> None:
             log.close()
         print(f"{name}: idle p50 {pct(raw[name]['idle_ms'], 0.5):.0f} ms, flood p50 "
               f"{pct(raw[name]['flood_ms'], 0.5):.0f} ms", flush=True)
+    return raw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=40, help="B's requests per phase")
+    ap.add_argument("--phase-seconds", type=float, default=60.0, help="the longest a phase of B's requests runs")
+    ap.add_argument("--configs", nargs="+", type=parse_config, default=[parse_config(c) for c in
+                                                                          ("fcfs", "fair", "fcfs:8", "fair:8")],
+                    help="policy[:max-num-seqs] per server")
+    ap.add_argument("--out", default="tenant_isolation_cpu")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="loraplex_tenants_") as tmp:    # removed on any way out, Ctrl-C too
+        tenant_file = Path(tmp) / "tenants.json"
+        tenant_file.write_text(json.dumps(TENANTS))
+        raw = measure_configs(args, tenant_file)
     pooled_idle_p50 = pct([x for data in raw.values() for x in data["idle_ms"]], 0.5)
     rows = [summarize(name, data, pooled_idle_p50) for name, data in raw.items()]
     load_after = os.getloadavg()

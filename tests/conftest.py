@@ -23,6 +23,7 @@ import pytest
 
 from core.environment import variables
 from gpu_test_files import GPU_TEST_FILES
+from scratch_dirs import place_under
 from testlib import model_dir
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", default=False,
                      help="the long variants, run by hand (docs/testing.md): the request-body fuzz test runs "
                           "1,000 hypothesis examples per route instead of 50")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test-model builders' scratch folders (tests/helpers/scratch_dirs.py: removed at each process's exit) go
+    inside this session's basetemp (each xdist worker's own), which pytest rotates: a killed run's stay there, not
+    in the temp folder itself. Read at each folder's making: pytest's tmp_path plugin is configured after this."""
+    def basetemp() -> Path | None:
+        factory = getattr(config, "_tmp_path_factory", None)   # absent under `-p no:tmpdir`
+        return factory.getbasetemp() if factory is not None else None
+
+    place_under(basetemp)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

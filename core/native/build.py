@@ -2,10 +2,11 @@
 
 A kernel's source sits beside the Python module that calls it (e.g. core/attention/cpu_paged_decode.c); shared
 helpers are headers in this folder (bf16.h), on the include path. `load`
-compiles it once into a shared library under ~/.cache/loraplex/native/ (or a fresh temp folder where the home is
-not writable), named by a hash of the source, the flags, the compiler's version and this CPU's instruction-set
-flags (`-march=native`), and opens it with ctypes. The library links the process's OpenMP runtime: torch's own,
-already loaded (the same soname), so the kernels share torch's threads instead of starting a second pool.
+compiles it once into a shared library under ~/.cache/loraplex/native/ (where the home is not writable: in a temp
+folder, removed as soon as the library is opened, whose mapping the process keeps), named by a hash of the source,
+the flags, the compiler's version and this CPU's instruction-set flags (`-march=native`), and opens it with ctypes.
+The library links the process's OpenMP runtime: torch's own, already loaded (the same soname), so the kernels share
+torch's threads instead of starting a second pool.
 
 No compiler, a failed build or LORAPLEX_NATIVE_KERNELS=0: `load` returns None (the reason is logged once) and
 the caller keeps its torch path. A build takes about 0.5 s; nothing is built on a GPU engine.
@@ -55,7 +56,8 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
+def _cache_dir() -> Path | None:
+    """~/.cache/loraplex/native, or None where the home is not writable."""
     home = Path.home() / ".cache" / "loraplex" / "native"
     try:
         home.mkdir(parents=True, exist_ok=True)
@@ -63,14 +65,23 @@ def _cache_dir() -> Path:
             return home
     except OSError:
         pass
-    return Path(tempfile.mkdtemp(prefix="loraplex_native_"))
+    return None
 
 
-def _build(source: Path, cc: str, flags: tuple[str, ...]) -> Path:
+def _open(source: Path, cc: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The library built from `source` (or found in the cache), opened. Without a writable cache it is built in a
+    temp folder removed once the library is open (a loaded library's mapping outlives its file)."""
+    out_dir = _cache_dir()
+    if out_dir is not None:
+        return ctypes.CDLL(str(_build(source, cc, flags, out_dir)))
+    with tempfile.TemporaryDirectory(prefix="loraplex_native_") as tmp:
+        return ctypes.CDLL(str(_build(source, cc, flags, Path(tmp))))
+
+
+def _build(source: Path, cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     headers = [h.read_text() for h in sorted(HEADERS.glob("*.h"))]   # what a source may #include
     key = hashlib.sha256("\0".join((source.read_text(), *headers, " ".join(flags), version, _cpu_flags())).encode())
-    out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -102,7 +113,7 @@ def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             reason = "no C compiler (cc, gcc or clang) on PATH"
         else:
             try:   # callers import torch first: its OpenMP runtime is loaded, and the library binds to it
-                lib = ctypes.CDLL(str(_build(source, cc, FLAGS + tuple(extra_flags))))
+                lib = _open(source, cc, FLAGS + tuple(extra_flags))
                 reason = ""
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 reason = f"build failed: {exc}"

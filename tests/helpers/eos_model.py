@@ -7,12 +7,12 @@ after a few tokens, and a run with `ignore_eos` goes on past it. Built beside th
 from __future__ import annotations
 
 import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from scratch_dirs import scratch_dir
 from testlib import _tokenizer, encode, hf_greedy, model_dir
 
 
@@ -25,7 +25,7 @@ def eos_model_dir(name: str, prompt: str, step: int = 4, boost: float = 2.0) -> 
     ref = hf_greedy(src, encode(src, prompt), step + 1, stop_at_eos=False)
     target = ref[step]
     assert target != eos
-    dst = Path(tempfile.mkdtemp(prefix=f"loraplex-eos-{name}-"))
+    dst = scratch_dir(f"loraplex-eos-{name}-")
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = load_file(dst / "model.safetensors")
     key = "lm_head.weight"

@@ -70,7 +70,8 @@ class ServerProcess:
             self.metrics_url = f"http://127.0.0.1:{port}/metrics"
             extra = (*extra, "--metrics-port", str(port))
         self.model = str(model_dir)
-        self._log: IO[str] = tempfile.NamedTemporaryFile("w+", prefix="loraplex_server_", suffix=".log")
+        # no name in any folder (O_TMPFILE): nothing is left behind even where this process is killed
+        self._log: IO[str] = tempfile.TemporaryFile("w+", prefix="loraplex_server_", suffix=".log")
         cmd = [*loraplex_command(), "serve", "--model", self.model, "--port", str(self.port), "--device", "cpu",
                "--dtype", "float32", *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))

@@ -15,7 +15,6 @@ import copy
 import json
 import math
 import shutil
-import tempfile
 from functools import lru_cache
 from typing import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from scratch_dirs import scratch_dir
 from testlib import _hf_model, _tokenizer, model_dir
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -53,7 +53,7 @@ _DIRS: dict[tuple[str, str], Path] = {}
 def _root() -> Path:
     global _ROOT
     if _ROOT is None:
-        _ROOT = Path(tempfile.mkdtemp(prefix="loraplex_lora_"))
+        _ROOT = scratch_dir("loraplex_lora_")
     return _ROOT
 
 

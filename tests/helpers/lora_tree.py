@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from scratch_dirs import scratch_dir
 
 RANKS = (4, 8, 16, 32, 64)
 MIXES = (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"],
@@ -67,7 +68,7 @@ def spec_of(index: int) -> tuple[int, list[str]]:
 
 @lru_cache(maxsize=4)
 def adapter_tree(model_path: Path, num: int) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="loraplex_tree_"))
+    root = scratch_dir("loraplex_tree_")
     for i, name in enumerate(tree_names(num)):
         rank, targets = spec_of(i)
         write_adapter(root / name, model_path, rank, targets, seed=1000 + i)

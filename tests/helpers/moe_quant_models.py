@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,12 +22,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_models import moe_dir
+from scratch_dirs import scratch_dir
 
 GROUP_SIZE = {"mixtral": 32, "qwen3_moe": 16, "qwen2_moe": 16}   # the Qwen experts are 48 wide
 # what llm-compressor's MoE recipes leave in float: the router and Qwen2-MoE's shared-expert gate (one output)
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*mlp.shared_expert_gate$"]
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj")
-_ROOT = Path(tempfile.mkdtemp(prefix="loraplex_moe_quant_"))
+
+
+@lru_cache(maxsize=None)
+def _root() -> Path:
+    """This process's folder of the packed checkpoints (made at the first one, removed at its exit)."""
+    return scratch_dir("loraplex_moe_quant_")
 
 
 def _scheme(group_size: int, symmetric: bool = True):   # noqa: ANN202 - compressed-tensors' QuantizationScheme
@@ -80,7 +85,7 @@ def ct_moe_dir(family: str, quantize_router: bool = False, symmetric: bool = Tru
 def _ct_moe_dir(family: str, quantize_router: bool, symmetric: bool, quantize_experts: bool, group_size: int) -> Path:
     name = family + "_router" * quantize_router + "_asym" * (not symmetric) + "_float_experts" * (not quantize_experts)
     name += f"_g{group_size}" * (group_size != GROUP_SIZE[family])
-    src, out = moe_dir(family), _ROOT / name
+    src, out = moe_dir(family), _root() / name
     quantized = _QUANTIZED + ("gate", "shared_expert_gate") * quantize_router
     state = load_file(str(src / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}

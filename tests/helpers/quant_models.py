@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from family_models import PHI3_SPEC, gemma_dir
 from lora_slots import adapter_slots, assert_adapters_matter, assert_slots_spread
+from scratch_dirs import scratch_dir
 from testlib import SPECS
 from tiny_models import TinyModelSpec, tiny_model_dir
 
@@ -72,7 +72,7 @@ _DIRS: dict[str, Path] = {}
 def _root() -> Path:
     global _ROOT
     if _ROOT is None:
-        _ROOT = Path(tempfile.mkdtemp(prefix="loraplex_quant_"))
+        _ROOT = scratch_dir("loraplex_quant_")
     return _ROOT
 
 

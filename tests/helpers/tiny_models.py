@@ -13,10 +13,11 @@ import json
 import math
 import shutil
 import sysconfig
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from scratch_dirs import scratch_dir
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 CHAT_MARKERS: tuple[str, ...] = ("<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
@@ -52,7 +53,7 @@ _CACHE_ROOT: Path | None = None
 def _cache_root() -> Path:
     global _CACHE_ROOT
     if _CACHE_ROOT is None:
-        _CACHE_ROOT = Path(tempfile.mkdtemp(prefix="loraplex_tiny_"))
+        _CACHE_ROOT = scratch_dir("loraplex_tiny_")
     return _CACHE_ROOT
 
 

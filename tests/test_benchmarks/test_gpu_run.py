@@ -57,12 +57,18 @@ def test_dry_run_writes_the_table_with_every_row(tmp_path: Path) -> None:
     """The whole dry run (CPU, tiny model; 26-43 s on 2 shared cores, ~25 s of CPU): every stage ok, the json and
     markdown table written, every expected figure present, each parsed from the stage's own files (nothing
     unreadable) and none reported as a GPU figure."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    temp = tmp_path / "temp"      # the run's temp folder: every stage's folders are gone at its end
+    temp.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(temp)}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_run.py"), "--dry-run", "--results",
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # left alone: the caches torch and pytest keep per user (the tests stage's pytest rotates its own basetemps)
+    left = [p.name for p in temp.iterdir() if not p.name.startswith(("torchinductor_", "pytest-of-"))]
+    assert not left, left
     [table] = tmp_path.glob("gpu_*_dry.json")
     data = json.loads(table.read_text())
     assert data["dry_run"] and set(data["stages"].values()) == {"ok"}, data["stages"]

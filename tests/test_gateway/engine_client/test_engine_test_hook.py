@@ -8,6 +8,7 @@ found without importing it."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,8 +67,13 @@ def _start(env_tests_dir: bool) -> subprocess.Popen[str]:
 
 
 def _stop(proc: subprocess.Popen[str]) -> str:
+    """Ctrl-C first, as ServerProcess.stop does: a killed server leaves its engine's socket folder in /tmp."""
     if proc.poll() is None:
-        proc.kill()
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
     out, _ = proc.communicate(timeout=30)
     return out
 
