@@ -78,24 +78,23 @@ class EngineClient:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="loraplex_engine_")
-        in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        self._ctx = zmq.Context()
-        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._push.bind(in_addr)
-        self._pull.bind(out_addr)
-        self._push.setsockopt(zmq.LINGER, 0)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=proc.main, args=(self.config, in_addr, out_addr, self.log_level),
-                                 name="loraplex-engine-core", daemon=False)   # its TP workers are its children
-        self._proc.start()
-        try:   # the tokenizer here while the engine process imports and loads the model
+        try:   # whatever fails or is interrupted (Ctrl-C) from here on leaves no process, socket or folder
+            in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+            self._ctx = zmq.Context()
+            self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+            self._push.bind(in_addr)
+            self._pull.bind(out_addr)
+            self._push.setsockopt(zmq.LINGER, 0)
+            ctx = multiprocessing.get_context("spawn")
+            self._proc = ctx.Process(target=proc.main, args=(self.config, in_addr, out_addr, self.log_level),
+                                     name="loraplex-engine-core", daemon=False)   # its TP workers are its children
+            self._proc.start()
+            # the tokenizer here while the engine process imports and loads the model
             self._tokenizer = load_model_tokenizer(self.config)
+            self._thread.start()
         except BaseException:
-            self._proc.kill()
-            self._proc.join(5.0)
-            self._close_sockets()
+            self.shutdown(timeout=0.0)
             raise
-        self._thread.start()
 
     def wait_started(self, timeout_s: float = 3600.0) -> None:
         """Blocks until the engine process has loaded the model; raises its load error (bad files: exit 1)."""
@@ -110,23 +109,28 @@ class EngineClient:
             raise error if isinstance(error, (FileNotFoundError, ValueError, OSError)) else OSError(str(error))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self._proc is None:
-            return
-        if self._proc.is_alive():
-            self._send(EngineInput([], [], [Command(-1, "shutdown", dumps(()))]))
-            self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(2.0)
+        """Stops the engine process (asked, then killed after `timeout` s), the receiving thread, the sockets, and
+        removes their folder; safe at any point of `start` (Ctrl-C while the model loads) and more than once."""
+        if self._proc is not None and self._proc.pid is not None:
+            if self._proc.is_alive() and timeout > 0:
+                self._send(EngineInput([], [], [Command(-1, "shutdown", dumps(()))]))
+                self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(2.0)
         self._stop = True
-        self._thread.join(2.0)
+        if self._thread.ident is not None:
+            self._thread.join(2.0)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        self._push.close(0)
-        self._pull.close(0)
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)   # the two ipc sockets' folder: one per start, never reused
+        for sock in (getattr(self, "_push", None), getattr(self, "_pull", None)):
+            if sock is not None:
+                sock.close(0)
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
+        if getattr(self, "_dir", None) is not None:   # the two ipc sockets' folder: one per start, never reused
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- model, tokenizer, grammar, adapters (after `wait_started`) -------------------------------
     @property

@@ -33,8 +33,12 @@ def _start_engine(config: ServerConfig, log_level: str = "warning") -> ServingEn
     if config.engine_process:   # the engine core in its own process, fed over ZMQ (gateway/engine_client/client.py)
         client = EngineClient(config.engine, log_level, on_warmup_progress=WarmupPrinter(),
                               on_ready=print_ready)
-        client.start()
-        client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
+        try:
+            client.start()
+            client.wait_started()   # the engine reports its KV pool once the model is loaded (before its warm-up)
+        except BaseException:   # Ctrl-C while the model loads: the engine process and its sockets' folder go too
+            client.shutdown()
+            raise
         return client
 
     # built on the loop's thread, as the engine process builds on its engine thread: one OpenMP team (docs/cpu.md)

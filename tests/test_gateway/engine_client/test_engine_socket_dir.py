@@ -41,3 +41,39 @@ def test_a_failed_start_removes_the_socket_folder(tmp_path: Path, monkeypatch: p
         client.start()   # the tokenizer of a missing model fails here, in the API process
         client.wait_started()
     assert _socket_dirs(tmp_path) == []
+
+
+def test_ctrl_c_while_the_model_loads_leaves_no_folder_and_no_engine(tmp_path: Path) -> None:
+    """`loraplex serve` interrupted after its engine client started and before the engine reported its model:
+    the client is shut down on the way out (its folder stayed in /tmp, found by the suite's temp-folder audit)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from gateway_server import free_ports, loraplex_command, tiny_model
+    from process_tree import descendants
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    (port,) = free_ports(1)
+    cmd = [*loraplex_command(), "serve", "--model", str(tiny_model(tmp_path / "model")), "--port", str(port),
+           "--device", "cpu", "--dtype", "float32"]
+    env = dict(os.environ, TMPDIR=str(scratch), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"))
+    try:
+        deadline = time.monotonic() + 60
+        while not _socket_dirs(scratch):   # the client has started; the engine process is loading
+            assert proc.poll() is None and time.monotonic() < deadline, "the server never started its engine"
+            time.sleep(0.02)
+        engines = [p for p in descendants(proc.pid) if p != proc.pid]
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)   # 130: interrupted
+        assert rc in (130, 0, 1), rc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _socket_dirs(scratch) == [], (rc, (tmp_path / "err.txt").read_text()[-3000:])
+    time.sleep(0.5)
+    assert not [p for p in engines if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()]
