@@ -213,7 +213,7 @@ def test_stream_function_call_events(client: "openai.OpenAI") -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
