@@ -55,7 +55,8 @@ def response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     # and schema-less json_schema are not the Responses API's); `strict` and `description` are checked as chat's
     for key in ("name", "schema"):
         if key not in fmt:
-            raise invalid(f"missing required parameter: text.format.{key}", param=f"text.format.{key}")
+            raise invalid(f"Missing required parameter: 'text.format.{key}'.", param=f"text.format.{key}",
+                          code="missing_required_parameter")   # OpenAI's words and code
     name = fmt["name"]
     if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
         raise invalid("text.format.name must be a string of at most 64 characters a-z, A-Z, 0-9, _ or -",
@@ -93,7 +94,7 @@ def reasoning_effort(reasoning: Optional[dict[str, Any]]) -> Optional[str]:
         if key != "effort" and value is not None:
             raise invalid(f"reasoning.{key} is not supported: this server has no reasoning summarizer (with "
                           f"--reasoning-parser the reasoning text is returned whole, as a reasoning item's content)",
-                          param=f"reasoning.{key}")
+                          param=f"reasoning.{key}", code="unsupported_parameter")
     effort = reasoning.get("effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning.effort")
@@ -122,4 +123,5 @@ def check_reasoning_effort(source: Any, tokenizer: Any) -> None:
     if not any(isinstance(t, str) and _reads_effort(t) for t in templates):
         raise invalid("reasoning.effort is not supported with this model: it is passed to the chat template as "
                       "`reasoning_effort` (as vLLM does), and this model's chat template does not read it, so the "
-                      "effort would change nothing. Leave reasoning.effort unset.", param="reasoning.effort")
+                      "effort would change nothing. Leave reasoning.effort unset.", param="reasoning.effort",
+                      code="unsupported_parameter")

@@ -224,6 +224,14 @@ def test_unsupported_is_400_naming_the_field(http: httpx.Client, body: dict[str,
     assert error["param"] == param, error
 
 
+def test_reasoning_effort_400_says_why(http: httpx.Client) -> None:
+    """This server's chat template does not read `reasoning_effort` (the variable vLLM renders reasoning.effort as):
+    the 400 says so, with OpenAI's code for a parameter the model does not support."""
+    error = post(http, "/v1/responses", 400, input="hi", reasoning={"effort": "high", "summary": None})["error"]
+    assert error["param"] == "reasoning.effort" and error["code"] == "unsupported_parameter", error
+    assert "chat template" in error["message"] and "reasoning_effort" in error["message"], error
+
+
 ANSWER_BACK = [{"role": "user", "content": "weather?"},
                {"id": "rs_1", "summary": [], "type": "reasoning", "content": [{"text": "hm", "type": "reasoning_text"}],
                 "status": "completed"},

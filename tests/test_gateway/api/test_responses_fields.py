@@ -70,6 +70,8 @@ def test_json_schema_format_keys_as_openai(http: httpx.Client, fmt: dict[str, An
     without a name ran under the chat shape's default name, one without a schema ran unconstrained."""
     error = post(http, 400, text={"format": fmt})["error"]
     assert error["param"] == param, error
+    if param.rsplit(".", 1)[1] not in fmt:   # OpenAI's words for a missing key
+        assert error["code"] == "missing_required_parameter" and f"'{param}'" in error["message"], error
     assert "response_format" not in error["message"] and "json_schema." not in error["message"], error
 
 
