@@ -38,8 +38,11 @@ def response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """`text.format` -> the chat `response_format` (the grammar checks the schema itself)."""
     if text is None:
         return None
-    if set(text) - {"format"}:
-        raise invalid(f"unknown field(s) in text: {sorted(set(text) - {'format'})}", param="text")
+    if set(text) - {"format", "verbosity"}:
+        raise invalid(f"unknown field(s) in text: {sorted(set(text) - {'format', 'verbosity'})}", param="text")
+    if text.get("verbosity") is not None:   # the SDK's ResponseTextConfig key: nothing here can steer it
+        raise invalid("text.verbosity is not supported: no model served here takes a verbosity setting",
+                      param="text.verbosity", code="unsupported_parameter")
     fmt = text.get("format")
     if fmt is None:
         return None

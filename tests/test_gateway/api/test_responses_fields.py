@@ -75,6 +75,14 @@ def test_json_schema_format_keys_as_openai(http: httpx.Client, fmt: dict[str, An
     assert "response_format" not in error["message"] and "json_schema." not in error["message"], error
 
 
+def test_text_verbosity_is_named(http: httpx.Client) -> None:
+    """`text.verbosity` (the SDK's ResponseTextConfig key) was a 400 naming only `text`: it names the key now, and
+    a null one (absent) is accepted."""
+    error = post(http, 400, text={"verbosity": "low"})["error"]
+    assert error["param"] == "text.verbosity", error
+    assert post(http, text={"format": {"type": "text"}, "verbosity": None}, max_output_tokens=1)["status"]
+
+
 def test_json_schema_format_optional_keys(client: "openai.OpenAI") -> None:
     """`description` and a null `strict` stay accepted (the SDK's optional keys)."""
     fmt = {**FMT, "description": "a person", "strict": None}
