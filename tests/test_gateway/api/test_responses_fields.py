@@ -194,3 +194,20 @@ def test_logprobs_of_the_text_before_a_call() -> None:
     assert [lp["token"] for lp in text_logprobs(r, "Hi. ", texts)] == list("Hi. ")
     assert len(text_logprobs(r, output, texts)) == len(output)
     assert text_logprobs(r, "Hi. ", None) is None
+
+
+def test_openapi_describes_the_served_fields(http: httpx.Client) -> None:
+    """/openapi.json's ResponsesRequest bounds what the server bounds: the one include value, top_logprobs 0-20,
+    no reasoning summary (a body the schema rejects gets a 400: tests/test_gateway/api/test_fuzz_bodies.py)."""
+    import jsonschema
+
+    doc = http.get("/openapi.json").json()
+    schema = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ResponsesRequest",
+                                              "components": doc["components"]})
+    ok = {"model": "tiny", "input": INPUT, "include": ["message.output_text.logprobs"], "top_logprobs": 20,
+          "reasoning": {"effort": "low", "summary": None}}
+    assert schema.is_valid(ok)
+    for bad in ({"include": ["reasoning.encrypted_content"]}, {"top_logprobs": 21}, {"top_logprobs": -1},
+                {"reasoning": {"summary": "auto"}}, {"reasoning": {"effort": "extreme"}}):
+        assert not schema.is_valid({**ok, **bad}), bad
+        assert http.post("/v1/responses", json={**ok, **bad}).status_code == 400, bad
