@@ -127,6 +127,17 @@ def test_streamed_logprobs_on_the_text_events(http: httpx.Client, client: "opena
     assert first["logprobs"] and "bytes" not in first["logprobs"][0], first
 
 
+def test_output_with_logprobs_goes_back_as_input(client: "openai.OpenAI") -> None:
+    """`input += response.output` with logprobs on its output_text parts is the conversation it was."""
+    first = client.responses.create(model="tiny", input=INPUT, max_output_tokens=3, top_logprobs=2,
+                                    include=["message.output_text.logprobs"])
+    assert first.output[0].content[0].logprobs
+    history = [{"role": "user", "content": INPUT}, *[o.model_dump(exclude_none=True) for o in first.output],
+               {"role": "user", "content": "Another."}]
+    again = client.responses.create(model="tiny", input=history, max_output_tokens=2)
+    assert again.usage.input_tokens > first.usage.input_tokens
+
+
 def test_include_alone_and_top_logprobs_alone(http: httpx.Client) -> None:
     """The include value turns logprobs on (no alternatives without top_logprobs); top_logprobs alone asks for
     none, as OpenAI and vLLM answer it, and is echoed."""
