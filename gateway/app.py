@@ -54,6 +54,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes.probes import probe_routes
 from gateway.outputs.responses import chat_body, completion_body
 from gateway.routes.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
+from gateway.routes.responses_fields import check_reasoning_effort
 from gateway.routes.responses_stream import bind_responses
 from gateway.inputs.sampling_defaults import RequestDefaults
 from gateway.server.state import GatewayState
@@ -136,6 +137,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
     params = kind.params(body, state.defaults)
+    if isinstance(body, ResponsesChatRequest):   # reasoning.effort: a template variable this model's template reads
+        check_reasoning_effort(body.source, state.encoder.tokenizer)
     aeng = state.aeng
     tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):

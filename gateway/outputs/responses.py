@@ -28,6 +28,10 @@ class TokenTexts:
     def _decode(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of several tokens together (as the output wrote them)."""
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+
     def _chat_token(self, token_id: int) -> tuple[str, list[int]]:
         """`bytes` are the token's own bytes, as OpenAI answers them: a token holding part of a character decodes
         to U+FFFD, whose UTF-8 is not what it holds (the parts of a character, joined, decode to it)."""

@@ -111,8 +111,11 @@ class ReasoningRequest:
         def body(request_id: str, created: int, model: str, results: list[ChoiceResult], usage_: dict[str, Any],
                  texts: Any) -> dict[str, Any]:
             (r,) = results
-            reasoning, content = split_output(self.splitter(r.index), r.text, r.token_ids)
-            out = inner(request_id, created, model, [dataclasses.replace(r, text=content or "")],
+            splitter = self.splitter(r.index)
+            reasoning, content = split_output(splitter, r.text, r.token_ids)
+            # the message's logprobs are its own tokens': the reasoning's (counted by the split) are not
+            rest = r.logprobs[splitter.num_reasoning_tokens:]
+            out = inner(request_id, created, model, [dataclasses.replace(r, text=content or "", logprobs=rest)],
                         self.add_usage(usage_), texts)
             if reasoning:
                 out["output"].insert(0, reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning))

@@ -13,6 +13,7 @@ from core.sampling.params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_CACHE_S
                                   MAX_STOP_CHARS, MAX_STOP_STRINGS)
 from gateway.protocol import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_TOKEN_IDS, ChatCompletionRequest, CompletionRequest
 from gateway.routes.responses_api import MAX_METADATA, ResponsesRequest
+from gateway.routes.responses_fields import LOGPROBS_INCLUDE, MAX_TOP_LOGPROBS, REASONING_EFFORTS
 from gateway.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -183,8 +184,14 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
     schemas: dict[str, Any] = dict(defs["$defs"])
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name] = _narrow(schemas[name])
-    schemas["ResponsesRequest"]["properties"]["metadata"] = {   # pydantic writes a dict's max_length as maxLength
+    responses = schemas["ResponsesRequest"]["properties"]
+    responses["metadata"] = {   # pydantic writes a dict's max_length as maxLength
         "anyOf": [{"type": "object", "maxProperties": MAX_METADATA, "additionalProperties": {"type": "string"}}, _NULL]}
+    # gateway/routes/responses_fields.py: the one include value served, OpenAI's top_logprobs bound, no summary
+    responses["include"] = {"anyOf": [{"type": "array", "maxItems": 16, "items": {"const": LOGPROBS_INCLUDE}}, _NULL]}
+    responses["top_logprobs"] = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, _NULL]}
+    responses["reasoning"] = {"anyOf": [{"type": "object", "additionalProperties": False, "properties": {
+        "effort": {"enum": [*REASONING_EFFORTS, None]}, "summary": _NULL, "generate_summary": _NULL}}, _NULL]}
     # completions: max_tokens 0 only with echo (the prompt scored, nothing generated) and no max_completion_tokens
     completion = schemas["CompletionRequest"]
     completion["properties"]["max_tokens"] = {"anyOf": [{"type": "integer", "minimum": 0}, _NULL]}

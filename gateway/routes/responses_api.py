@@ -9,7 +9,7 @@ shaped as a Response object or its event stream (gateway/routes/responses_stream
     max_output_tokens, temperature, top_p, stream, metadata, user, parallel_tool_calls
     tools            `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`
     tool_choice      "none" | "auto" | "required" | {"type": "function", "name"}
-    text.format      {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", ...}
+    text.format, include, top_logprobs, reasoning: gateway/routes/responses_fields.py
 `store: true` and `previous_response_id` need server-side state: a 400 naming them. An error raised by the
 chat path underneath names the Responses field (`responses_param`: `tools[0].name`, `text.format.schema`,
 `input[2].arguments`), never a field of the chat shape the client did not send.
@@ -24,6 +24,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 from gateway.errors import APIError, from_exception, invalid
 from gateway.protocol import (MAX_MESSAGES, PART_SEPARATOR, ChatCompletionRequest, ToolList, _Strict, bounded,
                               check_count, check_message_parts)
+from gateway.routes.responses_fields import logprob_fields, reasoning_effort, response_format
 
 
 MAX_METADATA = 16   # metadata key-value pairs (OpenAI's limit)
@@ -49,6 +50,9 @@ class ResponsesRequest(_Strict):
     truncation: Optional[Literal["disabled"]] = None
     seed: Optional[int] = None
     top_k: Optional[int] = None
+    include: Optional[Annotated[list[Any], Field(max_length=16)]] = None
+    top_logprobs: Optional[int] = None
+    reasoning: Optional[dict[str, Any]] = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -239,26 +243,6 @@ def _tools(body: ResponsesRequest) -> tuple[Any, Any]:
     return tools, choice
 
 
-def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """`text.format` -> the chat `response_format` (the grammar checks the schema itself)."""
-    if text is None:
-        return None
-    if set(text) - {"format"}:
-        raise invalid(f"unknown field(s) in text: {sorted(set(text) - {'format'})}", param="text")
-    fmt = text.get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise invalid("text.format.type must be text, json_object or json_schema", param="text.format.type")
-    extra = set(fmt) - ({"type", "name", "schema", "strict", "description"} if fmt["type"] == "json_schema"
-                        else {"type"})
-    if extra:
-        raise invalid(f"unknown field(s) in text.format: {sorted(extra)}", param="text.format")
-    if fmt["type"] != "json_schema":
-        return {"type": fmt["type"]}
-    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-
-
 def chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
     """The chat request a Responses body runs as; 400 naming the Responses field for what is not served."""
     if body.store:
@@ -274,7 +258,11 @@ def chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
         "model": body.model, "messages": _messages(body, origins), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
         "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls, "seed": body.seed,
-        "top_k": body.top_k, "user": body.user, "response_format": _response_format(body.text)}
+        "top_k": body.top_k, "user": body.user, "response_format": response_format(body.text),
+        **logprob_fields(body.include, body.top_logprobs)}
+    effort = reasoning_effort(body.reasoning)
+    if effort is not None:   # as vLLM: a chat template variable (checked against the template at admission)
+        fields["chat_template_kwargs"] = {"reasoning_effort": effort}
     try:
         chat = ResponsesChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
@@ -289,7 +277,8 @@ _TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
 # the chat field -> the Responses field (a prefix, with what follows it kept)
 _RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("tool_choice.function", "tool_choice"), ("max_completion_tokens", "max_output_tokens"),
-            ("max_tokens", "max_output_tokens"), ("messages", "input"), ("prompt", "input"))
+            ("max_tokens", "max_output_tokens"), ("messages", "input"), ("prompt", "input"), ("logprobs", "include"),
+            ("chat_template_kwargs.reasoning_effort", "reasoning.effort"))
 _CALL_FIELDS = ((".function.arguments", ".arguments"), (".function.name", ".name"), (".function", ""),
                 (".id", ".call_id"))
 _TOOL_OUTPUT_FIELDS = ((".tool_call_id", ".call_id"), (".content", ".output"))

@@ -3,7 +3,12 @@
 `response.output_text.delta`, `response.output_text.done`, `response.content_part.done`,
 `response.function_call_arguments.delta` / `.done`, `response.reasoning_text.delta` / `.done` (with
 --reasoning-parser), `response.output_item.done`, `response.completed`, each
-with a `sequence_number`; `error` if the request fails after the headers were sent)."""
+with a `sequence_number`; `error` if the request fails after the headers were sent).
+
+With `include: ["message.output_text.logprobs"]` each output_text part carries the logprobs of the tokens that
+wrote its text (`{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`, the chat route's entries);
+the text events carry them as the SDK's event types define them (no `bytes`): each delta its tokens', the done
+event all. A reasoning item's tokens and a function call's are not the message's."""
 from __future__ import annotations
 
 import json
@@ -12,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from core.engine.outputs import RequestDelta
 from gateway.outputs.generation import ChoiceResult
+from gateway.outputs.responses import TokenTexts, chat_logprobs
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.reasoning.reasoning_output import reasoning_item
 from gateway.routes.responses_api import Origins, ResponsesChatRequest, ResponsesRequest, responses_error
@@ -27,10 +33,36 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
-        else []
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}] \
+        if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def event_logprobs(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output_text logprobs as the text events carry them (the SDK's ResponseTextDeltaEvent.Logprob: no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in logprobs]
+
+
+def text_logprobs(r: ChoiceResult, text: str, texts: TokenTexts | None) -> list[dict[str, Any]] | None:
+    """The logprobs of the tokens that wrote `text`, the start of `r`'s output (the text before a tool call; all
+    of it otherwise); None when they were not asked for."""
+    if texts is None:
+        return None
+    n = len(r.logprobs)
+    if text != r.text:   # content before a call: the fewest tokens whose text covers it
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(texts.decode([e[0] for e in r.logprobs[:mid]])) >= len(text):
+                hi = mid
+            else:
+                lo = mid + 1
+        n = lo
+    return chat_logprobs(r.logprobs[:n], texts)["content"]
 
 
 _PARTS = {"msg": ("output_text", message_item), "rs": ("reasoning_text", reasoning_item)}
@@ -39,6 +71,11 @@ _PARTS = {"msg": ("output_text", message_item), "rs": ("reasoning_text", reasoni
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+
+
+def _reasoning(source: ResponsesRequest) -> dict[str, Any] | None:
+    effort = (source.reasoning or {}).get("effort")
+    return None if effort is None else {"effort": effort, "summary": None}
 
 
 def response_object(request_id: str, created: int, model: str, source: ResponsesRequest,
@@ -55,7 +92,8 @@ def response_object(request_id: str, created: int, model: str, source: Responses
         "temperature": source.temperature, "top_p": source.top_p, "tools": source.tools or [],
         "tool_choice": tool_choice, "parallel_tool_calls": source.parallel_tool_calls is not False,
         "text": {"format": fmt}, "metadata": source.metadata or {}, "previous_response_id": None,
-        "store": False, "truncation": "disabled", "reasoning": None, "user": source.user, "usage": None}
+        "store": False, "truncation": "disabled", "reasoning": _reasoning(source), "user": source.user,
+        "top_logprobs": source.top_logprobs, "usage": None}
     if usage is not None:
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         answer["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
@@ -80,7 +118,8 @@ def responses_body(source: ResponsesRequest, plan: ToolPlan | None) -> Callable[
             content, calls = final_calls(r.text, plan.fmt, truncated=r.finish_reason == "length")
         # a message item only for text, as the stream opens one at its first text delta: an output that is all
         # reasoning (or empty) has none, streamed or not
-        output = [message_item(_item_id("msg"), content)] if content else []
+        output = [message_item(_item_id("msg"), content, logprobs=text_logprobs(r, content, texts))] \
+            if content else []
         output += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in calls]
         return response_object(request_id, created, model, source, output, _status(r.finish_reason),
@@ -110,13 +149,14 @@ class _Events:
         return response_object(info.request_id, info.created, info.model, self.source, list(self.output), status,
                                finish_reason, usage)
 
-    def text(self, delta: str, kind: str = "msg") -> list[bytes]:
-        """Message text (`msg`) or reasoning text (`rs`, which a message or call that follows closes)."""
+    def text(self, delta: str, kind: str = "msg", logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
+        """Message text (`msg`, with its tokens' `logprobs` when asked for) or reasoning text (`rs`, which a
+        message or call that follows closes)."""
         out = self.close_message() if self.message is not None and self.message["kind"] != kind else []
         part_type, item = _PARTS[kind]
         if self.message is None:
             self.message = {"id": _item_id(kind), "index": len(self.output) + len(self.calls), "text": "",
-                            "kind": kind}
+                            "kind": kind, "logprobs": []}
             m = self.message
             out.append(self.event("response.output_item.added", output_index=m["index"],
                                   item=item(m["id"], "", "in_progress")))
@@ -124,7 +164,8 @@ class _Events:
                                   content_index=0, part=self._part(part_type, "")))
         m = self.message
         m["text"] += delta
-        extra = {"logprobs": []} if kind == "msg" else {}
+        m["logprobs"] += logprobs or []
+        extra = {"logprobs": event_logprobs(logprobs or [])} if kind == "msg" else {}
         out.append(self.event(f"response.{part_type}.delta", item_id=m["id"], output_index=m["index"],
                               content_index=0, delta=delta, **extra))
         return out
@@ -140,8 +181,12 @@ class _Events:
         self.message = None
         part_type, make_item = _PARTS[m["kind"]]
         part, item = self._part(part_type, m["text"]), make_item(m["id"], m["text"])
+        extra = {}
+        if m["kind"] == "msg":
+            item = message_item(m["id"], m["text"], logprobs=m["logprobs"])
+            part = item["content"][0]
+            extra = {"logprobs": event_logprobs(m["logprobs"])}
         self.output.append(item)
-        extra = {"logprobs": []} if m["kind"] == "msg" else {}
         return [self.event(f"response.{part_type}.done", item_id=m["id"], output_index=m["index"], content_index=0,
                            text=m["text"], **extra),
                 self.event("response.content_part.done", item_id=m["id"], output_index=m["index"],
@@ -179,6 +224,32 @@ class _Events:
         return out
 
 
+class _Pending:
+    """A stream's logprob entries not yet given to message text (None without logprobs): a reasoning item's tokens
+    (the first `num_reasoning_tokens` of the output, as --reasoning-parser counts them) are dropped, and the
+    tokens a text delta was held back over go with the text once it is sent."""
+
+    def __init__(self, info: StreamInfo) -> None:
+        self.info = info
+        self.seen = 0
+        self.entries: list[tuple[int, Any]] = []
+
+    def add(self, index: int, d: RequestDelta) -> None:
+        if self.info.texts is None:
+            return
+        self.entries += [(self.seen + j, e) for j, e in enumerate(d.new_logprobs)]
+        self.seen += len(d.new_logprobs)
+        if self.info.reasoning is not None:
+            n = self.info.reasoning.splitter(index).num_reasoning_tokens
+            self.entries = [(i, e) for i, e in self.entries if i >= n]
+
+    def take(self) -> list[dict[str, Any]] | None:
+        if self.info.texts is None:
+            return None
+        entries, self.entries = [e for _, e in self.entries], []
+        return chat_logprobs(entries, self.info.texts)["content"]
+
+
 def responses_events(source: ResponsesRequest, plan: ToolPlan | None, origins: Origins | None = None
                      ) -> Callable[[StreamInfo, Deltas], AsyncIterator[bytes]]:
     tooled = plan is not None and plan.constrained
@@ -190,15 +261,18 @@ def responses_events(source: ResponsesRequest, plan: ToolPlan | None, origins: O
             yield ev.event("response.created", response=ev.response("in_progress"))
             yield ev.event("response.in_progress", response=ev.response("in_progress"))
             finish_reason, num_prompt, num_output, num_cached = None, 0, 0, 0
-            async for _, d in deltas:
+            pending = _Pending(info)
+            async for index, d in deltas:
                 num_prompt, num_output, num_cached = d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens
+                pending.add(index, d)
                 for b in ev.text(delta_reasoning(d), "rs") if delta_reasoning(d) else []:
                     yield b
                 delta = stream.step(plan, d.new_text, d.finished)[0] if tooled else {"content": d.new_text}
                 for chunk in ([delta["content"]] if delta.get("content") else []):
-                    for b in ev.text(chunk):
+                    for b in ev.text(chunk, logprobs=pending.take()):
                         yield b
                 for call in delta.get("tool_calls", []):
+                    pending.take()   # the call's tokens: not the message's
                     for b in ev.call(call):
                         yield b
                 if d.finished:

@@ -173,7 +173,12 @@ RESPONSES = {"model": texts, "input": texts | st.lists(st.fixed_dictionaries(
                  optional={"name": texts, "schema": SCHEMAS, "strict": bools})}) | JSON,
              "stream": bools, "store": bools, "previous_response_id": texts,
              "metadata": st.dictionaries(texts, texts, max_size=3) | JSON, "user": texts,
-             "truncation": st.sampled_from(["disabled", "auto"]) | JSON, "seed": ints, "top_k": ints}
+             "truncation": st.sampled_from(["disabled", "auto"]) | JSON, "seed": ints, "top_k": ints,
+             "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", "x"]),
+                                 max_size=3) | JSON, "top_logprobs": ints,
+             "reasoning": st.fixed_dictionaries({}, optional={
+                 "effort": st.sampled_from(["low", "high", "x"]) | JSON,
+                 "summary": st.sampled_from(["auto", "detailed"]) | JSON}) | JSON}
 DETOKENIZE = {"model": texts, "tokens": id_lists | JSON}
 LOAD_ADAPTER = {"lora_name": texts | st.just("tiny"),
                 "lora_path": texts | st.sampled_from(["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000]),
@@ -195,9 +200,10 @@ ROUTES: dict[str, tuple[list[dict[str, Any]], dict[str, st.SearchStrategy[Any]]]
     "/tokenize": ([{"model": "tiny", "prompt": "hi"},
                    {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}], TOKENIZE),
     "/detokenize": ([{"model": "tiny", "tokens": [1, 2]}], DETOKENIZE),
-    "/v1/responses": ([{"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0.5, "top_k": 5},
+    "/v1/responses": ([{"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0.5, "top_k": 5,
+                        "include": ["message.output_text.logprobs"], "top_logprobs": 2},
                        {"model": "tiny", "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3,
-                        "stream": True}], RESPONSES),
+                        "stream": True, "include": ["message.output_text.logprobs"]}], RESPONSES),
     "/v1/load_lora_adapter": ([{"lora_name": "fuzz", "lora_path": "/nonexistent/adapter"}], LOAD_ADAPTER),
     "/v1/unload_lora_adapter": ([{"lora_name": "fuzz"}], UNLOAD_ADAPTER),
 }
@@ -250,6 +256,10 @@ EXTREMES: dict[str, list[Any]] = {
                    for schema in EMPTY_LANGUAGE[:3]], [{"type": "function", "function": {"name": ""}}] * 2]
              + SWEEP_WRONG_TYPES,
     "tool_choice": ["required", "any", {"type": "function", "function": {"name": "missing"}}] + SWEEP_WRONG_TYPES,
+    "include": [[], ["message.output_text.logprobs"] * 17, ["reasoning.encrypted_content"], [""], [None]]
+               + SWEEP_WRONG_TYPES,
+    "reasoning": [{}, {"effort": "high"}, {"effort": None, "summary": None}, {"summary": "auto"}, {"effort": 5},
+                  {"x": 1}] + SWEEP_WRONG_TYPES,
     "lora_name": ["", "tiny", "x" * 5000, "../x", "\x00"] + SWEEP_WRONG_TYPES,
     "lora_path": ["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000, "\x00"] + SWEEP_WRONG_TYPES,
     "load_inplace": [True, False, 0, 1] + SWEEP_WRONG_TYPES,

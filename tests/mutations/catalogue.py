@@ -186,6 +186,23 @@ MUTATIONS: tuple[Mutation, ...] = (
               'if last is not None and last["role"] == "assistant" and "tool_calls" in last and not reasoning:'),),
         ("tests/test_gateway/api/test_responses_api.py::test_message_then_function_call_items_are_one_assistant_turn",)),
     Mutation(
+        "responses-logprobs-keep-reasoning", "a Responses message's logprobs include the reasoning's tokens (and "
+        "`</think>`) under --reasoning-parser",
+        (Edit("gateway/reasoning/reasoning_output.py", "rest = r.logprobs[splitter.num_reasoning_tokens:]",
+              "rest = r.logprobs"),),
+        ("tests/test_gateway/reasoning/test_reasoning.py::test_responses_logprobs_are_the_message_tokens_only",)),
+    Mutation(
+        "responses-stream-logprobs-keep-reasoning", "a streamed Responses message's logprobs include the reasoning's "
+        "tokens under --reasoning-parser",
+        (Edit("gateway/routes/responses_stream.py", "        if self.info.reasoning is not None:\n",
+              "        if False:\n"),),
+        ("tests/test_gateway/reasoning/test_reasoning.py::test_responses_logprobs_are_the_message_tokens_only",)),
+    Mutation(
+        "responses-stream-text-logprobs-dropped", "streamed response.output_text.delta events carry no logprobs",
+        (Edit("gateway/routes/responses_stream.py", "for b in ev.text(chunk, logprobs=pending.take()):",
+              "for b in ev.text(chunk):"),),
+        ("tests/test_gateway/api/test_responses_fields.py::test_streamed_logprobs_on_the_text_events",)),
+    Mutation(
         "sampler-top-p-off", "top_p is ignored (the whole distribution is sampled)",
         (Edit("core/sampling/sampler.py", "need_top_p=any(p.top_p < 1.0 for p in ps)", "need_top_p=False"),),
         ("tests/test_core/sampling/test_sampling.py",)),

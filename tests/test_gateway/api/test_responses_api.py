@@ -213,7 +213,7 @@ def test_stream_function_call_events(client: "openai.OpenAI") -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
@@ -222,6 +222,14 @@ def test_stream_function_call_events(client: "openai.OpenAI") -> None:
 def test_unsupported_is_400_naming_the_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     error = post(http, "/v1/responses", 400, **{"input": "hi", **body})["error"]
     assert error["param"] == param, error
+
+
+def test_reasoning_effort_400_says_why(http: httpx.Client) -> None:
+    """This server's chat template does not read `reasoning_effort` (the variable vLLM renders reasoning.effort as):
+    the 400 says so, with OpenAI's code for a parameter the model does not support."""
+    error = post(http, "/v1/responses", 400, input="hi", reasoning={"effort": "high", "summary": None})["error"]
+    assert error["param"] == "reasoning.effort" and error["code"] == "unsupported_parameter", error
+    assert "chat template" in error["message"] and "reasoning_effort" in error["message"], error
 
 
 ANSWER_BACK = [{"role": "user", "content": "weather?"},

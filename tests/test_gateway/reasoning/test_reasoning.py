@@ -258,3 +258,28 @@ def test_qwen3_template_enable_thinking_false_constrains_from_the_first_token(ht
         assert json.loads(choice["message"]["content"]) in ({"prime": True}, {"prime": False})
     else:
         assert choice["message"]["content"].lstrip().startswith("{")
+
+
+def test_responses_logprobs_are_the_message_tokens_only(http: httpx.Client) -> None:
+    """`include: ["message.output_text.logprobs"]` under a reasoning parser: the output_text part's logprobs are
+    its own tokens', never the reasoning's or the `</think>` tag's (the reasoning item has none), streamed or not."""
+    body = {"model": "tiny", "input": "Is 7 prime?", "max_output_tokens": 32, "temperature": 1.0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    for seed in range(80):   # Responses has no logit_bias: the first seed whose output closes `</think>` and answers
+        out = http.post("/v1/responses", json={**body, "seed": seed}).json()
+        if [o["type"] for o in out["output"]] == ["reasoning", "message"]:
+            break
+    else:
+        raise AssertionError("no seed closed the reasoning")
+    part = out["output"][1]["content"][0]
+    usage = out["usage"]
+    assert len(part["logprobs"]) == usage["output_tokens"] - usage["output_tokens_details"]["reasoning_tokens"] > 0
+    def untagged(text: str) -> str:   # deepseek_r1's tags are special tokens: a logprob names one the text skips
+        return text.replace("<think>", "").replace("</think>", "")
+
+    assert untagged("".join(lp["token"] for lp in part["logprobs"])) == untagged(part["text"])
+    with http.stream("POST", "/v1/responses", json={**body, "seed": seed, "stream": True}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    deltas = [lp["token"] for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert deltas == [lp["token"] for lp in part["logprobs"]]
+    assert events[-1]["response"]["output"][1]["content"][0]["logprobs"] == part["logprobs"]
