@@ -54,6 +54,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes.probes import probe_routes
 from gateway.outputs.responses import chat_body, completion_body
 from gateway.routes.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
+from gateway.inputs.reasoning_effort import check_effort_served
 from gateway.routes.responses_fields import check_reasoning_effort
 from gateway.routes.responses_stream import bind_responses
 from gateway.inputs.sampling_defaults import RequestDefaults
@@ -139,6 +140,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     params = kind.params(body, state.defaults)
     if isinstance(body, ResponsesChatRequest):   # reasoning.effort: a template variable this model's template reads
         check_reasoning_effort(body.source, state.encoder.tokenizer)
+    elif isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None:   # the same, chat's field
+        check_effort_served(state.encoder.tokenizer, "reasoning_effort")
     aeng = state.aeng
     tooled = isinstance(body, ChatCompletionRequest) and uses_tools(body)   # function calling: gateway/tools/tools.py
     if tooled or wants_constraint(body):

@@ -315,4 +315,5 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None   # extra variables for the chat template (vLLM)
     add_generation_prompt: Optional[bool] = None            # default true
     continue_final_message: Optional[bool] = None           # the last assistant message is continued, not closed
+    reasoning_effort: Optional[str] = None   # vLLM/OpenAI: the template variable `reasoning_effort` (where it is read)
     # tools / tool_choice / parallel_tool_calls: validated in gateway/tools/tools.py

@@ -15,6 +15,7 @@ from core.sampling.params import SamplingParams
 from core.scheduling.admission import truncate_prompt
 from gateway.errors import APIError, invalid
 from gateway.inputs.prompt_bound import CharBound, char_bound
+from gateway.inputs.reasoning_effort import VARIABLE, check_effort_value
 from gateway.protocol import ChatMessage, PromptInput
 from gateway.inputs.tokenize_pool import TRIM_AFTER_CHARS, trim_memory_soon
 
@@ -49,7 +50,15 @@ def template_options(body: Any) -> TemplateOptions:
     if continue_final and add_prompt:
         raise invalid("continue_final_message and add_generation_prompt cannot both be true",
                       param="continue_final_message")
-    return TemplateOptions(add_prompt, continue_final, dict(kwargs))
+    kwargs = dict(kwargs)
+    effort = getattr(body, "reasoning_effort", None)   # chat's; the model's template must read it (app.py checks)
+    if effort is not None:
+        check_effort_value(effort, "reasoning_effort")
+        if kwargs.get(VARIABLE, effort) != effort:
+            raise invalid("reasoning_effort and chat_template_kwargs.reasoning_effort disagree; set only one",
+                          param="reasoning_effort")
+        kwargs[VARIABLE] = effort
+    return TemplateOptions(add_prompt, continue_final, kwargs)
 
 
 def context_exceeded(message: str, param: str) -> APIError:

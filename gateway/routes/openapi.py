@@ -13,7 +13,8 @@ from core.sampling.params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_CACHE_S
                                   MAX_STOP_CHARS, MAX_STOP_STRINGS)
 from gateway.protocol import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_TOKEN_IDS, ChatCompletionRequest, CompletionRequest
 from gateway.routes.responses_api import MAX_METADATA, ResponsesRequest
-from gateway.routes.responses_fields import LOGPROBS_INCLUDE, MAX_TOP_LOGPROBS, REASONING_EFFORTS
+from gateway.inputs.reasoning_effort import REASONING_EFFORTS
+from gateway.routes.responses_fields import LOGPROBS_INCLUDE, MAX_TOP_LOGPROBS
 from gateway.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -105,6 +106,7 @@ _NARROWER: dict[str, dict[str, Any]] = {
                                      "items": {"type": "integer", "minimum": 0}}, _NULL]},
     "bad_words": {"anyOf": [{"type": "array", "maxItems": MAX_BAD_WORDS,
                              "items": {"type": "string", "minLength": 1, "maxLength": MAX_BAD_WORD_CHARS}}, _NULL]},
+    "reasoning_effort": {"anyOf": [{"enum": list(REASONING_EFFORTS)}, _NULL]},
     "cache_salt": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}, _NULL]},
     "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": -1, "maximum": 2**31 - 1,
                                           "not": {"const": 0}}, _NULL]},

@@ -10,11 +10,11 @@
 """
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any, Optional
 
 from gateway.errors import invalid
+from gateway.inputs.reasoning_effort import check_effort_served, check_effort_value
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_TOP_LOGPROBS = 20   # OpenAI's bound; the server's --max-logprobs may be lower (the chat path checks it)
@@ -29,7 +29,6 @@ _NOT_SERVED = {
     "web_search_call.action.sources": "built-in tools are not served",
     "code_interpreter_call.outputs": "built-in tools are not served",
 }
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")   # the SDK's ReasoningEffort
 _REASONING_KEYS = {"effort", "summary", "generate_summary"}
 _FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
@@ -99,32 +98,13 @@ def reasoning_effort(reasoning: Optional[dict[str, Any]]) -> Optional[str]:
                           f"--reasoning-parser the reasoning text is returned whole, as a reasoning item's content)",
                           param=f"reasoning.{key}", code="unsupported_parameter")
     effort = reasoning.get("effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning.effort")
+    if effort is not None:
+        check_effort_value(effort, "reasoning.effort")
     return effort
-
-
-@functools.lru_cache(maxsize=8)
-def _reads_effort(template: str) -> bool:
-    """Whether a chat template reads the variable `reasoning_effort` (gpt-oss's and others' templates do)."""
-    import jinja2
-    from jinja2 import meta
-    try:
-        return "reasoning_effort" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateError:
-        return False
 
 
 def check_reasoning_effort(source: Any, tokenizer: Any) -> None:
     """`reasoning.effort` of a Responses body (`source`) is served as vLLM serves it, the chat template variable
-    `reasoning_effort`: a 400 where the model's template never reads it (the effort would change nothing, and is
-    never silently dropped)."""
-    if reasoning_effort(source.reasoning) is None:
-        return
-    template = getattr(tokenizer, "chat_template", None)
-    templates = list(template.values()) if isinstance(template, dict) else [template] if template else []
-    if not any(isinstance(t, str) and _reads_effort(t) for t in templates):
-        raise invalid("reasoning.effort is not supported with this model: it is passed to the chat template as "
-                      "`reasoning_effort` (as vLLM does), and this model's chat template does not read it, so the "
-                      "effort would change nothing. Leave reasoning.effort unset.", param="reasoning.effort",
-                      code="unsupported_parameter")
+    `reasoning_effort`: a 400 where the model's template never reads it (gateway/inputs/reasoning_effort.py)."""
+    if reasoning_effort(source.reasoning) is not None:
+        check_effort_served(tokenizer, "reasoning.effort")

@@ -158,7 +158,8 @@ COMPLETIONS = {**SAMPLING, "prompt": PROMPTS, "logprobs": ints, "echo": bools, "
                "prompt_logprobs": ints}
 CHAT = {**SAMPLING, "messages": MESSAGES, "logprobs": bools, "top_logprobs": ints, "tools": TOOLS,
         "tool_choice": TOOL_CHOICE, "parallel_tool_calls": bools, "chat_template_kwargs": TEMPLATE_KWARGS,
-        "add_generation_prompt": bools, "continue_final_message": bools, "prompt_logprobs": ints}
+        "add_generation_prompt": bools, "continue_final_message": bools, "prompt_logprobs": ints,
+        "reasoning_effort": st.sampled_from(["low", "high", "none", "extreme", ""]) | texts}
 TOKENIZE = {"model": texts, "prompt": texts | JSON, "messages": MESSAGES, "add_special_tokens": bools,
             "add_generation_prompt": bools, "return_token_strs": bools, "continue_final_message": bools,
             "chat_template_kwargs": TEMPLATE_KWARGS}
@@ -241,6 +242,7 @@ EXTREMES: dict[str, list[Any]] = {
     "bad_words": [[""], [" \t"], ["\u200b"], ["\ufeff"], ["x" * 1025], ["w"] * 129, ["def", " f", "(("], ["\x00"]]
                  + SWEEP_WRONG_TYPES,
     "truncate_prompt_tokens": extremes(INTS) + [-1, 0, 1, 2, 63, 64, 65],
+    "reasoning_effort": ["low", "max", "", "HIGH"] + SWEEP_WRONG_TYPES,
     "cache_salt": ["", "a", "x" * 1025, "\x00", "\ud800", "tiny"] + SWEEP_WRONG_TYPES,
     "guided_choice": [[], [""], ["a"] * 1025] + SWEEP_WRONG_TYPES,
     "guided_regex": ["[^\\s\\S]", "[b&&c]", "", "("] + SWEEP_WRONG_TYPES,

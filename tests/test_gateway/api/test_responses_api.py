@@ -230,6 +230,9 @@ def test_reasoning_effort_400_says_why(http: httpx.Client) -> None:
     error = post(http, "/v1/responses", 400, input="hi", reasoning={"effort": "high", "summary": None})["error"]
     assert error["param"] == "reasoning.effort" and error["code"] == "unsupported_parameter", error
     assert "chat template" in error["message"] and "reasoning_effort" in error["message"], error
+    error = post(http, "/v1/chat/completions", 400, messages=[{"role": "user", "content": "hi"}],
+                 reasoning_effort="high")["error"]   # chat's field: the same rule
+    assert error["param"] == "reasoning_effort" and error["code"] == "unsupported_parameter", error
 
 
 ANSWER_BACK = [{"role": "user", "content": "weather?"},

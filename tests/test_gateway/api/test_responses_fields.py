@@ -178,6 +178,24 @@ def test_reasoning_effort_is_the_template_variable(client: "openai.OpenAI") -> N
     assert client.responses.create(model="tiny", input=INPUT, max_output_tokens=1, reasoning={}).reasoning is None
 
 
+def test_chat_reasoning_effort_is_the_template_variable(http: httpx.Client, client: "openai.OpenAI") -> None:
+    """Chat's `reasoning_effort` (OpenAI's and vLLM's field) renders as the same template variable."""
+    messages = [{"role": "user", "content": INPUT}]
+
+    def prompt_tokens(**extra: Any) -> int:
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, **extra)
+        return out.usage.prompt_tokens
+
+    plain, high = prompt_tokens(), prompt_tokens(reasoning_effort="high")
+    assert high > plain
+    assert prompt_tokens(extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}) == high
+    for body, param in (({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                        ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                         "reasoning_effort")):
+        resp = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
 @pytest.mark.parametrize(("reasoning", "param"), [
     ({"effort": "low", "summary": "auto"}, "reasoning.summary"),
     ({"generate_summary": "concise"}, "reasoning.generate_summary"),
