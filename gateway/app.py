@@ -107,7 +107,7 @@ class _Kind:
 
 
 COMPLETION = _Kind(CompletionRequest, "cmpl", completion_sampling_params,
-                   lambda enc, body: enc.completion_prompts(body.prompt), completion_events, completion_body)
+                   lambda enc, body: enc.completion_prompts(body.prompt, body.add_special_tokens is not False), completion_events, completion_body)
 CHAT = _Kind(ChatCompletionRequest, "chatcmpl", chat_sampling_params,
              lambda enc, body: [enc.chat_prompt(body.messages, options=template_options(body))], chat_events,
              chat_body)

@@ -253,6 +253,7 @@ class _SamplingFields(_Strict):
                                   Field(max_length=MAX_BAD_WORDS)]] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache KV shared only among requests with this salt
+    add_special_tokens: Optional[bool] = None   # vLLM's: completions default true; chat: BOS only if the template lacks it
 
     @property
     def include_usage(self) -> bool:

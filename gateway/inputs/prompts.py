@@ -35,6 +35,9 @@ class TemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # the last message stays open: the model continues its text
     kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs: extra template variables
+    # vLLM's add_special_tokens: the tokenizer's specials (BOS) on top of the template's; None: only where the
+    # rendered text does not already start with the BOS
+    add_special_tokens: bool | None = None
 
 
 def template_options(body: Any) -> TemplateOptions:
@@ -58,7 +61,7 @@ def template_options(body: Any) -> TemplateOptions:
             raise invalid("reasoning_effort and chat_template_kwargs.reasoning_effort disagree; set only one",
                           param="reasoning_effort")
         kwargs[VARIABLE] = effort
-    return TemplateOptions(add_prompt, continue_final, kwargs)
+    return TemplateOptions(add_prompt, continue_final, kwargs, getattr(body, "add_special_tokens", None))
 
 
 def context_exceeded(message: str, param: str) -> APIError:
@@ -118,16 +121,17 @@ class PromptEncoder:
             trim_memory_soon()   # the tokenizer's working memory, freed by now, back to the OS
         return ids
 
-    def completion_prompts(self, prompt: PromptInput) -> list[list[int]]:
-        """One list of token ids per prompt (a string, a list of strings, ids, or a list of id lists)."""
+    def completion_prompts(self, prompt: PromptInput, add_special_tokens: bool = True) -> list[list[int]]:
+        """One list of token ids per prompt (a string, a list of strings, ids, or a list of id lists);
+        `add_special_tokens` (vLLM's): the tokenizer's BOS and the like around a text prompt."""
         if isinstance(prompt, str):
-            return [self._check_ids(self.encode_text(prompt), from_text=True)]
+            return [self._check_ids(self.encode_text(prompt, add_special_tokens), from_text=True)]
         if not prompt:
             raise invalid("the prompt is empty", param="prompt")
         first = prompt[0]
         if isinstance(first, str):
             texts = [self.check_chars(p, "prompt") for p in prompt]   # type: ignore[arg-type]  # all, before any encode
-            return [self._check_ids(self.encode_text(p), from_text=True) for p in texts]
+            return [self._check_ids(self.encode_text(p, add_special_tokens), from_text=True) for p in texts]
         if isinstance(first, int):
             return [self._check_ids(list(prompt))]  # type: ignore[arg-type]
         return [self._check_ids(list(p)) for p in prompt]  # type: ignore[union-attr,arg-type]
@@ -160,5 +164,7 @@ class PromptEncoder:
         """The template usually writes the BOS itself: then the tokenizer must not add a second one."""
         text = self.render_chat(messages, conversation, tools, options)
         bos = getattr(self.tokenizer, "bos_token", None)
-        add_special = not (bos and text.startswith(bos))
+        add_special = options.add_special_tokens
+        if add_special is None:
+            add_special = not (bos and text.startswith(bos))
         return self._check_ids(self.encode_text(text, add_special, "messages"), "messages", from_text=True)

@@ -150,7 +150,7 @@ SAMPLING = {
     "guided_whitespace_pattern": WHITESPACE, "include_stop_str_in_output": bools,
     "spaces_between_special_tokens": bools,
     "allowed_token_ids": id_lists, "bad_words": st.lists(texts, max_size=3) | JSON, "truncate_prompt_tokens": ints,
-    "cache_salt": texts,
+    "cache_salt": texts, "add_special_tokens": bools,
 }
 TEMPLATE_KWARGS = (st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x" * 100, ""]),
                                    JSON, max_size=3) | JSON)

@@ -349,3 +349,18 @@ def test_cache_salt_separates_the_prefix_cache(http: httpx.Client) -> None:
     assert cached(cache_salt="globex") == (text, 0)
     assert cached() == (text, 0)
     rejected(http, "/v1/completions", "cache_salt", prompt="x", cache_salt="")
+
+
+def test_add_special_tokens(http: httpx.Client) -> None:
+    """vLLM's `add_special_tokens`: completions add the BOS unless it is false; chat adds it where the template
+    did not write one (this template does not) unless it is false."""
+    def prompt_tokens(path: str, **body: Any) -> int:
+        return post(http, path, max_tokens=1, **body)["usage"]["prompt_tokens"]
+
+    bare = len(post(http, "/tokenize", prompt="def f(", add_special_tokens=False)["tokens"])
+    assert prompt_tokens("/v1/completions", prompt="def f(") == bare + 1
+    assert prompt_tokens("/v1/completions", prompt="def f(", add_special_tokens=True) == bare + 1
+    assert prompt_tokens("/v1/completions", prompt="def f(", add_special_tokens=False) == bare
+    with_bos, _ = rendered(http, messages=USER)
+    assert prompt_tokens("/v1/chat/completions", messages=USER) == len(with_bos)
+    assert prompt_tokens("/v1/chat/completions", messages=USER, add_special_tokens=False) == len(with_bos) - 1
