@@ -140,6 +140,37 @@ class LLM:
             raise RuntimeError("; ".join(errors))
         return results
 
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             lora: str | None | Sequence[str | None] = None,
+             response_format: dict[str, Any] | None | Sequence[dict[str, Any] | None] = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list of them, each
+        rendered with the tokenizer's chat template (the BOS added only where the template does not write it, as
+        the server does), then `generate`d; one output per conversation, in order."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; use generate")
+        extra: dict[str, Any] = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        if continue_final_message:
+            extra["continue_final_message"] = True
+        bos = getattr(self.tokenizer, "bos_token", None)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+                text, add_special_tokens=not (bos and text.startswith(bos)))})
+        return self.generate(prompts, sampling_params, lora, response_format)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (vLLM's name for it)."""
+        return self.tokenizer
+
     def shutdown(self) -> None:
         """Frees what the engine holds (`LLMEngine.shutdown`): device memory, the adapter loader threads, the grammar
         compile workers and the tensor-parallel workers; a second `LLM` can then be built in this process.
