@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 from core.sampling.params import MAX_BAD_WORDS, SamplingParams, SamplingParamsError
 
+MAX_BAD_WORDS_TOKENS = 8192   # a request's bad-word sequences, all their tokens
+
 
 def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
     """The token sequences of `words` (SamplingParamsError naming `bad_words` for one that has none)."""
@@ -30,6 +32,10 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             out.append(spaced)
     assert len(out) <= 2 * MAX_BAD_WORDS
+    num_tokens = sum(len(seq) for seq in out)
+    if num_tokens > MAX_BAD_WORDS_TOKENS:   # each step compares up to this many tokens per request
+        raise SamplingParamsError(f"bad_words tokenize to {num_tokens} tokens (each word as written and after a "
+                                  f"space); at most {MAX_BAD_WORDS_TOKENS} are allowed", "bad_words")
     return tuple(out)
 
 
@@ -41,12 +47,16 @@ def resolve_bad_words(params: SamplingParams, tokenizer: Any) -> SamplingParams:
     return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, tokenizer))
 
 
-def banned_by_bad_words(output_token_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> set[int]:
-    """The tokens that would complete one of `sequences` after `output_token_ids`."""
+def banned_by_bad_words(output_token_ids: Sequence[int], sequences: Sequence[tuple[int, ...]]) -> set[int]:
+    """The tokens that would complete one of `sequences` after `output_token_ids`. Each step costs one comparison
+    per sequence, and at most the sequences' tokens where their last-but-one token was just written (C-speed
+    slices: at most `MAX_BAD_WORDS_TOKENS` per request, bounded at admission)."""
     banned: set[int] = set()
     num_output = len(output_token_ids)
+    last = output_token_ids[-1] if num_output else None
     for seq in sequences:
         n = len(seq) - 1
-        if n == 0 or (n <= num_output and all(output_token_ids[num_output - n + i] == seq[i] for i in range(n))):
-            banned.add(seq[-1])
+        if n == 0 or (seq[n - 1] == last and n <= num_output
+                      and tuple(output_token_ids[num_output - n:]) == seq[:n]):
+            banned.add(seq[n])
     return banned

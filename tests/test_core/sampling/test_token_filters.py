@@ -104,6 +104,17 @@ def test_bad_words_tokenize_bare_and_after_a_space() -> None:
     assert banned_by_bad_words([], ((1, 2), (5,))) == {5}
 
 
+def test_bad_words_tokens_are_bounded(llm: LLM) -> None:
+    """Each step compares a request's bad-word tokens with its output: their total is bounded at admission."""
+    from core.sampling.bad_words import MAX_BAD_WORDS_TOKENS
+
+    words = ["\u00e9\u00e8" * 500] * 16   # about 2,000 tokens a word, twice (as written and after a space)
+    with pytest.raises(SamplingParamsError) as err:
+        llm.generate([encode(PATH, PROMPTS[0])], SamplingParams(max_tokens=2, bad_words=words))
+    assert err.value.param == "bad_words" and str(MAX_BAD_WORDS_TOKENS) in str(err.value)
+    llm.engine.check_integrity()
+
+
 def test_filters_are_identical_with_speculation() -> None:
     prompts = [encode(PATH, p) for p in PROMPTS[:3]]
     free = LLM(str(PATH), dtype="float32", device="cpu", num_kv_blocks=256)
