@@ -185,7 +185,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
                                    for c in children[1:]]
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
-    echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
+    echo = await echo_texts(state.encoder.tokenizer, body, prompts, encoder.cut) if kind is COMPLETION else None
     try:
         max_tokens = admit(aeng, children)
     except RequestRejected as exc:
