@@ -87,3 +87,14 @@ def test_an_allowed_mask_is_not_kept_when_taking_the_slot_fails(monkeypatch: pyt
         state.prepare([_req("a", SamplingParams(allowed_token_ids=[1, 2]), [])])
     state.release("a")   # the request fails: its slot (none) and anything kept for it are released
     state.check_integrity()
+
+
+def test_choices_share_their_parents_filters() -> None:
+    from core.engine.llm import child_params   # noqa: PLC0415
+
+    parent = SamplingParams(n=128, seed=7, allowed_token_ids=list(range(1 << 16)), bad_words_token_ids=((3, 4),))
+    children = [child_params(parent, i) for i in range(parent.n)]
+    assert [c.seed for c in children] == [7 + i for i in range(128)] and {c.n for c in children} == {1}
+    # no choice rebuilds (and re-checks) the parent's id tuples: 128 x 512k ids took 8 s of the event loop
+    assert all(c.allowed_token_ids is parent.allowed_token_ids for c in children)
+    assert all(c.bad_words_token_ids is parent.bad_words_token_ids for c in children)

@@ -314,6 +314,10 @@ def test_allowed_token_ids_and_bad_words(http: httpx.Client, client: "openai.Ope
     rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[])
     rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[-1])
     rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[10**6])
+    # each choice carries its own copy to the engine: many choices of many ids are refused, one is served
+    many = [a] * 300_000
+    rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=many, n=8, max_tokens=1)
+    assert post(http, "/v1/completions", prompt="x", allowed_token_ids=many, max_tokens=2)["choices"][0]["text"] == "aa"
     rejected(http, "/v1/completions", "bad_words", prompt="x", bad_words=["  "])
     rejected(http, "/v1/completions", "bad_words", prompt="x", bad_words=["w"] * 129)
 
