@@ -11,6 +11,7 @@ from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, 
 from core.engine.engine import LLMEngine
 from core.engine.stats import Metric, engine_metrics
 from core.engine.outputs import CompletionOutput, RequestOutput
+from core.sampling.bad_words import resolve_bad_words
 from core.sampling.params import SamplingParams
 from core.scheduling.admission import truncate_prompt
 from core.spec.config import SpeculativeConfig
@@ -101,6 +102,12 @@ class LLM:
         compiled = [self._compile(f) for f in formats]
 
         engine = self.engine
+        # bad_words tokenized once per SamplingParams given, not once per prompt and choice (the engine would)
+        resolved: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in resolved:
+                resolved[id(p)] = resolve_bad_words(p, self.tokenizer)
+        params = [resolved[id(p)] for p in params]
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}
         try:
