@@ -109,7 +109,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "prefix-namespace-shared", "every request uses the base model's prefix-cache namespace (adapters reuse the "
         "base model's KV)",
-        (Edit("core/scheduling/admission.py", 'salted(lora.namespace if lora is not None else "base", params.cache_salt)',
+        (Edit("core/scheduling/admission.py",
+              'salted(lora.namespace if lora is not None else "base", params.cache_salt)',
               'salted("base", params.cache_salt)'),),
         NAMESPACE_TESTS),
     Mutation(
