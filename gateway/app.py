@@ -45,8 +45,8 @@ from gateway.inputs.models import ResolvedModel
 from gateway.routes.openapi import openapi_document
 from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constraint, validators_ready,
                                         wants_constraint)
-from gateway.inputs.params import (chat_sampling_params, check_logprob_entries, check_prompt_logprobs_size,
-                                   completion_sampling_params)
+from gateway.inputs.params import (chat_sampling_params, check_filter_size, check_logprob_entries,
+                                   check_prompt_logprobs_size, completion_sampling_params)
 from gateway.inputs.prompts import PromptEncoder, template_options
 from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
 from gateway.observability.request_log import log_request
@@ -158,6 +158,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
         prompts = await tokenize_pool.run(kind.prompts, encoder, body)
     if params.bad_words:   # vLLM's bad_words as token sequences (core/sampling/bad_words.py)
         params = await tokenize_pool.run(resolve_bad_words, params, state.encoder.tokenizer)
+    check_filter_size(params, len(prompts))   # each choice carries its own copy to the engine
     grammar = await resolve_tool_constraint(body, aeng, plan)
     if plan is not None and plan.keeps_special_tokens and params.skip_special_tokens:
         # Mistral's [TOOL_CALLS] (and v11's [ARGS]) are special tokens: the text keeps them, or the call could not
@@ -185,7 +186,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
                                    for c in children[1:]]
     if state.config.log_requests:
         log_request(request_id, model.name, params, prompts)
-    echo = await echo_texts(state.encoder.tokenizer, body, prompts) if kind is COMPLETION else None
+    echo = await echo_texts(state.encoder.tokenizer, body, prompts, encoder.cut) if kind is COMPLETION else None
     try:
         max_tokens = admit(aeng, children)
     except RequestRejected as exc:

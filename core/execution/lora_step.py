@@ -18,6 +18,7 @@ from adapters.slots.slot_pool import LoRASlotPool
 from core.engine.request import Request
 from core.kv.radix_cache import RadixCache
 from core.models.rope import rope_namespace
+from core.scheduling.admission import salted_prefix
 
 log = logging.getLogger("loraplex.engine")
 MAX_PUMPED = 4096   # waiting requests looked at per step for adapters to load
@@ -90,7 +91,11 @@ class StepAdapters:
         for entry in self.registry.take_released():
             self.pool.unload_adapter(entry.generation_id)
             if self.prefix_cache is not None:
-                for offset in (0, 1):    # KV rotated with the short and with the long rope factors
+                # KV rotated with the short and with the long rope factors, unsalted and under every cache_salt
+                salted = salted_prefix(entry.namespace)
+                for name in [n for n in self.prefix_cache.roots if n.startswith(salted)]:
+                    self.prefix_cache.clear_namespace(name)
+                for offset in (0, 1):
                     self.prefix_cache.clear_namespace(rope_namespace(entry.namespace, offset))
 
     def failed_loads(self, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:

@@ -47,16 +47,23 @@ def resolve_bad_words(params: SamplingParams, tokenizer: Any) -> SamplingParams:
     return dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, tokenizer))
 
 
-def banned_by_bad_words(output_token_ids: Sequence[int], sequences: Sequence[tuple[int, ...]]) -> set[int]:
-    """The tokens that would complete one of `sequences` after `output_token_ids`. Each step costs one comparison
-    per sequence, and at most the sequences' tokens where their last-but-one token was just written (C-speed
-    slices: at most `MAX_BAD_WORDS_TOKENS` per request, bounded at admission)."""
+def banned_by_bad_words(output_token_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> set[int]:
+    """The tokens that would complete one of `sequences` after `output_token_ids`.
+
+    Runs every step for each request with bad words (at most `MAX_BAD_WORDS_TOKENS` tokens in all): a sequence
+    is skipped on its next-to-last token alone, and a longer prefix is compared as one slice (C speed), never
+    token by token in Python, so an output built to match long prefixes costs microseconds, not milliseconds."""
     banned: set[int] = set()
     num_output = len(output_token_ids)
     last = output_token_ids[-1] if num_output else None
+    tail: dict[int, tuple[int, ...]] = {}   # n -> the output's last n tokens
     for seq in sequences:
         n = len(seq) - 1
-        if n == 0 or (seq[n - 1] == last and n <= num_output
-                      and tuple(output_token_ids[num_output - n:]) == seq[:n]):
-            banned.add(seq[n])
+        if n == 0:
+            banned.add(seq[0])
+        elif n <= num_output and seq[n - 1] == last:
+            if n not in tail:
+                tail[n] = tuple(output_token_ids[num_output - n:])
+            if tail[n] == tuple(seq[:n]):
+                banned.add(seq[n])
     return banned

@@ -58,8 +58,7 @@ def _bans(reqs: list[Request], vocab_size: int) -> tuple[list[int], list[int]]:
         if r.num_output_tokens < p.min_tokens:
             check_ids(p.stop_token_ids, vocab_size, "stop_token_ids")
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-        if p.bad_words_token_ids:
-            check_ids([t for w in p.bad_words_token_ids for t in w], vocab_size, "bad_words")
+        if p.bad_words_token_ids:   # (their ids are checked once, when the row's slot is taken: `_slot`)
             banned |= banned_by_bad_words(r.output_token_ids, p.bad_words_token_ids)
         rows += [i] * len(banned)
         tokens += sorted(banned)
@@ -135,15 +134,18 @@ class PenaltyState:
         if slot is None:
             check_ids(req.prompt_token_ids, self.vocab_size, "prompt")
             check_ids([t for t, _ in req.sampling_params.logit_bias], self.vocab_size, "logit_bias")
+            # bad words: checked here, once per request (up to ~250k ids: every step would cost milliseconds)
+            check_ids([t for w in req.sampling_params.bad_words_token_ids for t in w], self.vocab_size, "bad_words")
             allowed = req.sampling_params.allowed_token_ids
             if allowed is not None:
                 check_ids(allowed, self.vocab_size, "allowed_token_ids")
-                mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)             # [V]
-                mask[self._ids(list(allowed))] = True
-                self._allowed[rid] = mask
             if not self._free:
                 self._grow(2 * self.num_slots)
             slot = self._slot_of[rid] = self._free.pop()
+            if allowed is not None:   # (after the slot is owned: `release` frees the mask with it)
+                mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)             # [V]
+                mask[self._ids(list(allowed))] = True
+                self._allowed[rid] = mask
             self._fill(req, slot)
         elif self._num_counted[rid] != len(req.output_token_ids):
             self._fill(req, slot)
@@ -155,10 +157,11 @@ class PenaltyState:
         if faults.ACTIVE:
             faults.hit_any("penalties", reqs)
         live = [bool(r.sampling_params.has_penalties and not r.status.finished) for r in reqs]
+        # the slots first: taking one checks the request's ids (bad words' among them) before any is used
+        slots = [self._slot(r) if on else 0 for r, on in zip(reqs, live)]
         ban_rows, ban_tokens = _bans(reqs, self.vocab_size)
         if not any(live) and not ban_rows:
             return None
-        slots = [self._slot(r) if on else 0 for r, on in zip(reqs, live)]
         allowed = [i for i, (r, on) in enumerate(zip(reqs, live)) if on and r.request_id in self._allowed]
         ps = [r.sampling_params for r in reqs]
         floats = torch.tensor([[p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],

@@ -112,13 +112,18 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_model_len:
     return max_tokens
 
 
+def salted_prefix(namespace: str) -> str:
+    """What every salted namespace of `namespace` starts with (an adapter unload clears them all)."""
+    return f"{namespace}#salt:"
+
+
 def salted(namespace: str, cache_salt: str | None) -> str:
     """A request's prefix-cache namespace with its `cache_salt` (vLLM's): KV is shared only among requests of the
     same adapter load and the same salt, so a tenant that salts its requests cannot learn from time to first
     token whether another's prompt is cached. The salt is hashed: a namespace's name stays short."""
     if cache_salt is None:
         return namespace
-    return f"{namespace}#salt:{hashlib.sha256(cache_salt.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
+    return f"{salted_prefix(namespace)}{hashlib.sha256(cache_salt.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
 
 
 def new_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, max_tokens: int,

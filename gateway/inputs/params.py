@@ -20,6 +20,10 @@ NO_DEFAULTS = RequestDefaults()
 #   max_tokens (a client's `logprobs: true, top_logprobs: 20` without max_tokens on a 128k model is 2.75M);
 #   streamed answers build theirs chunk by chunk and are not bounded here
 MAX_LOGPROB_ENTRIES = 1 << 20
+# allowed_token_ids and bad-word token ids one request carries to the engine, each choice (prompts x n) its own
+# copy: pickled per choice and held per choice in the engine process (512k ids x 128 choices was 320 MB of IPC and
+# ~2 GB of the engine's memory for one request); one choice at the fields' own limits always fits
+MAX_FILTER_IDS = 1 << 21
 MAX_PROMPT_LOGPROB_CONTEXTS = 4
 
 
@@ -151,3 +155,14 @@ def check_prompt_logprobs_size(body: CompletionRequest | ChatCompletionRequest, 
                       f"{'' if copies == 1 else f'n = {copies} x '}(alternatives + 1 = {width})); at most {limit} "
                       f"are returned by one request. Send fewer or shorter prompts, a smaller n or fewer "
                       f"alternatives.", param=param)
+
+
+def check_filter_size(params: SamplingParams, num_prompts: int) -> None:
+    """A 400 when the token filters times the choices exceed MAX_FILTER_IDS (after bad_words are tokenized)."""
+    allowed = len(params.allowed_token_ids or ())
+    bad = sum(len(w) for w in params.bad_words_token_ids)
+    num_choices = num_prompts * params.n
+    if num_choices > 1 and num_choices * (allowed + bad) > MAX_FILTER_IDS:
+        param = "allowed_token_ids" if allowed >= bad else "bad_words"
+        raise invalid(f"{param}: {allowed + bad} token ids for each of {num_choices} choices is more than "
+                      f"{MAX_FILTER_IDS} in all; ask for fewer choices or send fewer ids", param=param)

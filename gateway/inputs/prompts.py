@@ -76,6 +76,7 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         self.bound = char_bound(tokenizer, max_model_len) if max_model_len is not None else CharBound(0, None)
         self.truncation: SamplingParams | None = None   # `truncating`: vLLM's truncate_prompt_tokens
+        self.cut: list[bool] = []   # a truncating copy's: per prompt checked, in order, whether it was cut
 
     def truncating(self, params: SamplingParams) -> "PromptEncoder":
         """This encoder, cutting each prompt to `params.truncate_prompt_tokens` (its last tokens; a text's BOS
@@ -85,6 +86,7 @@ class PromptEncoder:
             return self
         out = copy.copy(self)
         out.truncation = params
+        out.cut = []
         return out
 
     def check_chars(self, text: str, param: str) -> str:
@@ -103,7 +105,9 @@ class PromptEncoder:
             raise invalid("the prompt is empty", param=param)
         if self.truncation is not None:
             bos = getattr(self.tokenizer, "bos_token_id", None) if from_text else None
+            num_ids = len(ids)
             ids = truncate_prompt(ids, self.truncation, self.max_model_len or len(ids), bos)
+            self.cut.append(len(ids) < num_ids)
         if self.max_model_len is not None and len(ids) >= self.max_model_len:
             raise context_exceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} has "

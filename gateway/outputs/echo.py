@@ -6,7 +6,7 @@ Also vLLM's `prompt_logprobs` (the same values, without echo): per choice on com
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from core.engine.interface import Tokenizer
 from core.engine.outputs import RequestDelta, TokenLogprob
@@ -16,16 +16,32 @@ from gateway.protocol import CompletionRequest
 from gateway.outputs.responses import TokenTexts, finite
 
 
-async def echo_texts(tokenizer: Tokenizer, body: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+async def echo_texts(tokenizer: Tokenizer, body: CompletionRequest, prompts: list[list[int]],
+                     cut: Sequence[bool] = ()) -> list[str] | None:
     """The prompt text of each prompt (a string prompt as sent, token ids decoded on a tokenizer thread);
-    None without echo."""
+    None without echo. `cut`: per prompt, whether `truncate_prompt_tokens` cut it: a cut text prompt echoes the
+    text of the tokens that ran (its kept BOS left out, as a text's), the text its prompt logprobs describe."""
     if not body.echo:
         return None
+    texts: list[str | None] = [None] * len(prompts)   # ids: decoded
     if isinstance(body.prompt, str):
-        return [body.prompt]
-    if body.prompt and isinstance(body.prompt[0], str):
-        return list(body.prompt)  # type: ignore[arg-type]
-    return await tokenize_pool.run(lambda: [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts])
+        texts = [body.prompt]
+    elif body.prompt and isinstance(body.prompt[0], str):
+        texts = list(body.prompt)  # type: ignore[arg-type]
+    bos = getattr(tokenizer, "bos_token_id", None)
+
+    def decode(i: int) -> str:
+        ids = prompts[i]
+        if texts[i] is not None and ids and ids[0] == bos:
+            ids = ids[1:]
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    todo = [i for i, t in enumerate(texts) if t is None or (i < len(cut) and cut[i])]
+    if todo:
+        done = await tokenize_pool.run(lambda: [decode(i) for i in todo])
+        for i, text in zip(todo, done):
+            texts[i] = text
+    return texts  # type: ignore[return-value]
 
 
 async def without_generation(deltas: AsyncIterator[tuple[int, RequestDelta]]

@@ -109,9 +109,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "prefix-namespace-shared", "every request uses the base model's prefix-cache namespace (adapters reuse the "
         "base model's KV)",
-        (Edit("core/scheduling/admission.py", 'rope_namespace(lora.namespace if lora is not None else "base", rope_offset)',
-              'rope_namespace("base", rope_offset)'),),
+        (Edit("core/scheduling/admission.py",
+              'salted(lora.namespace if lora is not None else "base", params.cache_salt)',
+              'salted("base", params.cache_salt)'),),
         NAMESPACE_TESTS),
+    Mutation(
+        "prefix-cache-salt-ignored", "cache_salt changes no namespace (salted requests share the unsalted KV)",
+        (Edit("core/scheduling/admission.py", "    if cache_salt is None:\n        return namespace\n",
+              "    return namespace\n"),),
+        ("tests/test_core/kv/test_cache_salt.py",)),
     Mutation(
         "penalty-repetition-inverted", "repetition penalty multiplies positive logits and divides negative ones",
         (Edit("core/sampling/penalties.py", "torch.where(x > 0, x / batch.repetition, x * batch.repetition)",
@@ -123,7 +129,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         PENALTY_TESTS),
     Mutation(
         "penalty-min-tokens-off", "min_tokens bans nothing: EOS and stop tokens can end the output early",
-        (Edit("core/sampling/penalties.py", "        if r.num_output_tokens < p.min_tokens and not r.status.finished:\n",
+        (Edit("core/sampling/penalties.py", "        if r.num_output_tokens < p.min_tokens:\n",
               "        if False:\n"),),
         PENALTY_TESTS),
     Mutation(

@@ -53,3 +53,25 @@ def test_bad_salts_name_the_field(salt: str) -> None:
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams(cache_salt=salt)
     assert err.value.param == "cache_salt"
+
+
+def test_an_adapter_unload_clears_its_salted_namespaces() -> None:
+    from lora_fixtures import adapter_dir   # noqa: PLC0415 - needs peft: imported where used
+
+    llm = LLM(str(PATH), dtype="float32", device="cpu", num_kv_blocks=128)
+    try:
+        llm.engine.load_lora("tenant", str(adapter_dir("llama_gqa", "qv_r4")))
+        prompt = encode(PATH, PROMPTS[2] * 4)
+        for salt in (None, "tenant-a", "tenant-b"):
+            llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt=salt),
+                         lora="tenant")
+        cache = llm.engine.kv.prefix_cache
+        assert cache is not None
+        namespace = llm.engine.resolve_lora("tenant").namespace
+        assert sum(name.startswith(namespace) for name in cache.roots) == 3
+        llm.engine.unload_lora("tenant")
+        llm.engine.step()   # the step releases what the unloaded adapter held: its KV under every salt too
+        assert not [name for name in cache.roots if name.startswith(namespace)]
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.shutdown()

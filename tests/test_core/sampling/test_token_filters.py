@@ -180,3 +180,15 @@ def test_bad_values_name_the_field(kwargs: dict, param: str) -> None:
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+def test_bad_words_are_tokenized_once_per_params(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda text, **kw: (calls.append(text), real(text, **kw))[1])
+    p = SamplingParams(n=4, max_tokens=2, temperature=0.0, bad_words=["foo", "bar"])
+    prompts = [encode(PATH, q) for q in PROMPTS[:3]]
+    calls.clear()
+    llm.generate(prompts, p)   # 3 prompts x 4 choices: the words are tokenized once (bare and spaced), not 12 times
+    assert len(calls) == 4
+    llm.engine.check_integrity()

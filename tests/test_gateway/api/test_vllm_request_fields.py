@@ -314,6 +314,10 @@ def test_allowed_token_ids_and_bad_words(http: httpx.Client, client: "openai.Ope
     rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[])
     rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[-1])
     rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=[10**6])
+    # each choice carries its own copy to the engine: many choices of many ids are refused, one is served
+    many = [a] * 300_000
+    rejected(http, "/v1/completions", "allowed_token_ids", prompt="x", allowed_token_ids=many, n=8, max_tokens=1)
+    assert post(http, "/v1/completions", prompt="x", allowed_token_ids=many, max_tokens=2)["choices"][0]["text"] == "aa"
     rejected(http, "/v1/completions", "bad_words", prompt="x", bad_words=["  "])
     rejected(http, "/v1/completions", "bad_words", prompt="x", bad_words=["w"] * 129)
 
@@ -331,6 +335,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(http: httpx.Client) -> Non
     assert by_ids["usage"]["prompt_tokens"] == 40   # ids as given: their last 40
     tail = post(http, "/v1/completions", prompt=ids[-40:], max_tokens=6, temperature=0.0)
     assert by_ids["choices"][0]["text"] == tail["choices"][0]["text"]
+    # echo shows the prompt that ran (the tokens its prompt logprobs describe), not the text sent
+    echoed = post(http, "/v1/completions", prompt=text, max_tokens=6, temperature=0.0, truncate_prompt_tokens=40,
+                  echo=True, logprobs=0)
+    kept = post(http, "/detokenize", tokens=ids[-39:])["prompt"]
+    assert echoed["choices"][0]["text"] == kept + cut["choices"][0]["text"]
+    assert len(echoed["choices"][0]["logprobs"]["tokens"]) == 40 + 6
+    uncut = post(http, "/v1/completions", prompt="def add(a, b):", max_tokens=2, temperature=0.0, echo=True,
+                 truncate_prompt_tokens=40)   # not cut: the text as sent
+    assert uncut["choices"][0]["text"].startswith("def add(a, b):")
     long_chat = chat(http, messages=[{"role": "user", "content": text}], truncate_prompt_tokens=64)
     assert long_chat["usage"]["prompt_tokens"] == 64
     rejected(http, "/v1/completions", "truncate_prompt_tokens", prompt="x", truncate_prompt_tokens=513)
