@@ -88,7 +88,7 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
         logprobs = None
         if info.texts is not None:
             logprobs = completion_logprobs(entries, info.texts, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            offsets[index] = offsets.get(index, 0) + sum(len(info.texts.text(e[0])) for e in entries)
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": d.finish_reason if d.finished else None, "stop_reason": d.stop_reason}
         if info.token_ids:   # gateway/outputs/token_ids.py
