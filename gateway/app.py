@@ -52,7 +52,7 @@ from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
 from gateway.observability.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes.probes import probe_routes
-from gateway.outputs.responses import chat_body, completion_body
+from gateway.outputs.responses import TokenIdNames, chat_body, completion_body
 from gateway.routes.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
 from gateway.inputs.reasoning_effort import check_effort_served
 from gateway.routes.responses_fields import check_reasoning_effort
@@ -62,6 +62,7 @@ from gateway.server.state import GatewayState
 from gateway.inputs import tokenize_pool
 from gateway.routes.tokenize import tokenize_routes
 from gateway.outputs.streaming import SSEResponse, StreamInfo, chat_events, completion_events
+from gateway.outputs.token_ids import add_token_ids
 from gateway.tools.tool_output import tool_chat_body, tool_chat_events
 from gateway.tools.tools import chat_prompt as tools_chat_prompt
 from gateway.tools.tools import plan_tools, uses_tools
@@ -207,12 +208,15 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None
+    if texts is not None and body.return_tokens_as_token_ids:   # logprob tokens named "token_id:<id>"
+        texts = TokenIdNames(texts)
+    token_ids = bool(body.return_token_ids) and kind.prefix != "resp"   # gateway/outputs/token_ids.py
     merged = merge_children(aeng, children, sources, state.metrics)
     if kind is COMPLETION and body.echo_only:   # the prompt scored, its one generated token dropped
         merged = without_generation(merged)
     if body.stream:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
-                          continuous_usage=body.continuous_usage)
+                          continuous_usage=body.continuous_usage, token_ids=token_ids)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
     results = await collect(children, metered(merged, ctx))   # within the deadline: `_generate`
     num_tokens = sum(len(r.token_ids) for r in results)
@@ -225,6 +229,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
         if kind.prefix != "resp" and body.prompt_logprobs is not None:   # per choice; on chat once, top level
             add = add_prompt_logprobs if kind is COMPLETION else add_chat_prompt_logprobs
             add(answer, results, body.prompt_logprobs, state.texts)
+        if token_ids:
+            add_token_ids(answer, results, children, chat=kind is not COMPLETION)
         return answer
     return JSONResponse(await tokenize_pool.run(build))
 

@@ -254,6 +254,10 @@ class _SamplingFields(_Strict):
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache KV shared only among requests with this salt
     add_special_tokens: Optional[bool] = None   # vLLM's: completions default true; chat: BOS only if the template lacks it
+    # vLLM's: the prompt's and the generated token ids in the answer, logprob tokens named "token_id:<id>"
+    # (gateway/outputs/token_ids.py)
+    return_token_ids: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
 
     @property
     def include_usage(self) -> bool:

@@ -24,6 +24,7 @@ class TokenTexts:
         self._tokenizer = tokenizer
         self.text = functools.lru_cache(maxsize=65536)(self._decode)
         self.chat_token = functools.lru_cache(maxsize=65536)(self._chat_token)
+        self.name = self.text   # how a logprob entry names a token: its text (TokenIdNames: its id)
 
     def _decode(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -40,6 +41,21 @@ class TokenTexts:
         if raw is None or raw.decode("utf-8", "replace") != text:   # not what the text was decoded from
             raw = text.encode("utf-8")
         return text, list(raw)
+
+
+class TokenIdNames(TokenTexts):
+    """vLLM's `return_tokens_as_token_ids`: logprob entries name each token `token_id:<id>` (a byte of a character
+    cut in two is then told from another); texts (completions' `text_offset`) and chat `bytes` stay the token's
+    own. Shares the caches of the server's TokenTexts."""
+
+    def __init__(self, texts: TokenTexts) -> None:   # noqa: super().__init__ would build new caches
+        self._tokenizer, self.text, self._pair = texts._tokenizer, texts.text, texts.chat_token
+
+    def name(self, token_id: int) -> str:  # type: ignore[override]
+        return f"token_id:{token_id}"
+
+    def chat_token(self, token_id: int) -> tuple[str, list[int]]:  # type: ignore[override]
+        return self.name(token_id), self._pair(token_id)[1]
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -86,7 +102,7 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
     text_offset: list[int] = []
     for token_id, logprob, alternatives in entries:
         text = texts.text(token_id)
-        tokens.append(text)
+        tokens.append(texts.name(token_id))
         text_offset.append(offset)
         offset += len(text)
         if logprob is None:                    # an echoed prompt's first token: nothing predicts it
@@ -94,9 +110,9 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
             top_logprobs.append(None)
             continue
         token_logprobs.append(finite(logprob))
-        top = {text: finite(logprob)}          # distinct ids may share a text: the first (best) one wins
+        top = {tokens[-1]: finite(logprob)}    # distinct ids may share a text: the first (best) one wins
         for alt, alt_lp in alternatives:
-            top.setdefault(texts.text(alt), finite(alt_lp))
+            top.setdefault(texts.name(alt), finite(alt_lp))
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
@@ -117,10 +133,12 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[st
 
 def completion_body(request_id: str, created: int, model: str, results: list[ChoiceResult],
                     usage: dict[str, int], texts: TokenTexts | None) -> dict[str, Any]:
-    """vLLM's shape: each choice's `prompt_logprobs` is null unless the request asked (gateway/outputs/echo.py)."""
+    """vLLM's shape: each choice's `prompt_logprobs` (gateway/outputs/echo.py), `prompt_token_ids` and `token_ids`
+    (gateway/outputs/token_ids.py) are null unless the request asked."""
     choices = [{"index": r.index, "text": r.text,
                 "logprobs": completion_logprobs(r.logprobs, texts) if texts is not None else None,
-                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason, "prompt_logprobs": None}
+                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason, "prompt_logprobs": None,
+                "prompt_token_ids": None, "token_ids": None}
                for r in results]
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage, "system_fingerprint": None}
@@ -128,12 +146,14 @@ def completion_body(request_id: str, created: int, model: str, results: list[Cho
 
 def chat_body(request_id: str, created: int, model: str, results: list[ChoiceResult],
               usage: dict[str, int], texts: TokenTexts | None) -> dict[str, Any]:
-    """vLLM's shape: the top-level `prompt_logprobs` is null unless the request asked (gateway/outputs/echo.py)."""
+    """vLLM's shape: the top-level `prompt_logprobs` and `prompt_token_ids`, and each choice's `token_ids`, are null
+    unless the request asked (gateway/outputs/echo.py, token_ids.py)."""
     choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text, "refusal": None},
                 "logprobs": chat_logprobs(r.logprobs, texts) if texts is not None else None,
-                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for r in results]
+                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason, "token_ids": None} for r in results]
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage, "system_fingerprint": None, "prompt_logprobs": None}
+            "choices": choices, "usage": usage, "system_fingerprint": None, "prompt_logprobs": None,
+            "prompt_token_ids": None}
 
 
 def completion_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]],

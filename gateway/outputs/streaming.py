@@ -37,6 +37,15 @@ class StreamInfo:
     echo: list[str] | None = None   # completions echo: the text of each prompt (gateway/outputs/echo.py)
     reasoning: Any = None           # --reasoning-parser: the request's ReasoningRequest (reasoning_output.py)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: `usage` on every chunk
+    token_ids: bool = False         # return_token_ids: each chunk's new ids, the prompt's on a choice's first
+
+    def sends(self, d: RequestDelta) -> bool:
+        """Whether a delta with nothing else to send still gets its chunk: its tokens are counted (continuous
+        usage) or listed (`token_ids`), even while their text is held back (part of a character, a stop string)."""
+        return bool(d.new_token_ids) and (self.continuous_usage or self.token_ids)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        return list(next(c for c in self.children if c.index == index).prompt_token_ids)
 
     def running_usage(self, index: int, num_output_tokens: int) -> dict[str, Any] | None:
         """vLLM's continuous usage of choice `index` (its prompt, its tokens so far); None when not asked for."""
@@ -65,6 +74,7 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
     cached: dict[int, int] = {}
     offsets: dict[int, int] = {}
     children = {c.index: c for c in info.children}
+    prompted: set[int] = set()   # choices whose prompt_token_ids were sent
     async for index, d in deltas:
         text, entries = d.new_text, d.new_logprobs
         if info.echo is not None and index not in outputs:   # the first chunk of a choice carries the prompt
@@ -73,14 +83,19 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
         outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
         # with continuous usage, a token whose text is still pending (part of a character, a held-back stop
         # string) gets its chunk too: the count is what the client reads
-        if not (text or d.finished or entries or (info.continuous_usage and d.new_token_ids)):
+        if not (text or d.finished or entries or info.sends(d)):
             continue
         logprobs = None
         if info.texts is not None:
             logprobs = completion_logprobs(entries, info.texts, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            offsets[index] = offsets.get(index, 0) + sum(len(info.texts.text(e[0])) for e in entries)
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": d.finish_reason if d.finished else None, "stop_reason": d.stop_reason}
+        if info.token_ids:   # gateway/outputs/token_ids.py
+            if index not in prompted:
+                prompted.add(index)
+                choice["prompt_token_ids"] = info.prompt_ids(index)
+            choice["token_ids"] = list(d.new_token_ids)
         yield sse(completion_chunk(info.request_id, info.created, info.model, [choice],
                                    info.running_usage(index, d.num_output_tokens)))
     if info.include_usage:
@@ -93,12 +108,12 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
     for child in info.children:
         role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
-        yield sse(chat_chunk(info.request_id, info.created, info.model, [role], info.running_usage(child.index, 0)))
+        yield sse(role_chunk(info, role))
     cached: dict[int, int] = {}
     async for index, d in deltas:
         outputs[index], cached[index] = d.num_output_tokens, d.num_cached_tokens
         reasoning = delta_reasoning(d)
-        if not (d.new_text or reasoning or d.finished or d.new_logprobs or (info.continuous_usage and d.new_token_ids)):
+        if not (d.new_text or reasoning or d.finished or d.new_logprobs or info.sends(d)):
             continue
         delta = {"reasoning_content": reasoning} if reasoning else {}
         if d.new_text:
@@ -106,11 +121,22 @@ async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, Reques
         choice = {"index": index, "delta": delta,
                   "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
                   "finish_reason": d.finish_reason if d.finished else None, "stop_reason": d.stop_reason}
+        if info.token_ids:
+            choice["token_ids"] = list(d.new_token_ids)
         yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
                              info.running_usage(index, d.num_output_tokens)))
     if info.include_usage:
         yield sse(chat_chunk(info.request_id, info.created, info.model, [], add_reasoning_usage(
             info.reasoning, usage(info.children, sum(outputs.values()), cached))))
+
+
+def role_chunk(info: StreamInfo, role: dict[str, Any]) -> dict[str, Any]:
+    """A chat choice's first chunk (its role); with `return_token_ids` it carries the prompt's ids (vLLM's place:
+    the chunk's top level, on the first chunk of each choice)."""
+    chunk = chat_chunk(info.request_id, info.created, info.model, [role], info.running_usage(role["index"], 0))
+    if info.token_ids:
+        chunk["prompt_token_ids"] = info.prompt_ids(role["index"])
+    return chunk
 
 
 def completion_events(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:

@@ -19,6 +19,7 @@ from gateway.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, Toke
 
 REF = "#/components/schemas/{model}"
 _NULLABLE_STR = {"type": ["string", "null"]}
+_NULL = {"type": "null"}
 
 _ERROR = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -35,6 +36,8 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
 _FINISH = {"enum": ["stop", "length", None]}
 _CHAT_FINISH = {"enum": ["stop", "length", "tool_calls", None]}   # tool_calls: a chat answer with tools
 _STOP_REASON = {"type": ["string", "integer", "null"]}   # vLLM's: the stop string or stop token id that matched
+# vLLM's `return_token_ids`: a prompt's or a choice's ids, null unless asked (gateway/outputs/token_ids.py)
+_IDS = {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}}, _NULL]}
 _COMPLETION = {
     "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
     "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
@@ -42,16 +45,18 @@ _COMPLETION = {
                    "choices": {"type": "array", "items": {
                        "type": "object", "required": ["index", "text", "finish_reason"],
                        "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                      "finish_reason": _FINISH, "stop_reason": _STOP_REASON}}}},
+                                      "finish_reason": _FINISH, "stop_reason": _STOP_REASON,
+                                      "prompt_token_ids": _IDS, "token_ids": _IDS}}}},
 }
 _CHAT = {
     "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
     "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
                    "model": {"type": "string"}, "usage": {"$ref": "#/components/schemas/Usage"},
+                   "prompt_token_ids": _IDS,
                    "choices": {"type": "array", "items": {
                        "type": "object", "required": ["index", "message", "finish_reason"],
                        "properties": {"index": {"type": "integer"}, "finish_reason": _CHAT_FINISH,
-                                      "stop_reason": _STOP_REASON,
+                                      "stop_reason": _STOP_REASON, "token_ids": _IDS,
                                       "message": {"type": "object", "required": ["role", "content"]}}}}},
 }
 _MODEL_LIST = {
@@ -82,7 +87,6 @@ _ERROR_TEXT = {400: "Invalid request", 401: "Missing or wrong key", 404: "Unknow
                503: "Shutting down or engine unavailable"}
 
 
-_NULL = {"type": "null"}
 # what the field validators of gateway/protocol.py and gateway/inputs/params.py accept, where pydantic's schema is wider
 # (unsupported OpenAI fields exist only to be rejected with a clear 400)
 _NARROWER: dict[str, dict[str, Any]] = {

@@ -8,7 +8,7 @@ from core.engine.outputs import RequestDelta
 from gateway.outputs.generation import ChoiceResult, usage
 from gateway.reasoning.reasoning import add_reasoning_usage, delta_reasoning
 from gateway.outputs.responses import TokenTexts, chat_body, chat_chunk, chat_logprobs
-from gateway.outputs.streaming import StreamInfo, _framed, sse
+from gateway.outputs.streaming import StreamInfo, _framed, role_chunk, sse
 from gateway.tools.tool_parse import call_id_for, final_calls, parse_calls
 from gateway.tools.tools import ToolPlan
 
@@ -73,13 +73,13 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
         for child in info.children:
             role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
-            yield sse(chat_chunk(info.request_id, info.created, info.model, [role], info.running_usage(child.index, 0)))
+            yield sse(role_chunk(info, role))
         async for index, d in deltas:
             outputs[index] = d.num_output_tokens
             delta, has_calls = streams[index].step(plan, d.new_text, d.finished)
             if delta_reasoning(d):
                 delta = {"reasoning_content": delta_reasoning(d), **delta}
-            if not (delta or d.finished or d.new_logprobs or (info.continuous_usage and d.new_token_ids)):
+            if not (delta or d.finished or d.new_logprobs or info.sends(d)):
                 continue
             reason = d.finish_reason if d.finished else None
             if reason == "stop" and has_calls:
@@ -87,6 +87,8 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
             choice = {"index": index, "delta": delta,
                       "logprobs": chat_logprobs(d.new_logprobs, info.texts) if info.texts is not None else None,
                       "finish_reason": reason, "stop_reason": d.stop_reason}
+            if info.token_ids:
+                choice["token_ids"] = list(d.new_token_ids)
             yield sse(chat_chunk(info.request_id, info.created, info.model, [choice],
                                  info.running_usage(index, d.num_output_tokens)))
         if info.include_usage:

@@ -150,7 +150,8 @@ SAMPLING = {
     "guided_whitespace_pattern": WHITESPACE, "include_stop_str_in_output": bools,
     "spaces_between_special_tokens": bools,
     "allowed_token_ids": id_lists, "bad_words": st.lists(texts, max_size=3) | JSON, "truncate_prompt_tokens": ints,
-    "cache_salt": texts, "add_special_tokens": bools,
+    "cache_salt": texts, "add_special_tokens": bools, "return_token_ids": bools,
+    "return_tokens_as_token_ids": bools,
 }
 TEMPLATE_KWARGS = (st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x" * 100, ""]),
                                    JSON, max_size=3) | JSON)
@@ -265,6 +266,8 @@ EXTREMES: dict[str, list[Any]] = {
     "lora_name": ["", "tiny", "x" * 5000, "../x", "\x00"] + SWEEP_WRONG_TYPES,
     "lora_path": ["", ".", "/", "/proc/self", "/dev/zero", "x" * 5000, "\x00"] + SWEEP_WRONG_TYPES,
     "load_inplace": [True, False, 0, 1] + SWEEP_WRONG_TYPES,
+    **{f: [True, False, 0, 1, "true"] + SWEEP_WRONG_TYPES
+       for f in ("return_token_ids", "return_tokens_as_token_ids")},
     "lora_int_id": [0, -1, 2**63, 1.5, True] + SWEEP_WRONG_TYPES,
 }
 # the sampling fields go through the same code on both routes: swept on /v1/completions only

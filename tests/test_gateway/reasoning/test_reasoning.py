@@ -190,6 +190,25 @@ def test_tool_choice_required_after_reasoning(http: httpx.Client) -> None:
     assert usage["completion_tokens_details"] == out["usage"]["completion_tokens_details"]
 
 
+def test_return_token_ids_cover_the_reasoning_and_the_content(http: httpx.Client) -> None:
+    """vLLM's `return_token_ids` with a reasoning parser: the text is split, the ids stay one list of every
+    generated token (the reasoning's and `</think>` included); streamed, the reasoning's chunks carry theirs."""
+    request, out = closing(http, return_token_ids=True)
+    ids, usage = out["choices"][0]["token_ids"], out["usage"]
+    assert len(ids) == usage["completion_tokens"] and http.end_id[0] in ids
+    assert ids.index(http.end_id[0]) + 1 == usage["completion_tokens_details"]["reasoning_tokens"]
+    assert len(out["prompt_token_ids"]) == usage["prompt_tokens"]
+    streamed: list[int] = []
+    with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": USER, "stream": True,
+                                                            **request}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk.get("prompt_token_ids", out["prompt_token_ids"]) == out["prompt_token_ids"]
+                streamed += [i for choice in chunk["choices"] for i in choice.get("token_ids", [])]
+    assert streamed == ids
+
+
 def test_responses_api_reasoning_item(http: httpx.Client) -> None:
     resp = http.post("/v1/responses", json={"model": "tiny", "input": "Is 7 prime?", "max_output_tokens": 5,
                                             "temperature": 0})
