@@ -44,8 +44,10 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   serve) cd "$USER_DIR" && exec "$VENV/bin/loraplex" serve "$@" ;;
-  test)  # the whole suite runs on 2 workers (pytest-xdist); a run with arguments (one file, -k, -x) runs as given
-         if [ $# -eq 0 ]; then set -- -n "${LORAPLEX_TEST_WORKERS:-2}"; fi
+  test)  # the whole suite runs on 2 workers (pytest-xdist); a run with arguments (one file, -k, -x) runs as given.
+         # --dist loadfile: a file's tests run on one worker, so a module-scoped server or engine starts once, and
+         # no worker is left holding a long queue of slow tests while the other idles (`load` hands out chunks)
+         if [ $# -eq 0 ]; then set -- -n "${LORAPLEX_TEST_WORKERS:-2}" --dist loadfile; fi
          exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash scripts/dev.sh serve|test [args...]" >&2; exit 2 ;;
 esac

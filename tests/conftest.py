@@ -10,6 +10,11 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))   # test helpers: `fr
 # this process and every server / engine process it starts is the test suite's: the one place the engine accepts
 # a LORAPLEX_ENGINE_TEST_HOOK from (core/engine_core/test_hook.py)
 os.environ["LORAPLEX_TESTS_DIR"] = str(Path(__file__).resolve().parent)
+# every server, engine and TP-rank process the suite starts runs torch on one intra-op thread, as this process does
+# (testlib.py): two xdist workers and their servers share CI's 2 cores, and an OpenMP team of two spins in every
+# barrier against them (docs/cpu.md): a served 512-token decode took 11-18 s with the team, 1.5 s with one thread.
+# An explicit OMP_NUM_THREADS is kept; a test that wants more threads sets them (torch.set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
