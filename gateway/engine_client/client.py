@@ -19,6 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.process
+import os
 import shutil
 import tempfile
 import threading
@@ -45,6 +46,23 @@ from gateway.engine_client.stats_refresh import CoalescedRefresh
 
 log = logging.getLogger("loraplex.gateway")
 CommandFuture = concurrent.futures.Future   # an engine command's reply: the value is the command's own
+
+
+# the longest ipc path (a Unix socket's sun_path, less its NUL); the sockets are `<folder>/input` and `/output`
+IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107)
+_SOCKET_NAME_CHARS = len("/loraplex_engine_12345678/output")
+
+
+def socket_parent() -> str | None:
+    """Where the sockets' folder is made: the temp folder, or /tmp where the temp folder's path is too long for a
+    Unix socket (a deep TMPDIR made every start fail: "ipc path is longer than 107 characters")."""
+    parent = tempfile.gettempdir()
+    if len(parent) + _SOCKET_NAME_CHARS <= IPC_PATH_MAX:
+        return None
+    if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
+        return "/tmp"
+    raise OSError(f"the temp folder's path ({len(parent)} characters) is too long for the engine's Unix sockets "
+                  f"(at most {IPC_PATH_MAX - _SOCKET_NAME_CHARS}); set TMPDIR to a shorter folder")
 
 
 class EngineClient:
@@ -77,7 +95,7 @@ class EngineClient:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="loraplex_engine_")
+        self._dir = tempfile.mkdtemp(prefix="loraplex_engine_", dir=socket_parent())
         try:   # whatever fails or is interrupted (Ctrl-C) from here on leaves no process, socket or folder
             in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
             self._ctx = zmq.Context()

@@ -6,6 +6,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jinja2
+from jinja2 import meta
+
 from gateway.errors import invalid
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")   # the SDK's ReasoningEffort
@@ -14,8 +17,6 @@ VARIABLE = "reasoning_effort"
 
 @functools.lru_cache(maxsize=8)
 def _reads_effort(template: str) -> bool:
-    import jinja2
-    from jinja2 import meta
     try:
         return VARIABLE in meta.find_undeclared_variables(jinja2.Environment().parse(template))
     except jinja2.TemplateError:

@@ -2,14 +2,25 @@
 removes it, whether the engine had started or failed to (every server start and stop used to leave one behind)."""
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from core.config import CacheConfig, EngineConfig, SchedulerConfig
 from gateway.engine_client.client import EngineClient
 from testlib import model_dir
+
+
+@pytest.fixture()
+def short_tmp() -> Iterator[Path]:
+    """A temp folder with a short path (a worker's tmp_path can be too long for a Unix socket: the client then
+    makes its folder in /tmp, see the last test)."""
+    path = Path(tempfile.mkdtemp(prefix="lpx_", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _socket_dirs(root: Path) -> list[str]:
@@ -21,7 +32,10 @@ def _config(model: str) -> EngineConfig:
                         scheduler=SchedulerConfig(max_model_len=64))
 
 
-def test_shutdown_removes_the_socket_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shutdown_removes_the_socket_folder(short_tmp: Path, tmp_path_factory: pytest.TempPathFactory,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path_factory.getbasetemp()   # pytest's own folder, made before the temp folder is patched
+    tmp_path = short_tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     client = EngineClient(_config(str(model_dir("llama_gqa"))))
     client.start()
@@ -33,7 +47,10 @@ def test_shutdown_removes_the_socket_folder(tmp_path: Path, monkeypatch: pytest.
     assert _socket_dirs(tmp_path) == []
 
 
-def test_a_failed_start_removes_the_socket_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_start_removes_the_socket_folder(short_tmp: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path_factory.getbasetemp()
+    tmp_path = short_tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     missing = tmp_path / "no_such_model"
     client = EngineClient(_config(str(missing)))
@@ -43,7 +60,7 @@ def test_a_failed_start_removes_the_socket_folder(tmp_path: Path, monkeypatch: p
     assert _socket_dirs(tmp_path) == []
 
 
-def test_ctrl_c_while_the_model_loads_leaves_no_folder_and_no_engine(tmp_path: Path) -> None:
+def test_ctrl_c_while_the_model_loads_leaves_no_folder_and_no_engine(tmp_path: Path, short_tmp: Path) -> None:
     """`loraplex serve` interrupted after its engine client started and before the engine reported its model:
     the client is shut down on the way out (its folder stayed in /tmp, found by the suite's temp-folder audit)."""
     import os
@@ -54,8 +71,7 @@ def test_ctrl_c_while_the_model_loads_leaves_no_folder_and_no_engine(tmp_path: P
     from gateway_server import free_ports, loraplex_command, tiny_model
     from process_tree import descendants
 
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    scratch = short_tmp
     (port,) = free_ports(1)
     cmd = [*loraplex_command(), "serve", "--model", str(tiny_model(tmp_path / "model")), "--port", str(port),
            "--device", "cpu", "--dtype", "float32"]
@@ -64,7 +80,7 @@ def test_ctrl_c_while_the_model_loads_leaves_no_folder_and_no_engine(tmp_path: P
     try:
         deadline = time.monotonic() + 60
         while not _socket_dirs(scratch):   # the client has started; the engine process is loading
-            assert proc.poll() is None and time.monotonic() < deadline, "the server never started its engine"
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
             time.sleep(0.02)
         engines = [p for p in descendants(proc.pid) if p != proc.pid]
         proc.send_signal(signal.SIGINT)
@@ -77,3 +93,27 @@ def test_ctrl_c_while_the_model_loads_leaves_no_folder_and_no_engine(tmp_path: P
     assert _socket_dirs(scratch) == [], (rc, (tmp_path / "err.txt").read_text()[-3000:])
     time.sleep(0.5)
     assert not [p for p in engines if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()]
+
+
+def test_a_temp_folder_too_deep_for_a_unix_socket_falls_back_to_tmp(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Unix socket's path holds at most 107 characters: under a deep TMPDIR every start failed ("ipc path is
+    longer than 107 characters", exit 1); the client makes its folder in /tmp instead, and still removes it."""
+    from gateway.engine_client.client import IPC_PATH_MAX, socket_parent
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert len(str(deep)) > IPC_PATH_MAX and socket_parent() == "/tmp"
+    before = set(_socket_dirs(Path("/tmp")))
+    client = EngineClient(_config(str(model_dir("llama_gqa"))))
+    client.start()
+    try:
+        client.wait_started()
+        mine = set(_socket_dirs(Path("/tmp"))) - before
+        assert len(mine) == 1
+    finally:
+        client.shutdown()
+    assert not mine & set(_socket_dirs(Path("/tmp")))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert socket_parent() is None or len(str(tmp_path)) > 75   # a short one is used as it is
