@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SCHEMA_BENCH = Path(__file__).resolve().parents[3] / "shared" / "jsonschemabench"
 EXTRA_VOCAB = 8  # model logits wider than the tokenizer, as real checkpoints often are
@@ -98,3 +98,31 @@ def walk_and_validate(compiler: Any, schema: Any, walks: int = 5, seed: int = 0,
         errors = [e.message for e in validator.iter_errors(value)]
         assert not errors, f"invalid output {walk.text!r} for {json.dumps(schema)[:300]}: {errors[:3]}"
     return finished
+
+
+def drive_matcher(matcher: Any, vocab_size: int, forced: list[int], seed: int,
+                  check: Callable[[list[int]], None] | None = None, max_tokens: int = 300) -> list[int]:
+    """A walk through a matcher's masks until it terminates: the `forced` tokens first (each must be allowed), then
+    random allowed ones; `check(allowed)` sees every mask. Returns the tokens written."""
+    import random
+
+    from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
+
+    forced, out, rng = list(forced), [], random.Random(seed)
+    while not matcher.is_terminated() and len(out) < max_tokens:
+        bitmask = allocate_token_bitmask(1, vocab_size)
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = unpack_bitmask(bitmask, vocab_size)[0].nonzero().flatten().tolist()
+        assert allowed, "a state that allows no token"
+        if check is not None:
+            check(allowed)
+        token = forced.pop(0) if forced else rng.choice(allowed)
+        assert token in allowed and matcher.accept_token(token), token
+        out.append(token)
+    assert matcher.is_terminated()
+    return out
+
+
+def decoded(tokenizer: Any, ids: list[int]) -> str:
+    """The text of written ids, special tokens kept, EOS left out."""
+    return tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id], skip_special_tokens=False)

@@ -17,7 +17,6 @@ request is a 400 naming `tools` before anything is compiled or run, as a prompt 
 from __future__ import annotations
 
 import json
-import random
 import re
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -30,14 +29,13 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parse import final_calls
 from gateway.tools.tools import plan_tools
 from grammar.errors import GrammarError
-from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.matching.matcher import make_matcher
 from grammar.matching.triggered import triggered_grammar
 from grammar.schema.lowering import SchemaOptions
 from grammar.specs.constraints import json_spec
 from grammar.specs.spec import DEFAULT_OPTIONS
 from grammar.specs.tool_calls import MISTRAL_V11, MISTRAL_V11_CALL_ID, FunctionSpec, tool_calls_spec
-from grammar_helpers import EXTRA_VOCAB
+from grammar_helpers import EXTRA_VOCAB, decoded, drive_matcher
 from testlib import CHAT_TEMPLATES
 from tool_streams import streamed_calls
 from triggered_grammar import SCHEMA
@@ -157,21 +155,13 @@ def test_a_template_that_writes_call_ids_gets_the_call_id_form(tokenizer: Any) -
 
 # -- the call grammar ------------------------------------------------------------------------------------------
 def _drive(matcher: Any, compiler: Any, forced: list[int], seed: int, avoid: int | None = None) -> list[int]:
-    out, rng = [], random.Random(seed)
-    while not matcher.is_terminated() and len(out) < 300:
-        bitmask = allocate_token_bitmask(1, compiler.vocab_size)
-        matcher.fill_bitmask(bitmask, 0)
-        allowed = unpack_bitmask(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist()
-        assert allowed and avoid not in allowed
-        token = forced.pop(0) if forced else rng.choice(allowed)
-        assert token in allowed and matcher.accept_token(token), token
-        out.append(token)
-    assert matcher.is_terminated()
-    return out
+    def check(allowed: list[int]) -> None:
+        assert avoid not in allowed
+
+    return drive_matcher(matcher, compiler.vocab_size, forced, seed, check)
 
 
-def _text(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
+_text = decoded
 
 
 def test_the_grammar_writes_the_model_id_where_the_template_does(compiler: Any, tokenizer: Any) -> None:

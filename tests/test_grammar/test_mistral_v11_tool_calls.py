@@ -9,7 +9,6 @@ grammar writes `[TOOL_CALLS]` and `[ARGS]` by their ids (marker slots, grammar/c
 from __future__ import annotations
 
 import json
-import random
 import re
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -21,14 +20,13 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.tools.tool_parse import final_calls
 from gateway.tools.tools import plan_tools
 from grammar.compile.lowering import END_CHAR, MARKER_CHARS
-from grammar.matching.bitmask import allocate_token_bitmask, unpack_bitmask
 from grammar.matching.matcher import make_matcher
 from grammar.matching.triggered import triggered_grammar
 from grammar.schema.lowering import SchemaOptions
 from grammar.specs.constraints import json_spec
 from grammar.specs.spec import DEFAULT_OPTIONS
 from grammar.specs.tool_calls import MISTRAL, MISTRAL_V11, FunctionSpec, tool_calls_spec
-from grammar_helpers import EXTRA_VOCAB
+from grammar_helpers import EXTRA_VOCAB, decoded, drive_matcher
 from testlib import CHAT_TEMPLATES
 from tool_streams import streamed_calls
 from triggered_grammar import SCHEMA
@@ -119,25 +117,18 @@ def test_the_v11_form_is_parsed_whole_and_streamed(text: str, content: str | Non
 
 # -- the constrained paths write the v11 form by token id ----------------------------------------------------
 def _drive(matcher: Any, compiler: Any, forced: list[int], seed: int) -> list[int]:
-    out, rng = [], random.Random(seed)
     banned = {t for t, data in compiler.vocab.tokens if any(b in data for b in (*MARKER_CHARS, END_CHAR))}
-    while not matcher.is_terminated() and len(out) < 300:
-        bitmask = allocate_token_bitmask(1, compiler.vocab_size)
-        matcher.fill_bitmask(bitmask, 0)
-        allowed = unpack_bitmask(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist()
+
+    def check(allowed: list[int]) -> None:
         # in the call grammar (not auto's free text) no ordinary token writes a marker slot's byte
-        assert allowed and not (getattr(matcher, "triggered", True) and banned & set(allowed))
+        assert not (getattr(matcher, "triggered", True) and banned & set(allowed))
         if hasattr(matcher, "compiled"):   # the guide's mask (fill_bitmask) is the index's list of the state
             assert set(allowed) == set(matcher.compiled.allowed_token_ids(matcher.state))
-        token = forced.pop(0) if forced else rng.choice(allowed)
-        assert token in allowed and matcher.accept_token(token), token
-        out.append(token)
-    assert matcher.is_terminated()
-    return out
+
+    return drive_matcher(matcher, compiler.vocab_size, forced, seed, check)
 
 
-def _text(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id], skip_special_tokens=False)
+_text = decoded
 
 
 def test_required_writes_the_v11_form_with_the_special_tokens(v11_compiler: Any, v11_tokenizer: Any) -> None:
