@@ -2,7 +2,6 @@
 removes it, whether the engine had started or failed to (every server start and stop used to leave one behind)."""
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -18,9 +17,8 @@ from testlib import model_dir
 def short_tmp() -> Iterator[Path]:
     """A temp folder with a short path (a worker's tmp_path can be too long for a Unix socket: the client then
     makes its folder in /tmp, see the last test)."""
-    path = Path(tempfile.mkdtemp(prefix="lpx_", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="lpx_", dir="/tmp") as path:
+        yield Path(path)
 
 
 def _socket_dirs(root: Path) -> list[str]:
