@@ -78,10 +78,13 @@ class _WorkerProcess:
         self.cfg_ready = False  # the worker imported xgrammar (grammar/cfg/worker_side.py)
         self.lower_ready = False  # the worker imported the schema lowering (grammar/compile/lowering.py)
         self.lower_wanted = False  # the pool lowers schemas: a (re)started worker imports the lowering at once
+        self.closed = False        # `close`: never started again
 
     def ensure_started(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
+        if self.closed:
+            raise CompileFailed("the compile pool is closed")
         self.proc = subprocess.Popen(
             [sys.executable, WORKER_SCRIPT, str(self.memory_bytes)],
             stdin=subprocess.PIPE,
@@ -212,6 +215,11 @@ class _WorkerProcess:
         self.kill()
         self.restarts += 1
 
+    def close(self) -> None:
+        """Kills the worker for good: a compile in flight fails at once (its pipe closes), none starts again."""
+        self.closed = True
+        self.kill()
+
     def kill(self) -> None:
         """Kills and reaps the worker; safe from two threads at once (one of them finds nothing to kill)."""
         with self._kill_lock:
@@ -315,6 +323,9 @@ class CompilePool:
             payload, future, kind = job
             if not future.set_running_or_notify_cancel():
                 continue
+            if self._closed:        # queued before `close`: never started on a closed pool's worker
+                future.set_exception(RuntimeError("compile pool is closed"))
+                continue
             if kind in ("recipe", "check"):
                 self._lowering_used.set()
             elif kind == "cfg":
@@ -352,6 +363,10 @@ class CompilePool:
         if self._closed:
             return
         self._closed = True
+        # the workers first: a compile in flight (up to its timeout, seconds of CPU) fails at once instead of
+        # holding the join below, and no worker starts again (`_WorkerProcess.close`)
+        for w in self._workers:
+            w.close()
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
