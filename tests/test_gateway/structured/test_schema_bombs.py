@@ -222,19 +222,26 @@ def test_schema_admission_checks_never_stall_the_event_loop(server: ServerProces
         **CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
     post(server, ATTACKER, "/v1/chat/completions", body)   # warm-up: imports, the compile's cache entry
     gaps: list[float] = []
+    num_attacks = 4
+    begin = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        attacks = [pool.submit(post, server, ATTACKER, "/v1/chat/completions", body) for _ in range(4)]
+        attacks = [pool.submit(post, server, ATTACKER, "/v1/chat/completions", body) for _ in range(num_attacks)]
         while not all(a.done() for a in attacks):
             start = time.perf_counter()
             assert httpx.get(server.url + "/health", timeout=30).status_code == 200
             gaps.append(time.perf_counter() - start)
         for a in attacks:
             assert a.result().status_code in (200, 400), a.result().text
-    # On the loop each check stalls every connection for ~0.35 s: measured (2 cores) 4-5 probes answered,
-    # median 0.36 s, most over 0.25 s. Off the loop: ~35 probes, median ~0.05 s; the odd probe reaches 0.3-0.5 s
-    # when three 250 KB bodies arrive at once on a busy 2-core machine (CPU contention, not a stalled callback:
-    # asyncio's debug mode reports none over 0.1 s), so the test judges the distribution, not its maximum.
+    per_check = (time.perf_counter() - begin) / num_attacks
+    # On the loop a probe waits for the check in progress: measured (2 cores) 4-5 probes answered, median 0.36 s,
+    # about one check's time (~0.35 s) each. Off the loop: ~35 probes, median ~0.05 s; the odd probe reaches
+    # 0.3-0.5 s when three 250 KB bodies arrive at once on a busy 2-core machine (CPU contention, not a stalled
+    # callback: asyncio's debug mode reports none over 0.1 s). The test judges the distribution against the
+    # time one check took in this run (the attacks' wall time over their number), not against fixed seconds: on a
+    # machine loaded 4x (a load average of 8 on 2 cores) every figure stretches alike, and a fixed 0.15 s median
+    # failed the off-loop code there.
     gaps.sort()
-    median, num_slow = gaps[len(gaps) // 2], sum(g > 0.25 for g in gaps)
-    assert len(gaps) >= 8 and median < 0.15 and num_slow <= len(gaps) // 10, \
-        f"/health stalled while schemas were checked: median {median:.2f} s, {num_slow} over 0.25 s: {gaps}"
+    median, num_slow = gaps[len(gaps) // 2], sum(g > 0.7 * per_check for g in gaps)
+    assert len(gaps) >= 8 and median < max(0.15, 0.35 * per_check) and num_slow <= len(gaps) // 10, \
+        f"/health stalled while schemas were checked: median {median:.2f} s, {num_slow} over " \
+        f"{0.7 * per_check:.2f} s (one check: {per_check:.2f} s): {gaps}"
