@@ -208,7 +208,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     ctx.prompt_tokens = usage(children, 0)["prompt_tokens"]
     created = int(time.time())
     texts = state.texts if params.logprobs is not None else None
-    if texts is not None and body.return_tokens_as_token_ids:   # logprob tokens named "token_id:<id>"
+    as_ids = body.return_tokens_as_token_ids   # logprob tokens named "token_id:<id>" (unset: the server's flag)
+    if texts is not None and (state.defaults.tokens_as_token_ids if as_ids is None else as_ids):
         texts = TokenIdNames(texts)
     token_ids = bool(body.return_token_ids) and kind.prefix != "resp"   # gateway/outputs/token_ids.py
     merged = merge_children(aeng, children, sources, state.metrics)

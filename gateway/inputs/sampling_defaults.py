@@ -31,6 +31,7 @@ CHAT_LOGPROBS_CAP = 20         # vLLM's default --max-logprobs
 class RequestDefaults:
     sampling: tuple[tuple[str, float | int], ...] = ()   # (SamplingParams field, value), from the file
     max_logprobs: int | None = None                      # None: 5 on completions, 20 on chat
+    tokens_as_token_ids: bool = False   # --return-tokens-as-token-ids: a request's `return_tokens_as_token_ids` unset
     source: str | None = None                            # the file the defaults came from (start-up banner)
 
     def get(self, name: str) -> Any:
@@ -92,13 +93,13 @@ def read_generation_config(path: Path) -> tuple[tuple[str, float | int], ...]:
 
 
 def load_request_defaults(generation_config: str, model_dir: Path, max_logprobs: int | None,
-                          vocab_size: int) -> RequestDefaults:
+                          vocab_size: int, tokens_as_token_ids: bool = False) -> RequestDefaults:
     """`auto`: the model folder's file (none: no defaults); `vllm`: no defaults; else a directory holding one.
     `max_logprobs` -1 means the whole vocabulary (vLLM); any cap is at most the vocabulary."""
     cap = None if max_logprobs is None else (vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size))
     if generation_config == "vllm":
-        return RequestDefaults(max_logprobs=cap)
+        return RequestDefaults(max_logprobs=cap, tokens_as_token_ids=tokens_as_token_ids)
     path = (model_dir if generation_config == "auto" else Path(generation_config)) / GENERATION_CONFIG
     if generation_config == "auto" and not path.is_file():
-        return RequestDefaults(max_logprobs=cap)
-    return RequestDefaults(read_generation_config(path), cap, str(path))
+        return RequestDefaults(max_logprobs=cap, tokens_as_token_ids=tokens_as_token_ids)
+    return RequestDefaults(read_generation_config(path), cap, str(path), tokens_as_token_ids)

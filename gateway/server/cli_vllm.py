@@ -131,6 +131,8 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
                    help="on by default; --no-enable-prefix-caching is --no-prefix-caching")
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help="per-request logprobs cap (default: 5 on completions, 20 on chat; -1: the vocabulary)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="name logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids overrides)")
     g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
     g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of the model")
     g.add_argument("--download-dir", default=None, metavar="DIR", help="the HF cache directory for hub ids")
@@ -192,4 +194,5 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
     return dict(generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser, log_requests=args.enable_log_requests,
                 max_logprobs=args.max_logprobs, uvicorn_log_level=args.uvicorn_log_level,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

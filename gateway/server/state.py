@@ -53,4 +53,4 @@ class GatewayState:
             texts=TokenTexts(aeng.tokenizer),
             metrics=GatewayMetrics(aeng, config.engine.lora.max_loras),
             defaults=load_request_defaults(config.generation_config, facts.model_dir, config.max_logprobs,
-                                           facts.vocab_size))
+                                           facts.vocab_size, config.return_tokens_as_token_ids))

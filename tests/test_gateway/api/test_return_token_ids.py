@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -222,3 +223,29 @@ def test_fields_are_booleans(http: httpx.Client, field: str) -> None:
             assert resp.status_code == status, resp.text
             if status == 400:
                 assert resp.json()["error"]["param"] == field, resp.text
+
+
+def test_server_flag_names_tokens_by_id_unless_a_request_says(tmp_path: Path) -> None:
+    """vLLM's `--return-tokens-as-token-ids`: the default of a request that leaves the field unset; `false` in a
+    request still names tokens by their text (before the flag: an unknown argument, start-up failed)."""
+    path = model_with_chat_template(tmp_path, CHAT_TEMPLATES / "llama31_json.jinja")
+    proc = ServerProcess(path, "--max-model-len", "256", "--served-model-name", "tiny", "--engine-process", "off",
+                         "--return-tokens-as-token-ids")
+    try:
+        with httpx.Client(base_url=proc.url, timeout=60) as http:
+            body = {"prompt": PROMPT, "logprobs": 2, "return_token_ids": True, **SAMPLED}
+            unset = post(http, "/v1/completions", **body)["choices"][0]
+            assert unset["logprobs"]["tokens"] == [f"token_id:{i}" for i in unset["token_ids"]]
+            off = post(http, "/v1/completions", return_tokens_as_token_ids=False, **body)["choices"][0]
+            assert not any(TOKEN_ID.fullmatch(t) for t in off["logprobs"]["tokens"])
+            assert "".join(off["logprobs"]["tokens"]) == off["text"]
+            chat = {"messages": USER, "logprobs": True, "top_logprobs": 1, "return_token_ids": True, **SAMPLED}
+            named = post(http, "/v1/chat/completions", **chat)["choices"][0]
+            assert [e["token"] for e in named["logprobs"]["content"]] == [f"token_id:{i}" for i in named["token_ids"]]
+            resp = post(http, "/v1/responses", input="hi", max_output_tokens=4, temperature=1.0, top_logprobs=1,
+                        include=["message.output_text.logprobs"])
+            entries = [e for item in resp["output"] if item["type"] == "message" for part in item["content"]
+                       for e in part["logprobs"]]
+            assert entries and all(TOKEN_ID.fullmatch(e["token"]) for e in entries), entries
+    finally:
+        proc.stop()

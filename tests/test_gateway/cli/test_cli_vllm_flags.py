@@ -48,7 +48,8 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--uvicorn-log-level", "info", "-tp", "2", "--enable-chunked-prefill", "--kv-cache-dtype", "auto",
                 "--swap-space", "4", "--trust-remote-code", "--enable-prefix-caching",
                 "--served-model-name", "m1", "m2", "--max-logprobs", "40", "--tokenizer", "org/tok",
-                "--revision", "v2", "--download-dir", str(tmp_path), "--max-lora-rank", "16")
+                "--revision", "v2", "--download-dir", str(tmp_path), "--max-lora-rank", "16",
+                "--return-tokens-as-token-ids")
     eng = cfg.engine
     assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
@@ -59,6 +60,7 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
     assert eng.cache.enable_prefix_caching
     assert eng.trust_remote_code and cfg.max_logprobs == 40 and eng.lora.max_lora_rank == 16
     assert (eng.tokenizer, eng.revision, eng.download_dir) == ("org/tok", "v2", str(tmp_path))
+    assert cfg.return_tokens_as_token_ids
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
@@ -67,6 +69,7 @@ def test_defaults_keep_loraplex_behaviour() -> None:
     assert cfg.served_model_names == ("/m",) and cfg.generation_config == "auto" and cfg.tool_call_parser is None
     assert eng.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
     assert eng.cache.enable_prefix_caching and cfg.uvicorn_log_level is None and not eng.trust_remote_code
+    assert not cfg.return_tokens_as_token_ids
     assert (eng.tokenizer, eng.revision, eng.download_dir) == (None, None, None)
 
 
