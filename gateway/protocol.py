@@ -253,6 +253,10 @@ class _SamplingFields(_Strict):
                                   Field(max_length=MAX_BAD_WORDS)]] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache KV shared only among requests with this salt
+    # OpenAI's hints: a cache-routing key (one server's prefix cache already serves every request with the prefix)
+    # and the end user's id for abuse reports (as `user`); accepted, bounded, echoed by the Responses API
+    prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)
+    safety_identifier: Optional[str] = Field(default=None, max_length=64)
     add_special_tokens: Optional[bool] = None   # vLLM's: completions default true; chat: BOS only if the template lacks it
     # vLLM's: the prompt's and the generated token ids in the answer, logprob tokens named "token_id:<id>"
     # (gateway/outputs/token_ids.py)

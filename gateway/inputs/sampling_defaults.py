@@ -31,8 +31,8 @@ CHAT_LOGPROBS_CAP = 20         # vLLM's default --max-logprobs
 class RequestDefaults:
     sampling: tuple[tuple[str, float | int], ...] = ()   # (SamplingParams field, value), from the file
     max_logprobs: int | None = None                      # None: 5 on completions, 20 on chat
-    tokens_as_token_ids: bool = False   # --return-tokens-as-token-ids: a request's `return_tokens_as_token_ids` unset
     source: str | None = None                            # the file the defaults came from (start-up banner)
+    tokens_as_token_ids: bool = False   # --return-tokens-as-token-ids: a request's `return_tokens_as_token_ids` unset
 
     def get(self, name: str) -> Any:
         return dict(self.sampling).get(name)
@@ -102,4 +102,4 @@ def load_request_defaults(generation_config: str, model_dir: Path, max_logprobs:
     path = (model_dir if generation_config == "auto" else Path(generation_config)) / GENERATION_CONFIG
     if generation_config == "auto" and not path.is_file():
         return RequestDefaults(max_logprobs=cap, tokens_as_token_ids=tokens_as_token_ids)
-    return RequestDefaults(read_generation_config(path), cap, str(path), tokens_as_token_ids)
+    return RequestDefaults(read_generation_config(path), cap, str(path), tokens_as_token_ids=tokens_as_token_ids)

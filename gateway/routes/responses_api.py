@@ -47,6 +47,8 @@ class ResponsesRequest(_Strict):
     metadata: Optional[Annotated[dict[str, str], bounded(MAX_METADATA, "metadata entries"),
                                  Field(max_length=MAX_METADATA)]] = None
     user: Optional[str] = None
+    prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)   # OpenAI's hints, as on chat
+    safety_identifier: Optional[str] = Field(default=None, max_length=64)
     truncation: Optional[Literal["disabled"]] = None
     seed: Optional[int] = None
     top_k: Optional[int] = None
@@ -259,6 +261,7 @@ def chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
         "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls, "seed": body.seed,
         "top_k": body.top_k, "user": body.user, "response_format": response_format(body.text),
+        "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
         **logprob_fields(body.include, body.top_logprobs)}
     effort = reasoning_effort(body.reasoning)
     if effort is not None:   # as vLLM: a chat template variable (checked against the template at admission)

@@ -240,3 +240,30 @@ def test_openapi_describes_the_served_fields(http: httpx.Client) -> None:
                 {"reasoning": {"summary": "auto"}}, {"reasoning": {"effort": "extreme"}}):
         assert not schema.is_valid({**ok, **bad}), bad
         assert http.post("/v1/responses", json={**ok, **bad}).status_code == 400, bad
+
+
+def test_openai_cache_key_and_safety_identifier_are_accepted(http: httpx.Client, client: "openai.OpenAI") -> None:
+    """OpenAI's `prompt_cache_key` and `safety_identifier` (sent by recent OpenAI clients; a 400 "unknown field"
+    before): accepted on completions, chat and Responses, echoed by a Response, bounded as OpenAI bounds them."""
+    hints = {"prompt_cache_key": "conversation-7", "safety_identifier": "user-42"}
+    plain = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": INPUT}], "temperature": 0, "max_tokens": 4})
+    hinted = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": INPUT}], "temperature": 0, "max_tokens": 4,
+        **hints})
+    assert hinted.status_code == 200, hinted.text
+    assert hinted.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]   # changes nothing
+    resp = http.post("/v1/completions", json={"model": "tiny", "prompt": INPUT, "max_tokens": 2, **hints})
+    assert resp.status_code == 200, resp.text
+    answer = post(http, max_output_tokens=4, **hints)
+    assert (answer["prompt_cache_key"], answer["safety_identifier"]) == ("conversation-7", "user-42")
+    assert post(http, max_output_tokens=2)["prompt_cache_key"] is None
+    sdk = client.responses.create(model="tiny", input=INPUT, max_output_tokens=4, **hints)
+    assert (sdk.prompt_cache_key, sdk.safety_identifier) == ("conversation-7", "user-42")
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": INPUT}]}),
+                       ("/v1/responses", {"input": INPUT})):
+        for field, value in (("safety_identifier", "x" * 65), ("prompt_cache_key", "x" * 1025),
+                             ("prompt_cache_key", 7)):
+            bad = http.post(path, json={"model": "tiny", "max_tokens" if "messages" in body else "max_output_tokens": 2,
+                                        **body, field: value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text

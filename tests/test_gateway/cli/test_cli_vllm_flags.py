@@ -138,6 +138,11 @@ def test_generation_config_modes(tmp_path: Path) -> None:
     assert load_request_defaults("auto", tmp_path / "gen-less", None, 1000).sampling == ()  # no file: none
     assert load_request_defaults("vllm", tmp_path, -1, 1000).max_logprobs == 1000        # -1: the vocabulary
     assert load_request_defaults("vllm", tmp_path, 5000, 1000).max_logprobs == 1000
+    # --return-tokens-as-token-ids: off unless given, whichever way the defaults were found (a file or none)
+    for mode, folder in (("auto", tmp_path), ("auto", tmp_path / "gen-less"), ("vllm", tmp_path)):
+        assert not load_request_defaults(mode, folder, None, 1000).tokens_as_token_ids
+        on = load_request_defaults(mode, folder, None, 1000, True)
+        assert on.tokens_as_token_ids and on.source in (None, str(tmp_path / "generation_config.json"))
     (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(ValueError, match="temperature"):
         load_request_defaults("auto", tmp_path, None, 1000)
