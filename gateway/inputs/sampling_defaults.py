@@ -1,5 +1,6 @@
 """What the server's flags change about every request: sampling defaults from `generation_config.json`
-(`--generation-config auto|vllm|DIR`, vLLM's meaning) and the per-request logprobs cap (`--max-logprobs`).
+(`--generation-config auto|vllm|DIR`, vLLM's meaning) and `--override-generation-config JSON` (vLLM's: merged
+over the file's, or the only defaults with `vllm`), and the per-request logprobs cap (`--max-logprobs`).
 
 A default applies only to a request that omits the field; an explicit value always wins. `max_new_tokens`
 becomes the default `max_tokens`, shortened to the context the longest prompt leaves (as vLLM does).
@@ -66,40 +67,59 @@ class RequestDefaults:
             raise invalid(f"{param} must be at most {cap} (the server's --max-logprobs), got {value}", param=param)
 
 
-def _number(key: str, value: Any, path: Path) -> float | int:
+def _number(key: str, value: Any, where: object) -> float | int:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (key in ("top_k", "max_new_tokens") and value != int(value)):
-        raise ValueError(f"{path}: {key} must be a {'whole ' if key in ('top_k', 'max_new_tokens') else ''}"
+        raise ValueError(f"{where}: {key} must be a {'whole ' if key in ('top_k', 'max_new_tokens') else ''}"
                          f"number, got {value!r}")
     return int(value) if key in ("top_k", "max_new_tokens") else float(value)
 
 
-def read_generation_config(path: Path) -> tuple[tuple[str, float | int], ...]:
-    """The sampling defaults of one generation_config.json (keys it does not set are left out). Values are
-    checked as a request's would be, so a bad file fails at start-up, not on every request."""
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object")
-    pairs = tuple((field, _number(key, data[key], path)) for key, field in _KEYS.items()
+    return data
+
+
+def sampling_pairs(data: dict[str, Any], where: object) -> tuple[tuple[str, float | int], ...]:
+    """The sampling defaults a generation config sets (keys it does not set, or sets to null, are left out),
+    checked as a request's would be, so a bad file or flag fails at start-up, not on every request."""
+    pairs = tuple((field, _number(key, data[key], where)) for key, field in _KEYS.items()
                   if data.get(key) is not None)
     try:
         SamplingParams(**dict(pairs))
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
     return pairs
 
 
+def read_generation_config(path: Path) -> tuple[tuple[str, float | int], ...]:
+    """The sampling defaults of one generation_config.json."""
+    return sampling_pairs(_read_json(path), path)
+
+
 def load_request_defaults(generation_config: str, model_dir: Path, max_logprobs: int | None,
-                          vocab_size: int, tokens_as_token_ids: bool = False) -> RequestDefaults:
-    """`auto`: the model folder's file (none: no defaults); `vllm`: no defaults; else a directory holding one.
+                          vocab_size: int, tokens_as_token_ids: bool = False,
+                          overrides: dict[str, Any] | None = None) -> RequestDefaults:
+    """`auto`: the model folder's file (none: no defaults); `vllm`: no defaults; else a directory holding one;
+    then `overrides` (`--override-generation-config`) over them, key by key (a null removes the file's).
     `max_logprobs` -1 means the whole vocabulary (vLLM); any cap is at most the vocabulary."""
     cap = None if max_logprobs is None else (vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size))
-    if generation_config == "vllm":
-        return RequestDefaults(max_logprobs=cap, tokens_as_token_ids=tokens_as_token_ids)
-    path = (model_dir if generation_config == "auto" else Path(generation_config)) / GENERATION_CONFIG
-    if generation_config == "auto" and not path.is_file():
-        return RequestDefaults(max_logprobs=cap, tokens_as_token_ids=tokens_as_token_ids)
-    return RequestDefaults(read_generation_config(path), cap, str(path), tokens_as_token_ids=tokens_as_token_ids)
+    data: dict[str, Any] = {}
+    source: str | None = None
+    if generation_config != "vllm":
+        path = (model_dir if generation_config == "auto" else Path(generation_config)) / GENERATION_CONFIG
+        if generation_config != "auto" or path.is_file():
+            data, source = _read_json(path), str(path)
+            read_generation_config(path)   # the file alone must be valid (its own error names it)
+    if overrides:
+        unknown = sorted(set(overrides) - set(_KEYS))   # refused, not ignored: a typo would change nothing
+        if unknown:
+            raise ValueError(f"--override-generation-config: unknown key(s) {unknown}; the keys are {sorted(_KEYS)}")
+        data = {**data, **overrides}
+        source = f"{source} and --override-generation-config" if source else "--override-generation-config"
+    return RequestDefaults(sampling_pairs(data, source), cap, source, tokens_as_token_ids=tokens_as_token_ids)

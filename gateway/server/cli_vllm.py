@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +47,17 @@ def _generation_config(text: str) -> str:
     if not (Path(text) / "generation_config.json").is_file():
         raise argparse.ArgumentTypeError(f"{text!r} is not auto, vllm or a directory with generation_config.json")
     return text
+
+
+def _generation_overrides(text: str) -> tuple[tuple[str, Any], ...]:
+    """A JSON object of generation-config keys (its keys and values are checked at start-up, with the file's)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError('expected a JSON object, e.g. \'{"temperature": 0.5}\'')
+    return tuple(data.items())
 
 
 def _swap_space(text: str) -> float:
@@ -104,6 +116,10 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", type=_typed(_generation_config, "generation config"), default="auto",
                    metavar="auto|vllm|DIR", help="auto: sampling defaults from the model's generation_config.json "
                    "for requests that omit them; vllm: none; DIR: that folder's generation_config.json")
+    g.add_argument("--override-generation-config", type=_typed(_generation_overrides, "generation config override"),
+                   default=(), metavar="JSON", help="sampling defaults over --generation-config's, e.g. "
+                   "'{\"temperature\": 0.5}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, "
+                   "max_new_tokens; with vllm, the only ones)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help=f"{ALWAYS}: tool_choice auto works without it")
     g.add_argument("--tool-call-parser", type=_tool_call_parser, default=None, metavar="NAME",
@@ -191,7 +207,8 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                      "--max-num-batched-tokens); it cannot be turned off")
     if args.max_logprobs is not None and args.max_logprobs < -1:
         parser.error("--max-logprobs must be >= 0, or -1 for the whole vocabulary")
-    return dict(generation_config=args.generation_config, tool_call_parser=args.tool_call_parser,
+    return dict(generation_config=args.generation_config, override_generation_config=args.override_generation_config,
+                tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser, log_requests=args.enable_log_requests,
                 max_logprobs=args.max_logprobs, uvicorn_log_level=args.uvicorn_log_level,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,

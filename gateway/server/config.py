@@ -5,6 +5,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from core.config import EngineConfig   # torch-free: `loraplex --help` stays fast
 
@@ -67,6 +68,7 @@ class ServerConfig:
     engine_process: bool = True              # --engine-process: the engine core in its own process (issue 27)
     # what the API does with requests and outputs (vLLM's spellings: gateway/server/cli_vllm.py)
     generation_config: str = "auto"          # auto | vllm | a directory holding generation_config.json
+    override_generation_config: tuple[tuple[str, Any], ...] = ()   # (key, value) over its defaults (vLLM's flag)
     tool_call_parser: str | None = None      # a tool-call family (None: read from the chat template)
     reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> text -> reasoning_content
     max_logprobs: int | None = None          # per-request cap (None: 5 on completions, 20 on chat)

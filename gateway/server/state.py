@@ -53,4 +53,5 @@ class GatewayState:
             texts=TokenTexts(aeng.tokenizer),
             metrics=GatewayMetrics(aeng, config.engine.lora.max_loras),
             defaults=load_request_defaults(config.generation_config, facts.model_dir, config.max_logprobs,
-                                           facts.vocab_size, config.return_tokens_as_token_ids))
+                                           facts.vocab_size, config.return_tokens_as_token_ids,
+                                           dict(config.override_generation_config)))

@@ -5,7 +5,7 @@ Two starts cover every flag (tests/test_gateway/cli/test_cli_vllm_flags.py parse
   snapshot has no tokenizer (a hub `--tokenizer` must supply it) and whose generation_config.json carries
   sampling defaults (`--generation-config auto`, the default); `--served-model-name a b`, `--max-logprobs`,
   `--tool-call-parser`, and the flags accepted as no-ops.
-- `local`: a positional model dir with `--chat-template`, `--generation-config vllm`, `--enable-log-requests`
+- `local`: a positional model dir with `--chat-template`, `--generation-config vllm` with `--override-generation-config`, `--enable-log-requests`
   and `--disable-uvicorn-access-log`.
 """
 from __future__ import annotations
@@ -83,7 +83,8 @@ def local(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
     (model / "generation_config.json").write_text(json.dumps(gen))   # ignored: --generation-config vllm
     proc = ServerProcess(model, str(model), "--chat-template", str(TEMPLATES / "llama31_json.jinja"),
                          "--generation-config", "vllm", "--enable-log-requests", "--disable-uvicorn-access-log",
-                         "--uvicorn-log-level", "info", "--max-model-len", "1024")
+                         "--uvicorn-log-level", "info", "--max-model-len", "1024",
+                         "--override-generation-config", '{"max_new_tokens": 5}')
     yield proc
     proc.stop()
 
@@ -113,7 +114,9 @@ def test_generation_config_defaults_act_as_the_explicit_fields(hub: ServerProces
 
 
 def test_generation_config_vllm_ignores_the_file(local: ServerProcess) -> None:
-    """The model's file says top_k 1 and 3 tokens; `vllm` applies neither."""
+    """The model's file says top_k 1 and 3 tokens; `vllm` applies neither, only --override-generation-config's
+    5 tokens."""
+    assert completion(local, seed=5)["usage"]["completion_tokens"] == 5
     plain = completion(local, seed=5, max_tokens=7)
     assert plain["usage"]["completion_tokens"] == 7
     assert plain["choices"][0]["text"] == completion(local, seed=5, max_tokens=7, top_k=0)["choices"][0]["text"]

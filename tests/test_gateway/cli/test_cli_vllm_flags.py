@@ -49,7 +49,7 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--swap-space", "4", "--trust-remote-code", "--enable-prefix-caching",
                 "--served-model-name", "m1", "m2", "--max-logprobs", "40", "--tokenizer", "org/tok",
                 "--revision", "v2", "--download-dir", str(tmp_path), "--max-lora-rank", "16",
-                "--return-tokens-as-token-ids")
+                "--return-tokens-as-token-ids", "--override-generation-config", '{"temperature": 0.5}')
     eng = cfg.engine
     assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
@@ -60,7 +60,7 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
     assert eng.cache.enable_prefix_caching
     assert eng.trust_remote_code and cfg.max_logprobs == 40 and eng.lora.max_lora_rank == 16
     assert (eng.tokenizer, eng.revision, eng.download_dir) == ("org/tok", "v2", str(tmp_path))
-    assert cfg.return_tokens_as_token_ids
+    assert cfg.return_tokens_as_token_ids and cfg.override_generation_config == (("temperature", 0.5),)
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
@@ -102,6 +102,8 @@ def test_chat_template_as_text() -> None:
     (["--chat-template", "/no/such/template.jinja"], "looks like a file path"),
     (["--chat-template", "{% for m in messages %}"], "not a valid Jinja template"),
     (["--max-logprobs", "-2"], "--max-logprobs"),
+    (["--override-generation-config", "temperature=0.5"], "not JSON"),
+    (["--override-generation-config", "[1]"], "expected a JSON object"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--lora-modules", '{"name": "a"}'], "--lora-modules"),
     (["--lora-modules", '{"name": "a", "path": "/p", "rank": 4}'], "unknown keys"),
@@ -138,6 +140,17 @@ def test_generation_config_modes(tmp_path: Path) -> None:
     assert load_request_defaults("auto", tmp_path / "gen-less", None, 1000).sampling == ()  # no file: none
     assert load_request_defaults("vllm", tmp_path, -1, 1000).max_logprobs == 1000        # -1: the vocabulary
     assert load_request_defaults("vllm", tmp_path, 5000, 1000).max_logprobs == 1000
+    # --override-generation-config: over the file's key by key (null removes one), alone with vllm
+    over = load_request_defaults("auto", tmp_path, None, 1000, overrides={"temperature": 0.2, "top_k": None})
+    assert dict(over.sampling) == {"temperature": 0.2, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1,
+                                   "max_tokens": 64}
+    assert over.source == f"{tmp_path / 'generation_config.json'} and --override-generation-config"
+    alone = load_request_defaults("vllm", tmp_path, None, 1000, overrides={"max_new_tokens": 7})
+    assert dict(alone.sampling) == {"max_tokens": 7} and alone.source == "--override-generation-config"
+    with pytest.raises(ValueError, match="unknown key.*temprature"):
+        load_request_defaults("auto", tmp_path, None, 1000, overrides={"temprature": 0.2})
+    with pytest.raises(ValueError, match="--override-generation-config.*top_p"):
+        load_request_defaults("vllm", tmp_path, None, 1000, overrides={"top_p": 2})
     # --return-tokens-as-token-ids: off unless given, whichever way the defaults were found (a file or none)
     for mode, folder in (("auto", tmp_path), ("auto", tmp_path / "gen-less"), ("vllm", tmp_path)):
         assert not load_request_defaults(mode, folder, None, 1000).tokens_as_token_ids
