@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -344,7 +345,13 @@ def build_app(state: GatewayState) -> Starlette:
     ]
     if state.config.admin_token:
         routes += admin_routes()
-    app = Starlette(routes=routes, middleware=[Middleware(GatewayMiddleware, state=state)],
+    middleware = [Middleware(GatewayMiddleware, state=state)]
+    cfg = state.config
+    if cfg.allowed_origins:   # --allowed-origins (vLLM's CORS flags): outermost, so a preflight needs no API key
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                                        allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                                        allow_credentials=cfg.allow_credentials, expose_headers=["X-Request-Id"]))
+    app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={HTTPException: http_exception_handler, Exception: unhandled_exception_handler})
     app.state.gateway = state
     return app

@@ -60,6 +60,17 @@ def _generation_overrides(text: str) -> tuple[tuple[str, Any], ...]:
     return tuple(data.items())
 
 
+def _string_list(text: str) -> tuple[str, ...]:
+    """vLLM's CORS flags: a JSON list of strings, e.g. '["https://app.example.com"]' or '["*"]'."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); expected a list such as '[\"*\"]'") from None
+    if not isinstance(data, list) or not all(isinstance(x, str) and x for x in data):
+        raise argparse.ArgumentTypeError('expected a JSON list of non-empty strings, such as \'["*"]\'')
+    return tuple(data)
+
+
 def _swap_space(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -147,6 +158,15 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
                    help="on by default; --no-enable-prefix-caching is --no-prefix-caching")
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help="per-request logprobs cap (default: 5 on completions, 20 on chat; -1: the vocabulary)")
+    g.add_argument("--allowed-origins", type=_typed(_string_list, "origin list"), default=(), metavar="JSON",
+                   help="CORS: origins a browser page may call from, e.g. '[\"https://app.example.com\"]' or "
+                        "'[\"*\"]' (default: none, no CORS headers; vLLM's default is every origin)")
+    g.add_argument("--allowed-methods", type=_typed(_string_list, "method list"), default=("*",), metavar="JSON",
+                   help="CORS: the methods allowed (default '[\"*\"]'; only with --allowed-origins)")
+    g.add_argument("--allowed-headers", type=_typed(_string_list, "header list"), default=("*",), metavar="JSON",
+                   help="CORS: the request headers allowed (default '[\"*\"]'; only with --allowed-origins)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies); only with --allowed-origins")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids overrides)")
     g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
@@ -212,4 +232,6 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                 reasoning_parser=args.reasoning_parser, log_requests=args.enable_log_requests,
                 max_logprobs=args.max_logprobs, uvicorn_log_level=args.uvicorn_log_level,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

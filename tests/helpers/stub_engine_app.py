@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from starlette.testclient import TestClient
 
@@ -39,10 +41,12 @@ STATS = msgspec.structs.replace(IDLE_STATS, kv_usage=0.25, num_prompt_tokens=7, 
                                 num_prefix_queries_tokens=10, num_prefix_hit_tokens=4)
 
 
-def client(alive: bool = True, api_key: str | None = None, ready: bool | None = None) -> TestClient:
+def client(alive: bool = True, api_key: str | None = None, ready: bool | None = None, **server: Any) -> TestClient:
+    """`server`: more ServerConfig fields (e.g. allowed_origins)."""
     engine = FakeEngine(FakeTokenizer(), alive=alive, ready=ready, stats=STATS,
                         warmup_progress=WarmupProgress(7, 24, 3.14))
-    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base", api_key=api_key)
+    config = ServerConfig(engine=EngineConfig(model="/models/base"), served_model_name="base", api_key=api_key,
+                          **server)
     state = GatewayState(config=config, aeng=engine, models=ServedModels("base", "/models/base"),
                          encoder=PromptEncoder(engine.tokenizer, 100), texts=TokenTexts(engine.tokenizer),
                          metrics=GatewayMetrics(engine, max_loras=8))

@@ -49,7 +49,9 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--swap-space", "4", "--trust-remote-code", "--enable-prefix-caching",
                 "--served-model-name", "m1", "m2", "--max-logprobs", "40", "--tokenizer", "org/tok",
                 "--revision", "v2", "--download-dir", str(tmp_path), "--max-lora-rank", "16",
-                "--return-tokens-as-token-ids", "--override-generation-config", '{"temperature": 0.5}')
+                "--return-tokens-as-token-ids", "--override-generation-config", '{"temperature": 0.5}',
+                "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
+                "--allowed-headers", '["authorization"]', "--allow-credentials")
     eng = cfg.engine
     assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
@@ -61,6 +63,8 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
     assert eng.trust_remote_code and cfg.max_logprobs == 40 and eng.lora.max_lora_rank == 16
     assert (eng.tokenizer, eng.revision, eng.download_dir) == ("org/tok", "v2", str(tmp_path))
     assert cfg.return_tokens_as_token_ids and cfg.override_generation_config == (("temperature", 0.5),)
+    assert (cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers, cfg.allow_credentials) == \
+        (("https://a.example",), ("GET", "POST"), ("authorization",), True)
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
@@ -69,7 +73,7 @@ def test_defaults_keep_loraplex_behaviour() -> None:
     assert cfg.served_model_names == ("/m",) and cfg.generation_config == "auto" and cfg.tool_call_parser is None
     assert eng.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
     assert eng.cache.enable_prefix_caching and cfg.uvicorn_log_level is None and not eng.trust_remote_code
-    assert not cfg.return_tokens_as_token_ids
+    assert not cfg.return_tokens_as_token_ids and cfg.allowed_origins == () and not cfg.allow_credentials
     assert (eng.tokenizer, eng.revision, eng.download_dir) == (None, None, None)
 
 
@@ -104,6 +108,8 @@ def test_chat_template_as_text() -> None:
     (["--max-logprobs", "-2"], "--max-logprobs"),
     (["--override-generation-config", "temperature=0.5"], "not JSON"),
     (["--override-generation-config", "[1]"], "expected a JSON object"),
+    (["--allowed-origins", "*"], "not JSON"),
+    (["--allowed-origins", '"*"'], "expected a JSON list"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--lora-modules", '{"name": "a"}'], "--lora-modules"),
     (["--lora-modules", '{"name": "a", "path": "/p", "rank": 4}'], "unknown keys"),

@@ -1,0 +1,48 @@
+"""vLLM's CORS flags (`--allowed-origins`, `--allowed-methods`, `--allowed-headers`, `--allow-credentials`), in-process
+with a stand-in engine: no CORS headers unless origins are given; with them, a browser's preflight is answered
+before the API key is checked (a preflight carries none), and the answers carry the allowed origin."""
+from __future__ import annotations
+
+from stub_engine_app import client
+
+SITE = "https://app.example.com"
+PREFLIGHT = {"Origin": SITE, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+BODY = {"model": "base", "prompt": "x", "max_tokens": 1}
+
+
+def test_no_cors_unless_origins_are_given() -> None:
+    c = client(api_key="sk-1")
+    resp = c.options("/v1/completions", headers=PREFLIGHT)
+    assert "access-control-allow-origin" not in resp.headers and resp.status_code != 200
+    resp = c.get("/v1/models", headers={"Origin": SITE, "Authorization": "Bearer sk-1"})
+    assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+
+
+def test_allowed_origin_preflight_and_answers() -> None:
+    c = client(api_key="sk-1", allowed_origins=(SITE,))
+    resp = c.options("/v1/completions", headers=PREFLIGHT)      # no API key: a preflight never has one
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == SITE
+    assert "POST" in resp.headers["access-control-allow-methods"]
+    assert "authorization" in resp.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-credentials" not in resp.headers
+    resp = c.get("/v1/models", headers={"Origin": SITE, "Authorization": "Bearer sk-1"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == SITE
+    assert "x-request-id" in resp.headers["access-control-expose-headers"].lower()
+    denied = c.post("/v1/completions", json=BODY, headers={"Origin": SITE})   # the key is still required
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == SITE
+    other = c.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_wildcard_and_narrowed_methods_and_credentials() -> None:
+    c = client(allowed_origins=("*",), allowed_methods=("GET",), allowed_headers=("authorization",),
+               allow_credentials=True)
+    resp = c.options("/v1/completions", headers=PREFLIGHT)
+    assert resp.status_code == 400    # POST and content-type are not allowed
+    ok = c.options("/v1/models", headers={"Origin": SITE, "Access-Control-Request-Method": "GET",
+                                          "Access-Control-Request-Headers": "authorization"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-credentials"] == "true"
+    assert ok.headers["access-control-allow-origin"] == SITE   # with credentials the origin is echoed, never "*"
