@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import ssl
 from pathlib import Path
 from typing import Any, Callable
 
@@ -167,6 +168,11 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
                    help="CORS: the request headers allowed (default '[\"*\"]'; only with --allowed-origins)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials (cookies); only with --allowed-origins")
+    g.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS: the certificate (chain) file")
+    g.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key (if not in it)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="PEM", help="CA certificates to verify clients' with")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                   help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids overrides)")
     g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
@@ -220,6 +226,27 @@ def vllm_engine_fields(args: argparse.Namespace) -> dict[str, Any]:
                 download_dir=args.download_dir, trust_remote_code=args.trust_remote_code)
 
 
+def check_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The --ssl-* files load as uvicorn will load them, before the model does (a bad path is a start-up error in a
+    second, not after the model's minutes)."""
+    if args.ssl_certfile is None:
+        for flag in ("ssl_keyfile", "ssl_ca_certs"):
+            if getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} needs --ssl-certfile")
+        if args.ssl_cert_reqs:
+            parser.error("--ssl-cert-reqs needs --ssl-certfile")
+        return
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        parser.error("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CAs client certificates are checked with)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        parser.error(f"--ssl-certfile / --ssl-keyfile / --ssl-ca-certs: cannot load: {exc}")
+
+
 def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """ServerConfig fields set by the vLLM flags (besides the served names)."""
     if args.enable_chunked_prefill is False:
@@ -227,6 +254,7 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                      "--max-num-batched-tokens); it cannot be turned off")
     if args.max_logprobs is not None and args.max_logprobs < -1:
         parser.error("--max-logprobs must be >= 0, or -1 for the whole vocabulary")
+    check_tls(args, parser)
     return dict(generation_config=args.generation_config, override_generation_config=args.override_generation_config,
                 tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser, log_requests=args.enable_log_requests,
@@ -234,4 +262,6 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

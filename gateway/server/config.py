@@ -77,6 +77,11 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # TLS on the API port (vLLM's --ssl-* flags; uvicorn's): a PEM certificate chain and its key, client CAs
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0                   # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED (client certificates)
     return_tokens_as_token_ids: bool = False   # logprob tokens named "token_id:<id>" unless a request says
 
     @property
@@ -85,12 +90,12 @@ class ServerConfig:
 
     @property
     def url(self) -> str:
-        return self._url(self.port)
+        return self._url(self.port, tls=self.ssl_certfile is not None)
 
     @property
     def metrics_url(self) -> str | None:
         return None if self.metrics_port is None else self._url(self.metrics_port) + "/metrics"
 
-    def _url(self, port: int) -> str:
+    def _url(self, port: int, tls: bool = False) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{port}"
+        return f"{'https' if tls else 'http'}://{host}:{port}"
