@@ -14,6 +14,7 @@ from core.environment.variables import ENGINE_PROCESS, check_all
 from gateway.server.cli_vllm import (add_vllm_arguments, lora_modules, prefix_caching, resolve_model, served_names,
                                      vllm_engine_fields, vllm_server_fields)
 from gateway.server.config import DEMO_SERVED_NAME, ServerConfig, parse_bytes, parse_lora_spec
+from gateway.server.config_file import expand_config
 from gateway.server.listeners import ListenError, bind_ports
 from gateway.tenancy.tenants import TenantFileError, load_tenant_file
 from core.spec import SpeculativeConfig, SpeculativeConfigError
@@ -43,10 +44,31 @@ _MS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of milliseconds
 _SECONDS = _typed(float, lambda v: 0.0 <= v < float("inf"), "a number of seconds >= 0")  # type: ignore[operator]
 
 
+class _Parser(argparse.ArgumentParser):
+    """The `loraplex` parser: `serve --config FILE` (gateway/server/config_file.py) expands before parsing."""
+
+    serve: argparse.ArgumentParser | None = None
+
+    def parse_known_args(self, args: Sequence[str] | None = None,   # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        if self.serve is not None and argv[:1] == ["serve"] and any(a == "--config" or a.startswith("--config=")
+                                                                     for a in argv):
+            try:
+                argv = ["serve", *expand_config(argv[1:], self.serve)]
+            except ValueError as exc:
+                self.serve.error(str(exc))
+        return super().parse_known_args(argv, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA LLM serving engine.")
+    parser = _Parser(prog="loraplex", description="Multi-LoRA LLM serving engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    s = sub.add_parser("serve", help="serve a base model (and its LoRA adapters) over an OpenAI-compatible API")
+    s = parser.serve = sub.add_parser("serve", help="serve a base model (and its LoRA adapters) over an "
+                                      "OpenAI-compatible API")
+    s.add_argument("--config", default=None, metavar="YAML",
+                   help="vLLM's flags file: a YAML mapping of these flags (model, port, max-model-len: ...); "
+                        "a flag also given on the command line takes the command line's value")
     s.add_argument("--model", default=None, help="local HF model dir or hub id (default: the embedded demo model)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) of the base model in the API (default: --model); answers carry the first")
