@@ -341,8 +341,9 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route(LIVENESS_PATH, liveness, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if state.config.openapi:
+        routes.append(Route("/openapi.json", openapi, methods=["GET"]))
     if state.config.admin_token:
         routes += admin_routes()
     middleware = [Middleware(GatewayMiddleware, state=state)]

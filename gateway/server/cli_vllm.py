@@ -72,6 +72,19 @@ def _string_list(text: str) -> tuple[str, ...]:
     return tuple(data)
 
 
+def _tokenizer_mode(text: str) -> str:
+    if text not in ("auto", "hf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: loraplex loads the HF fast tokenizer "
+                                         f"(auto; hf is its other name)")
+    return text
+
+
+def _lora_dtype(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: adapters take the model's dtype (auto)")
+    return text
+
+
 def _swap_space(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -151,6 +164,12 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help=f"{ALWAYS}: chunked prefill is always on; --no-enable-chunked-prefill is refused")
     g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", metavar="auto")
+    g.add_argument("--tokenizer-mode", type=_tokenizer_mode, default="auto", metavar="auto",
+                   help=f"{ALWAYS}: the HF fast tokenizer (auto, hf); slow, mistral and custom are refused")
+    g.add_argument("--lora-dtype", type=_lora_dtype, default="auto", metavar="auto",
+                   help=f"{ALWAYS}: adapters take the model's dtype; other values are refused")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /openapi.json (vLLM's flag also removes /docs and /redoc, which loraplex does not serve)")
     g.add_argument("--swap-space", type=_typed(_swap_space, "GiB"), default=None, metavar="GiB",
                    help=f"{ALWAYS}: preempted requests are recomputed, never swapped")
     g.add_argument("--trust-remote-code", action="store_true",
@@ -259,7 +278,7 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                 tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser, log_requests=args.enable_log_requests,
                 max_logprobs=args.max_logprobs, uvicorn_log_level=args.uvicorn_log_level,
-                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids, openapi=not args.disable_fastapi_docs,
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,

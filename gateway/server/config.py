@@ -72,6 +72,7 @@ class ServerConfig:
     tool_call_parser: str | None = None      # a tool-call family (None: read from the chat template)
     reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> text -> reasoning_content
     max_logprobs: int | None = None          # per-request cap (None: 5 on completions, 20 on chat)
+    openapi: bool = True                     # GET /openapi.json (vLLM's --disable-fastapi-docs turns it off)
     # CORS (vLLM's --allowed-origins etc.): no CORS headers unless origins are given (vLLM's default is "*")
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)

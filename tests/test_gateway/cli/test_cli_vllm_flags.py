@@ -51,7 +51,8 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--revision", "v2", "--download-dir", str(tmp_path), "--max-lora-rank", "16",
                 "--return-tokens-as-token-ids", "--override-generation-config", '{"temperature": 0.5}',
                 "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
-                "--allowed-headers", '["authorization"]', "--allow-credentials")
+                "--allowed-headers", '["authorization"]', "--allow-credentials", "--tokenizer-mode", "auto",
+                "--lora-dtype", "auto", "--disable-fastapi-docs")
     eng = cfg.engine
     assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
@@ -65,6 +66,7 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
     assert cfg.return_tokens_as_token_ids and cfg.override_generation_config == (("temperature", 0.5),)
     assert (cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers, cfg.allow_credentials) == \
         (("https://a.example",), ("GET", "POST"), ("authorization",), True)
+    assert not cfg.openapi
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
@@ -74,6 +76,7 @@ def test_defaults_keep_loraplex_behaviour() -> None:
     assert eng.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
     assert eng.cache.enable_prefix_caching and cfg.uvicorn_log_level is None and not eng.trust_remote_code
     assert not cfg.return_tokens_as_token_ids and cfg.allowed_origins == () and not cfg.allow_credentials
+    assert cfg.openapi
     assert (eng.tokenizer, eng.revision, eng.download_dir) == (None, None, None)
 
 
@@ -109,6 +112,8 @@ def test_chat_template_as_text() -> None:
     (["--override-generation-config", "temperature=0.5"], "not JSON"),
     (["--override-generation-config", "[1]"], "expected a JSON object"),
     (["--allowed-origins", "*"], "not JSON"),
+    (["--tokenizer-mode", "mistral"], "HF fast tokenizer"),
+    (["--lora-dtype", "float16"], "adapters take the model's dtype"),
     (["--allowed-origins", '"*"'], "expected a JSON list"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--lora-modules", '{"name": "a"}'], "--lora-modules"),

@@ -1,6 +1,7 @@
-"""vLLM's CORS flags (`--allowed-origins`, `--allowed-methods`, `--allowed-headers`, `--allow-credentials`), in-process
-with a stand-in engine: no CORS headers unless origins are given; with them, a browser's preflight is answered
-before the API key is checked (a preflight carries none), and the answers carry the allowed origin."""
+"""vLLM's HTTP flags, in-process with a stand-in engine. CORS (`--allowed-origins`, `--allowed-methods`,
+`--allowed-headers`, `--allow-credentials`): no CORS headers unless origins are given; with them, a browser's
+preflight is answered before the API key is checked (a preflight carries none), and the answers carry the allowed
+origin. `--disable-fastapi-docs`: no /openapi.json."""
 from __future__ import annotations
 
 from stub_engine_app import client
@@ -46,3 +47,9 @@ def test_wildcard_and_narrowed_methods_and_credentials() -> None:
                                           "Access-Control-Request-Headers": "authorization"})
     assert ok.status_code == 200 and ok.headers["access-control-allow-credentials"] == "true"
     assert ok.headers["access-control-allow-origin"] == SITE   # with credentials the origin is echoed, never "*"
+
+
+def test_disable_fastapi_docs_removes_the_openapi_document() -> None:
+    """vLLM's --disable-fastapi-docs: no /openapi.json (served by default)."""
+    assert client().get("/openapi.json").status_code == 200
+    assert client(openapi=False).get("/openapi.json").status_code == 404
