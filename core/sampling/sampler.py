@@ -61,7 +61,7 @@ class SamplingBatch:
             floats, ints = floats.pin_memory(), ints.pin_memory()
         floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
         return SamplingBatch(
-            temperatures=floats[:n], top_ps=floats[n:], top_ks=ints[:n], seeds=ints[n:2 * n],
+            temperatures=floats[:n], top_ps=floats[n:2 * n], top_ks=ints[:n], seeds=ints[n:2 * n],
             steps=ints[2 * n:],
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(k < vocab_size for k in top_ks),
@@ -87,7 +87,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         drop = ranks >= batch.top_ks[:, None]
         if batch.need_top_p:
             probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            drop |= (probs.cumsum(dim=-1) - probs) > batch.top_ps[:, None]              # keeps the top token
+            # keeps the top token; rows with top_p 1 keep every token: their float32 cumsum can pass 1 before
+            # the tail (vocab 152k: up to ~1e-5 of the mass), which would make them depend on the batch's other rows
+            drop |= ((probs.cumsum(dim=-1) - probs) > batch.top_ps[:, None]) & (batch.top_ps < 1.0)[:, None]
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     probs = x.softmax(dim=-1).to(torch.float64)
