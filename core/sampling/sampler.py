@@ -98,13 +98,38 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
+def ranked_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest entries of each row of `logp` [N, V], values and ids [N, k], in one strict order: larger
+    value first, among equal values the lower token id. A row's top j is then the first j of its top k whatever
+    k is (`topk` breaks ties as its kernel and k fall: a grammar's -inf tokens, bf16 logits' equal values), so a
+    request's alternatives never depend on the `logprobs` that other rows of its batch ask for."""
+    num, vocab = logp.shape
+    k = min(max(k, 0), vocab)
+    vals, ids = logp.topk(k, dim=-1)                                                   # [N, k] values canonical
+    if k == 0 or num == 0:
+        return vals, ids
+    bound = vals[:, -1:]                                                               # [N, 1] the k-th value
+    # the tokens equal to the k-th value, lowest id first (ids are exact in float32: vocab < 2^24)
+    neg_ids = -torch.arange(vocab, device=logp.device, dtype=torch.float32)                        # [V]
+    lowest = torch.where(logp == bound, neg_ids, float("-inf")).topk(k, dim=-1).indices            # [N, k]
+    # the last n positions hold the value `bound`: they take its n lowest ids
+    n_bound = (vals == bound).sum(dim=-1, keepdim=True)                                            # [N, 1]
+    pos = torch.arange(k, device=logp.device)[None, :] - (k - n_bound)                              # [N, k]
+    ids = torch.where(pos >= 0, lowest.gather(1, pos.clamp(min=0)), ids)
+    # equal values above the bound are all in: order them by id (stable sort by value over id order)
+    by_id = ids.argsort(dim=-1)
+    ids, vals = ids.gather(1, by_id), vals.gather(1, by_id)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
+
+
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                      num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of the model's raw distribution, on the device: of the chosen tokens [N], and the
-    top `num_top` values and ids [N, k] (k may be 0)."""
+    top `num_top` values and ids [N, k] (k may be 0; `ranked_topk`'s order)."""
     logp = logits.log_softmax(dim=-1)                                                 # [N, V]
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)                                # [N]
-    vals, ids = logp.topk(min(max(num_top, 0), logp.shape[-1]), dim=-1)                # [N, k]
+    vals, ids = ranked_topk(logp, num_top)                                             # [N, k]
     return chosen, vals, ids
 
 

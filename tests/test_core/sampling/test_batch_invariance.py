@@ -1,5 +1,6 @@
-"""A seeded request's tokens are a function of the request alone: the other rows of its batch (their top_p,
-min_p, ...) never change what the sampler draws for it, and no combination of filters in a batch fails it."""
+"""A request's tokens and log-probs are a function of the request alone: the other rows of its batch (their top_p,
+min_p, logprobs, ...) never change what the sampler draws for it or the alternatives it reports, and no
+combination of filters in a batch fails it."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from testlib import model_dir
 from core import LLM, SamplingParams
-from core.sampling.sampler import SamplingBatch, hashed_uniform, sample
+from core.sampling.sampler import SamplingBatch, compute_logprobs, hashed_uniform, sample
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,39 @@ def test_other_rows_top_p_never_trims_a_row_without_top_p() -> None:
     alone = sample(logits, _batch([1.0] * num_seeds, seeds, vocab))
     mixed = sample(torch.cat([logits, logits]), _batch([1.0] * num_seeds + [0.5] * num_seeds, seeds * 2, vocab))
     assert torch.equal(mixed[:num_seeds], alone)
+
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+    "type": "object", "properties": {"answer": {"type": "string", "enum": ["forty-two"]}},
+    "required": ["answer"], "additionalProperties": False}}}
+
+
+def test_top_logprobs_never_depend_on_what_other_rows_ask() -> None:
+    """A row's top j alternatives are the first j of its top k for any k: larger log-prob first, equal ones by
+    token id (a grammar's -inf tokens, bf16 logits' equal values). The step computes its batch's largest k once,
+    and `topk` broke ties differently for another k."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 300, generator=gen) * 2).round() / 2                  # [N, V] many equal values
+    logits[:3] = logits[:3].masked_fill(torch.rand(3, 300, generator=gen) < 0.97, float("-inf"))
+    tokens = logits.argmax(dim=-1)
+    _, vals, ids = compute_logprobs(logits, tokens, 20)
+    for k in (1, 2, 3, 5, 8):
+        _, vals_k, ids_k = compute_logprobs(logits, tokens, k)
+        assert torch.equal(ids_k, ids[:, :k]) and torch.equal(vals_k, vals[:, :k])
+    for row, (row_vals, row_ids) in enumerate(zip(vals.tolist(), ids.tolist())):
+        assert row_vals == sorted(row_vals, reverse=True)
+        ties = [i for v, i in zip(row_vals, row_ids) if v == row_vals[-1]]
+        assert ties == sorted(ties)                                        # the lowest ids of the last value
+        assert ties[0] == min(t for t in range(300) if logits[row, t] == logits[row, row_ids[-1]])
+
+
+def test_constrained_alternatives_alone_and_batched(llm: LLM) -> None:
+    """A JSON-schema request with logprobs 2 whose grammar allows one token at some steps (its other
+    alternatives are -inf) reports the same alternatives alone and beside a request asking for 5."""
+    p = SamplingParams(max_tokens=30, temperature=0.0, logprobs=2)
+    alone = llm.generate(["Q:"], p, response_format=SCHEMA)[0].outputs[0]
+    mixed = llm.generate(["Q:", "x"], [p, SamplingParams(max_tokens=5, temperature=0.0, logprobs=5)],
+                         response_format=[SCHEMA, None])[0].outputs[0]
+    assert alone.token_ids == mixed.token_ids
+    assert any(top[1][1] == float("-inf") for _, _, top in alone.logprobs)      # the case is exercised
+    assert [top for _, _, top in mixed.logprobs] == [top for _, _, top in alone.logprobs]
