@@ -82,7 +82,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < batch.min_ps * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if batch.need_top_k or batch.need_top_p:
-        sorted_x, order = x.sort(dim=-1, descending=True)                               # [N, V]
+        # stable: equal logits keep token-id order (top_k 1 keeps what greedy picks), whatever sort kernel runs
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)                  # [N, V]
         ranks = torch.arange(x.shape[-1], device=x.device)[None, :]
         drop = ranks >= batch.top_ks[:, None]
         if batch.need_top_p:

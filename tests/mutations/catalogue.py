@@ -222,6 +222,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Edit("core/sampling/sampler.py", " & (batch.top_ps < 1.0)[:, None]", ""),),
         ("tests/test_core/sampling/test_batch_invariance.py",)),
     Mutation(
+        "sampler-unstable-sort", "equal logits at the top-k / top-p boundary are kept in the sort kernel's order",
+        (Edit("core/sampling/sampler.py", "x.sort(dim=-1, descending=True, stable=True)",
+              "x.sort(dim=-1, descending=True)"),),
+        ("tests/test_core/sampling/test_batch_invariance.py",)),
+    Mutation(
         "logprobs-topk-ties-by-kernel", "top logprobs break ties as topk does for the batch's largest k",
         (Edit("core/sampling/sampler.py", "    vals, ids = ranked_topk(logp, num_top)",
               "    vals, ids = logp.topk(min(max(num_top, 0), logp.shape[-1]), dim=-1)"),),

@@ -54,6 +54,26 @@ def test_other_rows_top_p_never_trims_a_row_without_top_p() -> None:
     assert torch.equal(mixed[:num_seeds], alone)
 
 
+
+def test_top_k_1_with_tied_logits_keeps_the_greedy_token() -> None:
+    """Equal logits at the top-k (or top-p) boundary: the lower token id is kept, the one greedy picks (argmax:
+    the first), so top_k 1 or a tiny top_p samples greedily even on ties (bf16 logits tie often). The sort
+    before the filters was unstable: equal values came in an arbitrary order (here top_k 2 kept 7 and 300), on
+    a GPU one that could follow the kernel (the batch's shape)."""
+    vocab, num_seeds = 512, 32
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    row[[40, 300, 7]] = row.max() + 1.0                                           # a three-way tie at the top
+    logits = row.expand(num_seeds, vocab).contiguous()
+    seeds = list(range(num_seeds))
+    for top_k, top_p in ((1, 1.0), (vocab, 1e-6), (2, 1.0)):
+        batch = SamplingBatch(temperatures=torch.ones(num_seeds), top_ps=torch.full((num_seeds,), top_p),
+                              top_ks=torch.full((num_seeds,), top_k, dtype=torch.int64), seeds=torch.tensor(seeds),
+                              steps=torch.zeros(num_seeds, dtype=torch.int64), all_greedy=False,
+                              need_top_k=top_k < vocab, need_top_p=top_p < 1.0, max_logprobs=-1)
+        drawn = set(sample(logits, batch).tolist())
+        assert drawn == ({7} if top_k == 1 or top_p < 1.0 else {7, 40}), (top_k, top_p, drawn)
+
+
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "enum": ["forty-two"]}},
     "required": ["answer"], "additionalProperties": False}}}
