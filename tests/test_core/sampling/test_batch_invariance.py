@@ -108,3 +108,4 @@ def test_constrained_alternatives_alone_and_batched(llm: LLM) -> None:
     assert alone.token_ids == mixed.token_ids
     assert any(top[1][1] == float("-inf") for _, _, top in alone.logprobs)      # the case is exercised
     assert [top for _, _, top in mixed.logprobs] == [top for _, _, top in alone.logprobs]
+
