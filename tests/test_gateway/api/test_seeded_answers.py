@@ -93,3 +93,12 @@ def test_chat_equals_the_completion_of_its_prompt(http: httpx.Client) -> None:
     chunks = _stream(http, "/v1/chat/completions", messages=messages, logprobs=True, top_logprobs=3, **SAMPLED)
     assert sum((c["choices"][0]["logprobs"]["content"] for c in chunks
                 if c["choices"] and c["choices"][0].get("logprobs")), []) == content
+
+
+def test_every_int64_seed_is_served(http: httpx.Client) -> None:
+    """`seed` takes the whole signed 64-bit range (OpenAI's and vLLM's; the top 128 values were a 400), also with
+    n > 1, whose last choices' seeds pass 2^63 - 1."""
+    for seed in (2**63 - 1, -2**63):
+        body = dict(prompt="x", max_tokens=4, temperature=1.0, seed=seed, n=3, ignore_eos=True)
+        first, again = (_post(http, "/v1/completions", **body) for _ in range(2))
+        assert len(first["choices"]) == 3 and first["choices"] == again["choices"]
