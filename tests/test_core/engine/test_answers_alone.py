@@ -23,7 +23,8 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
 
 
 PROMPT = "def fibonacci(n):\n    return"
-OTHERS = ["import os\nimport sys\n\n" * 3, "x", "class Cache:\n    def __init__(self, size):\n" * 5, "for i in range(9):"]
+OTHERS = ["import os\nimport sys\n\n" * 3, "x", "class Cache:\n    def __init__(self, size):\n" * 5,
+          "for i in range(9):"]
 
 
 def _targets() -> list[tuple[str, SamplingParams, str | None, dict | None]]:
