@@ -219,7 +219,7 @@ class _SamplingFields(_Strict):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
-    seed: Optional[int] = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX - MAX_N)  # children use seed + i
+    seed: Optional[int] = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)   # child i: seed + i (engine: mod 2^63)
     stop: Union[str, Annotated[list[str], bounded(MAX_STOP_STRINGS, "stop strings")], None] = None
     stop_token_ids: Optional[Annotated[list[int], bounded(MAX_STOP_TOKEN_IDS, "stop_token_ids"),
                                        Field(max_length=MAX_STOP_TOKEN_IDS)]] = None

@@ -50,6 +50,9 @@ class SamplingParams:
     cache_salt: str | None = None   # vLLM: only requests with the same salt share prefix-cache KV
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):   # vLLM's defaults are None
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -20,6 +20,7 @@ from core.engine.outputs import RankedLogprob, TokenLogprob
 from core.engine.request import Request
 from core.execution.runner import HostBatch
 from core.engine.fault_isolation import check_ids, fault_of, is_fatal
+from core.sampling.sampler import ranked_topk
 
 
 def wants_prompt_logprobs(req: Request) -> bool:
@@ -85,7 +86,7 @@ def _record(req: Request, start: int, part: torch.Tensor) -> None:
     ranks = ((part > chosen_t).sum(dim=-1) + 1).tolist()                                       # [p] 1 = best
     chosen = chosen_t.squeeze(1).tolist()
     k = req.sampling_params.prompt_logprobs or 0
-    vals, ids = part.topk(min(k, part.shape[-1]), dim=-1)                                     # [p, k]
+    vals, ids = ranked_topk(part, k)                                                          # [p, k]
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None] * req.num_prompt_tokens
     for j, (c, rank, top_ids, top_vals) in enumerate(zip(chosen, ranks, ids.tolist(), vals.tolist())):

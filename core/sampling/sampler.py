@@ -61,7 +61,7 @@ class SamplingBatch:
             floats, ints = floats.pin_memory(), ints.pin_memory()
         floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
         return SamplingBatch(
-            temperatures=floats[:n], top_ps=floats[n:], top_ks=ints[:n], seeds=ints[n:2 * n],
+            temperatures=floats[:n], top_ps=floats[n:2 * n], top_ks=ints[:n], seeds=ints[n:2 * n],
             steps=ints[2 * n:],
             all_greedy=all(p.greedy for p in ps),
             need_top_k=any(k < vocab_size for k in top_ks),
@@ -82,12 +82,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < batch.min_ps * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if batch.need_top_k or batch.need_top_p:
-        sorted_x, order = x.sort(dim=-1, descending=True)                               # [N, V]
+        # stable: equal logits keep token-id order (top_k 1 keeps what greedy picks), whatever sort kernel runs
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)                  # [N, V]
         ranks = torch.arange(x.shape[-1], device=x.device)[None, :]
         drop = ranks >= batch.top_ks[:, None]
         if batch.need_top_p:
             probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            drop |= (probs.cumsum(dim=-1) - probs) > batch.top_ps[:, None]              # keeps the top token
+            # keeps the top token; rows with top_p 1 keep every token: their float32 cumsum can pass 1 before
+            # the tail (vocab 152k: up to ~1e-5 of the mass), which would make them depend on the batch's other rows
+            drop |= ((probs.cumsum(dim=-1) - probs) > batch.top_ps[:, None]) & (batch.top_ps < 1.0)[:, None]
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     probs = x.softmax(dim=-1).to(torch.float64)
@@ -96,13 +99,38 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
+def ranked_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest entries of each row of `logp` [N, V], values and ids [N, k], in one strict order: larger
+    value first, among equal values the lower token id. A row's top j is then the first j of its top k whatever
+    k is (`topk` breaks ties as its kernel and k fall: a grammar's -inf tokens, bf16 logits' equal values), so a
+    request's alternatives never depend on the `logprobs` that other rows of its batch ask for."""
+    num, vocab = logp.shape
+    k = min(max(k, 0), vocab)
+    vals, ids = logp.topk(k, dim=-1)                                                   # [N, k] values canonical
+    if k == 0 or num == 0:
+        return vals, ids
+    bound = vals[:, -1:]                                                               # [N, 1] the k-th value
+    # the tokens equal to the k-th value, lowest id first (ids are exact in float32: vocab < 2^24)
+    neg_ids = -torch.arange(vocab, device=logp.device, dtype=torch.float32)                        # [V]
+    lowest = torch.where(logp == bound, neg_ids, float("-inf")).topk(k, dim=-1).indices            # [N, k]
+    # the last n positions hold the value `bound`: they take its n lowest ids
+    n_bound = (vals == bound).sum(dim=-1, keepdim=True)                                            # [N, 1]
+    pos = torch.arange(k, device=logp.device)[None, :] - (k - n_bound)                              # [N, k]
+    ids = torch.where(pos >= 0, lowest.gather(1, pos.clamp(min=0)), ids)
+    # equal values above the bound are all in: order them by id (stable sort by value over id order)
+    by_id = ids.argsort(dim=-1)
+    ids, vals = ids.gather(1, by_id), vals.gather(1, by_id)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
+
+
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                      num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of the model's raw distribution, on the device: of the chosen tokens [N], and the
-    top `num_top` values and ids [N, k] (k may be 0)."""
+    top `num_top` values and ids [N, k] (k may be 0; `ranked_topk`'s order)."""
     logp = logits.log_softmax(dim=-1)                                                 # [N, V]
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)                                # [N]
-    vals, ids = logp.topk(min(max(num_top, 0), logp.shape[-1]), dim=-1)                # [N, k]
+    vals, ids = ranked_topk(logp, num_top)                                             # [N, k]
     return chosen, vals, ids
 
 

@@ -212,4 +212,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "sampler-top-p-off", "top_p is ignored (the whole distribution is sampled)",
         (Edit("core/sampling/sampler.py", "need_top_p=any(p.top_p < 1.0 for p in ps)", "need_top_p=False"),),
         ("tests/test_core/sampling/test_sampling.py",)),
+    Mutation(
+        "sampler-top-p-holds-min-p", "the step's top_p vector also holds the min_p values (min_p with top_p fails)",
+        (Edit("core/sampling/sampler.py", "top_ps=floats[n:2 * n]", "top_ps=floats[n:]"),),
+        ("tests/test_core/sampling/test_batch_invariance.py",)),
+    Mutation(
+        "sampler-top-p-trims-top-p-1-rows", "a row with top_p 1 goes through the float32 cumsum filter when another "
+        "row sets top_p",
+        (Edit("core/sampling/sampler.py", " & (batch.top_ps < 1.0)[:, None]", ""),),
+        ("tests/test_core/sampling/test_batch_invariance.py",)),
+    Mutation(
+        "sampler-unstable-sort", "equal logits at the top-k / top-p boundary are kept in the sort kernel's order",
+        (Edit("core/sampling/sampler.py", "x.sort(dim=-1, descending=True, stable=True)",
+              "x.sort(dim=-1, descending=True)"),),
+        ("tests/test_core/sampling/test_batch_invariance.py",)),
+    Mutation(
+        "logprobs-topk-ties-by-kernel", "top logprobs break ties as topk does for the batch's largest k",
+        (Edit("core/sampling/sampler.py", "    vals, ids = ranked_topk(logp, num_top)",
+              "    vals, ids = logp.topk(min(max(num_top, 0), logp.shape[-1]), dim=-1)"),),
+        ("tests/test_core/sampling/test_batch_invariance.py",)),
 )

@@ -128,3 +128,11 @@ def test_invalid_params(kwargs: dict, param: str) -> None:
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+def test_none_as_vllm_spells_an_absent_list() -> None:
+    """vLLM's SamplingParams defaults `stop`, `stop_token_ids`, `logit_bias` and `bad_words` to None: passing
+    None explicitly (as code written for vLLM does) means none, not a TypeError."""
+    p = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None, bad_words=None)
+    assert (p.stop, p.stop_token_ids, p.logit_bias, p.bad_words) == ((), (), (), ())
+    assert p == SamplingParams()
