@@ -197,8 +197,9 @@ class LLM:
         self.shutdown()
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters and gauges as vLLM's `LLM.get_metrics()` returns them (Counter / Gauge /
-        Vector objects with `.name`, `.labels`, `.value` or `.values`), named as `/metrics` names them."""
+        """The engine's counters, gauges and latency histograms as vLLM's `LLM.get_metrics()` returns them
+        (Counter / Gauge / Vector / Histogram objects with `.name`, `.labels`, `.value`, `.values` or `.count`,
+        `.sum`, `.buckets`), named as `/metrics` names them."""
         return engine_metrics(self.engine)
 
     def _compile(self, response_format: dict[str, Any] | None) -> Any:
