@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Sequence, Union
 
 from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
@@ -70,10 +71,18 @@ class LLM:
             quantization=QuantizationConfig(method=quantization),
             load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
             tokenizer=tokenizer, revision=revision, download_dir=download_dir, trust_remote_code=trust_remote_code)
-        self.engine = LLMEngine(config)
+        engine = LLMEngine(config)
         if warmup:
-            self.engine.warmup()
-        self.tokenizer = self.engine.tokenizer
+            try:
+                engine.warmup()
+            except BaseException:
+                engine.shutdown(graceful=False)   # its threads and workers go with the failed constructor
+                raise
+        self.engine = engine
+        # `del llm` (the last reference) or the interpreter's exit releases the engine as `shutdown()` does
+        # (vLLM's LLM does too): its compile worker processes and loader threads do not outlive the object
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -187,8 +196,9 @@ class LLM:
     def shutdown(self) -> None:
         """Frees what the engine holds (`LLMEngine.shutdown`): device memory, the adapter loader threads, the grammar
         compile workers and the tensor-parallel workers; a second `LLM` can then be built in this process.
-        Idempotent; the object cannot generate afterwards."""
-        self.engine.shutdown()
+        Idempotent; the object cannot generate afterwards. Dropping the last reference to the object (or the
+        interpreter's exit) does the same."""
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
