@@ -138,6 +138,11 @@ class LLMEngine:
             return None
         return make_delta(req, [], [], finished=True)
 
+    @property
+    def closed(self) -> bool:
+        """True once `shutdown` ran."""
+        return self._closed
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -141,21 +141,27 @@ class LLM:
                 engine.abort_request(rid)
             raise
         errors: list[str] = []
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                if delta.error is not None:
-                    errors.append(f"request {delta.request_id}: {delta.error}")
-                i, j = children[delta.request_id]
-                out = results[i].outputs[j]
-                out.text += delta.new_text
-                out.token_ids.extend(delta.new_token_ids)
-                if out.logprobs is not None:
-                    out.logprobs.extend(delta.new_logprobs)
-                if delta.prompt_logprobs is not None:
-                    results[i].prompt_logprobs = delta.prompt_logprobs
-                if delta.finished:
-                    out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
-                    results[i].num_cached_tokens = delta.num_cached_tokens
+        try:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    if delta.error is not None:
+                        errors.append(f"request {delta.request_id}: {delta.error}")
+                    i, j = children[delta.request_id]
+                    out = results[i].outputs[j]
+                    out.text += delta.new_text
+                    out.token_ids.extend(delta.new_token_ids)
+                    if out.logprobs is not None:
+                        out.logprobs.extend(delta.new_logprobs)
+                    if delta.prompt_logprobs is not None:
+                        results[i].prompt_logprobs = delta.prompt_logprobs
+                    if delta.finished:
+                        out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+                        results[i].num_cached_tokens = delta.num_cached_tokens
+        except BaseException:   # interrupted (Ctrl-C in a notebook) or the engine failed: none of them is left behind
+            if not engine.closed:
+                for rid in children:
+                    engine.abort_request(rid)
+            raise
         for r in results:
             r.finished = True
         if errors:  # every request has ended (the engine is clean); report what failed
