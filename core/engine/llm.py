@@ -1,6 +1,7 @@
 """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the style of vLLM."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -160,7 +161,8 @@ class LLM:
         except BaseException:   # interrupted (Ctrl-C in a notebook) or the engine failed: none of them is left behind
             if not engine.closed:
                 for rid in children:
-                    engine.abort_request(rid)
+                    with contextlib.suppress(Exception):   # the original error is the one to see
+                        engine.abort_request(rid)
             raise
         for r in results:
             r.finished = True
