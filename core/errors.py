@@ -32,6 +32,10 @@ class UnknownAdapter(KeyError, ValueError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"no LoRA adapter named {name!r} is loaded")
+        self.name = name
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:   # pickled (to or from a worker process) as it was made
+        return UnknownAdapter, (self.name,)
