@@ -24,3 +24,18 @@ class RequestFault(RuntimeError):
         self.status = status
         self.code = code
         self.param = param
+
+
+class UnknownAdapter(KeyError, ValueError):
+    """A LoRA adapter name that names no loaded adapter (nor a servable `--lora-dir` entry): a `KeyError` (a failed
+    lookup) and a `ValueError` (a bad argument to `LLM.generate`, as vLLM raises for one), with a plain message."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no LoRA adapter named {name!r} is loaded")
+        self.name = name
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:   # pickled (to or from a worker process) as it was made
+        return UnknownAdapter, (self.name,)

@@ -18,7 +18,7 @@ from core.engine.request import Request, RequestStatus
 from core.engine.step_clock import CudaEvent, StepClock
 from core.engine.step_trace import open_step_trace
 from core.engine.setup import EngineParts, build_engine_parts
-from core.errors import RequestFault
+from core.errors import RequestFault, UnknownAdapter
 from core.execution.lora_step import StepAdapters
 from core.execution.model_runner import ModelRunner
 from core.execution.pending import PendingStep
@@ -138,6 +138,11 @@ class LLMEngine:
             return None
         return make_delta(req, [], [], finished=True)
 
+    @property
+    def closed(self) -> bool:
+        """True once `shutdown` ran."""
+        return self._closed
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -167,7 +172,7 @@ class LLMEngine:
             return None
         entry = self.registry.lookup(name)
         if entry is None:
-            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+            raise UnknownAdapter(name)
         return entry
 
     def _on_finish(self, req: Request) -> None:

@@ -1,9 +1,11 @@
 """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the style of vLLM."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Sequence, Union
 
 from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
@@ -70,10 +72,18 @@ class LLM:
             quantization=QuantizationConfig(method=quantization),
             load_format=load_format, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
             tokenizer=tokenizer, revision=revision, download_dir=download_dir, trust_remote_code=trust_remote_code)
-        self.engine = LLMEngine(config)
+        engine = LLMEngine(config)
         if warmup:
-            self.engine.warmup()
-        self.tokenizer = self.engine.tokenizer
+            try:
+                engine.warmup()
+            except BaseException:
+                engine.shutdown(graceful=False)   # its threads and workers go with the failed constructor
+                raise
+        self.engine = engine
+        # `del llm` (the last reference) or the interpreter's exit releases the engine as `shutdown()` does
+        # (vLLM's LLM does too): its compile worker processes and loader threads do not outlive the object
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -132,21 +142,28 @@ class LLM:
                 engine.abort_request(rid)
             raise
         errors: list[str] = []
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                if delta.error is not None:
-                    errors.append(f"request {delta.request_id}: {delta.error}")
-                i, j = children[delta.request_id]
-                out = results[i].outputs[j]
-                out.text += delta.new_text
-                out.token_ids.extend(delta.new_token_ids)
-                if out.logprobs is not None:
-                    out.logprobs.extend(delta.new_logprobs)
-                if delta.prompt_logprobs is not None:
-                    results[i].prompt_logprobs = delta.prompt_logprobs
-                if delta.finished:
-                    out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
-                    results[i].num_cached_tokens = delta.num_cached_tokens
+        try:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    if delta.error is not None:
+                        errors.append(f"request {delta.request_id}: {delta.error}")
+                    i, j = children[delta.request_id]
+                    out = results[i].outputs[j]
+                    out.text += delta.new_text
+                    out.token_ids.extend(delta.new_token_ids)
+                    if out.logprobs is not None:
+                        out.logprobs.extend(delta.new_logprobs)
+                    if delta.prompt_logprobs is not None:
+                        results[i].prompt_logprobs = delta.prompt_logprobs
+                    if delta.finished:
+                        out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+                        results[i].num_cached_tokens = delta.num_cached_tokens
+        except BaseException:   # interrupted (Ctrl-C in a notebook) or the engine failed: none of them is left behind
+            if not engine.closed:
+                for rid in children:
+                    with contextlib.suppress(Exception):   # the original error is the one to see
+                        engine.abort_request(rid)
+            raise
         for r in results:
             r.finished = True
         if errors:  # every request has ended (the engine is clean); report what failed
@@ -187,8 +204,9 @@ class LLM:
     def shutdown(self) -> None:
         """Frees what the engine holds (`LLMEngine.shutdown`): device memory, the adapter loader threads, the grammar
         compile workers and the tensor-parallel workers; a second `LLM` can then be built in this process.
-        Idempotent; the object cannot generate afterwards."""
-        self.engine.shutdown()
+        Idempotent; the object cannot generate afterwards. Dropping the last reference to the object (or the
+        interpreter's exit) does the same."""
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
@@ -197,8 +215,9 @@ class LLM:
         self.shutdown()
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters and gauges as vLLM's `LLM.get_metrics()` returns them (Counter / Gauge /
-        Vector objects with `.name`, `.labels`, `.value` or `.values`), named as `/metrics` names them."""
+        """The engine's counters, gauges and latency histograms as vLLM's `LLM.get_metrics()` returns them
+        (Counter / Gauge / Vector / Histogram objects with `.name`, `.labels`, `.value`, `.values` or `.count`,
+        `.sum`, `.buckets`), named as `/metrics` names them."""
         return engine_metrics(self.engine)
 
     def _compile(self, response_format: dict[str, Any] | None) -> Any:

@@ -49,6 +49,7 @@ class Request:
     num_preemptions: int = 0
     detokenizer: Any = None
     first_token_time: float | None = None
+    last_token_time: float | None = None   # when its latest output token was appended (inter-token latency)
     num_pending_tokens: int = 0           # trailing PENDING_TOKEN placeholders (async scheduling: 0 or 1)
     prompt_logprobs: list[Any] | None = None   # per prompt position (entry 0 None); see core/sampling/prompt_logprobs.py
     speculate: bool = False               # proposes draft tokens (decided at admission, kept for its life)

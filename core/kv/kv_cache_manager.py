@@ -27,8 +27,10 @@ class KVCacheManager:
             self.prefix_cache = RadixCache(block_size, self.allocator)
         # request_id -> (locked tree node, number of leading tree blocks in its block table)
         self._tree_refs: dict[str, tuple[object, int]] = {}
+        # /metrics' prefix_cache_queries / _hits: tokens looked up and found, once per admission (`record_prefix_query`)
         self.num_prefix_queries_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self._unrecorded_queries: dict[str, tuple[int, int]] = {}   # request_id -> (tokens, hits) not yet admitted
 
     # ---- capacity -------------------------------------------------------------------------
     def num_available_blocks(self) -> int:
@@ -64,8 +66,9 @@ class KVCacheManager:
         # never the last token: its logits must be computed
         tokens = req.all_token_ids[:-1]
         node, blocks = self.prefix_cache.match_prefix(req.namespace, tokens)
-        self.num_prefix_queries_tokens += req.num_tokens
-        self.num_prefix_hit_tokens += len(blocks) * self.block_size
+        # counted when the request is admitted: a match given back (no room yet, or an in-batch duplicate computed
+        # once) and taken again next step is one query, not two (its first, missed, lookup lowered the hit rate)
+        self._unrecorded_queries[req.request_id] = (req.num_tokens, len(blocks) * self.block_size)
         if not blocks:
             return 0
         self.prefix_cache.lock(node)
@@ -73,6 +76,13 @@ class KVCacheManager:
         req.block_ids = list(blocks)
         req.num_computed_tokens = len(blocks) * self.block_size
         return req.num_computed_tokens
+
+    def record_prefix_query(self, req: Request) -> None:
+        """The request's last prefix lookup into the query and hit counters: called when it is admitted."""
+        query = self._unrecorded_queries.pop(req.request_id, None)
+        if query is not None:
+            self.num_prefix_queries_tokens += query[0]
+            self.num_prefix_hit_tokens += query[1]
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Insert the request's full, computed blocks into the tree and adopt the tree's copies."""
@@ -102,6 +112,7 @@ class KVCacheManager:
 
     # ---- release --------------------------------------------------------------------------
     def free(self, req: Request) -> None:
+        self._unrecorded_queries.pop(req.request_id, None)
         node, num_tree = self._tree_refs.pop(req.request_id, (None, 0))
         if node is not None:
             self.prefix_cache.unlock(node)

@@ -78,12 +78,15 @@ def append_token(req: Request, token: int, logprob: Any, max_model_len: int,
     if req.first_token_time is None:
         req.first_token_time = now
         stats.observe_ttft(now - req.arrival_time)
+    elif req.last_token_time is not None:
+        stats.observe_itl(now - req.last_token_time)
+    req.last_token_time = now
     req.append_token(token)
     stats.num_generation_tokens += 1
     status = stop_status(req, token, max_model_len)
     if status is not None:
         finish(req, status)
-        stats.observe_e2e(now - req.arrival_time)
+        stats.observe_e2e(now - req.arrival_time, req.status.value)
     return make_delta(req, [token], [logprob] if logprob is not None else [], finished=status is not None)
 
 

@@ -340,6 +340,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break                   # no blocks, or the step's time budget is spent
             self.waiting.remove(req)
+            self.kv.record_prefix_query(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._schedule(req, num_new, out, plan, scheduled)

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from core.engine.interface import ServingEngine
+from core.engine.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from core.engine_core.protocol import AdapterStats, SpecStats, Stats
 from gateway.http.context import ABORT_REASONS, RequestContext
 
@@ -19,12 +20,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # labels whose values name a tenant or an adapter (served model): never on the main port with --tenant-keys
 NAME_LABELS = frozenset({"tenant", "model", "adapter", "lora_name", "running_lora_adapters",
                          "waiting_lora_adapters"})
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                240.0, 480.0)
 
 
 class EngineCollector(Collector):
@@ -130,11 +125,11 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, max_loras))
         self.ttft = Histogram("loraplex:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
+                              buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("loraplex:inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_ITL_BUCKETS, registry=self.registry)
+                             buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("loraplex:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=_E2E_BUCKETS, registry=self.registry)
+                             buckets=E2E_BUCKETS, registry=self.registry)
         self.requests = Counter("loraplex:request_success", "Finished requests by finish reason.",
                                 labelnames=["finished_reason"], registry=self.registry)
         # API requests cut before their end (never in request_success or a tenant's 200s); every reason from the start

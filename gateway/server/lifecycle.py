@@ -8,6 +8,7 @@ still running is cancelled (its engine requests aborted). A second signal exits 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -24,6 +25,9 @@ from gateway.server.listeners import cannot_listen
 log = logging.getLogger("loraplex.gateway")
 
 POST_DRAIN_GRACE_S = 1   # seconds: uvicorn's own grace once the drain is over (the drain already waited)
+# seconds --metrics-port still answers after requests were cut at the drain deadline, once they are counted
+# (`request_aborted_total{reason="shutdown"}`): a scrape polling until the process exits sees the final counts
+FINAL_SCRAPE_S = 1.0
 
 
 @dataclass
@@ -63,6 +67,7 @@ class GatewayServer(uvicorn.Server):
         self.lifecycle = lifecycle
         self.metrics_listener = metrics_listener
         self._announced = False
+        self._cut = False        # the drain deadline passed with requests in flight
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.metrics_listener is not None and not await self.metrics_listener.start():
@@ -85,6 +90,13 @@ class GatewayServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
         if self.metrics_listener is not None:
+            if self._cut and not self.force_exit:
+                # uvicorn cancelled what was still running without waiting for it: let the cancelled requests
+                # record their aborts, then answer a last scrape (the main port is closed already)
+                deadline = time.monotonic() + 2.0
+                while self.lifecycle.in_flight and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(FINAL_SCRAPE_S)
             await self.metrics_listener.stop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -104,5 +116,6 @@ class GatewayServer(uvicorn.Server):
         if lc.drained() and not self.should_exit:
             if lc.in_flight:
                 log.warning("shutdown timeout: cancelling %d request(s) still in flight", lc.in_flight)
+                self._cut = True
             self.should_exit = True
         return await super().on_tick(counter)

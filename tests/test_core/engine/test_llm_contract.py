@@ -1,5 +1,7 @@
-"""The offline Python API exactly as DESIGN.md writes it (`from core import LLM, SamplingParams`), and the vLLM
-spellings a script ported from vLLM passes: `use_tqdm`, `enable_lora`, `trust_remote_code`, `tokenizer`."""
+"""The offline Python API exactly as DESIGN.md writes it (`from core import LLM, SamplingParams`), the vLLM
+spellings a script ported from vLLM passes: `use_tqdm`, `enable_lora`, `trust_remote_code`, `tokenizer`, and the
+shapes of `generate`'s arguments a caller may pass (one prompt, token ids, no prompt, one adapter name, an unknown
+one, lists of the wrong length), and a `generate` interrupted midway (Ctrl-C in a notebook) leaves nothing behind."""
 from __future__ import annotations
 
 import json
@@ -43,3 +45,51 @@ def test_the_design_snippet_and_vllm_keywords() -> None:
                 assert out.finish_reason == "length"
     with pytest.raises(RuntimeError):   # shut down by the with block
         llm.generate(["x"], greedy)
+
+
+def test_generate_argument_shapes_and_errors() -> None:
+    with LLM(model=str(model_dir(MODEL)), dtype="float32", device="cpu", warmup=False, num_kv_blocks=64,
+             lora_modules={"tenant-a": str(adapter_dir(MODEL, "qv_r4"))}) as llm:
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        assert llm.generate([], greedy) == []
+        one = llm.generate("def f(x):", greedy)                      # one prompt, not in a list
+        assert len(one) == 1 and len(one[0].token_ids) == 3
+        ids = llm.get_tokenizer().encode("def f(x):")
+        assert [o.token_ids for o in llm.generate([ids], greedy)] == [one[0].token_ids]
+        assert [o.token_ids for o in llm.generate({"prompt_token_ids": ids}, greedy)] == [one[0].token_ids]
+        single = llm.generate(["a", "b"], greedy, lora="tenant-a")     # one adapter name for every prompt
+        assert [o.token_ids for o in single] == [o.token_ids for o in llm.generate(["a", "b"], greedy,
+                                                                                   lora=["tenant-a"] * 2)]
+        two = llm.generate(["a"], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=3))
+        assert len(two) == 1 and len(two[0].outputs) == 2
+        # an unknown adapter: a plain ValueError (also a KeyError) naming it, raised before anything runs
+        with pytest.raises(ValueError, match="no LoRA adapter named 'nope'") as excinfo:
+            llm.generate(["a", "b"], greedy, lora=[None, "nope"])
+        assert isinstance(excinfo.value, KeyError) and str(excinfo.value).startswith("no LoRA")
+        assert not llm.engine.has_unfinished_requests()
+        for bad in ({"sampling_params": [greedy]}, {"sampling_params": greedy, "lora": ["tenant-a"]}):
+            with pytest.raises(ValueError, match="1 entries for 2 prompts"):
+                llm.generate(["a", "b"], **bad)
+        assert [len(o.token_ids) for o in llm.generate(["a"], greedy)] == [3]   # still serves
+
+
+def test_an_interrupted_generate_leaves_no_request_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding: the interrupted call's requests stayed in the engine, and the next `generate` met their
+    outputs and raised KeyError ('2-0') instead of answering."""
+    with LLM(model=str(model_dir(MODEL)), dtype="float32", device="cpu", warmup=False, num_kv_blocks=64) as llm:
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        first = [o.token_ids for o in llm.generate(["x = 1", "import os"], greedy)]
+        step, calls = llm.engine.step, []
+
+        def interrupted_step() -> object:
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return step()
+
+        monkeypatch.setattr(llm.engine, "step", interrupted_step)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["def f(x):", "y = 2"], greedy)
+        monkeypatch.undo()
+        assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage() == 0.0
+        assert [o.token_ids for o in llm.generate(["x = 1", "import os"], greedy)] == first

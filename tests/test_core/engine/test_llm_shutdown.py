@@ -2,7 +2,9 @@
 started (adapter loader pool, grammar compile threads), its child processes (grammar compile workers), every
 reference to its tensors (model, KV caches, LoRA slots; on CUDA `memory_allocated()` returns to where it was), and
 a second engine then builds and generates in the same process. The finding: after `del llm`, a second `LLM(...)`
-ran out of GPU memory with 78.3 GiB still allocated."""
+ran out of GPU memory with 78.3 GiB still allocated. Dropping the last reference (`del llm`, as vLLM scripts do)
+releases the same: it left the grammar compile worker processes and their threads running for the life of the
+process."""
 from __future__ import annotations
 
 import gc
@@ -84,6 +86,22 @@ def test_shutdown_releases_threads_processes_and_memory_and_a_second_engine_serv
     with _build() as second:                         # builds and generates in the same process
         assert _serve(second) == first
     gc.collect()
+    assert not _threads() - threads, [t.name for t in _threads() - threads]
+    assert _children() == children
+    assert _allocated() == allocated
+
+
+def test_dropping_the_last_reference_releases_the_engine() -> None:
+    model_dir(MODEL), adapter_dir(MODEL, "qv_r4"), adapter_dir(MODEL, "all7_r8")
+    gc.collect()
+    threads, children, allocated = _threads(), _children(), _allocated()
+    llm = _build()
+    _serve(llm)
+    assert _children() - children, "the compile workers ran"
+    engine = weakref.ref(llm.engine)
+    del llm                                          # no shutdown(), no with block
+    gc.collect()
+    assert engine() is None
     assert not _threads() - threads, [t.name for t in _threads() - threads]
     assert _children() == children
     assert _allocated() == allocated

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -21,12 +22,12 @@ LONG: dict[str, Any] = {"model": "tiny", "prompt": "hi", "ignore_eos": True, "te
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """A server with a long drain deadline (its engine steps behind a StepGate) and one with a 1 s deadline,
-    started side by side."""
+    started side by side, both with --metrics-port."""
     model_dir = tiny_model(tmp_path_factory.getbasetemp() / "gateway_models")
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(ServerProcess, model_dir, "--served-model-name", "tiny", "--shutdown-timeout", t,
                                "--max-num-seqs", seqs, metrics_port=metrics, env=env)
-                   for t, seqs, metrics, env in (("60", "256", True, StepGate.ENV), ("1", "1", False, None))]
+                   for t, seqs, metrics, env in (("60", "256", True, StepGate.ENV), ("1", "1", True, None))]
         procs = [f.result() for f in futures]
     yield procs[0], procs[1]
     for proc in procs:
@@ -80,10 +81,30 @@ def test_sigterm_drains_in_flight_then_exits_0(servers: tuple[ServerProcess, Ser
             httpx.get(url, timeout=2)
 
 
+def _last_shutdown_count(url: str, seen: list[float]) -> None:
+    """Polls the full metrics until the listener is gone, keeping each `reason="shutdown"` count it read."""
+    with httpx.Client(timeout=5) as http:
+        while True:
+            try:
+                text = http.get(url).text
+            except httpx.HTTPError:
+                return
+            seen.extend(float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith('loraplex:request_aborted_total{reason="shutdown"}'))
+            time.sleep(0.3)
+
+
 def test_shutdown_timeout_cuts_what_is_left_and_exits_0(servers: tuple[ServerProcess, ServerProcess]) -> None:
+    """The cut request counts in `request_aborted_total{reason="shutdown"}`, and a scrape of --metrics-port polling
+    until the exit sees it: the listener answers a moment after the count (it closed ~0.2 s after it, so a scraper
+    polling every 0.3 s mostly never saw the shutdown reason)."""
     server = servers[1]
+    assert server.metrics_url is not None
     body = {**LONG, "max_tokens": 1000, "n": 8}     # one at a time (--max-num-seqs 1): far past the 1 s deadline
     received: list[str] = []
+    seen: list[float] = []
+    poller = threading.Thread(target=_last_shutdown_count, args=(server.metrics_url, seen))
+    poller.start()
     with httpx.Client(base_url=server.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
@@ -96,6 +117,8 @@ def test_shutdown_timeout_cuts_what_is_left_and_exits_0(servers: tuple[ServerPro
                 pass    # the connection was closed mid-stream
     assert server.proc.wait(timeout=15) == 0
     assert time.monotonic() - t0 < 10
+    poller.join(timeout=10)
+    assert seen[0] == 0 and seen[-1] == 1, seen
     finished = [line for line in received if '"finish_reason":"length"' in line]
     assert len(finished) < 8 and "data: [DONE]" not in received, (len(received), received[-3:])
     assert "shutdown timeout" in server.output()
