@@ -162,6 +162,10 @@ class EngineCore:
                 deltas.extend(eng.step())
             with self._replies_lock:
                 replies, self._replies = self._replies, []
+            if not eng.has_unfinished_requests():
+                # an adapter unloaded (its reply is in `replies`) or whose last request just ended: its slot and
+                # cached KV go now, before the stats below and the next scrape read them (a step does it when busy)
+                eng.release_idle()
             now = time.monotonic()
             stats = None
             if now - self._last_stats >= (STATS_INTERVAL_S if busy else 0.0):

@@ -123,6 +123,20 @@ def arm_marker(host: Any, stage: str, word: str) -> None:
     faults.inject(stage, PromptMarker(host.engine.tokenizer, word))
 
 
+class IdSuffix:
+    """Matches the engine requests whose id ends with `suffix` (a choice of `n`: the gateway's ids end `-<index>`)."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __call__(self, req: Any) -> bool:
+        return str(req.request_id).endswith(self.suffix)
+
+
+def arm_request_suffix(host: Any, stage: str, suffix: str) -> None:
+    faults.inject(stage, IdSuffix(suffix))
+
+
 def hashed_stage(seed: int, rate: float, stages: tuple[str, ...], request_id: str) -> str | None:
     """The stage at which this engine request fails, if any: a pure function of the seed and the id."""
     digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
