@@ -166,6 +166,21 @@ def clear_faults(host: Any) -> None:
     faults.clear()
 
 
+# ---- holding the loop (a long step, as a test sees it) -------------------------------------------------------------
+def hold_while(host: Any, path: str) -> None:
+    """The engine's loop holds from this turn on (no step, no input applied, no reply sent) while the file `path`
+    exists, as in one long step; it writes `<path>.held` once it holds. Call it from a thread of its own: its
+    reply too waits for the release (the file's removal)."""
+    gate = Path(path)
+
+    def hold() -> None:
+        host.hooks.remove(hold)
+        Path(path + ".held").write_text("held")
+        while gate.exists():
+            time.sleep(0.01)
+    host.hooks.append(hold)
+
+
 # ---- start-up hooks (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:<name>, called before the engine is built) ----
 def hook_marker(server_pid: int) -> Path:
     """The file `mark_hook_ran` writes in an engine process started by the server `server_pid`."""

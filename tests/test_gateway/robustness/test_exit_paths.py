@@ -195,6 +195,36 @@ def test_an_adapter_unloaded_under_its_running_and_waiting_requests(srv: InProce
     assert_all_given_back(srv)
 
 
+def test_an_unload_waiting_for_a_busy_engine_stalls_nothing(srv: InProcessServer, tmp_path: Path) -> None:
+    """The engine process answers an unload between two steps: while it is busy (held here, as in one long step)
+    the unload waits for it on a worker thread, and the server answers everything else meanwhile (the unload
+    used to wait on the event loop itself: every stream and probe stalled for the engine's step)."""
+    assert admin(srv, "load_lora_adapter", lora_name=HOT, lora_path=str(adapter_dir(MODEL, "qv_r4"))).status_code \
+        == 200
+    gate = tmp_path / "hold"
+    gate.write_text("hold")
+    holder = threading.Thread(target=srv.call, args=(probe.hold_while, str(gate)), kwargs={"timeout_s": 60})
+    unloaded: list[int] = []
+    unloader = threading.Thread(target=lambda: unloaded.append(admin(srv, "unload_lora_adapter",
+                                                                     lora_name=HOT).status_code))
+    try:
+        holder.start()
+        until(lambda: None if (tmp_path / "hold.held").exists() else "not held", 20, "the engine held")
+        unloader.start()
+        time.sleep(0.3)   # the unload is waiting for the engine
+        assert not unloaded
+        for path in ("/health", "/v1/models"):
+            resp = httpx.get(f"{srv.url}{path}", headers=headers(), timeout=5, trust_env=False)
+            assert resp.status_code == 200, (path, resp.text)
+    finally:
+        gate.unlink()
+        holder.join(30)
+        unloader.join(30)
+    assert unloaded == [200]
+    until(lambda: slot_and_kv_of_unloaded(srv), 2, "the unloaded adapter's slot and KV freed")
+    assert_all_given_back(srv)
+
+
 # ---- one failing choice of n ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
