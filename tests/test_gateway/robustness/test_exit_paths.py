@@ -153,6 +153,11 @@ def test_an_adapter_unloaded_while_idle_frees_its_slot_and_kv(srv: InProcessServ
     server.wait_idle()
     left = server.call(probe.leftovers)
     assert not left["slots"] and gauges(server)["lora_adapters_device"] == 1.0
+    # replaced in place (vLLM's load_inplace): the old weights' slot and KV go the same way
+    assert admin(server, "load_lora_adapter", lora_name=HOT, lora_path=str(adapter_dir(MODEL, "all7_r8")),
+                 load_inplace=True).status_code == 200
+    until(lambda: slot_and_kv_of_unloaded(server), 2, "the replaced weights' slot and KV freed")
+    assert complete(server, model=HOT, prompt=LONG).status_code == 200
     assert admin(server, "unload_lora_adapter", lora_name=HOT).status_code == 200
     # nothing runs after the unload: the idle engine frees the slot and the KV itself (it used to keep both, and
     # `loraplex:lora_adapters_device` at 1, until some other request made it step)
@@ -162,8 +167,8 @@ def test_an_adapter_unloaded_while_idle_frees_its_slot_and_kv(srv: InProcessServ
 
 
 def test_an_adapter_unloaded_under_its_running_and_waiting_requests(srv: InProcessServer) -> None:
-    """Requests for the adapter run and wait (a 24-block pool: 2 x 22 blocks and more); the unload answers at once, they all finish (or
-    the stream whose client leaves is aborted), then its slot and KV go with the last of them."""
+    """Requests for the adapter run and wait (a 24-block pool: 2 x 22 blocks and more); the unload answers at once,
+    they all finish (or the stream whose client leaves is aborted), then its slot and KV go with the last of them."""
     assert admin(srv, "load_lora_adapter", lora_name=HOT, lora_path=str(adapter_dir(MODEL, "all7_r8"))).status_code \
         == 200
     results: dict[str, Any] = {}
