@@ -238,16 +238,21 @@ class EngineClient:
         extra: dict[str, Any] = {} if tenant is None else {"tenant": tenant}
         if lora is not None:   # the engine resolves and holds the adapter by name when it admits the request
             assert isinstance(lora, RemoteAdapter), "an adapter entry of another engine"
-            try:   # unloaded since its name was resolved: a 404 before any response byte, as in-process
-                self._registry.check_current(lora)
-            except BaseException:
-                self._streams.discard(request_id)
-                raise
-            extra["lora"] = self._adapter_of[request_id] = lora.name
+            extra["lora"] = lora.name
         if grammar is not None:
             extra["grammar"] = to_wire(grammar)
         add = AddRequest(request_id, list(prompt_token_ids), dumps(params), dumps(extra) if extra else None)
         with self._pending_lock:
+            # the check and the queueing are one step for an unload (on a worker thread): it counts itself before
+            # it queues its command under this lock, so this request is either refused here or queued ahead of the
+            # command, and then the engine admits it holding the adapter (never a 404 once it was accepted)
+            if lora is not None:
+                try:   # unloaded since its name was resolved: a 404 before any response byte, as in-process
+                    self._registry.check_current(lora)
+                except BaseException:
+                    self._streams.discard(request_id)
+                    raise
+                self._adapter_of[request_id] = lora.name
             self._pending.adds.append(add)
         self._schedule_flush()
         return queue

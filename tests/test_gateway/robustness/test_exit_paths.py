@@ -230,6 +230,35 @@ def test_an_unload_waiting_for_a_busy_engine_stalls_nothing(srv: InProcessServer
     assert_all_given_back(srv)
 
 
+def test_an_unload_racing_a_submission_lets_the_request_finish(srv: InProcessServer,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unload runs on a worker thread while the event loop submits a request whose name it resolved: the
+    check that the adapter is still loaded and the queueing of the request are one step for the unload's
+    command, so the request either is a 404 before any byte or reaches the engine before the unload and holds the
+    adapter (it finishes, 200), never an engine-side 404 after it was accepted. Forced here: the unload runs,
+    up to its command, right after the check passed."""
+    assert admin(srv, "load_lora_adapter", lora_name=HOT, lora_path=str(adapter_dir(MODEL, "qv_r4"))).status_code \
+        == 200
+    registry = srv.aeng.adapters
+    check_current = registry.check_current
+    unloader: list[threading.Thread] = []
+
+    def racing_check(entry: Any) -> None:
+        check_current(entry)
+        if not unloader:   # the first submission: the unload gets as far as it can now
+            unloader.append(threading.Thread(target=srv.aeng.unload_lora, args=(HOT,)))
+            unloader[0].start()
+            unloader[0].join(0.5)    # done (its command sent ahead of this request) or waiting for this submission
+    monkeypatch.setattr(registry, "check_current", racing_check)
+    resp = complete(srv, model=HOT, max_tokens=4)
+    monkeypatch.undo()
+    unloader[0].join(30)
+    assert resp.status_code == 200, resp.text
+    assert complete(srv, model=HOT).status_code == 404
+    until(lambda: slot_and_kv_of_unloaded(srv), 2, "the unloaded adapter's slot and KV freed")
+    assert_all_given_back(srv)
+
+
 # ---- one failing choice of n ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
