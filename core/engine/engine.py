@@ -82,6 +82,11 @@ class LLMEngine:
 
     # ---- start-up -------------------------------------------------------------------------
     @property
+    def closed(self) -> bool:
+        """`shutdown()` ran: the engine cannot step any more."""
+        return self._closed
+
+    @property
     def ready(self) -> bool:
         return self.warmup_report is not None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 from typing import Any, Sequence, Union
 
 from core.config import (DEMO_MODEL_DIR, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, QuantizationConfig,
@@ -19,6 +20,7 @@ from grammar.matching.matcher import GrammarMatcher
 from grammar import parse_response_format
 
 PromptType = Union[str, list[int], dict[str, Any]]
+log = logging.getLogger("loraplex.engine")
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -132,21 +134,32 @@ class LLM:
                 engine.abort_request(rid)
             raise
         errors: list[str] = []
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                if delta.error is not None:
-                    errors.append(f"request {delta.request_id}: {delta.error}")
-                i, j = children[delta.request_id]
-                out = results[i].outputs[j]
-                out.text += delta.new_text
-                out.token_ids.extend(delta.new_token_ids)
-                if out.logprobs is not None:
-                    out.logprobs.extend(delta.new_logprobs)
-                if delta.prompt_logprobs is not None:
-                    results[i].prompt_logprobs = delta.prompt_logprobs
-                if delta.finished:
-                    out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
-                    results[i].num_cached_tokens = delta.num_cached_tokens
+        try:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    if delta.error is not None:
+                        errors.append(f"request {delta.request_id}: {delta.error}")
+                    i, j = children[delta.request_id]
+                    out = results[i].outputs[j]
+                    out.text += delta.new_text
+                    out.token_ids.extend(delta.new_token_ids)
+                    if out.logprobs is not None:
+                        out.logprobs.extend(delta.new_logprobs)
+                    if delta.prompt_logprobs is not None:
+                        results[i].prompt_logprobs = delta.prompt_logprobs
+                    if delta.finished:
+                        out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+                        results[i].num_cached_tokens = delta.num_cached_tokens
+        except BaseException:
+            # interrupted (Ctrl-C) or a step that raised: what is left of this call is aborted (its blocks, adapter
+            # holds and penalty rows freed); left in the engine, the next call would step it and fail on its ids
+            if not engine.closed:
+                for rid in children:
+                    try:
+                        engine.abort_request(rid)
+                    except Exception:  # noqa: BLE001 - the original error is the one raised
+                        log.exception("cannot abort request %s", rid)
+            raise
         for r in results:
             r.finished = True
         if errors:  # every request has ended (the engine is clean); report what failed
