@@ -122,14 +122,16 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     release = state.limits.acquire(principal)
     if release is not None:
         ctx.cleanups.append(release)
-    body = ctx.body = await parse_body(request, kind.body,
-                                       {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
+    # the request timeout counts from arrival and bounds the body's upload too: a client that sends part of its
+    # body and then nothing gets its 408 on time, and its concurrency slot back
+    deadline = Deadline(state.config.request_timeout, start=ctx.start)
+    body = ctx.body = await deadline.run(parse_body(request, kind.body,
+                                                    {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages")))
     ctx.stream = bool(body.stream)
     # from here on a client gone cancels the work (schema checks, tokenization, a grammar compile, the
     # collected answer) and gives back what the request holds at once (gateway/http/cancel.py); a stream
     # watches its own connection once its response starts (gateway/outputs/streaming.py). The request timeout
     # bounds the same work (a compile that outlasts it is a 408 on time, not once it is done), and a stream.
-    deadline = Deadline(state.config.request_timeout, start=ctx.start)
     answer = deadline.run(_answer(kind, state, ctx, principal, body, deadline))
     return await run_until_disconnect(request.receive, answer, ctx.run_cleanups)
 

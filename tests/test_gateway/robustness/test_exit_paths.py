@@ -13,7 +13,9 @@ the engine on a thread for the unload case (the two engine loops free adapters s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -303,4 +305,32 @@ def test_a_request_refused_after_partial_admission_holds_nothing(srv: InProcessS
     with httpx.stream("POST", f"{srv.url}/v1/completions", headers=headers(FRESH_KEY), timeout=60, trust_env=False,
                       json={"model": BASE, "prompt": [1, 2, 3], "max_tokens": TPM - 3, "stream": True}) as whole:
         assert whole.status_code == 200, whole.read()   # admitted: the client may leave
+    assert_all_given_back(srv)
+
+
+# ---- a body that never arrives ----------------------------------------------------------------------------------
+
+def test_request_timeout_bounds_a_body_that_never_arrives(srv: InProcessServer) -> None:
+    """`--request-timeout` counts from arrival: a client that sends its headers and part of its body, then
+    nothing, gets the 408 when the timeout fires, and its tenant's concurrency slot is free again (the body read
+    was unbounded: the slot and the drain's in-flight count stayed held while the connection lasted)."""
+    config = srv.state.config
+    srv.state.config = dataclasses.replace(config, request_timeout=1.0)
+    body = json.dumps({"model": BASE, "prompt": "def f(x):", "max_tokens": 3}).encode()
+    host, port = srv.url.rsplit("/", 1)[1].split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " +
+                         str(len(body)).encode() + b"\r\n\r\n" + body[:10])
+            t0 = time.monotonic()
+            try:
+                answer = sock.recv(4096)
+            except socket.timeout:
+                answer = b"(no answer within 5 s)"
+            elapsed = time.monotonic() - t0
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"request_timeout" in answer and elapsed < 4.0, (answer[:300], elapsed)
+    finally:
+        srv.state.config = config
     assert_all_given_back(srv)
