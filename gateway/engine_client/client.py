@@ -234,7 +234,6 @@ class EngineClient:
         if not self._warmed_up:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.check_request(len(prompt_token_ids), params)
-        queue = self._streams.open(request_id, "the engine process is not running")
         extra: dict[str, Any] = {} if tenant is None else {"tenant": tenant}
         if lora is not None:   # the engine resolves and holds the adapter by name when it admits the request
             assert isinstance(lora, RemoteAdapter), "an adapter entry of another engine"
@@ -242,6 +241,8 @@ class EngineClient:
         if grammar is not None:
             extra["grammar"] = to_wire(grammar)
         add = AddRequest(request_id, list(prompt_token_ids), dumps(params), dumps(extra) if extra else None)
+        # the stream is opened last: a failure before it (an argument that does not serialize) leaves none behind
+        queue = self._streams.open(request_id, "the engine process is not running")
         with self._pending_lock:
             # the check and the queueing are one step for an unload (on a worker thread): it counts itself before
             # it queues its command under this lock, so this request is either refused here or queued ahead of the
