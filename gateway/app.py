@@ -200,10 +200,13 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     # what it costs (gateway/tenancy/limits.py): sequences, and prompt tokens once per prompt + max_tokens each
     release = state.limits.reserve(principal, len(children), usage(children, sum(max_tokens))["total_tokens"],
                                    used_tokens=lambda: ctx.prompt_tokens + ctx.completion_tokens)
-    if release is not None:
-        ctx.cleanups.append(release)
+    # what only the engine's work holds goes back when it ends (`merge_children`'s `on_done`), not when the client
+    # has read the answer (one that stops reading held them for good); the response's end releases them otherwise
+    engine_holds = [release] if release is not None else []
+    ctx.cleanups.extend(engine_holds)
     assert state.queue is not None
-    ctx.cleanups.append(state.queue.reserve(len(children)))
+    engine_holds.append(state.queue.reserve(len(children)))
+    ctx.cleanups.append(engine_holds[-1])
     sources = submit_children(aeng, children, args)      # errors here are still the response's status
     ctx.cleanups.append(lambda: abort_children(aeng, children))   # e.g. a response that never started
     ctx.admitted, ctx.num_choices = True, len(children)
@@ -213,7 +216,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     if texts is not None and body.return_tokens_as_token_ids:   # logprob tokens named "token_id:<id>"
         texts = TokenIdNames(texts)
     token_ids = bool(body.return_token_ids) and kind.prefix != "resp"   # gateway/outputs/token_ids.py
-    merged = merge_children(aeng, children, sources, state.metrics)
+    merged = merge_children(aeng, children, sources, state.metrics,
+                            on_done=lambda: [give_back() for give_back in engine_holds])
     if kind is COMPLETION and body.echo_only:   # the prompt scored, its one generated token dropped
         merged = without_generation(merged)
     if body.stream:

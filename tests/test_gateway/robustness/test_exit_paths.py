@@ -334,3 +334,62 @@ def test_request_timeout_bounds_a_body_that_never_arrives(srv: InProcessServer) 
     finally:
         srv.state.config = config
     assert_all_given_back(srv)
+
+
+# ---- a client that stops reading ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_a_client_that_stops_reading_holds_no_engine_capacity(srv: InProcessServer, stream: bool) -> None:
+    """The client keeps its connection but reads nothing (the response's writes wait for it for good): once the
+    engine has finished its sequences, they no longer count in the tenant's `max_running_sequences` nor in the
+    server queue (`--max-queue-len`), and the tenant's unused tokens are back; only its request stays in flight
+    (`max_concurrent_requests`, the drain) until the response ends. They were all held until then."""
+    from gateway.app import build_app
+
+    app = build_app(srv.state)
+    body = json.dumps({"model": BASE, "prompt": "def f(x):", "n": SEQS, "max_tokens": 8, "stream": stream,
+                       "logprobs": 2}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode()),
+                         (b"content-length", str(len(body)).encode())]}
+    sent: list[dict[str, Any]] = []
+
+    async def run() -> None:
+        delivered = False
+        never = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never.wait()   # connected for good
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body":
+                await never.wait()   # the client reads nothing: the first write never completes
+
+        await app(scope, receive, send)
+
+    assert srv.loop is not None
+    task = asyncio.run_coroutine_threadsafe(run(), srv.loop)
+    try:
+        until(lambda: None if any(m["type"] == "http.response.body" for m in sent) else "no write yet", 30,
+              "the first write")
+        srv.wait_idle()
+        limits = srv.state.limits
+
+        def capacity_back() -> Any:
+            held = on_loop(srv, lambda: (srv.state.queue.in_flight, sum(limits.sequences.values()),
+                                         sum(limits.in_flight.values())))
+            return None if held == (0, 0, 1) else f"queue, sequences, requests held: {held}"
+        until(capacity_back, 3, "the finished sequences given back")
+        assert sent[0]["status"] == 200
+        assert complete(srv, n=SEQS).status_code == 200    # the tenant's sequences are all free
+    finally:
+        task.cancel()
+    assert_all_given_back(srv)
