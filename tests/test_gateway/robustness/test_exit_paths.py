@@ -191,8 +191,8 @@ def test_an_adapter_unloaded_under_its_running_and_waiting_requests(srv: InProce
     threads.append(threading.Thread(target=streamed))
     for t in threads:
         t.start()
-    until(lambda: None if srv.call(probe.scheduler_counts)[0] >= 2 else f"in the engine: {srv.call(probe.scheduler_counts)}",
-          20, "the adapter's requests running and waiting")
+    until(lambda: None if (counts := srv.call(probe.scheduler_counts))[0] >= 2 else f"in the engine: {counts}", 20,
+          "the adapter's requests running and waiting")
     assert admin(srv, "unload_lora_adapter", lora_name=HOT).status_code == 200
     assert complete(srv, model=HOT).status_code == 404            # the name is gone at once
     for t in threads:
