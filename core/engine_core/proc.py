@@ -231,8 +231,12 @@ def _exit_on_tp_failure(reason: str) -> None:
 
 
 def _pickled_exc(exc: BaseException) -> bytes:
+    """`exc` as a reply carries it; one that does not pickle, or pickles but cannot be rebuilt (a constructor with
+    more required arguments than its `args`), as a RuntimeError with its message."""
     try:
-        return dumps(exc)
+        data = dumps(exc)
+        loads(data)
+        return data
     except Exception:
         return dumps(RuntimeError(str(exc)))
 

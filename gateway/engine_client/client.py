@@ -359,7 +359,12 @@ class EngineClient:
         for reply in out.replies:
             future = self._commands.pop(reply.command_id, None)
             if future is not None and not future.done():
-                value = loads(reply.value)
+                try:
+                    value = loads(reply.value)
+                except Exception as exc:  # noqa: BLE001 - an error that pickles but cannot be rebuilt here: that
+                    #                       command fails, and the step's deltas below still reach their streams
+                    future.set_exception(RuntimeError(f"the engine's reply could not be read: {exc}"))
+                    continue
                 future.set_result(value) if reply.ok else future.set_exception(value)
         if out.deltas:
             deltas = [decode_delta(d) for d in out.deltas]
