@@ -123,14 +123,16 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     release = state.limits.acquire(principal)
     if release is not None:
         ctx.cleanups.append(release)
-    body = ctx.body = await parse_body(request, kind.body,
-                                       {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages"))
+    # the request timeout counts from arrival and bounds the body's upload too: a client that sends part of its
+    # body and then nothing gets its 408 on time, and its concurrency slot back
+    deadline = Deadline(state.config.request_timeout, start=ctx.start)
+    body = ctx.body = await deadline.run(parse_body(request, kind.body,
+                                                    {"cmpl": "prompt", "resp": "input"}.get(kind.prefix, "messages")))
     ctx.stream = bool(body.stream)
     # from here on a client gone cancels the work (schema checks, tokenization, a grammar compile, the
     # collected answer) and gives back what the request holds at once (gateway/http/cancel.py); a stream
     # watches its own connection once its response starts (gateway/outputs/streaming.py). The request timeout
     # bounds the same work (a compile that outlasts it is a 408 on time, not once it is done), and a stream.
-    deadline = Deadline(state.config.request_timeout, start=ctx.start)
     answer = deadline.run(_answer(kind, state, ctx, principal, body, deadline))
     return await run_until_disconnect(request.receive, answer, ctx.run_cleanups)
 
@@ -199,10 +201,13 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     # what it costs (gateway/tenancy/limits.py): sequences, and prompt tokens once per prompt + max_tokens each
     release = state.limits.reserve(principal, len(children), usage(children, sum(max_tokens))["total_tokens"],
                                    used_tokens=lambda: ctx.prompt_tokens + ctx.completion_tokens)
-    if release is not None:
-        ctx.cleanups.append(release)
+    # what only the engine's work holds goes back when it ends (`merge_children`'s `on_done`), not when the client
+    # has read the answer (one that stops reading held them for good); the response's end releases them otherwise
+    engine_holds = [release] if release is not None else []
+    ctx.cleanups.extend(engine_holds)
     assert state.queue is not None
-    ctx.cleanups.append(state.queue.reserve(len(children)))
+    engine_holds.append(state.queue.reserve(len(children)))
+    ctx.cleanups.append(engine_holds[-1])
     sources = submit_children(aeng, children, args)      # errors here are still the response's status
     ctx.cleanups.append(lambda: abort_children(aeng, children))   # e.g. a response that never started
     ctx.admitted, ctx.num_choices = True, len(children)
@@ -213,7 +218,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     if texts is not None and (state.defaults.tokens_as_token_ids if as_ids is None else as_ids):
         texts = TokenIdNames(texts)
     token_ids = bool(body.return_token_ids) and kind.prefix != "resp"   # gateway/outputs/token_ids.py
-    merged = merge_children(aeng, children, sources, state.metrics)
+    merged = merge_children(aeng, children, sources, state.metrics,
+                            on_done=lambda: [give_back() for give_back in engine_holds])
     if kind is COMPLETION and body.echo_only:   # the prompt scored, its one generated token dropped
         merged = without_generation(merged)
     if body.stream:

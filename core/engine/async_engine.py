@@ -137,6 +137,7 @@ class AsyncEngine:
 
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
+        self._wakeup.set()   # an idle loop frees its slot and cached KV now (`_run`), not after its idle wait
 
     def stats(self) -> Stats:
         """Read here, on the caller's thread (`core/engine_core/stats.py` copies what the loop mutates)."""
@@ -311,9 +312,11 @@ class AsyncEngine:
                     hook()
                 if self.engine.has_unfinished_requests():
                     deltas.extend(self.engine.step())
-                elif not deltas:
-                    self._wakeup.wait(self._idle_wait_s)
-                    self._wakeup.clear()
+                else:   # an adapter unloaded since its last request ended: its slot and cached KV go now
+                    self.engine.release_idle()
+                    if not deltas:
+                        self._wakeup.wait(self._idle_wait_s)
+                        self._wakeup.clear()
                 if deltas:
                     self._streams.deliver(deltas)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish

@@ -164,7 +164,22 @@ class LLMEngine:
         return self.registry.load(name, path, replace)
 
     def unload_lora(self, name: str) -> None:
+        """Removes the name at once; its device slot and cached KV go once no request holds it, between two steps
+        (`release_idle` when no request is left)."""
         self.registry.unload(name)
+
+    def release_idle(self) -> None:
+        """Frees, with no request left to step, what ended requests and unloaded adapters leave behind until a
+        step: the device slot and prefix-cache namespaces of every adapter unloaded (or replaced) that no request
+        holds any more, and the draft model's KV of ended requests. On the engine's thread, between two steps (the
+        serving loops call it while idle; each step starts the same way): an unload completes when its last
+        request ends, not at the next request's step (an idle server kept the slot, `loraplex:lora_adapters_device`
+        and the adapter's cached KV)."""
+        if self._closed:
+            return
+        self.adapters.release_unloaded()
+        if self.spec.draft is not None:
+            self.spec.draft.release_finished()
 
     def resolve_lora(self, name: str | None) -> LoadedAdapter | None:
         """A registered adapter, or a `--lora-dir` entry registered now (loaded on first use)."""

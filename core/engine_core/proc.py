@@ -162,6 +162,10 @@ class EngineCore:
                 deltas.extend(eng.step())
             with self._replies_lock:
                 replies, self._replies = self._replies, []
+            if not eng.has_unfinished_requests():
+                # an adapter unloaded (its reply is in `replies`) or whose last request just ended: its slot and
+                # cached KV go now, before the stats below and the next scrape read them (a step does it when busy)
+                eng.release_idle()
             now = time.monotonic()
             stats = None
             if now - self._last_stats >= (STATS_INTERVAL_S if busy else 0.0):
@@ -227,8 +231,12 @@ def _exit_on_tp_failure(reason: str) -> None:
 
 
 def _pickled_exc(exc: BaseException) -> bytes:
+    """`exc` as a reply carries it; one that does not pickle, or pickles but cannot be rebuilt (a constructor with
+    more required arguments than its `args`), as a RuntimeError with its message."""
     try:
-        return dumps(exc)
+        data = dumps(exc)
+        loads(data)
+        return data
     except Exception:
         return dumps(RuntimeError(str(exc)))
 

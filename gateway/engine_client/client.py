@@ -234,20 +234,26 @@ class EngineClient:
         if not self._warmed_up:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.check_request(len(prompt_token_ids), params)
-        queue = self._streams.open(request_id, "the engine process is not running")
         extra: dict[str, Any] = {} if tenant is None else {"tenant": tenant}
         if lora is not None:   # the engine resolves and holds the adapter by name when it admits the request
             assert isinstance(lora, RemoteAdapter), "an adapter entry of another engine"
-            try:   # unloaded since its name was resolved: a 404 before any response byte, as in-process
-                self._registry.check_current(lora)
-            except BaseException:
-                self._streams.discard(request_id)
-                raise
-            extra["lora"] = self._adapter_of[request_id] = lora.name
+            extra["lora"] = lora.name
         if grammar is not None:
             extra["grammar"] = to_wire(grammar)
         add = AddRequest(request_id, list(prompt_token_ids), dumps(params), dumps(extra) if extra else None)
+        # the stream is opened last: a failure before it (an argument that does not serialize) leaves none behind
+        queue = self._streams.open(request_id, "the engine process is not running")
         with self._pending_lock:
+            # the check and the queueing are one step for an unload (on a worker thread): it counts itself before
+            # it queues its command under this lock, so this request is either refused here or queued ahead of the
+            # command, and then the engine admits it holding the adapter (never a 404 once it was accepted)
+            if lora is not None:
+                try:   # unloaded since its name was resolved: a 404 before any response byte, as in-process
+                    self._registry.check_current(lora)
+                except BaseException:
+                    self._streams.discard(request_id)
+                    raise
+                self._adapter_of[request_id] = lora.name
             self._pending.adds.append(add)
         self._schedule_flush()
         return queue
@@ -353,7 +359,12 @@ class EngineClient:
         for reply in out.replies:
             future = self._commands.pop(reply.command_id, None)
             if future is not None and not future.done():
-                value = loads(reply.value)
+                try:
+                    value = loads(reply.value)
+                except Exception as exc:  # noqa: BLE001 - an error that pickles but cannot be rebuilt here: that
+                    #                       command fails, and the step's deltas below still reach their streams
+                    future.set_exception(RuntimeError(f"the engine's reply could not be read: {exc}"))
+                    continue
                 future.set_result(value) if reply.ok else future.set_exception(value)
         if out.deltas:
             deltas = [decode_delta(d) for d in out.deltas]

@@ -1,8 +1,8 @@
 """`--request-timeout SECONDS`: a request's whole life (queueing included) is bounded, counted from arrival.
 
-The deadline covers the request's preparation too (schema checks, tokenization, a grammar compile): one that
-outlasts it is cut when it fires. On the deadline the engine requests are aborted (their KV blocks freed) and
-the client gets
+The deadline covers the request's preparation too (its body's upload, schema checks, tokenization, a grammar
+compile): one that outlasts it is cut when it fires. On the deadline the engine requests are aborted (their KV
+blocks freed) and the client gets
 - non-streaming, or a stream whose headers are not sent yet: HTTP 408 with `{"error": {..., "type": "timeout_error", "code": "request_timeout"}}`;
 - streaming (headers already sent): the same error object as an in-band `data:` event, then `data: [DONE]`,
   the way vLLM and OpenAI report mid-stream failures (the `openai` client raises `APIError` on it).

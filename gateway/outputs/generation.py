@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from core.engine.interface import AdapterEntry, CompiledConstraint, EngineDeadError, EngineWarmingError, ServingEngine
 from core.engine.llm import child_params
@@ -95,9 +95,12 @@ async def _pump(aeng: ServingEngine, child: Child, source: asyncio.Queue[Request
 
 
 async def merge_children(aeng: ServingEngine, children: list[Child], sources: list[asyncio.Queue[RequestDelta]],
-                         metrics: GatewayMetrics | None = None) -> AsyncIterator[tuple[int, RequestDelta]]:
+                         metrics: GatewayMetrics | None = None,
+                         on_done: Callable[[], None] | None = None) -> AsyncIterator[tuple[int, RequestDelta]]:
     """Yields (choice index, delta) from all submitted children as they arrive; closing it aborts every
-    unfinished child."""
+    unfinished child. `on_done` runs once no child runs any more (all finished, one failed and the rest were
+    aborted, or it was closed), whether or not the client has read the answer yet: what only the engine's work
+    holds (queue slots, a tenant's sequences and tokens) goes back then, not when the response ends."""
     queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
     timers = {c.index: RequestTimer(metrics) for c in children}
     tasks = [asyncio.create_task(_pump(aeng, c, src, queue)) for c, src in zip(children, sources)]
@@ -117,6 +120,8 @@ async def merge_children(aeng: ServingEngine, children: list[Child], sources: li
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if on_done is not None:
+            on_done()
 
 
 @dataclass

@@ -4,8 +4,9 @@
 thread (the engine keeps serving), then registers it under a fresh generation id. vLLM's optional
 `"load_inplace": true` replaces an adapter already loaded under that name (new requests get the new weights
 once they are read; requests in flight finish on the old); without it a loaded name is a 400.
-`POST /v1/unload_lora_adapter {"lora_name"}` removes the name at once; in-flight requests finish (vLLM's
-optional `lora_int_id` is accepted and unused: names identify adapters here).
+`POST /v1/unload_lora_adapter {"lora_name"}` removes the name at once (on a worker thread too: with the engine in
+its own process it waits for the engine's next turn); in-flight requests finish (vLLM's optional `lora_int_id` is
+accepted and unused: names identify adapters here).
 """
 from __future__ import annotations
 
@@ -77,7 +78,9 @@ async def unload_lora_adapter(request: Request) -> Response:
     _check_admin(request)
     data = await _body(request, ("lora_name",), (("lora_int_id", int),))
     try:
-        request.app.state.gateway.aeng.unload_lora(data["lora_name"])
+        # on a worker thread, as a load: an engine process answers between two steps, and waiting for it here
+        # stalled every stream and probe of the server for the engine's step
+        await asyncio.to_thread(request.app.state.gateway.aeng.unload_lora, data["lora_name"])
     except AdapterError as exc:
         raise _adapter_error(exc, "lora_name") from None
     return JSONResponse({"status": "ok", "lora_name": data["lora_name"]})

@@ -14,7 +14,9 @@ that fits but exceeds what is free now (or finds its tenant at a request limit):
 and the message naming the limit.
 
 What a request holds is released by a callback the middleware runs once the response (a stream included) has
-ended, whatever way it ended; each callback releases once however often it is called. `check_integrity()` checks
+ended, whatever way it ended; each callback releases once however often it is called. What only the engine's work
+holds (`reserve`'s sequences and tokens, the queue gate's slots) is released as soon as that work has ended
+(`merge_children`'s `on_done`), before a slow or stalled client has read the answer. `check_integrity()` checks
 the counts against the holds still live.
 """
 from __future__ import annotations

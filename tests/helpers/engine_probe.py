@@ -123,6 +123,20 @@ def arm_marker(host: Any, stage: str, word: str) -> None:
     faults.inject(stage, PromptMarker(host.engine.tokenizer, word))
 
 
+class IdSuffix:
+    """Matches the engine requests whose id ends with `suffix` (a choice of `n`: the gateway's ids end `-<index>`)."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __call__(self, req: Any) -> bool:
+        return str(req.request_id).endswith(self.suffix)
+
+
+def arm_request_suffix(host: Any, stage: str, suffix: str) -> None:
+    faults.inject(stage, IdSuffix(suffix))
+
+
 def hashed_stage(seed: int, rate: float, stages: tuple[str, ...], request_id: str) -> str | None:
     """The stage at which this engine request fails, if any: a pure function of the seed and the id."""
     digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
@@ -150,6 +164,21 @@ def fault_hits(host: Any) -> dict[str, set[str]]:
 
 def clear_faults(host: Any) -> None:
     faults.clear()
+
+
+# ---- holding the loop (a long step, as a test sees it) -------------------------------------------------------------
+def hold_while(host: Any, path: str) -> None:
+    """The engine's loop holds from this turn on (no step, no input applied, no reply sent) while the file `path`
+    exists, as in one long step; it writes `<path>.held` once it holds. Call it from a thread of its own: its
+    reply too waits for the release (the file's removal)."""
+    gate = Path(path)
+
+    def hold() -> None:
+        host.hooks.remove(hold)
+        Path(path + ".held").write_text("held")
+        while gate.exists():
+            time.sleep(0.01)
+    host.hooks.append(hold)
 
 
 # ---- start-up hooks (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:<name>, called before the engine is built) ----

@@ -71,25 +71,3 @@ def test_generate_argument_shapes_and_errors() -> None:
             with pytest.raises(ValueError, match="1 entries for 2 prompts"):
                 llm.generate(["a", "b"], **bad)
         assert [len(o.token_ids) for o in llm.generate(["a"], greedy)] == [3]   # still serves
-
-
-def test_an_interrupted_generate_leaves_no_request_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The finding: the interrupted call's requests stayed in the engine, and the next `generate` met their
-    outputs and raised KeyError ('2-0') instead of answering."""
-    with LLM(model=str(model_dir(MODEL)), dtype="float32", device="cpu", warmup=False, num_kv_blocks=64) as llm:
-        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        first = [o.token_ids for o in llm.generate(["x = 1", "import os"], greedy)]
-        step, calls = llm.engine.step, []
-
-        def interrupted_step() -> object:
-            calls.append(1)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return step()
-
-        monkeypatch.setattr(llm.engine, "step", interrupted_step)
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(["def f(x):", "y = 2"], greedy)
-        monkeypatch.undo()
-        assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage() == 0.0
-        assert [o.token_ids for o in llm.generate(["x = 1", "import os"], greedy)] == first
