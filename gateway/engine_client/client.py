@@ -94,6 +94,11 @@ class EngineClient:
         self._started = threading.Event()     # the engine's `info` (model loaded) or `failed` event arrived
 
     # ---- lifecycle ------------------------------------------------------------------------
+    @property
+    def socket_dir(self) -> str | None:
+        """The folder of the two ipc sockets (None before `start`); removed by `shutdown`."""
+        return getattr(self, "_dir", None)
+
     def start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="loraplex_engine_", dir=socket_parent())
         try:   # whatever fails or is interrupted (Ctrl-C) from here on leaves no process, socket or folder
