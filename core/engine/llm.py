@@ -81,7 +81,8 @@ class LLM:
                 raise
         self.engine = engine
         # `del llm` (the last reference) or the interpreter's exit releases the engine as `shutdown()` does
-        # (vLLM's LLM does too): its compile worker processes and loader threads do not outlive the object
+        # (vLLM's LLM does too): its compile worker processes and loader threads do not outlive the object. So
+        # `llm.engine` lives as long as `llm`: `LLM(...).engine` alone is an engine already shut down
         self._finalizer = weakref.finalize(self, engine.shutdown)
         self.tokenizer = engine.tokenizer
         self._ids = itertools.count()

@@ -29,7 +29,12 @@ def save_dora_adapter(model_path: Path, out: Path, targets: list[str] | str, ran
 
     cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, use_dora=True,
                           init_lora_weights=False, bias="none", task_type="CAUSAL_LM", **kwargs)
-    pm = peft.get_peft_model(_fresh_base(str(model_path)), cfg).eval()
+    # PEFT initialises DoRA's magnitudes from W + its initial (random, init_lora_weights=False) B A, drawn from
+    # torch's global generator: seeded here, so they do not depend on what ran before in the process (an engine's
+    # warm-up draws from it: a test after one got other magnitudes and a reference near a tie, in CI only)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        pm = peft.get_peft_model(_fresh_base(str(model_path)), cfg).eval()
     _fill_lora(pm, b_mult, seed)
     gen = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
