@@ -54,13 +54,17 @@ def start(tmp: Path, engine_process: bool) -> InProcessServer:
                            engine_process=engine_process, tenant_keys=path, max_model_len=512, max_queue_len=4)
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    server = start(tmp_path_factory.mktemp("exit"), engine_process=True)
+def serving(tmp_path_factory: pytest.TempPathFactory, engine_process: bool) -> Iterator[InProcessServer]:
+    server = start(tmp_path_factory.mktemp("exit"), engine_process=engine_process)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    yield from serving(tmp_path_factory, engine_process=True)
 
 
 def on_loop(srv: InProcessServer, fn: Callable[[], Any]) -> Any:
@@ -137,11 +141,7 @@ def slot_and_kv_of_unloaded(srv: InProcessServer) -> Any:
 
 @pytest.fixture(scope="module")
 def thread_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    server = start(tmp_path_factory.mktemp("exit-thread"), engine_process=False)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serving(tmp_path_factory, engine_process=False)
 
 
 @pytest.mark.parametrize("engine", ["engine-process", "in-process"])
