@@ -151,7 +151,7 @@ SAMPLING = {
     "spaces_between_special_tokens": bools,
     "allowed_token_ids": id_lists, "bad_words": st.lists(texts, max_size=3) | JSON, "truncate_prompt_tokens": ints,
     "cache_salt": texts, "add_special_tokens": bools, "return_token_ids": bools,
-    "return_tokens_as_token_ids": bools,
+    "return_tokens_as_token_ids": bools, "prompt_cache_key": texts, "safety_identifier": texts,
 }
 TEMPLATE_KWARGS = (st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x" * 100, ""]),
                                    JSON, max_size=3) | JSON)
@@ -175,6 +175,7 @@ RESPONSES = {"model": texts, "input": texts | st.lists(st.fixed_dictionaries(
                  optional={"name": texts, "schema": SCHEMAS, "strict": bools})}) | JSON,
              "stream": bools, "store": bools, "previous_response_id": texts,
              "metadata": st.dictionaries(texts, texts, max_size=3) | JSON, "user": texts,
+             "prompt_cache_key": texts, "safety_identifier": texts,
              "truncation": st.sampled_from(["disabled", "auto"]) | JSON, "seed": ints, "top_k": ints,
              "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", "x"]),
                                  max_size=3) | JSON, "top_logprobs": ints,
@@ -245,6 +246,8 @@ EXTREMES: dict[str, list[Any]] = {
     "truncate_prompt_tokens": extremes(INTS) + [-1, 0, 1, 2, 63, 64, 65],
     "reasoning_effort": ["low", "max", "", "HIGH"] + SWEEP_WRONG_TYPES,
     "cache_salt": ["", "a", "x" * 1025, "\x00", "\ud800", "tiny"] + SWEEP_WRONG_TYPES,
+    "prompt_cache_key": ["", "x" * 1024, "x" * 1025, "\x00", "\ud800"] + SWEEP_WRONG_TYPES,
+    "safety_identifier": ["", "x" * 64, "x" * 65, "\x00", "\ud800"] + SWEEP_WRONG_TYPES,
     "guided_choice": [[], [""], ["a"] * 1025] + SWEEP_WRONG_TYPES,
     "guided_regex": ["[^\\s\\S]", "[b&&c]", "", "("] + SWEEP_WRONG_TYPES,
     "guided_json": EMPTY_LANGUAGE + SWEEP_WRONG_TYPES,
