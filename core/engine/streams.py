@@ -96,6 +96,12 @@ def _put_all(items: list[tuple[DeltaQueue, RequestDelta]]) -> None:
         queue.put_nowait(delta)
 
 
+def aborted_delta(request_id: str, num_prompt_tokens: int) -> RequestDelta:
+    """The last delta of a request aborted before the engine admitted it (it waited for its grammar)."""
+    return RequestDelta(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason="abort",
+                        num_prompt_tokens=num_prompt_tokens, num_output_tokens=0)
+
+
 def error_delta(request_id: str, message: str, exc: BaseException | None = None) -> RequestDelta:
     """The last delta of a request that failed (`exc`: the domain error the caller raises)."""
     return RequestDelta(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason=None,

@@ -17,20 +17,30 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
 
-from core.engine_core.grammar_handles import materialize
+from core.engine_core.grammar_handles import GrammarWait
 from core.engine.interface import engine_facts
 from core.engine_core.protocol import (HEARTBEAT_S, INPUT_DECODER, OUTPUT_ENCODER, STATS_INTERVAL_S, AdapterRow,
-                                       EngineInput, EngineOutput, Reply, StartupInfo, dumps, encode_delta, loads)
+                                       AddRequest, EngineInput, EngineOutput, Reply, StartupInfo, dumps, encode_delta,
+                                       loads)
 from core.engine_core.test_hook import run_test_hook
 from core.engine_core.stats import snapshot_stats
-from core.engine.streams import error_delta
+from core.engine.streams import aborted_delta, error_delta
 from adapters.errors import AdapterError
 
 log = logging.getLogger("loraplex.engine_core")
+
+
+@dataclass
+class PendingAdd:
+    """A request that waits, out of the engine, for its grammar (`GrammarWait`)."""
+    add: AddRequest
+    kwargs: dict[str, Any]      # add_request's keyword arguments (an adapter already held: `lora_held`)
+    wait: GrammarWait
 
 
 class EngineCore:
@@ -39,10 +49,16 @@ class EngineCore:
         self._replies: list[Reply] = []          # finished asynchronously (grammar compiles), sent next turn
         self._replies_lock = threading.Lock()
         self._num_compiling = 0                  # compiles and adapter commands still running
+        self._pending: dict[str, PendingAdd] = {}   # adds waiting on a grammar compile, in arrival order
         self._adapters: list[AdapterRow] | None = None
         self._last_stats = 0.0
         self._stop = False
         self.hooks: list[Callable[[], None]] = []   # test-only: run on the loop thread before each step
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        """Requests that arrived and wait for their grammar's compile before the engine admits them."""
+        return len(self._pending)
 
     def send(self, out: EngineOutput) -> None:
         self.push.send(OUTPUT_ENCODER.encode(out), copy=False)
@@ -63,24 +79,63 @@ class EngineCore:
 
     def _apply(self, msg: EngineInput, deltas: list[Any]) -> None:
         """Adds, then aborts, then commands: the order the API process issued them in (an unload sent after a
-        request's submission finds that request admitted and holding its adapter, as in-process)."""
+        request's submission finds that request admitted and holding its adapter, as in-process). An add whose
+        grammar is not compiled (evicted from the grammar cache since its `compile` command) waits, holding its
+        adapter, until the compile is done (`_admit_ready`): the step loop never waits on a compile."""
         eng = self.engine
         for add in msg.adds:
+            kwargs: dict[str, Any] = {}
             try:
                 kwargs = loads(add.kwargs) if add.kwargs is not None else {}
-                if kwargs.get("grammar") is not None:
-                    kwargs["grammar"] = materialize(kwargs["grammar"], eng.grammar_compiler)
-                if kwargs.get("lora") is not None:   # the adapter's name: resolved and held here
-                    kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
-                eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
+                wait = GrammarWait(kwargs["grammar"], eng.grammar_compiler) \
+                    if kwargs.get("grammar") is not None else None
+                if wait is not None and not wait.ready():
+                    if kwargs.get("lora") is not None:   # held now, as an admitted request holds it
+                        kwargs["lora"] = eng.registry.acquire(_resolve_adapter(eng, kwargs["lora"]))
+                        kwargs["lora_held"] = True
+                    self._pending[add.request_id] = PendingAdd(add, kwargs, wait)
+                    continue
             except Exception as exc:   # rejected late: that request's error alone
                 deltas.append(error_delta(add.request_id, str(exc), exc))
+                continue
+            self._admit(add, kwargs, wait, deltas)
         for rid in msg.aborts:
+            pending = self._pending.pop(rid, None)
+            if pending is not None:   # its stream ends as an admitted request's abort ends it
+                self._release(pending.kwargs)
+                deltas.append(aborted_delta(rid, len(pending.add.prompt_token_ids)))
+                continue
             delta = eng.abort_request(rid)
             if delta is not None:
                 deltas.append(delta)
         for cmd in msg.commands:
             self._command(cmd.command_id, cmd.op, loads(cmd.args))
+
+    def _admit(self, add: AddRequest, kwargs: dict[str, Any], wait: GrammarWait | None, deltas: list[Any]) -> None:
+        eng = self.engine
+        queued = False
+        try:
+            if wait is not None:
+                kwargs["grammar"] = wait.matcher()
+            if kwargs.get("lora") is not None and not kwargs.get("lora_held"):   # the name: resolved and held there
+                kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
+            queued = True   # add_request gives a held adapter back itself if it refuses the request
+            eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
+        except Exception as exc:   # rejected late: that request's error alone
+            if not queued:
+                self._release(kwargs)
+            deltas.append(error_delta(add.request_id, str(exc), exc))
+
+    def _admit_ready(self, deltas: list[Any]) -> None:
+        """The waiting adds whose grammars are compiled now, in their order of arrival."""
+        for rid in [rid for rid, p in self._pending.items() if p.wait.ready()]:
+            pending = self._pending.pop(rid)
+            self._admit(pending.add, pending.kwargs, pending.wait, deltas)
+
+    def _release(self, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("lora_held"):
+            self.engine.registry.release(kwargs["lora"])
+            kwargs["lora_held"] = False
 
     def _command(self, command_id: int, op: str, args: tuple[Any, ...]) -> None:
         if op == "shutdown":
@@ -152,10 +207,12 @@ class EngineCore:
         eng = self.engine
         while not self._stop:
             busy = eng.has_unfinished_requests()
-            timeout_ms = 0 if busy else (5 if self._num_compiling else int(HEARTBEAT_S * 1000))
+            timeout_ms = 0 if busy else (5 if self._num_compiling or self._pending else int(HEARTBEAT_S * 1000))
             deltas: list[Any] = []
             for msg in self._receive(timeout_ms):
                 self._apply(msg, deltas)
+            if self._pending:
+                self._admit_ready(deltas)
             for hook in self.hooks:
                 hook()
             if eng.has_unfinished_requests():

@@ -150,6 +150,13 @@ class GrammarCompiler:
         """Start compiling the json_object grammar in the background (call at start-up)."""
         return self.submit(json_object_spec())
 
+    def clear_cache(self) -> None:
+        """Drops every cached grammar (counted as evictions); grammars in use stay alive in their matchers."""
+        with self._lock:
+            self.stats["evictions"] += len(self._cache)
+            self._cache.clear()
+            self._cache_bytes = 0
+
     def close(self) -> None:
         self._pool.close()
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +181,42 @@ def hold_while(host: Any, path: str) -> None:
         while gate.exists():
             time.sleep(0.01)
     host.hooks.append(hold)
+
+
+# ---- the grammar cache (engine process) ----------------------------------------------------------------------------
+def evict_grammar_after_compile(host: Any, delay_s: float) -> None:
+    """The next grammar the `compile` command builds leaves the grammar cache as soon as it is compiled (as if
+    other tenants' grammars filled the cache before its request arrived), and compiling it again (the engine
+    process's `GrammarWait` for the request) takes `delay_s` longer."""
+    compiler = host.engine.grammar_compiler
+    submit = type(compiler).submit.__get__(compiler)
+    first: list[str] = []
+
+    def patched(spec: Any) -> Future:
+        future = submit(spec)
+        if not first:
+            first.append(spec.key)
+            future.add_done_callback(lambda _: compiler.clear_cache())
+            return future
+        if spec.key != first[0]:
+            return future
+        slow: Future = Future()
+        slow.set_running_or_notify_cancel()
+
+        def settle() -> None:
+            error = future.exception()
+            slow.set_exception(error) if error is not None else slow.set_result(future.result())
+        threading.Timer(delay_s, settle).start()
+        return slow
+    compiler.submit = patched
+
+
+def restore_grammar_compiles(host: Any) -> None:
+    vars(host.engine.grammar_compiler).pop("submit", None)
+
+
+def num_waiting_for_grammar(host: Any) -> int:
+    return host.num_waiting_for_grammar
 
 
 # ---- start-up hooks (LORAPLEX_ENGINE_TEST_HOOK=engine_probe:<name>, called before the engine is built) ----
