@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from adapters.errors import AdapterError
-from core.engine.interface import EngineDeadError, EngineWarmingError
+from core.engine.interface import EngineDeadError, EngineWarmingError, RequestCutError
 from grammar.errors import GrammarError
 from core.errors import RequestFault, RequestRejected
 from core.sampling.params import SamplingParamsError
@@ -25,6 +25,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
 CTX_SCOPE_KEY = "loraplex.ctx"   # the RequestContext in the ASGI scope (gateway/http/context.py)
+# a request still running when the SIGTERM drain's deadline passed (gateway/server/lifecycle.py): 503 shutting_down
+CUT_MESSAGE = "The server shut down before this request finished (its drain deadline, --shutdown-timeout, passed)."
 
 
 class APIError(Exception):
@@ -122,6 +124,8 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineWarmingError):
         return APIError(503, "The server is still warming up (compiling its kernels); retry shortly.",
                         code="warming_up", headers={"Retry-After": "5"})
+    if isinstance(exc, RequestCutError):   # counted as aborted by the shutdown (gateway/http/context.py)
+        return APIError(503, str(exc), code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The engine is not running; the server is shutting down or failed.",
                         code="engine_unavailable")

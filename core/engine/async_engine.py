@@ -262,6 +262,12 @@ class AsyncEngine:
         self._wakeup.set()
         return queue
 
+    def cut_all(self, message: str) -> int:
+        ids = self._streams.cut(message)
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)

@@ -53,6 +53,10 @@ class RequestFailedError(RuntimeError):
     """One request failed inside a healthy engine (HTTP 500)."""
 
 
+class RequestCutError(RuntimeError):
+    """The server ended this request at its shutdown deadline (`--shutdown-timeout`) before it finished (HTTP 503)."""
+
+
 class EngineWarmingError(RuntimeError):
     """The engine is still compiling its kernels at start-up (HTTP 503, retry later)."""
 
@@ -199,6 +203,11 @@ class ServingEngine(Protocol):
 
     def stream(self, request_id: str, queue: "asyncio.Queue[RequestDelta]") -> AsyncIterator[RequestDelta]:
         """The deltas of a submitted request; an error delta raises; leaving early aborts the request."""
+        ...
+
+    def cut_all(self, message: str) -> int:
+        """Ends every open request's stream with RequestCutError(`message`) and aborts it in the engine (the
+        shutdown deadline); returns how many. Streams opened later are not affected."""
         ...
 
     # ---- adapters -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import asyncio
 import threading
 from typing import AsyncIterator, Callable
 
-from core.engine.interface import EngineDeadError, RequestFailedError
+from core.engine.interface import EngineDeadError, RequestCutError, RequestFailedError
 from core.engine.outputs import RequestDelta
 
 DeltaQueue = asyncio.Queue[RequestDelta]
@@ -52,6 +52,13 @@ class RequestStreams:
             self._closed = True
             ids = list(self._streams)
         self.deliver([error_delta(rid, message, EngineDeadError(message)) for rid in ids])
+
+    def cut(self, message: str) -> list[str]:
+        """Every open stream gets a RequestCutError(`message`) delta (it ends); returns their request ids."""
+        with self._lock:
+            ids = list(self._streams)
+        self.deliver([error_delta(rid, message, RequestCutError(message)) for rid in ids])
+        return ids
 
     def deliver(self, deltas: list[RequestDelta]) -> None:
         """Hands each delta to its stream's loop (thread-safe); a finished delta closes its stream."""

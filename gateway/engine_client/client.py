@@ -263,6 +263,12 @@ class EngineClient:
         self._schedule_flush()
         return queue
 
+    def cut_all(self, message: str) -> int:
+        ids = self._streams.cut(message)
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
+
     def abort(self, request_id: str) -> None:
         with self._pending_lock:
             self._pending.aborts.append(request_id)

@@ -71,13 +71,13 @@ class RequestContext:
 
     def classify_abort(self, draining: bool) -> None:
         """Marks the request aborted if its error says it was cut: its timeout, a client gone before the response
-        (499), or an engine stopped under it while the server drains."""
+        (499), or an engine stopped under it or the drain's deadline while the server drains."""
         if self.error_code == "request_timeout":
             self.aborted = "timeout"      # the deadline fired first, whatever happened to the connection after
         elif self.error_code == "client_closed_request":
             self.abort("disconnect")
-        elif self.error_code == "engine_unavailable" and draining and self.admitted:
-            self.abort("shutdown")
+        elif self.error_code in ("engine_unavailable", "shutting_down") and draining and self.admitted:
+            self.abort("shutdown")   # the engine stopped under it, or the drain's deadline ended it
 
     def outcome(self) -> str:
         """`completed`, `error` (a 4xx or 5xx answer) or `aborted`."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.http.context import RequestContext, access_record
-from gateway.errors import CTX_SCOPE_KEY, APIError
+from gateway.errors import CTX_SCOPE_KEY, CUT_MESSAGE, APIError
 from gateway.observability.request_log import log_abort
 
 if TYPE_CHECKING:
@@ -31,6 +31,19 @@ PROBES = frozenset({"/health", "/ping", LIVENESS_PATH, "/metrics", "/version"}) 
 def shutting_down() -> APIError:
     return APIError(503, "The server is shutting down and admits no new requests; retry on another replica.",
                     code="shutting_down")
+
+
+async def _end_cut_response(ctx: RequestContext, scope: Scope, receive: Receive, send: Send, ended: bool) -> None:
+    """Ends a response uvicorn cancelled at shutdown: a 503 if none started, else the end of its body."""
+    try:
+        if ctx.status is None:
+            response = APIError(503, CUT_MESSAGE, code="shutting_down").response()
+            response.headers["Connection"] = "close"
+            await response(scope, receive, send)
+        elif not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except Exception:  # noqa: BLE001 - the connection may be gone already
+        log.debug("could not end a response cut at shutdown", exc_info=True)
 
 
 class GatewayMiddleware:
@@ -49,12 +62,16 @@ class GatewayMiddleware:
         lifecycle = state.lifecycle
         assert lifecycle is not None
 
+        ended = [False]   # the response's last body message was sent
+
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 ctx.status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", ctx.request_id.encode("latin-1", "replace")))
                 message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended[0] = True
             await send(message)
 
         lifecycle.in_flight += 1
@@ -69,7 +86,14 @@ class GatewayMiddleware:
             await self.app(scope, receive, send_wrapper)
         except asyncio.CancelledError:   # uvicorn cancels what is still running once the drain's time is over
             ctx.abort("shutdown")
-            raise
+            if not lifecycle.draining:
+                raise
+            # the drain's end: this response ends here, as the cut generations' do (an OpenAI-style 503, or the
+            # end of a body already started), instead of uvicorn's plain-text 500 and an ERROR traceback
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            await _end_cut_response(ctx, scope, receive, send_wrapper, ended[0])
         finally:
             lifecycle.in_flight -= 1
             ctx.run_cleanups()

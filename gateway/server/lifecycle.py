@@ -3,8 +3,10 @@
 While draining the sockets stay open, so a new `POST` gets a fast 503 `shutting_down` (a load balancer
 retries it elsewhere) instead of a refused connection; `/health` (readiness) answers 503 `draining` so the
 replica leaves the load balancer, while `/health/live` (liveness), /metrics and other GETs still answer 200.
-Once nothing is in flight, or `--shutdown-timeout` seconds have passed, uvicorn shuts down: whatever is
-still running is cancelled (its engine requests aborted). A second signal exits at once.
+Once nothing is in flight, or `--shutdown-timeout` seconds have passed, uvicorn shuts down. A generation still
+running at that deadline ends with a 503 `shutting_down` error (in-band, then `data: [DONE]`, when streaming; its
+engine requests aborted); whatever else is still running after uvicorn's own grace is cancelled (a response not
+started gets the same 503). A second signal exits at once.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from types import FrameType
+from typing import Callable
 
 import uvicorn
 
@@ -37,6 +40,7 @@ class Lifecycle:
     in_flight: int = 0                  # HTTP requests in progress (probes excluded; streams until their end)
     drain_deadline: float | None = None
     drain_signal: str | None = None
+    cut: Callable[[], int] | None = None   # ends every open generation with a 503 (the engine's `cut_all`)
 
     def begin_drain(self, reason: str = "shutdown") -> None:
         if not self.draining:
@@ -115,7 +119,9 @@ class GatewayServer(uvicorn.Server):
                         lc.drain_signal, lc.in_flight, lc.shutdown_timeout_s)
         if lc.drained() and not self.should_exit:
             if lc.in_flight:
-                log.warning("shutdown timeout: cancelling %d request(s) still in flight", lc.in_flight)
+                log.warning("shutdown timeout: ending %d request(s) still in flight", lc.in_flight)
                 self._cut = True
+                if lc.cut is not None:
+                    lc.cut()
             self.should_exit = True
         return await super().on_tick(counter)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.engine.interface import ServingEngine
+from gateway.errors import CUT_MESSAGE
 from gateway.tenancy.auth import Authenticator
 from gateway.server.config import ServerConfig
 from gateway.server.lifecycle import Lifecycle
@@ -41,6 +42,8 @@ class GatewayState:
             self.queue = QueueGate(self.config.max_queue_len)
         if self.lifecycle is None:
             self.lifecycle = Lifecycle(self.config.shutdown_timeout)
+        if self.lifecycle.cut is None:
+            self.lifecycle.cut = lambda: self.aeng.cut_all(CUT_MESSAGE)
 
     @staticmethod
     def build(config: ServerConfig, aeng: ServingEngine) -> "GatewayState":

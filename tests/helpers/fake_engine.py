@@ -86,6 +86,9 @@ class FakeEngine:
     def stream(self, request_id: str, queue: "asyncio.Queue[RequestDelta]") -> AsyncIterator[RequestDelta]:
         pytest.fail("the stand-in engine runs no request")
 
+    def cut_all(self, message: str) -> int:
+        return 0
+
     def load_lora(self, name: str, path: str, replace: bool = False) -> Any:
         pytest.fail("the stand-in engine loads no adapter")
 

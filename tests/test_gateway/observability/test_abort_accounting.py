@@ -122,9 +122,9 @@ def test_a_stream_cancelled_by_the_shutdown_counts_as_shutdown(logs: dict[str, L
         await started.wait()
         state.lifecycle.begin_drain("SIGTERM")
         task.cancel()                         # what uvicorn does once the drain's time is over
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await task                            # the middleware ends the response (uvicorn logged a traceback)
         assert sent[0]["status"] == 200 and state.lifecycle.in_flight == 0
+        assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
 
     asyncio.run(main())
     assert aborted(state.metrics) == {"disconnect": 0.0, "timeout": 0.0, "shutdown": 1.0}
@@ -172,6 +172,59 @@ def test_a_stream_whose_client_left_counts_as_disconnect(logs: dict[str, Lines])
     rec = access(logs)
     assert (rec["outcome"], rec["reason"], rec["status"], rec["finish_reason"]) == ("aborted", "disconnect", 499,
                                                                                    "abort")
+
+
+def test_a_request_cancelled_by_the_shutdown_before_its_response_gets_a_503(logs: dict[str, Lines]) -> None:
+    """Still waiting (a compile, the body) when uvicorn cancels it after the drain: an OpenAI-style 503, not
+    uvicorn's plain-text 500."""
+    state = make_state()
+    started = asyncio.Event()
+
+    async def waits(scope: Scope, receive: Receive, send: Send) -> None:
+        generation(scope)
+        started.set()
+        await asyncio.Event().wait()
+
+    async def main() -> list[Message]:
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        task = asyncio.create_task(GatewayMiddleware(waits, state)(scope(), never_disconnects, send))
+        await started.wait()
+        state.lifecycle.begin_drain("SIGTERM")
+        task.cancel()
+        await task
+        return sent
+
+    sent = asyncio.run(main())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["error"]["code"] == "shutting_down" and body["error"]["type"] == "service_unavailable"
+    assert sent[-1].get("more_body", False) is False
+    assert aborted(state.metrics)["shutdown"] == 1.0
+    rec = access(logs)
+    assert (rec["outcome"], rec["reason"], rec["status"]) == ("aborted", "shutdown", 503)
+
+
+def test_a_cancellation_outside_a_drain_propagates() -> None:
+    state = make_state()
+
+    async def waits(scope: Scope, receive: Receive, send: Send) -> None:
+        await asyncio.Event().wait()
+
+    async def main() -> None:
+        async def send(message: Message) -> None:
+            raise AssertionError("nothing is sent for a cancellation that is not the shutdown's")
+
+        task = asyncio.create_task(GatewayMiddleware(waits, state)(scope(), never_disconnects, send))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("draining", [True, False])

@@ -94,40 +94,62 @@ def _last_shutdown_count(url: str, seen: list[float]) -> None:
             time.sleep(0.3)
 
 
+def _waiting(http: httpx.Client) -> float:
+    return next(float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                if line.startswith("loraplex:num_requests_waiting"))
+
+
 def test_shutdown_timeout_cuts_what_is_left_and_exits_0(servers: tuple[ServerProcess, ServerProcess]) -> None:
-    """The cut request counts in `request_aborted_total{reason="shutdown"}`, and a scrape of --metrics-port polling
-    until the exit sees it: the listener answers a moment after the count (it closed ~0.2 s after it, so a scraper
-    polling every 0.3 s mostly never saw the shutdown reason)."""
+    """What is still running at the deadline ends with a 503 `shutting_down` error: in-band (then `[DONE]`) for a
+    stream, a JSON error for a plain request (was: uvicorn's plain-text 500 and an ERROR traceback in the log).
+    The cut requests count in `request_aborted_total{reason="shutdown"}`, and a scrape of --metrics-port polling
+    until the exit sees them: the listener answers a moment after the count (it closed ~0.2 s after it, so a
+    scraper polling every 0.3 s mostly never saw the shutdown reason)."""
     server = servers[1]
     assert server.metrics_url is not None
     body = {**LONG, "max_tokens": 1000, "n": 8}     # one at a time (--max-num-seqs 1): far past the 1 s deadline
     received: list[str] = []
     seen: list[float] = []
+    plain: list[httpx.Response] = []
     poller = threading.Thread(target=_last_shutdown_count, args=(server.metrics_url, seen))
     poller.start()
     with httpx.Client(base_url=server.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             first_event(lines)
+            waiting = threading.Thread(target=lambda: plain.append(http.post(   # queued behind the stream
+                "/v1/completions", json={**LONG, "stream": False, "max_tokens": 1000})))
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while _waiting(http) < 8:   # the stream's 7 other choices, and the plain request
+                assert time.monotonic() < deadline, "the plain request never queued"
+                time.sleep(0.05)
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
-            try:
-                received.extend(lines)
-            except httpx.HTTPError:
-                pass    # the connection was closed mid-stream
+            received.extend(lines)
+            waiting.join(30)
     assert server.proc.wait(timeout=15) == 0
     assert time.monotonic() - t0 < 10
     poller.join(timeout=10)
-    assert seen[0] == 0 and seen[-1] == 1, seen
-    finished = [line for line in received if '"finish_reason":"length"' in line]
-    assert len(finished) < 8 and "data: [DONE]" not in received, (len(received), received[-3:])
-    assert "shutdown timeout" in server.output()
-    # the cut request is logged as aborted by the shutdown, never as the 200 its stream had started with
-    records = [json.loads(line) for line in server.output().splitlines() if line.startswith('{"request_id"')]
-    cut = [r for r in records if r["path"] == "/v1/completions"]
-    assert len(cut) == 1, records
-    assert cut[0]["outcome"] == "aborted" and cut[0]["reason"] == "shutdown" and cut[0]["status"] == 503, cut
-    reasons = cut[0]["finish_reason"].split(",")
+    assert seen[0] == 0 and seen[-1] == 2, seen
+    events = [line[len("data: "):] for line in received if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down" and "--shutdown-timeout" in error["message"], error
+    finished = [e for e in events if '"finish_reason":"length"' in e]
+    assert len(finished) < 8
+    assert plain[0].status_code == 503, plain[0].text
+    assert plain[0].json()["error"]["code"] == "shutting_down"
+    output = server.output()
+    assert "shutdown timeout" in output and "Traceback" not in output and "Exception in ASGI" not in output
+    # the cut requests are logged as aborted by the shutdown, never as the 200 the stream had started with
+    records = [json.loads(line) for line in output.splitlines() if line.startswith('{"request_id"')]
+    cut = sorted((r for r in records if r["path"] == "/v1/completions"), key=lambda r: r["stream"])
+    assert len(cut) == 2, records
+    for record in cut:
+        assert record["outcome"] == "aborted" and record["reason"] == "shutdown" and record["status"] == 503, cut
+    assert cut[0]["finish_reason"] == "abort", cut
+    reasons = cut[1]["finish_reason"].split(",")
     assert len(reasons) == 8 and reasons.count("length") >= len(finished) and "abort" in reasons, cut
 
 
