@@ -42,6 +42,7 @@ from gateway.outputs.generation import (
 )
 from gateway.observability.metrics import CONTENT_TYPE
 from gateway.http.middleware import LIVENESS_PATH, GatewayMiddleware
+from gateway.inputs.conversation_fit import fit_conversation
 from gateway.inputs.models import ResolvedModel
 from gateway.routes.openapi import openapi_document
 from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constraint, validators_ready,
@@ -54,7 +55,7 @@ from gateway.observability.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routes.probes import probe_routes
 from gateway.outputs.responses import TokenIdNames, chat_body, completion_body
-from gateway.routes.responses_api import ResponsesBody, ResponsesChatRequest, responses_error
+from gateway.routes.responses_api import ResponsesBody, ResponsesChatRequest, drop_origins, responses_error
 from gateway.inputs.reasoning_effort import check_effort_served
 from gateway.routes.responses_fields import check_reasoning_effort
 from gateway.routes.responses_stream import bind_responses
@@ -156,10 +157,15 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     await check_tool_schemas(plan, aeng)   # lowered in a compile worker: their 400s come first
     # tokenization and template rendering: on the tokenizer threads, never on the event loop
     encoder = state.encoder.truncating(params)   # vLLM's truncate_prompt_tokens, before the context check
-    if tooled:
-        prompts = [await tokenize_pool.run(tools_chat_prompt, encoder, body, plan)]
+    room = min(aeng.facts.max_model_len, aeng.facts.num_kv_blocks * aeng.facts.block_size)
+
+    def render(chat: Any) -> list[list[int]]:
+        return [tools_chat_prompt(encoder, chat, plan)] if tooled else kind.prompts(encoder, chat)
+    if isinstance(body, ResponsesChatRequest) and body.source.truncation == "auto":   # the oldest turns dropped
+        body, prompts = await tokenize_pool.run(fit_conversation, render, body, room - (params.max_tokens or 1),
+                                                drop_origins)
     else:
-        prompts = await tokenize_pool.run(kind.prompts, encoder, body)
+        prompts = await tokenize_pool.run(render, body)
     if params.bad_words:   # vLLM's bad_words as token sequences (core/sampling/bad_words.py)
         params = await tokenize_pool.run(resolve_bad_words, params, state.encoder.tokenizer)
     check_filter_size(params, len(prompts))   # each choice carries its own copy to the engine
@@ -181,7 +187,6 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     args = _engine_args(model, grammar, principal)
     request_id = ctx.request_id = new_request_id(kind.prefix)
     # a default max_tokens fits the context and the KV pool (a small --kv-cache-memory may hold less than it)
-    room = min(aeng.facts.max_model_len, aeng.facts.num_kv_blocks * aeng.facts.block_size)
     params = state.defaults.fit_context(params, body, prompts, room)
     check_prompt_logprobs_size(body, prompts, params, aeng.facts.max_model_len)
     children = make_children(request_id, prompts, params)

@@ -49,7 +49,7 @@ class ResponsesRequest(_Strict):
     user: Optional[str] = None
     prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)   # OpenAI's hints, as on chat
     safety_identifier: Optional[str] = Field(default=None, max_length=64)
-    truncation: Optional[Literal["disabled"]] = None
+    truncation: Optional[Literal["disabled", "auto"]] = None   # auto: gateway/inputs/conversation_fit.py
     seed: Optional[int] = None
     top_k: Optional[int] = None
     include: Optional[Annotated[list[Any], Field(max_length=16)]] = None
@@ -324,6 +324,12 @@ def responses_error(exc: BaseException, origins: Origins) -> APIError:
         error.message = error.message.replace(error.param, param or "")
         error.param = param
     return error
+
+
+def drop_origins(chat: ResponsesChatRequest, head: int, start: int) -> ResponsesChatRequest:
+    """`truncation: "auto"` dropped chat messages [head, start) of `chat` (a copy): their origins go too."""
+    chat._origins = chat._origins[:head] + chat._origins[start:]
+    return chat
 
 
 class ResponsesBody:

@@ -92,7 +92,7 @@ def response_object(request_id: str, created: int, model: str, source: Responses
         "temperature": source.temperature, "top_p": source.top_p, "tools": source.tools or [],
         "tool_choice": tool_choice, "parallel_tool_calls": source.parallel_tool_calls is not False,
         "text": {"format": fmt}, "metadata": source.metadata or {}, "previous_response_id": None,
-        "store": False, "truncation": "disabled", "reasoning": _reasoning(source), "user": source.user,
+        "store": False, "truncation": source.truncation or "disabled", "reasoning": _reasoning(source), "user": source.user,
         "prompt_cache_key": source.prompt_cache_key, "safety_identifier": source.safety_identifier,
         "top_logprobs": source.top_logprobs, "usage": None}
     if usage is not None:

@@ -313,3 +313,80 @@ def test_auth_and_model_resolution_as_chat(server: ServerProcess, http: httpx.Cl
     assert httpx.post(f"{server.url}/v1/responses", json={"model": "tiny", "input": "hi"}).status_code == 401
     assert post(http, "/v1/responses", 404, input="hi", model="nope")["error"]["code"] == "model_not_found"
     assert post(http, "/v1/responses", input="hi", store=False, max_output_tokens=2)["store"] is False
+
+
+# ---- truncation: "auto" (gateway/inputs/conversation_fit.py) -------------------------------------------------------
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon"
+
+
+def _conversation(num_turns: int) -> list[dict[str, Any]]:
+    """Alternating user / assistant turns of ~60 tokens each; the second pair is a function call and its output."""
+    items: list[dict[str, Any]] = []
+    for i in range(num_turns):
+        items.append({"role": "user", "content": f"turn {i}: {WORDS}"})
+        if i == 1:
+            items.append({"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                          "arguments": '{"city": "Oslo", "unit": "c"}'})
+            items.append({"type": "function_call_output", "call_id": "call_1", "output": f"cold {WORDS}"})
+        else:
+            items.append({"role": "assistant", "content": f"answer {i}: {WORDS}"})
+    items.append({"role": "user", "content": "and now?"})
+    return items
+
+
+def _as_chat(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages the Responses items render as (the function call as an assistant tool-call turn)."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    for item in items:
+        if item.get("type") == "function_call":
+            out.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}]})
+        elif item.get("type") == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            out.append(item)
+    return out
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_it_fits(http: httpx.Client) -> None:
+    items = _conversation(24)
+    body = {"input": items, "instructions": "be brief", "max_output_tokens": 8, "temperature": 0,
+            "tools": [TOOL]}
+    error = post(http, "/v1/responses", 400, **body)["error"]   # too long as it is (truncation "disabled")
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+    answer = post(http, "/v1/responses", **body, truncation="auto")
+    assert answer["truncation"] == "auto" and answer["status"] in ("completed", "incomplete")
+    # what it kept: the system turn, then the conversation from the earliest user turn that leaves room for the
+    # 8 output tokens (whole turns, never a cut one); the call and its output went together
+    chat = _as_chat(items)
+    tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    starts = [i for i, m in enumerate(chat) if m["role"] == "user" and i > 1]
+    kept = None
+    for start in starts:
+        messages = chat[:1] + chat[start:]
+        count = post(http, "/tokenize", messages=messages, tools=tools)["count"]
+        if count <= 1024 - 8:
+            kept = messages
+            break
+    assert kept is not None and len(kept) < len(chat)
+    assert all(m["role"] != "tool" for m in kept)
+    expected = chat_text(http, kept, max_tokens=8, tools=tools)
+    assert answer["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"]
+    text = "".join(part["text"] for item in answer["output"] if item["type"] == "message" for part in item["content"])
+    assert text == (expected["choices"][0]["message"]["content"] or "")
+
+
+def test_truncation_auto_without_a_turn_that_fits_is_the_same_400(http: httpx.Client) -> None:
+    items = [{"role": "user", "content": WORDS * 60}]   # one turn longer than the whole context
+    error = post(http, "/v1/responses", 400, input=items, truncation="auto", max_output_tokens=8)["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+
+
+def test_truncation_auto_keeps_a_conversation_that_fits_whole(http: httpx.Client) -> None:
+    body = {"input": _conversation(2), "max_output_tokens": 6, "temperature": 0}
+    whole = post(http, "/v1/responses", **body)
+    auto = post(http, "/v1/responses", **body, truncation="auto")
+    assert auto["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert auto["output"][0]["content"] == whole["output"][0]["content"]
+    assert whole["truncation"] == "disabled"
