@@ -337,6 +337,9 @@ async def openapi(request: Request) -> Response:
     if document is None:
         assert state.auth is not None
         document = state.extra["openapi"] = openapi_document(bool(state.config.admin_token), not state.auth.open)
+    root_path = request.scope.get("root_path", "")
+    if root_path:   # --root-path: behind a proxy that routes this prefix here, clients call the paths under it
+        document = {**document, "servers": [{"url": root_path}]}
     return JSONResponse(document)
 
 

@@ -33,6 +33,15 @@ def shutting_down() -> APIError:
                     code="shutting_down")
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: under `--root-path` (uvicorn's root_path, prefixed to `path`) without the prefix,
+    as starlette's router strips it; a path outside the prefix (a proxy that strips it already) as it is."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 async def _end_cut_response(ctx: RequestContext, scope: Scope, receive: Receive, send: Send, ended: bool) -> None:
     """Ends a response uvicorn cancelled at shutdown: a 503 if none started, else the end of its body."""
     try:
@@ -52,12 +61,12 @@ class GatewayMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBES:
+        if scope["type"] != "http" or route_path(scope) in PROBES:
             await self.app(scope, receive, send)
             return
         state = self.state
         client = scope.get("client")
-        ctx = RequestContext(scope["method"], scope["path"], client=client[0] if client else None)
+        ctx = RequestContext(scope["method"], route_path(scope), client=client[0] if client else None)
         scope[CTX_SCOPE_KEY] = ctx
         lifecycle = state.lifecycle
         assert lifecycle is not None

@@ -192,6 +192,9 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-ca-certs", default=None, metavar="PEM", help="CA certificates to verify clients' with")
     g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                    help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")
+    g.add_argument("--root-path", type=_typed(_root_path, "path prefix"), default="", metavar="PREFIX",
+                   help="behind a proxy that serves this server under a path prefix (e.g. /llm) and strips it: "
+                        "/openapi.json names the prefix as its server (ASGI's root_path)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids overrides)")
     g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
@@ -266,6 +269,14 @@ def check_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(f"--ssl-certfile / --ssl-keyfile / --ssl-ca-certs: cannot load: {exc}")
 
 
+def _root_path(value: str) -> str:
+    """`""`, or `/a/b`: no trailing slash, no query, fragment, space or non-ASCII character."""
+    if value and (not value.startswith("/") or value.endswith("/") or not value.isascii() or
+                  any(c in value for c in "?# \t\\") or not value.isprintable()):
+        raise ValueError("a path prefix such as /llm (a leading slash, none at the end)")
+    return value
+
+
 def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """ServerConfig fields set by the vLLM flags (besides the served names)."""
     if args.enable_chunked_prefill is False:
@@ -282,5 +293,5 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

@@ -1,7 +1,9 @@
 """vLLM's HTTP flags, in-process with a stand-in engine. CORS (`--allowed-origins`, `--allowed-methods`,
 `--allowed-headers`, `--allow-credentials`): no CORS headers unless origins are given; with them, a browser's
 preflight is answered before the API key is checked (a preflight carries none), and the answers carry the allowed
-origin. `--disable-fastapi-docs`: no /openapi.json."""
+origin. `--disable-fastapi-docs`: no /openapi.json. `--root-path`: behind a proxy that strips the prefix, uvicorn
+puts it back in front of each request's path (ASGI's root_path), as the test client does here: `/llm/v1/models` below
+is a proxied `/v1/models`. The routes answer, the probes stay probes, and /openapi.json names the prefix."""
 from __future__ import annotations
 
 from stub_engine_app import client
@@ -53,3 +55,27 @@ def test_disable_fastapi_docs_removes_the_openapi_document() -> None:
     """vLLM's --disable-fastapi-docs: no /openapi.json (served by default)."""
     assert client().get("/openapi.json").status_code == 200
     assert client(openapi=False).get("/openapi.json").status_code == 404
+
+
+def test_root_path_serves_the_routes_under_the_prefix() -> None:
+    c = client(api_key="sk-1", root_path="/llm")
+    auth = {"Authorization": "Bearer sk-1"}
+    assert c.get("/llm/v1/models", headers=auth).json()["data"][0]["id"] == "base"
+    assert c.get("/llm/health").status_code == 200 and c.get("/llm/metrics").status_code == 200
+    assert c.get("/v1/models", headers=auth).status_code == 200   # a path outside the prefix: routed as it is
+    assert c.get("/llm/v1/models").status_code == 401              # the same routes, the same key
+    assert c.get("/llmx/v1/models", headers=auth).status_code == 404
+    document = c.get("/llm/openapi.json").json()
+    assert document["servers"] == [{"url": "/llm"}] and "/v1/completions" in document["paths"]
+    assert "servers" not in client().get("/openapi.json").json()
+
+
+def test_probes_under_the_root_path_stay_probes_while_draining() -> None:
+    """The middleware tells probes from API calls by the route path: under --root-path a SageMaker `POST /ping`
+    still answers as /health while the server drains (503 draining), never the 503 `shutting_down` of an API call."""
+    c = client(root_path="/llm")
+    c.app.state.gateway.lifecycle.begin_drain("SIGTERM")   # type: ignore[attr-defined]
+    ping = c.post("/llm/ping")
+    assert ping.status_code == 503 and ping.json()["status"] == "draining", ping.text
+    refused = c.post("/llm/v1/completions", json=BODY)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
