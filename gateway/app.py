@@ -49,7 +49,7 @@ from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constra
                                         wants_constraint)
 from gateway.inputs.params import (chat_sampling_params, check_filter_size, check_logprob_entries,
                                    check_prompt_logprobs_size, completion_sampling_params)
-from gateway.inputs.prompts import PromptEncoder, template_options
+from gateway.inputs.prompts import PromptEncoder, answer_role, template_options
 from gateway.reasoning.reasoning_output import ReasoningRequest, tags_for
 from gateway.observability.request_log import log_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -227,9 +227,10 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
                             on_done=lambda: [give_back() for give_back in engine_holds])
     if kind is COMPLETION and body.echo_only:   # the prompt scored, its one generated token dropped
         merged = without_generation(merged)
+    role = answer_role(body, state.config.response_role) if kind.prefix == "chatcmpl" else "assistant"
     if body.stream:
         info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
-                          continuous_usage=body.continuous_usage, token_ids=token_ids)
+                          continuous_usage=body.continuous_usage, token_ids=token_ids, role=role)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
     results = await collect(children, metered(merged, ctx))   # within the deadline: `_generate`
     num_tokens = sum(len(r.token_ids) for r in results)
@@ -244,6 +245,9 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
             add(answer, results, body.prompt_logprobs, state.texts)
         if token_ids:
             add_token_ids(answer, results, children, chat=kind is not COMPLETION)
+        if kind.prefix == "chatcmpl":
+            for choice in answer["choices"]:
+                choice["message"]["role"] = role
         return answer
     return JSONResponse(await tokenize_pool.run(build))
 

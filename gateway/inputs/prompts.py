@@ -40,6 +40,12 @@ class TemplateOptions:
     add_special_tokens: bool | None = None
 
 
+def answer_role(body: Any, response_role: str) -> str:
+    """The role a chat answer's message carries (vLLM's): `--response-role` where the template opens a new turn
+    (`add_generation_prompt`), else the role of the last message, which the answer continues."""
+    return response_role if template_options(body).add_generation_prompt else body.messages[-1].role
+
+
 def template_options(body: Any) -> TemplateOptions:
     """The body's template fields, checked (400 naming the field); `body` has the three vLLM fields."""
     kwargs = body.chat_template_kwargs or {}

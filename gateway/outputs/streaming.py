@@ -38,6 +38,7 @@ class StreamInfo:
     reasoning: Any = None           # --reasoning-parser: the request's ReasoningRequest (reasoning_output.py)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: `usage` on every chunk
     token_ids: bool = False         # return_token_ids: each chunk's new ids, the prompt's on a choice's first
+    role: str = "assistant"         # a chat answer's role (gateway/inputs/prompts.py `answer_role`)
 
     def sends(self, d: RequestDelta) -> bool:
         """Whether a delta with nothing else to send still gets its chunk: its tokens are counted (continuous
@@ -106,7 +107,7 @@ async def _completion_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, 
 async def _chat_chunks(info: StreamInfo, deltas: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[bytes]:
     outputs: dict[int, int] = {}
     for child in info.children:
-        role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        role = {"index": child.index, "delta": {"role": info.role, "content": ""}, "logprobs": None,
                 "finish_reason": None}
         yield sse(role_chunk(info, role))
     cached: dict[int, int] = {}

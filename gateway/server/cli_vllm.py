@@ -195,6 +195,9 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--root-path", type=_typed(_root_path, "path prefix"), default="", metavar="PREFIX",
                    help="behind a proxy that serves this server under a path prefix (e.g. /llm) and strips it: "
                         "/openapi.json names the prefix as its server (ASGI's root_path)")
+    g.add_argument("--response-role", type=_typed(_response_role, "role"), default="assistant", metavar="ROLE",
+                   help="the role of a chat answer that opens a new turn (default assistant; one that continues "
+                        "the last message, add_generation_prompt false, takes that message's role)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids overrides)")
     g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
@@ -269,6 +272,12 @@ def check_tls(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(f"--ssl-certfile / --ssl-keyfile / --ssl-ca-certs: cannot load: {exc}")
 
 
+def _response_role(value: str) -> str:
+    if not value or len(value) > 64 or not value.isprintable():
+        raise ValueError("a role name of 1-64 printable characters")
+    return value
+
+
 def _root_path(value: str) -> str:
     """`""`, or `/a/b`: no trailing slash, no query, fragment, space or non-ASCII character."""
     if value and (not value.startswith("/") or value.endswith("/") or not value.isascii() or
@@ -293,5 +302,5 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path,
+                ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path, response_role=args.response_role,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

@@ -85,6 +85,7 @@ class ServerConfig:
     ssl_cert_reqs: int = 0                   # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED (client certificates)
     return_tokens_as_token_ids: bool = False   # logprob tokens named "token_id:<id>" unless a request says
     root_path: str = ""                      # vLLM's --root-path: the prefix a path-routing proxy serves us under
+    response_role: str = "assistant"         # vLLM's --response-role: a chat answer's role (a new turn)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -71,7 +71,7 @@ def tool_chat_events(plan: ToolPlan) -> Callable[[StreamInfo, Deltas], AsyncIter
         outputs: dict[int, int] = {}
         streams = {c.index: _ChoiceStream() for c in info.children}
         for child in info.children:
-            role = {"index": child.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            role = {"index": child.index, "delta": {"role": info.role, "content": ""}, "logprobs": None,
                     "finish_reason": None}
             yield sse(role_chunk(info, role))
         async for index, d in deltas:

@@ -52,7 +52,8 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--return-tokens-as-token-ids", "--override-generation-config", '{"temperature": 0.5}',
                 "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
                 "--allowed-headers", '["authorization"]', "--allow-credentials", "--tokenizer-mode", "auto",
-                "--lora-dtype", "auto", "--disable-fastapi-docs", "--root-path", "/llm/v1x")
+                "--lora-dtype", "auto", "--disable-fastapi-docs", "--root-path", "/llm/v1x",
+                "--response-role", "model")
     eng = cfg.engine
     assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
@@ -66,7 +67,7 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
     assert cfg.return_tokens_as_token_ids and cfg.override_generation_config == (("temperature", 0.5),)
     assert (cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers, cfg.allow_credentials) == \
         (("https://a.example",), ("GET", "POST"), ("authorization",), True)
-    assert not cfg.openapi and cfg.root_path == "/llm/v1x"
+    assert not cfg.openapi and cfg.root_path == "/llm/v1x" and cfg.response_role == "model"
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
@@ -76,7 +77,7 @@ def test_defaults_keep_loraplex_behaviour() -> None:
     assert eng.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
     assert eng.cache.enable_prefix_caching and cfg.uvicorn_log_level is None and not eng.trust_remote_code
     assert not cfg.return_tokens_as_token_ids and cfg.allowed_origins == () and not cfg.allow_credentials
-    assert cfg.openapi and cfg.root_path == ""
+    assert cfg.openapi and cfg.root_path == "" and cfg.response_role == "assistant"
     assert (eng.tokenizer, eng.revision, eng.download_dir) == (None, None, None)
 
 
