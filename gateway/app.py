@@ -44,6 +44,7 @@ from gateway.observability.metrics import CONTENT_TYPE
 from gateway.http.middleware import LIVENESS_PATH, GatewayMiddleware
 from gateway.inputs.conversation_fit import fit_conversation
 from gateway.inputs.models import ResolvedModel
+from gateway.inputs.priority import request_priority
 from gateway.routes.openapi import openapi_document
 from gateway.inputs.constraints import (check_tool_schemas, resolve_tool_constraint, validators_ready,
                                         wants_constraint)
@@ -91,9 +92,10 @@ async def parse_body(request: Request, model: type[M], prompt_param: str) -> M:
     return parse_json_body(await read_body(request, limit, prompt_param), model)
 
 
-def _engine_args(model: ResolvedModel, grammar: CompiledConstraint | None, principal: Principal) -> EngineArgs:
+def _engine_args(model: ResolvedModel, grammar: CompiledConstraint | None, principal: Principal,
+                 priority: int) -> EngineArgs:
     return EngineArgs(lora=model.adapter, compiled_grammar=grammar,
-                      tenant=principal.tenant.name if principal.tenant is not None else None)
+                      tenant=principal.tenant.name if principal.tenant is not None else None, priority=priority)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
                   deadline: Deadline) -> Response:
     model = state.models.resolve(body.model, principal.models)
     ctx.model = model.name
+    priority = request_priority(body.priority, principal, state.config.engine.scheduler.policy)
     params = kind.params(body, state.defaults)
     if isinstance(body, ResponsesChatRequest):   # reasoning.effort: a template variable this model's template reads
         check_reasoning_effort(body.source, state.encoder.tokenizer)
@@ -184,7 +187,7 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
         grammar = await reasoning.gate(grammar, aeng)
         wrap = reasoning.response if kind.bind is None else reasoning.responses_response
         kind = dataclasses.replace(kind, events=reasoning.events(kind.events), response=wrap(kind.response))
-    args = _engine_args(model, grammar, principal)
+    args = _engine_args(model, grammar, principal, priority)
     request_id = ctx.request_id = new_request_id(kind.prefix)
     # a default max_tokens fits the context and the KV pool (a small --kv-cache-memory may hold less than it)
     params = state.defaults.fit_context(params, body, prompts, room)

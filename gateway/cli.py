@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, metavar="KEY")
     s.add_argument("--tenant-keys", type=Path, default=None, metavar="FILE")
     s.add_argument("--admin-token", default=None, metavar="TOKEN")
-    s.add_argument("--scheduling-policy", choices=("fcfs", "fair"), default="fcfs",
-                   help="fair: share throughput between tenants (virtual token counter)")
+    s.add_argument("--scheduling-policy", choices=("fcfs", "fair", "priority"), default="fcfs",
+                   help="fair: share throughput between tenants (virtual token counter); priority: by each "
+                        "request's `priority` field, lower first (vLLM's; a tenant's floor in --tenant-keys)")
     s.add_argument("--max-queue-len", type=_NONNEG_INT, default=1024, metavar="N",
                    help="engine requests waiting + running before new ones get 429 queue_full (0: no bound)")
     s.add_argument("--request-timeout", type=_SECONDS, default=0.0, metavar="SECONDS",

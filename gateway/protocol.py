@@ -253,6 +253,8 @@ class _SamplingFields(_Strict):
                                   Field(max_length=MAX_BAD_WORDS)]] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31 - 1)
     cache_salt: Optional[str] = None   # vLLM's: prefix-cache KV shared only among requests with this salt
+    # vLLM's: the request's priority under --scheduling-policy priority (lower first; gateway/inputs/priority.py)
+    priority: Optional[int] = Field(default=None, ge=-(2**31), le=2**31 - 1)
     # OpenAI's hints: a cache-routing key (one server's prefix cache already serves every request with the prefix)
     # and the end user's id for abuse reports (as `user`); accepted, bounded, echoed by the Responses API
     prompt_cache_key: Optional[str] = Field(default=None, max_length=1024)

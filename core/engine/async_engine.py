@@ -238,14 +238,14 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                lora: AdapterEntry | None = None, grammar: Matcher | None = None,
-               tenant: str | None = None) -> asyncio.Queue[RequestDelta]:
+               tenant: str | None = None, priority: int = 0) -> asyncio.Queue[RequestDelta]:
         """Validates synchronously (raises RequestRejected) and queues the request for the engine thread."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         if not self.engine.ready:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.check_request(len(prompt_token_ids), params)
-        kwargs: dict[str, Any] = {"grammar": grammar, "tenant": tenant}
+        kwargs: dict[str, Any] = {"grammar": grammar, "tenant": tenant, "priority": priority}
         if lora is not None:   # held from now on: an unload before the engine thread admits it cannot 404 it
             assert isinstance(lora, LoadedAdapter), "an adapter entry of another engine"
             lora = self.engine.registry.acquire(lora)   # (unloaded: AdapterError 404, before any response;

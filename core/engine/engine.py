@@ -27,7 +27,7 @@ from core.sampling.bad_words import resolve_bad_words
 from core.sampling.params import SamplingParams
 from core.sampling.stage import SamplingStage
 from core.sampling.stops import append_token, make_delta
-from core.scheduling.admission import check_prompt_ids, check_request, new_request
+from core.scheduling.admission import check_priority, check_prompt_ids, check_request, new_request
 from core.scheduling.scheduler import SchedulerOutput
 from core.spec.engine_step import build_speculator
 from core.startup.warmup import ProgressFn, WarmupReport, run_warmup
@@ -105,8 +105,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora: LoadedAdapter | None = None, grammar: Any = None, tenant: str | None = None,
-                    lora_held: bool = False) -> Request:
-        """Queues a request; `lora` is a registry entry (None = the base model); `tenant` feeds fair scheduling.
+                    lora_held: bool = False, priority: int = 0) -> Request:
+        """Queues a request; `lora` is a registry entry (None = the base model); `tenant` feeds fair scheduling;
+        `priority` orders requests under the "priority" policy (lower first; any other policy takes only 0).
         `lora_held`: the caller already holds `lora` for this request (`registry.acquire`); the request takes
         the hold over, and gives it back if it is rejected."""
         if self._closed:
@@ -115,6 +116,7 @@ class LLMEngine:
             params = resolve_bad_words(params, self.tokenizer)   # the offline API's; the server resolves its own
             max_tokens = self.check_request(len(prompt_token_ids), params)
             check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
+            check_priority(priority, self.scheduler.cfg.policy)
             if lora is not None and not lora_held:
                 lora = self.registry.acquire(lora)   # unloaded since its name was resolved: 404; replaced: the new
                 lora_held = True
@@ -122,7 +124,7 @@ class LLMEngine:
             req = new_request(request_id, prompt_token_ids, params, max_tokens=max_tokens, seed=seed,
                               model_config=self.model_config, max_model_len=self.max_model_len,
                               eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer, lora=lora,
-                              grammar=grammar, tenant=tenant)
+                              grammar=grammar, tenant=tenant, priority=priority)
             self.spec.admit(req, len(self.scheduler.requests))
             self.scheduler.add_request(req)
         except BaseException:

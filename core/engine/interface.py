@@ -194,9 +194,10 @@ class ServingEngine(Protocol):
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                lora: AdapterEntry | None = None, grammar: Matcher | None = None,
-               tenant: str | None = None) -> "asyncio.Queue[RequestDelta]":
+               tenant: str | None = None, priority: int = 0) -> "asyncio.Queue[RequestDelta]":
         """Checks and queues one request (raises EngineDeadError, EngineWarmingError, RequestRejected, or an
-        AdapterError 404 for an adapter unloaded since it was resolved); read its deltas with `stream`."""
+        AdapterError 404 for an adapter unloaded since it was resolved); read its deltas with `stream`. `priority`
+        orders it under the "priority" policy (lower first); the engine refuses any other than 0 elsewhere."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -100,8 +100,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora: str | None | Sequence[str | None] = None,
                  response_format: dict[str, Any] | None | Sequence[dict[str, Any] | None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in order. `use_tqdm`: accepted as vLLM spells it (no progress bar is drawn)."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. `use_tqdm`: accepted as vLLM spells it (no progress bar is drawn).
+        `priority`: one per prompt, as vLLM's (lower first; needs `scheduling_policy="priority"`)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -109,6 +110,7 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
         loras = self._per_prompt(lora, num, "lora")
         formats = self._per_prompt(response_format, num, "response_format")
+        priorities = [0] * num if priority is None else self._per_prompt(list(priority), num, "priority")
         entries = [self.engine.resolve_lora(name) for name in loras]
         compiled = [self._compile(f) for f in formats]
 
@@ -122,7 +124,7 @@ class LLM:
         results: list[RequestOutput] = []
         children: dict[str, tuple[int, int]] = {}
         try:
-            for i, (prompt, p, entry, grammar) in enumerate(zip(prompts, params, entries, compiled)):
+            for i, (prompt, p, entry, grammar, rank) in enumerate(zip(prompts, params, entries, compiled, priorities)):
                 text, ids = self._encode(prompt)
                 if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:   # vLLM's prompt-dict key
                     p = dataclasses.replace(p, cache_salt=prompt["cache_salt"])
@@ -134,7 +136,7 @@ class LLM:
                 for j in range(p.n):
                     rid = f"{results[-1].request_id}-{j}"
                     matcher = None if grammar is None else GrammarMatcher(grammar, stop_token_ids=p.stop_token_ids)
-                    engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher)
+                    engine.add_request(rid, ids, child_params(p, j), lora=entry, grammar=matcher, priority=rank)
                     children[rid] = (i, j)
                     results[-1].outputs.append(CompletionOutput(index=j, text="", token_ids=[], finish_reason=None,
                                                                 logprobs=[] if p.logprobs is not None else None))

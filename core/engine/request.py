@@ -37,6 +37,7 @@ class Request:
     lora_slot_key: Any = None             # adapter identity for the LoRA slot pool (None = base)
     grammar: Any = None                   # per-request grammar matcher (None = unconstrained)
     tenant: str | None = None             # who pays for it (fair scheduling, per-tenant metrics)
+    priority: int = 0                     # policy "priority": lower runs first (vLLM's request priority)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_step: int = 0
     last_scheduled_step: int = 0

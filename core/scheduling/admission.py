@@ -34,6 +34,20 @@ def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
                               f"vocabulary [0, {vocab_size})", "invalid_value", "prompt")
 
 
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)   # a request's priority: a 32-bit integer, as it crosses every layer
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A priority other than 0 means something only under the "priority" policy (vLLM refuses it elsewhere too)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or \
+            not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise RequestRejected(f"priority must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got "
+                              f"{priority!r}", "invalid_value", "priority")
+    if priority and policy != "priority":
+        raise RequestRejected(f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+                              f"priority); this server schedules by {policy}", "invalid_value", "priority")
+
+
 def check_token_bounds(params: SamplingParams, vocab_size: int) -> None:
     """Raises RequestRejected naming the field for an id or a count that would index past the logits."""
     bad = _out_of_range(params.stop_token_ids, vocab_size)
@@ -128,7 +142,8 @@ def salted(namespace: str, cache_salt: str | None) -> str:
 
 def new_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, max_tokens: int,
                 seed: int, model_config: ModelConfig, max_model_len: int, eos_token_ids: frozenset[int],
-                tokenizer: Any, lora: Any = None, grammar: Any = None, tenant: str | None = None) -> Request:
+                tokenizer: Any, lora: Any = None, grammar: Any = None, tenant: str | None = None,
+                priority: int = 0) -> Request:
     """The engine state of an admitted request (`check_request` resolved `max_tokens`); `lora`: a registry entry
     (None: the base model), whose generation id names the request's prefix-cache namespace."""
     rope_offset = rope_row_offset(model_config, max_model_len, len(prompt_token_ids) + max_tokens)
@@ -136,7 +151,7 @@ def new_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampli
                   max_tokens=max_tokens, seed=seed, eos_token_ids=eos_token_ids,
                   namespace=rope_namespace(salted(lora.namespace if lora is not None else "base", params.cache_salt),
                                            rope_offset),
-                  lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset)
+                  lora_slot_key=lora, grammar=grammar, tenant=tenant, rope_offset=rope_offset, priority=priority)
     # constrained requests never cut their text at stop strings (the grammar ends them), but the free text of
     # `tool_choice: "auto"` before its trigger is cut as any output is (core/sampling/stops.py)
     stops = grammar is None or getattr(grammar, "stop_strings_in_free_text", False)

@@ -6,6 +6,11 @@ aging bound so cold requests never starve) while the token budget, `max_num_seqs
 When blocks run out, the newest running request is preempted (recompute: it keeps its tokens, drops
 its KV, and goes back to the front of the queue).
 
+Policy "priority" (vLLM's) orders all of that by each request's `priority` first (lower first; the others give
+every request 0): the most urgent waiting requests head the queue, running requests get their blocks most
+urgent first, and when blocks run out the least urgent running request is preempted (the newest of them).
+Aging works within a priority, never across: a less urgent request waits as long as more urgent ones keep coming.
+
 Policy "fair" also splits each step's token budget and the running slots between the active tenants
 (core/scheduling/fair_share.py): running requests are visited lowest-virtual-counter tenant first (so the newest
 request of the tenant with the highest counter is the one preempted for blocks), every tenant computes at
@@ -57,12 +62,12 @@ class Scheduler:
         self.adapter_ready: Callable[[Any], bool] | None = None   # False: the adapter is loading; skip it
         self.kv = kv
         self.max_model_len = max_model_len
-        if cfg.policy not in ("fcfs", "fair"):
-            raise ValueError(f"unknown scheduling policy {cfg.policy!r} (fcfs | fair)")
+        if cfg.policy not in ("fcfs", "fair", "priority"):
+            raise ValueError(f"unknown scheduling policy {cfg.policy!r} (fcfs | fair | priority)")
         if cfg.max_step_ms is not None and not 0.0 <= cfg.max_step_ms < float("inf"):
             raise ValueError(f"max_step_ms must be a finite number >= 0 (0: off), got {cfg.max_step_ms!r}")
         self.fairness = VirtualTokenCounter() if cfg.policy == "fair" else None
-        self.waiting = WaitingQueue(kv, fairness=self.fairness)
+        self.waiting = WaitingQueue(kv, fairness=self.fairness, by_priority=cfg.policy == "priority")
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -162,11 +167,12 @@ class Scheduler:
                         self._budget_lifted)
         num_slot_preemptions = len(out.preempted)
         decodes = [r for r in self.running if is_decode(r)]
+        if self.waiting.by_priority:   # the most urgent get their blocks first; the least urgent are preempted
+            decodes.sort(key=lambda r: r.priority)   # stable: admission order within a priority
         prefills = sorted((r for r in self.running if not is_decode(r)), key=self._prefill_key)
-        best_waiting = self.waiting.best_remaining()
-        now = [r for r in prefills if best_waiting is None or self._aged(r) or remaining_prefill(r) <= best_waiting]
-        later = [r for r in prefills if not (best_waiting is None or self._aged(r)
-                                             or remaining_prefill(r) <= best_waiting)]
+        best_waiting = self.waiting.best()
+        now = [r for r in prefills if self._before_waiting(r, best_waiting)]
+        later = [r for r in prefills if not self._before_waiting(r, best_waiting)]
         scheduled: set[int] = set()
         budget = self._schedule_running(decodes + now, out, budget, adapters, plan, scheduled)
         if len(out.preempted) == num_slot_preemptions:   # none for blocks: there may be room for waiting ones
@@ -216,15 +222,30 @@ class Scheduler:
         (core/scheduling/step_budget.py `BUDGET_EXEMPT_STEPS`)."""
         return self.num_steps - req.arrival_step >= step_budget.BUDGET_EXEMPT_STEPS
 
-    def _prefill_key(self, req: Request) -> tuple[int, int, int]:
-        """Aged requests first, oldest first; then least remaining prefill (ties: oldest)."""
+    def _prefill_key(self, req: Request) -> tuple[int, int, int, int]:
+        """By priority (policy "priority"; 0 for all under the others), then aged requests first, oldest first;
+        then least remaining prefill (ties: oldest)."""
         if self._aged(req):
-            return 0, req.arrival_step, 0
-        return 1, remaining_prefill(req), req.arrival_step
+            return req.priority, 0, req.arrival_step, 0
+        return req.priority, 1, remaining_prefill(req), req.arrival_step
+
+    def _before_waiting(self, req: Request, best: tuple[int, int] | None) -> bool:
+        """Whether a running prefill goes before the admissions: it is more urgent than the head of the queue
+        (`best`: its priority and remaining prefill), aged, or has no more prefill left than it."""
+        if best is None:
+            return True
+        priority, remaining = best
+        if req.priority != priority:
+            return req.priority < priority
+        return self._aged(req) or remaining_prefill(req) <= remaining
 
     def _pick_victim(self, req: Request, scheduled: set[int]) -> Request:
-        """The newest running request not scheduled in this step (`req` itself when it is the newest such)."""
-        return next(r for r in reversed(self.running) if id(r) not in scheduled)
+        """The newest running request not scheduled in this step (`req` itself when it is the newest such); policy
+        "priority": the newest of the least urgent such."""
+        unscheduled = (r for r in reversed(self.running) if id(r) not in scheduled)
+        if self.waiting.by_priority:
+            return max(unscheduled, key=lambda r: r.priority)   # the first of the largest: the newest
+        return next(unscheduled)
 
     def _schedule_running(self, order: list[Request], out: SchedulerOutput, budget: int, adapters: set[Any],
                           plan: StepPlan, scheduled: set[int]) -> int:

@@ -5,10 +5,12 @@ holds (so a short prompt does not wait behind a long one, and requests sharing a
 cached; ties go to the longer match). Any request that has waited `max_wait_steps` scheduler steps is served
 before all younger ones, in arrival order: long and cold requests never starve behind a stream of short ones
 or cache hits. Preempted requests always go first. Policy "fair" orders each tenant's requests so, and the
-tenants by their virtual token counters (core/scheduling/fairness.py).
+tenants by their virtual token counters (core/scheduling/fairness.py); policy "priority" orders each priority so,
+the most urgent (lowest) first.
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from typing import Iterator
 
@@ -25,9 +27,11 @@ def causal_pairs(n: int) -> int:
 
 class WaitingQueue:
     def __init__(self, kv: KVCacheManager, max_wait_steps: int = 64, max_sorted: int = 128,
-                 fairness: VirtualTokenCounter | None = None) -> None:
+                 fairness: VirtualTokenCounter | None = None, by_priority: bool = False) -> None:
+        assert not (fairness is not None and by_priority), "one policy at a time"
         self.kv = kv
         self.fairness = fairness
+        self.by_priority = by_priority   # policy "priority": `_prepare_priority`
         self.max_wait_steps = max_wait_steps
         self.max_sorted = max_sorted
         self._queue: deque[Request] = deque()
@@ -142,14 +146,32 @@ class WaitingQueue:
         if self.fairness is not None:
             self._prepare_fair(now_step)
             return
+        if self.by_priority:
+            self._prepare_priority(now_step)
+            return
         head = [self._queue.popleft() for _ in range(min(self.max_sorted, len(self._queue)))]
         preempted = [r for r in head if r.num_preemptions > 0]
         fresh = self._sort_fresh([r for r in head if r.num_preemptions == 0], now_step)
         self._queue.extendleft(reversed(preempted + fresh))
 
-    def best_remaining(self) -> int | None:
-        """The remaining prefill (estimated at `prepare`) of the request at the head of the queue; None if empty."""
+    def _prepare_priority(self, now_step: int) -> None:
+        """Policy "priority": the `max_sorted` most urgent requests (lowest priority, then queue order) head the
+        queue, most urgent first, each priority in the order above (preempted first, then `_sort_fresh`); the
+        rest follow in queue order."""
+        queue = list(self._queue)
+        chosen = heapq.nsmallest(self.max_sorted, range(len(queue)), key=lambda i: (queue[i].priority, i))
+        picked = set(chosen)
+        head: list[Request] = []
+        for priority in sorted({queue[i].priority for i in chosen}):
+            group = [queue[i] for i in chosen if queue[i].priority == priority]   # queue order (nsmallest's)
+            head += [r for r in group if r.num_preemptions > 0]
+            head += self._sort_fresh([r for r in group if r.num_preemptions == 0], now_step)
+        self._queue = deque(head + [r for i, r in enumerate(queue) if i not in picked])
+
+    def best(self) -> tuple[int, int] | None:
+        """The priority and the remaining prefill (estimated at `prepare`) of the request at the head of the
+        queue; None if empty."""
         if not self._queue:
             return None
         head = self._queue[0]
-        return self._remaining.get(id(head), head.num_tokens - head.num_computed_tokens)
+        return head.priority, self._remaining.get(id(head), head.num_tokens - head.num_computed_tokens)

@@ -232,7 +232,7 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                lora: AdapterEntry | None = None, grammar: Matcher | None = None,
-               tenant: str | None = None) -> "asyncio.Queue[RequestDelta]":
+               tenant: str | None = None, priority: int = 0) -> "asyncio.Queue[RequestDelta]":
         """`grammar` (a matcher, or a remote handle of one) crosses as `to_wire` sends it."""
         if not self.alive:
             raise EngineDeadError("the engine process is not running")
@@ -240,6 +240,8 @@ class EngineClient:
             raise EngineWarmingError("the server is compiling its kernels at start-up; retry shortly")
         self.check_request(len(prompt_token_ids), params)
         extra: dict[str, Any] = {} if tenant is None else {"tenant": tenant}
+        if priority:
+            extra["priority"] = priority
         if lora is not None:   # the engine resolves and holds the adapter by name when it admits the request
             assert isinstance(lora, RemoteAdapter), "an adapter entry of another engine"
             extra["lora"] = lora.name

@@ -48,6 +48,7 @@ class EngineArgs:
     lora: AdapterEntry | None = None     # None: the base model
     compiled_grammar: CompiledConstraint | None = None   # None: free text; each child gets a matcher of it
     tenant: str | None = None            # the scheduler's fair policy shares throughput by tenant
+    priority: int = 0                    # the scheduler's priority policy: lower first
 
 
 def admit(aeng: ServingEngine, children: list[Child]) -> list[int]:
@@ -70,7 +71,7 @@ def submit_children(aeng: ServingEngine, children: list[Child], args: EngineArgs
             grammar = None if args.compiled_grammar is None else make_matcher(args.compiled_grammar,
                                                                                child.params.stop_token_ids)
             queues.append(aeng.submit(child.request_id, child.prompt_token_ids, child.params, lora=args.lora,
-                                      grammar=grammar, tenant=args.tenant))
+                                      grammar=grammar, tenant=args.tenant, priority=args.priority))
     except BaseException:
         abort_children(aeng, children[:len(queues)])
         raise

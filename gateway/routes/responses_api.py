@@ -51,6 +51,7 @@ class ResponsesRequest(_Strict):
     safety_identifier: Optional[str] = Field(default=None, max_length=64)
     truncation: Optional[Literal["disabled", "auto"]] = None   # auto: gateway/inputs/conversation_fit.py
     seed: Optional[int] = None
+    priority: Optional[int] = Field(default=None, ge=-(2**31), le=2**31 - 1)   # vLLM's, as on chat
     top_k: Optional[int] = None
     include: Optional[Annotated[list[Any], Field(max_length=16)]] = None
     top_logprobs: Optional[int] = None
@@ -260,7 +261,7 @@ def chat_request(body: ResponsesRequest) -> ResponsesChatRequest:
         "model": body.model, "messages": _messages(body, origins), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "tools": tools,
         "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls, "seed": body.seed,
-        "top_k": body.top_k, "user": body.user, "response_format": response_format(body.text),
+        "top_k": body.top_k, "priority": body.priority, "user": body.user, "response_format": response_format(body.text),
         "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
         **logprob_fields(body.include, body.top_logprobs)}
     effort = reasoning_effort(body.reasoning)

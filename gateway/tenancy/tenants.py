@@ -22,7 +22,8 @@ from typing import Any, Iterable
 import yaml
 
 _LIMIT_FIELDS = ("requests_per_minute", "max_concurrent_requests", "max_running_sequences", "max_tokens_per_minute")
-_TENANT_FIELDS = {"api_keys", "models", *_LIMIT_FIELDS}
+_TENANT_FIELDS = {"api_keys", "models", "priority", *_LIMIT_FIELDS}
+PRIORITY_BOUND = 1 << 31   # priorities are 32-bit integers (core/scheduling/admission.py PRIORITY_RANGE)
 
 
 class TenantFileError(ValueError):
@@ -37,6 +38,7 @@ class Tenant:
     max_concurrent_requests: int | None = None       # requests in flight
     max_running_sequences: int | None = None         # sequences in flight: n x prompts, summed over requests
     max_tokens_per_minute: int | None = None         # prompt + max_tokens reserved at admission, unused refunded
+    priority: int = 0          # --scheduling-policy priority: its requests' default and most urgent priority
 
 
 _GLOB_CHARS = frozenset("*?[")
@@ -105,7 +107,10 @@ def _tenant(name: Any, spec: Any) -> tuple[Tenant, list[str]]:
     keys = _strings(spec["api_keys"], f"{where}.api_keys", allow_empty=False)
     models = _strings(spec["models"], f"{where}.models", allow_empty=True)
     limits = {field: _positive_int(spec.get(field), f"{where}.{field}") for field in _LIMIT_FIELDS}
-    tenant = Tenant(name, frozenset(models), **limits)
+    priority = spec.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:
+        raise TenantFileError(f"{where}.priority must be a 32-bit integer, got {priority!r}")
+    tenant = Tenant(name, frozenset(models), **limits, priority=priority)
     return tenant, keys
 
 

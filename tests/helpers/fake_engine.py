@@ -77,7 +77,7 @@ class FakeEngine:
         return self._check(num_prompt_tokens, params)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, lora: Any = None,
-               grammar: Any = None, tenant: str | None = None) -> "asyncio.Queue[RequestDelta]":
+               grammar: Any = None, tenant: str | None = None, priority: int = 0) -> "asyncio.Queue[RequestDelta]":
         pytest.fail("the stand-in engine runs no request")
 
     def abort(self, request_id: str) -> None:

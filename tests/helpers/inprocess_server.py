@@ -46,7 +46,7 @@ class InProcessServer:
     def __init__(self, model: str, served: str, lora_modules: tuple[tuple[str, str], ...], num_kv_blocks: int,
                  max_num_batched_tokens: int, admin_token: str, engine_process: bool = True, block_size: int = 16,
                  max_model_len: int | None = None, async_scheduling: bool | None = None, max_loras: int = 2,
-                 **server_overrides: Any) -> None:
+                 scheduling_policy: str = "fcfs", max_num_seqs: int = 32, **server_overrides: Any) -> None:
         """The engine: `model` (a tiny test model) on the CPU in fp32 with a pool of `num_kv_blocks`; the server:
         `served`, the admin token, and any other `ServerConfig` field in `server_overrides`."""
         import torch
@@ -63,8 +63,8 @@ class InProcessServer:
         engine = EngineConfig(
             model=str(model_dir(model)), device="cpu", dtype="float32",
             cache=CacheConfig(block_size=block_size, kv_cache_memory=num_kv_blocks * per_block),
-            scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, policy=scheduling_policy),
             lora=LoRAConfig(max_loras=max_loras, max_lora_rank=64, lora_modules=lora_modules),
             async_scheduling=async_scheduling)
         settings: dict[str, Any] = dict(engine=engine, served_model_name=served, host="127.0.0.1", port=port,
