@@ -9,16 +9,11 @@ import pytest
 
 from core.errors import RequestRejected
 from core.scheduling.admission import check_priority
-from test_anchor_lessons import advance, make_request, make_scheduler
+from core.scheduling.scheduler import Scheduler
+from scheduler_cases import advance, make_request, make_scheduler
 
 
-def _prioritized(rid: str, num_prompt: int, max_tokens: int, priority: int, start: int = 0):   # type: ignore[no-untyped-def]
-    req = make_request(rid, num_prompt, max_tokens, start=start)
-    req.priority = priority
-    return req
-
-
-def _admitted_order(sched, rids: list[str]) -> list[str]:   # type: ignore[no-untyped-def]
+def _admitted_order(sched: Scheduler, rids: list[str]) -> list[str]:
     order: list[str] = []
     for _ in range(500):
         if not sched.has_unfinished():
@@ -35,7 +30,7 @@ def _admitted_order(sched, rids: list[str]) -> list[str]:   # type: ignore[no-un
 def test_the_most_urgent_waiting_request_is_admitted_first() -> None:
     sched = make_scheduler(budget=64, num_blocks=256, max_num_seqs=1, policy="priority")
     for rid, priority in (("low", 5), ("mid", 1), ("urgent", -3), ("mid2", 1)):
-        sched.add_request(_prioritized(rid, 8, 2, priority))
+        sched.add_request(make_request(rid, 8, 2, priority=priority))
     assert _admitted_order(sched, ["low", "mid", "urgent", "mid2"]) == ["urgent", "mid", "mid2", "low"]
 
 
@@ -51,8 +46,8 @@ def test_a_more_urgent_request_is_found_deep_in_the_queue() -> None:
     """The sorted head of the queue is its most urgent requests, not its first 128 (fcfs sorts only those)."""
     sched = make_scheduler(budget=16, num_blocks=4096, max_num_seqs=1, policy="priority")
     for i in range(300):
-        sched.add_request(_prioritized(f"bulk{i}", 8, 1, 10, start=i))
-    sched.add_request(_prioritized("urgent", 8, 1, 0, start=999))
+        sched.add_request(make_request(f"bulk{i}", 8, 1, priority=10, start=i))
+    sched.add_request(make_request("urgent", 8, 1, priority=0, start=999))
     out = sched.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["urgent"]
     advance(sched, out)
@@ -63,9 +58,9 @@ def test_blocks_go_to_the_most_urgent_and_the_least_urgent_is_preempted() -> Non
     where fcfs would preempt the newest (the urgent one)."""
     for policy, victim in (("priority", "low"), ("fcfs", "urgent")):
         sched = make_scheduler(budget=64, num_blocks=6, max_num_seqs=4, policy=policy)
-        sched.add_request(_prioritized("low", 8, 100, 5 if policy == "priority" else 0))
+        sched.add_request(make_request("low", 8, 100, priority=5 if policy == "priority" else 0))
         advance(sched, sched.schedule())
-        sched.add_request(_prioritized("urgent", 8, 100, -1 if policy == "priority" else 0, start=20))
+        sched.add_request(make_request("urgent", 8, 100, priority=-1 if policy == "priority" else 0, start=20))
         preempted: list[str] = []
         for _ in range(20):
             out = sched.schedule()
@@ -79,9 +74,9 @@ def test_blocks_go_to_the_most_urgent_and_the_least_urgent_is_preempted() -> Non
 def test_aging_stays_inside_a_priority() -> None:
     """A less urgent request that has waited past the aging bound still waits for every more urgent one."""
     sched = make_scheduler(budget=8, num_blocks=4096, max_num_seqs=1, policy="priority")
-    sched.add_request(_prioritized("patient", 8, 1, 1))
+    sched.add_request(make_request("patient", 8, 1, priority=1))
     for i in range(100):   # a stream of urgent requests, each one step's work: the patient one ages meanwhile
-        sched.add_request(_prioritized(f"u{i}", 8, 1, 0, start=i + 1))
+        sched.add_request(make_request(f"u{i}", 8, 1, priority=0, start=i + 1))
         out = sched.schedule()
         assert all(r.request_id != "patient" for r, _ in out.scheduled), f"served at step {i}"
         advance(sched, out)
@@ -98,7 +93,7 @@ def test_random_priorities_drain_with_integrity(seed: int) -> None:
         if rng.random() < 0.35:
             n, m = rng.randint(1, 50), rng.randint(1, 12)
             if -(-(n + m) // 4) <= num_blocks:
-                sched.add_request(_prioritized(f"r{op}", n, m, rng.choice([-2, 0, 0, 3, 7]),
+                sched.add_request(make_request(f"r{op}", n, m, priority=rng.choice([-2, 0, 0, 3, 7]),
                                                start=rng.choice([0, rng.randrange(50)])))
         out = sched.schedule()
         if sched.requests:
