@@ -32,22 +32,23 @@ def test_decodes_run_every_step_while_long_prompts_prefill(policy: str) -> None:
         assert steps < 200, "the long prompts never finished"
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_adapters_slots_and_kv_pressure_never_leave_requests_waiting_with_nothing_running(seed: int) -> None:
     """Head-of-line deadlock (running 0, waiting > 0, nothing progresses): one or two adapter slots for four
     adapters and the base, a pool a few requests fill, prefix caching on; every step with waiting requests
     schedules something, and everything drains with the pool empty."""
     rng = random.Random(seed)
     sched = make_scheduler(budget=rng.choice([16, 64]), num_blocks=rng.choice([24, 48]), max_num_seqs=rng.choice([2, 4]),
-                           max_loras=rng.choice([1, 2]), policy=rng.choice(["fcfs", "fair"]))
+                           max_loras=rng.choice([1, 2]), policy=("fcfs", "fair", "priority")[seed % 3])
     adapters = [None, "a", "b", "c", "d"]
     num_blocks = sched.kv.num_blocks
     for op in range(400):
         if rng.random() < 0.3:
             n, m = rng.randint(1, 60), rng.randint(1, 10)
             if -(-(n + m) // BS) <= num_blocks:
+                priority = rng.choice([-2, 0, 0, 3]) if sched.cfg.policy == "priority" else 0
                 sched.add_request(make_request(f"r{op}", n, m, start=rng.choice([0, rng.randrange(50)]),
-                                               lora=rng.choice(adapters)))
+                                               lora=rng.choice(adapters), priority=priority))
         out = sched.schedule()
         if sched.requests:
             assert out.scheduled, f"{len(sched.requests)} requests and nothing scheduled (step {op})"

@@ -1,9 +1,7 @@
 """Policy "priority" (vLLM's): lower `priority` first at admission, running requests get their blocks most urgent
-first and the least urgent (newest of them) is preempted, aging stays inside a priority, and randomized workloads
-with mixed priorities drain with `check_integrity()` after every step. The other policies refuse a priority."""
+first and the least urgent (newest of them) is preempted, and aging stays inside a priority (randomized workloads with
+mixed priorities drain: test_anchor_lessons.py). The other policies refuse a priority."""
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -81,29 +79,6 @@ def test_aging_stays_inside_a_priority() -> None:
         assert all(r.request_id != "patient" for r, _ in out.scheduled), f"served at step {i}"
         advance(sched, out)
     assert sched.num_steps - sched.requests["patient"].arrival_step > sched.waiting.max_wait_steps
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_random_priorities_drain_with_integrity(seed: int) -> None:
-    rng = random.Random(seed)
-    sched = make_scheduler(budget=rng.choice([16, 64]), num_blocks=rng.choice([24, 64]),
-                           max_num_seqs=rng.choice([2, 4, 8]), policy="priority")
-    num_blocks = sched.kv.num_blocks
-    for op in range(300):
-        if rng.random() < 0.35:
-            n, m = rng.randint(1, 50), rng.randint(1, 12)
-            if -(-(n + m) // 4) <= num_blocks:
-                sched.add_request(make_request(f"r{op}", n, m, priority=rng.choice([-2, 0, 0, 3, 7]),
-                                               start=rng.choice([0, rng.randrange(50)])))
-        out = sched.schedule()
-        if sched.requests:
-            assert out.scheduled, f"{len(sched.requests)} requests and nothing scheduled (step {op})"
-        advance(sched, out)
-    for _ in range(5000):
-        if not sched.has_unfinished():
-            break
-        advance(sched, sched.schedule())
-    assert not sched.has_unfinished() and sched.kv.usage() == 0.0
 
 
 def test_only_the_priority_policy_takes_a_priority() -> None:
