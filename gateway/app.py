@@ -122,6 +122,10 @@ RESPONSES = dataclasses.replace(CHAT, body=ResponsesBody, prefix="resp", bind=bi
 async def _generate(request: Request, kind: _Kind) -> Response:
     state, ctx = _state(request), request_context(request)
     ctx.generation = True
+    lifecycle = state.lifecycle
+    assert lifecycle is not None
+    lifecycle.num_generating += 1   # GET /load; given back once the response has ended (or the client left)
+    ctx.cleanups.append(lambda: setattr(lifecycle, "num_generating", lifecycle.num_generating - 1))
     principal = _principal(request, state)
     release = state.limits.acquire(principal)
     if release is not None:
@@ -232,7 +236,8 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
         merged = without_generation(merged)
     role = answer_role(body, state.config.response_role) if kind.prefix == "chatcmpl" else "assistant"
     if body.stream:
-        info = StreamInfo(request_id, created, model.name, children, body.include_usage, texts, echo,
+        include_usage = body.include_usage or state.config.force_include_usage
+        info = StreamInfo(request_id, created, model.name, children, include_usage, texts, echo,
                           continuous_usage=body.continuous_usage, token_ids=token_ids, role=role)
         return SSEResponse(kind.events(info, metered(deadline.stream(merged), ctx)))
     results = await collect(children, metered(merged, ctx))   # within the deadline: `_generate`

@@ -175,7 +175,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         metrics_port=args.metrics_port, api_key=args.api_key, tenant_keys=args.tenant_keys,
         admin_token=args.admin_token, max_queue_len=args.max_queue_len or None,
         request_timeout=args.request_timeout or None, shutdown_timeout=args.shutdown_timeout,
-        engine_process=engine_process_enabled(args.engine_process), **vllm_server_fields(args, parser))
+        engine_process=engine_process_enabled(args, parser), **vllm_server_fields(args, parser))
 
 
 def _check_ports(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -197,10 +197,15 @@ def _speculative_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def engine_process_enabled(flag: str | None) -> bool:
-    """`--engine-process on|off`; unset: `LORAPLEX_ENGINE_PROCESS` (0: off, 1: on), default on."""
-    if flag is not None:
-        return flag == "on"
+def engine_process_enabled(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """`--engine-process on|off` (vLLM's `--disable-frontend-multiprocessing`: off); unset:
+    `LORAPLEX_ENGINE_PROCESS` (0: off, 1: on), default on."""
+    if args.disable_frontend_multiprocessing:
+        if args.engine_process == "on":
+            parser.error("--disable-frontend-multiprocessing contradicts --engine-process on")
+        return False
+    if args.engine_process is not None:
+        return args.engine_process == "on"
     return ENGINE_PROCESS.get()
 
 

@@ -25,7 +25,7 @@ access_log = logging.getLogger("loraplex.access")
 log = logging.getLogger("loraplex.gateway")
 
 LIVENESS_PATH = "/health/live"
-PROBES = frozenset({"/health", "/ping", LIVENESS_PATH, "/metrics", "/version"})  # not counted, not logged, never refused draining
+PROBES = frozenset({"/health", "/ping", LIVENESS_PATH, "/metrics", "/version", "/load"})  # not counted, not logged, never refused draining
 
 
 def shutting_down() -> APIError:

@@ -231,10 +231,13 @@ def openapi_document(admin: bool = False, secured: bool = False) -> dict[str, An
         "/version": _get("Version", {"application/json": {"schema": {
             "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),
         "/metrics": _get("Metrics", {"text/plain": {"schema": {"type": "string"}}}),
+        "/load": _get("Server load", {"application/json": {"schema": {
+            "type": "object", "required": ["server_load"],
+            "properties": {"server_load": {"type": "integer", "minimum": 0}}}}}),
     }
     paths["/v1/models/{model_id}"]["get"]["parameters"] = [
         {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-    for path in ("/health", "/health/live", "/metrics", "/ping", "/version"):
+    for path in ("/health", "/health/live", "/metrics", "/ping", "/version", "/load"):
         paths[path]["get"]["security"] = []
     security_schemes: dict[str, Any] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     if admin:

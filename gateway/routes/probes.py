@@ -1,5 +1,7 @@
-"""The probes a vLLM deployment sends: `GET|POST /ping` (SageMaker's health check: the answer of /health)
-and `GET /version` (`{"version": ...}`, this server's package version). No key needed, as /health."""
+"""The probes a vLLM deployment sends: `GET|POST /ping` (SageMaker's health check: the answer of /health),
+`GET /version` (`{"version": ...}`, this server's package version) and `GET /load` (`{"server_load": n}`: the
+completions, chat and Responses requests in flight, streams until their end; what vLLM's load-aware routers
+read). No key needed, as /health."""
 from __future__ import annotations
 
 from importlib import metadata
@@ -21,5 +23,10 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": server_version()})
 
 
+async def load(request: Request) -> Response:
+    return JSONResponse({"server_load": request.app.state.gateway.lifecycle.num_generating})
+
+
 def probe_routes(health: Callable[[Request], Awaitable[Response]]) -> list[Route]:
-    return [Route("/ping", health, methods=["GET", "POST"]), Route("/version", version, methods=["GET"])]
+    return [Route("/ping", health, methods=["GET", "POST"]), Route("/version", version, methods=["GET"]),
+            Route("/load", load, methods=["GET"])]

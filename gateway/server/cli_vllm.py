@@ -198,6 +198,19 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--response-role", type=_typed(_response_role, "role"), default="assistant", metavar="ROLE",
                    help="the role of a chat answer that opens a new turn (default assistant; one that continues "
                         "the last message, add_generation_prompt false, takes that message's role)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every completions and chat stream ends with its usage chunk, as if it set "
+                        "stream_options.include_usage")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help=f"{ALWAYS}: GET /load answers the requests in flight")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help=f"{ALWAYS}: usage has prompt_tokens_details.cached_tokens")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help=f"{ALWAYS}: every answer carries X-Request-Id")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help=f"{ALWAYS}: no prompt text or ids are ever logged")
+    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="the engine loop runs on a thread of the API process (= --engine-process off)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprob tokens 'token_id:<id>' (a request's return_tokens_as_token_ids overrides)")
     g.add_argument("--tokenizer", default=None, metavar="DIR_OR_HUB_ID", help="a tokenizer other than the model's")
@@ -303,4 +316,5 @@ def vllm_server_fields(args: argparse.Namespace, parser: argparse.ArgumentParser
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
                 ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path, response_role=args.response_role,
+                force_include_usage=args.enable_force_include_usage,
                 access_log=not (args.no_access_log or args.disable_uvicorn_access_log))

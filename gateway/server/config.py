@@ -86,6 +86,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False   # logprob tokens named "token_id:<id>" unless a request says
     root_path: str = ""                      # vLLM's --root-path: the prefix a path-routing proxy serves us under
     response_role: str = "assistant"         # vLLM's --response-role: a chat answer's role (a new turn)
+    force_include_usage: bool = False        # vLLM's --enable-force-include-usage: every stream ends with `usage`
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

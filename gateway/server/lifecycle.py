@@ -38,6 +38,7 @@ class Lifecycle:
     shutdown_timeout_s: float = 30.0
     draining: bool = False
     in_flight: int = 0                  # HTTP requests in progress (probes excluded; streams until their end)
+    num_generating: int = 0             # ... of them completions, chat and Responses requests (GET /load)
     drain_deadline: float | None = None
     drain_signal: str | None = None
     cut: Callable[[], int] | None = None   # ends every open generation with a 503 (the engine's `cut_all`)

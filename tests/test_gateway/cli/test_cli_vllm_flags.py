@@ -53,7 +53,9 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
                 "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
                 "--allowed-headers", '["authorization"]', "--allow-credentials", "--tokenizer-mode", "auto",
                 "--lora-dtype", "auto", "--disable-fastapi-docs", "--root-path", "/llm/v1x",
-                "--response-role", "model")
+                "--response-role", "model", "--enable-force-include-usage", "--enable-server-load-tracking",
+                "--enable-prompt-tokens-details", "--enable-request-id-headers", "--max-log-len", "100",
+                "--disable-frontend-multiprocessing")
     eng = cfg.engine
     assert eng.model == "org/model" and cfg.served_model_names == ("m1", "m2")
     assert cfg.served_model_name == "m1" and cfg.served_model_aliases == ("m2",)
@@ -68,6 +70,7 @@ def test_a_vllm_launch_line_parses(tmp_path: Path) -> None:
     assert (cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers, cfg.allow_credentials) == \
         (("https://a.example",), ("GET", "POST"), ("authorization",), True)
     assert not cfg.openapi and cfg.root_path == "/llm/v1x" and cfg.response_role == "model"
+    assert cfg.force_include_usage and not cfg.engine_process
 
 
 def test_defaults_keep_loraplex_behaviour() -> None:
@@ -77,7 +80,7 @@ def test_defaults_keep_loraplex_behaviour() -> None:
     assert eng.chat_template is None and cfg.max_logprobs is None and not cfg.log_requests and cfg.access_log
     assert eng.cache.enable_prefix_caching and cfg.uvicorn_log_level is None and not eng.trust_remote_code
     assert not cfg.return_tokens_as_token_ids and cfg.allowed_origins == () and not cfg.allow_credentials
-    assert cfg.openapi and cfg.root_path == "" and cfg.response_role == "assistant"
+    assert cfg.openapi and cfg.root_path == "" and cfg.response_role == "assistant" and not cfg.force_include_usage
     assert (eng.tokenizer, eng.revision, eng.download_dir) == (None, None, None)
 
 
@@ -344,3 +347,10 @@ def test_root_path_must_be_a_path_prefix(prefix: str, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         parse("--model", "/m", "--root-path", prefix)
     assert "--root-path" in capsys.readouterr().err
+
+
+def test_disable_frontend_multiprocessing_contradicts_engine_process_on(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--model", "/m", "--engine-process", "on", "--disable-frontend-multiprocessing")
+    assert "--disable-frontend-multiprocessing" in capsys.readouterr().err
+    assert not parse("--model", "/m", "--engine-process", "off", "--disable-frontend-multiprocessing").engine_process
