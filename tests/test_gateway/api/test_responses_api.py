@@ -392,6 +392,20 @@ def test_truncation_auto_keeps_a_conversation_that_fits_whole(http: httpx.Client
     assert whole["truncation"] == "disabled"
 
 
+def test_truncation_auto_in_an_agent_loop_keeps_the_task_and_drops_the_oldest_rounds(http: httpx.Client) -> None:
+    """One user turn, then function calls and their outputs (an agent loop) past the context: the task stays and
+    the oldest rounds go. Before, with no later user turn to start from, it was the 400 of truncation "disabled"."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": "look up the weather of many cities"}]
+    for i in range(24):
+        items.append({"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
+                      "arguments": '{"city": "Oslo", "unit": "c"}'})
+        items.append({"type": "function_call_output", "call_id": f"call_{i}", "output": f"{i}: {WORDS}"})
+    body = {"input": items, "max_output_tokens": 8, "temperature": 0, "tools": [TOOL]}
+    assert post(http, "/v1/responses", 400, **body)["error"]["code"] == "context_length_exceeded"
+    answer = post(http, "/v1/responses", **body, truncation="auto")
+    assert answer["truncation"] == "auto" and 0 < answer["usage"]["input_tokens"] <= 1024 - 8
+
+
 @pytest.fixture(scope="module")
 def long_default(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server whose generation config's default max_tokens is the whole context (as some models ship it)."""
