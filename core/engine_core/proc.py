@@ -124,8 +124,9 @@ class EngineCore:
                 kwargs["grammar"] = wait.matcher()
             if kwargs.get("lora") is not None and not kwargs.get("lora_held"):   # the name: resolved and held there
                 kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
+            params = loads(add.params)
             queued = True   # add_request gives a held adapter back itself if it refuses the request
-            eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
+            eng.add_request(add.request_id, add.prompt_token_ids, params, **kwargs)
         except Exception as exc:   # rejected late: that request's error alone
             if not queued:
                 self._release(kwargs)
