@@ -169,8 +169,10 @@ async def _answer(kind: _Kind, state: GatewayState, ctx: RequestContext, princip
     def render(chat: Any) -> list[list[int]]:
         return [tools_chat_prompt(encoder, chat, plan)] if tooled else kind.prompts(encoder, chat)
     if isinstance(body, ResponsesChatRequest) and body.source.truncation == "auto":   # the oldest turns dropped
-        body, prompts = await tokenize_pool.run(fit_conversation, render, body, room - (params.max_tokens or 1),
-                                                drop_origins)
+        # room for the answer: max_output_tokens, or 1 (a default max_tokens shrinks to what the prompt leaves, as
+        # without truncation: `fit_context`)
+        body, prompts = await tokenize_pool.run(fit_conversation, render, body,
+                                                room - (body.effective_max_tokens() or 1), drop_origins)
     else:
         prompts = await tokenize_pool.run(render, body)
     if params.bad_words:   # vLLM's bad_words as token sequences (core/sampling/bad_words.py)

@@ -42,6 +42,11 @@ class PendingAdd:
     kwargs: dict[str, Any]      # add_request's keyword arguments (an adapter already held: `lora_held`)
     wait: GrammarWait
 
+    @property
+    def lora_slot_key(self) -> Any:
+        """The adapter it holds (None: none), as a request's: /metrics counts it among the waiting."""
+        return self.kwargs.get("lora") if self.kwargs.get("lora_held") else None
+
 
 class EngineCore:
     def __init__(self, engine: Any, pull: Any, push: Any) -> None:
@@ -119,8 +124,9 @@ class EngineCore:
                 kwargs["grammar"] = wait.matcher()
             if kwargs.get("lora") is not None and not kwargs.get("lora_held"):   # the name: resolved and held there
                 kwargs["lora"] = _resolve_adapter(eng, kwargs["lora"])
+            params = loads(add.params)
             queued = True   # add_request gives a held adapter back itself if it refuses the request
-            eng.add_request(add.request_id, add.prompt_token_ids, loads(add.params), **kwargs)
+            eng.add_request(add.request_id, add.prompt_token_ids, params, **kwargs)
         except Exception as exc:   # rejected late: that request's error alone
             if not queued:
                 self._release(kwargs)
@@ -163,7 +169,7 @@ class EngineCore:
         try:
             if op == "stats":
                 self._adapters = adapter_entries(self.engine.registry)
-                value: Any = (snapshot_stats(self.engine), self._adapters)
+                value: Any = (snapshot_stats(self.engine, self._pending.values()), self._adapters)
             else:
                 fn, *rest = args
                 value = fn(self, *rest)
@@ -226,7 +232,7 @@ class EngineCore:
             now = time.monotonic()
             stats = None
             if now - self._last_stats >= (STATS_INTERVAL_S if busy else 0.0):
-                stats, self._last_stats = snapshot_stats(eng), now
+                stats, self._last_stats = snapshot_stats(eng, self._pending.values()), now
                 self._send_adapters_if_changed()
             if deltas or replies or stats is not None:
                 self.send(EngineOutput([encode_delta(d) for d in deltas], replies, stats))

@@ -18,9 +18,10 @@ def _copy(items: Iterable[Any]) -> list[Any]:
     return []
 
 
-def snapshot_stats(engine: Any) -> Stats:
+def snapshot_stats(engine: Any, held: Iterable[Any] = ()) -> Stats:
+    """`held`: requests that arrived and wait outside the scheduler (each with a `lora_slot_key`): counted waiting."""
     sched, kv, stats = engine.scheduler, engine.kv, engine.stats
-    running, waiting = _copy(sched.running), _copy(sched.waiting)
+    running, waiting = _copy(sched.running), _copy(sched.waiting) + list(held)
     return Stats(num_running=len(running), num_waiting=len(waiting), kv_usage=float(kv.usage()),
                  block_size=kv.block_size, num_blocks=kv.num_blocks, num_prompt_tokens=stats.num_prompt_tokens,
                  num_generation_tokens=stats.num_generation_tokens,

@@ -34,8 +34,8 @@ def shutting_down() -> APIError:
 
 
 def route_path(scope: Scope) -> str:
-    """The path the routes match: under `--root-path` (uvicorn's root_path, prefixed to `path`) without the prefix,
-    as starlette's router strips it; a path outside the prefix (a proxy that strips it already) as it is."""
+    """The path the routes match: under `--root-path` (the scope's root_path) without the prefix, as starlette's
+    router strips it; a path outside the prefix (a proxy that strips it already) as it is."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
         return path[len(root):] or "/"
@@ -61,6 +61,12 @@ class GatewayMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        root = self.state.config.root_path
+        if root and scope["type"] in ("http", "websocket"):
+            # --root-path as FastAPI's root_path (vLLM's): the router strips the prefix where the path has it (a
+            # proxy that passes it through) and routes it as it is otherwise (a proxy that strips it); uvicorn's
+            # root_path would put it in front of every path, so a path sent with the prefix got it twice (404)
+            scope = {**scope, "root_path": root}
         if scope["type"] != "http" or route_path(scope) in PROBES:
             await self.app(scope, receive, send)
             return

@@ -6,7 +6,10 @@ developer turns (`instructions` among them) always stay, and the kept part start
 sees an assistant turn, or a tool result whose call was dropped, first. The fewest turns that make the prompt fit
 are found by a binary search over those starting points (a prompt only shortens as turns are dropped): at most
 about log2(number of user turns) + 1 renders, each of an input already bounded at admission. If even the last
-user turn alone does not fit, the request fails as it would without truncation (400 `context_length_exceeded`).
+user turn with all that follows it does not fit (an agent loop: one task, then rounds of tool calls and their
+results), that user turn stays and the oldest rounds after it go, the kept part resuming at an assistant turn
+(a second binary search). If nothing fits, the request fails as it would without truncation (400
+`context_length_exceeded`).
 """
 from __future__ import annotations
 
@@ -37,11 +40,30 @@ def fit_conversation(render: Render, body: Body, budget: int,
     messages = body.messages
     head = next((i for i, m in enumerate(messages) if m.role not in _SYSTEM_ROLES), len(messages))
     starts = [i for i in range(head + 1, len(messages)) if messages[i].role == "user"]
+    best = _earliest_fit(render, budget, [lambda s=s: _dropped(body, head, s, on_drop) for s in starts])
+    if best is not None:
+        return best
+    users = [i for i in range(head, len(messages)) if messages[i].role == "user"]
+    if users:   # even the last user turn with all that follows it is too long (an agent loop: one task, then tool
+        # rounds): the task stays and the oldest rounds after it go, the kept part resuming at an assistant turn
+        base = _dropped(body, head, users[-1], on_drop) if users[-1] > head else body
+        rounds = [i for i in range(head + 2, len(base.messages)) if base.messages[i].role == "assistant"]
+        best = _earliest_fit(render, budget, [lambda s=s: _dropped(base, head + 1, s, on_drop) for s in rounds])
+        if best is not None:
+            return best
+    if too_long is not None:
+        raise too_long
+    return body, prompts   # nothing to drop: admission refuses it with its own message
+
+
+def _earliest_fit(render: Render, budget: int,
+                  candidates: list[Callable[[], Body]]) -> tuple[Body, list[list[int]]] | None:
+    """The first candidate (each drops more than the one before) whose rendering fits, by binary search."""
     best: tuple[Body, list[list[int]]] | None = None
-    lo, hi = 0, len(starts) - 1
-    while lo <= hi:   # the earliest start whose rendering fits
+    lo, hi = 0, len(candidates) - 1
+    while lo <= hi:
         mid = (lo + hi) // 2
-        kept = _dropped(body, head, starts[mid], on_drop)
+        kept = candidates[mid]()
         try:
             rendered = render(kept)
             fits = len(rendered[0]) <= budget
@@ -53,11 +75,7 @@ def fit_conversation(render: Render, body: Body, budget: int,
             best, hi = (kept, rendered), mid - 1
         else:
             lo = mid + 1
-    if best is not None:
-        return best
-    if too_long is not None:
-        raise too_long
-    return body, prompts   # nothing to drop: admission refuses it with its own message
+    return best
 
 
 def _dropped(body: Body, head: int, start: int, on_drop: Callable[[Body, int, int], Body] | None) -> Body:

@@ -193,8 +193,8 @@ def add_vllm_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                    help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")
     g.add_argument("--root-path", type=_typed(_root_path, "path prefix"), default="", metavar="PREFIX",
-                   help="behind a proxy that serves this server under a path prefix (e.g. /llm) and strips it: "
-                        "/openapi.json names the prefix as its server (ASGI's root_path)")
+                   help="behind a proxy that serves this server under a path prefix (e.g. /llm), stripped or not: "
+                        "/openapi.json names the prefix as its server (FastAPI's root_path, as vLLM's)")
     g.add_argument("--response-role", type=_typed(_response_role, "role"), default="assistant", metavar="ROLE",
                    help="the role of a chat answer that opens a new turn (default assistant; one that continues "
                         "the last message, add_generation_prompt false, takes that message's role)")

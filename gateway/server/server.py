@@ -148,8 +148,7 @@ def _serve(config: ServerConfig, log_level: str, ports: BoundPorts) -> int:
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=uv_level,
                                    access_log=config.access_log and uv_level in ("info", "debug", "trace"),
                                    ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
-                                   ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
-                                   root_path=config.root_path)
+                                   ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs)
         assert state.lifecycle is not None
         listener = (MetricsListener(state.metrics, config.host, config.metrics_port, log_level, ports.metrics)
                     if config.metrics_port is not None else None)

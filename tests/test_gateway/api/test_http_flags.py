@@ -1,9 +1,9 @@
 """vLLM's HTTP flags, in-process with a stand-in engine. CORS (`--allowed-origins`, `--allowed-methods`,
 `--allowed-headers`, `--allow-credentials`): no CORS headers unless origins are given; with them, a browser's
 preflight is answered before the API key is checked (a preflight carries none), and the answers carry the allowed
-origin. `--disable-fastapi-docs`: no /openapi.json. `--root-path`: behind a proxy that strips the prefix, uvicorn
-puts it back in front of each request's path (ASGI's root_path), as the test client does here: `/llm/v1/models` below
-is a proxied `/v1/models`. The routes answer, the probes stay probes, and /openapi.json names the prefix."""
+origin. `--disable-fastapi-docs`: no /openapi.json. `--root-path`: FastAPI's root_path (vLLM's): a path with the prefix
+(a proxy that passes it through) is routed without it, one without it (a proxy that strips it) as it is
+(tests/test_gateway/server/test_root_path_server.py: the same through uvicorn). The routes answer, the probes stay probes, and /openapi.json names the prefix."""
 from __future__ import annotations
 
 from stub_engine_app import client

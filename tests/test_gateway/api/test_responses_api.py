@@ -390,3 +390,44 @@ def test_truncation_auto_keeps_a_conversation_that_fits_whole(http: httpx.Client
     assert auto["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
     assert auto["output"][0]["content"] == whole["output"][0]["content"]
     assert whole["truncation"] == "disabled"
+
+
+def test_truncation_auto_in_an_agent_loop_keeps_the_task_and_drops_the_oldest_rounds(http: httpx.Client) -> None:
+    """One user turn, then function calls and their outputs (an agent loop) past the context: the task stays and
+    the oldest rounds go. Before, with no later user turn to start from, it was the 400 of truncation "disabled"."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": "look up the weather of many cities"}]
+    for i in range(24):
+        items.append({"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
+                      "arguments": '{"city": "Oslo", "unit": "c"}'})
+        items.append({"type": "function_call_output", "call_id": f"call_{i}", "output": f"{i}: {WORDS}"})
+    body = {"input": items, "max_output_tokens": 8, "temperature": 0, "tools": [TOOL]}
+    assert post(http, "/v1/responses", 400, **body)["error"]["code"] == "context_length_exceeded"
+    answer = post(http, "/v1/responses", **body, truncation="auto")
+    assert answer["truncation"] == "auto" and 0 < answer["usage"]["input_tokens"] <= 1024 - 8
+
+
+@pytest.fixture(scope="module")
+def long_default(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose generation config's default max_tokens is the whole context (as some models ship it)."""
+    path = model_with_chat_template(tmp_path_factory.mktemp("responses_default"), TEMPLATE)
+    proc = ServerProcess(path, "--max-model-len", "1024", "--served-model-name", "tiny",
+                         "--override-generation-config", '{"max_new_tokens": 1024}')
+    yield proc
+    proc.stop()
+
+
+def test_truncation_auto_under_a_default_max_tokens_drops_only_what_does_not_fit(long_default: ServerProcess) -> None:
+    """A default max_tokens (the generation config's) shrinks to what the prompt leaves, as without truncation: it
+    does not count against the conversation. Before, the whole-context default left no room for any turn: 400."""
+    with httpx.Client(base_url=long_default.url, timeout=120) as http:
+        body = {"input": _conversation(24), "instructions": "be brief", "temperature": 0}
+        error = post(http, "/v1/responses", 400, **body)["error"]
+        assert error["code"] == "context_length_exceeded", error
+        answer = post(http, "/v1/responses", **body, truncation="auto")
+        assert answer["truncation"] == "auto"
+        assert 0 < answer["usage"]["input_tokens"] < 1024
+        # a conversation that fits whole is kept whole (the default does not make it drop turns)
+        short = {"input": _conversation(2), "temperature": 0, "max_output_tokens": 4}
+        whole = post(http, "/v1/responses", **short)
+        auto = post(http, "/v1/responses", **{**short, "max_output_tokens": None}, truncation="auto")
+        assert auto["usage"]["input_tokens"] == whole["usage"]["input_tokens"]

@@ -140,3 +140,33 @@ def test_a_request_that_goes_away_while_waiting_gives_back_its_adapter(server: I
     finally:
         server.call(probe.restore_grammar_compiles)
     server.wait_idle()
+
+
+def _metric(url: str, prefix: str) -> str:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return next(line for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_a_waiting_request_counts_as_waiting_in_the_metrics(server: InProcessServer) -> None:
+    """/metrics' num_requests_waiting (what a load-aware router reads) and lora_requests_info's waiting adapters
+    count a request that waits for its grammar: it arrived and waits to be scheduled. Before, it was in neither
+    running nor waiting for as long as the recompile took."""
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    resp = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=headers, timeout=60,
+                      json={"lora_name": "counted", "lora_path": str(adapter_dir(MODEL, "qv_r4"))})
+    assert resp.status_code == 200, resp.text
+    server.call(probe.evict_grammar_after_compile, DELAY_S * 2)
+    result: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "resp", httpx.post(f"{server.url}/v1/chat/completions", json=_body("counted", "counted"), timeout=120)))
+    worker.start()
+    try:
+        _wait_for(lambda: server.call(probe.num_waiting_for_grammar) == 1)
+        assert _metric(server.url, "loraplex:num_requests_waiting").split()[-1] == "1.0"
+        assert 'waiting_lora_adapters="counted"' in _metric(server.url, "loraplex:lora_requests_info")
+        worker.join(60)
+    finally:
+        server.call(probe.restore_grammar_compiles)
+    assert result["resp"].status_code == 200, result["resp"].text
+    server.wait_idle()
+    assert _metric(server.url, "loraplex:num_requests_waiting").split()[-1] == "0.0"
