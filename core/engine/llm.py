@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import operator
 import weakref
 from typing import Any, Sequence, Union
 
@@ -110,7 +111,9 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
         loras = self._per_prompt(lora, num, "lora")
         formats = self._per_prompt(response_format, num, "response_format")
-        priorities = [0] * num if priority is None else self._per_prompt(list(priority), num, "priority")
+        # any integer type (a NumPy one too) as an int; a float or a string is a TypeError here
+        priorities = [0] * num if priority is None else [operator.index(p) for p in
+                                                          self._per_prompt(list(priority), num, "priority")]
         entries = [self.engine.resolve_lora(name) for name in loras]
         compiled = [self._compile(f) for f in formats]
 

@@ -78,7 +78,7 @@ class InProcessServer:
         self.state = GatewayState.build(config, self.aeng)
         app = build_app(self.state)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    access_log=False, lifespan="off", root_path=config.root_path))
+                                                    access_log=False, lifespan="off"))
         self.url = f"http://127.0.0.1:{port}"
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="soak-uvicorn", daemon=True)

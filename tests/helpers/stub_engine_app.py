@@ -50,4 +50,4 @@ def client(alive: bool = True, api_key: str | None = None, ready: bool | None = 
     state = GatewayState(config=config, aeng=engine, models=ServedModels("base", "/models/base"),
                          encoder=PromptEncoder(engine.tokenizer, 100), texts=TokenTexts(engine.tokenizer),
                          metrics=GatewayMetrics(engine, max_loras=8))
-    return TestClient(build_app(state), root_path=config.root_path)   # as uvicorn's root_path (--root-path)
+    return TestClient(build_app(state))

@@ -51,3 +51,17 @@ def test_a_priority_needs_the_priority_policy() -> None:
         llm.generate(["hello", "there"], GREEDY, priority=[0, 2])
     assert not llm.engine.has_unfinished_requests()
     llm.shutdown()
+
+
+def test_numpy_priorities_are_integers_and_floats_are_refused() -> None:
+    np = pytest.importorskip("numpy")
+    from core import LLM
+
+    llm = LLM(str(model_dir("llama_gqa")), dtype="float32", device="cpu", num_kv_blocks=32,
+              scheduling_policy="priority", warmup=False)
+    outs = llm.generate(["hello", "there"], GREEDY, priority=np.array([3, -1]))
+    assert all(o.outputs[0].token_ids and o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    with pytest.raises(TypeError):
+        llm.generate(["hello"], GREEDY, priority=[1.5])
+    assert not llm.engine.has_unfinished_requests()
+    llm.shutdown()

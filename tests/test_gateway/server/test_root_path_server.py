@@ -1,6 +1,7 @@
-"""`--root-path` (vLLM's) on a real `loraplex serve`: uvicorn prefixes each request's path with the root path, so
-the routes must answer both behind a proxy that strips the prefix (`/v1/models` arrives) and behind one that
-passes the path through unchanged (`/llm/v1/models` arrives), as vLLM's FastAPI `root_path` does."""
+"""`--root-path` (vLLM's) on a real `loraplex serve`: the routes answer both behind a proxy that strips the prefix
+(`/v1/models` arrives) and behind one that passes the path through unchanged (`/llm/v1/models` arrives), as vLLM's
+FastAPI `root_path` does. Given to uvicorn as its root_path instead, the prefix went in front of every path, and
+`/llm/v1/models` was a 404 for `/llm/llm/v1/models`."""
 from __future__ import annotations
 
 from pathlib import Path
