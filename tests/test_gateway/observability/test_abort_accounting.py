@@ -56,7 +56,7 @@ def logs() -> Iterator[dict[str, Lines]]:
 def make_state() -> SimpleNamespace:
     engine = FakeEngine(None, stats=None)   # an engine process that has not reported: no engine families
     return SimpleNamespace(lifecycle=Lifecycle(shutdown_timeout_s=1.0), metrics=GatewayMetrics(engine, 1),
-                           config=SimpleNamespace(log_requests=True))
+                           config=SimpleNamespace(log_requests=True, root_path=""))
 
 
 def samples(metrics: GatewayMetrics, redact: bool = False) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -119,7 +119,7 @@ def test_a_stream_cancelled_by_the_shutdown_counts_as_shutdown(logs: dict[str, L
             sent.append(message)
 
         task = asyncio.create_task(GatewayMiddleware(stream, state)(scope(), never_disconnects, send))
-        await started.wait()
+        await asyncio.wait_for(started.wait(), 30)   # a middleware that failed first would leave it unset
         state.lifecycle.begin_drain("SIGTERM")
         task.cancel()                         # what uvicorn does once the drain's time is over
         await task                            # the middleware ends the response (uvicorn logged a traceback)
@@ -192,7 +192,7 @@ def test_a_request_cancelled_by_the_shutdown_before_its_response_gets_a_503(logs
             sent.append(message)
 
         task = asyncio.create_task(GatewayMiddleware(waits, state)(scope(), never_disconnects, send))
-        await started.wait()
+        await asyncio.wait_for(started.wait(), 30)   # a middleware that failed first would leave it unset
         state.lifecycle.begin_drain("SIGTERM")
         task.cancel()
         await task
